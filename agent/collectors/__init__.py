@@ -1,0 +1,1 @@
+"""What the agent observes: GPUs (behind one backend interface) and the host."""

@@ -1,0 +1,60 @@
+"""The GPU backend interface and backend selection (auto | nvml | sim)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from phalanx import log
+from phalanx.errors import PhalanxError
+from phalanx.v1 import common_pb2
+
+logger = log.get("gpu")
+
+
+class GpuBackendError(PhalanxError):
+    """The requested GPU backend cannot run on this host."""
+
+
+class GpuBackend(Protocol):
+    kind: int  # a phalanx.v1.GpuBackendKind
+
+    def inventory(self) -> list[common_pb2.GpuInfo]:
+        """What GPUs there are; called at start and on every re-registration."""
+        ...
+
+    def sample(self) -> list[common_pb2.GpuTelemetry]:
+        """One sweep of the fast-changing values; called once per heartbeat."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NoGpus:
+    """A node without GPUs (or without a driver): reports an empty inventory."""
+
+    kind = common_pb2.GPU_BACKEND_KIND_NONE
+
+    def inventory(self) -> list[common_pb2.GpuInfo]:
+        return []
+
+    def sample(self) -> list[common_pb2.GpuTelemetry]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def select(backend: str, sim_count: int, node_name: str) -> tuple[GpuBackend, str]:
+    """The backend to use and a one-line note saying why. Raises GpuBackendError for `nvml` without NVML."""
+    from agent.collectors.nvml import NvmlBackend, NvmlUnavailable
+    from agent.collectors.sim import SimBackend
+
+    if backend == "sim":
+        return SimBackend(sim_count, node_name), f"simulated GPU backend with {sim_count} GPUs"
+    try:
+        nvml = NvmlBackend()
+    except NvmlUnavailable as e:
+        if backend == "nvml":
+            raise GpuBackendError(f"gpu.backend is 'nvml' but NVML cannot start: {e}") from None
+        return NoGpus(), f"no NVIDIA driver found ({e}); reporting no GPUs"
+    return nvml, f"NVML backend with {len(nvml.inventory())} GPUs (driver {nvml.driver_version})"

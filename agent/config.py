@@ -1,0 +1,72 @@
+"""Agent configuration (`phalanx-agent --config FILE`). Every key has a default."""
+
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass
+
+from phalanx import config
+from phalanx.config import positive, require, section, setting
+from phalanx.log import LEVELS
+
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    backend: str = setting("auto", "auto (NVML if a driver is present, else no GPUs), nvml, or sim",
+                           choices=("auto", "nvml", "sim"))
+    sim_count: int = setting(8, "number of simulated GPUs when backend = sim")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.sim_count <= 64, f"gpu.sim_count ({self.sim_count}) must be between 0 and 64")
+
+
+@dataclass(frozen=True)
+class ReconnectConfig:
+    initial_backoff_s: float = setting(0.2, "first wait before reconnecting to the controller")
+    max_backoff_s: float = setting(5.0, "longest wait between reconnect attempts (jittered)")
+
+    def __post_init__(self) -> None:
+        positive("reconnect.initial_backoff_s", self.initial_backoff_s)
+        require(self.max_backoff_s >= self.initial_backoff_s,
+                f"reconnect.max_backoff_s ({self.max_backoff_s}) must not be smaller than "
+                f"reconnect.initial_backoff_s ({self.initial_backoff_s})")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node_name: str = setting("", "this node's name in the cluster (default: the short hostname)")
+    controller: str = setting("127.0.0.1:7370", "host:port of the controller")
+    state_dir: str = setting("/var/lib/phalanx/agent", "where the agent keeps its own state")
+    checkpoint_dir: str = setting("/var/lib/phalanx/checkpoints", "checkpoint directory given to ranks; its "
+                                  "free space is reported")
+    log_level: str = setting("info", "debug, info, warning or error", choices=LEVELS)
+    log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
+    gpu: GpuConfig = section(GpuConfig, "GPU backend")
+    reconnect: ReconnectConfig = section(ReconnectConfig, "reconnecting to the controller")
+    labels: dict[str, str] = setting({}, "free-form labels reported to the controller (rack, switch, block)")
+
+    def __post_init__(self) -> None:
+        if self.node_name:
+            require(bool(_NODE_NAME.fullmatch(self.node_name)),
+                    f"node_name ({self.node_name!r}) must be 1-63 letters, digits, '.', '_' or '-', "
+                    "starting with a letter or digit")
+        host, sep, port = self.controller.rpartition(":")
+        require(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                f"controller ({self.controller!r}) must be host:port, e.g. 10.0.0.1:7370")
+        require(len(self.labels) <= 64, f"labels has {len(self.labels)} entries; the limit is 64")
+
+    @property
+    def name(self) -> str:
+        return self.node_name or default_node_name()
+
+
+def default_node_name() -> str:
+    short = socket.gethostname().split(".")[0]
+    return short if _NODE_NAME.fullmatch(short) else "node"
+
+
+def load(path: str | None) -> AgentConfig:
+    return config.load(AgentConfig, path)

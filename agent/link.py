@@ -1,0 +1,148 @@
+"""The agent's session with the controller: register, open the session, heartbeat, reconnect.
+
+Any end of the session (controller restart, network loss, a refusal) leads to the same path:
+wait a jittered, growing delay, register again and open a new session. Registering again is the
+resync: the controller gets the full inventory and answers with its view of the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from agent.backoff import Backoff
+from phalanx import log
+from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
+from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
+
+logger = log.get("link")
+
+
+@dataclass
+class LinkState:
+    """What the agent knows of its standing with the controller (for logs and later for ranks)."""
+
+    connected: bool = False
+    incarnation: int = 0
+    state: int = common_pb2.NODE_STATE_UNSPECIFIED
+    drain_reason: str = ""
+    sessions: int = 0
+    heartbeats_sent: int = 0
+    pending_events: list[node_pb2.AgentEvent] = field(default_factory=list)
+
+
+class Link:
+    def __init__(
+        self,
+        node_name: str,
+        controller: str,
+        inventory: Callable[[], common_pb2.NodeInventory],
+        heartbeat: Callable[[], node_pb2.Heartbeat],
+        backoff: Backoff,
+    ) -> None:
+        self.node_name = node_name
+        self.controller = controller
+        self._inventory = inventory
+        self._heartbeat = heartbeat
+        self._backoff = backoff
+        self.state = LinkState()
+        self._seq = 0
+
+    def emit(self, kind: str, message: str, **fields: str) -> None:
+        """Queue an event for the controller's log; sent on the current or next session."""
+        self.state.pending_events.append(node_pb2.AgentEvent(kind=kind, message=message, fields=fields))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self._session(stop)
+            except grpc.aio.AioRpcError as e:
+                level = logger.info if e.code() == grpc.StatusCode.UNAVAILABLE else logger.warning
+                level("session ended", controller=self.controller, code=e.code().name, details=e.details())
+            except (TimeoutError, ConnectionError) as e:
+                logger.warning("session ended", controller=self.controller, error=repr(e))
+            except Exception:
+                logger.exception("session failed", controller=self.controller)
+            finally:
+                self.state.connected = False
+            if stop.is_set():
+                break
+            delay = self._backoff.next()
+            logger.debug("reconnecting", delay_s=round(delay, 3))
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except TimeoutError:
+                pass
+
+    async def _session(self, stop: asyncio.Event) -> None:
+        async with grpc.aio.insecure_channel(self.controller, options=CLIENT_OPTIONS) as channel:
+            stub = node_pb2_grpc.NodeServiceStub(channel)
+            reply = await stub.Register(
+                node_pb2.RegisterRequest(node_name=self.node_name, inventory=self._inventory()),
+                timeout=DEFAULT_TIMEOUT_S)
+            # No deadline on the session: it is meant to live as long as both ends do; keepalive
+            # pings (phalanx.rpc) notice a dead peer instead.
+            call = stub.Session()
+            await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                node_name=self.node_name, incarnation=reply.incarnation)))
+            first = await asyncio.wait_for(call.read(), DEFAULT_TIMEOUT_S)
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":
+                await call.code()
+                raise ConnectionError("controller closed the session before accepting it")
+            self._accepted(reply)
+            reader = asyncio.create_task(self._read(call))
+            try:
+                await self._heartbeats(call, reply.heartbeat_interval_s, reader, stop)
+            finally:
+                reader.cancel()
+                if stop.is_set():
+                    await call.done_writing()
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()
+
+    def _accepted(self, reply: node_pb2.RegisterResponse) -> None:
+        self._backoff.reset()
+        s = self.state
+        s.connected, s.incarnation, s.sessions = True, reply.incarnation, s.sessions + 1
+        s.state, s.drain_reason = reply.state, reply.drain_reason
+        logger.info("session open", controller=self.controller, incarnation=reply.incarnation,
+                    state=common_pb2.NodeState.Name(reply.state), drain_reason=reply.drain_reason,
+                    heartbeat_interval_s=reply.heartbeat_interval_s)
+
+    async def _heartbeats(self, call, interval: float, reader: asyncio.Task, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set() and not reader.done():
+                while self.state.pending_events:
+                    await asyncio.wait_for(call.write(node_pb2.AgentMessage(event=self.state.pending_events[0])),
+                                           DEFAULT_TIMEOUT_S)
+                    self.state.pending_events.pop(0)
+                self._seq += 1
+                heartbeat = self._heartbeat()
+                heartbeat.seq = self._seq
+                heartbeat.sent_unix_ns = time.time_ns()
+                await asyncio.wait_for(call.write(node_pb2.AgentMessage(heartbeat=heartbeat)), DEFAULT_TIMEOUT_S)
+                self.state.heartbeats_sent += 1
+                next_at += interval
+                if next_at < loop.time():  # we were paused (SIGSTOP, overload): do not burst
+                    next_at = loop.time()
+                await asyncio.wait({reader, stopper}, timeout=next_at - loop.time())
+        finally:
+            stopper.cancel()
+
+    async def _read(self, call) -> None:
+        while (message := await call.read()) is not grpc.aio.EOF:
+            if message.WhichOneof("body") == "status":
+                status = message.status
+                self.state.state, self.state.drain_reason = status.state, status.drain_reason
+                logger.info("controller changed this node", state=common_pb2.NodeState.Name(status.state),
+                            drain_reason=status.drain_reason)
+        code = await call.code()
+        if code != grpc.StatusCode.OK:
+            raise ConnectionError(f"controller ended the session: {code.name}: {await call.details()}")

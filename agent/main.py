@@ -1,0 +1,112 @@
+"""`phalanx-agent --config FILE`: the node daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from agent import config as agent_config
+from agent.backoff import Backoff
+from agent.collectors import gpu
+from agent.collectors.host import HostCollector, inventory_basics
+from agent.link import Link
+from phalanx import __version__, log
+from phalanx.config import default_toml
+from phalanx.errors import ConfigError
+from phalanx.v1 import common_pb2, node_pb2
+
+PROG = "phalanx-agent"
+logger = log.get("agent")
+
+
+class Agent:
+    """Wires collectors to the link. Everything it reports is read fresh from the collectors."""
+
+    def __init__(self, cfg: agent_config.AgentConfig, backend: gpu.GpuBackend) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.backend = backend
+        self.host = HostCollector(cfg.checkpoint_dir)
+        cpus, memory = inventory_basics()
+        self._static = common_pb2.NodeInventory(
+            hostname=socket.gethostname(), cpu_count=cpus, memory_total_bytes=memory,
+            gpu_backend=backend.kind, labels=cfg.labels, agent_version=__version__,
+            checkpoint_dir=cfg.checkpoint_dir, agent_pid=os.getpid())
+        self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
+                         Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s))
+
+    def inventory(self) -> common_pb2.NodeInventory:
+        inventory = common_pb2.NodeInventory()
+        inventory.CopyFrom(self._static)
+        inventory.gpus.extend(self.backend.inventory())
+        return inventory
+
+    def heartbeat(self) -> node_pb2.Heartbeat:
+        return node_pb2.Heartbeat(host=self.host.sample(), gpus=self.backend.sample(), running_ranks=0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.link.run(stop)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description="The Phalanx node agent: reports this node's GPUs "
+                                     "and host to the controller.")
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration (default: every key at its default)")
+    parser.add_argument("--print-default-config", action="store_true", help="print the default configuration")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser.parse_args(argv)
+
+
+async def serve(cfg: agent_config.AgentConfig) -> int:
+    try:
+        backend, note = gpu.select(cfg.gpu.backend, cfg.gpu.sim_count, cfg.name)
+    except gpu.GpuBackendError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    for directory in (cfg.state_dir, cfg.checkpoint_dir):
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            logger.warning("cannot create directory", path=directory, error=str(e))
+    agent = Agent(cfg, backend)
+    logger.info("agent starting", node=agent.name, controller=cfg.controller, gpu=note, version=__version__)
+    agent.link.emit("started", f"agent {__version__} started on {agent.name}: {note}",
+                    gpus=str(len(backend.inventory())))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.run(stop)
+    finally:
+        backend.close()
+    logger.info("agent stopped", node=agent.name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.print_default_config:
+        sys.stdout.write(default_toml(agent_config.AgentConfig))
+        return 0
+    try:
+        cfg = agent_config.load(args.config)
+    except ConfigError as e:
+        print(f"{PROG}: config error: {e}", file=sys.stderr)
+        return 2
+    log.configure(cfg.log_level, cfg.log_format)
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # uvloop is Linux/macOS only; asyncio works, just slower
+        runner = asyncio.run
+    return runner(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Controller configuration (`phalanx-controller --config FILE`). Every key has a default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phalanx import config
+from phalanx.config import positive, require, section, setting
+from phalanx.log import LEVELS
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    heartbeat_interval_s: float = setting(1.0, "seconds between an agent's heartbeats (the controller tells agents)")
+    suspect_after_s: float = setting(2.0, "seconds of silence after which a node is SUSPECT")
+    down_after_s: float = setting(3.0, "seconds of silence after which a node is DOWN")
+    tick_s: float = setting(0.1, "seconds between liveness sweeps")
+
+    def __post_init__(self) -> None:
+        for key in ("heartbeat_interval_s", "suspect_after_s", "down_after_s", "tick_s"):
+            positive(f"liveness.{key}", getattr(self, key))
+        require(
+            self.suspect_after_s > self.heartbeat_interval_s,
+            f"liveness.suspect_after_s ({self.suspect_after_s}) must be larger than "
+            f"liveness.heartbeat_interval_s ({self.heartbeat_interval_s})",
+        )
+        require(
+            self.down_after_s > self.suspect_after_s,
+            f"liveness.down_after_s ({self.down_after_s}) must be larger than "
+            f"liveness.suspect_after_s ({self.suspect_after_s})",
+        )
+        require(
+            self.tick_s <= self.heartbeat_interval_s,
+            f"liveness.tick_s ({self.tick_s}) must not be larger than "
+            f"liveness.heartbeat_interval_s ({self.heartbeat_interval_s})",
+        )
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    listen: str = setting("0.0.0.0:7370", "host:port the gRPC server listens on (node and control services)")
+    state_db: str = setting("/var/lib/phalanx/controller.db", "SQLite database with nodes, drains and events")
+    max_events: int = setting(100_000, "events kept in the log; older ones are pruned")
+    log_level: str = setting("info", "debug, info, warning or error", choices=LEVELS)
+    log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
+    liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        require(bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) < 65536,
+                f"listen ({self.listen!r}) must be host:port, e.g. 0.0.0.0:7370")
+        require(self.max_events >= 1000, f"max_events ({self.max_events}) must be at least 1000")
+
+
+def load(path: str | None) -> ControllerConfig:
+    return config.load(ControllerConfig, path)

@@ -1,0 +1,104 @@
+"""ControlService: what the CLI calls. Thin: validate, call the registry or the store, pack."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import psutil
+
+from controller import validation
+from controller.errors import InvalidArgument
+from controller.events import EventHub, WatcherOverflow
+from controller.registry import Registry
+from controller.rpc import unary
+from controller.store.base import Store
+from phalanx.v1 import control_pb2, control_pb2_grpc
+
+_REPLAY_PAGE = 1000
+
+
+class ControlService(control_pb2_grpc.ControlServiceServicer):
+    def __init__(self, registry: Registry, store: Store, hub: EventHub) -> None:
+        self._registry = registry
+        self._store = store
+        self._hub = hub
+        self._started = time.monotonic()
+        self._process = psutil.Process()
+
+    @unary
+    async def ListNodes(self, request: control_pb2.ListNodesRequest, context):
+        states = validation.node_states(request.states)
+        entries = self._registry.entries()
+        return control_pb2.ListNodesResponse(
+            nodes=[e.to_proto() for e in entries if not states or e.record.state in states])
+
+    @unary
+    async def GetNode(self, request: control_pb2.GetNodeRequest, context):
+        return self._registry.get(validation.node_name(request.name, "name")).to_proto()
+
+    @unary
+    async def DrainNode(self, request: control_pb2.DrainNodeRequest, context):
+        name = validation.node_name(request.name, "name")
+        entry = await self._registry.drain(name, validation.reason(request.reason))
+        return entry.to_proto()
+
+    @unary
+    async def UndrainNode(self, request: control_pb2.UndrainNodeRequest, context):
+        entry = await self._registry.undrain(validation.node_name(request.name, "name"))
+        return entry.to_proto()
+
+    @unary
+    async def ListEvents(self, request: control_pb2.ListEventsRequest, context):
+        if request.node:
+            validation.node_name(request.node, "node")
+        events = await self._store.list_events(after_seq=request.after_seq, limit=validation.page_limit(request.limit),
+                                               node=request.node, job=request.job)
+        return control_pb2.ListEventsResponse(events=[e.to_proto() for e in events])
+
+    async def WatchEvents(self, request: control_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext):
+        try:
+            validation.request_size(request)
+            if request.node:
+                validation.node_name(request.node, "node")
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        watcher = self._hub.subscribe()  # before the replay, so nothing falls between the two
+        try:
+            last = request.after_seq
+            while page := await self._store.list_events(after_seq=last, limit=_REPLAY_PAGE,
+                                                        node=request.node, job=request.job):
+                for event in page:
+                    yield event.to_proto()
+                last = page[-1].seq
+            while True:
+                try:
+                    event = await watcher.next()
+                except WatcherOverflow:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"fell behind the event stream; resume with after_seq={last}")
+                if event.seq <= last or (request.node and event.node != request.node) or (
+                        request.job and event.job != request.job):
+                    continue
+                last = event.seq
+                yield event.to_proto()
+        finally:
+            watcher.close()
+
+    @unary
+    async def GetStats(self, request: control_pb2.GetStatsRequest, context):
+        registry = self._registry
+        p50, p99, pmax = registry.lag.percentiles(0.50, 0.99, 1.0)
+        cpu = self._process.cpu_times()
+        return control_pb2.ControllerStats(
+            nodes=len(registry.entries()),
+            sessions=registry.sessions,
+            heartbeats_total=registry.heartbeats_total,
+            heartbeat_lag_p50_ms=p50,
+            heartbeat_lag_p99_ms=p99,
+            heartbeat_lag_max_ms=pmax,
+            heartbeat_lag_samples=registry.lag.count,
+            process_cpu_seconds=cpu.user + cpu.system,
+            process_rss_bytes=self._process.memory_info().rss,
+            uptime_s=time.monotonic() - self._started,
+        )

@@ -1,0 +1,70 @@
+"""`phalanx-controller --config FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from controller import config as controller_config
+from controller.errors import StoreError
+from controller.server import Controller
+from controller.store.sqlite import SqliteStore
+from phalanx import __version__, log
+from phalanx.config import default_toml
+from phalanx.errors import ConfigError
+
+PROG = "phalanx-controller"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description="The Phalanx controller: node registry, liveness, "
+                                     "event log and control API over gRPC.")
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration (default: every key at its default)")
+    parser.add_argument("--print-default-config", action="store_true", help="print the default configuration")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser.parse_args(argv)
+
+
+async def serve(cfg: controller_config.ControllerConfig) -> None:
+    controller = Controller(cfg, SqliteStore(cfg.state_db, max_events=cfg.max_events))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await controller.start()
+    except BaseException:
+        await controller.store.close()
+        raise
+    await stop.wait()
+    await controller.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.print_default_config:
+        sys.stdout.write(default_toml(controller_config.ControllerConfig))
+        return 0
+    try:
+        cfg = controller_config.load(args.config)
+    except ConfigError as e:
+        print(f"{PROG}: config error: {e}", file=sys.stderr)
+        return 2
+    log.configure(cfg.log_level, cfg.log_format)
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # uvloop is Linux/macOS only; asyncio works, just slower
+        runner = asyncio.run
+    try:
+        runner(serve(cfg))
+    except (StoreError, OSError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""NodeService: registration and the long-lived agent session. Thin: unpack, call the registry, pack."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from controller import validation
+from controller.errors import ControllerError, InvalidArgument
+from controller.registry import NodeEntry, Registry, Session
+from controller.rpc import status_for, unary
+from phalanx import log
+from phalanx.v1 import node_pb2, node_pb2_grpc
+
+logger = log.get("node-service")
+
+OPEN_TIMEOUT_S = 10.0  # an agent that connects must say who it is within this time
+
+
+class NodeService(node_pb2_grpc.NodeServiceServicer):
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    @unary
+    async def Register(self, request: node_pb2.RegisterRequest, context: grpc.aio.ServicerContext):
+        name = validation.node_name(request.node_name)
+        if not request.HasField("inventory"):
+            raise InvalidArgument("inventory is missing")
+        validation.inventory(request.inventory)
+        entry = await self._registry.register(name, request.inventory, context.peer())
+        return node_pb2.RegisterResponse(
+            incarnation=entry.record.incarnation,
+            heartbeat_interval_s=self._registry.policy.heartbeat_interval_s,
+            state=entry.record.state.to_proto(),
+            drain_reason=entry.record.drain_reason,
+        )
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        session = Session(context.peer())
+        try:
+            first = await asyncio.wait_for(context.read(), OPEN_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no SessionOpen within {OPEN_TIMEOUT_S:g}s")
+        if first is grpc.aio.EOF:
+            return
+        try:
+            if first.WhichOneof("body") != "open":
+                raise InvalidArgument("the first session message must be `open` (SessionOpen)")
+            name = validation.node_name(first.open.node_name)
+            entry = self._registry.attach(name, first.open.incarnation, session)
+        except ControllerError as e:
+            await context.abort(status_for(e), str(e))
+        await context.write(node_pb2.ControllerMessage(
+            accepted=node_pb2.SessionAccepted(incarnation=entry.record.incarnation)))
+        reader = asyncio.create_task(self._read(context, entry, session))
+        try:
+            while (message := await session.outbox.get()) is not None:
+                await context.write(message)
+        finally:
+            reader.cancel()
+            self._registry.detach(entry, session)
+        if session.close_code is not grpc.StatusCode.OK:
+            await context.abort(session.close_code, session.close_message)
+
+    async def _read(self, context: grpc.aio.ServicerContext, entry: NodeEntry, session: Session) -> None:
+        registry = self._registry
+        try:
+            while (message := await context.read()) is not grpc.aio.EOF:
+                body = message.WhichOneof("body")
+                if body == "heartbeat":
+                    if len(message.heartbeat.gpus) > validation.MAX_GPUS:
+                        raise InvalidArgument(f"heartbeat carries {len(message.heartbeat.gpus)} GPUs; "
+                                              f"the limit is {validation.MAX_GPUS}")
+                    if registry.heartbeat(entry, message.heartbeat):
+                        await registry.recover(entry)
+                elif body == "inventory":
+                    validation.inventory(message.inventory)
+                    await registry.update_inventory(entry, message.inventory)
+                elif body == "event":
+                    validation.request_size(message)
+                    event = message.event
+                    if not event.kind or not event.kind.replace("_", "").replace("-", "").isalnum():
+                        raise InvalidArgument(f"event kind {event.kind[:40]!r} must be a non-empty word")
+                    await registry.agent_event(entry, event.kind, event.message, dict(event.fields))
+                elif body == "open":
+                    raise InvalidArgument("the session is already open")
+                else:
+                    raise InvalidArgument("empty session message")
+            session.kick(grpc.StatusCode.OK, "")
+        except ControllerError as e:
+            logger.warning("session ended", node=entry.record.name, peer=session.peer, error=str(e))
+            session.kick(status_for(e), str(e))
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            session.kick(grpc.StatusCode.OK, e.details() or "")
+        except Exception as e:
+            logger.exception("session failed", node=entry.record.name, peer=session.peer)
+            session.kick(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")

@@ -1,0 +1,50 @@
+"""How controller errors become gRPC statuses: each domain error has its own code."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from controller.errors import ControllerError, FailedPrecondition, InvalidArgument, NotFound, StoreError
+from controller.validation import request_size
+from phalanx import log
+
+logger = log.get("rpc")
+
+_CODES: list[tuple[type[ControllerError], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (StoreError, grpc.StatusCode.UNAVAILABLE),
+]
+
+R = TypeVar("R")
+
+
+def status_for(error: ControllerError) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def unary(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]):
+    """Wrap a unary servicer method: size check, then domain errors to their status codes."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            request_size(request)
+            return await method(self, request, context)
+        except ControllerError as e:
+            await context.abort(status_for(e), str(e))
+        except Exception as e:  # a bug: say so, keep serving
+            logger.exception("rpc failed", method=method.__name__, peer=context.peer())
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: "
+                                f"{type(e).__name__}: {e} (see the controller log)")
+        raise AssertionError("unreachable: abort raises")
+
+    return wrapper

@@ -1,0 +1,87 @@
+"""Assembles the controller: store, registry, services, health, and the liveness loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from controller.config import ControllerConfig
+from controller.control_service import ControlService
+from controller.events import EventHub
+from controller.node_service import NodeService
+from controller.registry import Registry
+from controller.store.base import Store
+from phalanx import log
+from phalanx.clock import Clock, RealClock
+from phalanx.rpc import SERVER_OPTIONS
+from phalanx.v1 import control_pb2_grpc, node_pb2_grpc
+
+logger = log.get("controller")
+
+SERVICES = ("phalanx.v1.NodeService", "phalanx.v1.ControlService")
+
+
+async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[object]]) -> None:
+    """Run `job` every `interval_s`; a failure is logged with context and the loop goes on."""
+    loop = asyncio.get_running_loop()
+    next_at = loop.time()
+    while True:
+        try:
+            await job()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("periodic job failed; will retry", job=name)
+        next_at += interval_s
+        delay = next_at - loop.time()
+        if delay < 0:  # fell behind: skip the missed ticks rather than bunching them up
+            next_at = loop.time()
+            delay = 0
+        await asyncio.sleep(delay)
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig, store: Store, clock: Clock | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.clock = clock or RealClock()
+        self.hub = EventHub()
+        self.registry = Registry(store, self.clock, cfg.liveness, self.hub)
+        self.health = HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.port = 0
+
+    async def start(self) -> int:
+        """Load state, bind, serve, start the loops. Returns the bound port."""
+        await self.registry.load()
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry), server)
+        control_pb2_grpc.add_ControlServiceServicer_to_server(
+            ControlService(self.registry, self.store, self.hub), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.port = server.add_insecure_port(self.cfg.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.cfg.listen} (address in use, or not an address of this host)")
+        await server.start()
+        self._server = server
+        for service in ("", *SERVICES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.create_task(
+            periodic("liveness", self.cfg.liveness.tick_s, self.registry.tick), name="liveness"))
+        logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()))
+        return self.port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        await self.store.close()
+        logger.info("controller stopped")

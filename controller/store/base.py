@@ -1,0 +1,73 @@
+"""Records and the store protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from controller.states import NodeState
+from phalanx.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What the controller keeps about a node across restarts."""
+
+    name: str
+    state: NodeState
+    drain_reason: str = ""
+    incarnation: int = 0
+    state_since_ns: int = 0
+    inventory: bytes = b""  # a serialized phalanx.v1.NodeInventory
+    revision: int = 0  # store revision this record was read at; 0 = not stored yet
+
+    def replace(self, **changes: object) -> NodeRecord:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    kind: str
+    message: str
+    time_ns: int
+    node: str = ""
+    job: str = ""
+    fields: dict[str, str] = field(default_factory=dict)
+    seq: int = 0  # assigned by the store
+
+    def to_proto(self) -> common_pb2.Event:
+        return common_pb2.Event(seq=self.seq, time_unix_ns=self.time_ns, kind=self.kind, node=self.node,
+                                job=self.job, message=self.message, fields=self.fields)
+
+
+@dataclass(frozen=True)
+class Committed:
+    nodes: list[NodeRecord]
+    events: list[EventRecord]
+
+
+class Store(Protocol):
+    async def load_nodes(self) -> list[NodeRecord]:
+        """Every node record, at its current revision."""
+        ...
+
+    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = ()) -> Committed:
+        """Atomically write `nodes` and append `events`.
+
+        Each node record is compared on its `revision` (0 = must not exist yet); if any differs
+        from the store's, nothing is written and RevisionConflict is raised. Returns the records
+        with their new revisions and the events with their sequence numbers.
+        """
+        ...
+
+    async def list_events(
+        self, *, after_seq: int = 0, limit: int = 1000, node: str = "", job: str = ""
+    ) -> list[EventRecord]:
+        """Events with seq > after_seq, oldest first, at most `limit`, optionally for one node/job."""
+        ...
+
+    async def last_event_seq(self) -> int: ...
+
+    async def close(self) -> None: ...

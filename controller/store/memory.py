@@ -1,0 +1,67 @@
+"""An in-memory store: the fake for tests, held to the same contract as SQLite."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from controller.errors import RevisionConflict, StoreError
+from controller.store.base import Committed, EventRecord, NodeRecord
+
+
+class MemoryStore:
+    def __init__(self, max_events: int = 100_000) -> None:
+        self._nodes: dict[str, NodeRecord] = {}
+        self._events: list[EventRecord] = []
+        self._revision = 0
+        self._seq = 0
+        self._max_events = max_events
+        self._closed = False
+
+    async def load_nodes(self) -> list[NodeRecord]:
+        self._check_open()
+        return sorted(self._nodes.values(), key=lambda r: r.name)
+
+    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = ()) -> Committed:
+        self._check_open()
+        for record in nodes:
+            actual = self._nodes[record.name].revision if record.name in self._nodes else 0
+            if actual != record.revision:
+                raise RevisionConflict(f"node {record.name}", record.revision, actual)
+        if len({r.name for r in nodes}) != len(nodes):
+            raise StoreError("one commit names the same node twice")
+        self._revision += 1
+        written = [r.replace(revision=self._revision) for r in nodes]
+        for record in written:
+            self._nodes[record.name] = record
+        appended = []
+        for event in events:
+            self._seq += 1
+            appended.append(EventRecord(**{**event.__dict__, "fields": dict(event.fields), "seq": self._seq}))
+        self._events.extend(appended)
+        if len(self._events) > self._max_events:
+            del self._events[: len(self._events) - self._max_events]
+        return Committed(written, copy.deepcopy(appended))
+
+    async def list_events(
+        self, *, after_seq: int = 0, limit: int = 1000, node: str = "", job: str = ""
+    ) -> list[EventRecord]:
+        self._check_open()
+        out = []
+        for event in self._events:
+            if event.seq <= after_seq or (node and event.node != node) or (job and event.job != job):
+                continue
+            out.append(event)
+            if len(out) >= limit:
+                break
+        return copy.deepcopy(out)
+
+    async def last_event_seq(self) -> int:
+        return self._seq
+
+    async def close(self) -> None:
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("store is closed")

@@ -1,0 +1,168 @@
+"""SQLite store (WAL, synchronous=FULL): the default, on one controller host.
+
+All database work runs on one dedicated thread, in submission order, so the event loop never
+blocks on fsync and commits apply in the order the controller issued them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from controller.errors import RevisionConflict, StoreError
+from controller.states import NodeState
+from controller.store.base import Committed, EventRecord, NodeRecord
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    drain_reason TEXT NOT NULL,
+    incarnation INTEGER NOT NULL,
+    state_since_ns INTEGER NOT NULL,
+    inventory BLOB NOT NULL,
+    revision INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY,
+    time_ns INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    node TEXT NOT NULL,
+    job TEXT NOT NULL,
+    message TEXT NOT NULL,
+    fields TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_node ON events (node, seq);
+CREATE INDEX IF NOT EXISTS events_job ON events (job, seq);
+"""
+
+
+class SqliteStore:
+    def __init__(self, path: str | Path, max_events: int = 100_000) -> None:
+        self._path = Path(path)
+        self._max_events = max_events
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._pool.submit(self._open).result()
+        except sqlite3.Error as e:
+            self._pool.shutdown()
+            raise StoreError(f"cannot open state database {self._path}: {e}") from e
+
+    def _open(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=5000")
+        db.executescript(_SCHEMA)
+        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            db.execute("INSERT INTO meta VALUES ('schema_version', ?), ('revision', 0)", (SCHEMA_VERSION,))
+        elif row[0] != SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"schema version {row[0]}, this controller reads {SCHEMA_VERSION}")
+        self._db = db
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._db is None:
+            raise StoreError("store is closed")
+        db = self._db
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, db)
+        except sqlite3.Error as e:
+            raise StoreError(f"state database {self._path}: {e}") from e
+        except RuntimeError as e:  # executor shut down under us
+            raise StoreError(f"state database {self._path}: {e}") from e
+
+    async def load_nodes(self) -> list[NodeRecord]:
+        def read(db: sqlite3.Connection) -> list[NodeRecord]:
+            rows = db.execute(
+                "SELECT name, state, drain_reason, incarnation, state_since_ns, inventory, revision"
+                " FROM nodes ORDER BY name"
+            ).fetchall()
+            return [
+                NodeRecord(name, NodeState(state), reason, inc, since, bytes(inv), rev)
+                for name, state, reason, inc, since, inv, rev in rows
+            ]
+
+        return await self._run(read)
+
+    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = ()) -> Committed:
+        if len({r.name for r in nodes}) != len(nodes):
+            raise StoreError("one commit names the same node twice")
+
+        def write(db: sqlite3.Connection) -> Committed:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for record in nodes:
+                    row = db.execute("SELECT revision FROM nodes WHERE name=?", (record.name,)).fetchone()
+                    actual = row[0] if row else 0
+                    if actual != record.revision:
+                        raise RevisionConflict(f"node {record.name}", record.revision, actual)
+                revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0] + 1
+                db.execute("UPDATE meta SET value=? WHERE key='revision'", (revision,))
+                written = [r.replace(revision=revision) for r in nodes]
+                db.executemany(
+                    "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        (r.name, r.state.value, r.drain_reason, r.incarnation, r.state_since_ns, r.inventory, revision)
+                        for r in written
+                    ],
+                )
+                appended = []
+                for e in events:
+                    cur = db.execute(
+                        "INSERT INTO events (time_ns, kind, node, job, message, fields) VALUES (?, ?, ?, ?, ?, ?)",
+                        (e.time_ns, e.kind, e.node, e.job, e.message, json.dumps(e.fields, sort_keys=True)),
+                    )
+                    appended.append(EventRecord(e.kind, e.message, e.time_ns, e.node, e.job, dict(e.fields),
+                                                cur.lastrowid))
+                if appended and appended[-1].seq % 1000 == 0:
+                    db.execute("DELETE FROM events WHERE seq <= ?", (appended[-1].seq - self._max_events,))
+                db.execute("COMMIT")
+                return Committed(written, appended)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        return await self._run(write)
+
+    async def list_events(
+        self, *, after_seq: int = 0, limit: int = 1000, node: str = "", job: str = ""
+    ) -> list[EventRecord]:
+        def read(db: sqlite3.Connection) -> list[EventRecord]:
+            sql = "SELECT seq, time_ns, kind, node, job, message, fields FROM events WHERE seq > ?"
+            args: list[object] = [after_seq]
+            if node:
+                sql += " AND node = ?"
+                args.append(node)
+            if job:
+                sql += " AND job = ?"
+                args.append(job)
+            sql += " ORDER BY seq LIMIT ?"
+            args.append(limit)
+            return [
+                EventRecord(kind, message, time_ns, node_, job_, json.loads(fields), seq)
+                for seq, time_ns, kind, node_, job_, message, fields in db.execute(sql, args)
+            ]
+
+        return await self._run(read)
+
+    async def last_event_seq(self) -> int:
+        return await self._run(lambda db: db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
+
+    async def close(self) -> None:
+        if self._db is None:
+            return
+        db, self._db = self._db, None
+        await asyncio.get_running_loop().run_in_executor(self._pool, db.close)
+        self._pool.shutdown(wait=True)

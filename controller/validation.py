@@ -1,0 +1,84 @@
+"""Checks on what arrives over the wire. Each raises InvalidArgument with a message a person can act on."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from google.protobuf.message import Message
+
+from controller.errors import InvalidArgument
+from controller.states import NodeState
+from phalanx.rpc import MAX_REQUEST_BYTES
+from phalanx.v1 import common_pb2
+
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+MAX_GPUS = 64
+MAX_LABELS = 64
+MAX_LABEL_CHARS = 253
+MAX_REASON_CHARS = 1000
+MAX_EVENTS_PAGE = 10_000
+
+
+def request_size(request: Message) -> None:
+    size = request.ByteSize()
+    if size > MAX_REQUEST_BYTES:
+        raise InvalidArgument(f"{type(request).__name__} is {size} bytes; the limit is {MAX_REQUEST_BYTES}")
+
+
+def node_name(value: str, field: str = "node_name") -> str:
+    if not value:
+        raise InvalidArgument(f"{field} is empty; give the node's name")
+    if not _NODE_NAME.fullmatch(value):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise InvalidArgument(f"{field} {shown!r} is not a valid node name: 1-63 characters of letters, "
+                              "digits, '.', '_' or '-', starting with a letter or digit")
+    return value
+
+
+def inventory(inv: common_pb2.NodeInventory) -> None:
+    if inv.gpu_backend not in common_pb2.GpuBackendKind.values():
+        raise InvalidArgument(f"inventory.gpu_backend {inv.gpu_backend} is not a known GpuBackendKind")
+    if inv.gpu_backend == common_pb2.GPU_BACKEND_KIND_UNSPECIFIED:
+        raise InvalidArgument("inventory.gpu_backend is unspecified; say NONE, SIM or NVML")
+    if len(inv.gpus) > MAX_GPUS:
+        raise InvalidArgument(f"inventory lists {len(inv.gpus)} GPUs; the limit is {MAX_GPUS}")
+    indexes = [g.index for g in inv.gpus]
+    if len(set(indexes)) != len(indexes):
+        raise InvalidArgument(f"inventory repeats a GPU index: {sorted(indexes)}")
+    if len(inv.labels) > MAX_LABELS:
+        raise InvalidArgument(f"inventory has {len(inv.labels)} labels; the limit is {MAX_LABELS}")
+    for key, value in inv.labels.items():
+        if not key or len(key) > MAX_LABEL_CHARS or len(value) > MAX_LABEL_CHARS:
+            raise InvalidArgument(f"label {key[:40]!r}: keys must be 1-{MAX_LABEL_CHARS} characters and values "
+                                  f"at most {MAX_LABEL_CHARS}")
+
+
+def reason(text: str) -> str:
+    text = text.strip()
+    if not text:
+        raise InvalidArgument("reason is empty; say why the node is drained (it is kept and shown to everyone)")
+    if len(text) > MAX_REASON_CHARS:
+        raise InvalidArgument(f"reason is {len(text)} characters; the limit is {MAX_REASON_CHARS}")
+    if any(ch in text for ch in "\r\n\x00"):
+        raise InvalidArgument("reason must be one line")
+    return text
+
+
+def node_states(values: Iterable[int]) -> set[NodeState]:
+    states = set()
+    for value in values:
+        try:
+            states.add(NodeState.from_proto(value))
+        except ValueError:
+            known = ", ".join(s.value for s in NodeState)
+            raise InvalidArgument(f"states: {value} is not a node state (known: {known})") from None
+    return states
+
+
+def page_limit(limit: int, default: int = 1000) -> int:
+    if limit == 0:
+        return default
+    if limit > MAX_EVENTS_PAGE:
+        raise InvalidArgument(f"limit {limit} is larger than {MAX_EVENTS_PAGE}")
+    return limit

@@ -1,0 +1,168 @@
+"""TOML configuration into frozen dataclasses, with one-line errors that name the bad key.
+
+A config class is a frozen dataclass whose fields carry defaults and a `doc` in their metadata;
+nested sections are nested dataclasses; `dict[str, str]` fields are free-form tables (labels).
+Classes validate themselves in `__post_init__` and raise `ConfigError` with a message that quotes
+the value and the rule, e.g. ``liveness.down_after_s (2.0) must be larger than
+liveness.suspect_after_s (2.5)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from phalanx.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its default, its documentation and, for strings, the allowed values."""
+    meta = {"doc": doc, "choices": choices}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type[T], doc: str) -> Any:
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc, "choices": None})
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def positive(key: str, value: float) -> None:
+    require(value > 0, f"{key} ({value}) must be larger than 0")
+
+
+def load(cls: type[T], path: str | Path | None) -> T:
+    """Read `path` (or take every default when None) into `cls`. Raises ConfigError."""
+    if path is None:
+        return build(cls, {})
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text") from None
+    try:
+        return build(cls, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Construct `cls` from a parsed TOML table, checking keys and types."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = prefix + unknown[0]
+        known = ", ".join(prefix + name for name in fields)
+        raise ConfigError(f"unknown key '{key}' (known keys: {known})")
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        key = prefix + name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a table ([{key}]), not {_kind(value)}")
+            values[name] = build(hint, value, prefix=f"{key}.")
+        else:
+            values[name] = _coerce(key, hint, value, fields[name].metadata.get("choices"))
+    return cls(**values)
+
+
+def _coerce(key: str, hint: Any, value: Any, choices: tuple[str, ...] | None) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(key, args[0], value, choices)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table of strings ([{key}]), not {_kind(value)}")
+        for k, v in value.items():
+            if not isinstance(v, str):
+                raise ConfigError(f"{key}.{k} must be a string, not {_kind(v)}")
+        return dict(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, not {_kind(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, not {_kind(value)}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, not {_kind(value)}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, not {_kind(value)}")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key} ({value!r}) must be one of: {', '.join(choices)}")
+        return value
+    raise TypeError(f"config field {key} has an unsupported type {hint!r}")  # a bug in a config class
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return f"{type(value).__name__} {value!r}"
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(key, default, doc) for every setting of `cls`, nested sections flattened; for docs."""
+    rows: list[tuple[str, Any, str]] = []
+    instance = cls()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(describe(hints[f.name], prefix=f"{prefix}{f.name}."))
+        else:
+            rows.append((prefix + f.name, getattr(instance, f.name), f.metadata.get("doc", "")))
+    return rows
+
+
+def default_toml(cls: type) -> str:
+    """The default configuration of `cls` as a commented TOML document."""
+    lines: list[str] = []
+    current = None
+    for key, default, doc in describe(cls):
+        head, _, leaf = key.rpartition(".")
+        if head != current:
+            if head:
+                lines.append(f"\n[{head}]")
+            current = head
+        lines.append(f"# {doc}")
+        lines.append(f"{leaf} = {_toml_value(default)}")
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return repr(value)

@@ -1,0 +1,9 @@
+"""The base error of everything Phalanx raises on purpose."""
+
+
+class PhalanxError(Exception):
+    """Base class; each package derives its own."""
+
+
+class ConfigError(PhalanxError):
+    """A configuration file or value is wrong. The message is one line a person can act on."""

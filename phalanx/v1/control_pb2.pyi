@@ -1,0 +1,124 @@
+from phalanx.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Node(_message.Message):
+    __slots__ = ("name", "state", "drain_reason", "incarnation", "inventory", "host", "gpus", "last_heartbeat_unix_ns", "state_since_unix_ns", "peer", "connected", "running_ranks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: _common_pb2.NodeState
+    drain_reason: str
+    incarnation: int
+    inventory: _common_pb2.NodeInventory
+    host: _common_pb2.HostTelemetry
+    gpus: _containers.RepeatedCompositeFieldContainer[_common_pb2.GpuTelemetry]
+    last_heartbeat_unix_ns: int
+    state_since_unix_ns: int
+    peer: str
+    connected: bool
+    running_ranks: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., last_heartbeat_unix_ns: _Optional[int] = ..., state_since_unix_ns: _Optional[int] = ..., peer: _Optional[str] = ..., connected: _Optional[bool] = ..., running_ranks: _Optional[int] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ("states",)
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[_common_pb2.NodeState]
+    def __init__(self, states: _Optional[_Iterable[_Union[_common_pb2.NodeState, str]]] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class GetNodeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("name", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class UndrainNodeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListEventsRequest(_message.Message):
+    __slots__ = ("after_seq", "limit", "node", "job")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    limit: int
+    node: str
+    job: str
+    def __init__(self, after_seq: _Optional[int] = ..., limit: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+
+class ListEventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_common_pb2.Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.Event, _Mapping]]] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("after_seq", "node", "job")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    node: str
+    job: str
+    def __init__(self, after_seq: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ControllerStats(_message.Message):
+    __slots__ = ("nodes", "sessions", "heartbeats_total", "heartbeat_lag_p50_ms", "heartbeat_lag_p99_ms", "heartbeat_lag_max_ms", "heartbeat_lag_samples", "process_cpu_seconds", "process_rss_bytes", "uptime_s")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEATS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_LAG_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_LAG_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_LAG_MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_LAG_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    nodes: int
+    sessions: int
+    heartbeats_total: int
+    heartbeat_lag_p50_ms: float
+    heartbeat_lag_p99_ms: float
+    heartbeat_lag_max_ms: float
+    heartbeat_lag_samples: int
+    process_cpu_seconds: float
+    process_rss_bytes: int
+    uptime_s: float
+    def __init__(self, nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., heartbeats_total: _Optional[int] = ..., heartbeat_lag_p50_ms: _Optional[float] = ..., heartbeat_lag_p99_ms: _Optional[float] = ..., heartbeat_lag_max_ms: _Optional[float] = ..., heartbeat_lag_samples: _Optional[int] = ..., process_cpu_seconds: _Optional[float] = ..., process_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
