@@ -16,7 +16,7 @@ class Seen:
     name: str
     state: NodeState
     last_seen: float  # monotonic seconds of the last heartbeat (or registration, or controller start)
-    connected: bool  # a session is open
+    session_lost: bool  # its session with this controller ended and no new one is open
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,6 @@ def decide(nodes: Iterable[Seen], now: float, policy: LivenessConfig) -> list[Ch
             changes.append(Change(node.name, DOWN, f"no heartbeat for {silence:.1f}s (limit {policy.down_after_s:g}s)"))
         elif node.state in LIVE and silence >= policy.suspect_after_s:
             changes.append(Change(node.name, SUSPECT, f"no heartbeat for {silence:.1f}s"))
-        elif node.state in LIVE and not node.connected:
+        elif node.state in LIVE and node.session_lost:
             changes.append(Change(node.name, SUSPECT, "session lost"))
     return changes

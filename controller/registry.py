@@ -56,6 +56,7 @@ class NodeEntry:
     last_heartbeat_ns: int = 0
     peer: str = ""
     heartbeats: int = 0
+    session_lost: bool = False  # had a session with this controller process, and it ended
 
     @property
     def running_ranks(self) -> int:
@@ -164,6 +165,7 @@ class Registry:
         if entry.session is not None and entry.session is not session:
             entry.session.kick(grpc.StatusCode.FAILED_PRECONDITION, "replaced by a newer session")
         entry.session = session
+        entry.session_lost = False
         entry.peer = session.peer
         entry.last_seen = self._clock.monotonic()
         return entry
@@ -171,6 +173,7 @@ class Registry:
     def detach(self, entry: NodeEntry, session: Session) -> None:
         if entry.session is session:
             entry.session = None
+            entry.session_lost = True
 
     def heartbeat(self, entry: NodeEntry, heartbeat: node_pb2.Heartbeat) -> bool:
         """Record a heartbeat (the hot path: no lock, no I/O). True if the node must leave SUSPECT."""
@@ -227,7 +230,7 @@ class Registry:
 
     def _decide_liveness(self) -> list[liveness.Change]:
         now = self._clock.monotonic()
-        seen = (liveness.Seen(e.record.name, e.record.state, e.last_seen, e.session is not None)
+        seen = (liveness.Seen(e.record.name, e.record.state, e.last_seen, e.session_lost)
                 for e in self._nodes.values())
         changes = liveness.decide(seen, now, self.policy)
         named = {c.name for c in changes}

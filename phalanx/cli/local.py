@@ -1,0 +1,255 @@
+"""`phalanx local up|status|down`: a whole cluster on loopback, for trying things out and for tests.
+
+Everything lives in one directory (`$PHALANX_HOME/local`, default `~/.phalanx/local`): the
+configuration of each process, its log, the controller's database, and `cluster.json`, which
+records what was started so that `status` and `down` (and the CLI's controller lookup) can find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from phalanx.errors import PhalanxError
+from phalanx.rpc import DEFAULT_TIMEOUT_S
+from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
+
+START_TIMEOUT_S = 60.0  # Python daemons on a loaded 2-core machine can take a while to import
+STOP_GRACE_S = 10.0
+
+
+class LocalError(PhalanxError):
+    pass
+
+
+@dataclass
+class Proc:
+    role: str  # "controller" or "agent"
+    name: str
+    pid: int
+    config: str
+    log: str
+    address: str = ""
+
+    def alive(self) -> bool:
+        """Running, and still the process we started (pids get reused)."""
+        try:
+            p = psutil.Process(self.pid)
+            return p.status() != psutil.STATUS_ZOMBIE and self.config in " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
+
+def home() -> Path:
+    return Path(os.environ.get("PHALANX_HOME") or Path.home() / ".phalanx") / "local"
+
+
+def cluster_file() -> Path:
+    return home() / "cluster.json"
+
+
+def read_cluster() -> list[Proc] | None:
+    try:
+        data = json.loads(cluster_file().read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise LocalError(f"{cluster_file()} is unreadable ({e}); remove it, or run `phalanx local down`") from None
+    return [Proc(**p) for p in data["processes"]]
+
+
+def controller_address() -> str | None:
+    procs = read_cluster()
+    if not procs:
+        return None
+    return next((p.address for p in procs if p.role == "controller"), None)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def controller_config(address: str, root: Path) -> str:
+    return (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\n')
+
+
+def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str]) -> str:
+    node = root / "nodes" / name
+    lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
+             f'checkpoint_dir = "{node / "checkpoints"}"', "", "[gpu]", f'backend = "{backend}"',
+             f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0"]
+    if labels:
+        lines += ["", "[labels]", *[f'{k} = "{v}"' for k, v in labels.items()]]
+    return "\n".join(lines) + "\n"
+
+
+def spawn(role: str, name: str, module: str, config_text: str, root: Path, address: str = "") -> Proc:
+    config_path = root / f"{name}.toml"
+    config_path.write_text(config_text)
+    log_path = root / "logs" / f"{name}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, "--config", str(config_path)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=root)
+    return Proc(role, name, proc.pid, str(config_path), str(log_path), address)
+
+
+def choose_backend(requested: str, nodes: int) -> str:
+    """auto: real GPUs through NVML for a one-node cluster on a GPU host; simulated otherwise."""
+    if requested != "auto":
+        return requested
+    if nodes == 1:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            pynvml.nvmlShutdown()
+            if count:
+                return "nvml"
+        except Exception:
+            pass
+    return "sim"
+
+
+def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout) -> list[Proc]:
+    existing = read_cluster()
+    if existing and any(p.alive() for p in existing):
+        raise LocalError(f"a local cluster is already running (see `phalanx local status`, {cluster_file()}); "
+                         "run `phalanx local down` first")
+    root = home()
+    for stale in ("controller.db", "controller.db-wal", "controller.db-shm", "nodes", "logs"):
+        path = root / stale
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    backend = choose_backend(backend, nodes)
+    address = f"127.0.0.1:{free_port()}"
+    started: list[Proc] = []
+    try:
+        controller = spawn("controller", "controller", "controller.main", controller_config(address, root), root,
+                           address)
+        started.append(controller)
+        _wait_serving(controller)
+        print(f"controller serving on {address} (pid {controller.pid})", file=out, flush=True)
+        for i in range(nodes):
+            name = f"node-{i}"
+            text = agent_config(name, address, root, backend, gpus_per_node, {"rack": f"rack-{i // 4}"})
+            started.append(spawn("agent", name, "agent.main", text, root))
+        _write(started)
+        _wait_nodes(address, [p for p in started if p.role == "agent"], out)
+    except BaseException:
+        _stop(started)
+        cluster_file().unlink(missing_ok=True)
+        raise
+    gpu_note = f"{gpus_per_node} simulated GPUs each" if backend == "sim" else f"GPU backend {backend}"
+    print(f"local cluster up: {nodes} nodes ({gpu_note}); logs in {root / 'logs'}", file=out)
+    return started
+
+
+def _write(procs: list[Proc]) -> None:
+    tmp = cluster_file().with_suffix(".tmp")
+    tmp.write_text(json.dumps({"processes": [asdict(p) for p in procs]}, indent=2))
+    os.replace(tmp, cluster_file())
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _wait_serving(controller: Proc) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with grpc.insecure_channel(controller.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not controller.alive():
+                raise LocalError(f"the controller exited during start-up; its log ({controller.log}) ends:\n"
+                                 f"{_tail(controller.log)}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise LocalError(f"the controller did not serve within {START_TIMEOUT_S:g}s; see {controller.log}")
+
+
+def _wait_nodes(address: str, agents: list[Proc], out) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    want = {p.name for p in agents}
+    shown = -1
+    with grpc.insecure_channel(address) as channel:
+        stub = control_pb2_grpc.ControlServiceStub(channel)
+        while time.monotonic() < deadline:
+            for proc in agents:
+                if not proc.alive():
+                    raise LocalError(f"agent {proc.name} exited during start-up; its log ({proc.log}) ends:\n"
+                                     f"{_tail(proc.log)}")
+            reply = stub.ListNodes(control_pb2.ListNodesRequest(states=[common_pb2.NODE_STATE_UP]),
+                                   timeout=DEFAULT_TIMEOUT_S)
+            up_now = len(want & {n.name for n in reply.nodes})
+            if up_now != shown:
+                print(f"nodes UP: {up_now}/{len(want)}", file=out, flush=True)
+                shown = up_now
+            if up_now == len(want):
+                return
+            time.sleep(0.2)
+    raise LocalError(f"not every node came UP within {START_TIMEOUT_S:g}s; see the logs in {home() / 'logs'}")
+
+
+def status() -> list[dict[str, Any]]:
+    procs = read_cluster()
+    if procs is None:
+        raise LocalError("no local cluster; start one with `phalanx local up --nodes N`")
+    return [{**asdict(p), "running": p.alive()} for p in procs]
+
+
+def down(out=sys.stdout) -> int:
+    procs = read_cluster()
+    if procs is None:
+        print("no local cluster is running", file=out)
+        return 0
+    stopped = _stop(procs)
+    cluster_file().unlink(missing_ok=True)
+    print(f"local cluster down: stopped {stopped} processes; logs kept in {home() / 'logs'}", file=out)
+    return stopped
+
+
+def _stop(procs: list[Proc]) -> int:
+    """SIGTERM agents, then the controller; SIGKILL whatever is left after the grace period."""
+    running = [p for p in procs if p.alive()]
+    for proc in sorted(running, key=lambda p: p.role == "controller"):
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and any(p.alive() for p in running):
+        time.sleep(0.05)
+    for proc in running:
+        if proc.alive():
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return len(running)

@@ -1,0 +1,236 @@
+"""`phalanx`: the operator and user CLI.
+
+Exit codes: 0 ok; 1 failed or denied (controller unreachable, unknown node, refused); 2 usage
+(bad arguments here, or a request the controller calls INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import grpc
+
+from phalanx import __version__
+from phalanx.cli import local, render
+from phalanx.errors import PhalanxError
+from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
+from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
+
+PROG = "phalanx"
+OK, FAILED, USAGE = 0, 1, 2
+
+
+class CliError(PhalanxError):
+    def __init__(self, message: str, code: int = FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def controller_address(args: argparse.Namespace) -> str:
+    if args.controller:
+        return args.controller
+    if env := os.environ.get("PHALANX_CONTROLLER"):
+        return env
+    if address := local.controller_address():
+        return address
+    raise CliError("no controller: pass --controller HOST:PORT, set PHALANX_CONTROLLER, or start a local cluster "
+                   "with `phalanx local up --nodes N`")
+
+
+def control_stub(args: argparse.Namespace) -> tuple[grpc.Channel, control_pb2_grpc.ControlServiceStub]:
+    channel = grpc.insecure_channel(controller_address(args), options=CLIENT_OPTIONS)
+    return channel, control_pb2_grpc.ControlServiceStub(channel)
+
+
+def call(args: argparse.Namespace, fn: Callable[[control_pb2_grpc.ControlServiceStub], object]):
+    """Run one control call; turn gRPC failures into one-line errors with the right exit code."""
+    channel, stub = control_stub(args)
+    try:
+        return fn(stub)
+    except grpc.RpcError as e:
+        raise rpc_error(e, args) from None
+    finally:
+        channel.close()
+
+
+def rpc_error(e: grpc.RpcError, args: argparse.Namespace) -> CliError:
+    code = e.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}")
+    exit_code = USAGE if code == grpc.StatusCode.INVALID_ARGUMENT else FAILED
+    return CliError(f"{e.details()} ({code.name})", exit_code)
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def cmd_local_up(args: argparse.Namespace) -> int:
+    local.up(args.nodes, args.gpus_per_node, args.gpu_backend)
+    return OK
+
+
+def cmd_local_status(args: argparse.Namespace) -> int:
+    procs = local.status()
+    if args.json:
+        print(render.dumps(procs))
+    else:
+        rows = [(p["role"], p["name"], p["pid"], "running" if p["running"] else "exited", p["address"], p["log"])
+                for p in procs]
+        print(render.table(("ROLE", "NAME", "PID", "STATUS", "ADDRESS", "LOG"), rows))
+    return OK if all(p["running"] for p in procs) else FAILED
+
+
+def cmd_local_down(args: argparse.Namespace) -> int:
+    local.down()
+    return OK
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    states = [common_pb2.NodeState.Value(f"NODE_STATE_{s}") for s in args.state or []]
+    reply = call(args, lambda s: s.ListNodes(control_pb2.ListNodesRequest(states=states), timeout=DEFAULT_TIMEOUT_S))
+    if args.json:
+        print(render.dumps([render.node_dict(n) for n in reply.nodes]))
+    else:
+        print(render.nodes_table(reply.nodes))
+    return OK
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    node = call(args, lambda s: s.DrainNode(control_pb2.DrainNodeRequest(name=args.node, reason=args.reason),
+                                            timeout=DEFAULT_TIMEOUT_S))
+    print(f"{node.name}: {render.state_name(node.state)} (drain reason: {node.drain_reason})")
+    return OK
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    node = call(args, lambda s: s.UndrainNode(control_pb2.UndrainNodeRequest(name=args.node),
+                                              timeout=DEFAULT_TIMEOUT_S))
+    print(f"{node.name}: {render.state_name(node.state)}")
+    return OK
+
+
+def _print_event(event: common_pb2.Event, as_json: bool) -> None:
+    if as_json:
+        import json
+        print(json.dumps(render.event_dict(event)), flush=True)
+    else:
+        print(render.event_line(event), flush=True)
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    if not args.follow:
+        reply = call(args, lambda s: s.ListEvents(control_pb2.ListEventsRequest(
+            after_seq=args.after, limit=args.limit, node=args.node or "", job=args.job or ""),
+            timeout=DEFAULT_TIMEOUT_S))
+        if args.json:
+            print(render.dumps([render.event_dict(e) for e in reply.events]))
+        else:
+            for event in reply.events:
+                _print_event(event, False)
+        return OK
+    # --follow: one JSON object per line; survives controller restarts by resuming after the last seq.
+    last = args.after
+    while True:
+        channel, stub = control_stub(args)
+        try:
+            # No deadline: a follow runs until the user stops it.
+            for event in stub.WatchEvents(control_pb2.WatchEventsRequest(after_seq=last, node=args.node or "",
+                                                                          job=args.job or "")):
+                _print_event(event, args.json)
+                last = event.seq
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise rpc_error(e, args) from None
+            print(f"{PROG}: lost the controller ({e.details()}); retrying", file=sys.stderr, flush=True)
+            time.sleep(1.0)
+        finally:
+            channel.close()
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Phalanx: keep multi-node GPU training alive.")
+    parser.add_argument("--controller", metavar="HOST:PORT",
+                        help="controller address (default: $PHALANX_CONTROLLER, then the local cluster)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p_local = sub.add_parser("local", help="a whole cluster on loopback")
+    local_sub = p_local.add_subparsers(dest="local_command", metavar="ACTION", required=True)
+    p = local_sub.add_parser("up", help="start a controller and N agents on this machine")
+    p.add_argument("--nodes", type=_positive, required=True, help="number of agents (nodes)")
+    p.add_argument("--gpus-per-node", type=_count, default=8, help="simulated GPUs per node (default 8)")
+    p.add_argument("--gpu-backend", choices=("auto", "sim", "nvml"), default="auto",
+                   help="auto: real GPUs for a one-node cluster on a GPU host, simulated otherwise")
+    p.set_defaults(func=cmd_local_up)
+    p = local_sub.add_parser("status", help="list the local cluster's processes")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_local_status)
+    p = local_sub.add_parser("down", help="stop the local cluster")
+    p.set_defaults(func=cmd_local_down)
+
+    p = sub.add_parser("nodes", help="list nodes")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--state", action="append", type=str.upper, choices=[s for s in ("UP", "SUSPECT", "DOWN",
+                   "DRAINING", "DRAINED")], help="only nodes in this state (repeatable)")
+    p.set_defaults(func=cmd_nodes)
+
+    p = sub.add_parser("drain", help="take a node out of service, with a reason")
+    p.add_argument("node")
+    p.add_argument("--reason", required=True, help="why (kept, and shown in `phalanx nodes`)")
+    p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("undrain", help="return a drained node to service")
+    p.add_argument("node")
+    p.set_defaults(func=cmd_undrain)
+
+    p = sub.add_parser("events", help="the controller's event log")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--node", help="only events of this node")
+    p.add_argument("--job", help="only events of this job")
+    p.add_argument("--after", type=_count, default=0, metavar="SEQ", help="only events after this sequence number")
+    p.add_argument("--limit", type=_positive, default=1000, help="at most this many (default 1000)")
+    p.set_defaults(func=cmd_events)
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.code
+    except PhalanxError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return FAILED
+    except KeyboardInterrupt:
+        return OK if getattr(args, "follow", False) else FAILED
+    except BrokenPipeError:
+        return OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""How the CLI shows nodes and events: tables for people, stable JSON for scripts."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from phalanx.v1 import common_pb2, control_pb2
+
+
+def state_name(value: int) -> str:
+    return common_pb2.NodeState.Name(value).removeprefix("NODE_STATE_")
+
+
+def iso(ns: int) -> str | None:
+    if not ns:
+        return None
+    return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def age(ns: int, now_ns: int | None = None) -> str:
+    if not ns:
+        return "-"
+    seconds = max(0.0, ((now_ns or time.time_ns()) - ns) / 1e9)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def node_dict(node: control_pb2.Node) -> dict[str, Any]:
+    telemetry = {g.index: g for g in node.gpus}
+    gpus = []
+    for info in node.inventory.gpus:
+        gpu: dict[str, Any] = {"index": info.index, "uuid": info.uuid, "name": info.name,
+                               "pci_bus_id": info.pci_bus_id, "serial": info.serial,
+                               "memory_total_bytes": info.memory_total_bytes}
+        if info.index in telemetry:
+            t = telemetry[info.index]
+            gpu.update(temperature_c=t.temperature_c, power_w=t.power_w,
+                       utilization_percent=t.utilization_percent, memory_used_bytes=t.memory_used_bytes)
+        gpus.append(gpu)
+    host = node.host
+    return {
+        "name": node.name,
+        "state": state_name(node.state),
+        "drain_reason": node.drain_reason or None,
+        "connected": node.connected,
+        "peer": node.peer or None,
+        "incarnation": node.incarnation,
+        "last_heartbeat": iso(node.last_heartbeat_unix_ns),
+        "state_since": iso(node.state_since_unix_ns),
+        "running_ranks": node.running_ranks,
+        "labels": dict(node.inventory.labels),
+        "gpu_backend": common_pb2.GpuBackendKind.Name(node.inventory.gpu_backend).removeprefix("GPU_BACKEND_KIND_"),
+        "gpus": gpus,
+        "host": {
+            "hostname": node.inventory.hostname,
+            "cpu_count": node.inventory.cpu_count,
+            "memory_total_bytes": node.inventory.memory_total_bytes,
+            "cpu_percent": host.cpu_percent,
+            "memory_available_bytes": host.memory_available_bytes,
+            "load1": host.load1,
+            "checkpoint_dir": node.inventory.checkpoint_dir,
+            "checkpoint_free_bytes": host.checkpoint_free_bytes,
+        },
+    }
+
+
+def event_dict(event: common_pb2.Event) -> dict[str, Any]:
+    return {"seq": event.seq, "time": iso(event.time_unix_ns), "kind": event.kind, "node": event.node or None,
+            "job": event.job or None, "message": event.message, "fields": dict(event.fields)}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in headers], *[[("-" if c is None or c == "" else str(c)) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def nodes_table(nodes: Sequence[control_pb2.Node]) -> str:
+    now = time.time_ns()
+    rows = [
+        (n.name, state_name(n.state), len(n.inventory.gpus), f"{n.host.cpu_percent:.0f}%",
+         f"{n.host.load1:.2f}", age(n.last_heartbeat_unix_ns, now), n.peer.removeprefix("ipv4:"),
+         n.drain_reason)
+        for n in nodes
+    ]
+    return table(("NODE", "STATE", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"), rows)
+
+
+def event_line(event: common_pb2.Event) -> str:
+    stamp = iso(event.time_unix_ns) or "-"
+    return f"{event.seq:>6}  {stamp}  {event.kind:<16}  {event.message}"
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=False)
