@@ -144,18 +144,25 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
 
 
 def default_toml(cls: type) -> str:
-    """The default configuration of `cls` as a commented TOML document."""
+    """The default configuration of `cls` as a commented TOML document: top-level keys, then tables."""
+    rows = describe(cls)
+    top = [r for r in rows if "." not in r[0] and not isinstance(r[1], dict)]
+    tables = [r for r in rows if r not in top]
     lines: list[str] = []
+    for key, default, doc in top:
+        lines += [f"# {doc}", f"{key} = {_toml_value(default)}"]
     current = None
-    for key, default, doc in describe(cls):
+    for key, default, doc in tables:
+        if isinstance(default, dict):  # a free-form table of its own
+            lines += ["", f"# {doc}", f"[{key}]", *[f"{k} = {_toml_value(v)}" for k, v in default.items()]]
+            current = key
+            continue
         head, _, leaf = key.rpartition(".")
         if head != current:
-            if head:
-                lines.append(f"\n[{head}]")
+            lines += ["", f"[{head}]"]
             current = head
-        lines.append(f"# {doc}")
-        lines.append(f"{leaf} = {_toml_value(default)}")
-    return "\n".join(lines).lstrip() + "\n"
+        lines += [f"# {doc}", f"{leaf} = {_toml_value(default)}"]
+    return "\n".join(lines) + "\n"
 
 
 def _toml_value(value: Any) -> str:

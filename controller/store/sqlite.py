@@ -54,7 +54,7 @@ class SqliteStore:
         self._db: sqlite3.Connection | None = None
         try:
             self._pool.submit(self._open).result()
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
             self._pool.shutdown()
             raise StoreError(f"cannot open state database {self._path}: {e}") from e
 

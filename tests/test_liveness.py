@@ -1,0 +1,246 @@
+"""Liveness decisions and the registry under a fake clock: no sleeps, virtual time only."""
+
+import asyncio
+
+import pytest
+
+from controller.config import LivenessConfig
+from controller.errors import FailedPrecondition, NotFound
+from controller.events import EventHub
+from controller.liveness import Change, Seen, decide
+from controller.registry import Registry, Session
+from controller.states import DOWN, DRAINED, DRAINING, SUSPECT, UP
+from controller.store.memory import MemoryStore
+from phalanx.clock import FakeClock
+from phalanx.v1 import common_pb2, node_pb2
+
+POLICY = LivenessConfig()  # 1 s heartbeats, SUSPECT after 2 s, DOWN after 3 s
+
+
+def test_decide_thresholds():
+    now = 100.0
+    nodes = [
+        Seen("fresh", UP, now - 0.5, False),
+        Seen("late", UP, now - 2.0, False),
+        Seen("silent", UP, now - 3.0, False),
+        Seen("suspect-silent", SUSPECT, now - 3.5, False),
+        Seen("already-down", DOWN, now - 100, False),
+        Seen("drained-late", DRAINED, now - 2.5, False),
+        Seen("lost", UP, now - 0.1, True),
+    ]
+    assert decide(nodes, now, POLICY) == [
+        Change("late", SUSPECT, "no heartbeat for 2.0s"),
+        Change("silent", DOWN, "no heartbeat for 3.0s (limit 3s)"),
+        Change("suspect-silent", DOWN, "no heartbeat for 3.5s (limit 3s)"),
+        Change("drained-late", SUSPECT, "no heartbeat for 2.5s"),
+        Change("lost", SUSPECT, "session lost"),
+    ]
+
+
+def test_decide_respects_configured_thresholds():
+    policy = LivenessConfig(heartbeat_interval_s=5, suspect_after_s=10, down_after_s=30, tick_s=1)
+    assert decide([Seen("n", UP, 0.0, False)], 9.9, policy) == []
+    assert decide([Seen("n", UP, 0.0, False)], 29.9, policy)[0].target is SUSPECT
+    assert decide([Seen("n", SUSPECT, 0.0, False)], 30.0, policy)[0].target is DOWN
+
+
+def inventory(gpus: int = 2) -> common_pb2.NodeInventory:
+    return common_pb2.NodeInventory(hostname="h", gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM,
+                                    gpus=[common_pb2.GpuInfo(index=i) for i in range(gpus)])
+
+
+class World:
+    def __init__(self, store=None):
+        self.clock = FakeClock()
+        self.store = store or MemoryStore()
+        self.hub = EventHub()
+        self.registry = Registry(self.store, self.clock, POLICY, self.hub)
+
+    async def join(self, name: str):
+        entry = await self.registry.register(name, inventory(), "ipv4:127.0.0.1:1")
+        session = Session("ipv4:127.0.0.1:1")
+        self.registry.attach(name, entry.record.incarnation, session)
+        return entry, session
+
+    async def beat(self, entry, ranks: int = 0):
+        if self.registry.heartbeat(entry, node_pb2.Heartbeat(running_ranks=ranks)):
+            await self.registry.recover(entry)
+
+    async def advance(self, seconds: float, step: float = 0.1):
+        """Move virtual time, ticking liveness the way the controller's loop does."""
+        start, steps = self.clock.monotonic(), round(seconds / step)
+        for k in range(1, steps + 1):
+            self.clock.advance(start + seconds * k / steps - self.clock.monotonic())
+            await self.registry.tick()
+
+    def state(self, name):
+        return self.registry.get(name).record.state
+
+    async def kinds(self):
+        return [(e.kind, e.fields.get("target")) for e in await self.store.list_events()]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_silent_node_goes_suspect_then_down_then_recovers_on_register():
+    async def go():
+        w = World()
+        entry, session = await w.join("n1")
+        assert w.state("n1") is UP
+        await w.advance(1.9)
+        assert w.state("n1") is UP
+        await w.advance(0.2)
+        assert w.state("n1") is SUSPECT
+        await w.advance(0.9)
+        assert w.state("n1") is DOWN
+        assert session.closed.is_set() and "DOWN" in session.close_message
+        # The stale session cannot come back; the agent must register again.
+        with pytest.raises(FailedPrecondition):
+            w.registry.attach("n1", entry.record.incarnation, Session("p"))
+        entry2, _ = await w.join("n1")
+        assert entry2.record.incarnation == entry.record.incarnation + 1
+        assert w.state("n1") is UP
+        assert ("node.state", "DOWN") in await w.kinds()
+    run(go())
+
+
+def test_heartbeats_keep_a_node_up_and_a_late_one_recovers_from_suspect():
+    async def go():
+        w = World()
+        entry, _ = await w.join("n1")
+        for _ in range(10):
+            await w.advance(1.0)
+            await w.beat(entry)
+        assert w.state("n1") is UP
+        await w.advance(2.5)
+        assert w.state("n1") is SUSPECT
+        await w.beat(entry)
+        assert w.state("n1") is UP
+        await w.advance(2.9)  # silence counts from the last heartbeat, not from SUSPECT
+        assert w.state("n1") is SUSPECT
+        await w.advance(0.1)
+        assert w.state("n1") is DOWN
+    run(go())
+
+
+def test_lost_session_is_suspect_at_once_and_down_after_the_silence_limit():
+    async def go():
+        w = World()
+        entry, session = await w.join("n1")
+        await w.beat(entry)
+        w.registry.detach(entry, session)
+        await w.advance(0.1)
+        assert w.state("n1") is SUSPECT
+        await w.advance(2.8)
+        assert w.state("n1") is SUSPECT
+        await w.advance(0.1)
+        assert w.state("n1") is DOWN
+    run(go())
+
+
+def test_drain_survives_down_and_reregistration_and_undrain_returns_to_up():
+    async def go():
+        w = World()
+        _entry, _ = await w.join("n1")
+        await w.registry.drain("n1", "bad fan")
+        assert w.state("n1") is DRAINED
+        await w.advance(3.0)
+        assert w.state("n1") is DOWN
+        assert w.registry.get("n1").record.drain_reason == "bad fan"
+        await w.join("n1")
+        assert w.state("n1") is DRAINED
+        await w.registry.undrain("n1")
+        assert w.state("n1") is UP and w.registry.get("n1").record.drain_reason == ""
+        with pytest.raises(FailedPrecondition, match="not drained"):
+            await w.registry.undrain("n1")
+    run(go())
+
+
+def test_drain_with_running_ranks_waits_in_draining():
+    async def go():
+        w = World()
+        entry, session = await w.join("n1")
+        await w.beat(entry, ranks=4)
+        await w.registry.drain("n1", "maintenance")
+        assert w.state("n1") is DRAINING
+        await w.advance(0.5)
+        await w.beat(entry, ranks=4)
+        await w.advance(0.5)
+        assert w.state("n1") is DRAINING
+        await w.beat(entry, ranks=0)
+        await w.advance(0.1)
+        assert w.state("n1") is DRAINED
+        # the agent was told each change
+        states = []
+        while not session.outbox.empty():
+            states.append(session.outbox.get_nowait().status.state)
+        assert states == [common_pb2.NODE_STATE_DRAINING, common_pb2.NODE_STATE_DRAINED]
+    run(go())
+
+
+def test_drain_unknown_node_is_not_found():
+    async def go():
+        w = World()
+        with pytest.raises(NotFound, match="no node named 'ghost'"):
+            await w.registry.drain("ghost", "x")
+    run(go())
+
+
+def test_restart_gives_every_node_a_full_window_to_reconnect():
+    async def go():
+        store = MemoryStore()
+        w = World(store)
+        await w.join("n1")
+        await w.join("n2")
+        await w.registry.drain("n2", "bad fan")
+        # a new controller process over the same store, an hour later
+        w2 = World(store)
+        w2.clock.advance(3600)
+        await w2.registry.load()
+        assert w2.state("n1") is UP and w2.state("n2") is DRAINED
+        await w2.advance(1.9)
+        assert w2.state("n1") is UP  # no "session lost": it never had a session with this process
+        _entry, _ = await w2.join("n1")
+        await w2.advance(1.2)
+        assert w2.state("n1") is UP
+        assert w2.state("n2") is DOWN
+        assert w2.registry.get("n2").record.drain_reason == "bad fan"
+    run(go())
+
+
+def test_a_second_registration_supersedes_the_first_session():
+    async def go():
+        w = World()
+        _, first = await w.join("n1")
+        _, second = await w.join("n1")
+        assert first.closed.is_set() and "superseded" in first.close_message
+        assert not second.closed.is_set()
+        assert ("node.superseded", None) in await w.kinds()
+    run(go())
+
+
+def test_a_failed_store_write_changes_nothing_and_is_retried():
+    class FlakyStore(MemoryStore):
+        fail = False
+
+        async def commit(self, **kw):
+            if self.fail:
+                from controller.errors import StoreError
+                raise StoreError("disk full")
+            return await super().commit(**kw)
+
+    async def go():
+        store = FlakyStore()
+        w = World(store)
+        await w.join("n1")
+        store.fail = True
+        w.clock.advance(3.0)
+        with pytest.raises(Exception, match="disk full"):
+            await w.registry.tick()
+        assert w.state("n1") is UP  # memory follows the store, never leads it
+        store.fail = False
+        await w.registry.tick()
+        assert w.state("n1") is DOWN
+    run(go())
