@@ -1,0 +1,1 @@
+"""Benchmarks for Phalanx (`make bench`, i.e. `python bench/run.py`)."""

@@ -1,0 +1,253 @@
+"""Shared helpers: processes that are always cleaned up, configs, free ports, waiting, machine facts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+TASKSET = shutil.which("taskset")
+
+
+def log(message: str) -> None:
+    """A progress line (stderr is left to the processes; progress goes to stdout, flushed)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def controller_toml(address: str, root: Path) -> str:
+    return f'listen = "{address}"\nstate_db = "{root / "c.db"}"\n'
+
+
+def agent_toml(name: str, address: str, root: Path, gpus: int = 8) -> str:
+    node = root / name
+    return (f'node_name = "{name}"\ncontroller = "{address}"\nstate_dir = "{node / "state"}"\n'
+            f'checkpoint_dir = "{node / "checkpoints"}"\n\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n')
+
+
+def pin_argv(argv: list[str], cpu: int | None) -> tuple[list[str], object]:
+    """Prefix `taskset -c CPU` (the exec'd process and every thread it makes stay on that CPU).
+
+    Without taskset, fall back to sched_setaffinity in the child before exec (same effect).
+    Returns (argv, preexec_fn).
+    """
+    if cpu is None:
+        return argv, None
+    if TASKSET:
+        return [TASKSET, "-c", str(cpu), *argv], None
+    return argv, lambda: os.sched_setaffinity(0, {cpu})
+
+
+def pin_this_process(cpus: set[int]) -> None:
+    """Pin every thread of this process (sched_setaffinity(0) alone moves only the calling thread)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+class Procs:
+    """Every process a benchmark starts, each in its own session; close() kills each process group."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.pids: dict[int, str] = {}  # pid (== pgid, start_new_session) -> name
+        self.popens: dict[int, subprocess.Popen] = {}
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+
+    def log_path(self, name: str) -> Path:
+        return self.root / "logs" / f"{name}.log"
+
+    def spawn(self, name: str, module: str, config_text: str | None = None, args: tuple[str, ...] = (),
+              cpu: int | None = None) -> subprocess.Popen:
+        argv = [sys.executable, "-m", module]
+        if config_text is not None:
+            config = self.root / f"{name}.toml"
+            config.write_text(config_text)
+            argv += ["--config", str(config)]
+        argv += list(args)
+        argv, preexec = pin_argv(argv, cpu)
+        with open(self.log_path(name), "ab") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=REPO, preexec_fn=preexec)
+        self.pids[proc.pid] = name
+        self.popens[proc.pid] = proc
+        return proc
+
+    async def spawn_piped(self, name: str, module: str, args: tuple[str, ...] = (),
+                          cpu: int | None = None) -> asyncio.subprocess.Process:
+        """A child with stdin/stdout pipes (the load generator); stderr goes to its log."""
+        argv, preexec = pin_argv([sys.executable, "-m", module, *args], cpu)
+        with open(self.log_path(name), "ab") as err:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                cwd=REPO, preexec_fn=preexec, limit=1 << 20)
+        self.pids[proc.pid] = name
+        return proc
+
+    def tail(self, name: str, lines: int = 8) -> str:
+        try:
+            text = self.log_path(name).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n".join("    " + line[:300] for line in text)
+
+    def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        """Signal one process (and its group); reap it if we hold its Popen."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        popen = self.popens.get(pid)
+        if popen is not None and sig == signal.SIGKILL:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=5)
+
+    def forget(self, pid: int) -> None:
+        self.pids.pop(pid, None)
+        self.popens.pop(pid, None)
+
+    def close(self, grace_s: float = 3.0) -> None:
+        """SIGTERM every group, then SIGKILL what is left after `grace_s`. Safe to call twice."""
+        pids = list(self.pids)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_group_alive(pid) for pid in pids):
+            for popen in self.popens.values():
+                popen.poll()
+            _reap()
+            time.sleep(0.05)
+        for pid in pids:
+            if _group_alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        for popen in self.popens.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=5)
+        _reap()
+        self.pids.clear()
+        self.popens.clear()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still counts for killpg; treat a reaped-or-zombie leader with no others as gone.
+    try:
+        with open(f"/proc/{pgid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _reap() -> None:
+    """Collect exited children (those started through asyncio are reaped by its watcher too)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+async def wait_serving(address: str, procs: Procs, pid: int, name: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not process_running(pid):
+                raise RuntimeError(f"{name} exited during start-up; its log ends:\n{procs.tail(name)}")
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{name} did not serve within {timeout_s:g}s; its log ends:\n{procs.tail(name)}")
+
+
+def process_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+async def wait_node_up(stub: control_pb2_grpc.ControlServiceStub, name: str, since_ns: int, pid: int,
+                       procs: Procs, proc_name: str, timeout_s: float = 60.0) -> control_pb2.Node:
+    """Until `name` is UP, connected, and the controller has a heartbeat from it sent after `since_ns`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not process_running(pid):
+            raise RuntimeError(f"{proc_name} exited; its log ends:\n{procs.tail(proc_name)}")
+        try:
+            node = await stub.GetNode(control_pb2.GetNodeRequest(name=name), timeout=5.0)
+            if (node.state == common_pb2.NODE_STATE_UP and node.connected
+                    and node.last_heartbeat_unix_ns > since_ns):
+                return node
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"node {name} did not come UP within {timeout_s:g}s; {proc_name} log ends:\n"
+                       f"{procs.tail(proc_name)}")
+
+
+async def last_event_seq(stub: control_pb2_grpc.ControlServiceStub, after: int = 0) -> int:
+    while True:
+        page = await stub.ListEvents(control_pb2.ListEventsRequest(after_seq=after, limit=10_000), timeout=10.0)
+        if not page.events:
+            return after
+        after = page.events[-1].seq
+
+
+def machine() -> dict[str, object]:
+    model = ""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                      if line.lower().startswith("model name")), "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not model:
+        with contextlib.suppress(OSError):
+            model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("model name")), "")
+    import grpc as _grpc
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)),
+        "cpu_model": model or "unknown",
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "python_impl": platform.python_implementation(),
+        "grpcio": _grpc.__version__,
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+    }

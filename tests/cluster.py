@@ -1,0 +1,106 @@
+"""A real cluster on loopback for tests: a controller process and agent processes, started directly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from phalanx.cli.local import free_port
+from phalanx.cli.render import state_name
+from phalanx.v1 import control_pb2, control_pb2_grpc
+
+TIMEOUT_S = 60.0  # generous: CI machines are shared and slow; tests never assert on these timings
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.address = f"127.0.0.1:{free_port()}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._channel = grpc.insecure_channel(self.address)
+        self.control = control_pb2_grpc.ControlServiceStub(self._channel)
+        self.health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _spawn(self, name: str, module: str, config: str) -> subprocess.Popen:
+        path = self.root / f"{name}.toml"
+        path.write_text(config)
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        proc = subprocess.Popen([sys.executable, "-m", module, "--config", str(path)], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_controller(self, extra: str = "") -> subprocess.Popen:
+        proc = self._spawn("controller", "controller.main",
+                           f'listen = "{self.address}"\nstate_db = "{self.root / "controller.db"}"\n{extra}')
+        self.wait_for(self._serving, "controller serving")
+        return proc
+
+    def _serving(self) -> bool:
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def start_agent(self, name: str, gpus: int = 2) -> subprocess.Popen:
+        node = self.root / name
+        return self._spawn(name, "agent.main", (
+            f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
+            f'checkpoint_dir = "{node / "ckpt"}"\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'
+            "[reconnect]\nmax_backoff_s = 1.0\n"))
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=TIMEOUT_S)
+
+    def states(self) -> dict[str, str]:
+        try:
+            reply = self.control.ListNodes(control_pb2.ListNodesRequest(), timeout=5)
+        except grpc.RpcError:
+            return {}
+        return {n.name: state_name(n.state) for n in reply.nodes}
+
+    def node(self, name: str) -> control_pb2.Node:
+        return self.control.GetNode(control_pb2.GetNodeRequest(name=name), timeout=5)
+
+    def wait_states(self, expected: dict[str, str]) -> None:
+        self.wait_for(lambda: all(self.states().get(k) == v for k, v in expected.items()),
+                      f"nodes {expected}")
+
+    def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            for name, proc in self.procs.items():
+                if name == "controller" and proc.poll() is not None:
+                    raise AssertionError(f"controller exited ({proc.returncode}) while waiting for {what}:\n"
+                                         f"{self.log('controller')}")
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; nodes: {self.states()}\n"
+                             f"controller log:\n{self.log('controller')}")
+
+    def log(self, name: str, lines: int = 20) -> str:
+        path = self.root / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def close(self) -> None:
+        self._channel.close()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=TIMEOUT_S)

@@ -1,0 +1,57 @@
+"""Real processes on loopback: a controller and three agents."""
+
+import signal
+
+from phalanx.v1 import control_pb2
+
+NODES = ["node-a", "node-b", "node-c"]
+
+
+def test_nodes_come_up_die_come_back_and_survive_a_controller_restart(cluster):
+    cluster.start_controller()
+    for name in NODES:
+        cluster.start_agent(name)
+    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    node = cluster.node("node-a")
+    assert len(node.inventory.gpus) == 2 and node.connected and node.inventory.agent_pid == cluster.procs["node-a"].pid
+    cluster.wait_for(lambda: cluster.node("node-a").host.memory_available_bytes > 0, "host telemetry")
+
+    # kill -9 an agent: its node goes DOWN, the others stay UP
+    cluster.kill("node-b")
+    cluster.wait_states({"node-b": "DOWN"})
+    assert cluster.states() == {"node-a": "UP", "node-b": "DOWN", "node-c": "UP"}
+    cluster.start_agent("node-b")
+    cluster.wait_states({"node-b": "UP"})
+
+    # drain one node, then restart the controller: everyone reconnects, the drain and its reason are kept
+    cluster.control.DrainNode(control_pb2.DrainNodeRequest(name="node-c", reason="fan failure in PSU 2"), timeout=5)
+    cluster.wait_states({"node-c": "DRAINED"})
+    before = cluster.node("node-a").incarnation
+    cluster.kill("controller", signal.SIGKILL)
+    cluster.start_controller()
+    cluster.wait_for(lambda: all(cluster.node(n).connected for n in NODES), "agents reconnected")
+    assert cluster.states() == {"node-a": "UP", "node-b": "UP", "node-c": "DRAINED"}
+    assert cluster.node("node-c").drain_reason == "fan failure in PSU 2"
+    assert cluster.node("node-a").incarnation > before  # they registered again: a full resync
+
+    # the event log survived the restart too
+    events = cluster.control.ListEvents(control_pb2.ListEventsRequest(limit=1000), timeout=5).events
+    assert any(e.kind == "node.state" and e.node == "node-b" and e.fields["target"] == "DOWN" for e in events)
+    assert any(e.kind == "node.drain" and e.fields["reason"] == "fan failure in PSU 2" for e in events)
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_graceful_controller_stop_and_agents_waiting_for_it(cluster):
+    # Agents started before the controller keep retrying and come up once it serves.
+    cluster.start_agent("node-a")
+    cluster.start_controller()
+    cluster.wait_states({"node-a": "UP"})
+    cluster.kill("controller", signal.SIGTERM)
+    assert cluster.procs["controller"].returncode == 0
+    cluster.start_controller()
+    cluster.wait_for(lambda: cluster.node("node-a").connected, "agent reconnected")
+    # SIGTERM stops an agent cleanly; its node then goes DOWN like any silent node.
+    cluster.kill("node-a", signal.SIGTERM)
+    assert cluster.procs["node-a"].returncode == 0
+    cluster.wait_states({"node-a": "DOWN"})
