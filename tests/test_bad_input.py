@@ -1,0 +1,136 @@
+"""Bad requests get a readable status and never take the controller down (a real controller process)."""
+
+import grpc
+import pytest
+
+from phalanx.rpc import MAX_REQUEST_BYTES, MAX_TRANSPORT_BYTES
+from phalanx.v1 import common_pb2, control_pb2, node_pb2, node_pb2_grpc
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def inventory(**kw):
+    return common_pb2.NodeInventory(gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM, **kw)
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory):
+    from tests.cluster import Cluster
+    c = Cluster(tmp_path_factory.mktemp("bad-input"))
+    c.start_controller()
+    channel = grpc.insecure_channel(c.address, options=[("grpc.max_send_message_length", 64 << 20)])
+    yield c, node_pb2_grpc.NodeServiceStub(channel)
+    channel.close()
+    c.close()
+
+
+def status_of(fn):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+def still_serving(c):
+    assert c._serving()
+    c.control.ListNodes(control_pb2.ListNodesRequest(), timeout=5)
+    assert c.procs["controller"].poll() is None
+
+
+@pytest.mark.parametrize("request_,message", [
+    (node_pb2.RegisterRequest(node_name="", inventory=inventory()), "node_name is empty; give the node's name"),
+    (node_pb2.RegisterRequest(node_name="a b", inventory=inventory()),
+     "node_name 'a b' is not a valid node name: 1-63 characters of letters, digits, '.', '_' or '-', "
+     "starting with a letter or digit"),
+    (node_pb2.RegisterRequest(node_name="n1"), "inventory is missing"),
+    (node_pb2.RegisterRequest(node_name="n1", inventory=common_pb2.NodeInventory(gpu_backend=42)),
+     "inventory.gpu_backend 42 is not a known GpuBackendKind"),
+    (node_pb2.RegisterRequest(node_name="n1", inventory=common_pb2.NodeInventory()),
+     "inventory.gpu_backend is unspecified; say NONE, SIM or NVML"),
+    (node_pb2.RegisterRequest(node_name="n1", inventory=inventory(gpus=[common_pb2.GpuInfo(index=0)] * 2)),
+     "inventory repeats a GPU index: [0, 0]"),
+    (node_pb2.RegisterRequest(node_name="n1", inventory=inventory(gpus=[common_pb2.GpuInfo(index=i)
+                                                                        for i in range(65)])),
+     "inventory lists 65 GPUs; the limit is 64"),
+])
+def test_register_rejects_bad_fields(controller, request_, message):
+    c, nodes = controller
+    assert status_of(lambda: nodes.Register(request_, timeout=5)) == (INVALID, message)
+    still_serving(c)
+    assert "n1" not in c.states()
+
+
+def test_oversized_requests(controller):
+    c, nodes = controller
+    big = node_pb2.RegisterRequest(node_name="n1", inventory=inventory(labels={"blob": "x" * (2 * MAX_REQUEST_BYTES)}))
+    code, details = status_of(lambda: nodes.Register(big, timeout=5))
+    assert code == INVALID
+    assert details.startswith("RegisterRequest is ") and details.endswith(f"bytes; the limit is {MAX_REQUEST_BYTES}")
+    blob = "x" * (MAX_TRANSPORT_BYTES + 1)
+    huge = node_pb2.RegisterRequest(node_name="n1", inventory=inventory(labels={"blob": blob}))
+    code, _ = status_of(lambda: nodes.Register(huge, timeout=10))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # refused by the transport before any handler runs
+    still_serving(c)
+
+
+def test_control_rejects_bad_fields(controller):
+    c, _ = controller
+    ctl = c.control
+    assert status_of(lambda: ctl.ListNodes(control_pb2.ListNodesRequest(states=[99]), timeout=5)) == (
+        INVALID, "states: 99 is not a node state (known: UP, SUSPECT, DOWN, DRAINING, DRAINED)")
+    assert status_of(lambda: ctl.DrainNode(control_pb2.DrainNodeRequest(name="", reason="x"), timeout=5)) == (
+        INVALID, "name is empty; give the node's name")
+    assert status_of(lambda: ctl.DrainNode(control_pb2.DrainNodeRequest(name="ghost", reason="x"), timeout=5)) == (
+        grpc.StatusCode.NOT_FOUND, "no node named 'ghost'; `phalanx nodes` lists the known ones")
+    assert status_of(lambda: ctl.DrainNode(control_pb2.DrainNodeRequest(name="ghost", reason="a\nb"), timeout=5)) == (
+        INVALID, "reason must be one line")
+    assert status_of(lambda: ctl.ListEvents(control_pb2.ListEventsRequest(limit=10**6), timeout=5)) == (
+        INVALID, "limit 1000000 is larger than 10000")
+    code, details = status_of(lambda: next(iter(ctl.WatchEvents(control_pb2.WatchEventsRequest(node="no way"),
+                                                                timeout=5))))
+    assert code == INVALID and "not a valid node name" in details
+    still_serving(c)
+
+
+def session(nodes, *messages):
+    """Open a session, send `messages`, return the final status."""
+    call = nodes.Session(iter(messages), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    return info.value.code(), info.value.details()
+
+
+def test_session_protocol_errors(controller):
+    c, nodes = controller
+    reply = nodes.Register(node_pb2.RegisterRequest(node_name="s1", inventory=inventory()), timeout=5)
+    hb = node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(seq=1))
+    assert session(nodes, hb) == (INVALID, "the first session message must be `open` (SessionOpen)")
+    assert session(nodes, node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="s1", incarnation=99))) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"node 's1': incarnation 99 is stale (current {reply.incarnation}); register again")
+    assert session(nodes, node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="zz", incarnation=1))) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "node 'zz' is not registered; call Register first")
+    opened = node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="s1", incarnation=reply.incarnation))
+    assert session(nodes, opened, opened) == (INVALID, "the session is already open")
+    assert session(nodes, opened, node_pb2.AgentMessage()) == (INVALID, "empty session message")
+    too_many = node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(gpus=[common_pb2.GpuTelemetry()] * 65))
+    assert session(nodes, opened, too_many) == (INVALID, "heartbeat carries 65 GPUs; the limit is 64")
+    bad_event = node_pb2.AgentMessage(event=node_pb2.AgentEvent(kind="", message="x"))
+    assert session(nodes, opened, bad_event) == (INVALID, "event kind '' must be a non-empty word")
+    still_serving(c)
+
+
+def test_garbage_bytes_on_the_wire(controller):
+    c, _ = controller
+    channel = grpc.insecure_channel(c.address)
+    raw = channel.unary_unary("/phalanx.v1.NodeService/Register", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+    code, _ = status_of(lambda: raw(b"\xff\xff\xff\xff not a protobuf", timeout=5))
+    # grpc fails the call itself (UNKNOWN: "exception deserializing request") before any handler runs
+    assert code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+    unknown = channel.unary_unary("/phalanx.v1.NodeService/Nope", request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
+    code, _ = status_of(lambda: unknown(b"", timeout=5))
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    channel.close()
+    still_serving(c)
