@@ -1,0 +1,99 @@
+"""The `phalanx` CLI as a user runs it: real processes, a real local cluster, exit codes that mean something."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from phalanx.cli import local
+
+
+def phalanx(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    env = {**os.environ, "PHALANX_HOME": str(tmp_path)}
+    env.pop("PHALANX_CONTROLLER", None)
+    monkeypatch.setenv("PHALANX_HOME", str(tmp_path))
+    yield env
+    phalanx("local", "down", env=env)
+
+
+def test_local_cluster_lifecycle(home):
+    result = phalanx("local", "up", "--nodes", "3", "--gpus-per-node", "2", env=home)
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "nodes UP: 3/3" in result.stdout and "local cluster up: 3 nodes (2 simulated GPUs each)" in result.stdout
+
+    again = phalanx("local", "up", "--nodes", "1", env=home)
+    assert again.returncode == 1 and "a local cluster is already running" in again.stderr
+
+    status = json.loads(phalanx("local", "status", "--json", env=home).stdout)
+    assert [(p["role"], p["name"], p["running"]) for p in status] == [
+        ("controller", "controller", True), ("agent", "node-0", True), ("agent", "node-1", True),
+        ("agent", "node-2", True)]
+    assert all(os.path.exists(p["log"]) for p in status)
+
+    nodes = json.loads(phalanx("nodes", "--json", env=home).stdout)
+    assert [(n["name"], n["state"], len(n["gpus"]), n["gpu_backend"]) for n in nodes] == [
+        ("node-0", "UP", 2, "SIM"), ("node-1", "UP", 2, "SIM"), ("node-2", "UP", 2, "SIM")]
+    assert nodes[0]["labels"] == {"rack": "rack-0"}
+
+    drained = phalanx("drain", "node-1", "--reason", "PSU fan", env=home)
+    assert drained.returncode == 0 and drained.stdout.strip() == "node-1: DRAINED (drain reason: PSU fan)"
+    table = phalanx("nodes", env=home).stdout.splitlines()
+    assert table[0].split() == ["NODE", "STATE", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"]
+    assert table[2].split()[:2] == ["node-1", "DRAINED"] and table[2].endswith("PSU fan")
+    assert [n["name"] for n in json.loads(phalanx("nodes", "--state", "drained", "--json", env=home).stdout)] == [
+        "node-1"]
+
+    assert phalanx("undrain", "node-1", env=home).stdout.strip() == "node-1: UP"
+    not_drained = phalanx("undrain", "node-1", env=home)
+    assert not_drained.returncode == 1
+    assert not_drained.stderr.strip() == "phalanx: error: node node-1 is not drained (state UP) (FAILED_PRECONDITION)"
+
+    events = json.loads(phalanx("events", "--json", "--node", "node-1", env=home).stdout)
+    kinds = [e["kind"] for e in events]
+    assert "node.drain" in kinds and "node.undrain" in kinds and all(e["node"] == "node-1" for e in events)
+
+    # --follow prints what is there, then what happens next, one JSON object per line
+    follow = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "events", "--follow", "--json", "--after",
+                               str(events[-1]["seq"])], stdout=subprocess.PIPE, text=True, env=home)
+    try:
+        time.sleep(1.0)
+        assert phalanx("drain", "node-2", "--reason", "follow me", env=home).returncode == 0
+        line = json.loads(follow.stdout.readline())
+        assert line["kind"] == "node.drain" and line["node"] == "node-2" and line["fields"]["reason"] == "follow me"
+    finally:
+        follow.kill()
+        follow.wait()
+
+    down = phalanx("local", "down", env=home)
+    assert down.returncode == 0 and "stopped 4 processes" in down.stdout
+    assert not any(local.Proc(**{k: v for k, v in p.items() if k != "running"}).alive() for p in status)
+    assert phalanx("local", "status", env=home).returncode == 1
+
+
+def test_usage_errors_exit_2(home):
+    for args in (["drain", "node-1"], ["local", "up", "--nodes", "0"], ["nodes", "--state", "sleepy"], ["bogus"]):
+        result = phalanx(*args, env=home)
+        assert result.returncode == 2, args
+        assert "usage:" in result.stderr
+
+
+def test_no_controller_is_a_clear_error(home):
+    result = phalanx("nodes", env=home)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("phalanx: error: no controller: pass --controller HOST:PORT, set "
+                                     "PHALANX_CONTROLLER, or start a local cluster with `phalanx local up --nodes N`")
+    port = local.free_port()
+    unreachable = phalanx("--controller", f"127.0.0.1:{port}", "nodes", env=home)
+    assert unreachable.returncode == 1
+    assert unreachable.stderr.startswith(f"phalanx: error: cannot reach the controller at 127.0.0.1:{port}")
+    via_env = phalanx("nodes", env={**home, "PHALANX_CONTROLLER": f"127.0.0.1:{port}"})
+    assert via_env.returncode == 1 and f"127.0.0.1:{port}" in via_env.stderr
