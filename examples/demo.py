@@ -73,8 +73,7 @@ def main() -> int:
         phalanx("nodes")
 
         say("restart node-2's agent (what systemd's Restart=on-failure does)")
-        agent = subprocess.Popen([sys.executable, "-m", "agent.main", "--config", victim["config"]],
-                                 stdout=open(victim["log"], "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        agent = restart("agent.main", victim)
         took = wait_for(lambda: states().get("node-2") == "UP", "node-2 UP")
         say(f"node-2 UP again {took:.2f}s after its agent started")
 
@@ -83,9 +82,7 @@ def main() -> int:
         controller = procs["controller"]
         say(f"kill -9 the controller (pid {controller['pid']}) and start it again over the same database")
         os.kill(controller["pid"], signal.SIGKILL)
-        restarted = subprocess.Popen([sys.executable, "-m", "controller.main", "--config", controller["config"]],
-                                     stdout=open(controller["log"], "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        restarted = restart("controller.main", controller)
         took = wait_for(all_connected, "agents reconnected")
         say(f"all four agents reconnected and resynced {took:.2f}s after the controller restarted")
         phalanx("nodes")
@@ -102,6 +99,13 @@ def main() -> int:
         subprocess.run(["pkill", "-f", f"{home}/local/"], check=False)
     say("demo finished")
     return 0
+
+
+def restart(module: str, proc: dict) -> subprocess.Popen:
+    """Start a daemon again with the configuration and log file `phalanx local up` gave it."""
+    with open(proc["log"], "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", module, "--config", proc["config"]], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def all_connected() -> bool:
