@@ -91,3 +91,16 @@ def test_daemon_bad_config_is_one_line_and_exit_2(tmp_path, module):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"phalanx-{module.split('.')[0]}: config error: {path}: not valid TOML")
+
+
+def test_readme_documents_every_key_with_its_default():
+    import json
+    from pathlib import Path
+
+    from phalanx.config import describe
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for cls in (controller_config.ControllerConfig, agent_config.AgentConfig):
+        for key, default, doc in describe(cls):
+            shown = json.dumps(default) if not isinstance(default, bool) else str(default).lower()
+            assert f"| `{key}` | `{shown}` | {doc} |" in readme, key
