@@ -135,7 +135,6 @@ class Procs:
         while time.monotonic() < deadline and any(_group_alive(pid) for pid in pids):
             for popen in self.popens.values():
                 popen.poll()
-            _reap()
             time.sleep(0.05)
         for pid in pids:
             if _group_alive(pid):
@@ -144,7 +143,6 @@ class Procs:
         for popen in self.popens.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=5)
-        _reap()
         self.pids.clear()
         self.popens.clear()
 
@@ -162,17 +160,6 @@ def _group_alive(pgid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
-
-
-def _reap() -> None:
-    """Collect exited children (those started through asyncio are reaped by its watcher too)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 async def wait_serving(address: str, procs: Procs, pid: int, name: str, timeout_s: float = 60.0) -> None:
