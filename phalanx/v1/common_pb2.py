@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17phalanx/v1/common.proto\x12\nphalanx.v1\"t\n\x07GpuInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\npci_bus_id\x18\x04 \x01(\t\x12\x0e\n\x06serial\x18\x05 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x06 \x01(\x04\"\xcc\x02\n\rNodeInventory\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x11\n\tcpu_count\x18\x02 \x01(\r\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12/\n\x0bgpu_backend\x18\x04 \x01(\x0e\x32\x1a.phalanx.v1.GpuBackendKind\x12!\n\x04gpus\x18\x05 \x03(\x0b\x32\x13.phalanx.v1.GpuInfo\x12\x35\n\x06labels\x18\x06 \x03(\x0b\x32%.phalanx.v1.NodeInventory.LabelsEntry\x12\x15\n\ragent_version\x18\x07 \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x08 \x01(\t\x12\x11\n\tagent_pid\x18\t \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcc\x01\n\rHostTelemetry\x12\x13\n\x0b\x63pu_percent\x18\x01 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16memory_available_bytes\x18\x03 \x01(\x04\x12\r\n\x05load1\x18\x04 \x01(\x01\x12\r\n\x05load5\x18\x05 \x01(\x01\x12\x0e\n\x06load15\x18\x06 \x01(\x01\x12\x1d\n\x15\x63heckpoint_free_bytes\x18\x07 \x01(\x04\x12\x1e\n\x16\x63heckpoint_total_bytes\x18\x08 \x01(\x04\"}\n\x0cGpuTelemetry\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rtemperature_c\x18\x02 \x01(\x01\x12\x0f\n\x07power_w\x18\x03 \x01(\x01\x12\x1b\n\x13utilization_percent\x18\x04 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x05 \x01(\x04\"\xc2\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0ctime_unix_ns\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0b\n\x03job\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12-\n\x06\x66ields\x18\x07 \x03(\x0b\x32\x1d.phalanx.v1.Event.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x98\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNODE_STATE_UP\x10\x01\x12\x16\n\x12NODE_STATE_SUSPECT\x10\x02\x12\x13\n\x0fNODE_STATE_DOWN\x10\x03\x12\x17\n\x13NODE_STATE_DRAINING\x10\x04\x12\x16\n\x12NODE_STATE_DRAINED\x10\x05*\x82\x01\n\x0eGpuBackendKind\x12 \n\x1cGPU_BACKEND_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15GPU_BACKEND_KIND_NONE\x10\x01\x12\x18\n\x14GPU_BACKEND_KIND_SIM\x10\x02\x12\x19\n\x15GPU_BACKEND_KIND_NVML\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17phalanx/v1/common.proto\x12\nphalanx.v1\"t\n\x07GpuInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\npci_bus_id\x18\x04 \x01(\t\x12\x0e\n\x06serial\x18\x05 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x06 \x01(\x04\"\xf4\x02\n\rNodeInventory\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x11\n\tcpu_count\x18\x02 \x01(\r\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12/\n\x0bgpu_backend\x18\x04 \x01(\x0e\x32\x1a.phalanx.v1.GpuBackendKind\x12!\n\x04gpus\x18\x05 \x03(\x0b\x32\x13.phalanx.v1.GpuInfo\x12\x35\n\x06labels\x18\x06 \x03(\x0b\x32%.phalanx.v1.NodeInventory.LabelsEntry\x12\x15\n\ragent_version\x18\x07 \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x08 \x01(\t\x12\x11\n\tagent_pid\x18\t \x01(\r\x12&\n\x08topology\x18\n \x01(\x0b\x32\x14.phalanx.v1.Topology\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcc\x01\n\rHostTelemetry\x12\x13\n\x0b\x63pu_percent\x18\x01 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16memory_available_bytes\x18\x03 \x01(\x04\x12\r\n\x05load1\x18\x04 \x01(\x01\x12\r\n\x05load5\x18\x05 \x01(\x01\x12\x0e\n\x06load15\x18\x06 \x01(\x01\x12\x1d\n\x15\x63heckpoint_free_bytes\x18\x07 \x01(\x04\x12\x1e\n\x16\x63heckpoint_total_bytes\x18\x08 \x01(\x04\"\xff\n\n\x0cGpuTelemetry\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rtemperature_c\x18\x02 \x01(\x01\x12\x0f\n\x07power_w\x18\x03 \x01(\x01\x12\x1b\n\x13utilization_percent\x18\x04 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04lost\x18\x06 \x01(\x08\x12\x1d\n\x10\x65\x63\x63_sbe_volatile\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x1d\n\x10\x65\x63\x63_dbe_volatile\x18\x08 \x01(\x04H\x01\x88\x01\x01\x12\x1e\n\x11\x65\x63\x63_sbe_aggregate\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x1e\n\x11\x65\x63\x63_dbe_aggregate\x18\n \x01(\x04H\x03\x88\x01\x01\x12&\n\x19remapped_rows_correctable\x18\x0b \x01(\rH\x04\x88\x01\x01\x12(\n\x1bremapped_rows_uncorrectable\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x1a\n\rremap_pending\x18\r \x01(\x08H\x06\x88\x01\x01\x12\x1a\n\rremap_failure\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\x1e\n\x11retired_pages_sbe\x18\x0f \x01(\rH\x08\x88\x01\x01\x12\x1e\n\x11retired_pages_dbe\x18\x10 \x01(\rH\t\x88\x01\x01\x12\"\n\x15retired_pages_pending\x18\x11 \x01(\x08H\n\x88\x01\x01\x12#\n\x16slowdown_temperature_c\x18\x12 \x01(\x01H\x0b\x88\x01\x01\x12!\n\x14\x63locks_event_reasons\x18\x13 \x01(\x04H\x0c\x88\x01\x01\x12\x1a\n\rpower_limit_w\x18\x14 \x01(\x01H\r\x88\x01\x01\x12\x1a\n\rpcie_link_gen\x18\x15 \x01(\rH\x0e\x88\x01\x01\x12\x1c\n\x0fpcie_link_width\x18\x16 \x01(\rH\x0f\x88\x01\x01\x12\x1e\n\x11pcie_max_link_gen\x18\x17 \x01(\rH\x10\x88\x01\x01\x12 \n\x13pcie_max_link_width\x18\x18 \x01(\rH\x11\x88\x01\x01\x12\x1e\n\x11pcie_replay_count\x18\x19 \x01(\x04H\x12\x88\x01\x01\x12\x1f\n\x12nvlink_links_total\x18\x1a \x01(\rH\x13\x88\x01\x01\x12\x1c\n\x0fnvlink_links_up\x18\x1b \x01(\rH\x14\x88\x01\x01\x12\x1f\n\x12nvlink_error_count\x18\x1c \x01(\x04H\x15\x88\x01\x01\x12\x36\n\x0frecovery_action\x18\x1d \x01(\x0e\x32\x1d.phalanx.v1.GpuRecoveryActionB\x13\n\x11_ecc_sbe_volatileB\x13\n\x11_ecc_dbe_volatileB\x14\n\x12_ecc_sbe_aggregateB\x14\n\x12_ecc_dbe_aggregateB\x1c\n\x1a_remapped_rows_correctableB\x1e\n\x1c_remapped_rows_uncorrectableB\x10\n\x0e_remap_pendingB\x10\n\x0e_remap_failureB\x14\n\x12_retired_pages_sbeB\x14\n\x12_retired_pages_dbeB\x18\n\x16_retired_pages_pendingB\x19\n\x17_slowdown_temperature_cB\x17\n\x15_clocks_event_reasonsB\x10\n\x0e_power_limit_wB\x10\n\x0e_pcie_link_genB\x12\n\x10_pcie_link_widthB\x14\n\x12_pcie_max_link_genB\x16\n\x14_pcie_max_link_widthB\x14\n\x12_pcie_replay_countB\x15\n\x13_nvlink_links_totalB\x12\n\x10_nvlink_links_upB\x15\n\x13_nvlink_error_count\"Q\n\x08GpuEvent\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\x0b\n\x03xid\x18\x02 \x01(\r\x12\x14\n\x0ctime_unix_ns\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xe7\x01\n\x08Topology\x12(\n\nnuma_nodes\x18\x01 \x03(\x0b\x32\x14.phalanx.v1.NumaNode\x12#\n\x04gpus\x18\x02 \x03(\x0b\x32\x15.phalanx.v1.PciDevice\x12#\n\x04nics\x18\x03 \x03(\x0b\x32\x15.phalanx.v1.PciDevice\x12*\n\x06matrix\x18\x04 \x01(\x0b\x32\x1a.phalanx.v1.TopologyMatrix\x12)\n\x08locality\x18\x05 \x03(\x0b\x32\x17.phalanx.v1.GpuLocality\x12\x10\n\x08warnings\x18\x06 \x03(\t\"V\n\x08NumaNode\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0f\n\x07\x63pulist\x18\x02 \x01(\t\x12\x11\n\tdistances\x18\x03 \x03(\r\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\"\xf2\x01\n\tPciDevice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x62\x64\x66\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\tnuma_node\x18\x04 \x01(\x05\x12\x15\n\rlocal_cpulist\x18\x05 \x01(\t\x12\x12\n\nlink_speed\x18\x06 \x01(\t\x12\x12\n\nlink_width\x18\x07 \x01(\r\x12\x16\n\x0emax_link_speed\x18\x08 \x01(\t\x12\x16\n\x0emax_link_width\x18\t \x01(\r\x12\x12\n\nsysfs_path\x18\n \x01(\t\x12\x13\n\x0bport_states\x18\x0b \x03(\t\x12\x11\n\tgpu_index\x18\x0c \x01(\r\"G\n\x0eTopologyMatrix\x12\x0e\n\x06labels\x18\x01 \x03(\t\x12%\n\x04rows\x18\x02 \x03(\x0b\x32\x17.phalanx.v1.TopologyRow\"\x1c\n\x0bTopologyRow\x12\r\n\x05\x63\x65lls\x18\x01 \x03(\t\"o\n\x0bGpuLocality\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\x13\n\x0bnearest_nic\x18\x02 \x01(\t\x12\x14\n\x0cnic_relation\x18\x03 \x01(\t\x12\x11\n\tnuma_node\x18\x04 \x01(\x05\x12\x0f\n\x07\x63pulist\x18\x05 \x01(\t\"\xde\x01\n\rNcclRankState\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rprocess_group\x18\x03 \x01(\t\x12\x18\n\x10last_started_seq\x18\x04 \x01(\x04\x12\x1a\n\x12last_completed_seq\x18\x05 \x01(\x04\x12\x0f\n\x07last_op\x18\x06 \x01(\t\x12\x12\n\nlast_state\x18\x07 \x01(\t\x12\x12\n\nlast_age_s\x18\x08 \x01(\x01\x12\x19\n\x11\x64ump_time_unix_ns\x18\t \x01(\x03\x12\x11\n\tdump_path\x18\n \x01(\t\"P\n\nGpuVerdict\x12\r\n\x05index\x18\x01 \x01(\r\x12\"\n\x06health\x18\x02 \x01(\x0e\x32\x12.phalanx.v1.Health\x12\x0f\n\x07reasons\x18\x03 \x03(\t\"\x90\x01\n\nNodeHealth\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x06health\x18\x02 \x01(\x0e\x32\x12.phalanx.v1.Health\x12\x0f\n\x07reasons\x18\x03 \x03(\t\x12$\n\x04gpus\x18\x04 \x03(\x0b\x32\x16.phalanx.v1.GpuVerdict\x12\x19\n\x11\x65valuated_unix_ns\x18\x05 \x01(\x03\"\xc2\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0ctime_unix_ns\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0b\n\x03job\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12-\n\x06\x66ields\x18\x07 \x03(\x0b\x32\x1d.phalanx.v1.Event.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x98\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNODE_STATE_UP\x10\x01\x12\x16\n\x12NODE_STATE_SUSPECT\x10\x02\x12\x13\n\x0fNODE_STATE_DOWN\x10\x03\x12\x17\n\x13NODE_STATE_DRAINING\x10\x04\x12\x16\n\x12NODE_STATE_DRAINED\x10\x05*\x82\x01\n\x0eGpuBackendKind\x12 \n\x1cGPU_BACKEND_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15GPU_BACKEND_KIND_NONE\x10\x01\x12\x18\n\x14GPU_BACKEND_KIND_SIM\x10\x02\x12\x19\n\x15GPU_BACKEND_KIND_NVML\x10\x03*\xea\x01\n\x11GpuRecoveryAction\x12#\n\x1fGPU_RECOVERY_ACTION_UNSPECIFIED\x10\x00\x12\x1c\n\x18GPU_RECOVERY_ACTION_NONE\x10\x01\x12!\n\x1dGPU_RECOVERY_ACTION_GPU_RESET\x10\x02\x12#\n\x1fGPU_RECOVERY_ACTION_NODE_REBOOT\x10\x03\x12!\n\x1dGPU_RECOVERY_ACTION_DRAIN_P2P\x10\x04\x12\'\n#GPU_RECOVERY_ACTION_DRAIN_AND_RESET\x10\x05*p\n\x06Health\x12\x16\n\x12HEALTH_UNSPECIFIED\x10\x00\x12\x12\n\x0eHEALTH_HEALTHY\x10\x01\x12\x13\n\x0fHEALTH_DEGRADED\x10\x02\x12\x12\n\x0eHEALTH_FAILING\x10\x03\x12\x11\n\rHEALTH_FAILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEINVENTORY_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_EVENT_FIELDSENTRY']._loaded_options = None
   _globals['_EVENT_FIELDSENTRY']._serialized_options = b'8\001'
-  _globals['_NODESTATE']._serialized_start=1024
-  _globals['_NODESTATE']._serialized_end=1176
-  _globals['_GPUBACKENDKIND']._serialized_start=1179
-  _globals['_GPUBACKENDKIND']._serialized_end=1309
+  _globals['_NODESTATE']._serialized_start=3667
+  _globals['_NODESTATE']._serialized_end=3819
+  _globals['_GPUBACKENDKIND']._serialized_start=3822
+  _globals['_GPUBACKENDKIND']._serialized_end=3952
+  _globals['_GPURECOVERYACTION']._serialized_start=3955
+  _globals['_GPURECOVERYACTION']._serialized_end=4189
+  _globals['_HEALTH']._serialized_start=4191
+  _globals['_HEALTH']._serialized_end=4303
   _globals['_GPUINFO']._serialized_start=39
   _globals['_GPUINFO']._serialized_end=155
   _globals['_NODEINVENTORY']._serialized_start=158
-  _globals['_NODEINVENTORY']._serialized_end=490
-  _globals['_NODEINVENTORY_LABELSENTRY']._serialized_start=445
-  _globals['_NODEINVENTORY_LABELSENTRY']._serialized_end=490
-  _globals['_HOSTTELEMETRY']._serialized_start=493
-  _globals['_HOSTTELEMETRY']._serialized_end=697
-  _globals['_GPUTELEMETRY']._serialized_start=699
-  _globals['_GPUTELEMETRY']._serialized_end=824
-  _globals['_EVENT']._serialized_start=827
-  _globals['_EVENT']._serialized_end=1021
-  _globals['_EVENT_FIELDSENTRY']._serialized_start=976
-  _globals['_EVENT_FIELDSENTRY']._serialized_end=1021
+  _globals['_NODEINVENTORY']._serialized_end=530
+  _globals['_NODEINVENTORY_LABELSENTRY']._serialized_start=485
+  _globals['_NODEINVENTORY_LABELSENTRY']._serialized_end=530
+  _globals['_HOSTTELEMETRY']._serialized_start=533
+  _globals['_HOSTTELEMETRY']._serialized_end=737
+  _globals['_GPUTELEMETRY']._serialized_start=740
+  _globals['_GPUTELEMETRY']._serialized_end=2147
+  _globals['_GPUEVENT']._serialized_start=2149
+  _globals['_GPUEVENT']._serialized_end=2230
+  _globals['_TOPOLOGY']._serialized_start=2233
+  _globals['_TOPOLOGY']._serialized_end=2464
+  _globals['_NUMANODE']._serialized_start=2466
+  _globals['_NUMANODE']._serialized_end=2552
+  _globals['_PCIDEVICE']._serialized_start=2555
+  _globals['_PCIDEVICE']._serialized_end=2797
+  _globals['_TOPOLOGYMATRIX']._serialized_start=2799
+  _globals['_TOPOLOGYMATRIX']._serialized_end=2870
+  _globals['_TOPOLOGYROW']._serialized_start=2872
+  _globals['_TOPOLOGYROW']._serialized_end=2900
+  _globals['_GPULOCALITY']._serialized_start=2902
+  _globals['_GPULOCALITY']._serialized_end=3013
+  _globals['_NCCLRANKSTATE']._serialized_start=3016
+  _globals['_NCCLRANKSTATE']._serialized_end=3238
+  _globals['_GPUVERDICT']._serialized_start=3240
+  _globals['_GPUVERDICT']._serialized_end=3320
+  _globals['_NODEHEALTH']._serialized_start=3323
+  _globals['_NODEHEALTH']._serialized_end=3467
+  _globals['_EVENT']._serialized_start=3470
+  _globals['_EVENT']._serialized_end=3664
+  _globals['_EVENT_FIELDSENTRY']._serialized_start=3619
+  _globals['_EVENT_FIELDSENTRY']._serialized_end=3664
 # @@protoc_insertion_point(module_scope)

@@ -22,6 +22,23 @@ class GpuBackendKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GPU_BACKEND_KIND_NONE: _ClassVar[GpuBackendKind]
     GPU_BACKEND_KIND_SIM: _ClassVar[GpuBackendKind]
     GPU_BACKEND_KIND_NVML: _ClassVar[GpuBackendKind]
+
+class GpuRecoveryAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GPU_RECOVERY_ACTION_UNSPECIFIED: _ClassVar[GpuRecoveryAction]
+    GPU_RECOVERY_ACTION_NONE: _ClassVar[GpuRecoveryAction]
+    GPU_RECOVERY_ACTION_GPU_RESET: _ClassVar[GpuRecoveryAction]
+    GPU_RECOVERY_ACTION_NODE_REBOOT: _ClassVar[GpuRecoveryAction]
+    GPU_RECOVERY_ACTION_DRAIN_P2P: _ClassVar[GpuRecoveryAction]
+    GPU_RECOVERY_ACTION_DRAIN_AND_RESET: _ClassVar[GpuRecoveryAction]
+
+class Health(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HEALTH_UNSPECIFIED: _ClassVar[Health]
+    HEALTH_HEALTHY: _ClassVar[Health]
+    HEALTH_DEGRADED: _ClassVar[Health]
+    HEALTH_FAILING: _ClassVar[Health]
+    HEALTH_FAILED: _ClassVar[Health]
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_UP: NodeState
 NODE_STATE_SUSPECT: NodeState
@@ -32,6 +49,17 @@ GPU_BACKEND_KIND_UNSPECIFIED: GpuBackendKind
 GPU_BACKEND_KIND_NONE: GpuBackendKind
 GPU_BACKEND_KIND_SIM: GpuBackendKind
 GPU_BACKEND_KIND_NVML: GpuBackendKind
+GPU_RECOVERY_ACTION_UNSPECIFIED: GpuRecoveryAction
+GPU_RECOVERY_ACTION_NONE: GpuRecoveryAction
+GPU_RECOVERY_ACTION_GPU_RESET: GpuRecoveryAction
+GPU_RECOVERY_ACTION_NODE_REBOOT: GpuRecoveryAction
+GPU_RECOVERY_ACTION_DRAIN_P2P: GpuRecoveryAction
+GPU_RECOVERY_ACTION_DRAIN_AND_RESET: GpuRecoveryAction
+HEALTH_UNSPECIFIED: Health
+HEALTH_HEALTHY: Health
+HEALTH_DEGRADED: Health
+HEALTH_FAILING: Health
+HEALTH_FAILED: Health
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "uuid", "name", "pci_bus_id", "serial", "memory_total_bytes")
@@ -50,7 +78,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., serial: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInventory(_message.Message):
-    __slots__ = ("hostname", "cpu_count", "memory_total_bytes", "gpu_backend", "gpus", "labels", "agent_version", "checkpoint_dir", "agent_pid")
+    __slots__ = ("hostname", "cpu_count", "memory_total_bytes", "gpu_backend", "gpus", "labels", "agent_version", "checkpoint_dir", "agent_pid", "topology")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +95,7 @@ class NodeInventory(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     cpu_count: int
     memory_total_bytes: int
@@ -76,7 +105,8 @@ class NodeInventory(_message.Message):
     agent_version: str
     checkpoint_dir: str
     agent_pid: int
-    def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpu_backend: _Optional[_Union[GpuBackendKind, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., agent_pid: _Optional[int] = ...) -> None: ...
+    topology: Topology
+    def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpu_backend: _Optional[_Union[GpuBackendKind, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., agent_pid: _Optional[int] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ...) -> None: ...
 
 class HostTelemetry(_message.Message):
     __slots__ = ("cpu_percent", "memory_used_bytes", "memory_available_bytes", "load1", "load5", "load15", "checkpoint_free_bytes", "checkpoint_total_bytes")
@@ -99,18 +129,210 @@ class HostTelemetry(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., load1: _Optional[float] = ..., load5: _Optional[float] = ..., load15: _Optional[float] = ..., checkpoint_free_bytes: _Optional[int] = ..., checkpoint_total_bytes: _Optional[int] = ...) -> None: ...
 
 class GpuTelemetry(_message.Message):
-    __slots__ = ("index", "temperature_c", "power_w", "utilization_percent", "memory_used_bytes")
+    __slots__ = ("index", "temperature_c", "power_w", "utilization_percent", "memory_used_bytes", "lost", "ecc_sbe_volatile", "ecc_dbe_volatile", "ecc_sbe_aggregate", "ecc_dbe_aggregate", "remapped_rows_correctable", "remapped_rows_uncorrectable", "remap_pending", "remap_failure", "retired_pages_sbe", "retired_pages_dbe", "retired_pages_pending", "slowdown_temperature_c", "clocks_event_reasons", "power_limit_w", "pcie_link_gen", "pcie_link_width", "pcie_max_link_gen", "pcie_max_link_width", "pcie_replay_count", "nvlink_links_total", "nvlink_links_up", "nvlink_error_count", "recovery_action")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
     POWER_W_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    ECC_SBE_VOLATILE_FIELD_NUMBER: _ClassVar[int]
+    ECC_DBE_VOLATILE_FIELD_NUMBER: _ClassVar[int]
+    ECC_SBE_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    ECC_DBE_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    REMAPPED_ROWS_CORRECTABLE_FIELD_NUMBER: _ClassVar[int]
+    REMAPPED_ROWS_UNCORRECTABLE_FIELD_NUMBER: _ClassVar[int]
+    REMAP_PENDING_FIELD_NUMBER: _ClassVar[int]
+    REMAP_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_PAGES_SBE_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_PAGES_DBE_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_PAGES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_EVENT_REASONS_FIELD_NUMBER: _ClassVar[int]
+    POWER_LIMIT_W_FIELD_NUMBER: _ClassVar[int]
+    PCIE_LINK_GEN_FIELD_NUMBER: _ClassVar[int]
+    PCIE_LINK_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PCIE_MAX_LINK_GEN_FIELD_NUMBER: _ClassVar[int]
+    PCIE_MAX_LINK_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PCIE_REPLAY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_LINKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_LINKS_UP_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_ERROR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_ACTION_FIELD_NUMBER: _ClassVar[int]
     index: int
     temperature_c: float
     power_w: float
     utilization_percent: float
     memory_used_bytes: int
-    def __init__(self, index: _Optional[int] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
+    lost: bool
+    ecc_sbe_volatile: int
+    ecc_dbe_volatile: int
+    ecc_sbe_aggregate: int
+    ecc_dbe_aggregate: int
+    remapped_rows_correctable: int
+    remapped_rows_uncorrectable: int
+    remap_pending: bool
+    remap_failure: bool
+    retired_pages_sbe: int
+    retired_pages_dbe: int
+    retired_pages_pending: bool
+    slowdown_temperature_c: float
+    clocks_event_reasons: int
+    power_limit_w: float
+    pcie_link_gen: int
+    pcie_link_width: int
+    pcie_max_link_gen: int
+    pcie_max_link_width: int
+    pcie_replay_count: int
+    nvlink_links_total: int
+    nvlink_links_up: int
+    nvlink_error_count: int
+    recovery_action: GpuRecoveryAction
+    def __init__(self, index: _Optional[int] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., lost: _Optional[bool] = ..., ecc_sbe_volatile: _Optional[int] = ..., ecc_dbe_volatile: _Optional[int] = ..., ecc_sbe_aggregate: _Optional[int] = ..., ecc_dbe_aggregate: _Optional[int] = ..., remapped_rows_correctable: _Optional[int] = ..., remapped_rows_uncorrectable: _Optional[int] = ..., remap_pending: _Optional[bool] = ..., remap_failure: _Optional[bool] = ..., retired_pages_sbe: _Optional[int] = ..., retired_pages_dbe: _Optional[int] = ..., retired_pages_pending: _Optional[bool] = ..., slowdown_temperature_c: _Optional[float] = ..., clocks_event_reasons: _Optional[int] = ..., power_limit_w: _Optional[float] = ..., pcie_link_gen: _Optional[int] = ..., pcie_link_width: _Optional[int] = ..., pcie_max_link_gen: _Optional[int] = ..., pcie_max_link_width: _Optional[int] = ..., pcie_replay_count: _Optional[int] = ..., nvlink_links_total: _Optional[int] = ..., nvlink_links_up: _Optional[int] = ..., nvlink_error_count: _Optional[int] = ..., recovery_action: _Optional[_Union[GpuRecoveryAction, str]] = ...) -> None: ...
+
+class GpuEvent(_message.Message):
+    __slots__ = ("gpu_index", "xid", "time_unix_ns", "message")
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    XID_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    gpu_index: int
+    xid: int
+    time_unix_ns: int
+    message: str
+    def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., time_unix_ns: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("numa_nodes", "gpus", "nics", "matrix", "locality", "warnings")
+    NUMA_NODES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    NICS_FIELD_NUMBER: _ClassVar[int]
+    MATRIX_FIELD_NUMBER: _ClassVar[int]
+    LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    numa_nodes: _containers.RepeatedCompositeFieldContainer[NumaNode]
+    gpus: _containers.RepeatedCompositeFieldContainer[PciDevice]
+    nics: _containers.RepeatedCompositeFieldContainer[PciDevice]
+    matrix: TopologyMatrix
+    locality: _containers.RepeatedCompositeFieldContainer[GpuLocality]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, numa_nodes: _Optional[_Iterable[_Union[NumaNode, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[PciDevice, _Mapping]]] = ..., nics: _Optional[_Iterable[_Union[PciDevice, _Mapping]]] = ..., matrix: _Optional[_Union[TopologyMatrix, _Mapping]] = ..., locality: _Optional[_Iterable[_Union[GpuLocality, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NumaNode(_message.Message):
+    __slots__ = ("id", "cpulist", "distances", "memory_total_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CPULIST_FIELD_NUMBER: _ClassVar[int]
+    DISTANCES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    cpulist: str
+    distances: _containers.RepeatedScalarFieldContainer[int]
+    memory_total_bytes: int
+    def __init__(self, id: _Optional[int] = ..., cpulist: _Optional[str] = ..., distances: _Optional[_Iterable[int]] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+
+class PciDevice(_message.Message):
+    __slots__ = ("name", "bdf", "kind", "numa_node", "local_cpulist", "link_speed", "link_width", "max_link_speed", "max_link_width", "sysfs_path", "port_states", "gpu_index")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BDF_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CPULIST_FIELD_NUMBER: _ClassVar[int]
+    LINK_SPEED_FIELD_NUMBER: _ClassVar[int]
+    LINK_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_LINK_SPEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LINK_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    SYSFS_PATH_FIELD_NUMBER: _ClassVar[int]
+    PORT_STATES_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bdf: str
+    kind: str
+    numa_node: int
+    local_cpulist: str
+    link_speed: str
+    link_width: int
+    max_link_speed: str
+    max_link_width: int
+    sysfs_path: str
+    port_states: _containers.RepeatedScalarFieldContainer[str]
+    gpu_index: int
+    def __init__(self, name: _Optional[str] = ..., bdf: _Optional[str] = ..., kind: _Optional[str] = ..., numa_node: _Optional[int] = ..., local_cpulist: _Optional[str] = ..., link_speed: _Optional[str] = ..., link_width: _Optional[int] = ..., max_link_speed: _Optional[str] = ..., max_link_width: _Optional[int] = ..., sysfs_path: _Optional[str] = ..., port_states: _Optional[_Iterable[str]] = ..., gpu_index: _Optional[int] = ...) -> None: ...
+
+class TopologyMatrix(_message.Message):
+    __slots__ = ("labels", "rows")
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    rows: _containers.RepeatedCompositeFieldContainer[TopologyRow]
+    def __init__(self, labels: _Optional[_Iterable[str]] = ..., rows: _Optional[_Iterable[_Union[TopologyRow, _Mapping]]] = ...) -> None: ...
+
+class TopologyRow(_message.Message):
+    __slots__ = ("cells",)
+    CELLS_FIELD_NUMBER: _ClassVar[int]
+    cells: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cells: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GpuLocality(_message.Message):
+    __slots__ = ("gpu_index", "nearest_nic", "nic_relation", "numa_node", "cpulist")
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NEAREST_NIC_FIELD_NUMBER: _ClassVar[int]
+    NIC_RELATION_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    CPULIST_FIELD_NUMBER: _ClassVar[int]
+    gpu_index: int
+    nearest_nic: str
+    nic_relation: str
+    numa_node: int
+    cpulist: str
+    def __init__(self, gpu_index: _Optional[int] = ..., nearest_nic: _Optional[str] = ..., nic_relation: _Optional[str] = ..., numa_node: _Optional[int] = ..., cpulist: _Optional[str] = ...) -> None: ...
+
+class NcclRankState(_message.Message):
+    __slots__ = ("job", "rank", "process_group", "last_started_seq", "last_completed_seq", "last_op", "last_state", "last_age_s", "dump_time_unix_ns", "dump_path")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_GROUP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STARTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMPLETED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_OP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DUMP_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    DUMP_PATH_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    process_group: str
+    last_started_seq: int
+    last_completed_seq: int
+    last_op: str
+    last_state: str
+    last_age_s: float
+    dump_time_unix_ns: int
+    dump_path: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., process_group: _Optional[str] = ..., last_started_seq: _Optional[int] = ..., last_completed_seq: _Optional[int] = ..., last_op: _Optional[str] = ..., last_state: _Optional[str] = ..., last_age_s: _Optional[float] = ..., dump_time_unix_ns: _Optional[int] = ..., dump_path: _Optional[str] = ...) -> None: ...
+
+class GpuVerdict(_message.Message):
+    __slots__ = ("index", "health", "reasons")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    health: Health
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., health: _Optional[_Union[Health, str]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodeHealth(_message.Message):
+    __slots__ = ("node", "health", "reasons", "gpus", "evaluated_unix_ns")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    health: Health
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuVerdict]
+    evaluated_unix_ns: int
+    def __init__(self, node: _Optional[str] = ..., health: _Optional[_Union[Health, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[_Union[GpuVerdict, _Mapping]]] = ..., evaluated_unix_ns: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("seq", "time_unix_ns", "kind", "node", "job", "message", "fields")

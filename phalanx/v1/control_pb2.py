@@ -25,35 +25,45 @@ _sym_db = _symbol_database.Default()
 from phalanx.v1 import common_pb2 as phalanx_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18phalanx/v1/control.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"\xd9\x02\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12,\n\tinventory\x18\x05 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\x12\'\n\x04host\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x07 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x1b\n\x13state_since_unix_ns\x18\t \x01(\x03\x12\x0c\n\x04peer\x18\n \x01(\t\x12\x11\n\tconnected\x18\x0b \x01(\x08\x12\x15\n\rrunning_ranks\x18\x0c \x01(\r\"9\n\x10ListNodesRequest\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.phalanx.v1.NodeState\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.phalanx.v1.Node\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"0\n\x10\x44rainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x12UndrainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"P\n\x11ListEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0b\n\x03job\x18\x04 \x01(\t\"7\n\x12ListEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.phalanx.v1.Event\"B\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0b\n\x03job\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x8f\x02\n\x0f\x43ontrollerStats\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x18\n\x10heartbeats_total\x18\x03 \x01(\x04\x12\x1c\n\x14heartbeat_lag_p50_ms\x18\x04 \x01(\x01\x12\x1c\n\x14heartbeat_lag_p99_ms\x18\x05 \x01(\x01\x12\x1c\n\x14heartbeat_lag_max_ms\x18\x06 \x01(\x01\x12\x1d\n\x15heartbeat_lag_samples\x18\x07 \x01(\x04\x12\x1b\n\x13process_cpu_seconds\x18\x08 \x01(\x01\x12\x19\n\x11process_rss_bytes\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x32\xe8\x03\n\x0e\x43ontrolService\x12H\n\tListNodes\x12\x1c.phalanx.v1.ListNodesRequest\x1a\x1d.phalanx.v1.ListNodesResponse\x12\x37\n\x07GetNode\x12\x1a.phalanx.v1.GetNodeRequest\x1a\x10.phalanx.v1.Node\x12;\n\tDrainNode\x12\x1c.phalanx.v1.DrainNodeRequest\x1a\x10.phalanx.v1.Node\x12?\n\x0bUndrainNode\x12\x1e.phalanx.v1.UndrainNodeRequest\x1a\x10.phalanx.v1.Node\x12K\n\nListEvents\x12\x1d.phalanx.v1.ListEventsRequest\x1a\x1e.phalanx.v1.ListEventsResponse\x12\x42\n\x0bWatchEvents\x12\x1e.phalanx.v1.WatchEventsRequest\x1a\x11.phalanx.v1.Event0\x01\x12\x44\n\x08GetStats\x12\x1b.phalanx.v1.GetStatsRequest\x1a\x1b.phalanx.v1.ControllerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18phalanx/v1/control.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\" \n\x10GetHealthRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\":\n\x11GetHealthResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.phalanx.v1.NodeHealth\"\"\n\x12GetTopologyRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"D\n\x12InjectFaultRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x03 \x01(\t\"&\n\x13InjectFaultResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xfd\x02\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12,\n\tinventory\x18\x05 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\x12\'\n\x04host\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x07 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x1b\n\x13state_since_unix_ns\x18\t \x01(\x03\x12\x0c\n\x04peer\x18\n \x01(\t\x12\x11\n\tconnected\x18\x0b \x01(\x08\x12\x15\n\rrunning_ranks\x18\x0c \x01(\r\x12\"\n\x06health\x18\r \x01(\x0e\x32\x12.phalanx.v1.Health\"9\n\x10ListNodesRequest\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.phalanx.v1.NodeState\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.phalanx.v1.Node\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"0\n\x10\x44rainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x12UndrainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"P\n\x11ListEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0b\n\x03job\x18\x04 \x01(\t\"7\n\x12ListEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.phalanx.v1.Event\"B\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0b\n\x03job\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x8f\x02\n\x0f\x43ontrollerStats\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x18\n\x10heartbeats_total\x18\x03 \x01(\x04\x12\x1c\n\x14heartbeat_lag_p50_ms\x18\x04 \x01(\x01\x12\x1c\n\x14heartbeat_lag_p99_ms\x18\x05 \x01(\x01\x12\x1c\n\x14heartbeat_lag_max_ms\x18\x06 \x01(\x01\x12\x1d\n\x15heartbeat_lag_samples\x18\x07 \x01(\x04\x12\x1b\n\x13process_cpu_seconds\x18\x08 \x01(\x01\x12\x19\n\x11process_rss_bytes\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x32\xc7\x05\n\x0e\x43ontrolService\x12H\n\tListNodes\x12\x1c.phalanx.v1.ListNodesRequest\x1a\x1d.phalanx.v1.ListNodesResponse\x12\x37\n\x07GetNode\x12\x1a.phalanx.v1.GetNodeRequest\x1a\x10.phalanx.v1.Node\x12;\n\tDrainNode\x12\x1c.phalanx.v1.DrainNodeRequest\x1a\x10.phalanx.v1.Node\x12?\n\x0bUndrainNode\x12\x1e.phalanx.v1.UndrainNodeRequest\x1a\x10.phalanx.v1.Node\x12K\n\nListEvents\x12\x1d.phalanx.v1.ListEventsRequest\x1a\x1e.phalanx.v1.ListEventsResponse\x12\x42\n\x0bWatchEvents\x12\x1e.phalanx.v1.WatchEventsRequest\x1a\x11.phalanx.v1.Event0\x01\x12\x44\n\x08GetStats\x12\x1b.phalanx.v1.GetStatsRequest\x1a\x1b.phalanx.v1.ControllerStats\x12H\n\tGetHealth\x12\x1c.phalanx.v1.GetHealthRequest\x1a\x1d.phalanx.v1.GetHealthResponse\x12\x43\n\x0bGetTopology\x12\x1e.phalanx.v1.GetTopologyRequest\x1a\x14.phalanx.v1.Topology\x12N\n\x0bInjectFault\x12\x1e.phalanx.v1.InjectFaultRequest\x1a\x1f.phalanx.v1.InjectFaultResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'phalanx.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODE']._serialized_start=66
-  _globals['_NODE']._serialized_end=411
-  _globals['_LISTNODESREQUEST']._serialized_start=413
-  _globals['_LISTNODESREQUEST']._serialized_end=470
-  _globals['_LISTNODESRESPONSE']._serialized_start=472
-  _globals['_LISTNODESRESPONSE']._serialized_end=524
-  _globals['_GETNODEREQUEST']._serialized_start=526
-  _globals['_GETNODEREQUEST']._serialized_end=556
-  _globals['_DRAINNODEREQUEST']._serialized_start=558
-  _globals['_DRAINNODEREQUEST']._serialized_end=606
-  _globals['_UNDRAINNODEREQUEST']._serialized_start=608
-  _globals['_UNDRAINNODEREQUEST']._serialized_end=642
-  _globals['_LISTEVENTSREQUEST']._serialized_start=644
-  _globals['_LISTEVENTSREQUEST']._serialized_end=724
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=726
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=781
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=783
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=849
-  _globals['_GETSTATSREQUEST']._serialized_start=851
-  _globals['_GETSTATSREQUEST']._serialized_end=868
-  _globals['_CONTROLLERSTATS']._serialized_start=871
-  _globals['_CONTROLLERSTATS']._serialized_end=1142
-  _globals['_CONTROLSERVICE']._serialized_start=1145
-  _globals['_CONTROLSERVICE']._serialized_end=1633
+  _globals['_GETHEALTHREQUEST']._serialized_start=65
+  _globals['_GETHEALTHREQUEST']._serialized_end=97
+  _globals['_GETHEALTHRESPONSE']._serialized_start=99
+  _globals['_GETHEALTHRESPONSE']._serialized_end=157
+  _globals['_GETTOPOLOGYREQUEST']._serialized_start=159
+  _globals['_GETTOPOLOGYREQUEST']._serialized_end=193
+  _globals['_INJECTFAULTREQUEST']._serialized_start=195
+  _globals['_INJECTFAULTREQUEST']._serialized_end=263
+  _globals['_INJECTFAULTRESPONSE']._serialized_start=265
+  _globals['_INJECTFAULTRESPONSE']._serialized_end=303
+  _globals['_NODE']._serialized_start=306
+  _globals['_NODE']._serialized_end=687
+  _globals['_LISTNODESREQUEST']._serialized_start=689
+  _globals['_LISTNODESREQUEST']._serialized_end=746
+  _globals['_LISTNODESRESPONSE']._serialized_start=748
+  _globals['_LISTNODESRESPONSE']._serialized_end=800
+  _globals['_GETNODEREQUEST']._serialized_start=802
+  _globals['_GETNODEREQUEST']._serialized_end=832
+  _globals['_DRAINNODEREQUEST']._serialized_start=834
+  _globals['_DRAINNODEREQUEST']._serialized_end=882
+  _globals['_UNDRAINNODEREQUEST']._serialized_start=884
+  _globals['_UNDRAINNODEREQUEST']._serialized_end=918
+  _globals['_LISTEVENTSREQUEST']._serialized_start=920
+  _globals['_LISTEVENTSREQUEST']._serialized_end=1000
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=1002
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=1057
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1059
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1125
+  _globals['_GETSTATSREQUEST']._serialized_start=1127
+  _globals['_GETSTATSREQUEST']._serialized_end=1144
+  _globals['_CONTROLLERSTATS']._serialized_start=1147
+  _globals['_CONTROLLERSTATS']._serialized_end=1418
+  _globals['_CONTROLSERVICE']._serialized_start=1421
+  _globals['_CONTROLSERVICE']._serialized_end=2132
 # @@protoc_insertion_point(module_scope)

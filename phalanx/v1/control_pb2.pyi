@@ -7,8 +7,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetHealthRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class GetHealthResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeHealth]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[_common_pb2.NodeHealth, _Mapping]]] = ...) -> None: ...
+
+class GetTopologyRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class InjectFaultRequest(_message.Message):
+    __slots__ = ("node", "gpu_index", "fault")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    gpu_index: int
+    fault: str
+    def __init__(self, node: _Optional[str] = ..., gpu_index: _Optional[int] = ..., fault: _Optional[str] = ...) -> None: ...
+
+class InjectFaultResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
 class Node(_message.Message):
-    __slots__ = ("name", "state", "drain_reason", "incarnation", "inventory", "host", "gpus", "last_heartbeat_unix_ns", "state_since_unix_ns", "peer", "connected", "running_ranks")
+    __slots__ = ("name", "state", "drain_reason", "incarnation", "inventory", "host", "gpus", "last_heartbeat_unix_ns", "state_since_unix_ns", "peer", "connected", "running_ranks", "health")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +55,7 @@ class Node(_message.Message):
     PEER_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: _common_pb2.NodeState
     drain_reason: str
@@ -33,7 +68,8 @@ class Node(_message.Message):
     peer: str
     connected: bool
     running_ranks: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., last_heartbeat_unix_ns: _Optional[int] = ..., state_since_unix_ns: _Optional[int] = ..., peer: _Optional[str] = ..., connected: _Optional[bool] = ..., running_ranks: _Optional[int] = ...) -> None: ...
+    health: _common_pb2.Health
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., last_heartbeat_unix_ns: _Optional[int] = ..., state_since_unix_ns: _Optional[int] = ..., peer: _Optional[str] = ..., connected: _Optional[bool] = ..., running_ranks: _Optional[int] = ..., health: _Optional[_Union[_common_pb2.Health, str]] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("states",)

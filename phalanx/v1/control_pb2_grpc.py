@@ -70,6 +70,21 @@ class ControlServiceStub:
                 request_serializer=phalanx_dot_v1_dot_control__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_control__pb2.ControllerStats.FromString,
                 _registered_method=True)
+        self.GetHealth = channel.unary_unary(
+                '/phalanx.v1.ControlService/GetHealth',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.GetHealthRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.GetHealthResponse.FromString,
+                _registered_method=True)
+        self.GetTopology = channel.unary_unary(
+                '/phalanx.v1.ControlService/GetTopology',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.GetTopologyRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_common__pb2.Topology.FromString,
+                _registered_method=True)
+        self.InjectFault = channel.unary_unary(
+                '/phalanx.v1.ControlService/InjectFault',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.InjectFaultRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.InjectFaultResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -118,6 +133,25 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHealth(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTopology(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InjectFault(self, request, context):
+        """Faults for simulated GPUs (refused on real ones), carried out by the node's agent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +189,21 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=phalanx_dot_v1_dot_control__pb2.GetStatsRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_control__pb2.ControllerStats.SerializeToString,
+            ),
+            'GetHealth': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHealth,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.GetHealthRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.GetHealthResponse.SerializeToString,
+            ),
+            'GetTopology': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTopology,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.GetTopologyRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_common__pb2.Topology.SerializeToString,
+            ),
+            'InjectFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectFault,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.InjectFaultRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.InjectFaultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +395,87 @@ class ControlService:
             '/phalanx.v1.ControlService/GetStats',
             phalanx_dot_v1_dot_control__pb2.GetStatsRequest.SerializeToString,
             phalanx_dot_v1_dot_control__pb2.ControllerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/GetHealth',
+            phalanx_dot_v1_dot_control__pb2.GetHealthRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.GetHealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/GetTopology',
+            phalanx_dot_v1_dot_control__pb2.GetTopologyRequest.SerializeToString,
+            phalanx_dot_v1_dot_common__pb2.Topology.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/InjectFault',
+            phalanx_dot_v1_dot_control__pb2.InjectFaultRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.InjectFaultResponse.FromString,
             options,
             channel_credentials,
             insecure,

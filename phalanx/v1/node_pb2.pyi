@@ -28,16 +28,20 @@ class RegisterResponse(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("open", "heartbeat", "inventory", "event")
+    __slots__ = ("open", "heartbeat", "inventory", "event", "gpu_event", "result")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
+    GPU_EVENT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     heartbeat: Heartbeat
     inventory: _common_pb2.NodeInventory
     event: AgentEvent
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., event: _Optional[_Union[AgentEvent, _Mapping]] = ...) -> None: ...
+    gpu_event: _common_pb2.GpuEvent
+    result: CommandResult
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., event: _Optional[_Union[AgentEvent, _Mapping]] = ..., gpu_event: _Optional[_Union[_common_pb2.GpuEvent, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("node_name", "incarnation")
@@ -48,18 +52,20 @@ class SessionOpen(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks")
+    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NCCL_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix_ns: int
     host: _common_pb2.HostTelemetry
     gpus: _containers.RepeatedCompositeFieldContainer[_common_pb2.GpuTelemetry]
     running_ranks: int
-    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ...) -> None: ...
+    nccl: _containers.RepeatedCompositeFieldContainer[_common_pb2.NcclRankState]
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
     __slots__ = ("kind", "message", "fields")
@@ -79,12 +85,40 @@ class AgentEvent(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("accepted", "status")
+    __slots__ = ("accepted", "status", "command")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
     accepted: SessionAccepted
     status: NodeStatus
-    def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ...) -> None: ...
+    command: Command
+    def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("id", "inject")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INJECT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    inject: InjectFault
+    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ...) -> None: ...
+
+class InjectFault(_message.Message):
+    __slots__ = ("gpu_index", "fault")
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    gpu_index: int
+    fault: str
+    def __init__(self, gpu_index: _Optional[int] = ..., fault: _Optional[str] = ...) -> None: ...
+
+class CommandResult(_message.Message):
+    __slots__ = ("id", "ok", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    ok: bool
+    error: str
+    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
     __slots__ = ("incarnation",)
