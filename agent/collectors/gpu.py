@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from phalanx import log
@@ -23,10 +24,17 @@ class GpuBackend(Protocol):
         ...
 
     def sample(self) -> list[common_pb2.GpuTelemetry]:
-        """One sweep of the fast-changing values; called once per heartbeat."""
+        """One sweep of readings and health counters; called once per heartbeat. Never raises for one
+        GPU's or one field's failure: an unsupported field is left unset, a lost GPU has `lost` set."""
         ...
 
-    def close(self) -> None: ...
+    def start_events(self, emit: Callable[[common_pb2.GpuEvent], None]) -> None:
+        """Start delivering XID events to `emit` (which may be called from any thread)."""
+        ...
+
+    def close(self) -> None:
+        """Stop event delivery and release the library."""
+        ...
 
 
 class NoGpus:
@@ -39,6 +47,9 @@ class NoGpus:
 
     def sample(self) -> list[common_pb2.GpuTelemetry]:
         return []
+
+    def start_events(self, emit: Callable[[common_pb2.GpuEvent], None]) -> None:
+        pass
 
     def close(self) -> None:
         pass
