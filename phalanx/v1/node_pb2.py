@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from phalanx.v1 import common_pb2 as phalanx_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15phalanx/v1/node.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"R\n\x0fRegisterRequest\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12,\n\tinventory\x18\x02 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\"\x81\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x04 \x01(\t\"\x9c\x02\n\x0c\x41gentMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SessionOpenH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.phalanx.v1.HeartbeatH\x00\x12.\n\tinventory\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.NodeInventoryH\x00\x12\'\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.phalanx.v1.AgentEventH\x00\x12)\n\tgpu_event\x18\x05 \x01(\x0b\x32\x14.phalanx.v1.GpuEventH\x00\x12+\n\x06result\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.CommandResultH\x00\x42\x06\n\x04\x62ody\"5\n\x0bSessionOpen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xbf\x01\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x02 \x01(\x03\x12\'\n\x04host\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x04 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x15\n\rrunning_ranks\x18\x05 \x01(\r\x12\'\n\x04nccl\x18\x06 \x03(\x0b\x32\x19.phalanx.v1.NcclRankState\"\x8e\x01\n\nAgentEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x32\n\x06\x66ields\x18\x03 \x03(\x0b\x32\".phalanx.v1.AgentEvent.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9e\x01\n\x11\x43ontrollerMessage\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.phalanx.v1.SessionAcceptedH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.phalanx.v1.NodeStatusH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.phalanx.v1.CommandH\x00\x42\x06\n\x04\x62ody\"H\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x06inject\x18\x02 \x01(\x0b\x32\x17.phalanx.v1.InjectFaultH\x00\x42\x06\n\x04\x62ody\"/\n\x0bInjectFault\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x02 \x01(\t\"6\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"&\n\x0fSessionAccepted\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\"H\n\nNodeStatus\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x02 \x01(\t2\x9c\x01\n\x0bNodeService\x12\x45\n\x08Register\x12\x1b.phalanx.v1.RegisterRequest\x1a\x1c.phalanx.v1.RegisterResponse\x12\x46\n\x07Session\x12\x18.phalanx.v1.AgentMessage\x1a\x1d.phalanx.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15phalanx/v1/node.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"R\n\x0fRegisterRequest\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12,\n\tinventory\x18\x02 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\"\x81\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x04 \x01(\t\"\x9c\x02\n\x0c\x41gentMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SessionOpenH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.phalanx.v1.HeartbeatH\x00\x12.\n\tinventory\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.NodeInventoryH\x00\x12\'\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.phalanx.v1.AgentEventH\x00\x12)\n\tgpu_event\x18\x05 \x01(\x0b\x32\x14.phalanx.v1.GpuEventH\x00\x12+\n\x06result\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.CommandResultH\x00\x42\x06\n\x04\x62ody\"5\n\x0bSessionOpen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xd6\x01\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x02 \x01(\x03\x12\'\n\x04host\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x04 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x15\n\rrunning_ranks\x18\x05 \x01(\r\x12\'\n\x04nccl\x18\x06 \x03(\x0b\x32\x19.phalanx.v1.NcclRankState\x12\x15\n\rhealth_digest\x18\x07 \x01(\x04\"\x8e\x01\n\nAgentEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x32\n\x06\x66ields\x18\x03 \x03(\x0b\x32\".phalanx.v1.AgentEvent.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9e\x01\n\x11\x43ontrollerMessage\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.phalanx.v1.SessionAcceptedH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.phalanx.v1.NodeStatusH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.phalanx.v1.CommandH\x00\x42\x06\n\x04\x62ody\"H\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x06inject\x18\x02 \x01(\x0b\x32\x17.phalanx.v1.InjectFaultH\x00\x42\x06\n\x04\x62ody\"/\n\x0bInjectFault\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x02 \x01(\t\"6\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"&\n\x0fSessionAccepted\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\"H\n\nNodeStatus\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x02 \x01(\t2\x9c\x01\n\x0bNodeService\x12\x45\n\x08Register\x12\x1b.phalanx.v1.RegisterRequest\x1a\x1c.phalanx.v1.RegisterResponse\x12\x46\n\x07Session\x12\x18.phalanx.v1.AgentMessage\x1a\x1d.phalanx.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,23 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONOPEN']._serialized_start=565
   _globals['_SESSIONOPEN']._serialized_end=618
   _globals['_HEARTBEAT']._serialized_start=621
-  _globals['_HEARTBEAT']._serialized_end=812
-  _globals['_AGENTEVENT']._serialized_start=815
-  _globals['_AGENTEVENT']._serialized_end=957
-  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_start=912
-  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_end=957
-  _globals['_CONTROLLERMESSAGE']._serialized_start=960
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1118
-  _globals['_COMMAND']._serialized_start=1120
-  _globals['_COMMAND']._serialized_end=1192
-  _globals['_INJECTFAULT']._serialized_start=1194
-  _globals['_INJECTFAULT']._serialized_end=1241
-  _globals['_COMMANDRESULT']._serialized_start=1243
-  _globals['_COMMANDRESULT']._serialized_end=1297
-  _globals['_SESSIONACCEPTED']._serialized_start=1299
-  _globals['_SESSIONACCEPTED']._serialized_end=1337
-  _globals['_NODESTATUS']._serialized_start=1339
-  _globals['_NODESTATUS']._serialized_end=1411
-  _globals['_NODESERVICE']._serialized_start=1414
-  _globals['_NODESERVICE']._serialized_end=1570
+  _globals['_HEARTBEAT']._serialized_end=835
+  _globals['_AGENTEVENT']._serialized_start=838
+  _globals['_AGENTEVENT']._serialized_end=980
+  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_start=935
+  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_end=980
+  _globals['_CONTROLLERMESSAGE']._serialized_start=983
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1141
+  _globals['_COMMAND']._serialized_start=1143
+  _globals['_COMMAND']._serialized_end=1215
+  _globals['_INJECTFAULT']._serialized_start=1217
+  _globals['_INJECTFAULT']._serialized_end=1264
+  _globals['_COMMANDRESULT']._serialized_start=1266
+  _globals['_COMMANDRESULT']._serialized_end=1320
+  _globals['_SESSIONACCEPTED']._serialized_start=1322
+  _globals['_SESSIONACCEPTED']._serialized_end=1360
+  _globals['_NODESTATUS']._serialized_start=1362
+  _globals['_NODESTATUS']._serialized_end=1434
+  _globals['_NODESERVICE']._serialized_start=1437
+  _globals['_NODESERVICE']._serialized_end=1593
 # @@protoc_insertion_point(module_scope)

@@ -52,20 +52,22 @@ class SessionOpen(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl")
+    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
     NCCL_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix_ns: int
     host: _common_pb2.HostTelemetry
     gpus: _containers.RepeatedCompositeFieldContainer[_common_pb2.GpuTelemetry]
     running_ranks: int
     nccl: _containers.RepeatedCompositeFieldContainer[_common_pb2.NcclRankState]
-    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ...) -> None: ...
+    health_digest: int
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
     __slots__ = ("kind", "message", "fields")
