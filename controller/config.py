@@ -37,6 +37,33 @@ class LivenessConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    window_s: float = setting(60.0, "seconds of history for rates and recent XIDs")
+    ecc_sbe_degraded_per_min: float = setting(10.0, "corrected ECC errors per minute that make a GPU DEGRADED")
+    ecc_sbe_failing_per_min: float = setting(600.0, "corrected ECC errors per minute that make a GPU FAILING")
+    pcie_replay_degraded_per_min: float = setting(60.0, "PCIe replays per minute that make a GPU DEGRADED")
+    nvlink_errors_degraded_per_min: float = setting(60.0, "NVLink errors per minute that make a GPU DEGRADED")
+    nvlink_errors_failing_per_min: float = setting(6000.0, "NVLink errors per minute that make a GPU FAILING")
+    remap_pending: str = setting("FAILING", "verdict for a pending row remap: FAILING (checkpoint, evict, reset) "
+                                 "or DEGRADED (watch)", choices=("FAILING", "DEGRADED"))
+    application_xid_repeats: int = setting(3, "application XIDs (13, 31, 43, 45, 68) in the window that make a "
+                                           "GPU DEGRADED")
+    checkpoint_free_min_gib: float = setting(10.0, "free GiB in the checkpoint directory below which a node is "
+                                             "DEGRADED")
+
+    def __post_init__(self) -> None:
+        positive("health.window_s", self.window_s)
+        require(self.ecc_sbe_failing_per_min > self.ecc_sbe_degraded_per_min,
+                f"health.ecc_sbe_failing_per_min ({self.ecc_sbe_failing_per_min}) must be larger than "
+                f"health.ecc_sbe_degraded_per_min ({self.ecc_sbe_degraded_per_min})")
+        require(self.nvlink_errors_failing_per_min > self.nvlink_errors_degraded_per_min,
+                f"health.nvlink_errors_failing_per_min ({self.nvlink_errors_failing_per_min}) must be larger than "
+                f"health.nvlink_errors_degraded_per_min ({self.nvlink_errors_degraded_per_min})")
+        require(self.application_xid_repeats >= 1,
+                f"health.application_xid_repeats ({self.application_xid_repeats}) must be at least 1")
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     listen: str = setting("0.0.0.0:7370", "host:port the gRPC server listens on (node and control services)")
     state_db: str = setting("/var/lib/phalanx/controller.db", "SQLite database with nodes, drains and events")
@@ -44,6 +71,7 @@ class ControllerConfig:
     log_level: str = setting("info", "debug, info, warning or error", choices=LEVELS)
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
+    health: HealthConfig = section(HealthConfig, "GPU and node health policy")
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

@@ -1,0 +1,63 @@
+"""The fault language of `phalanx inject NODE --gpu N FAULT`, parsed once and shared by CLI, controller and agent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# fault -> (kind of value, what it does)
+GPU_FAULTS: dict[str, tuple[type | None, str]] = {
+    "xid": (int, "an XID event (and the counters that go with it), e.g. xid=79"),
+    "ecc-dbe": (None, "one uncorrectable (double-bit) ECC error, with XID 48"),
+    "ecc-sbe-rate": (float, "corrected (single-bit) ECC errors at R per second, e.g. ecc-sbe-rate=5"),
+    "remap-pending": (None, "a row remap pending until the next GPU reset, with XID 63"),
+    "remap-failure": (None, "a failed row remap, with XID 64"),
+    "thermal": (None, "temperature over the slowdown threshold, thermal clocks-event reasons set"),
+    "gpu-lost": (None, "the GPU falls off the bus, with XID 79"),
+    "pcie-replay": (int, "N PCIe replays"),
+    "nvlink-errors": (int, "N NVLink errors"),
+    "clear": (None, "undo every fault on this GPU"),
+}
+RANK_FAULTS: dict[str, tuple[type | None, str]] = {
+    "slow": (float, "duty-cycle the GPU's ranks with SIGSTOP/SIGCONT so they run F slower, e.g. slow=0.3"),
+    "hang": (None, "SIGSTOP the GPU's ranks until they are evicted"),
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    value: float | int | None = None
+
+    @property
+    def on_ranks(self) -> bool:
+        return self.name in RANK_FAULTS
+
+    def __str__(self) -> str:
+        return self.name if self.value is None else f"{self.name}={self.value:g}"
+
+
+def parse(text: str) -> Fault:
+    """Parse one fault; ValueError says what is wrong and lists what is allowed."""
+    name, sep, raw = text.strip().partition("=")
+    known = {**GPU_FAULTS, **RANK_FAULTS}
+    if name not in known:
+        raise ValueError(f"unknown fault {text!r}; known faults: {', '.join(_usage(known))}")
+    kind = known[name][0]
+    if kind is None:
+        if sep:
+            raise ValueError(f"fault {name} takes no value (got {text!r})")
+        return Fault(name)
+    if not sep or not raw:
+        raise ValueError(f"fault {name} needs a value: {_usage({name: known[name]})[0]}")
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"fault {name}: {raw!r} is not {'a whole number' if kind is int else 'a number'}") from None
+    if value < 0 or (name == "slow" and not 0 < value < 1) or (name == "xid" and not 0 < value < 1000):
+        rule = {"slow": "between 0 and 1 (0.3 = 30% slower)", "xid": "between 1 and 999"}.get(name, "not negative")
+        raise ValueError(f"fault {name}={raw} must be {rule}")
+    return Fault(name, value)
+
+
+def _usage(faults: dict[str, tuple[type | None, str]]) -> list[str]:
+    return [name if kind is None else f"{name}={'N' if kind is int else 'R'}" for name, (kind, _) in faults.items()]
