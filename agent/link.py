@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,6 +21,8 @@ from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 logger = log.get("link")
+
+MAX_QUEUED = 1000  # messages kept for the controller while disconnected; the oldest go first
 
 
 @dataclass
@@ -32,7 +35,7 @@ class LinkState:
     drain_reason: str = ""
     sessions: int = 0
     heartbeats_sent: int = 0
-    pending_events: list[node_pb2.AgentEvent] = field(default_factory=list)
+    health: common_pb2.NodeHealth | None = None  # the controller's latest verdict on this node
 
 
 class Link:
@@ -43,18 +46,27 @@ class Link:
         inventory: Callable[[], common_pb2.NodeInventory],
         heartbeat: Callable[[], node_pb2.Heartbeat],
         backoff: Backoff,
+        on_command: Callable[[node_pb2.Command], node_pb2.CommandResult] | None = None,
     ) -> None:
         self.node_name = node_name
         self.controller = controller
         self._inventory = inventory
         self._heartbeat = heartbeat
         self._backoff = backoff
+        self._on_command = on_command
         self.state = LinkState()
         self._seq = 0
+        self._outbox: deque[node_pb2.AgentMessage] = deque(maxlen=MAX_QUEUED)
+        self._wake = asyncio.Event()
 
     def emit(self, kind: str, message: str, **fields: str) -> None:
-        """Queue an event for the controller's log; sent on the current or next session."""
-        self.state.pending_events.append(node_pb2.AgentEvent(kind=kind, message=message, fields=fields))
+        """Queue an event for the controller's log; sent at once, or on the next session."""
+        self.send(node_pb2.AgentMessage(event=node_pb2.AgentEvent(kind=kind, message=message, fields=fields)))
+
+    def send(self, message: node_pb2.AgentMessage) -> None:
+        """Queue a message to go up now (not at the next heartbeat). Call from the event loop's thread."""
+        self._outbox.append(message)
+        self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -106,6 +118,10 @@ class Link:
 
     def _accepted(self, reply: node_pb2.RegisterResponse) -> None:
         self._backoff.reset()
+        # answers to the previous session's commands mean nothing to this one
+        kept = [m for m in self._outbox if m.WhichOneof("body") != "result"]
+        self._outbox.clear()
+        self._outbox.extend(kept)
         s = self.state
         s.connected, s.incarnation, s.sessions = True, reply.incarnation, s.sessions + 1
         s.state, s.drain_reason = reply.state, reply.drain_reason
@@ -117,32 +133,56 @@ class Link:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         stopper = asyncio.create_task(stop.wait())
+        waker: asyncio.Task | None = None
         try:
             while not stop.is_set() and not reader.done():
-                while self.state.pending_events:
-                    await asyncio.wait_for(call.write(node_pb2.AgentMessage(event=self.state.pending_events[0])),
-                                           DEFAULT_TIMEOUT_S)
-                    self.state.pending_events.pop(0)
-                self._seq += 1
-                heartbeat = self._heartbeat()
-                heartbeat.seq = self._seq
-                heartbeat.sent_unix_ns = time.time_ns()
-                await asyncio.wait_for(call.write(node_pb2.AgentMessage(heartbeat=heartbeat)), DEFAULT_TIMEOUT_S)
-                self.state.heartbeats_sent += 1
-                next_at += interval
-                if next_at < loop.time():  # we were paused (SIGSTOP, overload): do not burst
-                    next_at = loop.time()
-                await asyncio.wait({reader, stopper}, timeout=next_at - loop.time())
+                self._wake.clear()
+                while self._outbox:  # events, XIDs, command results: as soon as they happen
+                    await asyncio.wait_for(call.write(self._outbox[0]), DEFAULT_TIMEOUT_S)
+                    self._outbox.popleft()
+                if loop.time() >= next_at:
+                    self._seq += 1
+                    heartbeat = self._heartbeat()
+                    heartbeat.seq = self._seq
+                    heartbeat.sent_unix_ns = time.time_ns()
+                    await asyncio.wait_for(call.write(node_pb2.AgentMessage(heartbeat=heartbeat)), DEFAULT_TIMEOUT_S)
+                    self.state.heartbeats_sent += 1
+                    next_at += interval
+                    if next_at < loop.time():  # we were paused (SIGSTOP, overload): do not burst
+                        next_at = loop.time()
+                if waker is None or waker.done():
+                    waker = asyncio.create_task(self._wake.wait())
+                await asyncio.wait({reader, stopper, waker}, timeout=max(0.0, next_at - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
+            if waker is not None:
+                waker.cancel()
 
     async def _read(self, call) -> None:
         while (message := await call.read()) is not grpc.aio.EOF:
-            if message.WhichOneof("body") == "status":
+            body = message.WhichOneof("body")
+            if body == "command":
+                self.send(node_pb2.AgentMessage(result=self._run(message.command)))
+            elif body == "status":
                 status = message.status
                 self.state.state, self.state.drain_reason = status.state, status.drain_reason
+                if status.HasField("health"):
+                    self.state.health = status.health
                 logger.info("controller changed this node", state=common_pb2.NodeState.Name(status.state),
                             drain_reason=status.drain_reason)
         code = await call.code()
         if code != grpc.StatusCode.OK:
             raise ConnectionError(f"controller ended the session: {code.name}: {await call.details()}")
+
+    def _run(self, command: node_pb2.Command) -> node_pb2.CommandResult:
+        """Carry out a command; any failure becomes a refusal with a reason, never a dead session."""
+        if self._on_command is None:
+            return node_pb2.CommandResult(id=command.id, ok=False, error="this agent takes no commands")
+        try:
+            result = self._on_command(command)
+        except Exception as e:
+            logger.exception("command failed", command=command.WhichOneof("body"))
+            return node_pb2.CommandResult(id=command.id, ok=False, error=f"{type(e).__name__}: {e}")
+        result.id = command.id
+        return result

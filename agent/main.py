@@ -8,20 +8,40 @@ import os
 import signal
 import socket
 import sys
+import zlib
 from pathlib import Path
 
 from agent import config as agent_config
+from agent import nvrx as nvrx_service
 from agent.backoff import Backoff
 from agent.collectors import gpu
 from agent.collectors.host import HostCollector, inventory_basics
+from agent.collectors.sim import SimBackend
 from agent.link import Link
-from phalanx import __version__, log
+from phalanx import __version__, faults, log
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 logger = log.get("agent")
+
+
+def health_digest(gpus: list[common_pb2.GpuTelemetry], host: common_pb2.HostTelemetry) -> int:
+    """A number that changes whenever a health signal changes, and not with temperature, power or
+    load: the controller re-judges the node's health only when it does."""
+    parts = []
+    for reading in gpus:
+        signals = common_pb2.GpuTelemetry()
+        signals.CopyFrom(reading)
+        hot = reading.HasField("slowdown_temperature_c") and reading.temperature_c >= reading.slowdown_temperature_c > 0
+        signals.ClearField("temperature_c")
+        signals.ClearField("power_w")
+        signals.ClearField("utilization_percent")
+        signals.ClearField("memory_used_bytes")
+        parts.append(signals.SerializeToString(deterministic=True) + (b"\x01" if hot else b"\x00"))
+    parts.append((host.checkpoint_free_bytes >> 30).to_bytes(8, "little"))  # whole GiB
+    return zlib.crc32(b"|".join(parts)) + 1  # never 0, which means "not computed"
 
 
 class Agent:
@@ -38,7 +58,7 @@ class Agent:
             gpu_backend=backend.kind, labels=cfg.labels, agent_version=__version__,
             checkpoint_dir=cfg.checkpoint_dir, agent_pid=os.getpid())
         self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
-                         Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s))
+                         Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command)
 
     def inventory(self) -> common_pb2.NodeInventory:
         inventory = common_pb2.NodeInventory()
@@ -47,10 +67,50 @@ class Agent:
         return inventory
 
     def heartbeat(self) -> node_pb2.Heartbeat:
-        return node_pb2.Heartbeat(host=self.host.sample(), gpus=self.backend.sample(), running_ranks=0)
+        host, gpus = self.host.sample(), self.backend.sample()
+        return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0, health_digest=health_digest(gpus, host))
+
+    def command(self, command: node_pb2.Command) -> node_pb2.CommandResult:
+        body = command.WhichOneof("body")
+        if body != "inject":
+            return node_pb2.CommandResult(ok=False, error=f"unknown command {body!r}")
+        try:
+            fault = faults.parse(command.inject.fault)
+        except ValueError as e:
+            return node_pb2.CommandResult(ok=False, error=str(e))
+        if fault.on_ranks:
+            return node_pb2.CommandResult(ok=False, error=f"no ranks are running on GPU {command.inject.gpu_index} "
+                                          f"of {self.name}; {fault} needs a job there")
+        if not isinstance(self.backend, SimBackend):
+            return node_pb2.CommandResult(ok=False, error=f"{self.name} has real GPUs; faults can only be injected "
+                                          "into simulated ones")
+        try:
+            done = self.backend.inject(command.inject.gpu_index, fault)
+        except ValueError as e:
+            return node_pb2.CommandResult(ok=False, error=str(e))
+        logger.warning("fault injected", fault=str(fault), gpu=command.inject.gpu_index)
+        return node_pb2.CommandResult(ok=True, message=f"{self.name}: injected {done}")
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.link.run(stop)
+        loop = asyncio.get_running_loop()
+
+        def gpu_event(event: common_pb2.GpuEvent) -> None:  # any thread
+            logger.warning("GPU event", gpu=event.gpu_index, xid=event.xid, message=event.message)
+            loop.call_soon_threadsafe(self.link.send, node_pb2.AgentMessage(gpu_event=event))
+
+        self.backend.start_events(gpu_event)
+        nvrx = None
+        if self.cfg.nvrx_socket:
+            try:
+                nvrx = await nvrx_service.serve(self.cfg.nvrx_socket, nvrx_service.NvrxHealthService(
+                    lambda: self.link.state.health, lambda: self.link.state.connected))
+            except OSError as e:
+                logger.warning("NVRx node health check not served", socket=self.cfg.nvrx_socket, error=str(e))
+        try:
+            await self.link.run(stop)
+        finally:
+            if nvrx is not None:
+                await nvrx.stop(1.0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

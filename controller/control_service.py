@@ -8,12 +8,13 @@ import grpc
 import psutil
 
 from controller import validation
-from controller.errors import InvalidArgument
+from controller.errors import FailedPrecondition, InvalidArgument
 from controller.events import EventHub, WatcherOverflow
 from controller.registry import Registry
 from controller.rpc import unary
 from controller.store.base import Store
-from phalanx.v1 import control_pb2, control_pb2_grpc
+from phalanx import faults
+from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc, node_pb2
 
 _REPLAY_PAGE = 1000
 
@@ -84,6 +85,39 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
                 yield event.to_proto()
         finally:
             watcher.close()
+
+    @unary
+    async def GetHealth(self, request: control_pb2.GetHealthRequest, context):
+        entries = [self._registry.get(validation.node_name(request.node, "node"))] if request.node else \
+            self._registry.entries()
+        return control_pb2.GetHealthResponse(nodes=[e.health_proto() for e in entries])
+
+    @unary
+    async def GetTopology(self, request: control_pb2.GetTopologyRequest, context):
+        entry = self._registry.get(validation.node_name(request.node, "node"))
+        return entry.inventory().topology
+
+    @unary
+    async def InjectFault(self, request: control_pb2.InjectFaultRequest, context):
+        entry = self._registry.get(validation.node_name(request.node, "node"))
+        try:
+            fault = faults.parse(request.fault)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        inventory = entry.inventory()
+        if inventory.gpu_backend != common_pb2.GPU_BACKEND_KIND_SIM:
+            kind = common_pb2.GpuBackendKind.Name(inventory.gpu_backend).removeprefix("GPU_BACKEND_KIND_")
+            raise FailedPrecondition(f"node {request.node} has GPU backend {kind}; faults can only be injected into "
+                                     "simulated GPUs")
+        if request.gpu_index >= len(inventory.gpus):
+            raise InvalidArgument(f"node {request.node} has {len(inventory.gpus)} GPUs; there is no GPU "
+                                  f"{request.gpu_index}")
+        if entry.session is None:
+            raise FailedPrecondition(f"node {request.node} is not connected ({entry.record.state})")
+        result = await entry.session.request(node_pb2.Command(inject=node_pb2.InjectFault(
+            gpu_index=request.gpu_index, fault=str(fault))))
+        return control_pb2.InjectFaultResponse(message=result.message or f"node {request.node}: injected {fault} "
+                                               f"into GPU {request.gpu_index}")
 
     @unary
     async def GetStats(self, request: control_pb2.GetStatsRequest, context):

@@ -8,8 +8,9 @@ import grpc
 
 from controller import validation
 from controller.errors import ControllerError, InvalidArgument
-from controller.registry import NodeEntry, Registry, Session
+from controller.registry import NodeEntry, Registry
 from controller.rpc import status_for, unary
+from controller.session import Session
 from phalanx import log
 from phalanx.v1 import node_pb2, node_pb2_grpc
 
@@ -73,7 +74,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                         raise InvalidArgument(f"heartbeat carries {len(message.heartbeat.gpus)} GPUs; "
                                               f"the limit is {validation.MAX_GPUS}")
                     if registry.heartbeat(entry, message.heartbeat):
-                        await registry.recover(entry)
+                        await registry.settle(entry)
                 elif body == "inventory":
                     validation.inventory(message.inventory)
                     await registry.update_inventory(entry, message.inventory)
@@ -83,6 +84,12 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     if not event.kind or not event.kind.replace("_", "").replace("-", "").isalnum():
                         raise InvalidArgument(f"event kind {event.kind[:40]!r} must be a non-empty word")
                     await registry.agent_event(entry, event.kind, event.message, dict(event.fields))
+                elif body == "gpu_event":
+                    if message.gpu_event.gpu_index >= validation.MAX_GPUS:
+                        raise InvalidArgument(f"gpu_event.gpu_index {message.gpu_event.gpu_index} is out of range")
+                    await registry.gpu_event(entry, message.gpu_event)
+                elif body == "result":
+                    session.resolve(message.result)
                 elif body == "open":
                     raise InvalidArgument("the session is already open")
                 else:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
-from controller import liveness
-from controller.config import LivenessConfig
+from controller import health, liveness
+from controller.config import HealthConfig, LivenessConfig
 from controller.errors import FailedPrecondition, NotFound
 from controller.events import EventHub
+from controller.session import Session
 from controller.states import DOWN, DRAINED, DRAINING, SUSPECT, UP, NodeState, check_transition, resting_state
 from controller.stats import LagWindow
 from controller.store.base import EventRecord, NodeRecord, Store
@@ -25,26 +26,6 @@ from phalanx.clock import Clock
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 logger = log.get("registry")
-
-
-class Session:
-    """The controller's half of one agent session: commands waiting to go down, and a kill switch."""
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-        self.outbox: asyncio.Queue[node_pb2.ControllerMessage | None] = asyncio.Queue()  # None: closed
-        self.closed = asyncio.Event()
-        self.close_code = grpc.StatusCode.OK
-        self.close_message = ""
-
-    def push(self, message: node_pb2.ControllerMessage) -> None:
-        self.outbox.put_nowait(message)
-
-    def kick(self, code: grpc.StatusCode, message: str) -> None:
-        if not self.closed.is_set():
-            self.close_code, self.close_message = code, message
-            self.closed.set()
-            self.outbox.put_nowait(None)
 
 
 @dataclass
@@ -57,6 +38,12 @@ class NodeEntry:
     peer: str = ""
     heartbeats: int = 0
     session_lost: bool = False  # had a session with this controller process, and it ended
+    previous_seen: float = 0.0  # monotonic time of the heartbeat before the last one
+    health_digest: int = 0
+    gpu_health: dict[int, health.GpuHistory] = field(default_factory=dict)
+    verdict: health.Verdict = health.Verdict(health.HEALTHY)
+    gpu_verdicts: dict[int, health.Verdict] = field(default_factory=dict)
+    verdict_logged: health.Health = health.HEALTHY  # the level the event log last heard of
 
     @property
     def running_ranks(self) -> int:
@@ -64,6 +51,13 @@ class NodeEntry:
 
     def inventory(self) -> common_pb2.NodeInventory:
         return common_pb2.NodeInventory.FromString(self.record.inventory)
+
+    def health_proto(self) -> common_pb2.NodeHealth:
+        return common_pb2.NodeHealth(
+            node=self.record.name, health=self.verdict.health.to_proto(), reasons=self.verdict.reasons,
+            gpus=[common_pb2.GpuVerdict(index=i, health=v.health.to_proto(), reasons=v.reasons)
+                  for i, v in sorted(self.gpu_verdicts.items())],
+            evaluated_unix_ns=self.last_heartbeat_ns)
 
     def to_proto(self) -> control_pb2.Node:
         node = control_pb2.Node(
@@ -77,6 +71,7 @@ class NodeEntry:
             peer=self.peer,
             connected=self.session is not None,
             running_ranks=self.running_ranks,
+            health=self.verdict.health.to_proto(),
         )
         if self.heartbeat is not None:
             node.host.CopyFrom(self.heartbeat.host)
@@ -85,10 +80,12 @@ class NodeEntry:
 
 
 class Registry:
-    def __init__(self, store: Store, clock: Clock, policy: LivenessConfig, hub: EventHub) -> None:
+    def __init__(self, store: Store, clock: Clock, policy: LivenessConfig, hub: EventHub,
+                 health_cfg: HealthConfig | None = None) -> None:
         self._store = store
         self._clock = clock
         self.policy = policy
+        self.health_cfg = health_cfg or HealthConfig()
         self._hub = hub
         self._nodes: dict[str, NodeEntry] = {}
         self._lock = asyncio.Lock()
@@ -176,8 +173,10 @@ class Registry:
             entry.session_lost = True
 
     def heartbeat(self, entry: NodeEntry, heartbeat: node_pb2.Heartbeat) -> bool:
-        """Record a heartbeat (the hot path: no lock, no I/O). True if the node must leave SUSPECT."""
-        entry.last_seen = self._clock.monotonic()
+        """Record a heartbeat (the hot path: no lock, no I/O). True if `settle` must follow: the node
+        must leave SUSPECT, or its health verdict changed."""
+        now = self._clock.monotonic()
+        entry.previous_seen, entry.last_seen = entry.last_seen, now
         now_ns = self._clock.wall_ns()
         entry.heartbeat = heartbeat
         entry.last_heartbeat_ns = now_ns
@@ -185,16 +184,83 @@ class Registry:
         self.heartbeats_total += 1
         if heartbeat.sent_unix_ns:
             self.lag.add((now_ns - heartbeat.sent_unix_ns) / 1e6)
-        return entry.record.state is SUSPECT
+        if heartbeat.health_digest != entry.health_digest or not entry.gpu_health:
+            entry.health_digest = heartbeat.health_digest
+            window = self.health_cfg.window_s
+            for gpu in heartbeat.gpus:
+                entry.gpu_health.setdefault(gpu.index, health.GpuHistory()).observe(gpu, now, entry.previous_seen,
+                                                                                    window)
+            self._evaluate(entry, now)
+        return entry.record.state is SUSPECT or entry.verdict.health is not entry.verdict_logged
 
-    async def recover(self, entry: NodeEntry) -> None:
-        """A SUSPECT node was heard from again."""
+    async def settle(self, entry: NodeEntry) -> None:
+        """What a heartbeat calls for beyond recording it: leave SUSPECT, act on a health verdict."""
         async with self._lock:
-            current = self._nodes.get(entry.record.name)
-            if current is not entry or entry.record.state is not SUSPECT or entry.session is None:
+            if self._nodes.get(entry.record.name) is not entry:
                 return
-            target = resting_state(entry.record.drain_reason, entry.running_ranks)
-            await self._transition([(entry, target, "heartbeat resumed")])
+            if entry.record.state is SUSPECT and entry.session is not None:
+                target = resting_state(entry.record.drain_reason, entry.running_ranks)
+                await self._transition([(entry, target, "heartbeat resumed")])
+            await self._act_on_health(entry)
+
+    # -- GPU health --------------------------------------------------------------------------
+
+    def _evaluate(self, entry: NodeEntry, now: float) -> None:
+        host = entry.heartbeat.host if entry.heartbeat is not None else None
+        entry.verdict, entry.gpu_verdicts = health.evaluate_node(entry.gpu_health, host, now, self.health_cfg)
+
+    async def gpu_event(self, entry: NodeEntry, event: common_pb2.GpuEvent) -> None:
+        """An XID from the node: logged, judged and acted on at once, not at the next heartbeat."""
+        now = self._clock.monotonic()
+        async with self._lock:
+            if self._nodes.get(entry.record.name) is not entry:
+                return
+            entry.gpu_health.setdefault(event.gpu_index, health.GpuHistory()).record_xid(
+                event.xid, now, self.health_cfg.window_s)
+            name = entry.record.name
+            logged = self._event("gpu.xid", f"node {name} GPU {event.gpu_index}: XID {event.xid}"
+                                 f"{': ' + event.message if event.message else ''}", name,
+                                 gpu=str(event.gpu_index), xid=str(event.xid))
+            committed = await self._store.commit(events=[logged])
+            self._hub.publish(committed.events)
+            self._evaluate(entry, now)
+            await self._act_on_health(entry)
+
+    async def health_tick(self) -> None:
+        """Re-judge nodes whose verdict time alone can change (rates leaving the window, recent XIDs)."""
+        now = self._clock.monotonic()
+        window = self.health_cfg.window_s
+        for entry in list(self._nodes.values()):
+            if entry.verdict.health is health.HEALTHY and entry.verdict_logged is health.HEALTHY and all(
+                    h.is_quiet(now, window) for h in entry.gpu_health.values()):
+                continue
+            self._evaluate(entry, now)
+            if entry.verdict.health is not entry.verdict_logged:
+                async with self._lock:
+                    if self._nodes.get(entry.record.name) is entry:
+                        await self._act_on_health(entry)
+
+    async def _act_on_health(self, entry: NodeEntry) -> None:
+        """Log a changed verdict; take a FAILING or FAILED node out of service. Lock held."""
+        verdict = entry.verdict
+        if verdict.health is entry.verdict_logged:
+            return
+        name, record = entry.record.name, entry.record
+        why = verdict.reasons[0] if verdict.reasons else "no findings"
+        events = [self._event("node.health", f"node {name}: {entry.verdict_logged} -> {verdict.health}: {why}",
+                              name, source=str(entry.verdict_logged), target=str(verdict.health), reason=why)]
+        writes = []
+        if verdict.health >= health.FAILING and not record.drain_reason:
+            reason = f"health {verdict.health}: {why}"
+            new, drain_events = self._drained(entry, reason)
+            writes.append((entry, new))
+            events += drain_events
+        await self._commit(writes, events)
+        entry.verdict_logged = verdict.health
+        if entry.session is not None:
+            entry.session.push(node_pb2.ControllerMessage(status=node_pb2.NodeStatus(
+                state=entry.record.state.to_proto(), drain_reason=entry.record.drain_reason,
+                health=entry.health_proto())))
 
     async def update_inventory(self, entry: NodeEntry, inventory: common_pb2.NodeInventory) -> None:
         async with self._lock:
@@ -245,18 +311,23 @@ class Registry:
     async def drain(self, name: str, reason: str) -> NodeEntry:
         async with self._lock:
             entry = self.get(name)
-            record = entry.record
-            target = record.state
-            if record.state in (UP, DRAINING, DRAINED):
-                target = resting_state(reason, entry.running_ranks)
-            new = record.replace(drain_reason=reason)
-            events = [self._event("node.drain", f"node {name} drained: {reason}", name, reason=reason)]
-            if target is not record.state:
-                check_transition(name, record.state, target)
-                events.append(self._state_event(name, record.state, target, f"drain: {reason}"))
-                new = new.replace(state=target, state_since_ns=self._clock.wall_ns())
+            new, events = self._drained(entry, reason)
             await self._commit([(entry, new)], events)
             return entry
+
+    def _drained(self, entry: NodeEntry, reason: str) -> tuple[NodeRecord, list[EventRecord]]:
+        """The record and events of draining `entry` for `reason` (not yet committed)."""
+        record, name = entry.record, entry.record.name
+        target = record.state
+        if record.state in (UP, DRAINING, DRAINED):
+            target = resting_state(reason, entry.running_ranks)
+        new = record.replace(drain_reason=reason)
+        events = [self._event("node.drain", f"node {name} drained: {reason}", name, reason=reason)]
+        if target is not record.state:
+            check_transition(name, record.state, target)
+            events.append(self._state_event(name, record.state, target, f"drain: {reason}"))
+            new = new.replace(state=target, state_since_ns=self._clock.wall_ns())
+        return new, events
 
     async def undrain(self, name: str) -> NodeEntry:
         async with self._lock:
@@ -271,6 +342,11 @@ class Registry:
                 events.append(self._state_event(name, record.state, UP, "undrain"))
                 new = new.replace(state=UP, state_since_ns=self._clock.wall_ns())
             await self._commit([(entry, new)], events)
+            # Undrain says "fixed": forget sticky XIDs. A fault that is still there drains it again.
+            for history in entry.gpu_health.values():
+                history.clear_sticky()
+            self._evaluate(entry, self._clock.monotonic())
+            await self._act_on_health(entry)
             return entry
 
     # -- helpers ---------------------------------------------------------------------------
@@ -295,7 +371,7 @@ class Registry:
             entry.record = record
             if changed and entry.session is not None:
                 entry.session.push(node_pb2.ControllerMessage(status=node_pb2.NodeStatus(
-                    state=record.state.to_proto(), drain_reason=record.drain_reason)))
+                    state=record.state.to_proto(), drain_reason=record.drain_reason, health=entry.health_proto())))
         for event in committed.events:
             logger.info(event.message, kind=event.kind, node=event.node, fields=event.fields)
         self._hub.publish(committed.events)

@@ -23,6 +23,7 @@ from phalanx.v1 import control_pb2_grpc, node_pb2_grpc
 logger = log.get("controller")
 
 SERVICES = ("phalanx.v1.NodeService", "phalanx.v1.ControlService")
+HEALTH_TICK_S = 1.0  # re-judging non-healthy nodes; new signals are judged as they arrive
 
 
 async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[object]]) -> None:
@@ -50,7 +51,7 @@ class Controller:
         self.store = store
         self.clock = clock or RealClock()
         self.hub = EventHub()
-        self.registry = Registry(store, self.clock, cfg.liveness, self.hub)
+        self.registry = Registry(store, self.clock, cfg.liveness, self.hub, cfg.health)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
@@ -73,6 +74,8 @@ class Controller:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(
             periodic("liveness", self.cfg.liveness.tick_s, self.registry.tick), name="liveness"))
+        self._tasks.append(asyncio.create_task(
+            periodic("health", HEALTH_TICK_S, self.registry.health_tick), name="health"))
         logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()))
         return self.port
 

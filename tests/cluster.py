@@ -56,7 +56,8 @@ class Cluster:
         node = self.root / name
         return self._spawn(name, "agent.main", (
             f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
-            f'checkpoint_dir = "{node / "ckpt"}"\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'
+            f'checkpoint_dir = "{node / "ckpt"}"\nnvrx_socket = "{node / "nvhcd.sock"}"\n'
+            f'[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'
             "[reconnect]\nmax_backoff_s = 1.0\n"))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

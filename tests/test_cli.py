@@ -47,7 +47,7 @@ def test_local_cluster_lifecycle(home):
     drained = phalanx("drain", "node-1", "--reason", "PSU fan", env=home)
     assert drained.returncode == 0 and drained.stdout.strip() == "node-1: DRAINED (drain reason: PSU fan)"
     table = phalanx("nodes", env=home).stdout.splitlines()
-    assert table[0].split() == ["NODE", "STATE", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"]
+    assert table[0].split() == ["NODE", "STATE", "HEALTH", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"]
     assert table[2].split()[:2] == ["node-1", "DRAINED"] and table[2].endswith("PSU fan")
     assert [n["name"] for n in json.loads(phalanx("nodes", "--state", "drained", "--json", env=home).stdout)] == [
         "node-1"]

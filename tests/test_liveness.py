@@ -8,7 +8,8 @@ from controller.config import LivenessConfig
 from controller.errors import FailedPrecondition, NotFound
 from controller.events import EventHub
 from controller.liveness import Change, Seen, decide
-from controller.registry import Registry, Session
+from controller.registry import Registry
+from controller.session import Session
 from controller.states import DOWN, DRAINED, DRAINING, SUSPECT, UP
 from controller.store.memory import MemoryStore
 from phalanx.clock import FakeClock
@@ -64,7 +65,7 @@ class World:
 
     async def beat(self, entry, ranks: int = 0):
         if self.registry.heartbeat(entry, node_pb2.Heartbeat(running_ranks=ranks)):
-            await self.registry.recover(entry)
+            await self.registry.settle(entry)
 
     async def advance(self, seconds: float, step: float = 0.1):
         """Move virtual time, ticking liveness the way the controller's loop does."""

@@ -20,11 +20,12 @@ def test_committed_stubs_are_fresh():
 
 
 def test_a_stale_stub_is_caught(tmp_path):
-    copy = tmp_path / "v1"
-    shutil.copytree(ROOT / "phalanx" / "v1", copy)
+    shutil.copytree(ROOT / "phalanx", tmp_path / "phalanx")
+    copy = tmp_path / "phalanx" / "v1"
     (copy / "node_pb2.py").write_text((copy / "node_pb2.py").read_text() + "\n# edited by hand\n")
     (copy / "common_pb2.pyi").unlink()
-    assert genproto.stale(copy) == ["common_pb2.pyi", "node_pb2.py"]
+    (copy / "old_pb2.py").write_text("# a stub whose .proto is gone\n")
+    assert genproto.stale(tmp_path) == ["phalanx/v1/common_pb2.pyi", "phalanx/v1/node_pb2.py", "phalanx/v1/old_pb2.py"]
 
 
 def test_every_enum_starts_with_unspecified_zero():

@@ -17,13 +17,14 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE = Path("phalanx") / "v1"
+PACKAGES = (PACKAGE, Path("phalanx") / "nvhcd")  # ours, and NVRx's node health check (wire-compatible copy)
 
 
 def generate(out: Path) -> list[Path]:
-    """Compile every .proto under proto/phalanx/v1 into `out`; return the generated files."""
-    sources = sorted((PROTO_ROOT / PACKAGE).glob("*.proto"))
+    """Compile every .proto of PACKAGES into `out`; return the generated files."""
+    sources = sorted(s for package in PACKAGES for s in (PROTO_ROOT / package).glob("*.proto"))
     if not sources:
-        raise SystemExit(f"no .proto files under {PROTO_ROOT / PACKAGE}")
+        raise SystemExit(f"no .proto files under {PROTO_ROOT}")
     include = Path(protoc.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
@@ -36,17 +37,19 @@ def generate(out: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted(p for p in (out / PACKAGE).iterdir() if p.suffix in (".py", ".pyi") and p.name != "__init__.py")
+    return sorted(p for package in PACKAGES for p in (out / package).iterdir()
+                  if p.suffix in (".py", ".pyi") and p.name != "__init__.py")
 
 
-def stale(committed: Path) -> list[str]:
-    """Names of generated files that differ from, or are missing in, `committed`."""
+def stale(committed_root: Path) -> list[str]:
+    """Paths (relative to the root) of generated files that differ from, or are missing under, `committed_root`."""
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
-        names = {p.name for p in fresh}
-        problems = [p.name for p in fresh if not (committed / p.name).exists()
-                    or not filecmp.cmp(p, committed / p.name, shallow=False)]
-        problems += [p.name for p in committed.glob("*_pb2*.py*") if p.name not in names]
+        fresh = {p.relative_to(tmp): p for p in generate(Path(tmp))}
+        problems = [str(rel) for rel, p in fresh.items() if not (committed_root / rel).exists()
+                    or not filecmp.cmp(p, committed_root / rel, shallow=False)]
+        for package in PACKAGES:
+            problems += [str(p.relative_to(committed_root)) for p in (committed_root / package).glob("*_pb2*.py*")
+                         if p.relative_to(committed_root) not in fresh]
         return sorted(problems)
 
 
@@ -55,7 +58,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if the committed stubs are stale")
     args = parser.parse_args()
     if args.check:
-        problems = stale(ROOT / PACKAGE)
+        problems = stale(ROOT)
         if problems:
             print(f"generated stubs are stale: {', '.join(problems)}; run `make proto`", file=sys.stderr)
             return 1

@@ -91,7 +91,8 @@ def controller_config(address: str, root: Path) -> str:
 def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str]) -> str:
     node = root / "nodes" / name
     lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
-             f'checkpoint_dir = "{node / "checkpoints"}"', "", "[gpu]", f'backend = "{backend}"',
+             f'checkpoint_dir = "{node / "checkpoints"}"', f'nvrx_socket = "{node / "nvhcd.sock"}"',
+             "", "[gpu]", f'backend = "{backend}"',
              f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0"]
     if labels:
         lines += ["", "[labels]", *[f'{k} = "{v}"' for k, v in labels.items()]]

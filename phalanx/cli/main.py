@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import grpc
 
-from phalanx import __version__
+from phalanx import __version__, faults
 from phalanx.cli import local, render
 from phalanx.errors import PhalanxError
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
@@ -112,6 +112,35 @@ def cmd_undrain(args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    reply = call(args, lambda s: s.GetHealth(control_pb2.GetHealthRequest(node=args.node or ""),
+                                             timeout=DEFAULT_TIMEOUT_S))
+    if args.json:
+        print(render.dumps([render.health_dict(n) for n in reply.nodes]))
+    else:
+        print(render.health_text(reply.nodes, detail=bool(args.node)))
+    return OK
+
+
+def cmd_topo(args: argparse.Namespace) -> int:
+    from phalanx.cli.topo import render_topology, topology_dict
+    topology = call(args, lambda s: s.GetTopology(control_pb2.GetTopologyRequest(node=args.node),
+                                                  timeout=DEFAULT_TIMEOUT_S))
+    print(render.dumps(topology_dict(topology)) if args.json else render_topology(topology))
+    return OK
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    try:
+        fault = faults.parse(args.fault)
+    except ValueError as e:
+        raise CliError(str(e), USAGE) from None
+    reply = call(args, lambda s: s.InjectFault(control_pb2.InjectFaultRequest(
+        node=args.node, gpu_index=args.gpu, fault=str(fault)), timeout=DEFAULT_TIMEOUT_S))
+    print(reply.message)
+    return OK
+
+
 def _print_event(event: common_pb2.Event, as_json: bool) -> None:
     if as_json:
         import json
@@ -187,6 +216,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("undrain", help="return a drained node to service")
     p.add_argument("node")
     p.set_defaults(func=cmd_undrain)
+
+    p = sub.add_parser("health", help="GPU and node health verdicts, with reasons")
+    p.add_argument("node", nargs="?", help="one node, GPU by GPU (default: every node, a line each)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_health)
+
+    p = sub.add_parser("topo", help="a node's NUMA and PCIe topology, as `nvidia-smi topo -m` shows it")
+    p.add_argument("node")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_topo)
+
+    fault_help = "; ".join(f"{name}{'=N' if kind is int else '=R' if kind is float else ''}: {doc}"
+                           for name, (kind, doc) in {**faults.GPU_FAULTS, **faults.RANK_FAULTS}.items())
+    p = sub.add_parser("inject", help="inject a fault into a simulated GPU (refused on real ones)",
+                       description=f"Faults: {fault_help}.")
+    p.add_argument("node")
+    p.add_argument("--gpu", type=_count, required=True, help="GPU index on the node")
+    p.add_argument("fault", help="e.g. xid=79, ecc-dbe, ecc-sbe-rate=5, remap-pending, thermal, slow=0.3, hang")
+    p.set_defaults(func=cmd_inject)
 
     p = sub.add_parser("events", help="the controller's event log")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")

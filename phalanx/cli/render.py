@@ -15,6 +15,10 @@ def state_name(value: int) -> str:
     return common_pb2.NodeState.Name(value).removeprefix("NODE_STATE_")
 
 
+def health_name(value: int) -> str:
+    return common_pb2.Health.Name(value).removeprefix("HEALTH_").replace("UNSPECIFIED", "-")
+
+
 def iso(ns: int) -> str | None:
     if not ns:
         return None
@@ -48,6 +52,7 @@ def node_dict(node: control_pb2.Node) -> dict[str, Any]:
     return {
         "name": node.name,
         "state": state_name(node.state),
+        "health": health_name(node.health),
         "drain_reason": node.drain_reason or None,
         "connected": node.connected,
         "peer": node.peer or None,
@@ -85,12 +90,36 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def nodes_table(nodes: Sequence[control_pb2.Node]) -> str:
     now = time.time_ns()
     rows = [
-        (n.name, state_name(n.state), len(n.inventory.gpus), f"{n.host.cpu_percent:.0f}%",
+        (n.name, state_name(n.state), health_name(n.health), len(n.inventory.gpus), f"{n.host.cpu_percent:.0f}%",
          f"{n.host.load1:.2f}", age(n.last_heartbeat_unix_ns, now), n.peer.removeprefix("ipv4:"),
          n.drain_reason)
         for n in nodes
     ]
-    return table(("NODE", "STATE", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"), rows)
+    return table(("NODE", "STATE", "HEALTH", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"), rows)
+
+
+def health_dict(node: common_pb2.NodeHealth) -> dict[str, Any]:
+    return {"node": node.node, "health": health_name(node.health), "reasons": list(node.reasons),
+            "evaluated": iso(node.evaluated_unix_ns),
+            "gpus": [{"index": g.index, "health": health_name(g.health), "reasons": list(g.reasons)}
+                     for g in node.gpus]}
+
+
+def health_text(nodes: Sequence[common_pb2.NodeHealth], detail: bool) -> str:
+    """One line per node; with `detail`, one line per GPU and every reason."""
+    if not detail:
+        return table(("NODE", "HEALTH", "GPUS-NOT-HEALTHY", "FIRST-REASON"),
+                     [(n.node, health_name(n.health),
+                       ",".join(str(g.index) for g in n.gpus if g.health > common_pb2.HEALTH_HEALTHY),
+                       n.reasons[0] if n.reasons else "") for n in nodes])
+    lines = []
+    for n in nodes:
+        lines.append(f"{n.node}: {health_name(n.health)}")
+        lines += [f"  - {r}" for r in n.reasons if not r.startswith("GPU ")]
+        for g in n.gpus:
+            lines.append(f"  GPU {g.index}: {health_name(g.health)}")
+            lines += [f"    - {r}" for r in g.reasons]
+    return "\n".join(lines)
 
 
 def event_line(event: common_pb2.Event) -> str:

@@ -113,14 +113,16 @@ class InjectFault(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., fault: _Optional[str] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("id", "ok", "error")
+    __slots__ = ("id", "ok", "error", "message")
     ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     id: int
     ok: bool
     error: str
-    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    message: str
+    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
     __slots__ = ("incarnation",)
@@ -129,9 +131,11 @@ class SessionAccepted(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("state", "drain_reason")
+    __slots__ = ("state", "drain_reason", "health")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     state: _common_pb2.NodeState
     drain_reason: str
-    def __init__(self, state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ...) -> None: ...
+    health: _common_pb2.NodeHealth
+    def __init__(self, state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ...) -> None: ...

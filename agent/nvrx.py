@@ -1,0 +1,68 @@
+"""NVRx compatibility: serve `nvhcd.HealthCheckService/RunHealthCheck` on a Unix socket.
+
+Jobs launched with NVIDIA's resiliency launcher ask this service whether the node is fit to run
+on. The answer comes from the controller's verdict on this node (pushed down the session), so
+NVRx and Phalanx never disagree about a node. Healthy and DEGRADED nodes pass; FAILING and FAILED
+ones do not. Without a verdict yet (agent just started, controller unreachable) the node passes,
+as NVRx itself treats an unreachable checker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from phalanx import log
+from phalanx.nvhcd import nvhcd_pb2, nvhcd_pb2_grpc
+from phalanx.v1 import common_pb2
+
+logger = log.get("nvrx")
+
+
+def answer(verdict: common_pb2.NodeHealth | None, connected: bool) -> nvhcd_pb2.HealthCheckResponse:
+    """The NVRx answer for a verdict: success unless FAILING or FAILED; JSON details in `output`."""
+    if verdict is None or verdict.health == common_pb2.HEALTH_UNSPECIFIED:
+        body = {"fail_count": 0, "health": "UNKNOWN", "reasons": [], "controller_connected": connected}
+        return nvhcd_pb2.HealthCheckResponse(success=True, exit_code=0, output=json.dumps(body))
+    failing = [g for g in verdict.gpus if g.health >= common_pb2.HEALTH_FAILING]
+    ok = verdict.health < common_pb2.HEALTH_FAILING
+    body = {
+        "fail_count": 0 if ok else max(1, len(failing)),
+        "health": common_pb2.Health.Name(verdict.health).removeprefix("HEALTH_"),
+        "reasons": list(verdict.reasons),
+        "failing_gpus": [g.index for g in failing],
+        "controller_connected": connected,
+    }
+    return nvhcd_pb2.HealthCheckResponse(success=ok, exit_code=0 if ok else 1, output=json.dumps(body),
+                                         error="" if ok else "; ".join(verdict.reasons[:3]))
+
+
+class NvrxHealthService(nvhcd_pb2_grpc.HealthCheckServiceServicer):
+    def __init__(self, verdict: Callable[[], common_pb2.NodeHealth | None], connected: Callable[[], bool]) -> None:
+        self._verdict = verdict
+        self._connected = connected
+
+    async def RunHealthCheck(self, request: nvhcd_pb2.HealthCheckRequest, context) -> nvhcd_pb2.HealthCheckResponse:
+        return answer(self._verdict(), self._connected())
+
+
+async def serve(path: str, service: NvrxHealthService) -> grpc.aio.Server:
+    """Listen on the Unix socket `path` (replacing a stale socket file). Raises OSError if it cannot."""
+    socket_path = Path(path)
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    if socket_path.is_socket():
+        socket_path.unlink()  # left by a previous agent; nothing else listens on our path
+    elif socket_path.exists():
+        raise OSError(f"{path} exists and is not a socket; refusing to replace it")
+    server = grpc.aio.server()
+    nvhcd_pb2_grpc.add_HealthCheckServiceServicer_to_server(service, server)
+    if server.add_insecure_port(f"unix://{socket_path}") == 0:
+        raise OSError(f"cannot listen on unix socket {path}")
+    await server.start()
+    os.chmod(socket_path, 0o660)
+    logger.info("NVRx node health check serving", socket=str(socket_path))
+    return server

@@ -1,0 +1,63 @@
+"""The controller's half of one agent session: commands waiting to go down, their answers, a kill switch."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+
+from controller.errors import FailedPrecondition
+from phalanx.v1 import node_pb2
+
+COMMAND_TIMEOUT_S = 5.0
+
+
+class CommandFailed(FailedPrecondition):
+    """The agent answered a command with an error."""
+
+
+class Session:
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.outbox: asyncio.Queue[node_pb2.ControllerMessage | None] = asyncio.Queue()  # None: closed
+        self.closed = asyncio.Event()
+        self.close_code = grpc.StatusCode.OK
+        self.close_message = ""
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[node_pb2.CommandResult]] = {}
+
+    def push(self, message: node_pb2.ControllerMessage) -> None:
+        self.outbox.put_nowait(message)
+
+    def kick(self, code: grpc.StatusCode, message: str) -> None:
+        if not self.closed.is_set():
+            self.close_code, self.close_message = code, message
+            self.closed.set()
+            self.outbox.put_nowait(None)
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(FailedPrecondition(f"the session ended before the agent answered: {message}"))
+
+    async def request(self, command: node_pb2.Command, timeout: float = COMMAND_TIMEOUT_S) -> node_pb2.CommandResult:
+        """Send a command and wait for the agent's answer. Raises CommandFailed if the agent refused it."""
+        if self.closed.is_set():
+            raise FailedPrecondition("the node's session has ended")
+        command.id = next(self._ids)
+        future: asyncio.Future[node_pb2.CommandResult] = asyncio.get_running_loop().create_future()
+        self._pending[command.id] = future
+        self.push(node_pb2.ControllerMessage(command=command))
+        try:
+            result = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise FailedPrecondition(f"the agent did not answer within {timeout:g}s") from None
+        finally:
+            self._pending.pop(command.id, None)
+        if not result.ok:
+            raise CommandFailed(result.error or "the agent refused the command")
+        return result
+
+    def resolve(self, result: node_pb2.CommandResult) -> None:
+        future = self._pending.get(result.id)
+        if future is not None and not future.done():
+            future.set_result(result)
