@@ -116,7 +116,9 @@ class GpuHistory:
         self._prune(now, window_s)
 
     def clear_sticky(self) -> None:
+        """An operator says the GPU is fixed: forget its XIDs (counters and flags still speak for themselves)."""
         self.sticky.clear()
+        self.xids.clear()
 
     def _prune(self, now: float, window_s: float) -> None:
         # keep one sample older than the window: it is the baseline for rates

@@ -52,6 +52,11 @@ class NodeEntry:
     def inventory(self) -> common_pb2.NodeInventory:
         return common_pb2.NodeInventory.FromString(self.record.inventory)
 
+    def health_action_needed(self) -> bool:
+        """The verdict changed since the event log heard of it, or it calls for a drain not yet made."""
+        return self.verdict.health is not self.verdict_logged or (
+            self.verdict.health >= health.FAILING and not self.record.drain_reason)
+
     def health_proto(self) -> common_pb2.NodeHealth:
         return common_pb2.NodeHealth(
             node=self.record.name, health=self.verdict.health.to_proto(), reasons=self.verdict.reasons,
@@ -191,7 +196,7 @@ class Registry:
                 entry.gpu_health.setdefault(gpu.index, health.GpuHistory()).observe(gpu, now, entry.previous_seen,
                                                                                     window)
             self._evaluate(entry, now)
-        return entry.record.state is SUSPECT or entry.verdict.health is not entry.verdict_logged
+        return entry.record.state is SUSPECT or entry.health_action_needed()
 
     async def settle(self, entry: NodeEntry) -> None:
         """What a heartbeat calls for beyond recording it: leave SUSPECT, act on a health verdict."""
@@ -235,24 +240,24 @@ class Registry:
                     h.is_quiet(now, window) for h in entry.gpu_health.values()):
                 continue
             self._evaluate(entry, now)
-            if entry.verdict.health is not entry.verdict_logged:
+            if entry.health_action_needed():
                 async with self._lock:
                     if self._nodes.get(entry.record.name) is entry:
                         await self._act_on_health(entry)
 
     async def _act_on_health(self, entry: NodeEntry) -> None:
         """Log a changed verdict; take a FAILING or FAILED node out of service. Lock held."""
-        verdict = entry.verdict
-        if verdict.health is entry.verdict_logged:
+        if not entry.health_action_needed():
             return
-        name, record = entry.record.name, entry.record
+        verdict, name, record = entry.verdict, entry.record.name, entry.record
         why = verdict.reasons[0] if verdict.reasons else "no findings"
-        events = [self._event("node.health", f"node {name}: {entry.verdict_logged} -> {verdict.health}: {why}",
-                              name, source=str(entry.verdict_logged), target=str(verdict.health), reason=why)]
-        writes = []
+        events, writes = [], []
+        if verdict.health is not entry.verdict_logged:
+            events.append(self._event("node.health", f"node {name}: {entry.verdict_logged} -> {verdict.health}: "
+                                      f"{why}", name, source=str(entry.verdict_logged), target=str(verdict.health),
+                                      reason=why))
         if verdict.health >= health.FAILING and not record.drain_reason:
-            reason = f"health {verdict.health}: {why}"
-            new, drain_events = self._drained(entry, reason)
+            new, drain_events = self._drained(entry, f"health {verdict.health}: {why}")
             writes.append((entry, new))
             events += drain_events
         await self._commit(writes, events)

@@ -1,86 +1,44 @@
 """GPU backends: simulated, NVML against a fake `pynvml` that fails the way NVML does, and selection."""
 
-import types
-
 import pytest
 
 from agent.collectors import gpu
 from agent.collectors.nvml import NvmlBackend, NvmlUnavailable
 from agent.collectors.sim import SimBackend
 from phalanx.v1 import common_pb2
-
-
-class NVMLError(Exception):
-    pass
-
-
-class NVMLError_NotSupported(NVMLError):
-    pass
-
-
-class NVMLError_LibraryNotFound(NVMLError):
-    pass
-
-
-def fake_nvml(count=2, init_error=None, unsupported=()):
-    """A pynvml-shaped module: per-device answers, NotSupported on the named queries."""
-    m = types.SimpleNamespace(NVMLError=NVMLError, NVML_TEMPERATURE_GPU=0)
-
-    def init():
-        if init_error:
-            raise init_error
-
-    def query(name, value):
-        def fn(handle, *args):
-            if name in unsupported:
-                raise NVMLError_NotSupported()
-            return value(handle) if callable(value) else value
-        return fn
-
-    m.nvmlInit = init
-    m.nvmlShutdown = lambda: None
-    m.nvmlSystemGetDriverVersion = lambda: b"550.54.15"
-    m.nvmlDeviceGetCount = lambda: count
-    m.nvmlDeviceGetHandleByIndex = lambda i: i
-    m.nvmlDeviceGetUUID = query("uuid", lambda h: f"GPU-{h:08d}")
-    m.nvmlDeviceGetName = query("name", b"NVIDIA H100 80GB HBM3")
-    m.nvmlDeviceGetPciInfo = query("pci", lambda h: types.SimpleNamespace(busId=f"00000000:{h + 0x18:02X}:00.0"))
-    m.nvmlDeviceGetSerial = query("serial", "1650923000001")
-    m.nvmlDeviceGetMemoryInfo = query("memory", types.SimpleNamespace(total=85_520_809_984, used=1024))
-    m.nvmlDeviceGetTemperature = query("temperature", 41)
-    m.nvmlDeviceGetPowerUsage = query("power", 123_456)
-    m.nvmlDeviceGetUtilizationRates = query("utilization", types.SimpleNamespace(gpu=97))
-    return m
+from tests.fake_pynvml import FakeNvml
 
 
 def test_nvml_reads_identity_and_telemetry():
-    backend = NvmlBackend(fake_nvml(count=2))
+    backend = NvmlBackend(FakeNvml(count=2))
     assert backend.kind == common_pb2.GPU_BACKEND_KIND_NVML
     assert backend.driver_version == "550.54.15"
     inv = backend.inventory()
-    assert [g.uuid for g in inv] == ["GPU-00000000", "GPU-00000001"]
-    assert inv[1].pci_bus_id == "00000000:19:00.0" and inv[0].name == "NVIDIA H100 80GB HBM3"
+    assert [g.uuid for g in inv] == ["GPU-00000000-0000-4000-8000-000000000000",
+                                     "GPU-00000001-0000-4000-8000-000000000001"]
+    assert inv[1].pci_bus_id == "00000000:28:00.0" and inv[0].name == "NVIDIA H100 80GB HBM3"
     sample = backend.sample()
     assert (sample[0].temperature_c, sample[0].power_w, sample[0].utilization_percent) == (41.0, 123.456, 97.0)
 
 
 def test_nvml_not_supported_is_per_field():
-    backend = NvmlBackend(fake_nvml(count=1, unsupported={"serial", "power", "temperature"}))
+    fake = FakeNvml(count=1)
+    fake.gpus[0].unsupported("serial", "power_usage_mw", "temperature")
+    backend = NvmlBackend(fake)
     (info,) = backend.inventory()
-    assert info.serial == "" and info.uuid == "GPU-00000000"
+    assert info.serial == "" and info.uuid == "GPU-00000000-0000-4000-8000-000000000000"
     (sample,) = backend.sample()
     assert sample.power_w == 0.0 and sample.temperature_c == 0.0 and sample.utilization_percent == 97.0
 
 
 def test_nvml_without_a_driver_is_unavailable():
-    with pytest.raises(NvmlUnavailable, match="driver not loaded"):
-        NvmlBackend(fake_nvml(init_error=NVMLError_LibraryNotFound("driver not loaded")))
+    with pytest.raises(NvmlUnavailable, match="NVML Shared Library Not Found"):
+        NvmlBackend(FakeNvml(init_error="NVMLError_LibraryNotFound"))
 
 
 def test_auto_falls_back_to_no_gpus_and_nvml_refuses(monkeypatch):
     import sys
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(init_error=NVMLError_LibraryNotFound("NVML Shared "
-                                                                                             "Library Not Found")))
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(init_error="NVMLError_LibraryNotFound"))
     backend, note = gpu.select("auto", 8, "n1")
     assert isinstance(backend, gpu.NoGpus) and backend.inventory() == [] and backend.sample() == []
     assert note == "no NVIDIA driver found (NVML Shared Library Not Found); reporting no GPUs"
@@ -90,7 +48,7 @@ def test_auto_falls_back_to_no_gpus_and_nvml_refuses(monkeypatch):
 
 def test_auto_uses_nvml_when_present(monkeypatch):
     import sys
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(count=4))
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(count=4))
     backend, note = gpu.select("auto", 8, "n1")
     assert isinstance(backend, NvmlBackend) and len(backend.inventory()) == 4
     assert note == "NVML backend with 4 GPUs (driver 550.54.15)"

@@ -35,7 +35,7 @@ def _answer(nvml: Any, call: Callable[[], Any]) -> dict[str, Any]:
     """One query's answer as JSON: the value, or the NVML error class name (never raises for NVML errors)."""
     try:
         return {"value": call()}
-    except nvml.NVMLError as e:
+    except (nvml.NVMLError, AttributeError) as e:  # AttributeError: bindings older than the query
         return {"error": type(e).__name__}
 
 
@@ -64,7 +64,7 @@ def record(nvml: Any, keep_ids: bool = False) -> dict[str, Any]:
                                "queries": {}, "nvlink": {}}
         if "value" in handle_answer:
             handle = handle_answer["value"]
-            gpu["queries"] = {name: _answer(nvml, lambda q=q: q(nvml, handle)) for name, q in queries.items()}
+            gpu["queries"] = {name: _answer(nvml, lambda q=q, h=handle: q(nvml, h)) for name, q in queries.items()}
             gpu["nvlink"] = _nvlink(nvml, handle)
             if not keep_ids:
                 _anonymise(gpu["queries"], index)

@@ -37,6 +37,7 @@ DEFAULT_PG = "0"  # torch names the default process group "0" (desc "default_pg"
 
 _DUMP_NAME = re.compile(rf"^{DUMP_FILE_PREFIX}(\d+)$")  # excludes `<prefix><rank>.pipe` and temp files
 _STATES = frozenset({"scheduled", "started", "completed"})
+_INT_LIMIT = 2**63
 
 
 class DumpParseError(PhalanxError):
@@ -123,6 +124,8 @@ def _get(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: st
         raise DumpParseError(f"{where} has no {key!r}")
     if value is not default and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
         raise DumpParseError(f"{where}: {key!r} is {type(value).__name__}")
+    if kind is int and not 0 <= value < _INT_LIMIT:  # the report's fields are 64-bit
+        raise DumpParseError(f"{where}: {key!r} is out of range ({value})")
     return value
 
 
@@ -132,7 +135,7 @@ def _status(dump: dict[str, Any]) -> dict[int, dict[str, int]]:
     out: dict[int, dict[str, int]] = {}
     for pg_id, counters in raw.items():
         if isinstance(counters, dict) and str(pg_id).isdigit():
-            out[int(pg_id)] = {k: v for k, v in counters.items() if isinstance(v, int)}
+            out[int(pg_id)] = {k: v for k, v in counters.items() if isinstance(v, int) and -1 <= v < _INT_LIMIT}
     return out
 
 
@@ -176,6 +179,10 @@ def parse_dump(data: bytes) -> DumpSummary:
     return DumpSummary(version=version, groups=groups)
 
 
+def _int_or(value: Any, default: int) -> int:
+    return value if isinstance(value, int) else default
+
+
 def _done(e: dict[str, Any]) -> bool:
     # gloo never moves an entry past "scheduled"; it retires the entry when the work finishes.
     return e["state"] == "completed" or e.get("retired") is True
@@ -198,7 +205,7 @@ def _summarise(name: str, desc: str, entries: list[dict[str, Any]], status: dict
         started = max([*seqs(lambda e: e["state"] != "scheduled"), status.get("last_started_collective", 0), completed])
     else:
         started = enqueued
-    newest = max(entries, key=lambda e: (e.get("record_id", -1), e["time_created_ns"]))
+    newest = max(entries, key=lambda e: (_int_or(e.get("record_id"), -1), e["time_created_ns"]))
     return PgSummary(
         name=name,
         desc=desc,

@@ -207,6 +207,7 @@ class NvmlBackend:
         try:
             count = int(nvml.nvmlDeviceGetCount())
         except nvml.NVMLError as e:
+            self._optional(nvml.nvmlShutdown, None)
             raise NvmlUnavailable(f"NVML started but cannot count the GPUs ({e})") from None
         self._gpus = [self._open(i) for i in range(count)]  # handles looked up once, not per sweep
         self._index_by_handle = {handle_key(g.handle): g.index for g in self._gpus if g.handle is not None}
@@ -284,6 +285,10 @@ class NvmlBackend:
             raise _GpuLost from None
         except self._not_supported:
             gpu.unsupported.add(name)  # the answer will not change until the driver reloads
+            return _UNSET
+        except AttributeError as e:  # bindings older than the query: as good as NotSupported
+            gpu.unsupported.add(name)
+            logger.info("nvml_query_missing", gpu=gpu.index, query=name, detail=str(e))
             return _UNSET
         except self._nvml.NVMLError as e:
             if name not in gpu.warned:

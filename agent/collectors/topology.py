@@ -26,7 +26,7 @@ RELATIONS = ("PIX", "PXB", "PHB", "NODE", "SYS")  # PCIe relations, nearest firs
 _BDF = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 _ROOT_COMPLEX = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
 _PORT_STATE = re.compile(r"[0-9]+: [A-Z_]+")
-_MEMTOTAL = re.compile(r"Node\s+[0-9]+\s+MemTotal:\s+([0-9]+)\s*kB")
+_MEMTOTAL = re.compile(r"Node\s+[0-9]+\s+MemTotal:\s+([0-9]{1,15})\s*kB")  # 15 digits of kB fit in uint64
 _MAX_CPU = 1 << 16  # kernel NR_CPUS tops out at 8192; anything past this is garbage, not a CPU
 _MAX_NODE = 1 << 10  # MAX_NUMNODES with NODES_SHIFT=10
 _MAX_READ = 1 << 16
@@ -247,12 +247,11 @@ def _read_numa(fs: _Sysfs) -> list[common_pb2.NumaNode]:
             fs.warn(f"devices/system/node/node{node_id}/distance is not a list of distances.")
             distances = []
         memory = _MEMTOTAL.search(fs.read(path / "meminfo") or "")
-        memory_kb = int(memory[1]) if memory is not None and len(memory[1]) <= 15 else 0
-        if not memory_kb:
+        if memory is None:
             fs.warn(f"devices/system/node/node{node_id}/meminfo has no MemTotal line.")
         nodes.append(common_pb2.NumaNode(
             id=node_id, cpulist=fs.cpulist(path / "cpulist"), distances=[int(d) for d in distances],
-            memory_total_bytes=memory_kb * 1024))
+            memory_total_bytes=int(memory[1]) * 1024 if memory else 0))
     return nodes
 
 

@@ -66,7 +66,7 @@ def render_topology(topo: common_pb2.Topology) -> str:
         lines += ["", "NUMA nodes:", *_table(rows, "  ")]
     if topo.warnings:
         lines += ["", "Warnings:", *(f"  - {warning}" for warning in topo.warnings)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def _device_dict(device: common_pb2.PciDevice) -> dict[str, Any]:
