@@ -46,6 +46,7 @@ class AgentConfig:
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
     gpu: GpuConfig = section(GpuConfig, "GPU backend")
     reconnect: ReconnectConfig = section(ReconnectConfig, "reconnecting to the controller")
+    sysfs_root: str = setting("/sys", "where sysfs is mounted (topology is read from it)")
     nvrx_socket: str = setting("/run/phalanx/nvhcd.sock", "Unix socket serving NVRx's node health check "
                                "(nvhcd.HealthCheckService); empty = off")
     labels: dict[str, str] = setting({}, "free-form labels reported to the controller (rack, switch, block)")

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -15,8 +16,12 @@ from agent import config as agent_config
 from agent import nvrx as nvrx_service
 from agent.backoff import Backoff
 from agent.collectors import gpu
+from agent.collectors.dcgm import DcgmHealth
 from agent.collectors.host import HostCollector, inventory_basics
+from agent.collectors.nccl import FlightRecorderWatcher
+from agent.collectors.nvml import NvmlBackend
 from agent.collectors.sim import SimBackend
+from agent.collectors.topology import read_topology
 from agent.link import Link
 from phalanx import __version__, faults, log
 from phalanx.config import default_toml
@@ -53,10 +58,17 @@ class Agent:
         self.backend = backend
         self.host = HostCollector(cfg.checkpoint_dir)
         cpus, memory = inventory_basics()
+        nvml = backend.library if isinstance(backend, NvmlBackend) else None
+        self.topology = read_topology(cfg.sysfs_root, nvml=nvml)
+        for warning in self.topology.warnings:
+            logger.warning("topology", detail=warning)
         self._static = common_pb2.NodeInventory(
             hostname=socket.gethostname(), cpu_count=cpus, memory_total_bytes=memory,
             gpu_backend=backend.kind, labels=cfg.labels, agent_version=__version__,
-            checkpoint_dir=cfg.checkpoint_dir, agent_pid=os.getpid())
+            checkpoint_dir=cfg.checkpoint_dir, agent_pid=os.getpid(), topology=self.topology)
+        self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
+        self.dcgm = DcgmHealth.try_start() if nvml is not None else None
+        self._dcgm_seen: set[tuple[int, str]] = set()
         self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
                          Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command)
 
@@ -68,7 +80,17 @@ class Agent:
 
     def heartbeat(self) -> node_pb2.Heartbeat:
         host, gpus = self.host.sample(), self.backend.sample()
-        return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0, health_digest=health_digest(gpus, host))
+        if self.dcgm is not None:
+            self._report_dcgm()
+        return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0, health_digest=health_digest(gpus, host),
+                                  nccl=self.nccl.scan(time.time_ns()))
+
+    def _report_dcgm(self) -> None:
+        """DCGM health incidents go to the event log, each once while it lasts."""
+        current = {(index, message) for index, messages in self.dcgm.check().items() for message in messages}
+        for index, message in sorted(current - self._dcgm_seen):
+            self.link.emit("dcgm", f"DCGM health incident on GPU {index}: {message}", gpu=str(index))
+        self._dcgm_seen = current
 
     def command(self, command: node_pb2.Command) -> node_pb2.CommandResult:
         body = command.WhichOneof("body")
@@ -111,6 +133,8 @@ class Agent:
         finally:
             if nvrx is not None:
                 await nvrx.stop(1.0)
+            if self.dcgm is not None:
+                self.dcgm.close()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

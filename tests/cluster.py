@@ -52,9 +52,9 @@ class Cluster:
         except grpc.RpcError:
             return False
 
-    def start_agent(self, name: str, gpus: int = 2) -> subprocess.Popen:
+    def start_agent(self, name: str, gpus: int = 2, extra: str = "") -> subprocess.Popen:
         node = self.root / name
-        return self._spawn(name, "agent.main", (
+        return self._spawn(name, "agent.main", extra + (
             f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
             f'checkpoint_dir = "{node / "ckpt"}"\nnvrx_socket = "{node / "nvhcd.sock"}"\n'
             f'[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'

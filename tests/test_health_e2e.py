@@ -99,3 +99,25 @@ def test_inject_refusals(cluster):
         assert result.returncode == code, (args, result.stderr)
         assert message in result.stderr, (args, result.stderr)
     assert cluster.states() == {"node-a": "UP"}
+
+
+def test_topology_reaches_phalanx_topo(cluster):
+    from tests.sysfs_tree import dgx_h100
+
+    dgx_h100(cluster.root / "sysfs")
+    cluster.start_controller()
+    cluster.start_agent("dgx-1", gpus=8, extra=f'sysfs_root = "{cluster.root / "sysfs"}"\n')
+    cluster.start_agent("this-host")
+    cluster.wait_states({"dgx-1": "UP", "this-host": "UP"})
+    result = phalanx(cluster, "topo", "dgx-1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:9] == ["GPU0", "GPU1", "GPU2", "GPU3", "GPU4", "GPU5", "GPU6", "GPU7", "eno1"]
+    assert lines[1].split()[:6] == ["GPU0", "X", "PIX", "PHB", "PHB", "SYS"]
+    as_json = json.loads(phalanx(cluster, "topo", "dgx-1", "--json").stdout)
+    assert [(g["gpu_index"], g["nearest_nic"], g["nic_relation"]) for g in as_json["locality"]][:2] == [
+        (0, "mlx5_0", "PIX"), (1, "mlx5_1", "PIX")]
+    # the real sysfs of this machine: NUMA node 0 at least, whatever else it has
+    real = json.loads(phalanx(cluster, "topo", "this-host", "--json").stdout)
+    assert real["numa_nodes"][0]["id"] == 0 and real["numa_nodes"][0]["cpulist"]
+    assert phalanx(cluster, "topo", "ghost").returncode == 1

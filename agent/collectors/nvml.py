@@ -221,6 +221,11 @@ class NvmlBackend:
         self._events_thread: threading.Thread | None = None
         self._closed = False
 
+    @property
+    def library(self) -> Any:
+        """The pynvml module in use (the topology reader asks it about NVLinks and PCIe ancestors)."""
+        return self._nvml
+
     # -- identity --------------------------------------------------------------------------------
 
     def _optional(self, query: Callable[[], T], default: T) -> T:
