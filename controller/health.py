@@ -115,10 +115,13 @@ class GpuHistory:
             self.sticky[xid] = (severity[0], f"XID {xid}: {severity[1]}")
         self._prune(now, window_s)
 
-    def clear_sticky(self) -> None:
-        """An operator says the GPU is fixed: forget its XIDs (counters and flags still speak for themselves)."""
+    def forget(self) -> None:
+        """An operator says the GPU is fixed: forget its XIDs and past counter movements. Flags that are
+        still set (lost, remap pending) and counters that keep moving still speak for themselves."""
         self.sticky.clear()
         self.xids.clear()
+        while len(self.samples) > 1:
+            self.samples.popleft()
 
     def _prune(self, now: float, window_s: float) -> None:
         # keep one sample older than the window: it is the baseline for rates

@@ -347,9 +347,9 @@ class Registry:
                 events.append(self._state_event(name, record.state, UP, "undrain"))
                 new = new.replace(state=UP, state_since_ns=self._clock.wall_ns())
             await self._commit([(entry, new)], events)
-            # Undrain says "fixed": forget sticky XIDs. A fault that is still there drains it again.
+            # Undrain says "fixed": forget past XIDs and counter movements. A fault still there drains it again.
             for history in entry.gpu_health.values():
-                history.clear_sticky()
+                history.forget()
             self._evaluate(entry, self._clock.monotonic())
             await self._act_on_health(entry)
             return entry

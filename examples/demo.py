@@ -1,9 +1,11 @@
 """`make demo`: a local Phalanx cluster on loopback, and what it does when a node dies.
 
-What runs today (the foundation): a controller with SQLite state and four agents with simulated
-GPUs. The demo kills one agent with SIGKILL and times how fast the controller declares the node
-DOWN, brings it back, drains a node, restarts the controller and shows that the drain (and its
-reason) survived and every agent reconnected. Each step prints the command a user would type.
+What runs today: a controller with SQLite state and four agents with simulated GPUs. The demo
+kills one agent with SIGKILL and times how fast the controller declares the node DOWN, brings it
+back, drains a node, makes two GPUs fail (rising corrected ECC errors: FAILING; an XID 79: FAILED)
+and times how fast the health policy takes those nodes out of service, restarts the controller and
+shows that the drain (and its reason) survived and every agent reconnected. Each step prints the
+command a user would type.
 The training-job demo (fault -> checkpoint -> evict -> resume on a spare) builds on this.
 """
 
@@ -78,6 +80,23 @@ def main() -> int:
         say(f"node-2 UP again {took:.2f}s after its agent started")
 
         phalanx("drain", "node-3", "--reason", "GPU 5 fan at 100% (ticket OPS-1234)")
+
+        say("a GPU starts to fail: corrected ECC errors at 20/s on node-1 GPU 3 (what NVML would report)")
+        phalanx("inject", "node-1", "--gpu", "3", "ecc-sbe-rate=20")
+        injected_at = time.monotonic()
+        wait_for(lambda: states().get("node-1") == "DRAINED", "node-1 drained by the health policy")
+        say(f"health policy: node-1 FAILING and drained {time.monotonic() - injected_at:.2f}s after the first errors")
+        phalanx("health", "node-1")
+        say("an XID 79 (GPU fell off the bus) on node-0 GPU 0")
+        phalanx("inject", "node-0", "--gpu", "0", "xid=79")
+        injected_at = time.monotonic()
+        wait_for(lambda: states().get("node-0") == "DRAINED", "node-0 drained by the health policy")
+        say(f"node-0 FAILED and drained {time.monotonic() - injected_at:.2f}s after the XID")
+        phalanx("nodes")
+        phalanx("inject", "node-0", "--gpu", "0", "clear")
+        phalanx("inject", "node-1", "--gpu", "3", "clear")
+        phalanx("undrain", "node-0")
+        phalanx("undrain", "node-1")
 
         controller = procs["controller"]
         say(f"kill -9 the controller (pid {controller['pid']}) and start it again over the same database")

@@ -86,9 +86,21 @@ def test_rates_decay_out_of_the_window_and_sticky_xids_do_not():
     assert evaluate_gpu(h, 1.0, CFG).health is FAILED
     later = evaluate_gpu(h, 200.0, CFG)
     assert later.health is FAILED and later.reasons == ("XID 48: double-bit ECC error: reset the GPU",)
-    h.clear_sticky()
+    h.forget()
     assert evaluate_gpu(h, 200.0, CFG).health is HEALTHY
     assert h.is_quiet(200.0, 60)
+
+
+def test_forget_drops_past_rates_but_not_current_flags():
+    h = GpuHistory()
+    h.observe(healthy(), 0.0, 0.0, 60)
+    h.observe(healthy(ecc_sbe_volatile=30, remap_pending=True), 1.0, 0.0, 60)
+    assert evaluate_gpu(h, 2.0, CFG).reasons == ("row remap pending (applied at the next GPU reset)",
+                                                 "corrected ECC errors at 900/min (limit 600)")
+    h.forget()
+    assert evaluate_gpu(h, 2.0, CFG).reasons == ("row remap pending (applied at the next GPU reset)",)
+    h.observe(healthy(ecc_sbe_volatile=60), 3.0, 2.0, 60)  # still rising after the undrain: it counts again
+    assert evaluate_gpu(h, 3.0, CFG).health is FAILING
 
 
 def test_a_rate_counts_from_the_last_unchanged_reading_not_from_an_old_baseline():
