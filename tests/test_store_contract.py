@@ -6,7 +6,7 @@ import pytest
 
 from controller.errors import RevisionConflict, StoreError
 from controller.states import DOWN, DRAINED, UP
-from controller.store import EventRecord, MemoryStore, NodeRecord, SqliteStore
+from controller.store import EventRecord, JobRecord, MemoryStore, NodeRecord, SqliteStore
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -60,6 +60,26 @@ def test_commit_is_all_or_nothing(make_store):
     run(go())
 
 
+def test_jobs_compare_and_set_with_nodes_in_one_transaction(make_store):
+    async def go():
+        store = make_store()
+        job = JobRecord("job-1", "PENDING", b"\x08\x01spec")
+        out = await store.commit(jobs=[job], events=[ev(kind="job.submitted", node="", job="job-1")])
+        first = out.jobs[0]
+        assert first.revision > 0 and out.events[0].job == "job-1"
+        node = (await store.commit(nodes=[NodeRecord("n1", UP)])).nodes[0]
+        running = first.replace(state="RUNNING", data=b"more")
+        with pytest.raises(RevisionConflict):  # a stale node record sinks the job write too
+            await store.commit(nodes=[node.replace(revision=node.revision - 1)], jobs=[running])
+        assert await store.load_jobs() == [first]
+        both = await store.commit(nodes=[node.replace(state=DRAINED)], jobs=[running])
+        assert both.jobs[0].revision == both.nodes[0].revision
+        assert await store.load_jobs() == [both.jobs[0]]
+        with pytest.raises(RevisionConflict):
+            await store.commit(jobs=[first.replace(state="FAILED")])
+    run(go())
+
+
 def test_every_field_round_trips(make_store):
     async def go():
         store = make_store()
@@ -110,10 +130,13 @@ def test_closed_store_refuses(make_store):
 def test_sqlite_survives_reopen(tmp_path):
     async def go():
         store = SqliteStore(tmp_path / "s.db")
-        node = (await store.commit(nodes=[NodeRecord("n1", DRAINED, drain_reason="fan")], events=[ev()])).nodes[0]
+        out = await store.commit(nodes=[NodeRecord("n1", DRAINED, drain_reason="fan")], events=[ev()],
+                                 jobs=[JobRecord("job-1", "RUNNING", b"data")])
+        node = out.nodes[0]
         await store.close()
         again = SqliteStore(tmp_path / "s.db")
         assert await again.load_nodes() == [node]
+        assert await again.load_jobs() == out.jobs
         assert len(await again.list_events()) == 1
         later = (await again.commit(nodes=[node.replace(state=UP)])).nodes[0]
         assert later.revision > node.revision  # the revision counter is durable too

@@ -28,6 +28,19 @@ class NodeRecord:
 
 
 @dataclass(frozen=True)
+class JobRecord:
+    """A job as the controller keeps it across restarts: its id, state and the serialized Job message."""
+
+    id: str
+    state: str
+    data: bytes  # a serialized phalanx.v1.Job
+    revision: int = 0
+
+    def replace(self, **changes: object) -> JobRecord:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
 class EventRecord:
     kind: str
     message: str
@@ -46,6 +59,7 @@ class EventRecord:
 class Committed:
     nodes: list[NodeRecord]
     events: list[EventRecord]
+    jobs: list[JobRecord] = field(default_factory=list)
 
 
 class Store(Protocol):
@@ -53,12 +67,17 @@ class Store(Protocol):
         """Every node record, at its current revision."""
         ...
 
-    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = ()) -> Committed:
-        """Atomically write `nodes` and append `events`.
+    async def load_jobs(self) -> list[JobRecord]:
+        """Every job record, at its current revision."""
+        ...
 
-        Each node record is compared on its `revision` (0 = must not exist yet); if any differs
-        from the store's, nothing is written and RevisionConflict is raised. Returns the records
-        with their new revisions and the events with their sequence numbers.
+    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
+                     jobs: Sequence[JobRecord] = ()) -> Committed:
+        """Atomically write `nodes` and `jobs` and append `events`.
+
+        Each record is compared on its `revision` (0 = must not exist yet); if any differs from the
+        store's, nothing is written and RevisionConflict is raised. Returns the records with their
+        new revisions and the events with their sequence numbers.
         """
         ...
 

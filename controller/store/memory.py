@@ -6,12 +6,13 @@ import copy
 from collections.abc import Sequence
 
 from controller.errors import RevisionConflict, StoreError
-from controller.store.base import Committed, EventRecord, NodeRecord
+from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
 
 
 class MemoryStore:
     def __init__(self, max_events: int = 100_000) -> None:
         self._nodes: dict[str, NodeRecord] = {}
+        self._jobs: dict[str, JobRecord] = {}
         self._events: list[EventRecord] = []
         self._revision = 0
         self._seq = 0
@@ -22,18 +23,30 @@ class MemoryStore:
         self._check_open()
         return sorted(self._nodes.values(), key=lambda r: r.name)
 
-    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = ()) -> Committed:
+    async def load_jobs(self) -> list[JobRecord]:
+        self._check_open()
+        return sorted(self._jobs.values(), key=lambda r: r.id)
+
+    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
+                     jobs: Sequence[JobRecord] = ()) -> Committed:
         self._check_open()
         for record in nodes:
             actual = self._nodes[record.name].revision if record.name in self._nodes else 0
             if actual != record.revision:
                 raise RevisionConflict(f"node {record.name}", record.revision, actual)
-        if len({r.name for r in nodes}) != len(nodes):
-            raise StoreError("one commit names the same node twice")
+        for job in jobs:
+            actual = self._jobs[job.id].revision if job.id in self._jobs else 0
+            if actual != job.revision:
+                raise RevisionConflict(f"job {job.id}", job.revision, actual)
+        if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs):
+            raise StoreError("one commit names the same record twice")
         self._revision += 1
         written = [r.replace(revision=self._revision) for r in nodes]
         for record in written:
             self._nodes[record.name] = record
+        written_jobs = [j.replace(revision=self._revision) for j in jobs]
+        for job in written_jobs:
+            self._jobs[job.id] = job
         appended = []
         for event in events:
             self._seq += 1
@@ -41,7 +54,7 @@ class MemoryStore:
         self._events.extend(appended)
         if len(self._events) > self._max_events:
             del self._events[: len(self._events) - self._max_events]
-        return Committed(written, copy.deepcopy(appended))
+        return Committed(written, copy.deepcopy(appended), written_jobs)
 
     async def list_events(
         self, *, after_seq: int = 0, limit: int = 1000, node: str = "", job: str = ""

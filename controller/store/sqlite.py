@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from controller.errors import RevisionConflict, StoreError
 from controller.states import NodeState
-from controller.store.base import Committed, EventRecord, NodeRecord
+from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
 
 T = TypeVar("T")
 
@@ -40,6 +40,12 @@ CREATE TABLE IF NOT EXISTS events (
     job TEXT NOT NULL,
     message TEXT NOT NULL,
     fields TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    data BLOB NOT NULL,
+    revision INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_node ON events (node, seq);
 CREATE INDEX IF NOT EXISTS events_job ON events (job, seq);
@@ -96,9 +102,17 @@ class SqliteStore:
 
         return await self._run(read)
 
-    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = ()) -> Committed:
-        if len({r.name for r in nodes}) != len(nodes):
-            raise StoreError("one commit names the same node twice")
+    async def load_jobs(self) -> list[JobRecord]:
+        def read(db: sqlite3.Connection) -> list[JobRecord]:
+            rows = db.execute("SELECT id, state, data, revision FROM jobs ORDER BY id").fetchall()
+            return [JobRecord(id_, state, bytes(data), rev) for id_, state, data, rev in rows]
+
+        return await self._run(read)
+
+    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
+                     jobs: Sequence[JobRecord] = ()) -> Committed:
+        if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs):
+            raise StoreError("one commit names the same record twice")
 
         def write(db: sqlite3.Connection) -> Committed:
             db.execute("BEGIN IMMEDIATE")
@@ -108,6 +122,11 @@ class SqliteStore:
                     actual = row[0] if row else 0
                     if actual != record.revision:
                         raise RevisionConflict(f"node {record.name}", record.revision, actual)
+                for job in jobs:
+                    row = db.execute("SELECT revision FROM jobs WHERE id=?", (job.id,)).fetchone()
+                    actual = row[0] if row else 0
+                    if actual != job.revision:
+                        raise RevisionConflict(f"job {job.id}", job.revision, actual)
                 revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0] + 1
                 db.execute("UPDATE meta SET value=? WHERE key='revision'", (revision,))
                 written = [r.replace(revision=revision) for r in nodes]
@@ -118,6 +137,9 @@ class SqliteStore:
                         for r in written
                     ],
                 )
+                written_jobs = [j.replace(revision=revision) for j in jobs]
+                db.executemany("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?)",
+                               [(j.id, j.state, j.data, revision) for j in written_jobs])
                 appended = []
                 for e in events:
                     cur = db.execute(
@@ -129,7 +151,7 @@ class SqliteStore:
                 if appended and appended[-1].seq % 1000 == 0:
                     db.execute("DELETE FROM events WHERE seq <= ?", (appended[-1].seq - self._max_events,))
                 db.execute("COMMIT")
-                return Committed(written, appended)
+                return Committed(written, appended, written_jobs)
             except BaseException:
                 db.execute("ROLLBACK")
                 raise

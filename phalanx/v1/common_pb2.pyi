@@ -39,6 +39,24 @@ class Health(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HEALTH_DEGRADED: _ClassVar[Health]
     HEALTH_FAILING: _ClassVar[Health]
     HEALTH_FAILED: _ClassVar[Health]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_PENDING: _ClassVar[JobState]
+    JOB_STATE_STARTING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_CANCELLING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RANK_STATE_UNSPECIFIED: _ClassVar[RankState]
+    RANK_STATE_RUNNING: _ClassVar[RankState]
+    RANK_STATE_EXITED: _ClassVar[RankState]
+    RANK_STATE_LOST: _ClassVar[RankState]
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_UP: NodeState
 NODE_STATE_SUSPECT: NodeState
@@ -60,6 +78,18 @@ HEALTH_HEALTHY: Health
 HEALTH_DEGRADED: Health
 HEALTH_FAILING: Health
 HEALTH_FAILED: Health
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_PENDING: JobState
+JOB_STATE_STARTING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_CANCELLING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+RANK_STATE_UNSPECIFIED: RankState
+RANK_STATE_RUNNING: RankState
+RANK_STATE_EXITED: RankState
+RANK_STATE_LOST: RankState
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "uuid", "name", "pci_bus_id", "serial", "memory_total_bytes")
@@ -78,7 +108,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., serial: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInventory(_message.Message):
-    __slots__ = ("hostname", "cpu_count", "memory_total_bytes", "gpu_backend", "gpus", "labels", "agent_version", "checkpoint_dir", "agent_pid", "topology")
+    __slots__ = ("hostname", "cpu_count", "memory_total_bytes", "gpu_backend", "gpus", "labels", "agent_version", "checkpoint_dir", "agent_pid", "topology", "address")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +126,7 @@ class NodeInventory(_message.Message):
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     cpu_count: int
     memory_total_bytes: int
@@ -106,7 +137,8 @@ class NodeInventory(_message.Message):
     checkpoint_dir: str
     agent_pid: int
     topology: Topology
-    def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpu_backend: _Optional[_Union[GpuBackendKind, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., agent_pid: _Optional[int] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ...) -> None: ...
+    address: str
+    def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpu_backend: _Optional[_Union[GpuBackendKind, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., agent_pid: _Optional[int] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HostTelemetry(_message.Message):
     __slots__ = ("cpu_percent", "memory_used_bytes", "memory_available_bytes", "load1", "load5", "load15", "checkpoint_free_bytes", "checkpoint_total_bytes")
@@ -358,3 +390,88 @@ class Event(_message.Message):
     message: str
     fields: _containers.ScalarMap[str, str]
     def __init__(self, seq: _Optional[int] = ..., time_unix_ns: _Optional[int] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., job: _Optional[str] = ..., message: _Optional[str] = ..., fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    command: _containers.RepeatedScalarFieldContainer[str]
+    nodes: int
+    ranks_per_node: int
+    spares: int
+    checkpoint_dir: str
+    priority: int
+    env: _containers.ScalarMap[str, str]
+    workdir: str
+    segment: int
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ...) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "node", "local_rank", "gpu", "state", "pid", "exit_code", "generation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    local_rank: int
+    gpu: int
+    state: RankState
+    pid: int
+    exit_code: int
+    generation: int
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    spec: JobSpec
+    state: JobState
+    reason: str
+    generation: int
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    spares: _containers.RepeatedScalarFieldContainer[str]
+    master_addr: str
+    master_port: int
+    submitted_unix_ns: int
+    started_unix_ns: int
+    finished_unix_ns: int
+    exit_code: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    user: str
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ...) -> None: ...

@@ -25,45 +25,59 @@ _sym_db = _symbol_database.Default()
 from phalanx.v1 import common_pb2 as phalanx_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18phalanx/v1/control.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\" \n\x10GetHealthRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\":\n\x11GetHealthResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.phalanx.v1.NodeHealth\"\"\n\x12GetTopologyRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"D\n\x12InjectFaultRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x03 \x01(\t\"&\n\x13InjectFaultResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xfd\x02\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12,\n\tinventory\x18\x05 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\x12\'\n\x04host\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x07 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x1b\n\x13state_since_unix_ns\x18\t \x01(\x03\x12\x0c\n\x04peer\x18\n \x01(\t\x12\x11\n\tconnected\x18\x0b \x01(\x08\x12\x15\n\rrunning_ranks\x18\x0c \x01(\r\x12\"\n\x06health\x18\r \x01(\x0e\x32\x12.phalanx.v1.Health\"9\n\x10ListNodesRequest\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.phalanx.v1.NodeState\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.phalanx.v1.Node\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"0\n\x10\x44rainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x12UndrainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"P\n\x11ListEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0b\n\x03job\x18\x04 \x01(\t\"7\n\x12ListEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.phalanx.v1.Event\"B\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0b\n\x03job\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x8f\x02\n\x0f\x43ontrollerStats\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x18\n\x10heartbeats_total\x18\x03 \x01(\x04\x12\x1c\n\x14heartbeat_lag_p50_ms\x18\x04 \x01(\x01\x12\x1c\n\x14heartbeat_lag_p99_ms\x18\x05 \x01(\x01\x12\x1c\n\x14heartbeat_lag_max_ms\x18\x06 \x01(\x01\x12\x1d\n\x15heartbeat_lag_samples\x18\x07 \x01(\x04\x12\x1b\n\x13process_cpu_seconds\x18\x08 \x01(\x01\x12\x19\n\x11process_rss_bytes\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x32\xc7\x05\n\x0e\x43ontrolService\x12H\n\tListNodes\x12\x1c.phalanx.v1.ListNodesRequest\x1a\x1d.phalanx.v1.ListNodesResponse\x12\x37\n\x07GetNode\x12\x1a.phalanx.v1.GetNodeRequest\x1a\x10.phalanx.v1.Node\x12;\n\tDrainNode\x12\x1c.phalanx.v1.DrainNodeRequest\x1a\x10.phalanx.v1.Node\x12?\n\x0bUndrainNode\x12\x1e.phalanx.v1.UndrainNodeRequest\x1a\x10.phalanx.v1.Node\x12K\n\nListEvents\x12\x1d.phalanx.v1.ListEventsRequest\x1a\x1e.phalanx.v1.ListEventsResponse\x12\x42\n\x0bWatchEvents\x12\x1e.phalanx.v1.WatchEventsRequest\x1a\x11.phalanx.v1.Event0\x01\x12\x44\n\x08GetStats\x12\x1b.phalanx.v1.GetStatsRequest\x1a\x1b.phalanx.v1.ControllerStats\x12H\n\tGetHealth\x12\x1c.phalanx.v1.GetHealthRequest\x1a\x1d.phalanx.v1.GetHealthResponse\x12\x43\n\x0bGetTopology\x12\x1e.phalanx.v1.GetTopologyRequest\x1a\x14.phalanx.v1.Topology\x12N\n\x0bInjectFault\x12\x1e.phalanx.v1.InjectFaultRequest\x1a\x1f.phalanx.v1.InjectFaultResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18phalanx/v1/control.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"C\n\x10SubmitJobRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.phalanx.v1.JobSpec\x12\x0c\n\x04user\x18\x02 \x01(\t\"7\n\x0fListJobsRequest\x12$\n\x06states\x18\x01 \x03(\x0e\x32\x14.phalanx.v1.JobState\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.phalanx.v1.Job\"\x1b\n\rGetJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x1e\n\x10\x43\x61ncelJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"O\n\x0fReadLogsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\r\"I\n\x08LogChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0bnext_offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0c\n\x04node\x18\x04 \x01(\t\" \n\x10GetHealthRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\":\n\x11GetHealthResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.phalanx.v1.NodeHealth\"\"\n\x12GetTopologyRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"D\n\x12InjectFaultRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x03 \x01(\t\"&\n\x13InjectFaultResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xfd\x02\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12,\n\tinventory\x18\x05 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\x12\'\n\x04host\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x07 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x1b\n\x13state_since_unix_ns\x18\t \x01(\x03\x12\x0c\n\x04peer\x18\n \x01(\t\x12\x11\n\tconnected\x18\x0b \x01(\x08\x12\x15\n\rrunning_ranks\x18\x0c \x01(\r\x12\"\n\x06health\x18\r \x01(\x0e\x32\x12.phalanx.v1.Health\"9\n\x10ListNodesRequest\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.phalanx.v1.NodeState\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.phalanx.v1.Node\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"0\n\x10\x44rainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x12UndrainNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"P\n\x11ListEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0b\n\x03job\x18\x04 \x01(\t\"7\n\x12ListEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.phalanx.v1.Event\"B\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0b\n\x03job\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x8f\x02\n\x0f\x43ontrollerStats\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x18\n\x10heartbeats_total\x18\x03 \x01(\x04\x12\x1c\n\x14heartbeat_lag_p50_ms\x18\x04 \x01(\x01\x12\x1c\n\x14heartbeat_lag_p99_ms\x18\x05 \x01(\x01\x12\x1c\n\x14heartbeat_lag_max_ms\x18\x06 \x01(\x01\x12\x1d\n\x15heartbeat_lag_samples\x18\x07 \x01(\x04\x12\x1b\n\x13process_cpu_seconds\x18\x08 \x01(\x01\x12\x19\n\x11process_rss_bytes\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x32\xfb\x07\n\x0e\x43ontrolService\x12H\n\tListNodes\x12\x1c.phalanx.v1.ListNodesRequest\x1a\x1d.phalanx.v1.ListNodesResponse\x12\x37\n\x07GetNode\x12\x1a.phalanx.v1.GetNodeRequest\x1a\x10.phalanx.v1.Node\x12;\n\tDrainNode\x12\x1c.phalanx.v1.DrainNodeRequest\x1a\x10.phalanx.v1.Node\x12?\n\x0bUndrainNode\x12\x1e.phalanx.v1.UndrainNodeRequest\x1a\x10.phalanx.v1.Node\x12K\n\nListEvents\x12\x1d.phalanx.v1.ListEventsRequest\x1a\x1e.phalanx.v1.ListEventsResponse\x12\x42\n\x0bWatchEvents\x12\x1e.phalanx.v1.WatchEventsRequest\x1a\x11.phalanx.v1.Event0\x01\x12\x44\n\x08GetStats\x12\x1b.phalanx.v1.GetStatsRequest\x1a\x1b.phalanx.v1.ControllerStats\x12H\n\tGetHealth\x12\x1c.phalanx.v1.GetHealthRequest\x1a\x1d.phalanx.v1.GetHealthResponse\x12\x43\n\x0bGetTopology\x12\x1e.phalanx.v1.GetTopologyRequest\x1a\x14.phalanx.v1.Topology\x12N\n\x0bInjectFault\x12\x1e.phalanx.v1.InjectFaultRequest\x1a\x1f.phalanx.v1.InjectFaultResponse\x12:\n\tSubmitJob\x12\x1c.phalanx.v1.SubmitJobRequest\x1a\x0f.phalanx.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.phalanx.v1.ListJobsRequest\x1a\x1c.phalanx.v1.ListJobsResponse\x12\x34\n\x06GetJob\x12\x19.phalanx.v1.GetJobRequest\x1a\x0f.phalanx.v1.Job\x12:\n\tCancelJob\x12\x1c.phalanx.v1.CancelJobRequest\x1a\x0f.phalanx.v1.Job\x12=\n\x08ReadLogs\x12\x1b.phalanx.v1.ReadLogsRequest\x1a\x14.phalanx.v1.LogChunkb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'phalanx.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETHEALTHREQUEST']._serialized_start=65
-  _globals['_GETHEALTHREQUEST']._serialized_end=97
-  _globals['_GETHEALTHRESPONSE']._serialized_start=99
-  _globals['_GETHEALTHRESPONSE']._serialized_end=157
-  _globals['_GETTOPOLOGYREQUEST']._serialized_start=159
-  _globals['_GETTOPOLOGYREQUEST']._serialized_end=193
-  _globals['_INJECTFAULTREQUEST']._serialized_start=195
-  _globals['_INJECTFAULTREQUEST']._serialized_end=263
-  _globals['_INJECTFAULTRESPONSE']._serialized_start=265
-  _globals['_INJECTFAULTRESPONSE']._serialized_end=303
-  _globals['_NODE']._serialized_start=306
-  _globals['_NODE']._serialized_end=687
-  _globals['_LISTNODESREQUEST']._serialized_start=689
-  _globals['_LISTNODESREQUEST']._serialized_end=746
-  _globals['_LISTNODESRESPONSE']._serialized_start=748
-  _globals['_LISTNODESRESPONSE']._serialized_end=800
-  _globals['_GETNODEREQUEST']._serialized_start=802
-  _globals['_GETNODEREQUEST']._serialized_end=832
-  _globals['_DRAINNODEREQUEST']._serialized_start=834
-  _globals['_DRAINNODEREQUEST']._serialized_end=882
-  _globals['_UNDRAINNODEREQUEST']._serialized_start=884
-  _globals['_UNDRAINNODEREQUEST']._serialized_end=918
-  _globals['_LISTEVENTSREQUEST']._serialized_start=920
-  _globals['_LISTEVENTSREQUEST']._serialized_end=1000
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=1002
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=1057
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1059
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1125
-  _globals['_GETSTATSREQUEST']._serialized_start=1127
-  _globals['_GETSTATSREQUEST']._serialized_end=1144
-  _globals['_CONTROLLERSTATS']._serialized_start=1147
-  _globals['_CONTROLLERSTATS']._serialized_end=1418
-  _globals['_CONTROLSERVICE']._serialized_start=1421
-  _globals['_CONTROLSERVICE']._serialized_end=2132
+  _globals['_SUBMITJOBREQUEST']._serialized_start=65
+  _globals['_SUBMITJOBREQUEST']._serialized_end=132
+  _globals['_LISTJOBSREQUEST']._serialized_start=134
+  _globals['_LISTJOBSREQUEST']._serialized_end=189
+  _globals['_LISTJOBSRESPONSE']._serialized_start=191
+  _globals['_LISTJOBSRESPONSE']._serialized_end=240
+  _globals['_GETJOBREQUEST']._serialized_start=242
+  _globals['_GETJOBREQUEST']._serialized_end=269
+  _globals['_CANCELJOBREQUEST']._serialized_start=271
+  _globals['_CANCELJOBREQUEST']._serialized_end=301
+  _globals['_READLOGSREQUEST']._serialized_start=303
+  _globals['_READLOGSREQUEST']._serialized_end=382
+  _globals['_LOGCHUNK']._serialized_start=384
+  _globals['_LOGCHUNK']._serialized_end=457
+  _globals['_GETHEALTHREQUEST']._serialized_start=459
+  _globals['_GETHEALTHREQUEST']._serialized_end=491
+  _globals['_GETHEALTHRESPONSE']._serialized_start=493
+  _globals['_GETHEALTHRESPONSE']._serialized_end=551
+  _globals['_GETTOPOLOGYREQUEST']._serialized_start=553
+  _globals['_GETTOPOLOGYREQUEST']._serialized_end=587
+  _globals['_INJECTFAULTREQUEST']._serialized_start=589
+  _globals['_INJECTFAULTREQUEST']._serialized_end=657
+  _globals['_INJECTFAULTRESPONSE']._serialized_start=659
+  _globals['_INJECTFAULTRESPONSE']._serialized_end=697
+  _globals['_NODE']._serialized_start=700
+  _globals['_NODE']._serialized_end=1081
+  _globals['_LISTNODESREQUEST']._serialized_start=1083
+  _globals['_LISTNODESREQUEST']._serialized_end=1140
+  _globals['_LISTNODESRESPONSE']._serialized_start=1142
+  _globals['_LISTNODESRESPONSE']._serialized_end=1194
+  _globals['_GETNODEREQUEST']._serialized_start=1196
+  _globals['_GETNODEREQUEST']._serialized_end=1226
+  _globals['_DRAINNODEREQUEST']._serialized_start=1228
+  _globals['_DRAINNODEREQUEST']._serialized_end=1276
+  _globals['_UNDRAINNODEREQUEST']._serialized_start=1278
+  _globals['_UNDRAINNODEREQUEST']._serialized_end=1312
+  _globals['_LISTEVENTSREQUEST']._serialized_start=1314
+  _globals['_LISTEVENTSREQUEST']._serialized_end=1394
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=1396
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=1451
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1453
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1519
+  _globals['_GETSTATSREQUEST']._serialized_start=1521
+  _globals['_GETSTATSREQUEST']._serialized_end=1538
+  _globals['_CONTROLLERSTATS']._serialized_start=1541
+  _globals['_CONTROLLERSTATS']._serialized_end=1812
+  _globals['_CONTROLSERVICE']._serialized_start=1815
+  _globals['_CONTROLSERVICE']._serialized_end=2834
 # @@protoc_insertion_point(module_scope)

@@ -85,6 +85,31 @@ class ControlServiceStub:
                 request_serializer=phalanx_dot_v1_dot_control__pb2.InjectFaultRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_control__pb2.InjectFaultResponse.FromString,
                 _registered_method=True)
+        self.SubmitJob = channel.unary_unary(
+                '/phalanx.v1.ControlService/SubmitJob',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_common__pb2.Job.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/phalanx.v1.ControlService/ListJobs',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/phalanx.v1.ControlService/GetJob',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_common__pb2.Job.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/phalanx.v1.ControlService/CancelJob',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_common__pb2.Job.FromString,
+                _registered_method=True)
+        self.ReadLogs = channel.unary_unary(
+                '/phalanx.v1.ControlService/ReadLogs',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.ReadLogsRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.LogChunk.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -152,6 +177,36 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadLogs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +259,31 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=phalanx_dot_v1_dot_control__pb2.InjectFaultRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_control__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'SubmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.SubmitJobRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_common__pb2.Job.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.ListJobsRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.GetJobRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_common__pb2.Job.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.CancelJobRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_common__pb2.Job.SerializeToString,
+            ),
+            'ReadLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadLogs,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.ReadLogsRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.LogChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +556,141 @@ class ControlService:
             '/phalanx.v1.ControlService/InjectFault',
             phalanx_dot_v1_dot_control__pb2.InjectFaultRequest.SerializeToString,
             phalanx_dot_v1_dot_control__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/SubmitJob',
+            phalanx_dot_v1_dot_control__pb2.SubmitJobRequest.SerializeToString,
+            phalanx_dot_v1_dot_common__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/ListJobs',
+            phalanx_dot_v1_dot_control__pb2.ListJobsRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/GetJob',
+            phalanx_dot_v1_dot_control__pb2.GetJobRequest.SerializeToString,
+            phalanx_dot_v1_dot_common__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/CancelJob',
+            phalanx_dot_v1_dot_control__pb2.CancelJobRequest.SerializeToString,
+            phalanx_dot_v1_dot_common__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/ReadLogs',
+            phalanx_dot_v1_dot_control__pb2.ReadLogsRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.LogChunk.FromString,
             options,
             channel_credentials,
             insecure,

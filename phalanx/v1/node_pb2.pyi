@@ -52,7 +52,7 @@ class SessionOpen(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest")
+    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Heartbeat(_message.Message):
     RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
     NCCL_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix_ns: int
     host: _common_pb2.HostTelemetry
@@ -67,7 +68,26 @@ class Heartbeat(_message.Message):
     running_ranks: int
     nccl: _containers.RepeatedCompositeFieldContainer[_common_pb2.NcclRankState]
     health_digest: int
-    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("job", "generation", "rank", "state", "pid", "exit_code", "gpu")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    state: _common_pb2.RankState
+    pid: int
+    exit_code: int
+    gpu: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., gpu: _Optional[int] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
     __slots__ = ("kind", "message", "fields")
@@ -97,12 +117,88 @@ class ControllerMessage(_message.Message):
     def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "inject")
+    __slots__ = ("id", "inject", "launch", "stop", "reserve_port", "read_log")
     ID_FIELD_NUMBER: _ClassVar[int]
     INJECT_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_PORT_FIELD_NUMBER: _ClassVar[int]
+    READ_LOG_FIELD_NUMBER: _ClassVar[int]
     id: int
     inject: InjectFault
-    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ...) -> None: ...
+    launch: LaunchRanks
+    stop: StopRanks
+    reserve_port: ReservePort
+    read_log: ReadLog
+    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ...) -> None: ...
+
+class LaunchRanks(_message.Message):
+    __slots__ = ("job", "generation", "command", "env", "workdir", "ranks")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    command: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    workdir: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankLaunch]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankLaunch, _Mapping]]] = ...) -> None: ...
+
+class RankLaunch(_message.Message):
+    __slots__ = ("rank", "local_rank", "gpu", "env")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    local_rank: int
+    gpu: int
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StopRanks(_message.Message):
+    __slots__ = ("job", "generation", "grace_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    grace_s: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
+class ReservePort(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReadLog(_message.Message):
+    __slots__ = ("job", "rank", "offset", "max_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    offset: int
+    max_bytes: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class InjectFault(_message.Message):
     __slots__ = ("gpu_index", "fault")
@@ -113,16 +209,22 @@ class InjectFault(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., fault: _Optional[str] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("id", "ok", "error", "message")
+    __slots__ = ("id", "ok", "error", "message", "port", "data", "size")
     ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     id: int
     ok: bool
     error: str
     message: str
-    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    port: int
+    data: bytes
+    size: int
+    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., port: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
     __slots__ = ("incarnation",)

@@ -1,0 +1,53 @@
+"""`python -m agent.rankwrap EXIT_FILE -- COMMAND...`: run one rank and write down how it ended.
+
+The agent starts every rank through this wrapper, in a session of its own. The wrapper runs the
+command in the same process group, passes SIGTERM/SIGINT on, and writes the exit status to
+EXIT_FILE (atomically) when the rank ends. An agent that restarted meanwhile — and so is no longer
+the rank's parent and cannot wait() for it — still learns how the rank ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def write_status(path: str, code: int) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{code}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m agent.rankwrap EXIT_FILE -- COMMAND...", file=sys.stderr)
+        return 2
+    exit_file, command = argv[0], argv[2:]
+    try:
+        child = subprocess.Popen(command)
+    except OSError as e:
+        print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
+        write_status(exit_file, 127)
+        return 127
+
+    def forward(signum: int, _frame: object) -> None:
+        # A signal to the whole group reaches the child too; one sent to us alone is passed on.
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    code = child.wait()
+    write_status(exit_file, code)  # negative: killed by that signal, as Popen reports it
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

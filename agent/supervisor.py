@@ -1,0 +1,297 @@
+"""Launches, pins, watches, stops and re-adopts rank processes.
+
+Every rank runs under `agent.rankwrap` in a session of its own (so nothing is orphaned into the
+agent's group, and a stop reaches every process the rank started). Each rank has a record in
+`<state_dir>/ranks/` — pid, process start time, exit-file path — written before the launch is
+reported, so an agent that restarts re-adopts the ranks still running and learns how the others
+ended. The pid's start time guards against a recycled pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from phalanx import log
+from phalanx.v1 import common_pb2, node_pb2
+
+logger = log.get("supervisor")
+
+KEEP_EXITED_S = 600.0  # exited ranks stay reported this long, so the controller hears of them
+
+
+@dataclass
+class RankRecord:
+    job: str
+    generation: int
+    rank: int
+    local_rank: int
+    gpu: int
+    pid: int
+    started: float  # the process's create_time, to tell it from a later process with the same pid
+    log: str
+    exit_file: str
+    exited_at: float = 0.0
+    exit_code: int | None = None
+    lost: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.job}.g{self.generation}.r{self.rank}"
+
+
+class Supervisor:
+    def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None) -> None:
+        self._dir = state_dir / "ranks"
+        self._logs = state_dir / "logs"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._cpus_for_gpu = cpus_for_gpu or {}
+        self._ranks: dict[str, RankRecord] = {}
+        self._children: dict[int, subprocess.Popen] = {}
+        self._duty: dict[str, threading.Event] = {}  # slow=F duty cycles, by rank key
+        self._lock = threading.Lock()
+
+    # -- launching ---------------------------------------------------------------------------
+
+    def launch(self, request: node_pb2.LaunchRanks, base_env: dict[str, str]) -> str:
+        """Start this node's ranks of a job. Raises ValueError/OSError with a reason on failure."""
+        if not request.command:
+            raise ValueError("no command to run")
+        for rank in request.ranks:
+            existing = self._ranks.get(f"{request.job}.g{request.generation}.r{rank.rank}")
+            if existing is not None and self._alive(existing):
+                raise ValueError(f"rank {rank.rank} of {request.job} generation {request.generation} already runs")
+        started = []
+        for rank in request.ranks:
+            started.append(self._start(request, rank, base_env))
+        return f"started ranks {', '.join(str(r.rank) for r in started)} of {request.job} (generation " \
+               f"{request.generation})"
+
+    def _start(self, request: node_pb2.LaunchRanks, rank: node_pb2.RankLaunch, base_env: dict[str, str]) -> RankRecord:
+        log_dir = self._logs / request.job
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"rank-{rank.rank}.log"
+        exit_file = self._dir / f"{request.job}.g{request.generation}.r{rank.rank}.exit"
+        exit_file.unlink(missing_ok=True)
+        env = {**base_env, **request.env, **rank.env}
+        cpus = self._cpus_for_gpu.get(rank.gpu)
+        workdir = request.workdir or str(self._dir.parent)
+
+        def pin() -> None:  # in the child, before exec
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        with open(log_path, "ab") as out:
+            out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} "
+                      f"starting at {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
+            out.flush()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "agent.rankwrap", str(exit_file), "--", *request.command],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                start_new_session=True, preexec_fn=pin if cpus else None)
+        try:
+            created = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            created = 0.0
+        record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, proc.pid, created,
+                            str(log_path), str(exit_file))
+        with self._lock:
+            self._ranks[record.key] = record
+            self._children[proc.pid] = proc
+        self._save(record)
+        logger.info("rank started", job=request.job, generation=request.generation, rank=rank.rank, pid=proc.pid,
+                    gpu=rank.gpu, cpus=len(cpus) if cpus else "all")
+        return record
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def _alive(self, record: RankRecord) -> bool:
+        if record.exit_code is not None or record.lost:
+            return False
+        child = self._children.get(record.pid)
+        if child is not None:
+            return child.poll() is None
+        try:
+            p = psutil.Process(record.pid)
+            return abs(p.create_time() - record.started) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def poll(self) -> list[RankRecord]:
+        """Notice ranks that ended since the last call; returns them."""
+        ended = []
+        now = time.time()
+        with self._lock:
+            records = list(self._ranks.values())
+        for record in records:
+            if record.exit_code is not None or record.lost:
+                if now - record.exited_at > KEEP_EXITED_S:
+                    self._drop(record)
+                continue
+            if self._alive(record):
+                continue
+            child = self._children.pop(record.pid, None)
+            code = self._read_exit(record)
+            if code is None and child is not None and child.returncode is not None:
+                code = child.returncode  # the wrapper itself was killed (SIGKILL to the group): no exit file
+            record.exited_at = now
+            if code is None:
+                record.lost = True
+            else:
+                record.exit_code = code
+            self._stop_duty(record.key)
+            self._save(record)
+            ended.append(record)
+            logger.info("rank ended", job=record.job, generation=record.generation, rank=record.rank,
+                        exit_code=record.exit_code, lost=record.lost)
+        return ended
+
+    @staticmethod
+    def _read_exit(record: RankRecord) -> int | None:
+        try:
+            return int(Path(record.exit_file).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def statuses(self) -> list[node_pb2.RankStatus]:
+        with self._lock:
+            records = sorted(self._ranks.values(), key=lambda r: (r.job, r.generation, r.rank))
+        out = []
+        for r in records:
+            if r.lost:
+                state = common_pb2.RANK_STATE_LOST
+            elif r.exit_code is not None:
+                state = common_pb2.RANK_STATE_EXITED
+            else:
+                state = common_pb2.RANK_STATE_RUNNING
+            out.append(node_pb2.RankStatus(job=r.job, generation=r.generation, rank=r.rank, state=state, pid=r.pid,
+                                           exit_code=r.exit_code or 0, gpu=r.gpu))
+        return out
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._ranks.values() if r.exit_code is None and not r.lost)
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def stop(self, job: str, generation: int, grace_s: float) -> str:
+        """SIGTERM the job's ranks (generation 0 = all) now; SIGKILL their groups after `grace_s`."""
+        targets = [r for r in self._live() if r.job == job and (generation == 0 or r.generation == generation)]
+        for record in targets:
+            self._stop_duty(record.key)
+            self._signal(record, signal.SIGCONT, group=True)  # a stopped (hung) rank cannot act on SIGTERM
+            self._signal(record, signal.SIGTERM, group=False)  # the wrapper passes it to the rank once
+        if targets:
+            timer = threading.Timer(grace_s, self._kill_remaining, args=([r.key for r in targets],))
+            timer.daemon = True
+            timer.start()
+        return f"stopping {len(targets)} ranks of {job}" + (f" generation {generation}" if generation else "")
+
+    def _kill_remaining(self, keys: list[str]) -> None:
+        for key in keys:
+            record = self._ranks.get(key)
+            if record is not None and self._alive(record):
+                logger.warning("rank did not stop within its grace period; SIGKILL", job=record.job, rank=record.rank)
+                self._signal(record, signal.SIGKILL, group=True)
+
+    def _signal(self, record: RankRecord, sig: int, group: bool) -> None:
+        try:
+            if group:
+                os.killpg(record.pid, sig)  # the wrapper leads its own session: pgid == pid
+            else:
+                os.kill(record.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _live(self) -> list[RankRecord]:
+        with self._lock:
+            records = list(self._ranks.values())
+        return [r for r in records if self._alive(r)]
+
+    # -- faults on ranks (phalanx inject ... slow=F | hang) -----------------------------------
+
+    def ranks_on_gpu(self, gpu: int) -> list[RankRecord]:
+        return [r for r in self._live() if r.gpu == gpu]
+
+    def hang(self, gpu: int) -> list[int]:
+        """SIGSTOP the ranks on `gpu` until they are stopped for good."""
+        ranks = self.ranks_on_gpu(gpu)
+        for record in ranks:
+            self._stop_duty(record.key)
+            self._signal(record, signal.SIGSTOP, group=True)
+        return [r.rank for r in ranks]
+
+    def slow(self, gpu: int, factor: float, period_s: float = 0.1) -> list[int]:
+        """Duty-cycle the ranks on `gpu` with SIGSTOP/SIGCONT so that they run `factor` slower."""
+        ranks = self.ranks_on_gpu(gpu)
+        stopped_share = factor / (1.0 + factor)  # F slower: work per second drops to 1 / (1 + F)
+        for record in ranks:
+            self._stop_duty(record.key)
+            done = threading.Event()
+            self._duty[record.key] = done
+
+            def cycle(rec: RankRecord = record, done: threading.Event = done) -> None:
+                while not done.is_set():
+                    self._signal(rec, signal.SIGSTOP, group=True)
+                    if done.wait(period_s * stopped_share):
+                        break
+                    self._signal(rec, signal.SIGCONT, group=True)
+                    done.wait(period_s * (1 - stopped_share))
+                self._signal(rec, signal.SIGCONT, group=True)
+
+            threading.Thread(target=cycle, name=f"slow-{record.key}", daemon=True).start()
+        return [r.rank for r in ranks]
+
+    def _stop_duty(self, key: str) -> None:
+        done = self._duty.pop(key, None)
+        if done is not None:
+            done.set()
+
+    # -- logs --------------------------------------------------------------------------------
+
+    def log_path(self, job: str, rank: int) -> Path | None:
+        path = self._logs / job / f"rank-{rank}.log"
+        return path if path.exists() else None
+
+    # -- records -----------------------------------------------------------------------------
+
+    def _save(self, record: RankRecord) -> None:
+        path = self._dir / f"{record.key}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(record)))
+        os.replace(tmp, path)
+
+    def _drop(self, record: RankRecord) -> None:
+        with self._lock:
+            self._ranks.pop(record.key, None)
+        for path in (self._dir / f"{record.key}.json", Path(record.exit_file)):
+            path.unlink(missing_ok=True)
+
+    def adopt(self) -> list[RankRecord]:
+        """Read the records a previous agent left; returns the ranks still running (re-adopted)."""
+        adopted = []
+        for path in sorted(self._dir.glob("*.json")):
+            try:
+                record = RankRecord(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as e:
+                logger.warning("unreadable rank record; ignored", path=str(path), error=str(e))
+                continue
+            with self._lock:
+                self._ranks[record.key] = record
+            if self._alive(record):
+                adopted.append(record)
+        for record in adopted:
+            logger.info("rank re-adopted", job=record.job, generation=record.generation, rank=record.rank,
+                        pid=record.pid)
+        self.poll()  # the ones that ended while no agent watched: their exit files say how
+        return adopted
