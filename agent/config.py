@@ -46,6 +46,9 @@ class AgentConfig:
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
     gpu: GpuConfig = section(GpuConfig, "GPU backend")
     reconnect: ReconnectConfig = section(ReconnectConfig, "reconnecting to the controller")
+    advertise_address: str = setting("", "address other nodes reach this node's ranks at (MASTER_ADDR); empty = "
+                                     "the address it connects to the controller from")
+    stop_grace_s: float = setting(30.0, "seconds between SIGTERM and SIGKILL when ranks are stopped")
     sysfs_root: str = setting("/sys", "where sysfs is mounted (topology is read from it)")
     nvrx_socket: str = setting("/run/phalanx/nvhcd.sock", "Unix socket serving NVRx's node health check "
                                "(nvhcd.HealthCheckService); empty = off")
@@ -60,6 +63,7 @@ class AgentConfig:
         require(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
                 f"controller ({self.controller!r}) must be host:port, e.g. 10.0.0.1:7370")
         require(len(self.labels) <= 64, f"labels has {len(self.labels)} entries; the limit is 64")
+        require(self.stop_grace_s >= 0, f"stop_grace_s ({self.stop_grace_s}) must not be negative")
 
     @property
     def name(self) -> str:

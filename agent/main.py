@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -18,18 +19,27 @@ from agent.backoff import Backoff
 from agent.collectors import gpu
 from agent.collectors.dcgm import DcgmHealth
 from agent.collectors.host import HostCollector, inventory_basics
-from agent.collectors.nccl import FlightRecorderWatcher
+from agent.collectors.nccl import FlightRecorderWatcher, rank_env
 from agent.collectors.nvml import NvmlBackend
 from agent.collectors.sim import SimBackend
-from agent.collectors.topology import read_topology
+from agent.collectors.topology import parse_cpulist, read_topology
 from agent.link import Link
+from agent.supervisor import Supervisor
 from phalanx import __version__, faults, log
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
+READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
 logger = log.get("agent")
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now (MASTER_PORT for a new generation)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def health_digest(gpus: list[common_pb2.GpuTelemetry], host: common_pb2.HostTelemetry) -> int:
@@ -65,7 +75,13 @@ class Agent:
         self._static = common_pb2.NodeInventory(
             hostname=socket.gethostname(), cpu_count=cpus, memory_total_bytes=memory,
             gpu_backend=backend.kind, labels=cfg.labels, agent_version=__version__,
-            checkpoint_dir=cfg.checkpoint_dir, agent_pid=os.getpid(), topology=self.topology)
+            checkpoint_dir=cfg.checkpoint_dir, agent_pid=os.getpid(), topology=self.topology,
+            address=cfg.advertise_address)
+        cpus_for_gpu = {}
+        for locality in self.topology.locality if nvml is not None else ():
+            with contextlib.suppress(ValueError):
+                cpus_for_gpu[locality.gpu_index] = parse_cpulist(locality.cpulist)
+        self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu)
         self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None
         self._dcgm_seen: set[tuple[int, str]] = set()
@@ -82,8 +98,10 @@ class Agent:
         host, gpus = self.host.sample(), self.backend.sample()
         if self.dcgm is not None:
             self._report_dcgm()
-        return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0, health_digest=health_digest(gpus, host),
-                                  nccl=self.nccl.scan(time.time_ns()))
+        self.supervisor.poll()
+        return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
+                                  health_digest=health_digest(gpus, host), nccl=self.nccl.scan(time.time_ns()),
+                                  ranks=self.supervisor.statuses())
 
     def _report_dcgm(self) -> None:
         """DCGM health incidents go to the event log, each once while it lasts."""
@@ -93,25 +111,59 @@ class Agent:
         self._dcgm_seen = current
 
     def command(self, command: node_pb2.Command) -> node_pb2.CommandResult:
+        """Carry out a controller command. ValueError/OSError become a refusal with the reason."""
         body = command.WhichOneof("body")
-        if body != "inject":
-            return node_pb2.CommandResult(ok=False, error=f"unknown command {body!r}")
         try:
-            fault = faults.parse(command.inject.fault)
-        except ValueError as e:
+            if body == "inject":
+                return node_pb2.CommandResult(ok=True, message=self._inject(command.inject))
+            if body == "launch":
+                message = self.supervisor.launch(command.launch, self._rank_env(command.launch.job))
+                return node_pb2.CommandResult(ok=True, message=message)
+            if body == "stop":
+                stop = command.stop
+                return node_pb2.CommandResult(ok=True, message=self.supervisor.stop(
+                    stop.job, stop.generation, stop.grace_s or self.cfg.stop_grace_s))
+            if body == "reserve_port":
+                return node_pb2.CommandResult(ok=True, port=free_port())
+            if body == "read_log":
+                return self._read_log(command.read_log)
+        except (ValueError, OSError) as e:
             return node_pb2.CommandResult(ok=False, error=str(e))
+        return node_pb2.CommandResult(ok=False, error=f"unknown command {body!r}")
+
+    def _inject(self, inject: node_pb2.InjectFault) -> str:
+        fault = faults.parse(inject.fault)
         if fault.on_ranks:
-            return node_pb2.CommandResult(ok=False, error=f"no ranks are running on GPU {command.inject.gpu_index} "
-                                          f"of {self.name}; {fault} needs a job there")
+            ranks = (self.supervisor.hang(inject.gpu_index) if fault.name == "hang"
+                     else self.supervisor.slow(inject.gpu_index, float(fault.value)))
+            if not ranks:
+                raise ValueError(f"no ranks are running on GPU {inject.gpu_index} of {self.name}; {fault} needs a "
+                                 "job there")
+            logger.warning("fault injected", fault=str(fault), gpu=inject.gpu_index, ranks=ranks)
+            return f"{self.name}: {fault} on GPU {inject.gpu_index} (ranks {', '.join(map(str, ranks))})"
         if not isinstance(self.backend, SimBackend):
-            return node_pb2.CommandResult(ok=False, error=f"{self.name} has real GPUs; faults can only be injected "
-                                          "into simulated ones")
-        try:
-            done = self.backend.inject(command.inject.gpu_index, fault)
-        except ValueError as e:
-            return node_pb2.CommandResult(ok=False, error=str(e))
-        logger.warning("fault injected", fault=str(fault), gpu=command.inject.gpu_index)
-        return node_pb2.CommandResult(ok=True, message=f"{self.name}: injected {done}")
+            raise ValueError(f"{self.name} has real GPUs; faults can only be injected into simulated ones")
+        done = self.backend.inject(inject.gpu_index, fault)
+        logger.warning("fault injected", fault=str(fault), gpu=inject.gpu_index)
+        return f"{self.name}: injected {done}"
+
+    def _rank_env(self, job: str) -> dict[str, str]:
+        """What every rank of `job` on this node gets from the node itself (the controller adds the rest)."""
+        env = dict(os.environ)
+        env.update(rank_env(Path(self.cfg.state_dir), job))
+        env.update(PHALANX_NODE=self.name, PHALANX_AGENT_SOCKET=str(Path(self.cfg.state_dir) / "agent.sock"),
+                   PHALANX_CHECKPOINT_DIR=str(Path(self.cfg.checkpoint_dir) / job))
+        return env
+
+    def _read_log(self, request: node_pb2.ReadLog) -> node_pb2.CommandResult:
+        path = self.supervisor.log_path(request.job, request.rank)
+        if path is None:
+            raise ValueError(f"no log for rank {request.rank} of {request.job} on {self.name}")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(min(request.offset, size))
+            data = f.read(min(request.max_bytes or READ_LOG_MAX, READ_LOG_MAX))
+        return node_pb2.CommandResult(ok=True, data=data, size=size)
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -121,6 +173,10 @@ class Agent:
             loop.call_soon_threadsafe(self.link.send, node_pb2.AgentMessage(gpu_event=event))
 
         self.backend.start_events(gpu_event)
+        adopted = self.supervisor.adopt()
+        if adopted:
+            self.link.emit("adopted", f"agent on {self.name} re-adopted {len(adopted)} running ranks",
+                           ranks=",".join(r.key for r in adopted))
         nvrx = None
         if self.cfg.nvrx_socket:
             try:

@@ -64,6 +64,20 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class JobsConfig:
+    topology_conf: str = setting("", "Slurm topology.conf (tree or block syntax) describing the network; empty = "
+                                 "agents' labels (switch, spine, block), else one domain")
+    schedule_interval_s: float = setting(0.5, "seconds between scheduler passes (it also runs on every change)")
+    launch_timeout_s: float = setting(30.0, "seconds an agent has to start its ranks")
+    stop_grace_s: float = setting(30.0, "seconds between SIGTERM and SIGKILL when a job's ranks are stopped")
+
+    def __post_init__(self) -> None:
+        positive("jobs.schedule_interval_s", self.schedule_interval_s)
+        positive("jobs.launch_timeout_s", self.launch_timeout_s)
+        require(self.stop_grace_s >= 0, f"jobs.stop_grace_s ({self.stop_grace_s}) must not be negative")
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     listen: str = setting("0.0.0.0:7370", "host:port the gRPC server listens on (node and control services)")
     state_db: str = setting("/var/lib/phalanx/controller.db", "SQLite database with nodes, drains and events")
@@ -72,6 +86,7 @@ class ControllerConfig:
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
+    jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

@@ -10,6 +10,7 @@ import psutil
 from controller import validation
 from controller.errors import FailedPrecondition, InvalidArgument
 from controller.events import EventHub, WatcherOverflow
+from controller.jobs import JobManager
 from controller.registry import Registry
 from controller.rpc import unary
 from controller.store.base import Store
@@ -20,8 +21,9 @@ _REPLAY_PAGE = 1000
 
 
 class ControlService(control_pb2_grpc.ControlServiceServicer):
-    def __init__(self, registry: Registry, store: Store, hub: EventHub) -> None:
+    def __init__(self, registry: Registry, store: Store, hub: EventHub, jobs: JobManager) -> None:
         self._registry = registry
+        self._jobs = jobs
         self._store = store
         self._hub = hub
         self._started = time.monotonic()
@@ -118,6 +120,34 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
             gpu_index=request.gpu_index, fault=str(fault))))
         return control_pb2.InjectFaultResponse(message=result.message or f"node {request.node}: injected {fault} "
                                                f"into GPU {request.gpu_index}")
+
+    @unary
+    async def SubmitJob(self, request: control_pb2.SubmitJobRequest, context):
+        return await self._jobs.submit(request.spec, request.user)
+
+    @unary
+    async def ListJobs(self, request: control_pb2.ListJobsRequest, context):
+        states = set(request.states)
+        unknown = [s for s in states if s not in common_pb2.JobState.values() or s == 0]
+        if unknown:
+            raise InvalidArgument(f"states: {unknown[0]} is not a job state")
+        return control_pb2.ListJobsResponse(jobs=self._jobs.list(states))
+
+    @unary
+    async def GetJob(self, request: control_pb2.GetJobRequest, context):
+        return self._jobs.get(request.id)
+
+    @unary
+    async def CancelJob(self, request: control_pb2.CancelJobRequest, context):
+        return await self._jobs.cancel(request.id)
+
+    @unary
+    async def ReadLogs(self, request: control_pb2.ReadLogsRequest, context):
+        result, node = await self._jobs.read_logs(request.job, request.rank, request.offset,
+                                                  validation.log_chunk(request.max_bytes))
+        offset = min(request.offset, result.size)
+        return control_pb2.LogChunk(data=result.data, next_offset=offset + len(result.data), size=result.size,
+                                    node=node)
 
     @unary
     async def GetStats(self, request: control_pb2.GetStatsRequest, context):

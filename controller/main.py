@@ -8,6 +8,7 @@ import signal
 import sys
 
 from controller import config as controller_config
+from controller.cluster_topology import TopologyError
 from controller.errors import StoreError
 from controller.server import Controller
 from controller.store.sqlite import SqliteStore
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     try:
         runner(serve(cfg))
-    except (StoreError, OSError) as e:
+    except (StoreError, TopologyError, OSError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     return 0

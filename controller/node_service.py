@@ -8,6 +8,7 @@ import grpc
 
 from controller import validation
 from controller.errors import ControllerError, InvalidArgument
+from controller.jobs import JobManager
 from controller.registry import NodeEntry, Registry
 from controller.rpc import status_for, unary
 from controller.session import Session
@@ -20,8 +21,9 @@ OPEN_TIMEOUT_S = 10.0  # an agent that connects must say who it is within this t
 
 
 class NodeService(node_pb2_grpc.NodeServiceServicer):
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, jobs: JobManager) -> None:
         self._registry = registry
+        self._jobs = jobs
 
     @unary
     async def Register(self, request: node_pb2.RegisterRequest, context: grpc.aio.ServicerContext):
@@ -75,6 +77,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                                               f"the limit is {validation.MAX_GPUS}")
                     if registry.heartbeat(entry, message.heartbeat):
                         await registry.settle(entry)
+                    if self._jobs.observe(entry, message.heartbeat):
+                        await self._jobs.fence(entry, message.heartbeat)
                 elif body == "inventory":
                     validation.inventory(message.inventory)
                     await registry.update_inventory(entry, message.inventory)

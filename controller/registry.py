@@ -110,6 +110,9 @@ class Registry:
         except KeyError:
             raise NotFound(f"no node named {name!r}; `phalanx nodes` lists the known ones") from None
 
+    def entries_by_name(self) -> dict[str, NodeEntry]:
+        return dict(self._nodes)
+
     def entries(self) -> list[NodeEntry]:
         return [self._nodes[name] for name in sorted(self._nodes)]
 

@@ -9,9 +9,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from controller.cluster_topology import ClusterTopology, TopologyError, flat, from_labels, merged, parse_topology_conf
 from controller.config import ControllerConfig
 from controller.control_service import ControlService
 from controller.events import EventHub
+from controller.jobs import JobManager
 from controller.node_service import NodeService
 from controller.registry import Registry
 from controller.store.base import Store
@@ -24,6 +26,14 @@ logger = log.get("controller")
 
 SERVICES = ("phalanx.v1.NodeService", "phalanx.v1.ControlService")
 HEALTH_TICK_S = 1.0  # re-judging non-healthy nodes; new signals are judged as they arrive
+
+
+def load_topology_conf(path: str) -> ClusterTopology | None:
+    """Read the Slurm topology.conf named in the config. Raises OSError or TopologyConfError with the reason."""
+    if not path:
+        return None
+    with open(path) as f:
+        return parse_topology_conf(f.read(), source=path)
 
 
 async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[object]]) -> None:
@@ -52,6 +62,8 @@ class Controller:
         self.clock = clock or RealClock()
         self.hub = EventHub()
         self.registry = Registry(store, self.clock, cfg.liveness, self.hub, cfg.health)
+        self.topology_conf = load_topology_conf(cfg.jobs.topology_conf)
+        self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
@@ -60,10 +72,11 @@ class Controller:
     async def start(self) -> int:
         """Load state, bind, serve, start the loops. Returns the bound port."""
         await self.registry.load()
+        await self.jobs.load()
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry), server)
+        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
-            ControlService(self.registry, self.store, self.hub), server)
+            ControlService(self.registry, self.store, self.hub, self.jobs), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(self.cfg.listen)
         if self.port == 0:
@@ -76,8 +89,19 @@ class Controller:
             periodic("liveness", self.cfg.liveness.tick_s, self.registry.tick), name="liveness"))
         self._tasks.append(asyncio.create_task(
             periodic("health", HEALTH_TICK_S, self.registry.health_tick), name="health"))
+        self._tasks.append(asyncio.create_task(self.jobs.run(), name="scheduler"))
         logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()))
         return self.port
+
+    def topology(self) -> ClusterTopology:
+        """topology.conf where it names a node; the agents' labels (switch, spine, block) elsewhere.
+        Labels that contradict each other are logged and the nodes treated as one domain."""
+        labels = {e.record.name: dict(e.inventory().labels) for e in self.registry.entries()}
+        try:
+            return merged(self.topology_conf, labels) if self.topology_conf else from_labels(labels)
+        except TopologyError as e:
+            logger.warning("agents' topology labels disagree; placing as one domain", error=str(e))
+            return flat(labels)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -12,6 +12,10 @@ from controller.states import NodeState
 from phalanx.rpc import MAX_REQUEST_BYTES
 from phalanx.v1 import common_pb2
 
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_JOB_NODES = 100_000
+
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 MAX_GPUS = 64
 MAX_LABELS = 64
@@ -82,3 +86,34 @@ def page_limit(limit: int, default: int = 1000) -> int:
     if limit > MAX_EVENTS_PAGE:
         raise InvalidArgument(f"limit {limit} is larger than {MAX_EVENTS_PAGE}")
     return limit
+
+
+def job_spec(spec: common_pb2.JobSpec) -> None:
+    if spec.nodes < 1:
+        raise InvalidArgument(f"nodes must be at least 1 (got {spec.nodes})")
+    if spec.nodes > MAX_JOB_NODES:
+        raise InvalidArgument(f"nodes ({spec.nodes}) is more than {MAX_JOB_NODES}")
+    if spec.ranks_per_node > MAX_GPUS:
+        raise InvalidArgument(f"ranks_per_node ({spec.ranks_per_node}) is more than {MAX_GPUS}")
+    if spec.spares > MAX_JOB_NODES:
+        raise InvalidArgument(f"spares ({spec.spares}) is more than {MAX_JOB_NODES}")
+    if not spec.command or not spec.command[0]:
+        raise InvalidArgument("command is empty; give the program to run, e.g. -- python train.py")
+    if spec.name and not _JOB_NAME.fullmatch(spec.name):
+        raise InvalidArgument(f"name {spec.name[:80]!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    if spec.segment and spec.nodes % spec.segment:
+        raise InvalidArgument(f"nodes ({spec.nodes}) must be a multiple of segment ({spec.segment})")
+    for key in spec.env:
+        if not _ENV_KEY.fullmatch(key):
+            raise InvalidArgument(f"environment variable name {key[:80]!r} is not valid")
+    if not -1000 <= spec.priority <= 1000:
+        raise InvalidArgument(f"priority ({spec.priority}) must be between -1000 and 1000")
+
+
+MAX_LOG_CHUNK = 1 << 20
+
+
+def log_chunk(max_bytes: int) -> int:
+    if max_bytes > MAX_LOG_CHUNK:
+        raise InvalidArgument(f"max_bytes ({max_bytes}) is more than {MAX_LOG_CHUNK}")
+    return max_bytes or MAX_LOG_CHUNK

@@ -7,6 +7,7 @@ Exit codes: 0 ok; 1 failed or denied (controller unreachable, unknown node, refu
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 PROG = "phalanx"
+WAIT_POLL_S = 0.5
 OK, FAILED, USAGE = 0, 1, 2
 
 
@@ -141,6 +143,81 @@ def cmd_inject(args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise CliError("no command: put the program after --, e.g. phalanx submit --nodes 2 -- python train.py",
+                       USAGE)
+    spec = common_pb2.JobSpec(name=args.name or "", command=command, nodes=args.nodes,
+                              ranks_per_node=args.ranks_per_node, spares=args.spares,
+                              checkpoint_dir=args.checkpoint_dir or "", priority=args.priority,
+                              workdir=os.getcwd(), segment=args.segment, env=dict(args.env or []))
+    job = call(args, lambda s: s.SubmitJob(control_pb2.SubmitJobRequest(spec=spec, user=getpass.getuser()),
+                                           timeout=DEFAULT_TIMEOUT_S))
+    print(job.id)
+    return OK
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    reply = call(args, lambda s: s.ListJobs(control_pb2.ListJobsRequest(), timeout=DEFAULT_TIMEOUT_S))
+    print(render.dumps([render.job_dict(j) for j in reply.jobs]) if args.json else render.jobs_table(reply.jobs))
+    return OK
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
+    print(render.dumps(render.job_dict(job)) if args.json else render.job_text(job))
+    return OK
+
+
+TERMINAL = {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
+
+
+def job_exit_code(job: common_pb2.Job) -> int:
+    """`phalanx wait`'s exit code: 0 if the job succeeded, else its failing rank's code (1 if none)."""
+    if job.state == common_pb2.JOB_STATE_SUCCEEDED:
+        return OK
+    return job.exit_code if 0 < job.exit_code < 256 else FAILED
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    shown = None
+    while True:
+        job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
+        state = render.job_state(job.state)
+        if (state, job.reason) != shown and not args.quiet:
+            print(f"{job.id}: {state}: {job.reason}", file=sys.stderr, flush=True)
+            shown = (state, job.reason)
+        if job.state in TERMINAL:
+            return job_exit_code(job)
+        time.sleep(WAIT_POLL_S)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    offset = 0
+    out = sys.stdout.buffer
+    while True:
+        request = control_pb2.ReadLogsRequest(job=args.job, rank=args.rank, offset=offset)
+        chunk = call(args, lambda s, request=request: s.ReadLogs(request, timeout=DEFAULT_TIMEOUT_S))
+        out.write(chunk.data)
+        out.flush()
+        offset = chunk.next_offset
+        if offset < chunk.size:
+            continue  # more already there
+        if not args.follow:
+            return OK
+        job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
+        if job.state in TERMINAL:
+            return OK
+        time.sleep(WAIT_POLL_S)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    job = call(args, lambda s: s.CancelJob(control_pb2.CancelJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
+    print(f"{job.id}: {render.job_state(job.state)}")
+    return OK
+
+
 def _print_event(event: common_pb2.Event, as_json: bool) -> None:
     if as_json:
         import json
@@ -236,6 +313,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("fault", help="e.g. xid=79, ecc-dbe, ecc-sbe-rate=5, remap-pending, thermal, slow=0.3, hang")
     p.set_defaults(func=cmd_inject)
 
+    p = sub.add_parser("submit", help="submit a gang job; prints its id",
+                       usage="%(prog)s [--nodes N] [--ranks-per-node R] [--spares S] [--checkpoint-dir DIR] "
+                             "[--name NAME] [--priority P] [--env K=V] -- COMMAND ...")
+    p.add_argument("--nodes", type=_positive, default=1, help="nodes in the gang (default 1)")
+    p.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per node (default 1)")
+    p.add_argument("--spares", type=_count, default=0, help="hot spare nodes reserved in the job's topology domain")
+    p.add_argument("--checkpoint-dir", help="where ranks checkpoint (default: each agent's checkpoint_dir/JOB)")
+    p.add_argument("--name", help="a name to know the job by")
+    p.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
+    p.add_argument("--segment", type=_count, default=0, help="block topologies: nodes per segment")
+    p.add_argument("--env", action="append", type=_env_pair, metavar="K=V", help="environment for every rank")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the program and its arguments")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("jobs", help="list jobs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("job", help="one job: state, reason, placement, ranks")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_job)
+
+    p = sub.add_parser("wait", help="wait for a job to end; the exit code is the job's result")
+    p.add_argument("job")
+    p.add_argument("--quiet", "-q", action="store_true", help="do not print state changes")
+    p.set_defaults(func=cmd_wait)
+
+    p = sub.add_parser("logs", help="a rank's output")
+    p.add_argument("job")
+    p.add_argument("--rank", type=_count, default=0, help="which rank (default 0)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("cancel", help="stop every rank of a job")
+    p.add_argument("job")
+    p.set_defaults(func=cmd_cancel)
+
     p = sub.add_parser("events", help="the controller's event log")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument("--json", action="store_true")
@@ -245,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive, default=1000, help="at most this many (default 1000)")
     p.set_defaults(func=cmd_events)
     return parser
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
 
 
 def _positive(text: str) -> int:

@@ -129,3 +129,52 @@ def event_line(event: common_pb2.Event) -> str:
 
 def dumps(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=False)
+
+
+def job_state(value: int) -> str:
+    return common_pb2.JobState.Name(value).removeprefix("JOB_STATE_")
+
+
+def rank_state(value: int) -> str:
+    return common_pb2.RankState.Name(value).removeprefix("RANK_STATE_").replace("UNSPECIFIED", "-")
+
+
+def job_dict(job: common_pb2.Job) -> dict[str, Any]:
+    spec = job.spec
+    return {
+        "id": job.id, "name": spec.name or None, "state": job_state(job.state), "reason": job.reason or None,
+        "generation": job.generation, "nodes": list(job.nodes), "spares": list(job.spares),
+        "ranks_per_node": spec.ranks_per_node, "world_size": len(job.ranks), "priority": spec.priority,
+        "command": list(spec.command), "checkpoint_dir": spec.checkpoint_dir or None, "user": job.user or None,
+        "master_addr": job.master_addr or None, "master_port": job.master_port or None,
+        "submitted": iso(job.submitted_unix_ns), "started": iso(job.started_unix_ns),
+        "finished": iso(job.finished_unix_ns), "exit_code": job.exit_code,
+        "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu,
+                   "state": rank_state(r.state), "pid": r.pid or None, "exit_code": r.exit_code}
+                  for r in job.ranks],
+    }
+
+
+def jobs_table(jobs: Sequence[common_pb2.Job]) -> str:
+    rows = [(j.id, j.spec.name, job_state(j.state), f"{j.spec.nodes}x{j.spec.ranks_per_node}", j.spec.priority,
+             ",".join(j.nodes), j.reason) for j in jobs]
+    return table(("JOB", "NAME", "STATE", "SIZE", "PRIO", "NODES", "REASON"), rows)
+
+
+def job_text(job: common_pb2.Job) -> str:
+    d = job_dict(job)
+    lines = [f"{job.id}{' (' + job.spec.name + ')' if job.spec.name else ''}: {d['state']}",
+             f"  reason:      {job.reason or '-'}",
+             f"  command:     {' '.join(job.spec.command)}",
+             f"  size:        {job.spec.nodes} nodes x {job.spec.ranks_per_node} ranks"
+             + (f" + {job.spec.spares} spares" if job.spec.spares else "") + f", priority {job.spec.priority}",
+             f"  generation:  {job.generation}",
+             f"  nodes:       {', '.join(job.nodes) or '-'}" + (f" (spares: {', '.join(job.spares)})" if job.spares
+                                                                 else ""),
+             f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",
+             f"  submitted:   {d['submitted']}   started: {d['started'] or '-'}   finished: {d['finished'] or '-'}"]
+    if job.ranks:
+        lines.append(table(("  RANK", "NODE", "GPU", "STATE", "PID", "EXIT"),
+                           [(f"  {r.rank}", r.node, r.gpu, rank_state(r.state), r.pid or "",
+                             r.exit_code if r.state == common_pb2.RANK_STATE_EXITED else "") for r in job.ranks]))
+    return "\n".join(lines)

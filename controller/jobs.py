@@ -1,0 +1,435 @@
+"""Gang jobs: the queue, placement, launching through the agents, and following the ranks to the end.
+
+Decisions (where a job goes, whether it is done, which ranks are stale) are made from the
+registry's and the jobs' state; the I/O (store commits, commands to agents) follows them. A job's
+record changes only after the store has committed the change. Ranks that belong to no current job
+generation on their node are told to stop (fencing): a rank from an old generation never runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from controller import health as health_policy
+from controller import validation
+from controller.cluster_topology import ClusterTopology
+from controller.config import JobsConfig
+from controller.errors import FailedPrecondition, InvalidArgument, NotFound
+from controller.events import EventHub
+from controller.placement import Candidate, GangRequest, Unplaceable, place
+from controller.registry import NodeEntry, Registry
+from controller.states import DOWN, UP
+from controller.store.base import EventRecord, JobRecord, Store
+from phalanx import log
+from phalanx.clock import Clock
+from phalanx.v1 import common_pb2, node_pb2
+
+logger = log.get("jobs")
+
+pb = common_pb2
+ACTIVE = frozenset({pb.JOB_STATE_STARTING, pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING})
+TERMINAL = frozenset({pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED})
+MISSING_REPORTS_LOST = 5  # heartbeats in a row without news of a rank before it counts as lost
+FENCE_REPEAT_S = 10.0
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string: "ipv4:10.0.0.7:52344" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1"."""
+    address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def state_name(state: int) -> str:
+    return pb.JobState.Name(state).removeprefix("JOB_STATE_")
+
+
+@dataclass
+class JobEntry:
+    job: pb.Job
+    revision: int = 0
+    missing: dict[int, int] = field(default_factory=dict)  # rank -> heartbeats without news of it
+    launching: asyncio.Task | None = None
+
+
+class JobManager:
+    def __init__(self, store: Store, registry: Registry, clock: Clock, hub: EventHub, cfg: JobsConfig,
+                 topology: Callable[[], ClusterTopology]) -> None:
+        self._store = store
+        self._registry = registry
+        self._clock = clock
+        self._hub = hub
+        self.cfg = cfg
+        self._topology = topology
+        self._jobs: dict[str, JobEntry] = {}
+        self._lock = asyncio.Lock()
+        self._next_id = 1
+        self._fenced: dict[tuple[str, str, int], float] = {}  # (node, job, generation) -> when told to stop
+        self._wake = asyncio.Event()
+        self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
+
+    async def load(self) -> None:
+        for record in await self._store.load_jobs():
+            job = pb.Job.FromString(record.data)
+            self._jobs[job.id] = JobEntry(job, record.revision)
+            self._index(job)
+            self._next_id = max(self._next_id, int(job.id.removeprefix("job-")) + 1)
+        logger.info("jobs loaded", jobs=len(self._jobs), active=sum(e.job.state in ACTIVE for e in self._jobs.values()))
+
+    # -- the user side -----------------------------------------------------------------------
+
+    def get(self, job_id: str) -> pb.Job:
+        try:
+            return self._jobs[job_id].job
+        except KeyError:
+            raise NotFound(f"no job {job_id!r}; `phalanx jobs` lists them") from None
+
+    def list(self, states: set[int]) -> list[pb.Job]:
+        jobs = [e.job for e in self._jobs.values() if not states or e.job.state in states]
+        return sorted(jobs, key=lambda j: int(j.id.removeprefix("job-")))
+
+    async def submit(self, spec: pb.JobSpec, user: str) -> pb.Job:
+        validation.job_spec(spec)
+        spec.ranks_per_node = spec.ranks_per_node or 1
+        async with self._lock:
+            job = pb.Job(id=f"job-{self._next_id}", spec=spec, state=pb.JOB_STATE_PENDING,
+                         reason="waiting for the scheduler", submitted_unix_ns=self._clock.wall_ns(), user=user)
+            entry = JobEntry(job)
+            what = f"{spec.nodes} nodes x {spec.ranks_per_node} ranks" + (f" + {spec.spares} spares" if spec.spares
+                                                                           else "")
+            await self._save(entry, job, self._event("job.submitted", f"{job.id} ({spec.name or spec.command[0]}) "
+                                                     f"submitted: {what}, priority {spec.priority}", job.id))
+            self._jobs[job.id] = entry
+            self._next_id += 1
+        self._wake.set()
+        return entry.job
+
+    async def cancel(self, job_id: str) -> pb.Job:
+        async with self._lock:
+            entry = self._entry(job_id)
+            job = entry.job
+            if job.state in TERMINAL:
+                raise FailedPrecondition(f"{job_id} already ended ({state_name(job.state)})")
+            if job.state == pb.JOB_STATE_PENDING:
+                await self._finish(entry, pb.JOB_STATE_CANCELLED, "cancelled while pending", 1)
+                return entry.job
+            if job.state != pb.JOB_STATE_CANCELLING:
+                new = self._copy(job, state=pb.JOB_STATE_CANCELLING, reason="cancel requested")
+                await self._save(entry, new, self._event("job.cancelling", f"{job_id}: cancel requested; stopping "
+                                                         f"{len(job.ranks)} ranks", job_id))
+            if entry.launching is not None:
+                entry.launching.cancel()
+        await self._stop_everywhere(entry.job, entry.job.generation)
+        self._wake.set()
+        return entry.job
+
+    async def read_logs(self, job_id: str, rank: int, offset: int,
+                        max_bytes: int) -> tuple[node_pb2.CommandResult, str]:
+        job = self.get(job_id)
+        if not job.nodes:
+            raise FailedPrecondition(f"{job_id} has not started; it has no logs yet")
+        world = len(job.nodes) * job.spec.ranks_per_node
+        if rank >= world:
+            raise InvalidArgument(f"{job_id} has ranks 0-{world - 1}; there is no rank {rank}")
+        node = job.nodes[rank // job.spec.ranks_per_node]
+        session = self._registry.get(node).session
+        if session is None:
+            raise FailedPrecondition(f"node {node}, which holds rank {rank}'s log, is not connected")
+        result = await session.request(node_pb2.Command(read_log=node_pb2.ReadLog(
+            job=job_id, rank=rank, offset=offset, max_bytes=max_bytes)))
+        return result, node
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The scheduler loop: on every change (submit, node or rank news) and at least twice a second."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.cfg.schedule_interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.schedule()
+                await self.follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("scheduler pass failed; will retry")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _candidates(self) -> list[Candidate]:
+        busy = {n for e in self._jobs.values() if e.job.state in ACTIVE for n in [*e.job.nodes, *e.job.spares]}
+        out = []
+        for entry in self._registry.entries():
+            record = entry.record
+            schedulable = (record.state is UP and not record.drain_reason and entry.session is not None
+                           and entry.verdict.health < health_policy.FAILING)
+            out.append(Candidate(name=record.name, schedulable=schedulable,
+                                 healthy=entry.verdict.health is health_policy.HEALTHY,
+                                 free=record.name not in busy, gpus=len(entry.inventory().gpus)))
+        return out
+
+    async def schedule(self) -> None:
+        """Place pending jobs by priority, then submission; a job that does not fit waits with the reason.
+        A smaller job may start ahead of a larger one that waits (no reservations)."""
+        pending = sorted((e for e in self._jobs.values() if e.job.state == pb.JOB_STATE_PENDING),
+                         key=lambda e: (-e.job.spec.priority, e.job.submitted_unix_ns))
+        if not pending:
+            return
+        topology = self._topology()
+        for entry in pending:
+            spec = entry.job.spec
+            request = GangRequest(nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, spares=spec.spares,
+                                  segment=spec.segment or None)
+            decision = place(self._candidates(), request, topology)
+            async with self._lock:
+                if entry.job.state != pb.JOB_STATE_PENDING:
+                    continue
+                if isinstance(decision, Unplaceable):
+                    if entry.job.reason != decision.reason:
+                        await self._save(entry, self._copy(entry.job, reason=decision.reason),
+                                         self._event("job.pending", f"{entry.job.id} waits: {decision.reason}",
+                                                     entry.job.id))
+                    continue
+                generation = entry.job.generation + 1
+                new = self._copy(entry.job, state=pb.JOB_STATE_STARTING, generation=generation,
+                                 reason=f"placed on {', '.join(decision.nodes)}", started_unix_ns=self._clock.wall_ns())
+                del new.nodes[:]
+                new.nodes.extend(decision.nodes)
+                del new.spares[:]
+                new.spares.extend(decision.spares)
+                del new.ranks[:]
+                new.ranks.extend(self._rank_table(new))
+                spares = f"; spares {', '.join(decision.spares)}" if decision.spares else ""
+                await self._save(entry, new, self._event(
+                    "job.placed", f"{new.id} generation {generation} placed on {', '.join(decision.nodes)}{spares} "
+                    f"({len(decision.leaves)} leaf switches, lower bound {decision.lower_bound})", new.id))
+                entry.missing.clear()
+                entry.launching = asyncio.create_task(self._launch(entry, generation), name=f"launch-{new.id}")
+
+    @staticmethod
+    def _rank_table(job: pb.Job) -> list[pb.RankInfo]:
+        per = job.spec.ranks_per_node
+        return [pb.RankInfo(rank=i * per + local, node=node, local_rank=local, gpu=local,
+                            state=pb.RANK_STATE_UNSPECIFIED, generation=job.generation)
+                for i, node in enumerate(job.nodes) for local in range(per)]
+
+    async def _launch(self, entry: JobEntry, generation: int) -> None:
+        job = entry.job
+        try:
+            master = self._registry.get(job.nodes[0])
+            session = self._session(master)
+            port = (await session.request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
+            address = master.inventory().address or peer_host(master.peer)
+            await asyncio.gather(*(self._launch_node(job, i, node, address, port) for i, node in enumerate(job.nodes)))
+        except asyncio.CancelledError:
+            return  # cancelled meanwhile: cancel() stops whatever started
+        except Exception as e:  # any node refusing or unreachable fails the whole gang
+            reason = f"launch failed: {e}"
+            logger.warning("launch failed", job=job.id, error=str(e))
+            await self._stop_everywhere(job, generation)
+            async with self._lock:
+                if entry.job.generation == generation and entry.job.state == pb.JOB_STATE_STARTING:
+                    await self._finish(entry, pb.JOB_STATE_FAILED, reason, 1)
+            return
+        async with self._lock:
+            if entry.job.generation != generation or entry.job.state != pb.JOB_STATE_STARTING:
+                return
+            new = self._copy(entry.job, state=pb.JOB_STATE_RUNNING, master_addr=address, master_port=port,
+                             reason=f"running on {', '.join(job.nodes)}")
+            for rank in new.ranks:
+                rank.state = pb.RANK_STATE_RUNNING
+            await self._save(entry, new, self._event(
+                "job.running", f"{job.id} generation {generation} running: {len(new.ranks)} ranks, MASTER_ADDR="
+                f"{address} MASTER_PORT={port}", job.id))
+
+    def _session(self, entry: NodeEntry):
+        if entry.session is None:
+            raise FailedPrecondition(f"node {entry.record.name} is not connected")
+        return entry.session
+
+    async def _launch_node(self, job: pb.Job, index: int, node: str, master_addr: str, master_port: int) -> None:
+        spec, per = job.spec, job.spec.ranks_per_node
+        world = len(job.nodes) * per
+        common = {
+            **spec.env,
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(per), "GROUP_RANK": str(index), "GROUP_WORLD_SIZE": str(len(job.nodes)),
+            "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world),
+            "TORCHELASTIC_RESTART_COUNT": str(job.generation - 1),
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": job.id,
+            "PHALANX_JOB": job.id, "PHALANX_GENERATION": str(job.generation),
+        }
+        if spec.checkpoint_dir:
+            common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
+        ranks = []
+        for local in range(per):
+            rank = index * per + local
+            ranks.append(node_pb2.RankLaunch(rank=rank, local_rank=local, gpu=local, env={
+                "RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank),
+                "CUDA_VISIBLE_DEVICES": str(local)}))
+        session = self._session(self._registry.get(node))
+        await session.request(node_pb2.Command(launch=node_pb2.LaunchRanks(
+            job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,
+            ranks=ranks)), timeout=self.cfg.launch_timeout_s)
+
+    async def _stop_everywhere(self, job: pb.Job, generation: int) -> None:
+        """Best effort: every node of the job is told to stop it; an unreachable one is fenced when it returns."""
+        for node in job.nodes:
+            entry = self._registry.entries_by_name().get(node)
+            if entry is None or entry.session is None:
+                continue
+            try:
+                await entry.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
+                    job=job.id, generation=generation, grace_s=self.cfg.stop_grace_s)))
+                self._fenced[(node, job.id, generation)] = time.monotonic()
+            except Exception as e:
+                logger.warning("stop failed", job=job.id, node=node, error=str(e))
+
+    # -- following the ranks -------------------------------------------------------------------
+
+    def observe(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> bool:
+        """Fold a heartbeat's rank reports into the jobs (no I/O). True if a decision may follow."""
+        name = node.record.name
+        if not heartbeat.ranks and name not in self._on_node:
+            return False
+        reported = {}
+        stale = False
+        for status in heartbeat.ranks:
+            entry = self._jobs.get(status.job)
+            current = entry is not None and entry.job.state in ACTIVE and status.generation == entry.job.generation
+            if current:
+                reported[(status.job, status.rank)] = status
+            elif status.state == pb.RANK_STATE_RUNNING:
+                stale = True
+        changed = stale
+        for job_id in self._on_node.get(name, ()):
+            entry = self._jobs[job_id]
+            job = entry.job
+            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING):
+                continue
+            for rank in job.ranks:
+                if rank.node != name or rank.state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
+                    continue
+                status = reported.get((job.id, rank.rank))
+                if status is None:
+                    entry.missing[rank.rank] = entry.missing.get(rank.rank, 0) + 1
+                    if entry.missing[rank.rank] >= MISSING_REPORTS_LOST:
+                        rank.state = pb.RANK_STATE_LOST
+                        changed = True
+                    continue
+                entry.missing.pop(rank.rank, None)
+                rank.pid = status.pid
+                if status.state != rank.state:
+                    rank.state, rank.exit_code = status.state, status.exit_code
+                    changed = True
+        if changed:
+            self._wake.set()
+        return stale
+
+    async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
+        """Stop ranks running on `node` that belong to no current job generation."""
+        now = time.monotonic()
+        for status in heartbeat.ranks:
+            if status.state != pb.RANK_STATE_RUNNING:
+                continue
+            entry = self._jobs.get(status.job)
+            if entry is not None and entry.job.state in ACTIVE and status.generation == entry.job.generation:
+                continue
+            key = (node.record.name, status.job, status.generation)
+            if now - self._fenced.get(key, -FENCE_REPEAT_S) < FENCE_REPEAT_S or node.session is None:
+                continue
+            self._fenced[key] = now
+            why = "unknown job" if entry is None else (f"generation {status.generation} is stale (current "
+                                                       f"{entry.job.generation}, {state_name(entry.job.state)})")
+            await self._log(self._event("job.fenced", f"{status.job}: stopping rank {status.rank} generation "
+                                        f"{status.generation} on {node.record.name}: {why}", status.job))
+            try:
+                await node.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
+                    job=status.job, generation=status.generation, grace_s=self.cfg.stop_grace_s)))
+            except Exception as e:
+                logger.warning("fencing failed", job=status.job, node=node.record.name, error=str(e))
+
+    async def follow(self) -> None:
+        """Decide the fate of running jobs from their ranks and their nodes."""
+        nodes = self._registry.entries_by_name()
+        for entry in list(self._jobs.values()):
+            job = entry.job
+            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING):
+                continue
+            lost = [n for n in job.nodes if n not in nodes or nodes[n].record.state is DOWN]
+            for rank in job.ranks:
+                if rank.node in lost and rank.state == pb.RANK_STATE_RUNNING:
+                    rank.state = pb.RANK_STATE_LOST
+            running = [r for r in job.ranks if r.state == pb.RANK_STATE_RUNNING]
+            failed = [r for r in job.ranks if r.state == pb.RANK_STATE_LOST
+                      or (r.state == pb.RANK_STATE_EXITED and r.exit_code != 0)]
+            async with self._lock:
+                if entry.job is not job:
+                    continue
+                if job.state == pb.JOB_STATE_CANCELLING:
+                    if not running:
+                        await self._finish(entry, pb.JOB_STATE_CANCELLED, "cancelled", 1)
+                    continue
+                if failed:
+                    first = failed[0]
+                    how = ("was lost" + (f" with node {first.node}" if first.node in lost else "")
+                           if first.state == pb.RANK_STATE_LOST else f"exited with code {first.exit_code}")
+                    code = first.exit_code if first.state == pb.RANK_STATE_EXITED and 0 < first.exit_code < 256 else 1
+                    await self._finish(entry, pb.JOB_STATE_FAILED, f"rank {first.rank} on {first.node} {how}", code)
+                elif not running:
+                    await self._finish(entry, pb.JOB_STATE_SUCCEEDED, "every rank exited 0", 0)
+                    continue
+                else:
+                    continue
+            await self._stop_everywhere(job, job.generation)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _entry(self, job_id: str) -> JobEntry:
+        self.get(job_id)
+        return self._jobs[job_id]
+
+    @staticmethod
+    def _copy(job: pb.Job, **changes: object) -> pb.Job:
+        new = pb.Job()
+        new.CopyFrom(job)
+        for key, value in changes.items():
+            setattr(new, key, value)
+        return new
+
+    async def _finish(self, entry: JobEntry, state: int, reason: str, exit_code: int) -> None:
+        new = self._copy(entry.job, state=state, reason=reason, exit_code=exit_code,
+                         finished_unix_ns=self._clock.wall_ns())
+        await self._save(entry, new, self._event(f"job.{state_name(state).lower()}",
+                                                 f"{new.id} {state_name(state)}: {reason}", new.id))
+
+    async def _save(self, entry: JobEntry, job: pb.Job, event: EventRecord) -> None:
+        """Commit `job` with its event; memory follows only once the store has it. Lock held."""
+        record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)
+        committed = await self._store.commit(jobs=[record], events=[event])
+        entry.job, entry.revision = job, committed.jobs[0].revision
+        self._index(job)
+        logger.info(event.message, kind=event.kind, job=job.id, generation=job.generation)
+        self._hub.publish(committed.events)
+
+    def _index(self, job: pb.Job) -> None:
+        for ids in self._on_node.values():
+            ids.discard(job.id)
+        if job.state in ACTIVE:
+            for node in [*job.nodes, *job.spares]:
+                self._on_node.setdefault(node, set()).add(job.id)
+        for node in [n for n, ids in self._on_node.items() if not ids]:
+            del self._on_node[node]
+
+    async def _log(self, event: EventRecord) -> None:
+        committed = await self._store.commit(events=[event])
+        self._hub.publish(committed.events)
+
+    def _event(self, kind: str, message: str, job: str) -> EventRecord:
+        return EventRecord(kind=kind, message=message, time_ns=self._clock.wall_ns(), job=job)

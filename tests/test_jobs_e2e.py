@@ -1,0 +1,137 @@
+"""Gang jobs on a real 4-node local cluster, with real torch (gloo, CPU) ranks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_gloo.py")
+NODES = ["node-a", "node-b", "node-c", "node-d"]
+
+
+def phalanx(cluster, *args, timeout=180):
+    env = {**os.environ, "PHALANX_CONTROLLER": cluster.address}
+    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def job(cluster, job_id):
+    return json.loads(phalanx(cluster, "job", job_id, "--json").stdout)
+
+
+@pytest.fixture
+def four(cluster):
+    cluster.start_controller('[jobs]\nstop_grace_s = 5.0\n')
+    for name in NODES:
+        cluster.start_agent(name, gpus=2)
+    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    return cluster
+
+
+def submit(cluster, *args):
+    result = phalanx(cluster, "submit", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def running_ranks(cluster, job_id):
+    j = job(cluster, job_id)
+    return j["state"] == "RUNNING" and all(r["state"] == "RUNNING" and r["pid"] for r in j["ranks"])
+
+
+def test_a_two_node_gloo_job_runs_to_completion(four, tmp_path):
+    out = tmp_path / "checksum.txt"
+    job_id = submit(four, "--nodes", "2", "--ranks-per-node", "2", "--name", "tiny", "--",
+                    sys.executable, TRAIN, "--steps", "10", "--out", str(out))
+    assert job_id == "job-1"
+    waited = phalanx(four, "wait", job_id)
+    assert waited.returncode == 0, waited.stderr + phalanx(four, "logs", job_id).stdout
+    j = job(four, job_id)
+    assert j["state"] == "SUCCEEDED" and len(j["nodes"]) == 2 and j["world_size"] == 4
+    assert [r["exit_code"] for r in j["ranks"]] == [0, 0, 0, 0]
+    assert j["master_addr"] == "127.0.0.1" and j["master_port"]
+    logs = phalanx(four, "logs", job_id, "--rank", "0").stdout
+    assert "step 9 loss" in logs and "rank 0/4 done" in logs
+    assert "rank 3/4 done" in phalanx(four, "logs", job_id, "--rank", "3").stdout
+    # the same result as the same training run alone, in one process group of 4 (the model is the same)
+    assert len(out.read_text().strip()) == 64
+    listing = phalanx(four, "jobs").stdout.splitlines()
+    assert listing[0].split()[:4] == ["JOB", "NAME", "STATE", "SIZE"] and "SUCCEEDED" in listing[1]
+
+
+def test_a_failing_rank_fails_the_job_with_its_exit_code(four):
+    job_id = submit(four, "--nodes", "2", "--", sys.executable, TRAIN, "--steps", "3", "--exit-code", "3")
+    waited = phalanx(four, "wait", job_id)
+    assert waited.returncode == 3, waited.stderr
+    j = job(four, job_id)
+    assert j["state"] == "FAILED" and j["reason"].startswith("rank 1 on ") and j["reason"].endswith(
+        "exited with code 3")
+
+
+def test_cancel_stops_every_rank_on_every_node(four):
+    job_id = submit(four, "--nodes", "2", "--ranks-per-node", "2", "--", sys.executable, TRAIN, "--steps", "100000",
+                    "--step-time", "0.05")
+    four.wait_for(lambda: running_ranks(four, job_id), "ranks running")
+    pids = [r["pid"] for r in job(four, job_id)["ranks"]]
+    assert all(psutil.pid_exists(p) for p in pids)
+    result = phalanx(four, "cancel", job_id)
+    assert result.returncode == 0, result.stderr
+    assert phalanx(four, "wait", job_id).returncode == 1
+    assert job(four, job_id)["state"] == "CANCELLED"
+    four.wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                  for p in pids), "every rank process gone")
+    assert phalanx(four, "cancel", job_id).returncode == 1  # already ended
+
+
+def test_an_agent_restart_leaves_ranks_running_and_readopts_them(four):
+    job_id = submit(four, "--nodes", "2", "--", sys.executable, TRAIN, "--steps", "100000", "--step-time", "0.05")
+    four.wait_for(lambda: running_ranks(four, job_id), "ranks running")
+    j = job(four, job_id)
+    node, pid = j["ranks"][0]["node"], j["ranks"][0]["pid"]
+    four.kill(node, signal.SIGKILL)  # the agent dies; its ranks live in sessions of their own
+    time.sleep(1.0)
+    assert psutil.pid_exists(pid)
+    four.start_agent(node, gpus=2)
+    four.wait_for(lambda: four.node(node).connected and four.node(node).running_ranks == 1, "ranks re-adopted")
+    assert psutil.pid_exists(pid)
+    assert job(four, job_id)["state"] == "RUNNING"
+    events = phalanx(four, "events", "--node", node, "--json").stdout
+    assert "re-adopted 1 running ranks" in events
+    # the re-adopted rank can still be stopped, and how it ended is known
+    assert phalanx(four, "cancel", job_id).returncode == 0
+    assert phalanx(four, "wait", job_id).returncode == 1
+    four.wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                  "re-adopted rank stopped")
+
+
+def test_a_job_larger_than_the_cluster_waits_with_a_reason(four):
+    job_id = submit(four, "--nodes", "6", "--", "true")
+    four.wait_for(lambda: "needs 6 nodes" in job(four, job_id)["reason"], "a pending reason")
+    j = job(four, job_id)
+    assert j["state"] == "PENDING"
+    text = phalanx(four, "job", job_id).stdout
+    assert "PENDING" in text and "needs 6 nodes" in text
+    assert phalanx(four, "cancel", job_id).returncode == 0
+    assert job(four, job_id)["state"] == "CANCELLED"
+
+
+def test_bad_submissions(four):
+    cases = [
+        (("submit", "--nodes", "0", "--", "true"), 2, "'0' must be at least 1"),
+        (("submit", "--nodes", "1", "--gpus", "3", "--", "true"), 2, "unrecognized arguments"),
+        (("submit", "--nodes", "1"), 2, "no command: put the program after --"),
+        (("submit", "--nodes", "3", "--segment", "2", "--", "true"), 2, "nodes (3) must be a multiple of segment (2)"),
+        (("submit", "--name", "bad name", "--", "true"), 2, "name 'bad name' must be 1-63 letters"),
+        (("job", "job-999"), 1, "no job 'job-999'"),
+    ]
+    for args, code, message in cases:
+        result = phalanx(four, *args)
+        assert result.returncode == code, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+    assert phalanx(four, "jobs", "--json").stdout.strip() == "[]"
