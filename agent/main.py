@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 from agent import config as agent_config
+from agent import local_server
 from agent import nvrx as nvrx_service
 from agent.backoff import Backoff
 from agent.collectors import gpu
@@ -24,6 +25,7 @@ from agent.collectors.nvml import NvmlBackend
 from agent.collectors.sim import SimBackend
 from agent.collectors.topology import parse_cpulist, read_topology
 from agent.link import Link
+from agent.local_server import LocalState
 from agent.supervisor import Supervisor
 from phalanx import __version__, faults, log
 from phalanx.config import default_toml
@@ -82,6 +84,7 @@ class Agent:
             with contextlib.suppress(ValueError):
                 cpus_for_gpu[locality.gpu_index] = parse_cpulist(locality.cpulist)
         self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu)
+        self.local = LocalState()
         self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None
         self._dcgm_seen: set[tuple[int, str]] = set()
@@ -101,7 +104,7 @@ class Agent:
         self.supervisor.poll()
         return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
                                   health_digest=health_digest(gpus, host), nccl=self.nccl.scan(time.time_ns()),
-                                  ranks=self.supervisor.statuses())
+                                  ranks=self.supervisor.statuses(), progress=self.local.drain())
 
     def _report_dcgm(self) -> None:
         """DCGM health incidents go to the event log, each once while it lasts."""
@@ -127,6 +130,13 @@ class Agent:
                 return node_pb2.CommandResult(ok=True, port=free_port())
             if body == "read_log":
                 return self._read_log(command.read_log)
+            if body == "checkpoint":
+                request = command.checkpoint
+                self.local.requests[request.job] = request
+                ranks = [r.rank for r in self.supervisor.statuses()
+                         if r.job == request.job and r.generation == request.generation]
+                return node_pb2.CommandResult(ok=True, message=f"checkpoint request {request.request_id} for "
+                                              f"{request.job} handed to ranks {ranks} at their next report")
         except (ValueError, OSError) as e:
             return node_pb2.CommandResult(ok=False, error=str(e))
         return node_pb2.CommandResult(ok=False, error=f"unknown command {body!r}")
@@ -177,6 +187,12 @@ class Agent:
         if adopted:
             self.link.emit("adopted", f"agent on {self.name} re-adopted {len(adopted)} running ranks",
                            ranks=",".join(r.key for r in adopted))
+        try:
+            local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", local_server.LocalService(
+                self.local, self.supervisor.current_generation, self.link.send))
+        except OSError as e:
+            local = None
+            logger.error("local service for trainlib not served; ranks run without it", error=str(e))
         nvrx = None
         if self.cfg.nvrx_socket:
             try:
@@ -187,6 +203,8 @@ class Agent:
         try:
             await self.link.run(stop)
         finally:
+            if local is not None:
+                await local.stop(1.0)
             if nvrx is not None:
                 await nvrx.stop(1.0)
             if self.dcgm is not None:

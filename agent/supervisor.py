@@ -177,6 +177,12 @@ class Supervisor:
                                            exit_code=r.exit_code or 0, gpu=r.gpu))
         return out
 
+    def current_generation(self, job: str) -> int | None:
+        """The newest generation of `job` this node has launched (None if none)."""
+        with self._lock:
+            generations = [r.generation for r in self._ranks.values() if r.job == job]
+        return max(generations, default=None)
+
     @property
     def running(self) -> int:
         with self._lock:

@@ -18,6 +18,7 @@ from phalanx import faults
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc, node_pb2
 
 _REPLAY_PAGE = 1000
+DEFAULT_CHECKPOINT_DEADLINE_S = 120.0
 
 
 class ControlService(control_pb2_grpc.ControlServiceServicer):
@@ -148,6 +149,14 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         offset = min(request.offset, result.size)
         return control_pb2.LogChunk(data=result.data, next_offset=offset + len(result.data), size=result.size,
                                     node=node)
+
+    @unary
+    async def CheckpointJob(self, request: control_pb2.CheckpointJobRequest, context):
+        deadline = request.deadline_s or DEFAULT_CHECKPOINT_DEADLINE_S
+        if not 0 < deadline <= 3600:
+            raise InvalidArgument(f"deadline_s ({deadline}) must be between 0 and 3600")
+        step, seconds = await self._jobs.checkpoint(request.id, deadline)
+        return control_pb2.CheckpointJobReply(step=step, seconds=seconds)
 
     @unary
     async def GetStats(self, request: control_pb2.GetStatsRequest, context):

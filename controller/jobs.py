@@ -47,6 +47,15 @@ def state_name(state: int) -> str:
 
 
 @dataclass
+class _PendingCheckpoint:
+    job: str
+    generation: int
+    ranks: int
+    future: asyncio.Future
+    steps: dict[int, int] = field(default_factory=dict)  # rank -> committed step
+
+
+@dataclass
 class JobEntry:
     job: pb.Job
     revision: int = 0
@@ -69,6 +78,8 @@ class JobManager:
         self._fenced: dict[tuple[str, str, int], float] = {}  # (node, job, generation) -> when told to stop
         self._wake = asyncio.Event()
         self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
+        self._checkpoints: dict[int, _PendingCheckpoint] = {}
+        self._checkpoint_ids = 0
 
     async def load(self) -> None:
         for record in await self._store.load_jobs():
@@ -140,6 +151,44 @@ class JobManager:
         result = await session.request(node_pb2.Command(read_log=node_pb2.ReadLog(
             job=job_id, rank=rank, offset=offset, max_bytes=max_bytes)))
         return result, node
+
+    async def checkpoint(self, job_id: str, deadline_s: float) -> tuple[int, float]:
+        """Ask every rank of a running job to checkpoint; return the step all committed and the seconds."""
+        job = self.get(job_id)
+        if job.state != pb.JOB_STATE_RUNNING:
+            raise FailedPrecondition(f"{job_id} is {state_name(job.state)}; only a running job can checkpoint")
+        self._checkpoint_ids += 1
+        request_id = self._checkpoint_ids
+        pending = _PendingCheckpoint(job_id, job.generation, len(job.ranks),
+                                     asyncio.get_running_loop().create_future())
+        self._checkpoints[request_id] = pending
+        started = time.monotonic()
+        try:
+            await self._log(self._event("job.checkpoint", f"{job_id}: checkpoint {request_id} requested from "
+                                        f"{len(job.ranks)} ranks (deadline {deadline_s:g}s)", job_id))
+            command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
+                job=job_id, generation=job.generation, request_id=request_id, deadline_s=deadline_s,
+                reason="requested"))
+            await asyncio.gather(*(self._session(self._registry.get(n)).request(command) for n in job.nodes))
+            try:
+                step = await asyncio.wait_for(asyncio.shield(pending.future), deadline_s)
+            except TimeoutError:
+                raise FailedPrecondition(f"{job_id}: only {len(pending.steps)} of {pending.ranks} ranks committed "
+                                         f"checkpoint {request_id} within {deadline_s:g}s") from None
+        finally:
+            self._checkpoints.pop(request_id, None)
+        seconds = time.monotonic() - started
+        await self._log(self._event("job.checkpointed", f"{job_id}: every rank committed step {step} "
+                                    f"({seconds:.2f}s after the request)", job_id))
+        return step, seconds
+
+    def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:
+        pending = self._checkpoints.get(ack.request_id)
+        if pending is None or (pending.job, pending.generation) != (ack.job, ack.generation):
+            return  # unasked, or from a stale generation: fenced, never counted
+        pending.steps[ack.rank] = ack.step
+        if len(pending.steps) == pending.ranks and not pending.future.done():
+            pending.future.set_result(min(pending.steps.values()))
 
     # -- scheduling ----------------------------------------------------------------------------
 

@@ -92,6 +92,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     if message.gpu_event.gpu_index >= validation.MAX_GPUS:
                         raise InvalidArgument(f"gpu_event.gpu_index {message.gpu_event.gpu_index} is out of range")
                     await registry.gpu_event(entry, message.gpu_event)
+                elif body == "checkpoint_ack":
+                    self._jobs.checkpoint_ack(message.checkpoint_ack)
                 elif body == "result":
                     session.resolve(message.result)
                 elif body == "open":

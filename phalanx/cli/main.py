@@ -212,6 +212,14 @@ def cmd_logs(args: argparse.Namespace) -> int:
         time.sleep(WAIT_POLL_S)
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    # The call lasts as long as the ranks take to commit: its deadline is theirs plus a margin.
+    request = control_pb2.CheckpointJobRequest(id=args.job, deadline_s=args.deadline)
+    reply = call(args, lambda s: s.CheckpointJob(request, timeout=args.deadline + DEFAULT_TIMEOUT_S))
+    print(f"{args.job}: every rank committed step {reply.step} ({reply.seconds:.2f}s)")
+    return OK
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     job = call(args, lambda s: s.CancelJob(control_pb2.CancelJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
     print(f"{job.id}: {render.job_state(job.state)}")
@@ -346,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=_count, default=0, help="which rank (default 0)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("checkpoint", help="ask every rank of a running job to checkpoint now (trainlib)")
+    p.add_argument("job")
+    p.add_argument("--deadline", type=float, default=120.0, help="seconds the ranks have (default 120)")
+    p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("cancel", help="stop every rank of a job")
     p.add_argument("job")

@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CheckpointJobRequest(_message.Message):
+    __slots__ = ("id", "deadline_s")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    deadline_s: float
+    def __init__(self, id: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class CheckpointJobReply(_message.Message):
+    __slots__ = ("step", "seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "user")
     SPEC_FIELD_NUMBER: _ClassVar[int]

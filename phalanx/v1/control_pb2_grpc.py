@@ -110,6 +110,11 @@ class ControlServiceStub:
                 request_serializer=phalanx_dot_v1_dot_control__pb2.ReadLogsRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_control__pb2.LogChunk.FromString,
                 _registered_method=True)
+        self.CheckpointJob = channel.unary_unary(
+                '/phalanx.v1.ControlService/CheckpointJob',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobReply.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -207,6 +212,13 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckpointJob(self, request, context):
+        """Ask every rank of a running job to checkpoint now; answers once every rank has committed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +296,11 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.ReadLogs,
                     request_deserializer=phalanx_dot_v1_dot_control__pb2.ReadLogsRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_control__pb2.LogChunk.SerializeToString,
+            ),
+            'CheckpointJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckpointJob,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -691,6 +708,33 @@ class ControlService:
             '/phalanx.v1.ControlService/ReadLogs',
             phalanx_dot_v1_dot_control__pb2.ReadLogsRequest.SerializeToString,
             phalanx_dot_v1_dot_control__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckpointJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/CheckpointJob',
+            phalanx_dot_v1_dot_control__pb2.CheckpointJobRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.CheckpointJobReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,20 +28,36 @@ class RegisterResponse(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("open", "heartbeat", "inventory", "event", "gpu_event", "result")
+    __slots__ = ("open", "heartbeat", "inventory", "event", "gpu_event", "result", "checkpoint_ack")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     GPU_EVENT_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ACK_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     heartbeat: Heartbeat
     inventory: _common_pb2.NodeInventory
     event: AgentEvent
     gpu_event: _common_pb2.GpuEvent
     result: CommandResult
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., event: _Optional[_Union[AgentEvent, _Mapping]] = ..., gpu_event: _Optional[_Union[_common_pb2.GpuEvent, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ...) -> None: ...
+    checkpoint_ack: CheckpointAck
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., event: _Optional[_Union[AgentEvent, _Mapping]] = ..., gpu_event: _Optional[_Union[_common_pb2.GpuEvent, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., checkpoint_ack: _Optional[_Union[CheckpointAck, _Mapping]] = ...) -> None: ...
+
+class CheckpointAck(_message.Message):
+    __slots__ = ("job", "generation", "rank", "request_id", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    request_id: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("node_name", "incarnation")
@@ -52,7 +68,7 @@ class SessionOpen(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks")
+    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks", "progress")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +77,7 @@ class Heartbeat(_message.Message):
     NCCL_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix_ns: int
     host: _common_pb2.HostTelemetry
@@ -69,7 +86,28 @@ class Heartbeat(_message.Message):
     nccl: _containers.RepeatedCompositeFieldContainer[_common_pb2.NcclRankState]
     health_digest: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+    progress: _containers.RepeatedCompositeFieldContainer[RankProgress]
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ...) -> None: ...
+
+class RankProgress(_message.Message):
+    __slots__ = ("job", "generation", "rank", "last_step", "steps", "mean_step_s", "mean_compute_s", "last_step_unix_ns")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    last_step: int
+    steps: int
+    mean_step_s: float
+    mean_compute_s: float
+    last_step_unix_ns: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., last_step: _Optional[int] = ..., steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_compute_s: _Optional[float] = ..., last_step_unix_ns: _Optional[int] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("job", "generation", "rank", "state", "pid", "exit_code", "gpu")
@@ -117,20 +155,36 @@ class ControllerMessage(_message.Message):
     def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "inject", "launch", "stop", "reserve_port", "read_log")
+    __slots__ = ("id", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint")
     ID_FIELD_NUMBER: _ClassVar[int]
     INJECT_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RESERVE_PORT_FIELD_NUMBER: _ClassVar[int]
     READ_LOG_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     id: int
     inject: InjectFault
     launch: LaunchRanks
     stop: StopRanks
     reserve_port: ReservePort
     read_log: ReadLog
-    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ...) -> None: ...
+    checkpoint: RequestCheckpoint
+    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ...) -> None: ...
+
+class RequestCheckpoint(_message.Message):
+    __slots__ = ("job", "generation", "request_id", "deadline_s", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    request_id: int
+    deadline_s: float
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., request_id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LaunchRanks(_message.Message):
     __slots__ = ("job", "generation", "command", "env", "workdir", "ranks")

@@ -1,0 +1,99 @@
+"""The agent's Unix-socket service for trainlib inside the ranks (LocalService).
+
+Ranks report their step timings in batches; the agent folds them into one summary per rank per
+heartbeat for the controller (straggler and hang detection). The reply to a report carries the
+controller's pending checkpoint request for the rank's job, and tells a rank of a stale generation
+that it is stale. A rank's "checkpoint committed" goes up to the controller at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from phalanx import log
+from phalanx.v1 import local_pb2, local_pb2_grpc, node_pb2
+
+logger = log.get("local")
+
+
+@dataclass
+class _Progress:
+    last_step: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    last_unix_ns: int = 0
+
+
+@dataclass
+class LocalState:
+    """What the local service shares with the agent: progress to report, requests to hand out."""
+
+    progress: dict[tuple[str, int, int], _Progress] = field(default_factory=dict)
+    requests: dict[str, node_pb2.RequestCheckpoint] = field(default_factory=dict)  # job -> pending request
+
+    def drain(self) -> list[node_pb2.RankProgress]:
+        out = []
+        for (job, generation, rank), p in sorted(self.progress.items()):
+            if not p.steps:
+                continue
+            out.append(node_pb2.RankProgress(job=job, generation=generation, rank=rank, last_step=p.last_step,
+                                             steps=p.steps, mean_step_s=p.step_s / p.steps,
+                                             mean_compute_s=p.compute_s / p.steps, last_step_unix_ns=p.last_unix_ns))
+            p.steps, p.step_s, p.compute_s = 0, 0.0, 0.0
+        return out
+
+
+class LocalService(local_pb2_grpc.LocalServiceServicer):
+    def __init__(self, state: LocalState, current_generation: Callable[[str], int | None],
+                 send: Callable[[node_pb2.AgentMessage], None]) -> None:
+        self._state = state
+        self._current = current_generation
+        self._send = send
+
+    async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
+        key = (request.job, request.generation, request.rank)
+        p = self._state.progress.setdefault(key, _Progress())
+        for sample in request.steps:
+            p.steps += 1
+            p.step_s += sample.step_s
+            p.compute_s += sample.compute_s
+            p.last_step, p.last_unix_ns = sample.step, sample.end_unix_ns
+        reply = local_pb2.ReportReply()
+        current = self._current(request.job)
+        if current is not None and request.generation < current:
+            reply.stale = True
+            return reply
+        pending = self._state.requests.get(request.job)
+        if pending is not None and pending.generation == request.generation:
+            reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(id=pending.request_id, deadline_s=pending.deadline_s,
+                                                                  reason=pending.reason))
+        return reply
+
+    async def CheckpointDone(self, request: local_pb2.CheckpointDoneRequest, context) -> local_pb2.CheckpointDoneReply:
+        logger.info("rank committed a checkpoint", job=request.job, rank=request.rank, step=request.step,
+                    request_id=request.request_id)
+        self._send(node_pb2.AgentMessage(checkpoint_ack=node_pb2.CheckpointAck(
+            job=request.job, generation=request.generation, rank=request.rank, request_id=request.request_id,
+            step=request.step)))
+        return local_pb2.CheckpointDoneReply()
+
+
+async def serve(path: Path, service: LocalService) -> grpc.aio.Server:
+    """Listen on the Unix socket `path` (mode 0660). Raises OSError if it cannot."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_socket():
+        path.unlink()
+    server = grpc.aio.server()
+    local_pb2_grpc.add_LocalServiceServicer_to_server(service, server)
+    if server.add_insecure_port(f"unix://{path}") == 0:
+        raise OSError(f"cannot listen on unix socket {path}")
+    await server.start()
+    os.chmod(path, 0o660)
+    logger.info("local service for trainlib serving", socket=str(path))
+    return server

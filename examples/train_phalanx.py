@@ -1,0 +1,79 @@
+"""The same small gloo training job as train_gloo.py, written against trainlib: resumes from the newest
+complete checkpoint, checkpoints when Phalanx asks (and every --every steps), reports step times.
+
+Runs alone too: outside Phalanx trainlib is a no-op shim and checkpoints go to ./checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import trainlib
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic data for (step, rank): a resumed run sees exactly what an uninterrupted one saw."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x, x[:, :4].sum(dim=1, keepdim=True).repeat(1, 4)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of 'compute' per step")
+    parser.add_argument("--every", type=int, default=0, help="also checkpoint every N steps (0 = only on request)")
+    parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
+    args = parser.parse_args()
+
+    ctx = trainlib.init()  # before init_process_group: it sets the NCCL watchdog defaults
+    if ctx.world_size > 1:
+        dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    first = 0
+    loaded = trainlib.load_latest()
+    if loaded is not None:
+        model.load_state_dict(loaded.state["model"])
+        optimizer.load_state_dict(loaded.state["optimizer"])
+        first = loaded.step + 1
+        print(f"rank {ctx.rank}: resumed from step {loaded.step} (generation {ctx.generation})", flush=True)
+    for step in range(first, args.steps):
+        x, y = batch(step, ctx.rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        if args.step_time:
+            time.sleep(args.step_time)
+        trainlib.compute_done()
+        if ctx.world_size > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= ctx.world_size
+        optimizer.step()
+        trainlib.step(step)
+        if trainlib.checkpoint_requested() or (args.every and (step + 1) % args.every == 0):
+            trainlib.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
+            print(f"rank {ctx.rank}: checkpointed step {step}", flush=True)
+        if ctx.rank == 0 and step % 10 == 0:
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+    digest = hashlib.sha256(repr([p.detach().tolist() for p in model.parameters()]).encode()).hexdigest()
+    if ctx.rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            f.write(digest + "\n")
+    print(f"rank {ctx.rank}/{ctx.world_size} done: {digest[:16]}", flush=True)
+    if ctx.world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

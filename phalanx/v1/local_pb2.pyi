@@ -1,0 +1,69 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepSample(_message.Message):
+    __slots__ = ("step", "step_s", "compute_s", "end_unix_ns")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    step_s: float
+    compute_s: float
+    end_unix_ns: int
+    def __init__(self, step: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., end_unix_ns: _Optional[int] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank", "steps", "pid")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    steps: _containers.RepeatedCompositeFieldContainer[StepSample]
+    pid: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("id", "deadline_s", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    deadline_s: float
+    reason: str
+    def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ("checkpoint", "stale")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointRequest
+    stale: bool
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class CheckpointDoneRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank", "request_id", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    request_id: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointDoneReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

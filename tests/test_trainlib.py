@@ -1,0 +1,103 @@
+"""trainlib inside a rank: the per-step hook, the shim outside Phalanx, NCCL defaults, SIGUSR1.
+
+Each case runs in a fresh interpreter: trainlib keeps per-process state, as a rank would.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def run(code: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
+    full_env.update(env or {})
+    return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full_env, timeout=120)
+
+
+UNDER_PHALANX = {"PHALANX_JOB": "job-7", "PHALANX_GENERATION": "3", "RANK": "1", "WORLD_SIZE": "4",
+                 "LOCAL_RANK": "1"}
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_the_step_hook_makes_no_system_call(tmp_path):
+    trace = tmp_path / "trace"
+    result = run("""
+        import os, trainlib
+        trainlib.init()
+        for i in range(70_000):  # past one lap of the ring
+            trainlib.step(i)
+        os.write(2, b"BEGIN\\n")
+        for i in range(100_000):
+            trainlib.compute_done()
+            trainlib.step(i)
+            trainlib.checkpoint_requested()
+        os.write(2, b"END\\n")
+    """, UNDER_PHALANX, prefix=["strace", "-f", "-o", str(trace)])
+    assert result.returncode == 0, result.stderr
+    lines = trace.read_text().splitlines()
+    begin = next(i for i, line in enumerate(lines) if "BEGIN" in line)
+    end = next(i for i, line in enumerate(lines) if "END" in line)
+    assert end > begin
+    assert lines[begin + 1:end] == []
+
+
+def test_outside_phalanx_it_is_a_shim_with_one_warning(tmp_path):
+    result = run("""
+        import warnings, trainlib
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ctx = trainlib.init()
+            trainlib.init()
+        print(len(caught), str(caught[0].message))
+        print(ctx.active, ctx.rank, ctx.world_size, ctx.generation)
+        for i in range(10):
+            trainlib.compute_done()
+            trainlib.step(i)
+        print(trainlib.checkpoint_requested())
+    """)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("1 trainlib: not running under Phalanx (no PHALANX_JOB)")
+    assert lines[1:] == ["False 0 1 1", "False"]
+
+
+def test_under_phalanx_it_reads_the_environment_and_sets_nccl_defaults():
+    result = run("""
+        import os, trainlib
+        ctx = trainlib.init()
+        print(ctx.active, ctx.job, ctx.generation, ctx.rank, ctx.local_rank, ctx.world_size)
+        print(os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"], os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
+        print(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+    """, {**UNDER_PHALANX, "TORCH_NCCL_TRACE_BUFFER_SIZE": "77"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["True job-7 3 1 1 4", "1 1", "77"]  # the user's own value wins
+
+
+def test_sigusr1_is_a_checkpoint_request():
+    result = run("""
+        import os, signal, trainlib
+        trainlib.init()
+        seen = []
+        trainlib.on_checkpoint_request(seen.append)
+        print(trainlib.checkpoint_requested())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print(trainlib.checkpoint_requested(), seen)
+    """, UNDER_PHALANX)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["False", "True [0]"]
+
+
+def test_a_script_that_handles_sigusr1_itself_keeps_its_handler():
+    result = run("""
+        import os, signal, trainlib
+        signal.signal(signal.SIGUSR1, lambda *a: print("mine"))
+        trainlib.init()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print(trainlib.checkpoint_requested())
+    """, UNDER_PHALANX)
+    assert result.stdout.splitlines() == ["mine", "False"]

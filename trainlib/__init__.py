@@ -1,0 +1,32 @@
+"""trainlib: what a training script imports to run well under Phalanx.
+
+    import trainlib
+    ctx = trainlib.init()                  # before torch.distributed.init_process_group
+    start = trainlib.load_latest()         # (step, state) of the newest complete checkpoint, or None
+    for step in range(first, steps):
+        ...forward, backward...
+        trainlib.compute_done()            # optional: just before the gradient synchronisation
+        ...all-reduce, optimizer step...
+        trainlib.step(step)                # the per-step hook: ~0.5 us, no system call
+        if trainlib.checkpoint_requested():
+            trainlib.save(state, step)     # durable, atomic; tells Phalanx which step is safe
+
+Outside Phalanx (no PHALANX_JOB in the environment) every hook is a no-op, with one warning, and
+`save`/`load_latest` use ./checkpoints, so the same script still runs alone.
+"""
+
+from __future__ import annotations
+
+from trainlib._runtime import (
+    Context,
+    checkpoint_requested,
+    compute_done,
+    init,
+    load_latest,
+    on_checkpoint_request,
+    save,
+    step,
+)
+
+__all__ = ["Context", "checkpoint_requested", "compute_done", "init", "load_latest", "on_checkpoint_request",
+           "save", "step"]

@@ -1,0 +1,244 @@
+"""trainlib's state inside one rank: the environment Phalanx gave it, step timing, checkpoint requests.
+
+The per-step hook only reads a counter and appends to a deque (no lock, no system call); a daemon
+thread sends the batch to the node's agent twice a second over its Unix socket and brings back
+what the controller wants of this rank (a checkpoint). SIGUSR1 — what Slurm's `--signal` sends —
+is a checkpoint request too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+REPORT_INTERVAL_S = 0.5
+RPC_TIMEOUT_S = 2.0  # a report that cannot reach the agent in this time is dropped, not retried
+
+# NCCL watchdog defaults (REFERENCE.md), set unless the user already set them. Phalanx finds hung
+# collectives itself within seconds; these make sure a hang leaves a flight-recorder dump behind.
+NCCL_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "2000",
+}
+
+
+@dataclass(frozen=True)
+class Context:
+    active: bool  # running under Phalanx
+    job: str
+    generation: int
+    rank: int
+    local_rank: int
+    world_size: int
+    checkpoint_dir: str
+    agent_socket: str
+
+
+_ctx: Context | None = None
+# Step samples live in preallocated rings: the hook writes numbers into existing slots, so it never
+# allocates memory (an allocation can mean an mmap, a system call). The reporter reads behind it.
+RING = 65_536
+_ring_step = array("q", bytes(8 * RING))
+_ring_step_s = array("d", bytes(8 * RING))
+_ring_compute_s = array("d", bytes(8 * RING))
+_ring_end_ns = array("q", bytes(8 * RING))
+_head = 0  # samples written, ever
+_tail = 0  # samples sent, ever
+_last_end = time.perf_counter()
+_compute_mark = 0.0
+_steps_seen = 0
+_requested = False
+_request_id = 0
+_handled: set[int] = set()
+_callback: Callable[[int], None] | None = None
+_checkpointer: Any = None
+_reporter: threading.Thread | None = None
+
+
+def init() -> Context:
+    """Read the environment the agent gave this rank; start the reporter. Idempotent."""
+    global _ctx, _reporter
+    if _ctx is not None:
+        return _ctx
+    env = os.environ
+    active = bool(env.get("PHALANX_JOB"))
+    _ctx = Context(
+        active=active,
+        job=env.get("PHALANX_JOB", ""),
+        generation=int(env.get("PHALANX_GENERATION", "1")),
+        rank=int(env.get("RANK", "0")),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size=int(env.get("WORLD_SIZE", "1")),
+        checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or os.path.abspath("checkpoints"),
+        agent_socket=env.get("PHALANX_AGENT_SOCKET", ""),
+    )
+    if not active:
+        warnings.warn("trainlib: not running under Phalanx (no PHALANX_JOB); step hooks are no-ops and checkpoints "
+                      f"go to {_ctx.checkpoint_dir}", stacklevel=2)
+        return _ctx
+    for key, value in NCCL_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None) and threading.current_thread() is \
+            threading.main_thread():
+        signal.signal(signal.SIGUSR1, _on_sigusr1)
+    if _ctx.agent_socket:
+        _reporter = threading.Thread(target=_report_loop, name="trainlib-reporter", daemon=True)
+        _reporter.start()
+        atexit.register(_flush_at_exit)
+    return _ctx
+
+
+def step(number: int | None = None) -> None:
+    """Mark the end of a training step. Cheap enough for every step: no lock, no allocation, no system call."""
+    global _last_end, _compute_mark, _steps_seen, _head
+    now = time.perf_counter()
+    slot = _head % RING
+    _ring_step[slot] = _steps_seen if number is None else number
+    _ring_step_s[slot] = now - _last_end
+    _ring_compute_s[slot] = _compute_mark - _last_end if _compute_mark > _last_end else 0.0
+    _ring_end_ns[slot] = time.time_ns()
+    _head += 1
+    _last_end = now
+    _steps_seen += 1
+
+
+def compute_done() -> None:
+    """Mark, within a step, the end of the compute before the gradient synchronisation."""
+    global _compute_mark
+    _compute_mark = time.perf_counter()
+
+
+def checkpoint_requested() -> bool:
+    """True when Phalanx (or SIGUSR1) asked this rank to checkpoint and it has not yet saved."""
+    return _requested
+
+
+def on_checkpoint_request(callback: Callable[[int], None]) -> None:
+    """Call `callback(request_id)` (from trainlib's reporter thread, or the signal handler) on each request."""
+    global _callback
+    _callback = callback
+
+
+def _request(request_id: int) -> None:
+    global _requested, _request_id
+    _requested, _request_id = True, request_id
+    if _callback is not None:
+        _callback(request_id)
+
+
+def _on_sigusr1(signum: int, frame: object) -> None:
+    _request(0)
+
+
+def _checkpoint():
+    global _checkpointer
+    if _checkpointer is None:
+        from trainlib.checkpoint import Checkpointer
+        ctx = init()
+        barrier = None
+        try:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                barrier = dist.barrier
+        except ImportError:
+            pass
+        _checkpointer = Checkpointer(ctx.checkpoint_dir, rank=ctx.rank, world_size=ctx.world_size,
+                                     generation=ctx.generation, barrier=barrier)
+        _checkpointer.claim_generation()
+    return _checkpointer
+
+
+def save(state: dict, step_number: int) -> Any:
+    """Write this rank's checkpoint for `step_number` atomically and durably (see trainlib.checkpoint);
+    if Phalanx asked for it, tell Phalanx the step is safe."""
+    global _requested
+    result = _checkpoint().save(state, step_number)
+    if _requested:
+        request_id = _request_id
+        _requested = False
+        if request_id:
+            _handled.add(request_id)
+        _send_done(request_id, step_number)
+    return result
+
+
+def load_latest(map_location: str = "cpu") -> Any:
+    """The newest complete checkpoint for this rank, or None."""
+    return _checkpoint().load_latest(map_location=map_location)
+
+
+# -- talking to the agent --------------------------------------------------------------------
+
+_stub = None
+
+
+def _agent():
+    global _stub
+    if _stub is None:
+        import grpc
+
+        from phalanx.v1 import local_pb2_grpc
+        _stub = local_pb2_grpc.LocalServiceStub(grpc.insecure_channel(f"unix://{_ctx.agent_socket}"))
+    return _stub
+
+
+def _flush() -> None:
+    global _tail
+    from phalanx.v1 import local_pb2
+    head = _head
+    start = max(_tail, head - RING)  # more than a ring behind: the oldest are overwritten, send the rest
+    batch = []
+    for i in range(start, head):
+        slot = i % RING
+        batch.append(local_pb2.StepSample(step=_ring_step[slot], step_s=_ring_step_s[slot],
+                                          compute_s=_ring_compute_s[slot], end_unix_ns=_ring_end_ns[slot]))
+    _tail = head
+    reply = _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
+                                                    steps=batch, pid=os.getpid()), timeout=RPC_TIMEOUT_S)
+    request = reply.checkpoint
+    if request.id and request.id not in _handled and (not _requested or _request_id != request.id):
+        _request(request.id)
+
+
+def _flush_at_exit() -> None:
+    try:
+        _flush()
+    except Exception:  # the agent may be gone already; the last half second of timings is all we lose
+        pass
+
+
+def _report_loop() -> None:
+    warned = False
+    while True:
+        time.sleep(REPORT_INTERVAL_S)
+        try:
+            _flush()
+            warned = False
+        except Exception as e:  # the agent restarting, say: keep training, try again
+            if not warned:
+                print(f"trainlib: cannot reach the Phalanx agent at {_ctx.agent_socket}: {e}", file=sys.stderr)
+                warned = True
+
+
+def _send_done(request_id: int, step_number: int) -> None:
+    if not (_ctx and _ctx.active and _ctx.agent_socket):
+        return
+    from phalanx.v1 import local_pb2
+    try:
+        _agent().CheckpointDone(local_pb2.CheckpointDoneRequest(job=_ctx.job, generation=_ctx.generation,
+                                                                rank=_ctx.rank, request_id=request_id,
+                                                                step=step_number), timeout=RPC_TIMEOUT_S)
+    except Exception as e:
+        print(f"trainlib: could not tell the agent that step {step_number} is checkpointed: {e}", file=sys.stderr)
