@@ -9,6 +9,7 @@ that it is stale. A rank's "checkpoint committed" goes up to the controller at o
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ from phalanx.v1 import local_pb2, local_pb2_grpc, node_pb2
 logger = log.get("local")
 
 
+MAX_SAMPLES = 64  # per rank per heartbeat: enough for straggler statistics, bounded for the controller
+
+
 @dataclass
 class _Progress:
     last_step: int = 0
@@ -28,6 +32,7 @@ class _Progress:
     step_s: float = 0.0
     compute_s: float = 0.0
     last_unix_ns: int = 0
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
 
 @dataclass
@@ -44,8 +49,10 @@ class LocalState:
                 continue
             out.append(node_pb2.RankProgress(job=job, generation=generation, rank=rank, last_step=p.last_step,
                                              steps=p.steps, mean_step_s=p.step_s / p.steps,
-                                             mean_compute_s=p.compute_s / p.steps, last_step_unix_ns=p.last_unix_ns))
+                                             mean_compute_s=p.compute_s / p.steps, last_step_unix_ns=p.last_unix_ns,
+                                             compute_samples=p.samples))
             p.steps, p.step_s, p.compute_s = 0, 0.0, 0.0
+            p.samples.clear()
         return out
 
 
@@ -64,6 +71,8 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
             p.step_s += sample.step_s
             p.compute_s += sample.compute_s
             p.last_step, p.last_unix_ns = sample.step, sample.end_unix_ns
+            if sample.compute_s > 0:
+                p.samples.append(sample.compute_s)
         reply = local_pb2.ReportReply()
         current = self._current(request.job)
         if current is not None and request.generation < current:

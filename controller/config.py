@@ -78,6 +78,31 @@ class JobsConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    max_restarts: int = setting(3, "restarts of a job before it is declared FAILED")
+    restart_backoff_s: float = setting(1.0, "wait before the first restart, doubled for each later one")
+    checkpoint_deadline_s: float = setting(30.0, "seconds ranks have to commit a checkpoint before an eviction")
+    hang_min_s: float = setting(5.0, "a rank without step progress this long (at least) is hung")
+    hang_factor: float = setting(10.0, "... or this many times the job's median step time, if longer")
+    startup_s: float = setting(180.0, "seconds a rank may take to its first step before it counts as hung")
+    straggler_ratio: float = setting(1.05, "compute time against the other ranks' median counted as slow (a "
+                                     "10% slower rank is found; healthy noise is not)")
+    straggler_window: int = setting(30, "steps a straggler verdict looks at")
+    straggler_min_samples: int = setting(10, "steps per rank needed before any straggler verdict")
+    straggler_share: float = setting(0.6, "share of the window's steps that must be slow")
+
+    def __post_init__(self) -> None:
+        require(self.max_restarts >= 0, f"recovery.max_restarts ({self.max_restarts}) must not be negative")
+        for key in ("restart_backoff_s", "checkpoint_deadline_s", "hang_min_s", "hang_factor", "startup_s"):
+            positive(f"recovery.{key}", getattr(self, key))
+        require(self.straggler_ratio > 1.0, f"recovery.straggler_ratio ({self.straggler_ratio}) must be above 1")
+        require(1 <= self.straggler_min_samples <= self.straggler_window,
+                f"recovery.straggler_min_samples ({self.straggler_min_samples}) must be between 1 and "
+                f"recovery.straggler_window ({self.straggler_window})")
+        require(0 < self.straggler_share <= 1, f"recovery.straggler_share ({self.straggler_share}) must be in (0, 1]")
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     listen: str = setting("0.0.0.0:7370", "host:port the gRPC server listens on (node and control services)")
     state_db: str = setting("/var/lib/phalanx/controller.db", "SQLite database with nodes, drains and events")
@@ -87,6 +112,7 @@ class ControllerConfig:
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
+    recovery: RecoveryConfig = section(RecoveryConfig, "detecting hangs and stragglers; restarting jobs")
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

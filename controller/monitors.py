@@ -1,0 +1,82 @@
+"""Hang and straggler detection: pure functions of a job's rank progress, its history and `now`.
+
+Progress comes from trainlib in each rank (step number, step time and the compute time before the
+gradient synchronisation), folded per heartbeat by the agents.
+
+- Hung rank: its step number has not moved for max(hang_min_s, hang_factor x the job's median step
+  time); before a rank's first step, `startup_s` applies instead.
+- Straggler: a rank whose per-step compute time stays >= `straggler_ratio` x the median of the
+  other ranks' over the last `straggler_window` steps. Robust by construction: medians, not means;
+  a verdict needs `straggler_min_samples` steps of evidence with most of them slow, so healthy
+  noise (a GC pause, a slow batch) never raises an alarm on its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from controller.config import RecoveryConfig
+
+
+@dataclass
+class RankTrack:
+    """What the controller remembers of one rank's progress (mutated as reports arrive)."""
+
+    last_step: int = -1
+    last_advance: float = 0.0  # monotonic time the step number last moved (or the rank started)
+    step_s: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # per report: mean step time
+    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step
+
+    def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float) -> None:
+        if last_step > self.last_step:
+            self.last_step, self.last_advance = last_step, now
+        if mean_step_s > 0:
+            self.step_s.append(mean_step_s)
+        self.compute_s.extend(compute_samples)
+
+
+@dataclass(frozen=True)
+class Finding:
+    rank: int
+    kind: str  # "hang" or "straggler"
+    reason: str
+
+
+def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[Finding]:
+    steps = [s for t in tracks.values() for s in t.step_s]
+    median_step = statistics.median(steps) if steps else 0.0
+    limit = max(cfg.hang_min_s, cfg.hang_factor * median_step)
+    out = []
+    for rank, track in sorted(tracks.items()):
+        silent = now - track.last_advance
+        if track.last_step < 0:
+            if silent >= cfg.startup_s:
+                out.append(Finding(rank, "hang", f"rank {rank} has not finished a step {silent:.0f}s after it "
+                                                 f"started (limit {cfg.startup_s:g}s)"))
+        elif silent >= limit:
+            out.append(Finding(rank, "hang", f"rank {rank} made no progress for {silent:.1f}s (limit {limit:.1f}s "
+                                             f"= max({cfg.hang_min_s:g}s, {cfg.hang_factor:g} x median step "
+                                             f"{median_step:.2f}s)); last step {track.last_step}"))
+    return out
+
+
+def stragglers(tracks: dict[int, RankTrack], cfg: RecoveryConfig) -> list[Finding]:
+    window = cfg.straggler_window
+    recent = {rank: list(t.compute_s)[-window:] for rank, t in tracks.items()}
+    if len(recent) < 2 or any(len(v) < cfg.straggler_min_samples for v in recent.values()):
+        return []
+    out = []
+    for rank, mine in sorted(recent.items()):
+        others = [statistics.median(v) for r, v in recent.items() if r != rank]
+        baseline = statistics.median(others)
+        if baseline <= 0:
+            continue
+        ratios = [c / baseline for c in mine]
+        slow = sum(r >= cfg.straggler_ratio for r in ratios)
+        if slow >= cfg.straggler_share * len(ratios) and statistics.median(ratios) >= cfg.straggler_ratio:
+            out.append(Finding(rank, "straggler", f"rank {rank} computes {statistics.median(ratios):.2f}x slower "
+                                                  f"than the others' median ({slow} of the last {len(ratios)} "
+                                                  f"steps >= {cfg.straggler_ratio:g}x)"))
+    return out
