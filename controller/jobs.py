@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller import health as health_policy
-from controller import validation
+from controller import monitors, recovery, validation
 from controller.cluster_topology import ClusterTopology
-from controller.config import JobsConfig
+from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
 from controller.events import EventHub
+from controller.job_recovery import RecoveryMixin
 from controller.placement import Candidate, GangRequest, Unplaceable, place
 from controller.registry import NodeEntry, Registry
 from controller.states import DOWN, UP
@@ -30,8 +31,11 @@ from phalanx.v1 import common_pb2, node_pb2
 logger = log.get("jobs")
 
 pb = common_pb2
-ACTIVE = frozenset({pb.JOB_STATE_STARTING, pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING})
+RECOVERING = frozenset({pb.JOB_STATE_CHECKPOINTING, pb.JOB_STATE_EVICTING, pb.JOB_STATE_RENDEZVOUS,
+                        pb.JOB_STATE_RESTARTING})
+ACTIVE = frozenset({pb.JOB_STATE_STARTING, pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING}) | RECOVERING
 TERMINAL = frozenset({pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED})
+FAILED_HEALTH = health_policy.FAILED
 MISSING_REPORTS_LOST = 5  # heartbeats in a row without news of a rank before it counts as lost
 FENCE_REPEAT_S = 10.0
 
@@ -61,11 +65,14 @@ class JobEntry:
     revision: int = 0
     missing: dict[int, int] = field(default_factory=dict)  # rank -> heartbeats without news of it
     launching: asyncio.Task | None = None
+    recovering: asyncio.Task | None = None
+    tracks: dict[int, monitors.RankTrack] = field(default_factory=dict)  # this generation's progress
 
 
-class JobManager:
+class JobManager(RecoveryMixin):
     def __init__(self, store: Store, registry: Registry, clock: Clock, hub: EventHub, cfg: JobsConfig,
-                 topology: Callable[[], ClusterTopology]) -> None:
+                 topology: Callable[[], ClusterTopology], recovery_cfg: RecoveryConfig | None = None) -> None:
+        self.recovery_cfg = recovery_cfg or RecoveryConfig()
         self._store = store
         self._registry = registry
         self._clock = clock
@@ -105,8 +112,10 @@ class JobManager:
         validation.job_spec(spec)
         spec.ranks_per_node = spec.ranks_per_node or 1
         async with self._lock:
+            now_ns = self._clock.wall_ns()
             job = pb.Job(id=f"job-{self._next_id}", spec=spec, state=pb.JOB_STATE_PENDING,
-                         reason="waiting for the scheduler", submitted_unix_ns=self._clock.wall_ns(), user=user)
+                         reason="waiting for the scheduler", submitted_unix_ns=now_ns, user=user,
+                         state_since_unix_ns=now_ns)
             entry = JobEntry(job)
             what = f"{spec.nodes} nodes x {spec.ranks_per_node} ranks" + (f" + {spec.spares} spares" if spec.spares
                                                                            else "")
@@ -127,11 +136,12 @@ class JobManager:
                 await self._finish(entry, pb.JOB_STATE_CANCELLED, "cancelled while pending", 1)
                 return entry.job
             if job.state != pb.JOB_STATE_CANCELLING:
-                new = self._copy(job, state=pb.JOB_STATE_CANCELLING, reason="cancel requested")
+                new = self._moved(job, pb.JOB_STATE_CANCELLING, "cancel requested")
                 await self._save(entry, new, self._event("job.cancelling", f"{job_id}: cancel requested; stopping "
                                                          f"{len(job.ranks)} ranks", job_id))
-            if entry.launching is not None:
-                entry.launching.cancel()
+            for task in (entry.launching, entry.recovering):
+                if task is not None:
+                    task.cancel()
         await self._stop_everywhere(entry.job, entry.job.generation)
         self._wake.set()
         return entry.job
@@ -157,29 +167,32 @@ class JobManager:
         job = self.get(job_id)
         if job.state != pb.JOB_STATE_RUNNING:
             raise FailedPrecondition(f"{job_id} is {state_name(job.state)}; only a running job can checkpoint")
+        return await self._request_checkpoint(job, deadline_s, "requested")
+
+    async def _request_checkpoint(self, job: pb.Job, deadline_s: float, reason: str) -> tuple[int, float]:
         self._checkpoint_ids += 1
         request_id = self._checkpoint_ids
-        pending = _PendingCheckpoint(job_id, job.generation, len(job.ranks),
+        pending = _PendingCheckpoint(job.id, job.generation, len(job.ranks),
                                      asyncio.get_running_loop().create_future())
         self._checkpoints[request_id] = pending
         started = time.monotonic()
         try:
-            await self._log(self._event("job.checkpoint", f"{job_id}: checkpoint {request_id} requested from "
-                                        f"{len(job.ranks)} ranks (deadline {deadline_s:g}s)", job_id))
+            await self._log(self._event("job.checkpoint", f"{job.id}: checkpoint {request_id} requested from "
+                                        f"{len(job.ranks)} ranks (deadline {deadline_s:g}s): {reason}", job.id))
             command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
-                job=job_id, generation=job.generation, request_id=request_id, deadline_s=deadline_s,
-                reason="requested"))
+                job=job.id, generation=job.generation, request_id=request_id, deadline_s=deadline_s,
+                reason=reason))
             await asyncio.gather(*(self._session(self._registry.get(n)).request(command) for n in job.nodes))
             try:
                 step = await asyncio.wait_for(asyncio.shield(pending.future), deadline_s)
             except TimeoutError:
-                raise FailedPrecondition(f"{job_id}: only {len(pending.steps)} of {pending.ranks} ranks committed "
+                raise FailedPrecondition(f"{job.id}: only {len(pending.steps)} of {pending.ranks} ranks committed "
                                          f"checkpoint {request_id} within {deadline_s:g}s") from None
         finally:
             self._checkpoints.pop(request_id, None)
         seconds = time.monotonic() - started
-        await self._log(self._event("job.checkpointed", f"{job_id}: every rank committed step {step} "
-                                    f"({seconds:.2f}s after the request)", job_id))
+        await self._log(self._event("job.checkpointed", f"{job.id}: every rank committed step {step} "
+                                    f"({seconds:.2f}s after the request)", job.id))
         return step, seconds
 
     def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:
@@ -211,8 +224,10 @@ class JobManager:
     def wake(self) -> None:
         self._wake.set()
 
-    def _candidates(self) -> list[Candidate]:
-        busy = {n for e in self._jobs.values() if e.job.state in ACTIVE for n in [*e.job.nodes, *e.job.spares]}
+    def _candidates(self, exclude: str = "") -> list[Candidate]:
+        """Every node as placement sees it; nodes held by job `exclude` count as free (it is being re-placed)."""
+        busy = {n for e in self._jobs.values() if e.job.state in ACTIVE and e.job.id != exclude
+                for n in [*e.job.nodes, *e.job.spares]}
         out = []
         for entry in self._registry.entries():
             record = entry.record
@@ -246,8 +261,8 @@ class JobManager:
                                                      entry.job.id))
                     continue
                 generation = entry.job.generation + 1
-                new = self._copy(entry.job, state=pb.JOB_STATE_STARTING, generation=generation,
-                                 reason=f"placed on {', '.join(decision.nodes)}", started_unix_ns=self._clock.wall_ns())
+                new = self._moved(entry.job, pb.JOB_STATE_STARTING, f"placed on {', '.join(decision.nodes)}",
+                                  generation=generation, started_unix_ns=self._clock.wall_ns())
                 del new.nodes[:]
                 new.nodes.extend(decision.nodes)
                 del new.spares[:]
@@ -259,6 +274,7 @@ class JobManager:
                     "job.placed", f"{new.id} generation {generation} placed on {', '.join(decision.nodes)}{spares} "
                     f"({len(decision.leaves)} leaf switches, lower bound {decision.lower_bound})", new.id))
                 entry.missing.clear()
+                entry.tracks = {}
                 entry.launching = asyncio.create_task(self._launch(entry, generation), name=f"launch-{new.id}")
 
     @staticmethod
@@ -283,14 +299,20 @@ class JobManager:
             logger.warning("launch failed", job=job.id, error=str(e))
             await self._stop_everywhere(job, generation)
             async with self._lock:
-                if entry.job.generation == generation and entry.job.state == pb.JOB_STATE_STARTING:
+                if entry.job.generation != generation:
+                    return
+                if entry.job.state == pb.JOB_STATE_STARTING:
                     await self._finish(entry, pb.JOB_STATE_FAILED, reason, 1)
+                    return
+            if entry.job.state == pb.JOB_STATE_RESTARTING:
+                await self._begin_recovery(entry, recovery.Incident("crash", False, (), reason))
             return
         async with self._lock:
-            if entry.job.generation != generation or entry.job.state != pb.JOB_STATE_STARTING:
+            if entry.job.generation != generation or entry.job.state not in (pb.JOB_STATE_STARTING,
+                                                                              pb.JOB_STATE_RESTARTING):
                 return
-            new = self._copy(entry.job, state=pb.JOB_STATE_RUNNING, master_addr=address, master_port=port,
-                             reason=f"running on {', '.join(job.nodes)}")
+            new = self._moved(entry.job, pb.JOB_STATE_RUNNING, f"running on {', '.join(job.nodes)}",
+                              master_addr=address, master_port=port)
             for rank in new.ranks:
                 rank.state = pb.RANK_STATE_RUNNING
             await self._save(entry, new, self._event(
@@ -357,10 +379,21 @@ class JobManager:
             elif status.state == pb.RANK_STATE_RUNNING:
                 stale = True
         changed = stale
+        now = self._clock.monotonic()
+        for progress in heartbeat.progress:
+            entry = self._jobs.get(progress.job)
+            if entry is None or entry.job.generation != progress.generation or entry.job.state not in ACTIVE:
+                continue
+            if not entry.tracks:  # trainlib speaks for this job: follow every rank's progress from now on
+                entry.tracks = {r.rank: monitors.RankTrack(last_advance=now, last_report=now) for r in entry.job.ranks}
+            track = entry.tracks.get(progress.rank)
+            if track is not None:
+                track.observe(progress.last_step, progress.mean_step_s, list(progress.compute_samples), now,
+                              progress.steps)
         for job_id in self._on_node.get(name, ()):
             entry = self._jobs[job_id]
             job = entry.job
-            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING):
+            if job.state in (pb.JOB_STATE_STARTING, pb.JOB_STATE_RESTARTING):
                 continue
             for rank in job.ranks:
                 if rank.node != name or rank.state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
@@ -405,8 +438,9 @@ class JobManager:
                 logger.warning("fencing failed", job=status.job, node=node.record.name, error=str(e))
 
     async def follow(self) -> None:
-        """Decide the fate of running jobs from their ranks and their nodes."""
+        """Decide the fate of running jobs from their ranks, their nodes and their progress."""
         nodes = self._registry.entries_by_name()
+        now = self._clock.monotonic()
         for entry in list(self._jobs.values()):
             job = entry.job
             if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING):
@@ -416,27 +450,24 @@ class JobManager:
                 if rank.node in lost and rank.state == pb.RANK_STATE_RUNNING:
                     rank.state = pb.RANK_STATE_LOST
             running = [r for r in job.ranks if r.state == pb.RANK_STATE_RUNNING]
-            failed = [r for r in job.ranks if r.state == pb.RANK_STATE_LOST
-                      or (r.state == pb.RANK_STATE_EXITED and r.exit_code != 0)]
-            async with self._lock:
-                if entry.job is not job:
-                    continue
-                if job.state == pb.JOB_STATE_CANCELLING:
-                    if not running:
-                        await self._finish(entry, pb.JOB_STATE_CANCELLED, "cancelled", 1)
-                    continue
-                if failed:
-                    first = failed[0]
-                    how = ("was lost" + (f" with node {first.node}" if first.node in lost else "")
-                           if first.state == pb.RANK_STATE_LOST else f"exited with code {first.exit_code}")
-                    code = first.exit_code if first.state == pb.RANK_STATE_EXITED and 0 < first.exit_code < 256 else 1
-                    await self._finish(entry, pb.JOB_STATE_FAILED, f"rank {first.rank} on {first.node} {how}", code)
-                elif not running:
-                    await self._finish(entry, pb.JOB_STATE_SUCCEEDED, "every rank exited 0", 0)
-                    continue
-                else:
-                    continue
-            await self._stop_everywhere(job, job.generation)
+            if job.state == pb.JOB_STATE_CANCELLING:
+                if not running:
+                    async with self._lock:
+                        if entry.job is job:
+                            await self._finish(entry, pb.JOB_STATE_CANCELLED, "cancelled", 1)
+                continue
+            if not running and all(r.state == pb.RANK_STATE_EXITED and r.exit_code == 0 for r in job.ranks):
+                async with self._lock:
+                    if entry.job is job:
+                        await self._finish(entry, pb.JOB_STATE_SUCCEEDED, "every rank exited 0", 0)
+                continue
+            views = {n: recovery.NodeView(n, n in lost, nodes[n].verdict.health if n in nodes else FAILED_HEALTH,
+                                          nodes[n].verdict.reasons[0] if n in nodes and nodes[n].verdict.reasons
+                                          else "")
+                     for n in job.nodes}
+            incident = recovery.detect(job.ranks, views, entry.tracks, now, self.recovery_cfg)
+            if incident is not None:
+                await self._begin_recovery(entry, incident)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -452,9 +483,25 @@ class JobManager:
             setattr(new, key, value)
         return new
 
+    def _moved(self, job: pb.Job, state: int, reason: str, **changes: object) -> pb.Job:
+        """A copy of `job` in `state` (checked against the transition table), its time in the old state added up."""
+        recovery.check(job.id, job.state, state)
+        now_ns = self._clock.wall_ns()
+        new = self._copy(job, state=state, reason=reason, state_since_unix_ns=now_ns, **changes)
+        if job.state_since_unix_ns:
+            phase = state_name(job.state)
+            spent = (now_ns - job.state_since_unix_ns) / 1e9
+            existing = next((p for p in new.phase_times if p.phase == phase), None)
+            if existing is None:
+                new.phase_times.add(phase=phase, seconds=spent)
+            else:
+                existing.seconds += spent
+        return new
+
     async def _finish(self, entry: JobEntry, state: int, reason: str, exit_code: int) -> None:
-        new = self._copy(entry.job, state=state, reason=reason, exit_code=exit_code,
-                         finished_unix_ns=self._clock.wall_ns())
+        if entry.recovering is not None and entry.recovering is not asyncio.current_task():
+            entry.recovering.cancel()
+        new = self._moved(entry.job, state, reason, exit_code=exit_code, finished_unix_ns=self._clock.wall_ns())
         await self._save(entry, new, self._event(f"job.{state_name(state).lower()}",
                                                  f"{new.id} {state_name(state)}: {reason}", new.id))
 

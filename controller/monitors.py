@@ -26,11 +26,14 @@ class RankTrack:
 
     last_step: int = -1
     last_advance: float = 0.0  # monotonic time the step number last moved (or the rank started)
+    last_report: float = 0.0  # monotonic time trainlib in the rank last reported (steps or not)
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # per report: mean step time
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step
 
-    def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float) -> None:
-        if last_step > self.last_step:
+    def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float,
+                steps: int = 1) -> None:
+        self.last_report = now
+        if steps and last_step > self.last_step:
             self.last_step, self.last_advance = last_step, now
         if mean_step_s > 0:
             self.step_s.append(mean_step_s)
@@ -60,6 +63,12 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
                                              f"= max({cfg.hang_min_s:g}s, {cfg.hang_factor:g} x median step "
                                              f"{median_step:.2f}s)); last step {track.last_step}"))
     return out
+
+
+def culprits(findings: list[Finding], tracks: dict[int, RankTrack], now: float, silent_s: float) -> list[int]:
+    """Of the hung ranks, those whose trainlib stopped reporting too: in a synchronous job every rank
+    stalls when one does, but only a rank that is itself stopped (or dead) falls silent."""
+    return [f.rank for f in findings if now - tracks[f.rank].last_report >= silent_s]
 
 
 def stragglers(tracks: dict[int, RankTrack], cfg: RecoveryConfig) -> list[Finding]:

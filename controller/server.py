@@ -16,15 +16,16 @@ from controller.events import EventHub
 from controller.jobs import JobManager
 from controller.node_service import NodeService
 from controller.registry import Registry
+from controller.rendezvous import RendezvousService
 from controller.store.base import Store
 from phalanx import log
 from phalanx.clock import Clock, RealClock
 from phalanx.rpc import SERVER_OPTIONS
-from phalanx.v1 import control_pb2_grpc, node_pb2_grpc
+from phalanx.v1 import control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
 
 logger = log.get("controller")
 
-SERVICES = ("phalanx.v1.NodeService", "phalanx.v1.ControlService")
+SERVICES = ("phalanx.v1.NodeService", "phalanx.v1.ControlService", "phalanx.v1.RendezvousService")
 HEALTH_TICK_S = 1.0  # re-judging non-healthy nodes; new signals are judged as they arrive
 
 
@@ -63,7 +64,7 @@ class Controller:
         self.hub = EventHub()
         self.registry = Registry(store, self.clock, cfg.liveness, self.hub, cfg.health)
         self.topology_conf = load_topology_conf(cfg.jobs.topology_conf)
-        self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology)
+        self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology, cfg.recovery)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
@@ -77,6 +78,7 @@ class Controller:
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs), server)
+        rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(RendezvousService(self.clock), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(self.cfg.listen)
         if self.port == 0:

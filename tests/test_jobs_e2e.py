@@ -27,7 +27,7 @@ def job(cluster, job_id):
 
 @pytest.fixture
 def four(cluster):
-    cluster.start_controller('[jobs]\nstop_grace_s = 5.0\n')
+    cluster.start_controller('[jobs]\nstop_grace_s = 5.0\n[recovery]\nmax_restarts = 1\nrestart_backoff_s = 0.2\n')
     for name in NODES:
         cluster.start_agent(name, gpus=2)
     cluster.wait_states(dict.fromkeys(NODES, "UP"))
@@ -65,12 +65,13 @@ def test_a_two_node_gloo_job_runs_to_completion(four, tmp_path):
     assert listing[0].split()[:4] == ["JOB", "NAME", "STATE", "SIZE"] and "SUCCEEDED" in listing[1]
 
 
-def test_a_failing_rank_fails_the_job_with_its_exit_code(four):
+def test_a_failing_rank_is_restarted_then_fails_the_job_with_its_exit_code(four):
     job_id = submit(four, "--nodes", "2", "--", sys.executable, TRAIN, "--steps", "3", "--exit-code", "3")
     waited = phalanx(four, "wait", job_id)
     assert waited.returncode == 3, waited.stderr
     j = job(four, job_id)
-    assert j["state"] == "FAILED" and j["reason"].startswith("rank 1 on ") and j["reason"].endswith(
+    assert j["state"] == "FAILED" and j["generation"] == 2
+    assert j["reason"].startswith("gave up after 1 restarts: rank 1 on ") and j["reason"].endswith(
         "exited with code 3")
 
 

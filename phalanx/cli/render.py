@@ -149,6 +149,8 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "master_addr": job.master_addr or None, "master_port": job.master_port or None,
         "submitted": iso(job.submitted_unix_ns), "started": iso(job.started_unix_ns),
         "finished": iso(job.finished_unix_ns), "exit_code": job.exit_code,
+        "restarts": job.restarts, "incident": job.incident or None, "evicted": list(job.evicted),
+        "seconds_in_state": {p.phase: round(p.seconds, 3) for p in job.phase_times},
         "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu,
                    "state": rank_state(r.state), "pid": r.pid or None, "exit_code": r.exit_code}
                   for r in job.ranks],
@@ -168,7 +170,9 @@ def job_text(job: common_pb2.Job) -> str:
              f"  command:     {' '.join(job.spec.command)}",
              f"  size:        {job.spec.nodes} nodes x {job.spec.ranks_per_node} ranks"
              + (f" + {job.spec.spares} spares" if job.spec.spares else "") + f", priority {job.spec.priority}",
-             f"  generation:  {job.generation}",
+             f"  generation:  {job.generation} (restarts: {job.restarts})",
+             f"  incident:    {job.incident or '-'}" + (f" (evicted: {', '.join(job.evicted)})" if job.evicted
+                                                         else ""),
              f"  nodes:       {', '.join(job.nodes) or '-'}" + (f" (spares: {', '.join(job.spares)})" if job.spares
                                                                  else ""),
              f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",

@@ -50,6 +50,10 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_CHECKPOINTING: _ClassVar[JobState]
+    JOB_STATE_EVICTING: _ClassVar[JobState]
+    JOB_STATE_RENDEZVOUS: _ClassVar[JobState]
+    JOB_STATE_RESTARTING: _ClassVar[JobState]
 
 class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -86,6 +90,10 @@ JOB_STATE_CANCELLING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+JOB_STATE_CHECKPOINTING: JobState
+JOB_STATE_EVICTING: JobState
+JOB_STATE_RENDEZVOUS: JobState
+JOB_STATE_RESTARTING: JobState
 RANK_STATE_UNSPECIFIED: RankState
 RANK_STATE_RUNNING: RankState
 RANK_STATE_EXITED: RankState
@@ -391,6 +399,14 @@ class Event(_message.Message):
     fields: _containers.ScalarMap[str, str]
     def __init__(self, seq: _Optional[int] = ..., time_unix_ns: _Optional[int] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., job: _Optional[str] = ..., message: _Optional[str] = ..., fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class PhaseTime(_message.Message):
+    __slots__ = ("phase", "seconds")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    seconds: float
+    def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class JobSpec(_message.Message):
     __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment")
     class EnvEntry(_message.Message):
@@ -443,7 +459,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user")
+    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable")
     ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +475,12 @@ class Job(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    STATE_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_PREDICTABLE_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: JobState
@@ -474,4 +496,10 @@ class Job(_message.Message):
     exit_code: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     user: str
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ...) -> None: ...
+    restarts: int
+    incident: str
+    evicted: _containers.RepeatedScalarFieldContainer[str]
+    state_since_unix_ns: int
+    phase_times: _containers.RepeatedCompositeFieldContainer[PhaseTime]
+    incident_predictable: bool
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ...) -> None: ...

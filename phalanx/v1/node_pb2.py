@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from phalanx.v1 import common_pb2 as phalanx_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15phalanx/v1/node.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"R\n\x0fRegisterRequest\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12,\n\tinventory\x18\x02 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\"\x81\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x04 \x01(\t\"\xd1\x02\n\x0c\x41gentMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SessionOpenH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.phalanx.v1.HeartbeatH\x00\x12.\n\tinventory\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.NodeInventoryH\x00\x12\'\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.phalanx.v1.AgentEventH\x00\x12)\n\tgpu_event\x18\x05 \x01(\x0b\x32\x14.phalanx.v1.GpuEventH\x00\x12+\n\x06result\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.CommandResultH\x00\x12\x33\n\x0e\x63heckpoint_ack\x18\x07 \x01(\x0b\x32\x19.phalanx.v1.CheckpointAckH\x00\x42\x06\n\x04\x62ody\"`\n\rCheckpointAck\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"5\n\x0bSessionOpen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xa9\x02\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x02 \x01(\x03\x12\'\n\x04host\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x04 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x15\n\rrunning_ranks\x18\x05 \x01(\r\x12\'\n\x04nccl\x18\x06 \x03(\x0b\x32\x19.phalanx.v1.NcclRankState\x12\x15\n\rhealth_digest\x18\x07 \x01(\x04\x12%\n\x05ranks\x18\x08 \x03(\x0b\x32\x16.phalanx.v1.RankStatus\x12*\n\x08progress\x18\t \x03(\x0b\x32\x18.phalanx.v1.RankProgress\"\xc0\x01\n\x0cRankProgress\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\tlast_step\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x13\n\x0bmean_step_s\x18\x06 \x01(\x01\x12\x16\n\x0emean_compute_s\x18\x07 \x01(\x01\x12\x19\n\x11last_step_unix_ns\x18\x08 \x01(\x03\x12\x17\n\x0f\x63ompute_samples\x18\t \x03(\x01\"\x8e\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.phalanx.v1.RankState\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0b\n\x03gpu\x18\x07 \x01(\r\"\x8e\x01\n\nAgentEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x32\n\x06\x66ields\x18\x03 \x03(\x0b\x32\".phalanx.v1.AgentEvent.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9e\x01\n\x11\x43ontrollerMessage\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.phalanx.v1.SessionAcceptedH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.phalanx.v1.NodeStatusH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.phalanx.v1.CommandH\x00\x42\x06\n\x04\x62ody\"\xa9\x02\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x06inject\x18\x02 \x01(\x0b\x32\x17.phalanx.v1.InjectFaultH\x00\x12)\n\x06launch\x18\x03 \x01(\x0b\x32\x17.phalanx.v1.LaunchRanksH\x00\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x15.phalanx.v1.StopRanksH\x00\x12/\n\x0creserve_port\x18\x05 \x01(\x0b\x32\x17.phalanx.v1.ReservePortH\x00\x12\'\n\x08read_log\x18\x06 \x01(\x0b\x32\x13.phalanx.v1.ReadLogH\x00\x12\x33\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x1d.phalanx.v1.RequestCheckpointH\x00\x42\x06\n\x04\x62ody\"l\n\x11RequestCheckpoint\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xd2\x01\n\x0bLaunchRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ommand\x18\x03 \x03(\t\x12-\n\x03\x65nv\x18\x04 \x03(\x0b\x32 .phalanx.v1.LaunchRanks.EnvEntry\x12\x0f\n\x07workdir\x18\x05 \x01(\t\x12%\n\x05ranks\x18\x06 \x03(\x0b\x32\x16.phalanx.v1.RankLaunch\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x01\n\nRankLaunch\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x0b\n\x03gpu\x18\x03 \x01(\r\x12,\n\x03\x65nv\x18\x04 \x03(\x0b\x32\x1f.phalanx.v1.RankLaunch.EnvEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\tStopRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07grace_s\x18\x03 \x01(\x01\"\r\n\x0bReservePort\"G\n\x07ReadLog\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\r\"/\n\x0bInjectFault\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x02 \x01(\t\"q\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0c\n\x04size\x18\x07 \x01(\x04\"&\n\x0fSessionAccepted\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\"p\n\nNodeStatus\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x02 \x01(\t\x12&\n\x06health\x18\x03 \x01(\x0b\x32\x16.phalanx.v1.NodeHealth2\x9c\x01\n\x0bNodeService\x12\x45\n\x08Register\x12\x1b.phalanx.v1.RegisterRequest\x1a\x1c.phalanx.v1.RegisterResponse\x12\x46\n\x07Session\x12\x18.phalanx.v1.AgentMessage\x1a\x1d.phalanx.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15phalanx/v1/node.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"R\n\x0fRegisterRequest\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12,\n\tinventory\x18\x02 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\"\x81\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x04 \x01(\t\"\xd1\x02\n\x0c\x41gentMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SessionOpenH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.phalanx.v1.HeartbeatH\x00\x12.\n\tinventory\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.NodeInventoryH\x00\x12\'\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.phalanx.v1.AgentEventH\x00\x12)\n\tgpu_event\x18\x05 \x01(\x0b\x32\x14.phalanx.v1.GpuEventH\x00\x12+\n\x06result\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.CommandResultH\x00\x12\x33\n\x0e\x63heckpoint_ack\x18\x07 \x01(\x0b\x32\x19.phalanx.v1.CheckpointAckH\x00\x42\x06\n\x04\x62ody\"`\n\rCheckpointAck\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"5\n\x0bSessionOpen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xa9\x02\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x02 \x01(\x03\x12\'\n\x04host\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x04 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x15\n\rrunning_ranks\x18\x05 \x01(\r\x12\'\n\x04nccl\x18\x06 \x03(\x0b\x32\x19.phalanx.v1.NcclRankState\x12\x15\n\rhealth_digest\x18\x07 \x01(\x04\x12%\n\x05ranks\x18\x08 \x03(\x0b\x32\x16.phalanx.v1.RankStatus\x12*\n\x08progress\x18\t \x03(\x0b\x32\x18.phalanx.v1.RankProgress\"\xd1\x01\n\x0cRankProgress\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\tlast_step\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x13\n\x0bmean_step_s\x18\x06 \x01(\x01\x12\x16\n\x0emean_compute_s\x18\x07 \x01(\x01\x12\x19\n\x11last_step_unix_ns\x18\x08 \x01(\x03\x12\x17\n\x0f\x63ompute_samples\x18\t \x03(\x01\x12\x0f\n\x07reports\x18\n \x01(\r\"\x8e\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.phalanx.v1.RankState\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0b\n\x03gpu\x18\x07 \x01(\r\"\x8e\x01\n\nAgentEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x32\n\x06\x66ields\x18\x03 \x03(\x0b\x32\".phalanx.v1.AgentEvent.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9e\x01\n\x11\x43ontrollerMessage\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.phalanx.v1.SessionAcceptedH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.phalanx.v1.NodeStatusH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.phalanx.v1.CommandH\x00\x42\x06\n\x04\x62ody\"\xa9\x02\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x06inject\x18\x02 \x01(\x0b\x32\x17.phalanx.v1.InjectFaultH\x00\x12)\n\x06launch\x18\x03 \x01(\x0b\x32\x17.phalanx.v1.LaunchRanksH\x00\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x15.phalanx.v1.StopRanksH\x00\x12/\n\x0creserve_port\x18\x05 \x01(\x0b\x32\x17.phalanx.v1.ReservePortH\x00\x12\'\n\x08read_log\x18\x06 \x01(\x0b\x32\x13.phalanx.v1.ReadLogH\x00\x12\x33\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x1d.phalanx.v1.RequestCheckpointH\x00\x42\x06\n\x04\x62ody\"l\n\x11RequestCheckpoint\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xd2\x01\n\x0bLaunchRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ommand\x18\x03 \x03(\t\x12-\n\x03\x65nv\x18\x04 \x03(\x0b\x32 .phalanx.v1.LaunchRanks.EnvEntry\x12\x0f\n\x07workdir\x18\x05 \x01(\t\x12%\n\x05ranks\x18\x06 \x03(\x0b\x32\x16.phalanx.v1.RankLaunch\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x01\n\nRankLaunch\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x0b\n\x03gpu\x18\x03 \x01(\r\x12,\n\x03\x65nv\x18\x04 \x03(\x0b\x32\x1f.phalanx.v1.RankLaunch.EnvEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\tStopRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07grace_s\x18\x03 \x01(\x01\"\r\n\x0bReservePort\"G\n\x07ReadLog\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\r\"/\n\x0bInjectFault\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x02 \x01(\t\"q\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0c\n\x04size\x18\x07 \x01(\x04\"&\n\x0fSessionAccepted\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\"p\n\nNodeStatus\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x02 \x01(\t\x12&\n\x06health\x18\x03 \x01(\x0b\x32\x16.phalanx.v1.NodeHealth2\x9c\x01\n\x0bNodeService\x12\x45\n\x08Register\x12\x1b.phalanx.v1.RegisterRequest\x1a\x1c.phalanx.v1.RegisterResponse\x12\x46\n\x07Session\x12\x18.phalanx.v1.AgentMessage\x1a\x1d.phalanx.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,41 +51,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEAT']._serialized_start=772
   _globals['_HEARTBEAT']._serialized_end=1069
   _globals['_RANKPROGRESS']._serialized_start=1072
-  _globals['_RANKPROGRESS']._serialized_end=1264
-  _globals['_RANKSTATUS']._serialized_start=1267
-  _globals['_RANKSTATUS']._serialized_end=1409
-  _globals['_AGENTEVENT']._serialized_start=1412
-  _globals['_AGENTEVENT']._serialized_end=1554
-  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_start=1509
-  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_end=1554
-  _globals['_CONTROLLERMESSAGE']._serialized_start=1557
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1715
-  _globals['_COMMAND']._serialized_start=1718
-  _globals['_COMMAND']._serialized_end=2015
-  _globals['_REQUESTCHECKPOINT']._serialized_start=2017
-  _globals['_REQUESTCHECKPOINT']._serialized_end=2125
-  _globals['_LAUNCHRANKS']._serialized_start=2128
-  _globals['_LAUNCHRANKS']._serialized_end=2338
-  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_start=2296
-  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_end=2338
-  _globals['_RANKLAUNCH']._serialized_start=2341
-  _globals['_RANKLAUNCH']._serialized_end=2490
-  _globals['_RANKLAUNCH_ENVENTRY']._serialized_start=2296
-  _globals['_RANKLAUNCH_ENVENTRY']._serialized_end=2338
-  _globals['_STOPRANKS']._serialized_start=2492
-  _globals['_STOPRANKS']._serialized_end=2553
-  _globals['_RESERVEPORT']._serialized_start=2555
-  _globals['_RESERVEPORT']._serialized_end=2568
-  _globals['_READLOG']._serialized_start=2570
-  _globals['_READLOG']._serialized_end=2641
-  _globals['_INJECTFAULT']._serialized_start=2643
-  _globals['_INJECTFAULT']._serialized_end=2690
-  _globals['_COMMANDRESULT']._serialized_start=2692
-  _globals['_COMMANDRESULT']._serialized_end=2805
-  _globals['_SESSIONACCEPTED']._serialized_start=2807
-  _globals['_SESSIONACCEPTED']._serialized_end=2845
-  _globals['_NODESTATUS']._serialized_start=2847
-  _globals['_NODESTATUS']._serialized_end=2959
-  _globals['_NODESERVICE']._serialized_start=2962
-  _globals['_NODESERVICE']._serialized_end=3118
+  _globals['_RANKPROGRESS']._serialized_end=1281
+  _globals['_RANKSTATUS']._serialized_start=1284
+  _globals['_RANKSTATUS']._serialized_end=1426
+  _globals['_AGENTEVENT']._serialized_start=1429
+  _globals['_AGENTEVENT']._serialized_end=1571
+  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_start=1526
+  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_end=1571
+  _globals['_CONTROLLERMESSAGE']._serialized_start=1574
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1732
+  _globals['_COMMAND']._serialized_start=1735
+  _globals['_COMMAND']._serialized_end=2032
+  _globals['_REQUESTCHECKPOINT']._serialized_start=2034
+  _globals['_REQUESTCHECKPOINT']._serialized_end=2142
+  _globals['_LAUNCHRANKS']._serialized_start=2145
+  _globals['_LAUNCHRANKS']._serialized_end=2355
+  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_start=2313
+  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_end=2355
+  _globals['_RANKLAUNCH']._serialized_start=2358
+  _globals['_RANKLAUNCH']._serialized_end=2507
+  _globals['_RANKLAUNCH_ENVENTRY']._serialized_start=2313
+  _globals['_RANKLAUNCH_ENVENTRY']._serialized_end=2355
+  _globals['_STOPRANKS']._serialized_start=2509
+  _globals['_STOPRANKS']._serialized_end=2570
+  _globals['_RESERVEPORT']._serialized_start=2572
+  _globals['_RESERVEPORT']._serialized_end=2585
+  _globals['_READLOG']._serialized_start=2587
+  _globals['_READLOG']._serialized_end=2658
+  _globals['_INJECTFAULT']._serialized_start=2660
+  _globals['_INJECTFAULT']._serialized_end=2707
+  _globals['_COMMANDRESULT']._serialized_start=2709
+  _globals['_COMMANDRESULT']._serialized_end=2822
+  _globals['_SESSIONACCEPTED']._serialized_start=2824
+  _globals['_SESSIONACCEPTED']._serialized_end=2862
+  _globals['_NODESTATUS']._serialized_start=2864
+  _globals['_NODESTATUS']._serialized_end=2976
+  _globals['_NODESERVICE']._serialized_start=2979
+  _globals['_NODESERVICE']._serialized_end=3135
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,155 @@
+"""Recovery of a running job, as one task per incident walking the transition table of recovery.py:
+checkpoint (predictable failures only) -> evict -> rendezvous (a spare first) -> restart.
+
+A mixin of JobManager: it uses the manager's store commits, commands and placement. Every step is
+an event; the generation goes up by one per restart, and anything the old generation still runs or
+says is fenced (stopped, ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from controller import recovery
+from controller.errors import FailedPrecondition
+from controller.placement import GangRequest, Unplaceable, place
+from controller.states import DOWN
+from phalanx import log
+from phalanx.v1 import common_pb2 as pb
+
+logger = log.get("recovery")
+
+RENDEZVOUS_RETRY_S = 1.0
+EVICT_MARGIN_S = 10.0  # beyond the stop grace: ranks on a lost node never report their end
+
+
+class RecoveryMixin:
+    async def _begin_recovery(self, entry, incident: recovery.Incident) -> None:
+        async with self._lock:
+            job = entry.job
+            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_RESTARTING) or (
+                    entry.recovering is not None and not entry.recovering.done()):
+                return
+            cfg = self.recovery_cfg
+            if job.restarts >= cfg.max_restarts:
+                await self._finish(entry, pb.JOB_STATE_FAILED, f"gave up after {job.restarts} restarts: "
+                                   f"{incident.reason}", incident.exit_code)
+                gave_up = True
+            else:
+                target = pb.JOB_STATE_CHECKPOINTING if incident.predictable else pb.JOB_STATE_EVICTING
+                new = self._moved(job, target, incident.reason, incident=incident.reason,
+                                  incident_predictable=incident.predictable)
+                what = "predictable: checkpoint first" if incident.predictable else "sudden: resume from the last " \
+                                                                                    "committed checkpoint"
+                await self._save(entry, new, self._event(
+                    "job.incident", f"{job.id} generation {job.generation}: {incident.kind}: {incident.reason} "
+                    f"({what})", job.id))
+                entry.recovering = asyncio.create_task(self._recover(entry, incident), name=f"recover-{job.id}")
+                gave_up = False
+        if gave_up:
+            await self._stop_everywhere(job, job.generation)
+
+    async def _recover(self, entry, incident: recovery.Incident) -> None:
+        try:
+            await self._recover_steps(entry, incident)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("recovery failed", job=entry.job.id)
+            async with self._lock:
+                if entry.job.state in (pb.JOB_STATE_CHECKPOINTING, pb.JOB_STATE_EVICTING, pb.JOB_STATE_RENDEZVOUS):
+                    await self._finish(entry, pb.JOB_STATE_FAILED, f"recovery failed: {e}", 1)
+
+    async def _recover_steps(self, entry, incident: recovery.Incident) -> None:
+        cfg = self.recovery_cfg
+        job = entry.job
+        generation = job.generation
+        if incident.predictable:
+            try:
+                step, seconds = await self._request_checkpoint(job, cfg.checkpoint_deadline_s, incident.reason)
+                note = f"every rank committed step {step} in {seconds:.2f}s"
+            except (TimeoutError, FailedPrecondition) as e:
+                note = f"checkpoint incomplete ({e}); resuming from the last committed one"
+            async with self._lock:
+                await self._save(entry, self._moved(entry.job, pb.JOB_STATE_EVICTING, note),
+                                 self._event("job.evicting", f"{job.id}: {note}; evicting "
+                                             f"{', '.join(incident.nodes) or 'nothing (restart in place)'}", job.id))
+        await self._evict(entry, incident, generation)
+        async with self._lock:
+            await self._save(entry, self._moved(entry.job, pb.JOB_STATE_RENDEZVOUS, "choosing the next generation's "
+                                                "nodes"),
+                             self._event("job.rendezvous", f"{job.id}: generation {generation} stopped; choosing "
+                                         "nodes for the next", job.id))
+        nodes, spares, how = await self._next_nodes(entry, incident)
+        delay = recovery.backoff(entry.job.restarts, cfg)
+        await asyncio.sleep(delay)
+        async with self._lock:
+            if entry.job.state != pb.JOB_STATE_RENDEZVOUS:
+                return
+            new = self._moved(entry.job, pb.JOB_STATE_RESTARTING, f"restarting on {', '.join(nodes)}",
+                              generation=generation + 1, restarts=entry.job.restarts + 1)
+            del new.nodes[:]
+            new.nodes.extend(nodes)
+            del new.spares[:]
+            new.spares.extend(spares)
+            new.evicted.extend(n for n in incident.nodes if n not in new.evicted)
+            del new.ranks[:]
+            new.ranks.extend(self._rank_table(new))
+            await self._save(entry, new, self._event(
+                "job.restarting", f"{job.id} generation {generation + 1} on {', '.join(nodes)} ({how}; restart "
+                f"{new.restarts} of at most {cfg.max_restarts}, after {delay:g}s)", job.id))
+            entry.missing.clear()
+            entry.tracks = {}
+        await self._launch(entry, generation + 1)
+
+    async def _evict(self, entry, incident: recovery.Incident, generation: int) -> None:
+        """Stop the generation's ranks everywhere, drain the bad nodes, wait until the ranks are gone."""
+        job = entry.job
+        await self._stop_everywhere(job, generation)
+        for node in incident.nodes:
+            try:
+                record = self._registry.get(node).record
+                if not record.drain_reason:
+                    await self._registry.drain(node, f"evicted from {job.id}: {incident.reason}")
+            except Exception as e:  # a node that vanished meanwhile needs no drain
+                logger.warning("could not drain an evicted node", node=node, error=str(e))
+        deadline = time.monotonic() + self.cfg.stop_grace_s + EVICT_MARGIN_S
+        while time.monotonic() < deadline:
+            nodes = self._registry.entries_by_name()
+            alive = [r for r in entry.job.ranks if r.state == pb.RANK_STATE_RUNNING
+                     and r.node in nodes and nodes[r.node].record.state is not DOWN]
+            if not alive:
+                return
+            await asyncio.sleep(0.2)
+        logger.warning("ranks still reported running after the stop; they will be fenced", job=job.id)
+
+    async def _next_nodes(self, entry, incident: recovery.Incident) -> tuple[list[str], list[str], str]:
+        """The next generation's nodes: the good ones kept in rank order, bad ones replaced by the job's
+        spares; failing that, a fresh placement; failing that, wait (the reason says for what)."""
+        while True:
+            job = entry.job
+            candidates = {c.name: c for c in self._candidates(exclude=job.id)}
+            usable = {n for n, c in candidates.items() if c.schedulable and c.free and
+                      c.gpus >= job.spec.ranks_per_node and n not in incident.nodes}
+            keep = [n for n in job.nodes if n in usable]
+            spares = [n for n in job.spares if n in usable and n not in keep]
+            missing = len(job.nodes) - len(keep)
+            if missing <= len(spares):
+                replacement = iter(spares[:missing])
+                nodes = [n if n in usable else next(replacement) for n in job.nodes]
+                used = set(nodes)
+                how = "same nodes" if not missing else f"spares {', '.join(n for n in nodes if n not in job.nodes)}"
+                return nodes, [s for s in job.spares if s not in used and s in usable], how
+            request = GangRequest(nodes=job.spec.nodes, ranks_per_node=job.spec.ranks_per_node,
+                                  spares=0, segment=job.spec.segment or None)
+            decision = place([c for n, c in candidates.items() if n not in incident.nodes], request,
+                             self._topology())
+            if not isinstance(decision, Unplaceable):
+                return list(decision.nodes), [], "a new placement (no spare left in the domain)"
+            async with self._lock:
+                reason = f"waiting for nodes: {decision.reason}"
+                if entry.job.reason != reason:
+                    await self._save(entry, self._copy(entry.job, reason=reason),
+                                     self._event("job.waiting", f"{job.id}: {reason}", job.id))
+            await asyncio.sleep(RENDEZVOUS_RETRY_S)

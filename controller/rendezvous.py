@@ -1,0 +1,488 @@
+"""torchrun's rendezvous in the controller: rounds of participants per run id.
+
+One participant per torchrun agent. A participant joins the open round of its run; the round forms
+when `max_nodes` have joined, or when `min_nodes` have joined and the last call has passed. Ranks
+follow a stable order: members of the previous round keep their relative order (so rank 0, which
+serves the round's store, stays put when it can), newcomers follow in join order.
+
+Each participant brings a fresh TCPStore of its own to every join, and the formed round hands out
+rank 0's. So no round ever sees keys of an earlier one (torchrun's relaunch broke on exactly that
+when a store was reused) and no step is needed after forming: a rank 0 that dies cannot leave the
+others waiting for an address it never published.
+
+`RendezvousBook` is the state: it reads no clock, does no I/O, and `decide(run, now)` says what
+time alone changes (timeouts, dropped participants, the last call). `RendezvousService` is the thin
+servicer: it reads the clock once per step and turns long waits into bounded server-side waits the
+client repeats, so no call outlives its deadline. The state is in memory: after a controller restart
+waiting agents re-join (their AwaitRound answers NOT_FOUND) and running groups carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from controller.errors import FailedPrecondition, InvalidArgument, NotFound
+from controller.rpc import unary
+from phalanx import log
+from phalanx.clock import Clock
+from phalanx.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+
+logger = log.get("rendezvous")
+
+LEASE_S = 15.0          # a waiting participant not heard from for this long is dropped from its round
+MAX_WAIT_S = 5.0        # the longest one AwaitRound may wait inside the server
+IDLE_RUN_TTL_S = 3600.0  # a run nobody mentions for this long is forgotten (its agents were killed)
+CLOSED_RUN_TTL_S = 60.0  # a run closed before anyone joined is kept this long, so latecomers see it
+MAX_RUNS = 10_000
+MAX_NODES = 100_000
+MAX_ID_CHARS = 256
+MAX_GONE = 1000         # remembered reasons for dropped participants, per run
+SWEEP_EVERY_S = 5.0
+
+
+class StaleParticipant(FailedPrecondition):
+    """A participant acts on a round it is not (or no longer) part of: it must join again."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    min_nodes: int
+    max_nodes: int
+    last_call_s: float
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    host: str
+    port: int
+
+    def to_proto(self) -> rendezvous_pb2.StoreAddress:
+        return rendezvous_pb2.StoreAddress(host=self.host, port=self.port)
+
+
+@dataclass
+class Participant:
+    id: str
+    store: StoreAddress
+    seq: int          # join order within the run
+    deadline: float   # the round must form by then (join timeout)
+    last_seen: float
+
+
+@dataclass
+class Round:
+    number: int
+    settings: Settings
+    waiting: dict[str, Participant] = field(default_factory=dict)
+    quorum_at: float | None = None  # when min_nodes was reached: the last call runs from here
+    ranks: list[Participant] = field(default_factory=list)  # by rank, once formed
+
+    def member_ids(self) -> set[str]:
+        return {p.id for p in self.ranks}
+
+
+class Outcome(enum.Enum):
+    WAITING = rendezvous_pb2.ROUND_OUTCOME_WAITING
+    FORMED = rendezvous_pb2.ROUND_OUTCOME_FORMED
+    TIMED_OUT = rendezvous_pb2.ROUND_OUTCOME_TIMED_OUT
+    CLOSED = rendezvous_pb2.ROUND_OUTCOME_CLOSED
+
+
+@dataclass(frozen=True)
+class Reply:
+    outcome: Outcome
+    round: int
+    rank: int = 0
+    world_size: int = 0
+    store: StoreAddress | None = None
+    joined: int = 0
+    message: str = ""
+
+    def to_proto(self) -> rendezvous_pb2.RoundReply:
+        return rendezvous_pb2.RoundReply(
+            outcome=self.outcome.value, round=self.round, rank=self.rank, world_size=self.world_size,
+            store=self.store.to_proto() if self.store else None, joined=self.joined, message=self.message)
+
+
+@dataclass
+class Run:
+    id: str
+    last_activity: float
+    closed: bool = False
+    formed: Round | None = None  # the round whose group runs now
+    open: Round | None = None    # the round collecting participants
+    last_number: int = 0
+    next_seq: int = 0
+    left: set[str] = field(default_factory=set)        # formed members that shut down
+    gone: dict[str, Drop] = field(default_factory=dict)  # dropped from the open round; told on their next poll
+
+    def present(self) -> set[str]:
+        waiting = set(self.open.waiting) if self.open else set()
+        return waiting | ((self.formed.member_ids() if self.formed else set()) - self.left)
+
+
+@dataclass(frozen=True)
+class Drop:
+    participant: str
+    round: int
+    reason: str
+    timed_out: bool  # True: the join timeout passed (a result); False: no keep-alive (a stale participant)
+
+
+@dataclass(frozen=True)
+class Form:
+    round: int
+
+
+Action = Drop | Form
+
+
+def decide(run: Run, now: float) -> list[Action]:
+    """What time alone changes in `run` at `now`: participants past their join timeout or lease leave
+    the open round, then the round forms if it is full, or has its quorum and the last call is over."""
+    rnd = run.open
+    if rnd is None or run.closed:
+        return []
+    actions: list[Action] = []
+    staying = 0
+    for p in rnd.waiting.values():
+        if now >= p.deadline:
+            actions.append(Drop(p.id, rnd.number, _timeout_message(run.id, rnd, p, now), timed_out=True))
+        elif now >= p.last_seen + LEASE_S:
+            actions.append(Drop(p.id, rnd.number, f"{p.id} was dropped from round {rnd.number} of rendezvous "
+                                f"{run.id!r}: not heard from for {LEASE_S:g}s; join again", timed_out=False))
+        else:
+            staying += 1
+    s = rnd.settings
+    last_call_over = rnd.quorum_at is not None and now >= rnd.quorum_at + s.last_call_s
+    if staying >= s.max_nodes or (staying >= s.min_nodes and last_call_over):
+        actions.append(Form(rnd.number))
+    return actions
+
+
+def _timeout_message(run_id: str, rnd: Round, p: Participant, now: float) -> str:
+    s = rnd.settings
+    return (f"round {rnd.number} of rendezvous {run_id!r} did not form within the join timeout: "
+            f"{len(rnd.waiting)} node(s) joined, it needs {s.min_nodes} (at most {s.max_nodes}); "
+            "start the missing nodes with the same --rdzv-id, or lower --nnodes")
+
+
+def rank_order(members: list[Participant], previous: Round | None) -> list[Participant]:
+    """Members of the previous round first, in their old rank order; newcomers after, in join order."""
+    before = {p.id: rank for rank, p in enumerate(previous.ranks)} if previous else {}
+    return sorted(members, key=lambda p: (before.get(p.id, len(before)), p.seq))
+
+
+class RendezvousBook:
+    """Every run id's rounds. Methods take `now`; `on_change(run_id)` wakes whoever waits on a run."""
+
+    def __init__(self, on_change: Callable[[str], None] = lambda run_id: None) -> None:
+        self._runs: dict[str, Run] = {}
+        self._on_change = on_change
+        self._last_sweep = float("-inf")
+
+    def get(self, run_id: str) -> Run | None:
+        return self._runs.get(run_id)
+
+    def _run(self, run_id: str, now: float, create: bool = False) -> Run:
+        self.sweep(now)
+        run = self._runs.get(run_id)
+        if run is None:
+            if not create:
+                raise NotFound(f"rendezvous {run_id!r} is not known here (the controller may have restarted); "
+                               "join again")
+            if len(self._runs) >= MAX_RUNS:
+                raise FailedPrecondition(f"the controller already holds {MAX_RUNS} rendezvous runs, its limit; "
+                                         "finish or close some first")
+            run = self._runs[run_id] = Run(run_id, last_activity=now)
+        return run
+
+    def advance(self, run: Run, now: float) -> list[Action]:
+        """Apply what `decide` says; one log line per decision."""
+        actions = decide(run, now)
+        rnd = run.open
+        for action in actions:
+            assert rnd is not None
+            if isinstance(action, Drop):
+                del rnd.waiting[action.participant]
+                run.gone[action.participant] = action
+                while len(run.gone) > MAX_GONE:
+                    run.gone.pop(next(iter(run.gone)))
+                logger.info("rendezvous participant dropped", run=run.id, round=rnd.number,
+                            participant=action.participant, why="join timeout" if action.timed_out else "no keep-alive")
+            else:
+                rnd.ranks = rank_order(list(rnd.waiting.values()), run.formed)
+                rnd.waiting.clear()
+                run.formed, run.open = rnd, None
+                run.left.clear()
+                logger.info("rendezvous round formed", run=run.id, round=rnd.number, world_size=len(rnd.ranks),
+                            rank0=rnd.ranks[0].id, store=f"{rnd.ranks[0].store.host}:{rnd.ranks[0].store.port}")
+        if rnd is not None and run.open is rnd:
+            _update_quorum(rnd, now)
+        if actions:
+            self._on_change(run.id)
+        return actions
+
+    def join(self, run_id: str, pid: str, settings: Settings, join_timeout_s: float, store: StoreAddress,
+             now: float) -> Reply:
+        run = self._run(run_id, now, create=True)
+        if run.closed:
+            return _closed(run)
+        run.last_activity = now
+        self.advance(run, now)
+        run.gone.pop(pid, None)
+        rnd = run.open
+        if rnd is None:
+            run.last_number += 1
+            rnd = run.open = Round(run.last_number, settings)
+            logger.info("rendezvous round opened", run=run_id, round=rnd.number, min_nodes=settings.min_nodes,
+                        max_nodes=settings.max_nodes, last_call_s=settings.last_call_s)
+        elif rnd.settings != settings:
+            have, want = rnd.settings, settings
+            raise FailedPrecondition(
+                f"round {rnd.number} of rendezvous {run_id!r} was opened with nnodes {have.min_nodes}:{have.max_nodes} "
+                f"and last_call_timeout {have.last_call_s:g}s, but {pid} asks for {want.min_nodes}:{want.max_nodes} "
+                f"and {want.last_call_s:g}s; give every node the same --nnodes and --rdzv-conf")
+        if pid in rnd.waiting:  # a retried Join: keep its place, take the newest store
+            rnd.waiting[pid].store = store
+            rnd.waiting[pid].last_seen = now
+        else:
+            rnd.waiting[pid] = Participant(pid, store, run.next_seq, now + join_timeout_s, now)
+            run.next_seq += 1
+            logger.info("rendezvous participant joined", run=run_id, round=rnd.number, participant=pid,
+                        joined=len(rnd.waiting))
+        _update_quorum(rnd, now)
+        self._on_change(run_id)
+        return self.poll(run_id, pid, rnd.number, now)
+
+    def poll(self, run_id: str, pid: str, number: int, now: float) -> Reply:
+        """Where `pid` stands in round `number`; a poll is also the participant's keep-alive."""
+        run = self._run(run_id, now)
+        run.last_activity = now
+        self.advance(run, now)
+        if run.closed:
+            return _closed(run)
+        formed = run.formed
+        if formed is not None and formed.number == number:
+            for rank, p in enumerate(formed.ranks):
+                if p.id == pid:
+                    return Reply(Outcome.FORMED, number, rank=rank, world_size=len(formed.ranks),
+                                 store=formed.ranks[0].store)
+        dropped = run.gone.get(pid)
+        if dropped is not None and dropped.round == number:
+            del run.gone[pid]
+            if dropped.timed_out:
+                return Reply(Outcome.TIMED_OUT, number, message=dropped.reason)
+            raise StaleParticipant(dropped.reason)
+        rnd = run.open
+        if rnd is not None and rnd.number == number and pid in rnd.waiting:
+            rnd.waiting[pid].last_seen = now
+            return Reply(Outcome.WAITING, number, joined=len(rnd.waiting))
+        if number == 0 or number > run.last_number:
+            raise NotFound(f"rendezvous {run_id!r} has no round {number} (the controller may have restarted); "
+                           "join again")
+        latest = f"round {formed.number} formed" if formed else "no round formed"
+        raise StaleParticipant(f"{pid} is not in round {number} of rendezvous {run_id!r} ({latest}, "
+                               f"{rnd.number if rnd else 'none'} open); a participant of an older round cannot take "
+                               "part in a newer one without joining again")
+
+    def num_waiting(self, run_id: str, pid: str, number: int, now: float) -> int:
+        """Nodes the caller's running group should restart for: everyone waiting in the next round when a
+        member of the running round re-joined (it restarted) or there is room to grow; 0 for spares
+        waiting on a full group. A caller from a superseded round gets at least 1, so it re-joins."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return 0  # forgotten, e.g. across a controller restart: nothing to say, keep running
+        run.last_activity = now
+        self.advance(run, now)
+        waiting = list(run.open.waiting) if run.open else []
+        formed = run.formed
+        if formed is None or number > formed.number:
+            return 0
+        if number < formed.number:
+            return max(1, len(waiting))
+        members = formed.member_ids()
+        if any(pid in members for pid in waiting) or len(members) < formed.settings.max_nodes:
+            return len(waiting)
+        return 0
+
+    def close(self, run_id: str, now: float) -> None:
+        self._close(self._run(run_id, now, create=True), now, by="SetClosed")
+
+    def _close(self, run: Run, now: float, by: str) -> None:
+        if not run.closed:
+            run.closed = True
+            run.last_activity = now
+            logger.info("rendezvous closed", run=run.id, by=by)
+            self._on_change(run.id)
+
+    def leave(self, run_id: str, pid: str, number: int, close: bool, now: float) -> None:
+        """torchrun's shutdown: the participant goes; a participant of another round leaves that one alone."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return
+        run.last_activity = now
+        if close:
+            self._close(run, now, by=pid)
+        if run.open is not None and run.open.number == number and run.open.waiting.pop(pid, None):
+            _update_quorum(run.open, now)
+        if run.formed is not None and run.formed.number == number and pid in run.formed.member_ids():
+            run.left.add(pid)
+        logger.info("rendezvous participant left", run=run_id, round=number, participant=pid, closed=run.closed)
+        self._on_change(run_id)
+        self._forget_if_finished(run, now)
+
+    def next_wakeup(self, run_id: str) -> float | None:
+        """The next moment at which `decide` may change this run: the earliest deadline in its open round."""
+        run = self._runs.get(run_id)
+        rnd = run.open if run else None
+        if rnd is None or run is None or run.closed:
+            return None
+        times = [t for p in rnd.waiting.values() for t in (p.deadline, p.last_seen + LEASE_S)]
+        if rnd.quorum_at is not None:
+            times.append(rnd.quorum_at + rnd.settings.last_call_s)
+        return min(times, default=None)
+
+    def sweep(self, now: float) -> None:
+        """Forget finished and abandoned runs, so run ids (torchrun's default is "none") can be reused."""
+        if now - self._last_sweep < SWEEP_EVERY_S:
+            return
+        self._last_sweep = now
+        for run in list(self._runs.values()):
+            self._forget_if_finished(run, now)
+
+    def _forget_if_finished(self, run: Run, now: float) -> None:
+        idle = now - run.last_activity
+        if run.present():
+            finished = idle >= IDLE_RUN_TTL_S
+        elif run.closed and run.formed is None and run.open is None:
+            finished = idle >= CLOSED_RUN_TTL_S  # closed by hand before anyone came: keep it for latecomers
+        else:
+            finished = True  # everyone left
+        if finished:
+            del self._runs[run.id]
+            logger.info("rendezvous forgotten", run=run.id, idle_s=round(idle, 1), closed=run.closed)
+            self._on_change(run.id)
+
+
+def _update_quorum(rnd: Round, now: float) -> None:
+    if len(rnd.waiting) < rnd.settings.min_nodes:
+        rnd.quorum_at = None
+    elif rnd.quorum_at is None:
+        rnd.quorum_at = now
+
+
+def _closed(run: Run) -> Reply:
+    return Reply(Outcome.CLOSED, run.open.number if run.open else run.last_number,
+                 message=f"rendezvous {run.id!r} is closed (a node finished or shut down); use a new --rdzv-id "
+                         "to start another job")
+
+
+# --- the servicer: validate, call the book, pack ---------------------------------------------------------------
+
+def _text(value: str, field_name: str, hint: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{field_name} is empty; {hint}")
+    if len(value) > MAX_ID_CHARS or not value.isprintable() or any(c.isspace() for c in value):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise InvalidArgument(f"{field_name} {shown!r} must be 1-{MAX_ID_CHARS} printable characters without spaces")
+    return value
+
+
+def _seconds(value: float, field_name: str, low: float, high: float) -> float:
+    if not low <= value <= high:  # also false for NaN
+        raise InvalidArgument(f"{field_name} ({value:g}s) must be between {low:g}s and {high:g}s")
+    return value
+
+
+def _settings(s: rendezvous_pb2.RoundSettings) -> Settings:
+    if s.min_nodes < 1:
+        raise InvalidArgument(f"settings.min_nodes ({s.min_nodes}) must be at least 1")
+    if s.min_nodes > s.max_nodes:
+        raise InvalidArgument(f"settings.min_nodes ({s.min_nodes}) must not be larger than max_nodes ({s.max_nodes})")
+    if s.max_nodes > MAX_NODES:
+        raise InvalidArgument(f"settings.max_nodes ({s.max_nodes}) is more than {MAX_NODES}")
+    return Settings(s.min_nodes, s.max_nodes, _seconds(s.last_call_s, "settings.last_call_s", 0, 3600))
+
+
+def _store(s: rendezvous_pb2.StoreAddress) -> StoreAddress:
+    host = _text(s.host, "store.host", "give the address other nodes reach this node's TCPStore at")
+    if not 1 <= s.port <= 65535:
+        raise InvalidArgument(f"store.port ({s.port}) must be between 1 and 65535")
+    return StoreAddress(host, s.port)
+
+
+class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._events: dict[str, asyncio.Event] = {}
+        self.book = RendezvousBook(on_change=self._wake)
+
+    def _wake(self, run_id: str) -> None:
+        event = self._events.pop(run_id, None)
+        if event is not None:
+            event.set()
+
+    @unary
+    async def Join(self, request: rendezvous_pb2.JoinRequest, context) -> rendezvous_pb2.RoundReply:
+        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        pid = _text(request.participant_id, "participant_id", "give a name unique to this torchrun agent")
+        settings = _settings(request.settings)
+        join_timeout = _seconds(request.join_timeout_s, "join_timeout_s", 0.001, 7 * 86400)
+        store = _store(request.store)
+        return self.book.join(run_id, pid, settings, join_timeout, store, self._clock.monotonic()).to_proto()
+
+    @unary
+    async def AwaitRound(self, request: rendezvous_pb2.AwaitRoundRequest, context) -> rendezvous_pb2.RoundReply:
+        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
+        wait_s = _seconds(request.wait_s, "wait_s", 0, MAX_WAIT_S)
+        start = self._clock.monotonic()
+        while True:
+            event = self._events.setdefault(run_id, asyncio.Event())  # before reading, so no change falls between
+            now = self._clock.monotonic()
+            reply = self.book.poll(run_id, pid, request.round, now)
+            left = start + wait_s - now
+            if reply.outcome is not Outcome.WAITING or left <= 0:
+                return reply.to_proto()
+            wakeup = self.book.next_wakeup(run_id)
+            timeout = left if wakeup is None else min(left, max(0.0, wakeup - now) + 0.001)
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    @unary
+    async def NumNodesWaiting(self, request: rendezvous_pb2.NumNodesWaitingRequest,
+                              context) -> rendezvous_pb2.NumNodesWaitingReply:
+        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
+        waiting = self.book.num_waiting(run_id, pid, request.round, self._clock.monotonic())
+        return rendezvous_pb2.NumNodesWaitingReply(waiting=waiting)
+
+    @unary
+    async def SetClosed(self, request: rendezvous_pb2.SetClosedRequest, context) -> rendezvous_pb2.SetClosedReply:
+        self.book.close(_text(request.run_id, "run_id", "pass --rdzv-id"), self._clock.monotonic())
+        return rendezvous_pb2.SetClosedReply()
+
+    @unary
+    async def GetRun(self, request: rendezvous_pb2.GetRunRequest, context) -> rendezvous_pb2.RunStatus:
+        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        self.book.sweep(self._clock.monotonic())
+        run = self.book.get(run_id)
+        if run is None:
+            raise NotFound(f"rendezvous {run_id!r} is not known here (never joined, or finished and forgotten)")
+        return rendezvous_pb2.RunStatus(
+            run_id=run.id, closed=run.closed, formed_round=run.formed.number if run.formed else 0,
+            world_size=len(run.formed.ranks) if run.formed else 0, open_round=run.open.number if run.open else 0,
+            waiting=len(run.open.waiting) if run.open else 0)
+
+    @unary
+    async def Leave(self, request: rendezvous_pb2.LeaveRequest, context) -> rendezvous_pb2.LeaveReply:
+        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
+        self.book.leave(run_id, pid, request.round, request.close_run, self._clock.monotonic())
+        return rendezvous_pb2.LeaveReply()
