@@ -32,6 +32,7 @@ class _Progress:
     step_s: float = 0.0
     compute_s: float = 0.0
     last_unix_ns: int = 0
+    reports: int = 0
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
 
@@ -45,13 +46,14 @@ class LocalState:
     def drain(self) -> list[node_pb2.RankProgress]:
         out = []
         for (job, generation, rank), p in sorted(self.progress.items()):
-            if not p.steps:
+            if not p.reports:
                 continue
             out.append(node_pb2.RankProgress(job=job, generation=generation, rank=rank, last_step=p.last_step,
-                                             steps=p.steps, mean_step_s=p.step_s / p.steps,
-                                             mean_compute_s=p.compute_s / p.steps, last_step_unix_ns=p.last_unix_ns,
-                                             compute_samples=p.samples))
-            p.steps, p.step_s, p.compute_s = 0, 0.0, 0.0
+                                             steps=p.steps, mean_step_s=p.step_s / p.steps if p.steps else 0.0,
+                                             mean_compute_s=p.compute_s / p.steps if p.steps else 0.0,
+                                             last_step_unix_ns=p.last_unix_ns,
+                                             compute_samples=p.samples, reports=p.reports))
+            p.steps, p.step_s, p.compute_s, p.reports = 0, 0.0, 0.0, 0
             p.samples.clear()
         return out
 
@@ -66,6 +68,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
         p = self._state.progress.setdefault(key, _Progress())
+        p.reports += 1
         for sample in request.steps:
             p.steps += 1
             p.step_s += sample.step_s
