@@ -84,7 +84,8 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         pending = self._state.requests.get(request.job)
         if pending is not None and pending.generation == request.generation:
             reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(id=pending.request_id, deadline_s=pending.deadline_s,
-                                                                  reason=pending.reason))
+                                                                  reason=pending.reason, pause=pending.pause,
+                                                                  at_step=pending.at_step))
         return reply
 
     async def CheckpointDone(self, request: local_pb2.CheckpointDoneRequest, context) -> local_pb2.CheckpointDoneReply:

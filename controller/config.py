@@ -87,6 +87,8 @@ class RecoveryConfig:
     startup_s: float = setting(180.0, "seconds a rank may take to its first step before it counts as hung")
     straggler_ratio: float = setting(1.05, "compute time against the other ranks' median counted as slow (a "
                                      "10% slower rank is found; healthy noise is not)")
+    straggler_min_delta_s: float = setting(0.002, "... and at least this many seconds slower per step (tiny "
+                                           "computes are all noise)")
     straggler_window: int = setting(30, "steps a straggler verdict looks at")
     straggler_min_samples: int = setting(10, "steps per rank needed before any straggler verdict")
     straggler_share: float = setting(0.6, "share of the window's steps that must be slow")

@@ -67,7 +67,8 @@ class RecoveryMixin:
         generation = job.generation
         if incident.predictable:
             try:
-                step, seconds = await self._request_checkpoint(job, cfg.checkpoint_deadline_s, incident.reason)
+                step, seconds = await self._request_checkpoint(entry, cfg.checkpoint_deadline_s, incident.reason,
+                                                               pause=True)
                 note = f"every rank committed step {step} in {seconds:.2f}s"
             except (TimeoutError, FailedPrecondition) as e:
                 note = f"checkpoint incomplete ({e}); resuming from the last committed one"

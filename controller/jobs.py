@@ -9,6 +9,7 @@ generation on their node are told to stop (fencing): a rank from an old generati
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,20 @@ TERMINAL = frozenset({pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_
 FAILED_HEALTH = health_policy.FAILED
 MISSING_REPORTS_LOST = 5  # heartbeats in a row without news of a rank before it counts as lost
 FENCE_REPEAT_S = 10.0
+
+
+REQUEST_LATENCY_S = 3.0  # controller -> agent -> trainlib's next report, with room to spare
+
+
+def checkpoint_step(tracks: dict[int, monitors.RankTrack]) -> int:
+    """The step after which every rank should save: far enough ahead that the request reaches every
+    rank before it gets there, so all ranks save the same step. 0 (at once) without progress reports."""
+    if not tracks:
+        return 0
+    latest = max(t.last_step for t in tracks.values())
+    steps = sorted(s for t in tracks.values() for s in t.step_s)
+    step_s = steps[len(steps) // 2] if steps else 1.0
+    return max(latest, 0) + math.ceil(REQUEST_LATENCY_S / max(step_s, 1e-3)) + 2
 
 
 def peer_host(peer: str) -> str:
@@ -167,9 +182,12 @@ class JobManager(RecoveryMixin):
         job = self.get(job_id)
         if job.state != pb.JOB_STATE_RUNNING:
             raise FailedPrecondition(f"{job_id} is {state_name(job.state)}; only a running job can checkpoint")
-        return await self._request_checkpoint(job, deadline_s, "requested")
+        return await self._request_checkpoint(self._jobs[job_id], deadline_s, "requested")
 
-    async def _request_checkpoint(self, job: pb.Job, deadline_s: float, reason: str) -> tuple[int, float]:
+    async def _request_checkpoint(self, entry: JobEntry, deadline_s: float, reason: str,
+                                  pause: bool = False) -> tuple[int, float]:
+        job = entry.job
+        at_step = checkpoint_step(entry.tracks)
         self._checkpoint_ids += 1
         request_id = self._checkpoint_ids
         pending = _PendingCheckpoint(job.id, job.generation, len(job.ranks),
@@ -178,10 +196,11 @@ class JobManager(RecoveryMixin):
         started = time.monotonic()
         try:
             await self._log(self._event("job.checkpoint", f"{job.id}: checkpoint {request_id} requested from "
-                                        f"{len(job.ranks)} ranks (deadline {deadline_s:g}s): {reason}", job.id))
+                                        f"{len(job.ranks)} ranks after step {at_step} (deadline {deadline_s:g}s): "
+                                        f"{reason}", job.id))
             command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
                 job=job.id, generation=job.generation, request_id=request_id, deadline_s=deadline_s,
-                reason=reason))
+                reason=reason, pause=pause, at_step=at_step))
             await asyncio.gather(*(self._session(self._registry.get(n)).request(command) for n in job.nodes))
             try:
                 step = await asyncio.wait_for(asyncio.shield(pending.future), deadline_s)

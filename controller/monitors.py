@@ -84,7 +84,9 @@ def stragglers(tracks: dict[int, RankTrack], cfg: RecoveryConfig) -> list[Findin
             continue
         ratios = [c / baseline for c in mine]
         slow = sum(r >= cfg.straggler_ratio for r in ratios)
-        if slow >= cfg.straggler_share * len(ratios) and statistics.median(ratios) >= cfg.straggler_ratio:
+        lag = statistics.median(mine) - baseline
+        if slow >= cfg.straggler_share * len(ratios) and statistics.median(ratios) >= cfg.straggler_ratio and (
+                lag >= cfg.straggler_min_delta_s):
             out.append(Finding(rank, "straggler", f"rank {rank} computes {statistics.median(ratios):.2f}x slower "
                                                   f"than the others' median ({slow} of the last {len(ratios)} "
                                                   f"steps >= {cfg.straggler_ratio:g}x)"))

@@ -68,6 +68,7 @@ class Participant:
     id: str
     store: StoreAddress
     seq: int          # join order within the run
+    attempt: int      # the participant's count of joins: tells a retried Join from a new one
     deadline: float   # the round must form by then (join timeout)
     last_seen: float
 
@@ -226,13 +227,16 @@ class RendezvousBook:
             self._on_change(run.id)
         return actions
 
-    def join(self, run_id: str, pid: str, settings: Settings, join_timeout_s: float, store: StoreAddress,
-             now: float) -> Reply:
+    def join(self, run_id: str, pid: str, attempt: int, settings: Settings, join_timeout_s: float,
+             store: StoreAddress, now: float) -> Reply:
         run = self._run(run_id, now, create=True)
         if run.closed:
             return _closed(run)
         run.last_activity = now
         self.advance(run, now)
+        formed = run.formed
+        if formed is not None and any(p.id == pid and p.attempt == attempt for p in formed.ranks):
+            return self.poll(run_id, pid, formed.number, now)  # a retry of the Join that formed it: same answer
         run.gone.pop(pid, None)
         rnd = run.open
         if rnd is None:
@@ -247,10 +251,10 @@ class RendezvousBook:
                 f"and last_call_timeout {have.last_call_s:g}s, but {pid} asks for {want.min_nodes}:{want.max_nodes} "
                 f"and {want.last_call_s:g}s; give every node the same --nnodes and --rdzv-conf")
         if pid in rnd.waiting:  # a retried Join: keep its place, take the newest store
-            rnd.waiting[pid].store = store
-            rnd.waiting[pid].last_seen = now
+            p = rnd.waiting[pid]
+            p.store, p.attempt, p.last_seen = store, attempt, now
         else:
-            rnd.waiting[pid] = Participant(pid, store, run.next_seq, now + join_timeout_s, now)
+            rnd.waiting[pid] = Participant(pid, store, run.next_seq, attempt, now + join_timeout_s, now)
             run.next_seq += 1
             logger.info("rendezvous participant joined", run=run_id, round=rnd.number, participant=pid,
                         joined=len(rnd.waiting))
@@ -433,7 +437,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         settings = _settings(request.settings)
         join_timeout = _seconds(request.join_timeout_s, "join_timeout_s", 0.001, 7 * 86400)
         store = _store(request.store)
-        return self.book.join(run_id, pid, settings, join_timeout, store, self._clock.monotonic()).to_proto()
+        reply = self.book.join(run_id, pid, request.attempt, settings, join_timeout, store, self._clock.monotonic())
+        return reply.to_proto()
 
     @unary
     async def AwaitRound(self, request: rendezvous_pb2.AwaitRoundRequest, context) -> rendezvous_pb2.RoundReply:

@@ -27,7 +27,9 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of 'compute' per step")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of idle time per step")
+    parser.add_argument("--work", type=int, default=0, help="extra CPU work per step (matmuls of 256x256, ~0.3 ms "
+                        "each): compute that a slowed-down (duty-cycled) rank really takes longer for")
     parser.add_argument("--every", type=int, default=0, help="also checkpoint every N steps (0 = only on request)")
     parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
     args = parser.parse_args()
@@ -35,9 +37,11 @@ def main() -> int:
     ctx = trainlib.init()  # before init_process_group: it sets the NCCL watchdog defaults
     if ctx.world_size > 1:
         dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)  # ranks share the machine's cores; one thread each keeps them from fighting
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scratch = torch.ones(256, 256)
     first = 0
     loaded = trainlib.load_latest()
     if loaded is not None:
@@ -52,6 +56,8 @@ def main() -> int:
         loss.backward()
         if args.step_time:
             time.sleep(args.step_time)
+        for _ in range(args.work):
+            torch.mm(scratch, scratch)
         trainlib.compute_done()
         if ctx.world_size > 1:
             for p in model.parameters():

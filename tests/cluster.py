@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -97,7 +98,13 @@ class Cluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def close(self) -> None:
+        """Kill everything: the daemons, and any rank still running (ranks live in sessions of their own)."""
         self._channel.close()
+        for record in self.root.glob("*/state/ranks/*.json"):
+            try:
+                os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
+            except (OSError, ValueError, KeyError):
+                pass
         for proc in self.procs.values():
             if proc.poll() is None:
                 try:

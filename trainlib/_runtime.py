@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 REPORT_INTERVAL_S = 0.5
+EVICTION_WAIT_S = 120.0
 RPC_TIMEOUT_S = 2.0  # a report that cannot reach the agent in this time is dropped, not retried
 
 # NCCL watchdog defaults (REFERENCE.md), set unless the user already set them. Phalanx finds hung
@@ -61,6 +62,9 @@ _compute_mark = 0.0
 _steps_seen = 0
 _requested = False
 _request_id = 0
+_pause_after = False  # the pending request precedes an eviction: stop stepping once committed
+_at_step = 0  # the pending request is for the end of this step (every rank saves the same one)
+_last_step = -1
 _handled: set[int] = set()
 _callback: Callable[[int], None] | None = None
 _checkpointer: Any = None
@@ -102,10 +106,11 @@ def init() -> Context:
 
 def step(number: int | None = None) -> None:
     """Mark the end of a training step. Cheap enough for every step: no lock, no allocation, no system call."""
-    global _last_end, _compute_mark, _steps_seen, _head
+    global _last_end, _compute_mark, _steps_seen, _head, _last_step
     now = time.perf_counter()
     slot = _head % RING
-    _ring_step[slot] = _steps_seen if number is None else number
+    _last_step = _steps_seen if number is None else number
+    _ring_step[slot] = _last_step
     _ring_step_s[slot] = now - _last_end
     _ring_compute_s[slot] = _compute_mark - _last_end if _compute_mark > _last_end else 0.0
     _ring_end_ns[slot] = time.time_ns()
@@ -121,8 +126,9 @@ def compute_done() -> None:
 
 
 def checkpoint_requested() -> bool:
-    """True when Phalanx (or SIGUSR1) asked this rank to checkpoint and it has not yet saved."""
-    return _requested
+    """True when Phalanx (or SIGUSR1) asked this rank to checkpoint, the step it named is done, and the
+    rank has not saved since."""
+    return _requested and (_at_step == 0 or _last_step >= _at_step)
 
 
 def on_checkpoint_request(callback: Callable[[int], None]) -> None:
@@ -131,9 +137,9 @@ def on_checkpoint_request(callback: Callable[[int], None]) -> None:
     _callback = callback
 
 
-def _request(request_id: int) -> None:
-    global _requested, _request_id
-    _requested, _request_id = True, request_id
+def _request(request_id: int, pause: bool = False, at_step: int = 0) -> None:
+    global _requested, _request_id, _pause_after, _at_step
+    _requested, _request_id, _pause_after, _at_step = True, request_id, pause, at_step
     if _callback is not None:
         _callback(request_id)
 
@@ -166,12 +172,24 @@ def save(state: dict, step_number: int) -> Any:
     global _requested
     result = _checkpoint().save(state, step_number)
     if _requested:
-        request_id = _request_id
+        request_id, pause = _request_id, _pause_after
         _requested = False
         if request_id:
             _handled.add(request_id)
         _send_done(request_id, step_number)
+        if pause:
+            _wait_for_eviction(step_number)
     return result
+
+
+def _wait_for_eviction(step_number: int) -> None:
+    """Phalanx checkpointed this rank to evict it: take no further step (none would be kept) and wait for
+    the stop. If no stop comes (the eviction was called off), carry on after the deadline."""
+    print(f"trainlib: step {step_number} committed; waiting to be stopped for an eviction", file=sys.stderr,
+          flush=True)
+    deadline = time.monotonic() + EVICTION_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def load_latest(map_location: str = "cpu") -> Any:
@@ -209,7 +227,7 @@ def _flush() -> None:
                                                     steps=batch, pid=os.getpid()), timeout=RPC_TIMEOUT_S)
     request = reply.checkpoint
     if request.id and request.id not in _handled and (not _requested or _request_id != request.id):
-        _request(request.id)
+        _request(request.id, request.pause, request.at_step)
 
 
 def _flush_at_exit() -> None:

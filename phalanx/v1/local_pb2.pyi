@@ -33,14 +33,18 @@ class ReportRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("id", "deadline_s", "reason")
+    __slots__ = ("id", "deadline_s", "reason", "pause", "at_step")
     ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
     id: int
     deadline_s: float
     reason: str
-    def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    pause: bool
+    at_step: int
+    def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("checkpoint", "stale")

@@ -177,18 +177,22 @@ class Command(_message.Message):
     def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ...) -> None: ...
 
 class RequestCheckpoint(_message.Message):
-    __slots__ = ("job", "generation", "request_id", "deadline_s", "reason")
+    __slots__ = ("job", "generation", "request_id", "deadline_s", "reason", "pause", "at_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     request_id: int
     deadline_s: float
     reason: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., request_id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    pause: bool
+    at_step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., request_id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ...) -> None: ...
 
 class LaunchRanks(_message.Message):
     __slots__ = ("job", "generation", "command", "env", "workdir", "ranks")

@@ -38,18 +38,20 @@ class RoundSettings(_message.Message):
     def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_call_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "participant_id", "settings", "join_timeout_s", "store")
+    __slots__ = ("run_id", "participant_id", "settings", "join_timeout_s", "store", "attempt")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANT_ID_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     participant_id: str
     settings: RoundSettings
     join_timeout_s: float
     store: StoreAddress
-    def __init__(self, run_id: _Optional[str] = ..., participant_id: _Optional[str] = ..., settings: _Optional[_Union[RoundSettings, _Mapping]] = ..., join_timeout_s: _Optional[float] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, run_id: _Optional[str] = ..., participant_id: _Optional[str] = ..., settings: _Optional[_Union[RoundSettings, _Mapping]] = ..., join_timeout_s: _Optional[float] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class AwaitRoundRequest(_message.Message):
     __slots__ = ("run_id", "participant_id", "round", "wait_s")

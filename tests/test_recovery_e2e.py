@@ -1,0 +1,136 @@
+"""Recovery end to end: a real torch (gloo, CPU) job on a 4-node local cluster, a fault, and a final
+model that must equal an uninterrupted run's.
+
+Each test runs examples/train_phalanx.py on 2 nodes x 1 rank with 1 spare, injects one fault on a
+node of the job, and checks what happened (events, generation, restarts) and the final checksum.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
+NODES = ["node-a", "node-b", "node-c", "node-d"]
+STEPS = 120
+
+
+def phalanx(cluster, *args, timeout=300):
+    env = {**os.environ, "PHALANX_CONTROLLER": cluster.address}
+    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def job(cluster, job_id):
+    return json.loads(phalanx(cluster, "job", job_id, "--json").stdout)
+
+
+def events(cluster, job_id):
+    return json.loads(phalanx(cluster, "events", "--job", job_id, "--json").stdout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The checksum of the same training run, uninterrupted, as 2 ranks on loopback (torch's own launch)."""
+    out = tmp_path_factory.mktemp("reference") / "checksum.txt"
+    from phalanx.cli.local import free_port
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, TRAIN, "--steps", str(STEPS), "--out", str(out)], env=env,
+                                      cwd=out.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+    return out.read_text().strip()
+
+
+@pytest.fixture
+def cluster4(cluster):
+    cluster.start_controller("[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n"
+                             "checkpoint_deadline_s = 20.0\nhang_min_s = 4.0\n")
+    for name in NODES:
+        cluster.start_agent(name, gpus=2)
+    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    return cluster
+
+
+def start(cluster, tmp_path, *load, every="20"):
+    out = tmp_path / "checksum.txt"
+    result = phalanx(cluster, "submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--", sys.executable, TRAIN, "--steps", str(STEPS), *(load or ("--step-time", "0.05")),
+                     "--every", every, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip()
+    cluster.wait_for(lambda: job(cluster, job_id)["state"] == "RUNNING", "job running")
+    cluster.wait_for(lambda: "step 20 loss" in phalanx(cluster, "logs", job_id).stdout, "training under way")
+    return job_id, out
+
+
+def finish(cluster, job_id, out, reference):
+    waited = phalanx(cluster, "wait", job_id)
+    assert waited.returncode == 0, waited.stderr + json.dumps(events(cluster, job_id), indent=1)
+    j = job(cluster, job_id)
+    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster, job_id))
+    assert (j["state"], j["generation"], j["restarts"]) == ("SUCCEEDED", 2, 1), story
+    assert out.read_text().strip() == reference  # the same model as the uninterrupted run
+    return j
+
+
+def test_a_failing_gpu_is_checkpointed_then_evicted_with_no_step_lost(cluster4, tmp_path, reference):
+    job_id, out = start(cluster4, tmp_path)
+    victim = job(cluster4, job_id)["nodes"][1]
+    assert phalanx(cluster4, "inject", victim, "--gpu", "0", "remap-pending").returncode == 0
+    j = finish(cluster4, job_id, out, reference)
+    assert victim in j["evicted"] and victim not in j["nodes"]
+    kinds = [e["kind"] for e in events(cluster4, job_id)]
+    assert kinds.index("job.incident") < kinds.index("job.checkpointed") < kinds.index("job.evicting") \
+        < kinds.index("job.rendezvous") < kinds.index("job.restarting")
+    committed = next(e for e in events(cluster4, job_id) if e["kind"] == "job.checkpointed")["message"]
+    step = int(committed.split("committed step ")[1].split()[0])
+    logs = phalanx(cluster4, "logs", job_id).stdout
+    assert f"resumed from step {step} (generation 2)" in logs  # zero lost: generation 1 stopped right there
+    assert "CHECKPOINTING" in j["seconds_in_state"] and "EVICTING" in j["seconds_in_state"]
+
+
+def test_an_xid_79_resumes_from_the_last_periodic_checkpoint(cluster4, tmp_path, reference):
+    job_id, out = start(cluster4, tmp_path)
+    victim = job(cluster4, job_id)["nodes"][0]
+    assert phalanx(cluster4, "inject", victim, "--gpu", "0", "xid=79").returncode == 0
+    j = finish(cluster4, job_id, out, reference)
+    assert victim in j["evicted"]
+    kinds = [e["kind"] for e in events(cluster4, job_id)]
+    assert "job.checkpointed" not in kinds  # sudden: nothing to save, resume from the last committed step
+    assert "resumed from step" in phalanx(cluster4, "logs", job_id).stdout
+
+
+def test_a_straggler_is_found_checkpointed_and_replaced(cluster4, tmp_path, reference):
+    job_id, out = start(cluster4, tmp_path, "--work", "400")  # CPU-bound steps: SIGSTOP really slows them
+    victim = job(cluster4, job_id)["nodes"][1]
+    assert phalanx(cluster4, "inject", victim, "--gpu", "0", "slow=0.3").returncode == 0
+    j = finish(cluster4, job_id, out, reference)
+    incident = next(e for e in events(cluster4, job_id) if e["kind"] == "job.incident")["message"]
+    assert "straggler" in incident and victim in j["evicted"]
+
+
+def test_a_hung_rank_is_found_and_restarted(cluster4, tmp_path, reference):
+    job_id, out = start(cluster4, tmp_path)
+    victim = job(cluster4, job_id)["nodes"][1]
+    assert phalanx(cluster4, "inject", victim, "--gpu", "0", "hang").returncode == 0
+    j = finish(cluster4, job_id, out, reference)
+    incident = next(e for e in events(cluster4, job_id) if e["kind"] == "job.incident")["message"]
+    assert "hang" in incident and victim in j["evicted"]
+
+
+def test_a_killed_agent_is_a_lost_node_and_the_job_restarts(cluster4, tmp_path, reference):
+    job_id, out = start(cluster4, tmp_path)
+    victim = job(cluster4, job_id)["nodes"][1]
+    cluster4.kill(victim, signal.SIGKILL)
+    j = finish(cluster4, job_id, out, reference)
+    incident = next(e for e in events(cluster4, job_id) if e["kind"] == "job.incident")["message"]
+    assert "node-lost" in incident and victim in j["evicted"]
