@@ -151,7 +151,7 @@ def decide(run: Run, now: float) -> list[Action]:
     staying = 0
     for p in rnd.waiting.values():
         if now >= p.deadline:
-            actions.append(Drop(p.id, rnd.number, _timeout_message(run.id, rnd, p, now), timed_out=True))
+            actions.append(Drop(p.id, rnd.number, _timeout_message(run.id, rnd), timed_out=True))
         elif now >= p.last_seen + LEASE_S:
             actions.append(Drop(p.id, rnd.number, f"{p.id} was dropped from round {rnd.number} of rendezvous "
                                 f"{run.id!r}: not heard from for {LEASE_S:g}s; join again", timed_out=False))
@@ -164,7 +164,7 @@ def decide(run: Run, now: float) -> list[Action]:
     return actions
 
 
-def _timeout_message(run_id: str, rnd: Round, p: Participant, now: float) -> str:
+def _timeout_message(run_id: str, rnd: Round) -> str:
     s = rnd.settings
     return (f"round {rnd.number} of rendezvous {run_id!r} did not form within the join timeout: "
             f"{len(rnd.waiting)} node(s) joined, it needs {s.min_nodes} (at most {s.max_nodes}); "
@@ -309,7 +309,7 @@ class RendezvousBook:
         if number < formed.number:
             return max(1, len(waiting))
         members = formed.member_ids()
-        if any(pid in members for pid in waiting) or len(members) < formed.settings.max_nodes:
+        if any(w in members for w in waiting) or len(members) < formed.settings.max_nodes:
             return len(waiting)
         return 0
 
@@ -447,12 +447,13 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         wait_s = _seconds(request.wait_s, "wait_s", 0, MAX_WAIT_S)
         start = self._clock.monotonic()
         while True:
-            event = self._events.setdefault(run_id, asyncio.Event())  # before reading, so no change falls between
             now = self._clock.monotonic()
             reply = self.book.poll(run_id, pid, request.round, now)
             left = start + wait_s - now
             if reply.outcome is not Outcome.WAITING or left <= 0:
                 return reply.to_proto()
+            # No await between the poll and here, so no change can slip in before we wait on the event.
+            event = self._events.setdefault(run_id, asyncio.Event())
             wakeup = self.book.next_wakeup(run_id)
             timeout = left if wakeup is None else min(left, max(0.0, wakeup - now) + 0.001)
             try:

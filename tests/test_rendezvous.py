@@ -1,0 +1,285 @@
+"""torchrun's rendezvous rounds in the controller, under a fake clock (no sleeps, no sockets)."""
+
+import pytest
+
+from controller.errors import FailedPrecondition, NotFound
+from controller.rendezvous import (
+    CLOSED_RUN_TTL_S,
+    IDLE_RUN_TTL_S,
+    LEASE_S,
+    SWEEP_EVERY_S,
+    Drop,
+    Form,
+    Outcome,
+    RendezvousBook,
+    Settings,
+    StaleParticipant,
+    StoreAddress,
+    decide,
+)
+from phalanx.clock import FakeClock
+
+RUN = "job"
+TWO = Settings(min_nodes=2, max_nodes=2, last_call_s=2.0)
+
+
+class Nodes:
+    """A book and a fake clock, with one-line helpers for participants A, B, C..."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.changed: list[str] = []
+        self.book = RendezvousBook(on_change=self.changed.append)
+        self.attempts: dict[str, int] = {}
+
+    def join(self, pid, settings=TWO, timeout=600.0, run=RUN, retry=False):
+        """A new join (torchrun's next_rendezvous), or with `retry` the same Join sent again."""
+        self.attempts[pid] = self.attempts.get(pid, 0) + (0 if retry else 1)
+        return self.book.join(run, pid, self.attempts[pid], settings, timeout, store(pid), self.clock.monotonic())
+
+    def poll(self, pid, number, run=RUN):
+        return self.book.poll(run, pid, number, self.clock.monotonic())
+
+    def waiting(self, pid, number, run=RUN):
+        return self.book.num_waiting(run, pid, number, self.clock.monotonic())
+
+    def form(self, *pids, settings=TWO):
+        """Join everyone and return {pid: rank} of the round they form."""
+        replies = [self.join(pid, settings) for pid in pids]
+        self.clock.advance(settings.last_call_s)
+        replies = [self.poll(pid, r.round) for pid, r in zip(pids, replies, strict=True)]
+        assert {r.outcome for r in replies} == {Outcome.FORMED}, replies
+        return {pid: r.rank for pid, r in zip(pids, replies, strict=True)}
+
+
+def store(pid):
+    return StoreAddress(f"host-{pid}", 29000 + ord(pid[0]))
+
+
+@pytest.fixture
+def n():
+    return Nodes()
+
+
+def test_round_forms_when_max_nodes_join_and_hands_out_rank_0s_store(n):
+    first = n.join("A")
+    assert (first.outcome, first.round, first.joined) == (Outcome.WAITING, 1, 1)
+    second = n.join("B")
+    assert (second.outcome, second.rank, second.world_size, second.store) == (Outcome.FORMED, 1, 2, store("A"))
+    mine = n.poll("A", 1)
+    assert (mine.outcome, mine.rank, mine.world_size, mine.store) == (Outcome.FORMED, 0, 2, store("A"))
+
+
+def test_with_min_nodes_the_round_waits_out_the_last_call():
+    n = Nodes()
+    elastic = Settings(min_nodes=2, max_nodes=3, last_call_s=2.0)
+    n.join("A", elastic)
+    n.clock.advance(5)  # alone: no quorum, no last call running
+    assert n.join("B", elastic).outcome is Outcome.WAITING
+    n.clock.advance(1.9)
+    assert n.poll("A", 1).outcome is Outcome.WAITING
+    n.clock.advance(0.1)
+    assert (n.poll("B", 1).outcome, n.poll("B", 1).world_size) == (Outcome.FORMED, 2)
+    late = n.join("C", elastic)
+    assert (late.outcome, late.round) == (Outcome.WAITING, 2)
+
+
+def test_a_join_within_the_last_call_is_admitted():
+    n = Nodes()
+    elastic = Settings(min_nodes=1, max_nodes=3, last_call_s=2.0)
+    n.join("A", elastic)
+    n.clock.advance(1.5)
+    n.join("B", elastic)
+    n.clock.advance(0.5)
+    assert (n.poll("A", 1).outcome, n.poll("A", 1).world_size) == (Outcome.FORMED, 2)
+
+
+def test_ranks_keep_the_previous_order_and_newcomers_follow_in_join_order():
+    n = Nodes()
+    three = Settings(min_nodes=3, max_nodes=4, last_call_s=1.0)
+    assert n.form("A", "B", "C", settings=three) == {"A": 0, "B": 1, "C": 2}
+    assert n.form("D", "C", "B", "A", settings=three) == {"A": 0, "B": 1, "C": 2, "D": 3}
+
+
+def test_a_member_that_rejoins_makes_the_others_restart(n):
+    n.form("A", "B")
+    assert n.waiting("A", 1) == 0
+    n.join("B")  # B's worker failed: its agent joins round 2
+    assert n.waiting("A", 1) == 1
+    assert n.join("A").outcome is Outcome.FORMED
+    assert n.waiting("A", 2) == 0
+    assert (n.poll("B", 2).rank, n.poll("B", 2).store) == (1, store("A"))
+
+
+def test_a_spare_waiting_on_a_full_group_does_not_restart_it(n):
+    n.form("A", "B")
+    n.join("C")
+    assert n.waiting("A", 1) == n.waiting("B", 1) == 0
+
+
+def test_a_newcomer_restarts_a_group_with_room_to_grow():
+    n = Nodes()
+    elastic = Settings(min_nodes=1, max_nodes=3, last_call_s=2.0)
+    n.form("A", "B", settings=elastic)
+    n.join("C", elastic)
+    assert n.waiting("A", 1) == 1
+
+
+def test_a_node_left_behind_by_a_newer_round_is_told_to_rejoin(n):
+    n.form("A", "B")
+    n.join("C")   # a spare
+    n.join("B")   # B restarts; the round fills with C and B, without A
+    assert n.poll("B", 2).outcome is Outcome.FORMED
+    assert n.waiting("A", 1) == 1
+
+
+def test_a_participant_of_an_older_round_cannot_take_part_in_a_newer_one(n):
+    n.form("A", "B")
+    n.join("B")   # round 2 opens
+    with pytest.raises(StaleParticipant) as info:
+        n.poll("A", 2)   # A never joined round 2
+    assert str(info.value) == ("A is not in round 2 of rendezvous 'job' (round 1 formed, 2 open); a participant of an "
+                               "older round cannot take part in a newer one without joining again")
+    assert n.poll("B", 2).joined == 1  # A's poll did not count it in
+    n.join("A")
+    with pytest.raises(StaleParticipant):
+        n.poll("A", 1)   # round 1 is gone: no rank in it any more
+    with pytest.raises(NotFound, match="has no round 9"):
+        n.poll("A", 9)
+
+
+def test_join_timeout_tells_the_participant_why_and_takes_it_out(n):
+    n.join("A", timeout=10)
+    n.clock.advance(9.9)
+    assert n.poll("A", 1).outcome is Outcome.WAITING
+    n.clock.advance(0.1)
+    reply = n.poll("A", 1)
+    assert (reply.outcome, reply.message) == (
+        Outcome.TIMED_OUT, "round 1 of rendezvous 'job' did not form within the join timeout: 1 node(s) joined, it "
+        "needs 2 (at most 2); start the missing nodes with the same --rdzv-id, or lower --nnodes")
+    assert n.join("B").outcome is Outcome.WAITING  # B does not form a round with the timed-out A
+
+
+def test_a_participant_not_heard_from_is_dropped(n):
+    n.join("A")
+    n.clock.advance(LEASE_S)
+    assert decide(n.book.get(RUN), n.clock.monotonic()) == [Drop("A", 1, "A was dropped from round 1 of rendezvous "
+                                                                  "'job': not heard from for 15s; join again", False)]
+    with pytest.raises(StaleParticipant, match="not heard from for 15s"):
+        n.poll("A", 1)
+    assert n.join("B").joined == 1  # A is not counted any more
+
+
+def test_polls_keep_a_participant_in(n):
+    n.join("A")
+    for _ in range(10):
+        n.clock.advance(LEASE_S / 2)
+        assert n.poll("A", 1).outcome is Outcome.WAITING
+    assert n.join("B").outcome is Outcome.FORMED
+
+
+def test_decide_is_pure(n):
+    n.join("A", timeout=5)
+    run = n.book.get(RUN)
+    later = n.clock.monotonic() + 5
+    assert decide(run, later) == decide(run, later) == [Drop("A", 1, decide(run, later)[0].reason, True)]
+    assert run.open is not None and "A" in run.open.waiting
+    n.join("B")
+    assert n.book.get(RUN).formed.number == 1 and decide(n.book.get(RUN), later) == []
+
+
+def test_the_last_call_is_a_decision_of_time_alone():
+    n = Nodes()
+    n.join("A", Settings(1, 2, 3.0))
+    run = n.book.get(RUN)
+    assert decide(run, n.clock.monotonic() + 2.9) == []
+    assert decide(run, n.clock.monotonic() + 3.0) == [Form(1)]
+    assert n.book.next_wakeup(RUN) == n.clock.monotonic() + 3.0
+
+
+def test_every_node_of_a_round_must_agree_on_its_settings(n):
+    n.join("A")
+    with pytest.raises(FailedPrecondition) as info:
+        n.join("B", Settings(1, 2, 2.0))
+    assert str(info.value) == ("round 1 of rendezvous 'job' was opened with nnodes 2:2 and last_call_timeout 2s, but B "
+                               "asks for 1:2 and 2s; give every node the same --nnodes and --rdzv-conf")
+
+
+def test_a_closed_run_answers_closed_to_waiters_and_joiners(n):
+    n.join("A")
+    n.book.close(RUN, n.clock.monotonic())
+    assert n.poll("A", 1).outcome is Outcome.CLOSED
+    reply = n.join("B")
+    assert (reply.outcome, reply.message) == (Outcome.CLOSED, "rendezvous 'job' is closed (a node finished or shut "
+                                              "down); use a new --rdzv-id to start another job")
+    assert RUN in n.changed
+
+
+def test_shutdown_closes_the_run_and_the_last_to_leave_frees_the_id(n):
+    n.form("A", "B")
+    n.book.leave(RUN, "A", 1, True, n.clock.monotonic())
+    assert n.book.get(RUN).closed
+    assert n.join("C").outcome is Outcome.CLOSED
+    n.book.leave(RUN, "B", 1, True, n.clock.monotonic())
+    assert n.book.get(RUN) is None
+    reply = n.join("C")
+    assert (reply.outcome, reply.round) == (Outcome.WAITING, 1)  # the id is free for the next job
+
+
+def test_leaving_names_the_round_so_a_stale_leave_harms_no_newer_round(n):
+    n.form("A", "B")
+    n.join("B")
+    n.book.leave(RUN, "B", 1, False, n.clock.monotonic())  # an old instance of B, from round 1
+    assert n.poll("B", 2).joined == 1
+    n.book.leave(RUN, "B", 2, False, n.clock.monotonic())
+    assert n.book.get(RUN).open.waiting == {}
+
+
+def test_abandoned_runs_are_forgotten(n):
+    n.form("A", "B")  # and then both agents are SIGKILLed: nobody leaves
+    n.book.close("other", n.clock.monotonic())
+    n.clock.advance(CLOSED_RUN_TTL_S)
+    n.book.sweep(n.clock.monotonic())
+    assert n.book.get("other") is None and n.book.get(RUN) is not None
+    n.clock.advance(IDLE_RUN_TTL_S)
+    n.book.sweep(n.clock.monotonic())
+    assert n.book.get(RUN) is None
+
+
+def test_a_running_group_that_keeps_asking_is_not_forgotten(n):
+    n.form("A", "B")
+    for _ in range(int(IDLE_RUN_TTL_S / SWEEP_EVERY_S) + 2):
+        n.clock.advance(SWEEP_EVERY_S)
+        assert n.waiting("A", 1) == 0
+        n.book.sweep(n.clock.monotonic())
+    assert n.book.get(RUN).formed.number == 1
+
+
+def test_a_forgotten_run_asks_waiters_to_join_again_and_running_groups_to_carry_on(n):
+    with pytest.raises(NotFound, match="join again"):
+        n.poll("A", 3)
+    assert n.waiting("A", 3) == 0
+
+
+def test_a_retried_join_keeps_its_place(n):
+    n.join("A")
+    again = n.join("A", retry=True)
+    assert (again.outcome, again.joined) == (Outcome.WAITING, 1)
+    assert n.join("B").rank == 1
+
+
+def test_a_join_retried_after_its_reply_was_lost_gets_the_same_answer_not_a_new_round(n):
+    n.join("A")
+    n.join("B")  # this Join formed round 1, but B never saw the reply
+    again = n.join("B", retry=True)
+    assert (again.outcome, again.round, again.rank) == (Outcome.FORMED, 1, 1)
+    assert n.book.get(RUN).open is None and n.waiting("A", 1) == 0
+    assert n.join("B").round == 2  # a new join (B's workers failed) does open the next round
+
+
+def test_the_wire_protocol_is_versioned_and_its_enum_starts_unspecified():
+    from phalanx.v1 import rendezvous_pb2
+    assert rendezvous_pb2.DESCRIPTOR.package == "phalanx.v1"
+    first = rendezvous_pb2.RoundOutcome.DESCRIPTOR.values[0]
+    assert (first.name, first.number) == ("ROUND_OUTCOME_UNSPECIFIED", 0)
+    assert {o.value for o in Outcome} == {1, 2, 3, 4}

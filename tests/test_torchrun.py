@@ -1,0 +1,274 @@
+"""Phalanx as torchrun's rendezvous, against a real controller process: the wire protocol, the handler
+in this process, and real `torchrun --rdzv-backend=phalanx` runs of two "nodes" on loopback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from phalanx.v1 import rendezvous_pb2 as pb
+from phalanx.v1 import rendezvous_pb2_grpc
+
+pytest.importorskip("torch")
+# torchrun imports the rendezvous package first, which loads the entry points; do the same, so the
+# plugin is found through its entry point rather than half-imported by us.
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    registry,
+)
+
+from trainlib.torchrun_plugin import PhalanxRendezvousHandler, parse_endpoint
+
+TORCHRUN_TIMEOUT_S = 90  # generous for shared CI machines; the runs take ~10-20 s here
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+WORKER = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+out = os.environ["OUT_DIR"]
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if os.environ.get("FAIL_ONCE") and attempt == 0 and os.environ["GROUP_RANK"] == "1" and os.environ["LOCAL_RANK"] == "0":
+    with open(os.path.join(out, "failed-" + os.environ["RANK"]), "w") as f:
+        f.write(os.environ["MASTER_PORT"])
+    sys.exit(1)
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+with open(os.path.join(out, f"done-{dist.get_rank()}"), "w") as f:
+    json.dump({"sum": value.item(), "world": dist.get_world_size(), "master_port": os.environ["MASTER_PORT"],
+               "attempt": attempt, "group_rank": int(os.environ["GROUP_RANK"])}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory):
+    from tests.cluster import Cluster
+    c = Cluster(tmp_path_factory.mktemp("rendezvous"))
+    c.start_controller()
+    channel = grpc.insecure_channel(c.address)
+    yield c, rendezvous_pb2_grpc.RendezvousServiceStub(channel)
+    channel.close()
+    c.close()
+
+
+def join_request(run_id="wire", pid="A", min_nodes=2, max_nodes=2, last_call_s=1.0, port=29500, host="127.0.0.1",
+                 join_timeout_s=60.0, attempt=1):
+    return pb.JoinRequest(run_id=run_id, participant_id=pid, join_timeout_s=join_timeout_s, attempt=attempt,
+                          settings=pb.RoundSettings(min_nodes=min_nodes, max_nodes=max_nodes, last_call_s=last_call_s),
+                          store=pb.StoreAddress(host=host, port=port))
+
+
+def status_of(fn):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+# --- the wire protocol ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("request_,message", [
+    (join_request(run_id=""), "run_id is empty; pass --rdzv-id"),
+    (join_request(run_id="a b"), "run_id 'a b' must be 1-256 printable characters without spaces"),
+    (join_request(pid=""), "participant_id is empty; give a name unique to this torchrun agent"),
+    (join_request(min_nodes=0), "settings.min_nodes (0) must be at least 1"),
+    (join_request(min_nodes=3), "settings.min_nodes (3) must not be larger than max_nodes (2)"),
+    (join_request(max_nodes=200_000), "settings.max_nodes (200000) is more than 100000"),
+    (join_request(last_call_s=-1), "settings.last_call_s (-1s) must be between 0s and 3600s"),
+    (join_request(last_call_s=float("nan")), "settings.last_call_s (nans) must be between 0s and 3600s"),
+    (join_request(join_timeout_s=0), "join_timeout_s (0s) must be between 0.001s and 604800s"),
+    (join_request(port=0), "store.port (0) must be between 1 and 65535"),
+    (join_request(host=""), "store.host is empty; give the address other nodes reach this node's TCPStore at"),
+])
+def test_bad_joins_are_refused_with_a_readable_message(controller, request_, message):
+    _, stub = controller
+    assert status_of(lambda: stub.Join(request_, timeout=5)) == (INVALID, message)
+
+
+def test_await_round_waits_a_bounded_time_and_wakes_when_the_round_forms(controller):
+    _, stub = controller
+    assert stub.Join(join_request("wake", "A"), timeout=5).outcome == pb.ROUND_OUTCOME_WAITING
+    assert status_of(lambda: stub.AwaitRound(pb.AwaitRoundRequest(run_id="wake", participant_id="A", round=1,
+                                                                  wait_s=60), timeout=5)) == (
+        INVALID, "wait_s (60s) must be between 0s and 5s")
+    start = time.monotonic()
+    reply = stub.AwaitRound(pb.AwaitRoundRequest(run_id="wake", participant_id="A", round=1, wait_s=0.3), timeout=5)
+    assert reply.outcome == pb.ROUND_OUTCOME_WAITING and 0.3 <= time.monotonic() - start < 3
+    threading.Timer(0.3, lambda: stub.Join(join_request("wake", "B", port=29501), timeout=5)).start()
+    start = time.monotonic()
+    reply = stub.AwaitRound(pb.AwaitRoundRequest(run_id="wake", participant_id="A", round=1, wait_s=5), timeout=10)
+    assert (reply.outcome, reply.rank, reply.world_size, reply.store.port) == (pb.ROUND_OUTCOME_FORMED, 0, 2, 29500)
+    assert time.monotonic() - start < 3  # woken by B's join, not by the end of the wait
+
+
+def test_fencing_and_unknown_runs_have_their_own_codes(controller):
+    _, stub = controller
+    stub.Join(join_request("fence", "A"), timeout=5)
+    stub.Join(join_request("fence", "B", port=29501), timeout=5)
+    assert stub.Join(join_request("fence", "B", port=29501), timeout=5).round == 1  # a retry: the same answer
+    stub.Join(join_request("fence", "B", port=29502, attempt=2), timeout=5)  # B restarts: round 2 opens
+    code, details = status_of(lambda: stub.AwaitRound(
+        pb.AwaitRoundRequest(run_id="fence", participant_id="A", round=2), timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "cannot take part in a newer one" in details
+    reply = stub.NumNodesWaiting(pb.NumNodesWaitingRequest(run_id="fence", participant_id="A", round=1), timeout=5)
+    assert reply.waiting == 1
+    code, _ = status_of(lambda: stub.AwaitRound(pb.AwaitRoundRequest(run_id="nope", participant_id="A", round=1),
+                                                timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+# --- the handler, in this process -----------------------------------------------------------------------------
+
+def params(address, run_id, min_nodes=1, max_nodes=1, **config):
+    return RendezvousParameters("phalanx", address, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **config)
+
+
+def test_torch_finds_the_handler_through_its_entry_point(controller):
+    c, _ = controller
+    try:
+        handler = registry.get_rendezvous_handler(params(c.address, "registry"))
+    except ValueError as e:
+        pytest.fail(f"{e} -- reinstall (pip install -e .); a stale phalanx.egg-info in the checkout hides the "
+                    "entry point")
+    assert isinstance(handler, PhalanxRendezvousHandler) and handler.use_agent_store
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    info.store.set("k", b"v")
+    assert info.store.get("k") == b"v"
+    first_port = info.bootstrap_store_info.master_port
+    again = handler.next_rendezvous()  # a new round gets a store nobody has written to
+    assert again.bootstrap_store_info.master_port != first_port
+    assert again.store.check(["k"]) is False
+    assert handler.shutdown()
+
+
+@pytest.mark.parametrize("endpoint,message", [
+    ("", "--rdzv-endpoint is empty; give the Phalanx controller's address as HOST:PORT (or set PHALANX_CONTROLLER)"),
+    ("host:port", "--rdzv-endpoint 'host:port': the port ('port') must be a number from 1 to 65535"),
+    ("::1:7370", "--rdzv-endpoint '::1:7370': write an IPv6 address as [ADDRESS]:PORT"),
+    (":7370", "--rdzv-endpoint ':7370' must be HOST:PORT, the Phalanx controller's address"),
+])
+def test_a_bad_endpoint_is_a_clear_error(monkeypatch, endpoint, message):
+    monkeypatch.delenv("PHALANX_CONTROLLER", raising=False)
+    with pytest.raises(ValueError) as info:
+        parse_endpoint(endpoint)
+    assert str(info.value) == message
+
+
+def test_endpoints_take_the_default_port_and_ipv6():
+    assert parse_endpoint("ctl") == "ctl:7370"
+    assert parse_endpoint("[::1]:9000") == "[::1]:9000"
+    assert parse_endpoint(" 10.0.0.1:9000 ") == "10.0.0.1:9000"
+
+
+def test_a_bad_rdzv_conf_value_is_a_clear_error(controller):
+    c, _ = controller
+    with pytest.raises(ValueError, match=r"--rdzv-conf last_call_timeout \('soon'\) must be a number of seconds"):
+        registry.get_rendezvous_handler(params(c.address, "conf", last_call_timeout="soon"))
+
+
+def test_join_timeout_says_what_is_missing(controller):
+    c, _ = controller
+    handler = registry.get_rendezvous_handler(params(c.address, "lonely", 2, 2, join_timeout=1))
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"did not form within the join timeout: 1 node\(s\) joined, "
+                                                     r"it needs 2"):
+        handler.next_rendezvous()
+    assert time.monotonic() - start < 5
+    handler.shutdown()
+
+
+def test_closed_runs_refuse_new_rounds(controller):
+    c, _ = controller
+    handler = registry.get_rendezvous_handler(params(c.address, "closing"))
+    assert handler.is_closed() is False
+    handler.set_closed()
+    assert handler.is_closed() is True
+    with pytest.raises(RendezvousClosedError, match="rendezvous 'closing' is closed"):
+        handler.next_rendezvous()
+
+
+def test_an_unreachable_controller_is_named(tmp_path):
+    from phalanx.cli.local import free_port
+    address = f"127.0.0.1:{free_port()}"
+    handler = registry.get_rendezvous_handler(params(address, "nowhere", join_timeout=1))
+    with pytest.raises(RendezvousConnectionError, match=f"cannot reach the Phalanx controller at {address}"):
+        handler.next_rendezvous()
+    assert handler.num_nodes_waiting() == 0  # a controller blip never stops a running group
+
+
+# --- real torchrun --------------------------------------------------------------------------------------------
+
+def torchrun() -> list[str]:
+    script = Path(sys.executable).with_name("torchrun")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run_two_nodes(address: str, run_id: str, tmp_path: Path, *extra: str, env: dict | None = None) -> list[str]:
+    """Two torchrun agents ("nodes") of 2 workers each; returns their logs. Fails unless both exit 0."""
+    (tmp_path / "train.py").write_text(WORKER)
+    (tmp_path / "out").mkdir()
+    environ = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+               **(env or {})}
+    command = [*torchrun(), "--rdzv-backend=phalanx", f"--rdzv-endpoint={address}", f"--rdzv-id={run_id}",
+               "--nnodes=2", "--nproc-per-node=2", *extra, "train.py"]
+    procs = []
+    for node in range(2):
+        with open(tmp_path / f"node{node}.log", "wb") as log:
+            # cwd is the test's directory: a stale *.egg-info in the checkout must not hide the entry point
+            procs.append(subprocess.Popen(command, cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
+    try:
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    logs = [(tmp_path / f"node{node}.log").read_text(errors="replace") for node in range(2)]
+    tails = "\n".join(f"--- node{i} ---\n" + "\n".join(log.splitlines()[-40:]) for i, log in enumerate(logs))
+    assert codes == [0, 0], f"torchrun exit codes {codes} (None: timed out)\n{tails}"
+    return logs
+
+
+def results(tmp_path: Path) -> dict[int, dict]:
+    return {int(p.name.split("-")[1]): json.loads(p.read_text()) for p in (tmp_path / "out").glob("done-*")}
+
+
+def test_two_torchruns_form_a_world_and_all_reduce(controller, tmp_path):
+    c, stub = controller
+    run_two_nodes(c.address, "allreduce", tmp_path)
+    done = results(tmp_path)
+    assert sorted(done) == [0, 1, 2, 3]
+    assert {(r["sum"], r["world"]) for r in done.values()} == {(10.0, 4)}
+    assert sorted(r["group_rank"] for r in done.values()) == [0, 0, 1, 1]
+    code, _ = status_of(lambda: stub.GetRun(pb.GetRunRequest(run_id="allreduce"), timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND  # both agents left: the id is free again
+
+
+def test_a_failed_worker_restarts_both_nodes_in_a_fresh_round(controller, tmp_path):
+    c, _ = controller
+    logs = run_two_nodes(c.address, "restart", tmp_path, "--max-restarts=1", env={"FAIL_ONCE": "1"})
+    failed = list((tmp_path / "out").glob("failed-*"))
+    assert len(failed) == 1, "the worker that fails on the first attempt did not run"
+    done = results(tmp_path)
+    assert sorted(done) == [0, 1, 2, 3] and {r["sum"] for r in done.values()} == {10.0}
+    assert {r["attempt"] for r in done.values() if r["group_rank"] == 1} == {1}  # the failed node's second attempt
+    ports = {r["master_port"] for r in done.values()}
+    assert len(ports) == 1 and ports != {failed[0].read_text()}  # the second round has a fresh store
+    assert any("round 2 formed" in log for log in logs)
