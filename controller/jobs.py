@@ -41,7 +41,7 @@ MISSING_REPORTS_LOST = 5  # heartbeats in a row without news of a rank before it
 FENCE_REPEAT_S = 10.0
 
 
-REQUEST_LATENCY_S = 3.0  # controller -> agent -> trainlib's next report, with room to spare
+REQUEST_LATENCY_S = 5.0  # controller -> agent -> trainlib's next report, with room to spare on a loaded host
 
 
 def checkpoint_step(tracks: dict[int, monitors.RankTrack]) -> int:

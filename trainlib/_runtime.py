@@ -177,7 +177,7 @@ def save(state: dict, step_number: int) -> Any:
         if request_id:
             _handled.add(request_id)
         _send_done(request_id, step_number)
-        if pause:
+        if pause and step_number == _at_step:  # saved where every rank saves: nothing after it would be kept
             _wait_for_eviction(step_number)
     return result
 
