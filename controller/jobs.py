@@ -462,6 +462,13 @@ class JobManager(RecoveryMixin):
         now = self._clock.monotonic()
         for entry in list(self._jobs.values()):
             job = entry.job
+            if job.state == pb.JOB_STATE_CHECKPOINTING and all(
+                    r.state == pb.RANK_STATE_EXITED and r.exit_code == 0 for r in job.ranks):
+                async with self._lock:  # it finished before the agreed step: nothing left to save or evict
+                    if entry.job is job:
+                        await self._finish(entry, pb.JOB_STATE_SUCCEEDED, "every rank exited 0 (before the "
+                                           "eviction checkpoint)", 0)
+                continue
             if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CANCELLING):
                 continue
             lost = [n for n in job.nodes if n not in nodes or nodes[n].record.state is DOWN]

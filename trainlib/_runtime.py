@@ -170,8 +170,9 @@ def save(state: dict, step_number: int) -> Any:
     """Write this rank's checkpoint for `step_number` atomically and durably (see trainlib.checkpoint);
     if Phalanx asked for it, tell Phalanx the step is safe."""
     global _requested
+    answers = checkpoint_requested()  # a periodic save before the agreed step does not answer a request
     result = _checkpoint().save(state, step_number)
-    if _requested:
+    if answers:
         request_id, pause = _request_id, _pause_after
         _requested = False
         if request_id:

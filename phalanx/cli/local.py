@@ -35,6 +35,9 @@ class LocalError(PhalanxError):
     pass
 
 
+_children: dict[int, subprocess.Popen] = {}  # processes this CLI process started, by pid
+
+
 @dataclass
 class Proc:
     role: str  # "controller" or "agent"
@@ -46,6 +49,9 @@ class Proc:
 
     def alive(self) -> bool:
         """Running, and still the process we started (pids get reused)."""
+        child = _children.get(self.pid)
+        if child is not None:  # started by this very process: ask it (its cmdline is not set until exec)
+            return child.poll() is None
         try:
             p = psutil.Process(self.pid)
             return p.status() != psutil.STATUS_ZOMBIE and self.config in " ".join(p.cmdline())
@@ -107,6 +113,7 @@ def spawn(role: str, name: str, module: str, config_text: str, root: Path, addre
         proc = subprocess.Popen([sys.executable, "-m", module, "--config", str(config_path)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=root)
+    _children[proc.pid] = proc
     return Proc(role, name, proc.pid, str(config_path), str(log_path), address)
 
 
