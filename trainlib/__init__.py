@@ -2,8 +2,8 @@
 
     import trainlib
     ctx = trainlib.init()                  # before torch.distributed.init_process_group
-    start = trainlib.load_latest()         # (step, state) of the newest complete checkpoint, or None
-    for step in range(first, steps):
+    loaded = trainlib.load_latest()        # .step and .state of the newest complete checkpoint, or None
+    for step in range(loaded.step + 1 if loaded else 0, steps):
         ...forward, backward...
         trainlib.compute_done()            # optional: just before the gradient synchronisation
         ...all-reduce, optimizer step...
