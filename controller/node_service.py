@@ -68,6 +68,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
 
     async def _read(self, context: grpc.aio.ServicerContext, entry: NodeEntry, session: Session) -> None:
         registry = self._registry
+        settling: asyncio.Task | None = None
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
                 body = message.WhichOneof("body")
@@ -75,8 +76,10 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     if len(message.heartbeat.gpus) > validation.MAX_GPUS:
                         raise InvalidArgument(f"heartbeat carries {len(message.heartbeat.gpus)} GPUs; "
                                               f"the limit is {validation.MAX_GPUS}")
-                    if registry.heartbeat(entry, message.heartbeat):
-                        await registry.settle(entry)
+                    if registry.heartbeat(entry, message.heartbeat) and (settling is None or settling.done()):
+                        # off the reader: a commit waiting for the registry lock must not stop this
+                        # node's heartbeats from being read (which would make it look silent)
+                        settling = asyncio.create_task(registry.settle(entry))
                     if self._jobs.observe(entry, message.heartbeat):
                         await self._jobs.fence(entry, message.heartbeat)
                 elif body == "inventory":

@@ -16,7 +16,7 @@ import pytest
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
 NODES = ["node-a", "node-b", "node-c", "node-d"]
-STEPS = 120
+STEPS = 300
 
 
 def phalanx(cluster, *args, timeout=300):
