@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import platform
 import shutil
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +23,24 @@ from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 TASKSET = shutil.which("taskset")
+# The environment for the processes we start (bench/run.py sets it to the one it started with).
+CHILD_ENV = dict(os.environ)
+
+
+KEEP = False  # --keep: leave temp directories (configs, logs, databases) behind for inspection
+
+
+@contextlib.contextmanager
+def temp_root(prefix: str):
+    """A temp directory for one benchmark's configs, logs and state; removed afterwards unless KEEP."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    finally:
+        if KEEP:
+            log(f"kept {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def log(message: str) -> None:
@@ -45,16 +65,31 @@ def agent_toml(name: str, address: str, root: Path, gpus: int = 8) -> str:
 
 
 def pin_argv(argv: list[str], cpu: int | None) -> tuple[list[str], object]:
-    """Prefix `taskset -c CPU` (the exec'd process and every thread it makes stay on that CPU).
+    """The argv and preexec_fn that start a child pinned to `cpu` (None: anywhere).
 
-    Without taskset, fall back to sched_setaffinity in the child before exec (same effect).
-    Returns (argv, preexec_fn).
+    `taskset -c CPU` when there is one (the exec'd process and every thread it makes stay on that
+    CPU), else sched_setaffinity in the child before exec (same effect). Either way the child also
+    gets SIGKILL should this process die without cleaning up (PR_SET_PDEATHSIG).
     """
-    if cpu is None:
-        return argv, None
-    if TASKSET:
-        return [TASKSET, "-c", str(cpu), *argv], None
-    return argv, lambda: os.sched_setaffinity(0, {cpu})
+    if cpu is not None and TASKSET:
+        return [TASKSET, "-c", str(cpu), *argv], _child_setup(None)
+    return argv, _child_setup(cpu)
+
+
+try:  # resolved here, not in the child between fork and exec
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(cpu: int | None):
+    def setup() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+    return setup
 
 
 def pin_this_process(cpus: set[int]) -> None:
@@ -87,7 +122,7 @@ class Procs:
         argv, preexec = pin_argv(argv, cpu)
         with open(self.log_path(name), "ab") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=REPO, preexec_fn=preexec)
+                                    start_new_session=True, cwd=REPO, preexec_fn=preexec, env=CHILD_ENV)
         self.pids[proc.pid] = name
         self.popens[proc.pid] = proc
         return proc
@@ -99,7 +134,7 @@ class Procs:
         with open(self.log_path(name), "ab") as err:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-                cwd=REPO, preexec_fn=preexec, limit=1 << 20)
+                cwd=REPO, preexec_fn=preexec, env=CHILD_ENV, limit=1 << 20)
         self.pids[proc.pid] = name
         return proc
 

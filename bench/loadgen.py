@@ -1,0 +1,320 @@
+"""Load generator for the capacity benchmark: many simulated agents in one process (grpc.aio on uvloop).
+
+Each simulated node does what agent/link.py does: Register (inventory: SIM backend, 8 GPUs), open a
+Session stream, send SessionOpen, read SessionAccepted, then one Heartbeat (host telemetry, 8 GPU
+entries, seq, sent_unix_ns) per second, while a reader drains what the controller sends down; when
+the session ends (refused, kicked, broken) it backs off (jittered, 0.2 s doubling to 5 s) and
+registers again.
+Phases are spread evenly over the second (golden-ratio sequence over the global node index).
+
+Driven over stdin/stdout, one JSON object per line:
+  {"id": 1, "cmd": "grow", "total": N}   open nodes until this process has N; answers when all are open
+  {"id": 2, "cmd": "stats", "reset": b}  counters (and heartbeat send lateness since the last reset)
+  {"id": 3, "cmd": "stop_grow"}          cancel the nodes of a grow that are not open yet
+  {"cmd": "quit"}
+Answers carry the command's id; "grow" runs in the background while other commands are answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import sys
+import time
+
+import grpc
+
+from agent.backoff import Backoff
+from agent.collectors.sim import SimBackend
+
+try:  # the agent's digest of the health signals (the controller re-judges health only when it changes)
+    from agent.main import health_digest
+except ImportError:  # an agent without one
+    health_digest = None
+from phalanx.rpc import CLIENT_OPTIONS
+from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+GPUS = 8
+# agent/config.py [reconnect] defaults: a session that ends is opened again after a jittered backoff.
+RECONNECT_INITIAL_S = 0.2
+RECONNECT_MAX_S = 5.0
+
+
+class Gen:
+    def __init__(self, target: str, index: int, stride: int, per_channel: int, concurrency: int) -> None:
+        self.target = target
+        self.index = index  # this process is generator `index` of `stride`; it owns global ids index, index+stride, ...
+        self.stride = stride
+        self.per_channel = per_channel
+        self.sem = asyncio.Semaphore(concurrency)
+        self.channels: list[tuple[grpc.aio.Channel, node_pb2_grpc.NodeServiceStub]] = []
+        self.nodes = 0  # started (or failed) so far
+        self.sessions_open = 0
+        self.sessions_closed = 0
+        self.open_failures = 0
+        self.write_errors = 0
+        self.status_messages = 0
+        self.sent = 0
+        self.missed = 0
+        self.late: list[float] = []
+        self.register_s: list[float] = []  # Register round trips
+        self.accept_s: list[float] = []  # Session call to SessionAccepted (what liveness waits on after Register)
+        self.reconnects = 0  # sessions opened again after one ended (as the agent does)
+        self.reconnect_failures = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
+        self.errors: list[str] = []
+
+    def _stub(self, local: int) -> node_pb2_grpc.NodeServiceStub:
+        i = local // self.per_channel
+        while len(self.channels) <= i:
+            # A local subchannel pool: each channel has its own TCP connection (the global pool would
+            # let channels with the same target and options share one).
+            options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+            channel = grpc.aio.insecure_channel(self.target, options=options)
+            self.channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
+        return self.channels[i][1]
+
+    def _error(self, what: str, e: BaseException) -> None:
+        if len(self.errors) < 20:
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+            code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
+            self.errors.append(f"{what}: {code}: {detail}"[:300])
+
+    async def grow(self, total: int) -> dict:
+        """Start nodes until this process runs `total`; answers once each has tried to open its session."""
+        t0 = time.monotonic()
+        firsts = []
+        for local in range(self.nodes, total):
+            first: asyncio.Future = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._node(local, first))
+            self.tasks.add(task)
+            self.opening[task] = first
+            firsts.append(first)
+        self.nodes = max(self.nodes, total)
+        if firsts:
+            await asyncio.gather(*firsts)
+        gc.collect()
+        gc.freeze()  # the nodes just made live for the rest of the run: keep them out of later collections
+        return {"ok": "grown", "nodes": self.nodes, "sessions_open": self.sessions_open,
+                "open_failures": self.open_failures, "seconds": round(time.monotonic() - t0, 3)}
+
+    async def _node(self, local: int, first: asyncio.Future) -> None:
+        """One simulated agent: agent/link.py's loop (register, open, heartbeat; on any end, back off, again)."""
+        gid = self.index + local * self.stride
+        name = f"bench-{gid:05d}"
+        stub = self._stub(local)
+        sim = SimBackend(GPUS, name, seed=gid)
+        inventory = common_pb2.NodeInventory(
+            hostname=name, cpu_count=128, memory_total_bytes=2 * 1024**4, gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM,
+            gpus=sim.inventory(), labels={"rack": f"rack-{gid // 32}"}, agent_version="bench",
+            checkpoint_dir="/var/lib/phalanx/checkpoints", agent_pid=100_000 + gid)
+        # What agent/main.py Agent.heartbeat() builds, from the same simulated GPU backend; sampled once
+        # (the controller's cost does not depend on the values, and a healthy node's digest is stable).
+        host = common_pb2.HostTelemetry(
+            cpu_percent=3.5, memory_used_bytes=40 * 1024**3, memory_available_bytes=1900 * 1024**3,
+            load1=1.2, load5=1.1, load15=1.0, checkpoint_free_bytes=30 * 1024**4, checkpoint_total_bytes=60 * 1024**4)
+        gpus = sim.sample()
+        message = node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0))
+        if health_digest is not None:
+            message.heartbeat.health_digest = health_digest(gpus, host)
+        phase = (gid * GOLDEN) % 1.0
+        backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
+        try:
+            while True:
+                call = await self._open(name, stub, inventory, first.done())
+                if not first.done():
+                    first.set_result(call is not None)
+                    self.opening.pop(asyncio.current_task(), None)
+                if call is not None:
+                    backoff.reset()
+                    self.sessions_open += 1
+                    beat = asyncio.create_task(self._beat(call, message, phase))
+                    try:
+                        await self._read(call)
+                    finally:
+                        beat.cancel()
+                        self.sessions_open -= 1
+                    self.sessions_closed += 1
+                await asyncio.sleep(backoff.next())
+        finally:
+            if not first.done():
+                first.set_result(False)
+
+    async def _open(self, name: str, stub, inventory: common_pb2.NodeInventory, again: bool):
+        """Register and open the session; the call once SessionAccepted has come, else None."""
+        async with self.sem:
+            try:
+                t0 = time.monotonic()
+                reply = await stub.Register(node_pb2.RegisterRequest(node_name=name, inventory=inventory), timeout=60)
+                t1 = time.monotonic()
+                call = stub.Session()
+                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                    node_name=name, incarnation=reply.incarnation)))
+                first = await asyncio.wait_for(call.read(), 60)
+                if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":
+                    raise ConnectionError("controller closed the session before accepting it")
+                self.register_s.append(t1 - t0)
+                self.accept_s.append(time.monotonic() - t1)
+                if again:
+                    self.reconnects += 1
+                return call
+            except (grpc.aio.AioRpcError, TimeoutError, ConnectionError) as e:
+                if again:
+                    self.reconnect_failures += 1
+                else:
+                    self.open_failures += 1
+                self._error(f"{'reopen' if again else 'open'} {name}", e)
+                return None
+
+    async def _beat(self, call, message: node_pb2.AgentMessage, phase: float) -> None:
+        loop = asyncio.get_running_loop()
+        heartbeat = message.heartbeat
+        now = loop.time()
+        next_at = math.floor(now) + phase
+        if next_at < now:
+            next_at += 1.0
+        try:
+            while True:
+                delay = next_at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                now = loop.time()
+                self.late.append(now - next_at)
+                heartbeat.seq += 1
+                heartbeat.sent_unix_ns = time.time_ns()
+                await call.write(message)
+                self.sent += 1
+                next_at += 1.0
+                now = loop.time()
+                if next_at < now:  # behind by a whole interval: skip the missed slots, keep the phase
+                    skipped = math.ceil(now - next_at)
+                    self.missed += skipped
+                    next_at += skipped
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.write_errors += 1
+            self._error("heartbeat write", e)
+
+    async def _read(self, call) -> None:
+        """Drain what the controller sends down until the session ends."""
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                if message.WhichOneof("body") == "status":
+                    self.status_messages += 1
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                self._error("session", ConnectionError(f"{code.name}: {await call.details()}"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._error("session read", e)
+
+    def stop_opening(self) -> None:
+        """Give up on nodes whose first session is not open yet (their Register or SessionOpen is cancelled)."""
+        for task, first in list(self.opening.items()):
+            task.cancel()
+            if not first.done():
+                first.set_result(False)
+        self.opening.clear()
+
+    def stats(self, reset: bool) -> dict:
+        late, reg, acc = sorted(self.late), sorted(self.register_s), sorted(self.accept_s)
+        if reset:
+            self.late, self.register_s, self.accept_s = [], [], []
+        n = len(late)
+
+        def q(f: float, data: list[float] = late) -> float:
+            return round(1e3 * data[min(len(data) - 1, int(f * len(data)))], 2) if data else 0.0
+
+        return {"ok": "stats", "time": time.monotonic(), "sent": self.sent, "missed": self.missed,
+                "sessions_open": self.sessions_open, "sessions_closed": self.sessions_closed,
+                "open_failures": self.open_failures, "write_errors": self.write_errors,
+                "reconnects": self.reconnects, "reconnect_failures": self.reconnect_failures,
+                "status_messages": self.status_messages, "channels": len(self.channels),
+                "late_samples": n, "late_p50_ms": q(0.5), "late_p99_ms": q(0.99), "late_max_ms": q(1.0),
+                "opened": len(reg), "register_p50_ms": q(0.5, reg), "register_max_ms": q(1.0, reg),
+                "accept_p50_ms": q(0.5, acc), "accept_max_ms": q(1.0, acc),
+                "errors": list(self.errors)}
+
+    async def close(self) -> None:
+        self.stop_opening()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for channel, _ in self.channels:
+            await channel.close(grace=None)
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def main(args: argparse.Namespace) -> None:
+    gen = Gen(args.target, args.index, args.stride, args.per_channel, args.concurrency)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    reply({"ok": "ready"})
+    growing: asyncio.Task | None = None
+
+    async def grow(rid, total: int) -> None:
+        try:
+            reply({"id": rid, **await gen.grow(total)})
+        except asyncio.CancelledError:
+            reply({"id": rid, "ok": "grown", "cancelled": True, "nodes": gen.nodes,
+                   "sessions_open": gen.sessions_open, "open_failures": gen.open_failures})
+            raise
+
+    try:
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            rid = cmd.get("id")
+            if cmd["cmd"] == "grow":  # runs in the background; "stats" and "stop_grow" are answered meanwhile
+                growing = asyncio.create_task(grow(rid, int(cmd["total"])))
+            elif cmd["cmd"] == "stop_grow":
+                gen.stop_opening()
+                if growing is not None:
+                    growing.cancel()
+                    await asyncio.gather(growing, return_exceptions=True)
+                reply({"id": rid, "ok": "stopped"})
+            elif cmd["cmd"] == "stats":
+                reply({"id": rid, **gen.stats(bool(cmd.get("reset")))})
+            elif cmd["cmd"] == "quit":
+                break
+            else:
+                reply({"id": rid, "ok": "error", "error": f"unknown command {cmd['cmd']!r}"})
+    finally:
+        if growing is not None:
+            growing.cancel()
+        await gen.close()
+        reply({"ok": "bye"})
+
+
+def cli() -> None:
+    # Tens of thousands of long-lived tasks and messages: fewer, cheaper collections (and see gc.freeze above),
+    # so the generator's own pauses do not show up as heartbeat lag.
+    gc.set_threshold(50_000, 20, 100)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--stride", type=int, default=1)
+    parser.add_argument("--per-channel", type=int, default=50, help="node sessions per channel (TCP connection)")
+    parser.add_argument("--concurrency", type=int, default=64, help="nodes registering/opening at once")
+    args = parser.parse_args()
+    try:
+        import uvloop
+    except ImportError:  # uvloop is Linux/macOS only
+        asyncio.run(main(args))
+    else:
+        uvloop.run(main(args))
+
+
+if __name__ == "__main__":
+    cli()

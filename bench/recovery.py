@@ -1,0 +1,192 @@
+"""Issue 6 benchmark: Phalanx against torchrun on the same job and the same faults.
+
+The job: examples/train_phalanx.py, 2 "nodes" x 1 rank on loopback (gloo, CPU), checkpointing every
+20 steps, rank 0 printing every step with its wall time. The faults:
+- crash: kill -9 of one rank's process
+- hang: SIGSTOP of one rank's process group
+- node loss: kill -9 of one node's agent (torchrun: its elastic agent) together with its rank
+
+Measured per fault: seconds from the fault to the first training step after it, and steps lost
+(the last step done before the fault minus the step training resumed from). "never" means no step
+within the observation window. For Phalanx also the time spent in each recovery state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from bench.common import agent_toml, controller_toml, free_port, log, temp_root
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train_phalanx.py"
+STEPS = 2000
+WINDOW_S = 90.0  # after a fault: how long we wait for training to resume before saying "never"
+STEP_LINE = re.compile(r"^step (\d+) loss \S+ at ([\d.]+)$", re.M)
+RESUMED = re.compile(r"resumed from step (\d+)")
+FAULTS = ("crash", "hang", "node-loss")
+
+
+def _train_args(ckpt: Path) -> list[str]:
+    return [str(TRAIN), "--steps", str(STEPS), "--step-time", "0.05", "--every", "20", "--print-every", "1"]
+
+
+def _steps(text: str) -> list[tuple[int, float]]:
+    return [(int(m.group(1)), float(m.group(2))) for m in STEP_LINE.finditer(text)]
+
+
+def _measure(read_log, fault_at: float) -> dict:
+    """Wait for a step printed after the fault; return seconds to it and steps lost."""
+    deadline = time.time() + WINDOW_S
+    while time.time() < deadline:
+        text = read_log()
+        steps = _steps(text)
+        before = [s for s, t in steps if t <= fault_at]
+        after = [(s, t) for s, t in steps if t > fault_at + 0.5]
+        if after and before:
+            resumed = [int(x) for x in RESUMED.findall(text)]
+            first_step, first_t = after[0]
+            start_from = (resumed[-1] + 1) if resumed else first_step
+            return {"resumed_s": round(first_t - fault_at, 2), "steps_lost": max(0, max(before) + 1 - start_from),
+                    "last_step_before": max(before), "resumed_at_step": start_from}
+        time.sleep(0.5)
+    return {"resumed_s": None, "steps_lost": None}
+
+
+def _wait_steps(read_log, at_least: int, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        steps = _steps(read_log())
+        if steps and steps[-1][0] >= at_least:
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"training did not reach step {at_least}")
+
+
+def _kill_tree(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+# -- torchrun ------------------------------------------------------------------------------------
+
+def torchrun_trial(fault: str, root: Path) -> dict:
+    port = free_port()
+    logs = [root / f"torchrun-{i}.log" for i in range(2)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    procs = []
+    for i in range(2):
+        with open(logs[i], "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench", "--max-restarts=3",
+                 "--monitor-interval=0.5", *_train_args(root / "ckpt")],
+                cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        def read() -> str:
+            return "".join(p.read_text(errors="replace") for p in logs)
+        _wait_steps(read, 40)
+        workers = [c for c in psutil.Process(procs[1].pid).children(recursive=True) if "train_phalanx" in
+                   " ".join(c.cmdline())]
+        if not workers:
+            raise RuntimeError("no torchrun worker found")
+        fault_at = time.time()
+        if fault == "crash":
+            workers[0].send_signal(signal.SIGKILL)
+        elif fault == "hang":
+            workers[0].send_signal(signal.SIGSTOP)
+        else:
+            _kill_tree(procs[1].pid, signal.SIGKILL)
+        return _measure(read, fault_at)
+    finally:
+        for p in procs:
+            _kill_tree(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+# -- Phalanx -------------------------------------------------------------------------------------
+
+def _cli(address: str, *args: str) -> str:
+    env = {**os.environ, "PHALANX_CONTROLLER": address}
+    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env=env).stdout
+
+
+def phalanx_trial(fault: str, root: Path) -> dict:
+    import json
+    address = f"127.0.0.1:{free_port()}"
+    procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(name: str, module: str, text: str) -> None:
+        (root / f"{name}.toml").write_text(text)
+        with open(root / f"{name}.log", "ab") as out:
+            procs[name] = subprocess.Popen([sys.executable, "-m", module, "--config", str(root / f"{name}.toml")],
+                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    spawn("controller", "controller.main", controller_toml(address, root) +
+          "[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\nhang_min_s = 4.0\n")
+    time.sleep(1.5)
+    for i in range(3):
+        spawn(f"node-{i}", "agent.main", 'nvrx_socket = ""\n' + agent_toml(f"node-{i}", address, root, gpus=2))
+    try:
+        deadline = time.time() + 60
+        while len(json.loads(_cli(address, "nodes", "--json") or "[]")) < 3 and time.time() < deadline:
+            time.sleep(0.3)
+        job = _cli(address, "submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(root / "ckpt"), "--",
+                   sys.executable, *_train_args(root / "ckpt")).strip()
+
+        def read() -> str:
+            return _cli(address, "logs", job, "--rank", "0")
+        _wait_steps(read, 40)
+        info = json.loads(_cli(address, "job", job, "--json"))
+        victim_node, rank = info["ranks"][1]["node"], info["ranks"][1]
+        fault_at = time.time()
+        if fault == "crash":
+            child = psutil.Process(rank["pid"]).children()[0]  # the rank itself, under its wrapper
+            child.send_signal(signal.SIGKILL)
+        elif fault == "hang":
+            _kill_tree(rank["pid"], signal.SIGSTOP)
+        else:
+            procs[victim_node].send_signal(signal.SIGKILL)
+            _kill_tree(rank["pid"], signal.SIGKILL)
+        result = _measure(read, fault_at)
+        info = json.loads(_cli(address, "job", job, "--json"))
+        result["seconds_in_state"] = info["seconds_in_state"]
+        result["incident"] = info["incident"]
+        return result
+    finally:
+        for record in root.glob("*/state/ranks/*.json"):
+            try:
+                _kill_tree(json.loads(record.read_text())["pid"], signal.SIGKILL)
+            except (OSError, ValueError, KeyError):
+                pass
+        for p in procs.values():
+            _kill_tree(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def run(quick: bool = False) -> dict:
+    results: dict[str, dict] = {}
+    for fault in FAULTS:
+        for system, trial in (("phalanx", phalanx_trial), ("torchrun", torchrun_trial)):
+            with temp_root(prefix=f"phalanx-bench-recovery-{system}-") as tmp:
+                log(f"recovery: {system}: {fault} ...")
+                try:
+                    outcome = trial(fault, Path(tmp))
+                except Exception as e:
+                    outcome = {"error": f"{type(e).__name__}: {e}", "resumed_s": None, "steps_lost": None}
+                resumed = outcome.get("resumed_s")
+                log(f"recovery: {system}: {fault}: " + (f"training again after {resumed} s, "
+                    f"{outcome['steps_lost']} steps lost" if resumed is not None else
+                    f"never within {WINDOW_S:g} s {outcome.get('error', '')}"))
+                results.setdefault(fault, {})[system] = outcome
+    return {"faults": results, "window_s": WINDOW_S,
+            "job": "2 nodes x 1 rank, gloo on CPU, 0.05 s steps, checkpoint every 20 steps"}

@@ -1,0 +1,323 @@
+"""Phalanx benchmarks: failure detection latency, controller capacity, agent footprint.
+
+    .venv/bin/python bench/run.py                 # everything (under ~10 minutes on 2 cores)
+    .venv/bin/python bench/run.py --quick         # a shorter pass of everything
+    .venv/bin/python bench/run.py detection       # one or more of: detection capacity footprint
+
+Prints progress while running, a table at the end, and writes bench/results/latest.json.
+Every process started is in its own session and is killed (the whole group) on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable as `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Before gRPC loads: no fork handlers in this process, which forks (to start processes) while gRPC
+# threads run; harmless, but gRPC says so on stderr. The processes we start get the original environment.
+ORIGINAL_ENV = dict(os.environ)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+from bench import capacity, checkpoint, common, detection, footprint, health, hooks, placement, recovery  # noqa: E402
+from bench.common import REPO, log, machine  # noqa: E402
+
+BENCHMARKS = ("detection", "footprint", "capacity", "health", "placement", "hooks", "checkpoint", "recovery")
+FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
+QUICK_STEPS = [500, 2000]
+QUICK_MAX_HOLD_S = 35.0  # long enough that N=2000's lag window holds only its hold
+TOTAL_BUDGET_S = 540.0  # the whole run should stay under ~10 minutes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Phalanx benchmarks", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__)
+    p.add_argument("benchmarks", nargs="*", metavar="BENCHMARK", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="fewer trials, fewer steps, shorter holds")
+    p.add_argument("--trials", type=int, help="detection: kill/detect trials (default 10, quick 3)")
+    p.add_argument("--steps", help="capacity: comma-separated node counts (default "
+                   f"{','.join(map(str, FULL_STEPS))}; quick {','.join(map(str, QUICK_STEPS))})")
+    p.add_argument("--hold", type=float, help="capacity: seconds each step is measured (default 15, quick 10)")
+    p.add_argument("--settle", type=float, default=3.0, help="capacity: seconds after the ramp before measuring")
+    p.add_argument("--generators", type=int, default=1, help="capacity: load generator processes (all on CPU 1)")
+    p.add_argument("--max-hold", type=float,
+                   help="capacity: hold small steps up to this long so the controller's lag window (last 65,536 "
+                   f"heartbeats) covers only the hold (default 70; quick {QUICK_MAX_HOLD_S:g}; with --hold: --hold)")
+    p.add_argument("--open-concurrency", type=int, default=16,
+                   help="capacity: nodes registering / opening their session at once during a ramp (default 16)")
+    p.add_argument("--gc-trace", action="store_true",
+                   help="capacity: run the controller through bench/gcwrap.py and report its GC pauses per step")
+    p.add_argument("--ramp-timeout", type=float, default=60.0,
+                   help="capacity: give up on a step whose sessions are not all open after this long")
+    p.add_argument("--per-channel", type=int, default=1,
+                   help="capacity: simulated node sessions per gRPC channel, i.e. per TCP connection (default 1, "
+                   "like real agents; more is cheaper for both ends)")
+    p.add_argument("--sample", type=float, help="footprint: seconds of sampling (default 30, quick 10)")
+    p.add_argument("--warmup", type=float, default=5.0, help="footprint: seconds before sampling")
+    p.add_argument("--budget", type=float, default=TOTAL_BUDGET_S,
+                   help="seconds for the whole run; capacity skips steps that would overrun it")
+    p.add_argument("--seed", type=int, help="detection: seed for the random kill phases")
+    p.add_argument("--keep", action="store_true", help="keep the temp directories (configs, logs, databases)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"), help="JSON results file")
+    args = p.parse_args(argv)
+    unknown = [b for b in args.benchmarks if b not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
+    args.benchmarks = [b for b in BENCHMARKS if b in args.benchmarks] or list(BENCHMARKS)
+    args.trials = args.trials or (3 if args.quick else 10)
+    args.steps = [int(s) for s in args.steps.split(",")] if args.steps else (QUICK_STEPS if args.quick else FULL_STEPS)
+    hold_given = args.hold is not None
+    args.hold = args.hold or (10.0 if args.quick else 15.0)
+    args.sample = args.sample or (10.0 if args.quick else 30.0)
+    if args.max_hold is None:
+        args.max_hold = args.hold if hold_given else QUICK_MAX_HOLD_S if args.quick else 70.0
+    return args
+
+
+async def run_all(args: argparse.Namespace, results: dict) -> None:
+    t_begin = time.monotonic()
+    for name in args.benchmarks:
+        t0 = time.monotonic()
+        log(f"== {name} ==")
+        try:
+            if name == "detection":
+                results[name] = await detection.run(args.trials, args.seed)
+            elif name == "footprint":
+                results[name] = await footprint.run(args.warmup, args.sample)
+            elif name == "health":
+                results[name] = {"xid_to_drain": await health.run(args.trials), "sweep": health.sweep()}
+            elif name == "placement":
+                results[name] = placement.run(quick=args.quick)
+            elif name == "hooks":
+                results[name] = hooks.run()
+            elif name == "checkpoint":
+                results[name] = checkpoint.run(quick=args.quick)
+            elif name == "recovery":
+                results[name] = recovery.run(quick=args.quick)
+            elif name == "capacity":
+                budget = max(60.0, args.budget - (time.monotonic() - t_begin))
+                results[name] = await capacity.run(args.steps, args.hold, args.settle, args.generators,
+                                                   args.per_channel, budget, args.max_hold, args.ramp_timeout,
+                                                   args.open_concurrency, args.gc_trace)
+        except Exception as e:
+            log(f"{name} FAILED: {type(e).__name__}: {e}")
+            traceback.print_exc(file=sys.stdout)
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        if name in results:
+            results[name]["duration_s"] = round(time.monotonic() - t0, 1)
+        log(f"== {name} done in {time.monotonic() - t0:.0f} s ==")
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def _verdict(ok: bool | None) -> str:
+    return "" if ok is None else ("  [meets goal]" if ok else "  [MISSES goal]")
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= 100 else line[:97] + "..."
+
+
+def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
+    rows: list[tuple[str, str, str, str]] = []
+    d = results.get("detection")
+    if d and "error" not in d:
+        rows.append(("detection", f"kill -9 -> DOWN event, median ({d['trials']} trials)", "<= 3 s",
+                     f"{d['median_s']:.3f} s{_verdict(d['median_s'] <= d['goal_s'])}"))
+        rows.append(("detection", "kill -9 -> DOWN event, max", "<= 3 s",
+                     f"{d['max_s']:.3f} s{_verdict(d['max_s'] <= d['goal_s'])}"))
+        rows.append(("detection", "samples (s)", "", " ".join(f"{v:.2f}" for v in d["samples_s"])))
+    elif d:
+        rows.append(("detection", "error", "", _first_line(d["error"])))
+    c = results.get("capacity")
+    if c and "error" not in c:
+        top = max(c["steps_planned"])
+        goal = capacity.GOAL_NODES
+        verdict = _verdict(c["largest_sustained_nodes"] >= goal) if top >= goal else f"  (steps stop at {top:,})"
+        rows.append(("capacity", "largest N sustained (measured)", f">= {goal:,} nodes",
+                     f"{c['largest_sustained_nodes']:,} nodes{verdict}"))
+        if c["largest_reached_nodes"] != c["largest_sustained_nodes"]:
+            rows.append(("capacity", "largest N reached (not sustained)", "", f"{c['largest_reached_nodes']:,} nodes"))
+        best = next((s for s in c["steps"] if s["nodes"] == c["largest_sustained_nodes"]), None)
+        if best:
+            rows.append(("capacity", f"lag p50/p99 at N={best['nodes']:,} (measured)", "p99 < 100 ms",
+                         f"{best['lag_p50_ms']:.1f} / {best['lag_p99_ms']:.1f} ms"))
+            rows.append(("capacity", f"controller CPU at N={best['nodes']:,} (measured)", "",
+                         f"{best['controller_cpu_pct']:.0f}% of one core, RSS {best['controller_rss_mb']:.0f} MB"))
+        if c["us_per_heartbeat"]:
+            basis = c["us_per_heartbeat_basis_nodes"]
+            rows.append(("capacity", f"controller CPU per heartbeat (measured at N={basis:,})", "",
+                         f"{c['us_per_heartbeat']:.0f} us"))
+            rows.append(("capacity", "nodes per core at 1 Hz (EXTRAPOLATED, 1e6/us)", "",
+                         f"~{c['extrapolated_nodes_per_core']:,} nodes"))
+        rows.append(("capacity", "limited by", "", c["limited_by"]))
+    elif c:
+        rows.append(("capacity", "error", "", _first_line(c["error"])))
+    rows += _later_rows(results)
+    f = results.get("footprint")
+    if f and "error" not in f:
+        rows.append(("footprint", f"agent RSS, max over {f['sampled_s']:.0f} s", "<= 60 MB",
+                     f"{f['rss_mb_max']:.1f} MB{_verdict(f['rss_mb_max'] <= f['rss_goal_mb'])}"))
+        rows.append(("footprint", "agent CPU, share of one core", "<= 1 %",
+                     f"{f['cpu_percent']:.2f} %{_verdict(f['cpu_percent'] <= f['cpu_goal_percent'])}"))
+    elif f:
+        rows.append(("footprint", "error", "", _first_line(f["error"])))
+    return rows
+
+
+def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
+    """Rows for the benchmarks of issues 3-6 (health, placement, hooks, checkpoint, recovery)."""
+    rows: list[tuple[str, str, str, str]] = []
+    h = results.get("health")
+    if h and "error" not in h:
+        x, s = h["xid_to_drain"], h["sweep"]
+        rows.append(("health", f"injected XID 79 -> drain event, median ({x['trials']} trials)", "<= 1 s",
+                     f"{x['median_s'] * 1000:.0f} ms (max {x['max_s'] * 1000:.0f} ms; controller decision "
+                     f"{x['controller_decision_median_ms']:.1f} ms){_verdict(x['median_s'] <= x['goal_s'])}"))
+        rows.append(("health", "collector sweep, 8 GPUs", "", f"sim {s['sim_sample_us']:.0f} us; NVML code path "
+                     f"{s['nvml_sample_fake_driver_us']:.0f} us (fake driver); digest {s['health_digest_us']:.0f} us; "
+                     f"controller verdict {s['controller_verdict_8_gpus_us']:.0f} us"))
+    elif h:
+        rows.append(("health", "error", "", _first_line(h["error"])))
+    p = results.get("placement")
+    if p and "error" not in p:
+        for name, sc in p.get("scenarios", {}).items():
+            rows.append(("placement", name, "< 50 ms", f"median {sc.get('median_ms')} ms, max {sc.get('max_ms')} ms; "
+                         f"leaves {sc.get('leaves_used')} vs lower bound {sc.get('lower_bound')}"))
+    elif p:
+        rows.append(("placement", "error", "", _first_line(p["error"])))
+    k = results.get("hooks")
+    if k and "error" not in k:
+        ns = k["ns_per_call"]
+        rows.append(("trainlib", "per-step hook step()", "<= 2000 ns", f"{ns['step']:.0f} ns"
+                     f"{_verdict(ns['step'] <= k['goal_ns'])}"))
+    c = results.get("checkpoint")
+    if c and "error" not in c:
+        rows.append(("checkpoint", f"write throughput vs dd + fsync ({c['state_mib']} MiB)", ">= 90 %",
+                     f"{c['checkpoint_mbps']:,.0f} vs {c['raw_mbps']:,.0f} MB/s = {c['ratio']:.0%} (plain torch.save "
+                     f"+ fsync {c['torch_save_fsync_mbps']:,.0f} MB/s){_verdict(c['ok'])}"))
+    r = results.get("recovery")
+    if r and "error" not in r:
+        for fault, systems in r["faults"].items():
+            for system, o in systems.items():
+                result = ("never" if o.get("resumed_s") is None else
+                          f"{o['resumed_s']:.1f} s to training, {o['steps_lost']} steps lost")
+                rows.append(("recovery", f"{fault}: {system}", "", result))
+    return rows
+
+
+def render_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+    out = [line, "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def capacity_steps_table(c: dict) -> str:
+    header = ("N", "sessions", "hold s", "recv/s", "sent/s", "ctl CPU%", "us/hb", "lag p50", "lag p99", "lag max",
+              "RSS MB", "gen CPU%", "other CPU0%", "SUSP ramp/hold/end", "ok")
+    rows = []
+    for s in c["steps"]:
+        rows.append((f"{s['nodes']:,}", f"{s['sessions_controller']:,}", f"{s['hold_s']:.0f}",
+                     f"{s['achieved_hz']:,.0f}",
+                     f"{s['generator_sent_hz']:,.0f}", f"{s['controller_cpu_pct']:.0f}",
+                     f"{s['us_per_heartbeat']:.0f}" if s["us_per_heartbeat"] else "-",
+                     f"{s['lag_p50_ms']:.1f}", f"{s['lag_p99_ms']:.1f}", f"{s['lag_max_ms']:.0f}",
+                     f"{s['controller_rss_mb']:.0f}", f"{s['generator_cpu_pct']:.0f}",
+                     f"{s.get('other_load_on_controller_core_pct', 0):.0f}",
+                     f"{s['ramp_suspect_or_down_events']}/{s['suspect_or_down_events']}/{s['suspect_or_down_now']}",
+                     "yes" if s["sustained"] else "NO"))
+    return render_table(header, rows)
+
+
+def report(results: dict) -> str:
+    m = results["machine"]
+    parts = ["", "=" * 100, "Phalanx benchmark results", "=" * 100,
+             f"machine: {m['cpu_count']} CPUs ({m['cpu_model']}), {m['memory_gb']} GB RAM, {m['platform']}, "
+             f"{m['python_impl']} {m['python']}, grpcio {m['grpcio']}",
+             f"run: {results['started']}, {'quick' if results['quick'] else 'full'}, {results['duration_s']:.0f} s",
+             ""]
+    c = results.get("capacity")
+    if c and "error" not in c and c["steps"]:
+        parts += [f"capacity steps ({c['placement']}; {c['generators']} generator process(es), "
+                  f"{c['sessions_per_channel']} node session(s) per TCP connection; each step measured over its "
+                  f"hold (>= {c['hold_s']:g} s) after a {c['settle_s']:g} s settle):",
+                  capacity_steps_table(c),
+                  "  recv/s = heartbeats the controller applied per second; sent/s = what the generator sent; "
+                  "ctl CPU% = controller process, % of one core;",
+                  "  us/hb = controller CPU per heartbeat received (at small N it includes fixed per-tick costs); "
+                  "lag = controller apply time - sent_unix_ns,",
+                  "  over its last 65,536 heartbeats; other CPU0% = CPU 0 time (user+system) used by processes other "
+                  "than the controller (kernel softirq not counted);",
+                  "  SUSP = node.state SUSPECT/DOWN events during the ramp / during the hold, and nodes SUSPECT or "
+                  "DOWN at the end of the hold.",
+                  f"  {c['criteria']}."]
+        if any(s["lag_window_includes_ramp"] for s in c["steps"]):
+            ramped = [f"{s['nodes']:,}" for s in c["steps"] if s["lag_window_includes_ramp"]]
+            parts.append(f"  note: the controller's lag window (last {capacity.LAG_WINDOW:,} heartbeats) reaches back "
+                         f"into the ramp at N={', '.join(ramped)}: those lag figures include registration time.")
+        disturbed = [f"{s['nodes']:,} ({s['other_load_on_controller_core_pct']:.0f}%)" for s in c["steps"]
+                     if s.get("other_load_on_controller_core_pct", 0) > 10]
+        if disturbed:
+            parts.append(f"  WARNING: other processes on this machine took more than 10% of the controller's core at "
+                         f"N={', '.join(disturbed)}; those steps measure a controller with less than a full core.")
+        if c.get("stopped_because"):
+            parts.append(f"  ramp stopped early: {c['stopped_because']}")
+        parts.append(f"  {c['note']}")
+        parts.append("")
+    d = results.get("detection")
+    if d and "error" not in d:
+        parts.append(f"detection: {d['note']}")
+        parts.append("")
+    parts.append(render_table(("benchmark", "figure", "goal", "result"), table_rows(results)))
+    if c and "error" not in c and c.get("first_unsustained_step"):
+        parts.append(f"capacity: N={c['first_unsustained_step']:,} was not sustained: {c['first_unsustained_why']}.")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    common.KEEP = args.keep
+    common.CHILD_ENV = ORIGINAL_ENV
+
+    def terminate(signum, frame):  # run the `finally` blocks that stop our processes
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started with SIGINT ignored
+    results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick,
+                     "benchmarks": args.benchmarks, "machine": machine()}
+    log(f"phalanx bench: {', '.join(args.benchmarks)} ({'quick' if args.quick else 'full'})")
+    t0 = time.monotonic()
+    try:
+        try:
+            import uvloop
+            uvloop.run(run_all(args, results))
+        except ImportError:
+            asyncio.run(run_all(args, results))
+    except KeyboardInterrupt:
+        log("interrupted; processes stopped")
+        results["interrupted"] = True
+    results["duration_s"] = round(time.monotonic() - t0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(report(results))
+    print(f"\nresults written to {out}")
+    failed = [name for name in args.benchmarks if "error" in results.get(name, {"error": ""})]
+    return 1 if failed or results.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
