@@ -8,7 +8,6 @@ that it is stale. A rank's "checkpoint committed" goes up to the controller at o
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from agent import unix_socket
 from phalanx import log
 from phalanx.v1 import local_pb2, local_pb2_grpc, node_pb2
 
@@ -99,14 +99,6 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
 
 async def serve(path: Path, service: LocalService) -> grpc.aio.Server:
     """Listen on the Unix socket `path` (mode 0660). Raises OSError if it cannot."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_socket():
-        path.unlink()
-    server = grpc.aio.server()
-    local_pb2_grpc.add_LocalServiceServicer_to_server(service, server)
-    if server.add_insecure_port(f"unix://{path}") == 0:
-        raise OSError(f"cannot listen on unix socket {path}")
-    await server.start()
-    os.chmod(path, 0o660)
+    server = await unix_socket.serve(path, lambda s: local_pb2_grpc.add_LocalServiceServicer_to_server(service, s))
     logger.info("local service for trainlib serving", socket=str(path))
     return server

@@ -10,12 +10,11 @@ as NVRx itself treats an unreachable checker.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 
+from agent import unix_socket
 from phalanx import log
 from phalanx.nvhcd import nvhcd_pb2, nvhcd_pb2_grpc
 from phalanx.v1 import common_pb2
@@ -51,18 +50,8 @@ class NvrxHealthService(nvhcd_pb2_grpc.HealthCheckServiceServicer):
 
 
 async def serve(path: str, service: NvrxHealthService) -> grpc.aio.Server:
-    """Listen on the Unix socket `path` (replacing a stale socket file). Raises OSError if it cannot."""
-    socket_path = Path(path)
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
-    if socket_path.is_socket():
-        socket_path.unlink()  # left by a previous agent; nothing else listens on our path
-    elif socket_path.exists():
-        raise OSError(f"{path} exists and is not a socket; refusing to replace it")
-    server = grpc.aio.server()
-    nvhcd_pb2_grpc.add_HealthCheckServiceServicer_to_server(service, server)
-    if server.add_insecure_port(f"unix://{socket_path}") == 0:
-        raise OSError(f"cannot listen on unix socket {path}")
-    await server.start()
-    os.chmod(socket_path, 0o660)
-    logger.info("NVRx node health check serving", socket=str(socket_path))
+    """Listen on the Unix socket `path` (mode 0660). Raises OSError if it cannot."""
+    server = await unix_socket.serve(path, lambda s: nvhcd_pb2_grpc.add_HealthCheckServiceServicer_to_server(
+        service, s))
+    logger.info("NVRx node health check serving", socket=path)
     return server

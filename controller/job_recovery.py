@@ -40,6 +40,8 @@ class RecoveryMixin:
                 target = pb.JOB_STATE_CHECKPOINTING if incident.predictable else pb.JOB_STATE_EVICTING
                 new = self._moved(job, target, incident.reason, incident=incident.reason,
                                   incident_predictable=incident.predictable)
+                del new.incident_nodes[:]
+                new.incident_nodes.extend(incident.nodes)
                 what = "predictable: checkpoint first" if incident.predictable else "sudden: resume from the last " \
                                                                                     "committed checkpoint"
                 await self._save(entry, new, self._event(
@@ -50,9 +52,25 @@ class RecoveryMixin:
         if gave_up:
             await self._stop_everywhere(job, job.generation)
 
-    async def _recover(self, entry, incident: recovery.Incident) -> None:
+    def resume_recoveries(self) -> None:
+        """After a controller restart: carry on with every recovery the previous process left half done.
+        A checkpoint in flight is abandoned (its ranks may be gone): it goes on from the eviction."""
+        for entry in self._jobs.values():
+            job = entry.job
+            if job.state in (pb.JOB_STATE_CHECKPOINTING, pb.JOB_STATE_EVICTING, pb.JOB_STATE_RENDEZVOUS,
+                             pb.JOB_STATE_RESTARTING):
+                incident = recovery.Incident("resumed", False, tuple(job.incident_nodes), job.incident or
+                                             "recovery resumed after a controller restart")
+                logger.info("resuming a recovery", job=job.id, state=pb.JobState.Name(job.state))
+                entry.recovering = asyncio.create_task(self._recover(entry, incident, resumed=True),
+                                                       name=f"recover-{job.id}")
+
+    async def _recover(self, entry, incident: recovery.Incident, resumed: bool = False) -> None:
         try:
-            await self._recover_steps(entry, incident)
+            if resumed:
+                await self._resume_steps(entry, incident)
+            else:
+                await self._recover_steps(entry, incident)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -60,6 +78,20 @@ class RecoveryMixin:
             async with self._lock:
                 if entry.job.state in (pb.JOB_STATE_CHECKPOINTING, pb.JOB_STATE_EVICTING, pb.JOB_STATE_RENDEZVOUS):
                     await self._finish(entry, pb.JOB_STATE_FAILED, f"recovery failed: {e}", 1)
+
+    async def _resume_steps(self, entry, incident: recovery.Incident) -> None:
+        job = entry.job
+        if job.state == pb.JOB_STATE_RENDEZVOUS:
+            await self._rendezvous_and_restart(entry, incident, job.generation)
+            return
+        if job.state != pb.JOB_STATE_EVICTING:
+            async with self._lock:
+                await self._save(entry, self._moved(job, pb.JOB_STATE_EVICTING, "resuming recovery after a controller "
+                                                    "restart"),
+                                 self._event("job.evicting", f"{job.id}: controller restarted during "
+                                             f"{pb.JobState.Name(job.state).removeprefix('JOB_STATE_')}; evicting "
+                                             f"again", job.id))
+        await self._evict_then_restart(entry, incident, entry.job.generation)
 
     async def _recover_steps(self, entry, incident: recovery.Incident) -> None:
         cfg = self.recovery_cfg
@@ -76,12 +108,21 @@ class RecoveryMixin:
                 await self._save(entry, self._moved(entry.job, pb.JOB_STATE_EVICTING, note),
                                  self._event("job.evicting", f"{job.id}: {note}; evicting "
                                              f"{', '.join(incident.nodes) or 'nothing (restart in place)'}", job.id))
+        await self._evict_then_restart(entry, incident, generation)
+
+    async def _evict_then_restart(self, entry, incident: recovery.Incident, generation: int) -> None:
+        job = entry.job
         await self._evict(entry, incident, generation)
         async with self._lock:
             await self._save(entry, self._moved(entry.job, pb.JOB_STATE_RENDEZVOUS, "choosing the next generation's "
                                                 "nodes"),
                              self._event("job.rendezvous", f"{job.id}: generation {generation} stopped; choosing "
                                          "nodes for the next", job.id))
+        await self._rendezvous_and_restart(entry, incident, generation)
+
+    async def _rendezvous_and_restart(self, entry, incident: recovery.Incident, generation: int) -> None:
+        cfg = self.recovery_cfg
+        job = entry.job
         nodes, spares, how = await self._next_nodes(entry, incident)
         delay = recovery.backoff(entry.job.restarts, cfg)
         await asyncio.sleep(delay)

@@ -92,6 +92,7 @@ class Controller:
         self._tasks.append(asyncio.create_task(
             periodic("health", HEALTH_TICK_S, self.registry.health_tick), name="health"))
         self._tasks.append(asyncio.create_task(self.jobs.run(), name="scheduler"))
+        self.jobs.resume_recoveries()
         logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()))
         return self.port
 

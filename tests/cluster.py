@@ -66,6 +66,12 @@ class Cluster:
         os.kill(proc.pid, sig)
         proc.wait(timeout=TIMEOUT_S)
 
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run `phalanx ARGS...` against this cluster's controller, as a user would."""
+        env = {**os.environ, "PHALANX_CONTROLLER": self.address}
+        return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+
     def states(self) -> dict[str, str]:
         try:
             reply = self.control.ListNodes(control_pb2.ListNodesRequest(), timeout=5)

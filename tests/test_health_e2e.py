@@ -1,9 +1,6 @@
 """Faults injected through the CLI into a real cluster: verdict, drain, event, NVRx answer."""
 
 import json
-import os
-import subprocess
-import sys
 
 import grpc
 
@@ -12,9 +9,7 @@ from phalanx.v1 import common_pb2, control_pb2
 
 
 def phalanx(cluster, *args):
-    env = {**os.environ, "PHALANX_CONTROLLER": cluster.address}
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+    return cluster.cli(*args, timeout=60)
 
 
 def health(cluster, node):

@@ -1,9 +1,7 @@
 """Gang jobs on a real 4-node local cluster, with real torch (gloo, CPU) ranks."""
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,9 +14,7 @@ NODES = ["node-a", "node-b", "node-c", "node-d"]
 
 
 def phalanx(cluster, *args, timeout=180):
-    env = {**os.environ, "PHALANX_CONTROLLER": cluster.address}
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return cluster.cli(*args, timeout=timeout)
 
 
 def job(cluster, job_id):
@@ -136,3 +132,18 @@ def test_bad_submissions(four):
         assert result.returncode == code, (args, result.stderr)
         assert message in result.stderr, (args, result.stderr)
     assert phalanx(four, "jobs", "--json").stdout.strip() == "[]"
+
+
+def test_jobs_survive_a_controller_restart(four):
+    job_id = submit(four, "--nodes", "2", "--", sys.executable, TRAIN, "--steps", "100000", "--step-time", "0.05")
+    four.wait_for(lambda: running_ranks(four, job_id), "ranks running")
+    pids = [r["pid"] for r in job(four, job_id)["ranks"]]
+    four.kill("controller", signal.SIGKILL)
+    four.start_controller('[jobs]\nstop_grace_s = 5.0\n')
+    four.wait_for(lambda: all(four.node(n).connected for n in NODES), "agents reconnected")
+    time.sleep(2.0)  # a few heartbeats with rank reports
+    j = job(four, job_id)
+    assert j["state"] == "RUNNING" and j["generation"] == 1
+    assert [r["pid"] for r in j["ranks"]] == pids and all(psutil.pid_exists(p) for p in pids)
+    assert phalanx(four, "cancel", job_id).returncode == 0
+    assert phalanx(four, "wait", job_id).returncode == 1

@@ -20,9 +20,7 @@ STEPS = 300
 
 
 def phalanx(cluster, *args, timeout=300):
-    env = {**os.environ, "PHALANX_CONTROLLER": cluster.address}
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return cluster.cli(*args, timeout=timeout)
 
 
 def job(cluster, job_id):
@@ -134,3 +132,20 @@ def test_a_killed_agent_is_a_lost_node_and_the_job_restarts(cluster4, tmp_path, 
     j = finish(cluster4, job_id, out, reference)
     incident = next(e for e in events(cluster4, job_id) if e["kind"] == "job.incident")["message"]
     assert "node-lost" in incident and victim in j["evicted"]
+
+
+def test_a_controller_killed_during_recovery_finishes_it_after_restart(cluster4, tmp_path, reference):
+    job_id, out = start(cluster4, tmp_path)
+    victim = job(cluster4, job_id)["nodes"][1]
+    assert phalanx(cluster4, "inject", victim, "--gpu", "0", "xid=79").returncode == 0
+    cluster4.wait_for(lambda: job(cluster4, job_id)["state"] not in ("RUNNING",), "recovery under way")
+    cluster4.kill("controller", signal.SIGKILL)
+    cluster4.start_controller("[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n")
+    waited = phalanx(cluster4, "wait", job_id)
+    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster4, job_id))
+    assert waited.returncode == 0, story
+    j = job(cluster4, job_id)
+    assert j["state"] == "SUCCEEDED" and victim in j["evicted"], story
+    generations = [e["message"] for e in events(cluster4, job_id) if e["kind"] == "job.running"]
+    assert len(generations) == len(set(generations)) == j["generation"]  # no generation ran twice
+    assert out.read_text().strip() == reference

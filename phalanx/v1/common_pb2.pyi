@@ -459,7 +459,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable")
+    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable", "incident_nodes")
     ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -481,6 +481,7 @@ class Job(_message.Message):
     STATE_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_PREDICTABLE_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_NODES_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: JobState
@@ -502,4 +503,5 @@ class Job(_message.Message):
     state_since_unix_ns: int
     phase_times: _containers.RepeatedCompositeFieldContainer[PhaseTime]
     incident_predictable: bool
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ...) -> None: ...
+    incident_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
