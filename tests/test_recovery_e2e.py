@@ -149,3 +149,15 @@ def test_a_controller_killed_during_recovery_finishes_it_after_restart(cluster4,
     generations = [e["message"] for e in events(cluster4, job_id) if e["kind"] == "job.running"]
     assert len(generations) == len(set(generations)) == j["generation"]  # no generation ran twice
     assert out.read_text().strip() == reference
+
+
+def test_a_checkpoint_request_and_its_acknowledgement_go_through_the_agents(cluster4, tmp_path):
+    job_id, _ = start(cluster4, tmp_path)
+    result = phalanx(cluster4, "checkpoint", job_id, "--deadline", "60")
+    assert result.returncode == 0, result.stderr
+    step = int(result.stdout.split("every rank committed step ")[1].split()[0])
+    manifest = json.loads((tmp_path / "ckpt" / f"step-{step:09d}" / "MANIFEST.json").read_text())
+    assert manifest["step"] == step and manifest["world_size"] == 2
+    assert f"checkpointed step {step}" in phalanx(cluster4, "logs", job_id, "--rank", "1").stdout
+    assert job(cluster4, job_id)["state"] == "RUNNING"  # a checkpoint on request does not stop the job
+    assert phalanx(cluster4, "cancel", job_id).returncode == 0
