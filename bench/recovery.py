@@ -104,8 +104,9 @@ def torchrun_trial(fault: str, root: Path) -> dict:
             workers[0].send_signal(signal.SIGKILL)
         elif fault == "hang":
             workers[0].send_signal(signal.SIGSTOP)
-        else:
+        else:  # the whole node: its elastic agent and its worker (which torchrun starts in a session of its own)
             _kill_tree(procs[1].pid, signal.SIGKILL)
+            workers[0].send_signal(signal.SIGKILL)
         return _measure(read, fault_at)
     finally:
         for p in procs:

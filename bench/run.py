@@ -212,6 +212,10 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             for system, o in systems.items():
                 result = ("never" if o.get("resumed_s") is None else
                           f"{o['resumed_s']:.1f} s to training, {o['steps_lost']} steps lost")
+                if o.get("seconds_in_state"):
+                    states = {k: v for k, v in o["seconds_in_state"].items()
+                              if k in ("CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING")}
+                    result += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in states.items()) + ")"
                 rows.append(("recovery", f"{fault}: {system}", "", result))
     return rows
 
