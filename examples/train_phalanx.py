@@ -32,6 +32,7 @@ def main() -> int:
                         "each): compute that a slowed-down (duty-cycled) rank really takes longer for")
     parser.add_argument("--every", type=int, default=0, help="also checkpoint every N steps (0 = only on request)")
     parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
+    parser.add_argument("--print-every", type=int, default=10, help="rank 0 prints the loss every N steps")
     args = parser.parse_args()
 
     ctx = trainlib.init()  # before init_process_group: it sets the NCCL watchdog defaults
@@ -68,8 +69,8 @@ def main() -> int:
         if trainlib.checkpoint_requested() or (args.every and (step + 1) % args.every == 0):
             trainlib.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
             print(f"rank {ctx.rank}: checkpointed step {step}", flush=True)
-        if ctx.rank == 0 and step % 10 == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+        if ctx.rank == 0 and step % args.print_every == 0:
+            print(f"step {step} loss {loss.item():.4f} at {time.time():.3f}", flush=True)
     digest = hashlib.sha256(repr([p.detach().tolist() for p in model.parameters()]).encode()).hexdigest()
     if ctx.rank == 0 and args.out:
         with open(args.out, "w") as f:
