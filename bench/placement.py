@@ -21,8 +21,9 @@ import statistics
 import time
 
 from bench.common import log
-from controller.cluster_topology import ClusterTopology, parse_topology_conf
+from controller.cluster_topology import ClusterTopology
 from controller.placement import Candidate, GangRequest, Placement, place
+from controller.topology_conf import parse_topology_conf
 
 GOAL_MS = 50.0
 SEED = 1024

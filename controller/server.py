@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from controller.cluster_topology import ClusterTopology, TopologyError, flat, from_labels, merged, parse_topology_conf
+from controller.cluster_topology import ClusterTopology, TopologyError, flat, from_labels, merged
 from controller.config import ControllerConfig
 from controller.control_service import ControlService
 from controller.events import EventHub
@@ -18,6 +18,7 @@ from controller.node_service import NodeService
 from controller.registry import Registry
 from controller.rendezvous import RendezvousService
 from controller.store.base import Store
+from controller.topology_conf import parse_topology_conf
 from phalanx import log
 from phalanx.clock import Clock, RealClock
 from phalanx.rpc import SERVER_OPTIONS

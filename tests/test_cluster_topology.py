@@ -10,13 +10,12 @@ from controller.cluster_topology import (
     ClusterTopology,
     TopologyConfError,
     TopologyError,
-    expand_hostlist,
     flat,
     from_labels,
     merged,
-    parse_topology_conf,
 )
 from controller.errors import ControllerError
+from controller.topology_conf import expand_hostlist, parse_topology_conf
 
 SLURM_GUIDE = """\
 # topology.conf

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.cluster_topology import ClusterTopology, parse_topology_conf
+from controller.cluster_topology import ClusterTopology
 from controller.errors import InvalidArgument
 from controller.health import Health
 from controller.placement import (
@@ -20,6 +20,7 @@ from controller.placement import (
     place,
 )
 from controller.states import NodeState
+from controller.topology_conf import parse_topology_conf
 
 # --- builders ---------------------------------------------------------------------------------------
 
