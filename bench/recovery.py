@@ -13,6 +13,7 @@ within the observation window. For Phalanx also the time spent in each recovery 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -109,6 +110,9 @@ def torchrun_trial(fault: str, root: Path) -> dict:
             workers[0].send_signal(signal.SIGKILL)
         return _measure(read, fault_at)
     finally:
+        for worker in locals().get("workers", []):  # in sessions of their own: the agent's group misses them
+            with contextlib.suppress(psutil.Error):
+                worker.kill()
         for p in procs:
             _kill_tree(p.pid, signal.SIGKILL)
             p.wait()
