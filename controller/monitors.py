@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from controller.config import RecoveryConfig
 
+WARMUP_STEPS = 10  # a generation's first steps say nothing about a rank's speed
+
 
 @dataclass
 class RankTrack:
@@ -28,7 +30,8 @@ class RankTrack:
     last_advance: float = 0.0  # monotonic time the step number last moved (or the rank started)
     last_report: float = 0.0  # monotonic time trainlib in the rank last reported (steps or not)
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # per report: mean step time
-    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step
+    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step, after the warm-up
+    samples_seen: int = 0
 
     def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float,
                 steps: int = 1) -> None:
@@ -37,7 +40,9 @@ class RankTrack:
             self.last_step, self.last_advance = last_step, now
         if mean_step_s > 0:
             self.step_s.append(mean_step_s)
-        self.compute_s.extend(compute_samples)
+        skip = max(0, WARMUP_STEPS - self.samples_seen)  # first steps: imports, allocator, connection set-up
+        self.samples_seen += len(compute_samples)
+        self.compute_s.extend(compute_samples[skip:])
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import random
 
 from controller.config import RecoveryConfig
-from controller.monitors import RankTrack, hung, stragglers
+from controller.monitors import WARMUP_STEPS, RankTrack, hung, stragglers
 
 CFG = RecoveryConfig()
 
@@ -45,6 +45,9 @@ def test_a_rank_that_never_steps_gets_the_startup_allowance():
 
 
 def feed(t, steps, slow_rank=None, factor=1.0, noise=0.05, seed=0):
+    """`steps` steps after the warm-up (whose samples the detector ignores)."""
+    for track in t.values():
+        track.samples_seen = max(track.samples_seen, WARMUP_STEPS)
     rng = random.Random(seed)
     for step in range(steps):
         for rank, track in t.items():
@@ -105,3 +108,13 @@ def test_a_tiny_compute_is_never_a_straggler():
         for rank, track in t.items():
             track.observe(step, 0.01, [0.0015 * (1.3 if rank == 2 else 1.0) * rng.lognormvariate(0, 0.02)], step)
     assert stragglers(t, CFG) == []  # 30% slower, but by half a millisecond: noise on any real machine
+
+
+def test_the_warm_up_steps_are_ignored():
+    t = tracks(2)
+    for step in range(10):  # a slow first few steps on rank 1 (imports, first all-reduce)
+        t[0].observe(step, 0.1, [0.1], step)
+        t[1].observe(step, 0.1, [0.5], step)
+    assert [len(tr.compute_s) for tr in t.values()] == [0, 0]
+    feed(t, 20)
+    assert stragglers(t, CFG) == []
