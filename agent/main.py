@@ -27,7 +27,7 @@ from agent.collectors.topology import parse_cpulist, read_topology
 from agent.link import Link
 from agent.local_server import LocalState
 from agent.supervisor import Supervisor
-from phalanx import __version__, faults, log
+from phalanx import __version__, faults, log, sdnotify
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 from phalanx.v1 import common_pb2, node_pb2
@@ -200,9 +200,14 @@ class Agent:
                     lambda: self.link.state.health, lambda: self.link.state.connected))
             except OSError as e:
                 logger.warning("NVRx node health check not served", socket=self.cfg.nvrx_socket, error=str(e))
+        sdnotify.notify(f"READY=1\nSTATUS=node {self.name}, controller {self.cfg.controller}")
+        watchdog = asyncio.create_task(sdnotify.watchdog()) if sdnotify.watchdog_interval_s() else None
         try:
             await self.link.run(stop)
         finally:
+            sdnotify.notify("STOPPING=1")
+            if watchdog is not None:
+                watchdog.cancel()
             if local is not None:
                 await local.stop(1.0)
             if nvrx is not None:

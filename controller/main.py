@@ -13,7 +13,7 @@ from controller.cluster_topology import TopologyError
 from controller.errors import StoreError
 from controller.server import Controller
 from controller.store.sqlite import SqliteStore
-from phalanx import __version__, log
+from phalanx import __version__, log, sdnotify
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 
@@ -43,8 +43,14 @@ async def serve(cfg: controller_config.ControllerConfig) -> None:
     # Thousands of long-lived node records: keep them out of the garbage collector's full passes,
     # whose pauses would otherwise stall every heartbeat at once.
     gc.freeze()
+    sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.listen}")
+    watchdog = asyncio.create_task(sdnotify.watchdog()) if sdnotify.watchdog_interval_s() else None
     await stop.wait()
+    sdnotify.notify("STOPPING=1")
+    if watchdog is not None:
+        watchdog.cancel()
     await controller.stop()
+
 
 
 def main(argv: list[str] | None = None) -> int:
