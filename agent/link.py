@@ -33,8 +33,6 @@ class LinkState:
     incarnation: int = 0
     state: int = common_pb2.NODE_STATE_UNSPECIFIED
     drain_reason: str = ""
-    sessions: int = 0
-    heartbeats_sent: int = 0
     health: common_pb2.NodeHealth | None = None  # the controller's latest verdict on this node
 
 
@@ -123,7 +121,7 @@ class Link:
         self._outbox.clear()
         self._outbox.extend(kept)
         s = self.state
-        s.connected, s.incarnation, s.sessions = True, reply.incarnation, s.sessions + 1
+        s.connected, s.incarnation = True, reply.incarnation
         s.state, s.drain_reason = reply.state, reply.drain_reason
         logger.info("session open", controller=self.controller, incarnation=reply.incarnation,
                     state=common_pb2.NodeState.Name(reply.state), drain_reason=reply.drain_reason,
@@ -146,7 +144,6 @@ class Link:
                     heartbeat.seq = self._seq
                     heartbeat.sent_unix_ns = time.time_ns()
                     await asyncio.wait_for(call.write(node_pb2.AgentMessage(heartbeat=heartbeat)), DEFAULT_TIMEOUT_S)
-                    self.state.heartbeats_sent += 1
                     next_at += interval
                     if next_at < loop.time():  # we were paused (SIGSTOP, overload): do not burst
                         next_at = loop.time()

@@ -30,18 +30,12 @@ from agent.supervisor import Supervisor
 from phalanx import __version__, faults, log, sdnotify
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
+from phalanx.ports import free_port
 from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
 logger = log.get("agent")
-
-
-def free_port() -> int:
-    """A TCP port free on this node right now (MASTER_PORT for a new generation)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def health_digest(gpus: list[common_pb2.GpuTelemetry], host: common_pb2.HostTelemetry) -> int:
@@ -127,7 +121,7 @@ class Agent:
                 return node_pb2.CommandResult(ok=True, message=self.supervisor.stop(
                     stop.job, stop.generation, stop.grace_s or self.cfg.stop_grace_s))
             if body == "reserve_port":
-                return node_pb2.CommandResult(ok=True, port=free_port())
+                return node_pb2.CommandResult(ok=True, port=free_port(""))  # reachable from other nodes
             if body == "read_log":
                 return self._read_log(command.read_log)
             if body == "checkpoint":

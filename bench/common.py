@@ -9,7 +9,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from phalanx.ports import free_port  # noqa: F401 - the benchmarks take it from here
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,12 +46,6 @@ def temp_root(prefix: str):
 def log(message: str) -> None:
     """A progress line (stderr is left to the processes; progress goes to stdout, flushed)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def controller_toml(address: str, root: Path) -> str:

@@ -90,10 +90,6 @@ class Placement:
     lower_bound: int
     degraded: tuple[str, ...] = ()
 
-    def summary(self) -> str:
-        return (f"{len(self.nodes)} nodes on {len(self.leaves)} leaves (lower bound {self.lower_bound}) "
-                f"under {self.domain}, {len(self.spares)} spares, {len(self.degraded)} DEGRADED")
-
 
 @dataclass(frozen=True)
 class Unplaceable:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from phalanx.errors import PhalanxError
+from phalanx.ports import free_port
 from phalanx.rpc import DEFAULT_TIMEOUT_S
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
@@ -82,12 +82,6 @@ def controller_address() -> str | None:
     if not procs:
         return None
     return next((p.address for p in procs if p.role == "controller"), None)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def controller_config(address: str, root: Path) -> str:
