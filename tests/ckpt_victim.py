@@ -128,5 +128,7 @@ if __name__ == "__main__":
         serve(sys.argv[2])
     elif sys.argv[1] == "dcp":
         dcp_rank(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        sys.stdout.flush()
+        os._exit(0)  # torch 2.13 gloo sometimes aborts in static destructors at exit
     else:
         sys.exit(f"usage: {sys.argv[0]} serve ROOT | dcp ROOT RANK WORLD PORT")

@@ -50,6 +50,8 @@ with open(os.path.join(out, f"done-{dist.get_rank()}"), "w") as f:
     json.dump({"sum": value.item(), "world": dist.get_world_size(), "master_port": os.environ["MASTER_PORT"],
                "attempt": attempt, "group_rank": int(os.environ["GROUP_RANK"])}, f)
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # torch 2.13 gloo sometimes aborts in static destructors at exit
 """
 
 
