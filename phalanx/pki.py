@@ -1,0 +1,166 @@
+"""The cluster's certificate authority: `phalanx certs init` and `phalanx certs issue NAME`.
+
+One CA per cluster signs three kinds of certificate, told apart by the subject's organizational
+unit (OU) and the extended key usage:
+
+- ``controller`` — serverAuth, with subject alternative names for every address agents and users
+  dial (``--san``); the controller presents it.
+- ``node`` — clientAuth; the common name (CN) is the node name, and the controller only lets that
+  node register under that name.
+- ``client`` — clientAuth, for operators and tools on the control API (and torchrun's rendezvous).
+
+Keys are ECDSA P-256, written 0600; certificates 0644. Nothing existing is ever overwritten: a
+second `init` or a repeated `issue` is refused with the path, so a cluster never loses its CA by a
+slip of the keyboard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.errors import PhalanxError
+
+ROLES = ("node", "client", "controller")
+DEFAULT_DIR = "/etc/phalanx/pki"
+CA_DAYS = 3650
+LEAF_DAYS = 825  # the longest validity browsers still accept; rotate with `issue` under a new name
+
+
+class PkiError(PhalanxError):
+    """A certificate operation that cannot be done, said so a person can fix it."""
+
+
+@dataclass(frozen=True)
+class Issued:
+    cert: Path
+    key: Path
+    not_after: datetime.datetime
+
+
+def _x509():
+    # cryptography is only needed by the commands that make certificates; the daemons read PEM files.
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError:  # pragma: no cover - a packaging fault, not a user error
+        raise PkiError("the `cryptography` package is not installed: pip install 'cryptography>=42'") from None
+    return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    """Create path with mode (never replacing a file), durably."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _refuse_existing(*paths: Path) -> None:
+    for path in paths:
+        if path.exists():
+            raise PkiError(f"{path} already exists; refusing to overwrite it (move it away first)")
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def init_ca(directory: str | Path, cluster: str = "phalanx", days: int = CA_DAYS) -> Issued:
+    """Create ca.crt and ca.key in directory (made 0700 if missing)."""
+    x509, hashes, serialization, ec, _, NameOID = _x509()
+    d = Path(directory)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cert_path, key_path = d / "ca.crt", d / "ca.key"
+    _refuse_existing(cert_path, key_path)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, cluster),
+                      x509.NameAttribute(NameOID.COMMON_NAME, f"{cluster} cluster CA")])
+    now = _now()
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()), 0o600)
+    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return Issued(cert_path, key_path, cert.not_valid_after_utc)
+
+
+def _load_ca(d: Path):
+    x509, _, serialization, _, _, _ = _x509()
+    cert_path, key_path = d / "ca.crt", d / "ca.key"
+    if not cert_path.exists() or not key_path.exists():
+        raise PkiError(f"no cluster CA in {d} (ca.crt and ca.key): run `phalanx certs init --dir {d}` first")
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    except (ValueError, TypeError) as e:
+        raise PkiError(f"cannot read the CA in {d}: {e}") from None
+    except PermissionError as e:
+        raise PkiError(f"cannot read the CA in {d}: {e.strerror} (run as the user who owns {key_path})") from None
+    return cert, key
+
+
+def _san_entries(x509, names: list[str]):
+    entries = []
+    for name in names:
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            entries.append(x509.DNSName(name))
+    return entries
+
+
+def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str, ...] = (),
+          days: int = LEAF_DAYS) -> Issued:
+    """Create NAME.crt and NAME.key signed by the CA in directory."""
+    if role not in ROLES:
+        raise PkiError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    if not name or "/" in name or name.startswith("."):
+        raise PkiError(f"bad certificate name {name!r}: a node or user name without '/'")
+    x509, hashes, serialization, ec, EKU, NameOID = _x509()
+    d = Path(directory)
+    ca_cert, ca_key = _load_ca(d)
+    cert_path, key_path = d / f"{name}.crt", d / f"{name}.key"
+    _refuse_existing(cert_path, key_path)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME,
+                                            ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    usage = [EKU.SERVER_AUTH, EKU.CLIENT_AUTH] if role == "controller" else [EKU.CLIENT_AUTH]
+    # gRPC checks the name it dials against the SANs; a controller is also reachable by its own name.
+    alt_names = list(dict.fromkeys([name, *sans])) if role == "controller" else [name]
+    now = _now()
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
+                                            crl_sign=False, content_commitment=False, data_encipherment=False,
+                                            key_agreement=True, encipher_only=False, decipher_only=False),
+                              critical=True)
+               .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+               .add_extension(x509.SubjectAlternativeName(_san_entries(x509, alt_names)), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                              critical=False))
+    cert = builder.sign(ca_key, hashes.SHA256())
+    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()), 0o600)
+    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return Issued(cert_path, key_path, cert.not_valid_after_utc)
