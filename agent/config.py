@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import grp
 import re
 import socket
 from dataclasses import dataclass
 
 from phalanx import config
 from phalanx.config import positive, require, section, setting
+from phalanx.errors import ConfigError
 from phalanx.log import LEVELS
 
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -36,6 +38,28 @@ class ReconnectConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    insecure: bool = setting(False, "plaintext gRPC to the controller: only for a trial on loopback (`phalanx "
+                             "local up` sets it); otherwise mutual TLS with the files below")
+    ca_file: str = setting("/etc/phalanx/pki/ca.crt", "the cluster CA that signed the controller's certificate")
+    cert_file: str = setting("/etc/phalanx/pki/node.crt", "this node's certificate (`phalanx certs issue NODE`); "
+                             "its name must be this node's name")
+    key_file: str = setting("/etc/phalanx/pki/node.key", "this node's private key (mode 0600)")
+    server_name: str = setting("", "the name to expect in the controller's certificate when it is not the host "
+                               "in `controller` (e.g. dialling by IP address)")
+    socket_group: str = setting("", "group allowed to use the trainlib and NVRx sockets (mode 0660), e.g. the "
+                                "group the ranks run as; empty = the agent's own group")
+
+    def __post_init__(self) -> None:
+        if self.socket_group:
+            try:
+                grp.getgrnam(self.socket_group)
+            except KeyError:
+                raise ConfigError(f"security.socket_group ({self.socket_group!r}) is not a group on this host") \
+                    from None
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     node_name: str = setting("", "this node's name in the cluster (default: the short hostname)")
     controller: str = setting("127.0.0.1:7370", "host:port of the controller")
@@ -53,6 +77,7 @@ class AgentConfig:
     nvrx_socket: str = setting("/run/phalanx/nvhcd.sock", "Unix socket serving NVRx's node health check "
                                "(nvhcd.HealthCheckService); empty = off")
     labels: dict[str, str] = setting({}, "free-form labels reported to the controller (rack, switch, block)")
+    security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
 
     def __post_init__(self) -> None:
         if self.node_name:

@@ -45,6 +45,8 @@ class Link:
         heartbeat: Callable[[], node_pb2.Heartbeat],
         backoff: Backoff,
         on_command: Callable[[node_pb2.Command], node_pb2.CommandResult] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
     ) -> None:
         self.node_name = node_name
         self.controller = controller
@@ -52,6 +54,8 @@ class Link:
         self._heartbeat = heartbeat
         self._backoff = backoff
         self._on_command = on_command
+        self._credentials = credentials  # None: plaintext (security.insecure)
+        self._options = [*CLIENT_OPTIONS, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
         self.state = LinkState()
         self._seq = 0
         self._outbox: deque[node_pb2.AgentMessage] = deque(maxlen=MAX_QUEUED)
@@ -89,7 +93,9 @@ class Link:
                 pass
 
     async def _session(self, stop: asyncio.Event) -> None:
-        async with grpc.aio.insecure_channel(self.controller, options=CLIENT_OPTIONS) as channel:
+        channel = (grpc.aio.insecure_channel(self.controller, options=CLIENT_OPTIONS) if self._credentials is None
+                   else grpc.aio.secure_channel(self.controller, self._credentials, options=self._options))
+        async with channel:
             stub = node_pb2_grpc.NodeServiceStub(channel)
             reply = await stub.Register(
                 node_pb2.RegisterRequest(node_name=self.node_name, inventory=self._inventory()),

@@ -97,8 +97,9 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         return local_pb2.CheckpointDoneReply()
 
 
-async def serve(path: Path, service: LocalService) -> grpc.aio.Server:
+async def serve(path: Path, service: LocalService, group: str = "") -> grpc.aio.Server:
     """Listen on the Unix socket `path` (mode 0660). Raises OSError if it cannot."""
-    server = await unix_socket.serve(path, lambda s: local_pb2_grpc.add_LocalServiceServicer_to_server(service, s))
+    server = await unix_socket.serve(
+        path, lambda s: local_pb2_grpc.add_LocalServiceServicer_to_server(service, s), group)
     logger.info("local service for trainlib serving", socket=str(path))
     return server

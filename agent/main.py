@@ -13,6 +13,8 @@ import time
 import zlib
 from pathlib import Path
 
+import grpc
+
 from agent import config as agent_config
 from agent import local_server
 from agent import nvrx as nvrx_service
@@ -27,7 +29,7 @@ from agent.collectors.topology import parse_cpulist, read_topology
 from agent.link import Link
 from agent.local_server import LocalState
 from agent.supervisor import Supervisor
-from phalanx import __version__, faults, log, sdnotify
+from phalanx import __version__, faults, log, sdnotify, tls
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 from phalanx.ports import free_port
@@ -58,7 +60,8 @@ def health_digest(gpus: list[common_pb2.GpuTelemetry], host: common_pb2.HostTele
 class Agent:
     """Wires collectors to the link. Everything it reports is read fresh from the collectors."""
 
-    def __init__(self, cfg: agent_config.AgentConfig, backend: gpu.GpuBackend) -> None:
+    def __init__(self, cfg: agent_config.AgentConfig, backend: gpu.GpuBackend,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.backend = backend
@@ -83,7 +86,8 @@ class Agent:
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None
         self._dcgm_seen: set[tuple[int, str]] = set()
         self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
-                         Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command)
+                         Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command,
+                         credentials=credentials, server_name=cfg.security.server_name)
 
     def inventory(self) -> common_pb2.NodeInventory:
         inventory = common_pb2.NodeInventory()
@@ -183,7 +187,7 @@ class Agent:
                            ranks=",".join(r.key for r in adopted))
         try:
             local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", local_server.LocalService(
-                self.local, self.supervisor.current_generation, self.link.send))
+                self.local, self.supervisor.current_generation, self.link.send), group=self.cfg.security.socket_group)
         except OSError as e:
             local = None
             logger.error("local service for trainlib not served; ranks run without it", error=str(e))
@@ -191,7 +195,8 @@ class Agent:
         if self.cfg.nvrx_socket:
             try:
                 nvrx = await nvrx_service.serve(self.cfg.nvrx_socket, nvrx_service.NvrxHealthService(
-                    lambda: self.link.state.health, lambda: self.link.state.connected))
+                    lambda: self.link.state.health, lambda: self.link.state.connected),
+                    group=self.cfg.security.socket_group)
             except OSError as e:
                 logger.warning("NVRx node health check not served", socket=self.cfg.nvrx_socket, error=str(e))
         sdnotify.notify(f"READY=1\nSTATUS=node {self.name}, controller {self.cfg.controller}")
@@ -219,7 +224,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def serve(cfg: agent_config.AgentConfig) -> int:
+def link_credentials(cfg: agent_config.AgentConfig) -> grpc.ChannelCredentials | None:
+    """Mutual TLS credentials from the configured files; None when security.insecure. Raises ConfigError."""
+    sec = cfg.security
+    if sec.insecure:
+        logger.warning("security.insecure = true: the session to the controller is plaintext and unauthenticated",
+                       controller=cfg.controller)
+        return None
+    try:
+        identity = tls.Identity.load(sec.ca_file, sec.cert_file, sec.key_file)
+    except ConfigError as e:
+        raise ConfigError(f"security: {e}") from None
+    if identity.expires_soon():
+        logger.warning("this node's certificate expires soon", cert=sec.cert_file, not_after=str(identity.not_after))
+    return tls.channel_credentials(identity.ca, identity.cert, identity.key)
+
+
+async def serve(cfg: agent_config.AgentConfig, credentials: grpc.ChannelCredentials | None = None) -> int:
     try:
         backend, note = gpu.select(cfg.gpu.backend, cfg.gpu.sim_count, cfg.name)
     except gpu.GpuBackendError as e:
@@ -230,7 +251,7 @@ async def serve(cfg: agent_config.AgentConfig) -> int:
             Path(directory).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             logger.warning("cannot create directory", path=directory, error=str(e))
-    agent = Agent(cfg, backend)
+    agent = Agent(cfg, backend, credentials)
     logger.info("agent starting", node=agent.name, controller=cfg.controller, gpu=note, version=__version__)
     agent.link.emit("started", f"agent {__version__} started on {agent.name}: {note}",
                     gpus=str(len(backend.inventory())))
@@ -258,11 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log.configure(cfg.log_level, cfg.log_format)
     try:
+        credentials = link_credentials(cfg)
+    except ConfigError as e:
+        print(f"{PROG}: config error: {e}", file=sys.stderr)
+        return 2
+    try:
         import uvloop
         runner = uvloop.run
     except ImportError:  # uvloop is Linux/macOS only; asyncio works, just slower
         runner = asyncio.run
-    return runner(serve(cfg))
+    return runner(serve(cfg, credentials))
 
 
 if __name__ == "__main__":

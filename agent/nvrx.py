@@ -49,9 +49,9 @@ class NvrxHealthService(nvhcd_pb2_grpc.HealthCheckServiceServicer):
         return answer(self._verdict(), self._connected())
 
 
-async def serve(path: str, service: NvrxHealthService) -> grpc.aio.Server:
+async def serve(path: str, service: NvrxHealthService, group: str = "") -> grpc.aio.Server:
     """Listen on the Unix socket `path` (mode 0660). Raises OSError if it cannot."""
     server = await unix_socket.serve(path, lambda s: nvhcd_pb2_grpc.add_HealthCheckServiceServicer_to_server(
-        service, s))
+        service, s), group)
     logger.info("NVRx node health check serving", socket=path)
     return server

@@ -49,12 +49,13 @@ def log(message: str) -> None:
 
 
 def controller_toml(address: str, root: Path) -> str:
-    return f'listen = "{address}"\nstate_db = "{root / "c.db"}"\n'
+    return f'listen = "{address}"\nstate_db = "{root / "c.db"}"\nsecurity.insecure = true  # loopback\n'
 
 
 def agent_toml(name: str, address: str, root: Path, gpus: int = 8) -> str:
     node = root / name
     return (f'node_name = "{name}"\ncontroller = "{address}"\nstate_dir = "{node / "state"}"\n'
+            'security.insecure = true\n'
             f'checkpoint_dir = "{node / "checkpoints"}"\n\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n')
 
 

@@ -121,7 +121,7 @@ def torchrun_trial(fault: str, root: Path) -> dict:
 # -- Phalanx -------------------------------------------------------------------------------------
 
 def _cli(address: str, *args: str) -> str:
-    env = {**os.environ, "PHALANX_CONTROLLER": address}
+    env = {**os.environ, "PHALANX_CONTROLLER": address, "PHALANX_INSECURE": "1"}  # loopback
     return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
                           timeout=120, env=env).stdout
 

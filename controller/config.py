@@ -105,6 +105,33 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    insecure: bool = setting(False, "plaintext gRPC with no authentication at all: only for a trial on loopback "
+                             "(`phalanx local up` sets it); otherwise mutual TLS with the files below")
+    ca_file: str = setting("/etc/phalanx/pki/ca.crt", "the cluster CA (`phalanx certs init`); every agent and "
+                           "client certificate must be signed by it")
+    cert_file: str = setting("/etc/phalanx/pki/controller.crt", "the controller's certificate (`phalanx certs "
+                             "issue controller --role controller --san HOST`)")
+    key_file: str = setting("/etc/phalanx/pki/controller.key", "the controller's private key (mode 0600)")
+    tokens_file: str = setting("", "file of 'NAME TOKEN' lines; a token may stand in for a client certificate on "
+                               "the control API and rendezvous, on token_listen; empty = no tokens")
+    token_listen: str = setting("", "host:port of a second, TLS-only port (no client certificate asked) for "
+                                "clients with a token; empty = off. Agents can never register there")
+
+    def __post_init__(self) -> None:
+        require(not self.token_listen or bool(self.tokens_file),
+                "security.token_listen is set but security.tokens_file is empty: a token port needs tokens")
+        if self.token_listen:
+            _host_port("security.token_listen", self.token_listen)
+
+
+def _host_port(key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    require(bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) < 65536,
+            f"{key} ({value!r}) must be host:port, e.g. 0.0.0.0:7370")
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     listen: str = setting("0.0.0.0:7370", "host:port the gRPC server listens on (node and control services)")
     state_db: str = setting("/var/lib/phalanx/controller.db", "SQLite database with nodes, drains and events")
@@ -115,11 +142,10 @@ class ControllerConfig:
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
     recovery: RecoveryConfig = section(RecoveryConfig, "detecting hangs and stragglers; restarting jobs")
+    security: SecurityConfig = section(SecurityConfig, "mutual TLS, tokens, and who may call what")
 
     def __post_init__(self) -> None:
-        host, sep, port = self.listen.rpartition(":")
-        require(bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) < 65536,
-                f"listen ({self.listen!r}) must be host:port, e.g. 0.0.0.0:7370")
+        _host_port("listen", self.listen)
         require(self.max_events >= 1000, f"max_events ({self.max_events}) must be at least 1000")
 
 

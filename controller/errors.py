@@ -19,6 +19,10 @@ class FailedPrecondition(ControllerError):
     """The request is well-formed but the system is not in a state that allows it."""
 
 
+class PermissionDenied(ControllerError):
+    """The caller is authenticated but not allowed to do this (e.g. a node acting as another)."""
+
+
 class IllegalTransition(ControllerError):
     """A state change the transition table does not allow: a bug in a caller, never user input."""
 

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     try:
         runner(serve(cfg))
+    except ConfigError as e:  # found when the daemon reads the files the config names (certificates)
+        print(f"{PROG}: config error: {e}", file=sys.stderr)
+        return 2
     except (StoreError, TopologyError, OSError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from controller import validation
+from controller import auth, validation
 from controller.errors import ControllerError, InvalidArgument
 from controller.jobs import JobManager
 from controller.registry import NodeEntry, Registry
@@ -28,6 +28,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
     @unary
     async def Register(self, request: node_pb2.RegisterRequest, context: grpc.aio.ServicerContext):
         name = validation.node_name(request.node_name)
+        auth.require_node(name)
         if not request.HasField("inventory"):
             raise InvalidArgument("inventory is missing")
         validation.inventory(request.inventory)
@@ -51,6 +52,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             if first.WhichOneof("body") != "open":
                 raise InvalidArgument("the first session message must be `open` (SessionOpen)")
             name = validation.node_name(first.open.node_name)
+            auth.require_node(name)
             entry = self._registry.attach(name, first.open.incarnation, session)
         except ControllerError as e:
             await context.abort(status_for(e), str(e))

@@ -8,7 +8,14 @@ from typing import Any, TypeVar
 
 import grpc
 
-from controller.errors import ControllerError, FailedPrecondition, InvalidArgument, NotFound, StoreError
+from controller.errors import (
+    ControllerError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    StoreError,
+)
 from controller.validation import request_size
 from phalanx import log
 
@@ -18,6 +25,7 @@ _CODES: list[tuple[type[ControllerError], grpc.StatusCode]] = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
 ]
 

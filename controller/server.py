@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from controller import auth
 from controller.cluster_topology import ClusterTopology, TopologyError, flat, from_labels, merged
 from controller.config import ControllerConfig
 from controller.control_service import ControlService
@@ -19,8 +20,9 @@ from controller.registry import Registry
 from controller.rendezvous import RendezvousService
 from controller.store.base import Store
 from controller.topology_conf import parse_topology_conf
-from phalanx import log
+from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
+from phalanx.errors import ConfigError
 from phalanx.rpc import SERVER_OPTIONS
 from phalanx.v1 import control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
 
@@ -70,20 +72,23 @@ class Controller:
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self.port = 0
+        self.token_port = 0
+        self._load_security()
 
     async def start(self) -> int:
         """Load state, bind, serve, start the loops. Returns the bound port."""
         await self.registry.load()
         await self.jobs.load()
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs), server)
         rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(RendezvousService(self.clock), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(self.cfg.listen)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.cfg.listen} (address in use, or not an address of this host)")
+        self.port = self._bind(server, self.cfg.listen, self._credentials)
+        if self.cfg.security.token_listen:
+            self.token_port = self._bind(server, self.cfg.security.token_listen,
+                                         tls.token_server_credentials(self._identity))
         await server.start()
         self._server = server
         for service in ("", *SERVICES):
@@ -94,8 +99,40 @@ class Controller:
             periodic("health", HEALTH_TICK_S, self.registry.health_tick), name="health"))
         self._tasks.append(asyncio.create_task(self.jobs.run(), name="scheduler"))
         self.jobs.resume_recoveries()
-        logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()))
+        logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()),
+                    security="insecure" if self.cfg.security.insecure else "mutual TLS",
+                    token_port=self.token_port or None)
         return self.port
+
+    def _load_security(self) -> None:
+        """Read certificates and tokens before anything binds: a bad file is a ConfigError naming it."""
+        sec = self.cfg.security
+        self._identity: tls.Identity | None = None
+        self._credentials: grpc.ServerCredentials | None = None
+        self._tokens = auth.load_tokens(sec.tokens_file)
+        if sec.insecure:
+            logger.warning("security.insecure = true: anyone who can reach the controller can register a node or "
+                           "submit a job; use it only on loopback", listen=self.cfg.listen)
+            return
+        try:
+            self._identity = tls.Identity.load(sec.ca_file, sec.cert_file, sec.key_file)
+        except ConfigError as e:
+            raise ConfigError(f"security: {e}") from None
+        if self._identity.expires_soon():
+            logger.warning("the controller's certificate expires soon", cert=sec.cert_file,
+                           not_after=str(self._identity.not_after))
+        self._credentials = tls.server_credentials(self._identity)
+
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [] if self.cfg.security.insecure else [auth.Authorizer(self._tokens)]
+
+    @staticmethod
+    def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
+        if port == 0:
+            raise OSError(f"cannot listen on {address} (address in use, or not an address of this host)")
+        return port
 
     def topology(self) -> ClusterTopology:
         """topology.conf where it names a node; the agents' labels (switch, spine, block) elsewhere.

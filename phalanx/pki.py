@@ -19,12 +19,14 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.errors import PhalanxError
 
 ROLES = ("node", "client", "controller")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # node names' rule; never ',' or '=' (see controller/auth)
 DEFAULT_DIR = "/etc/phalanx/pki"
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest validity browsers still accept; rotate with `issue` under a new name
@@ -70,7 +72,7 @@ def _refuse_existing(*paths: Path) -> None:
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def init_ca(directory: str | Path, cluster: str = "phalanx", days: int = CA_DAYS) -> Issued:
@@ -130,8 +132,9 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
     """Create NAME.crt and NAME.key signed by the CA in directory."""
     if role not in ROLES:
         raise PkiError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
-    if not name or "/" in name or name.startswith("."):
-        raise PkiError(f"bad certificate name {name!r}: a node or user name without '/'")
+    if not _NAME.fullmatch(name):
+        raise PkiError(f"bad certificate name {name!r}: 1-63 letters, digits, '.', '_' or '-', starting with a "
+                       "letter or digit (a node's name, or a user's)")
     x509, hashes, serialization, ec, EKU, NameOID = _x509()
     d = Path(directory)
     ca_cert, ca_key = _load_ca(d)

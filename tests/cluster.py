@@ -16,17 +16,32 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from phalanx.cli.local import free_port
 from phalanx.cli.render import state_name
+from phalanx.pki import issue
+from phalanx.tls import channel_credentials
 from phalanx.v1 import control_pb2, control_pb2_grpc
 
 TIMEOUT_S = 60.0  # generous: CI machines are shared and slow; tests never assert on these timings
 
 
 class Cluster:
-    def __init__(self, root: Path) -> None:
+    """Plaintext by default (`insecure = true` in every config); with `pki`, a directory holding a cluster CA,
+    mutual TLS: the controller, each agent and the test's own client get certificates issued from it."""
+
+    def __init__(self, root: Path, pki: Path | None = None) -> None:
         self.root = root
         self.address = f"127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
-        self._channel = grpc.insecure_channel(self.address)
+        self.pki = pki
+        if pki is None:
+            self._channel = grpc.insecure_channel(self.address)
+        else:
+            for name, role, sans in (("controller", "controller", ("127.0.0.1", "localhost")),
+                                     ("operator", "client", ())):
+                if not (pki / f"{name}.crt").exists():
+                    issue(pki, name, role, sans)
+            creds = channel_credentials((pki / "ca.crt").read_bytes(), (pki / "operator.crt").read_bytes(),
+                                        (pki / "operator.key").read_bytes())
+            self._channel = grpc.secure_channel(self.address, creds)
         self.control = control_pb2_grpc.ControlServiceStub(self._channel)
         self.health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -42,7 +57,8 @@ class Cluster:
 
     def start_controller(self, extra: str = "") -> subprocess.Popen:
         proc = self._spawn("controller", "controller.main",
-                           f'listen = "{self.address}"\nstate_db = "{self.root / "controller.db"}"\n{extra}')
+                           f'listen = "{self.address}"\nstate_db = "{self.root / "controller.db"}"\n{extra}\n'
+                           + self._security(extra, "controller"))
         self.wait_for(self._serving, "controller serving")
         return proc
 
@@ -54,12 +70,24 @@ class Cluster:
             return False
 
     def start_agent(self, name: str, gpus: int = 2, extra: str = "") -> subprocess.Popen:
+        """`extra`: top-level keys, then any sections of its own (not [gpu] or [reconnect])."""
         node = self.root / name
-        return self._spawn(name, "agent.main", extra + (
+        return self._spawn(name, "agent.main", (
             f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
-            f'checkpoint_dir = "{node / "ckpt"}"\nnvrx_socket = "{node / "nvhcd.sock"}"\n'
+            f'checkpoint_dir = "{node / "ckpt"}"\nnvrx_socket = "{node / "nvhcd.sock"}"\n{extra}\n'
             f'[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'
-            "[reconnect]\nmax_backoff_s = 1.0\n"))
+            "[reconnect]\nmax_backoff_s = 1.0\n" + self._security(extra, name)))
+
+    def _security(self, extra: str, name: str) -> str:
+        """The [security] section for a daemon's config, unless the test wrote its own."""
+        if "[security]" in extra:
+            return ""
+        if self.pki is None:
+            return "[security]\ninsecure = true\n"
+        if not (self.pki / f"{name}.crt").exists():
+            issue(self.pki, name, "node")
+        return (f'[security]\nca_file = "{self.pki / "ca.crt"}"\ncert_file = "{self.pki / f"{name}.crt"}"\n'
+                f'key_file = "{self.pki / f"{name}.key"}"\n')
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
@@ -69,6 +97,11 @@ class Cluster:
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """Run `phalanx ARGS...` against this cluster's controller, as a user would."""
         env = {**os.environ, "PHALANX_CONTROLLER": self.address}
+        if self.pki is None:
+            env["PHALANX_INSECURE"] = "1"
+        else:
+            env.update(PHALANX_CA=str(self.pki / "ca.crt"), PHALANX_CERT=str(self.pki / "operator.crt"),
+                       PHALANX_KEY=str(self.pki / "operator.key"))
         return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
                               timeout=timeout, env=env)
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,8 +93,12 @@ def test_no_controller_is_a_clear_error(home):
     assert result.stderr.strip() == ("phalanx: error: no controller: pass --controller HOST:PORT, set "
                                      "PHALANX_CONTROLLER, or start a local cluster with `phalanx local up --nodes N`")
     port = local.free_port()
-    unreachable = phalanx("--controller", f"127.0.0.1:{port}", "nodes", env=home)
+    unreachable = phalanx("--insecure", "--controller", f"127.0.0.1:{port}", "nodes", env=home)
     assert unreachable.returncode == 1
     assert unreachable.stderr.startswith(f"phalanx: error: cannot reach the controller at 127.0.0.1:{port}")
-    via_env = phalanx("nodes", env={**home, "PHALANX_CONTROLLER": f"127.0.0.1:{port}"})
+    via_env = phalanx("nodes", env={**home, "PHALANX_CONTROLLER": f"127.0.0.1:{port}", "PHALANX_INSECURE": "1"})
     assert via_env.returncode == 1 and f"127.0.0.1:{port}" in via_env.stderr
+    # a named controller is TLS unless told otherwise: without the cluster CA, say where it was looked for
+    no_ca = phalanx("--controller", f"127.0.0.1:{port}", "--ca", str(Path(home["PHALANX_HOME"]) / "ca.crt"), "nodes",
+                    env=home)
+    assert no_ca.returncode == 1 and "ca.crt: no such file (make one with `phalanx certs`" in no_ca.stderr

@@ -49,10 +49,11 @@ def test_daemons_say_ready_ping_the_watchdog_and_say_stopping(tmp_path, module):
     port = free_port()
     config = tmp_path / "c.toml"
     if module == "controller.main":
-        config.write_text(f'listen = "127.0.0.1:{port}"\nstate_db = "{tmp_path / "c.db"}"\n')
+        config.write_text(f'listen = "127.0.0.1:{port}"\nstate_db = "{tmp_path / "c.db"}"\nsecurity.insecure = true\n')
     else:  # an agent whose controller is not there: it still comes up and keeps trying
         config.write_text(f'node_name = "n1"\ncontroller = "127.0.0.1:{port}"\nstate_dir = "{tmp_path / "s"}"\n'
-                          f'checkpoint_dir = "{tmp_path / "c"}"\nnvrx_socket = ""\n[gpu]\nbackend = "sim"\n')
+                          f'checkpoint_dir = "{tmp_path / "c"}"\nnvrx_socket = ""\nsecurity.insecure = true\n'
+                          '[gpu]\nbackend = "sim"\n')
     env = {**os.environ, "NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "1000000"}
     proc = subprocess.Popen([sys.executable, "-m", module, "--config", str(config)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

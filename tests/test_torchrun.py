@@ -55,6 +55,12 @@ os._exit(0)  # torch 2.13 gloo sometimes aborts in static destructors at exit
 """
 
 
+@pytest.fixture(autouse=True)
+def plaintext(monkeypatch):
+    """The test controller runs with insecure = true; the handler must be told (PHALANX_INSECURE)."""
+    monkeypatch.setenv("PHALANX_INSECURE", "1")
+
+
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory):
     from tests.cluster import Cluster
@@ -223,6 +229,7 @@ def run_two_nodes(address: str, run_id: str, tmp_path: Path, *extra: str, env: d
     (tmp_path / "train.py").write_text(WORKER)
     (tmp_path / "out").mkdir()
     environ = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+               "PHALANX_INSECURE": "1",
                **(env or {})}
     command = [*torchrun(), "--rdzv-backend=phalanx", f"--rdzv-endpoint={address}", f"--rdzv-id={run_id}",
                "--nnodes=2", "--nproc-per-node=2", *extra, "train.py"]

@@ -131,14 +131,15 @@ class PhalanxRendezvousHandler(RendezvousHandler):
     """One torchrun agent's side of the rendezvous. Every RPC carries a deadline."""
 
     def __init__(self, config: PluginConfig) -> None:
-        import grpc
-
         from phalanx.rpc import CLIENT_OPTIONS
+        from phalanx.tls import ClientSecurity
         from phalanx.v1 import rendezvous_pb2_grpc
 
         self.config = config
         self.participant_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._channel = grpc.insecure_channel(config.target, options=CLIENT_OPTIONS)
+        # Mutual TLS (or a token) from PHALANX_CA / PHALANX_CERT / PHALANX_KEY / PHALANX_TOKEN, as for the CLI;
+        # plaintext only with PHALANX_INSECURE=1.
+        self._channel = ClientSecurity.from_env().channel(config.target, CLIENT_OPTIONS)
         self._stub = rendezvous_pb2_grpc.RendezvousServiceStub(self._channel)
         self._round = 0
         self._attempt = 0  # next_rendezvous calls: lets the controller tell a retried Join from a new one

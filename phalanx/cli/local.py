@@ -85,7 +85,8 @@ def controller_address() -> str | None:
 
 
 def controller_config(address: str, root: Path) -> str:
-    return (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\n')
+    # Plaintext on loopback, for trying things out: a fleet runs mutual TLS (`phalanx certs`).
+    return (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\n\n[security]\ninsecure = true\n')
 
 
 def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str]) -> str:
@@ -93,7 +94,7 @@ def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, l
     lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
              f'checkpoint_dir = "{node / "checkpoints"}"', f'nvrx_socket = "{node / "nvhcd.sock"}"',
              "", "[gpu]", f'backend = "{backend}"',
-             f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0"]
+             f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0", "", "[security]", "insecure = true"]
     if labels:
         lines += ["", "[labels]", *[f'{k} = "{v}"' for k, v in labels.items()]]
     return "\n".join(lines) + "\n"

@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import grpc
 
-from phalanx import __version__, faults
+from phalanx import __version__, faults, pki, tls
 from phalanx.cli import local, render
 from phalanx.errors import PhalanxError
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
+from phalanx.tls import ClientSecurity
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 PROG = "phalanx"
@@ -33,18 +34,26 @@ class CliError(PhalanxError):
 
 
 def controller_address(args: argparse.Namespace) -> str:
-    if args.controller:
-        return args.controller
-    if env := os.environ.get("PHALANX_CONTROLLER"):
-        return env
-    if address := local.controller_address():
-        return address
-    raise CliError("no controller: pass --controller HOST:PORT, set PHALANX_CONTROLLER, or start a local cluster "
-                   "with `phalanx local up --nodes N`")
+    return _target(args)[0]
+
+
+def _target(args: argparse.Namespace) -> tuple[str, ClientSecurity]:
+    """The controller's address and how to reach it: the flags, then the environment, then the local cluster
+    (which is plaintext on loopback)."""
+    address = args.controller or os.environ.get("PHALANX_CONTROLLER")
+    if not address:
+        if local_address := local.controller_address():
+            return local_address, ClientSecurity(insecure=True)
+        raise CliError("no controller: pass --controller HOST:PORT, set PHALANX_CONTROLLER, or start a local "
+                       "cluster with `phalanx local up --nodes N`")
+    security = ClientSecurity.from_env(insecure=args.insecure or None, ca_file=args.ca, cert_file=args.cert,
+                                       key_file=args.key)
+    return address, security
 
 
 def control_stub(args: argparse.Namespace) -> tuple[grpc.Channel, control_pb2_grpc.ControlServiceStub]:
-    channel = grpc.insecure_channel(controller_address(args), options=CLIENT_OPTIONS)
+    address, security = _target(args)
+    channel = security.channel(address, CLIENT_OPTIONS)
     return channel, control_pb2_grpc.ControlServiceStub(channel)
 
 
@@ -63,11 +72,29 @@ def rpc_error(e: grpc.RpcError, args: argparse.Namespace) -> CliError:
     code = e.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return CliError(f"the controller at {controller_address(args)} does not know you: {e.details()}")
     exit_code = USAGE if code == grpc.StatusCode.INVALID_ARGUMENT else FAILED
     return CliError(f"{e.details()} ({code.name})", exit_code)
 
 
 # -- commands ------------------------------------------------------------------------------------
+
+def cmd_certs_init(args: argparse.Namespace) -> int:
+    issued = pki.init_ca(args.dir, args.cluster, args.days)
+    print(f"cluster CA: {issued.cert} (key {issued.key}, mode 0600), valid until {issued.not_after:%Y-%m-%d}")
+    print(f"next: phalanx certs issue controller --role controller --san HOST --dir {args.dir}")
+    return OK
+
+
+def cmd_certs_issue(args: argparse.Namespace) -> int:
+    if args.san and args.role != "controller":
+        raise CliError("--san is only for --role controller (node and client certificates carry their name)", USAGE)
+    issued = pki.issue(args.dir, args.name, args.role, tuple(args.san), args.days)
+    print(f"{args.role} certificate: {issued.cert} (key {issued.key}, mode 0600), valid until "
+          f"{issued.not_after:%Y-%m-%d}")
+    return OK
+
 
 def cmd_local_up(args: argparse.Namespace) -> int:
     local.up(args.nodes, args.gpus_per_node, args.gpu_backend)
@@ -270,8 +297,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Phalanx: keep multi-node GPU training alive.")
     parser.add_argument("--controller", metavar="HOST:PORT",
                         help="controller address (default: $PHALANX_CONTROLLER, then the local cluster)")
+    parser.add_argument("--ca", metavar="FILE", help="the cluster CA (default: $PHALANX_CA, then "
+                        f"{tls.DEFAULT_PKI_DIR}/ca.crt)")
+    parser.add_argument("--cert", metavar="FILE", help="client certificate (default: $PHALANX_CERT); a token in "
+                        "$PHALANX_TOKEN or $PHALANX_TOKEN_FILE may stand in for it on the controller's token port")
+    parser.add_argument("--key", metavar="FILE", help="the client certificate's key (default: $PHALANX_KEY)")
+    parser.add_argument("--insecure", action="store_true", help="plaintext, no TLS (a controller with "
+                        "insecure = true; default: $PHALANX_INSECURE)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p_certs = sub.add_parser("certs", help="the cluster CA and certificates for mutual TLS")
+    certs_sub = p_certs.add_subparsers(dest="certs_command", metavar="ACTION", required=True)
+    p = certs_sub.add_parser("init", help="create the cluster CA (ca.crt, ca.key) in DIR")
+    p.add_argument("--dir", default=os.environ.get("PHALANX_PKI", tls.DEFAULT_PKI_DIR),
+                   help="where certificates live (default: $PHALANX_PKI, then %(default)s)")
+    p.add_argument("--cluster", default="phalanx", help="the cluster's name, in every certificate (default phalanx)")
+    p.add_argument("--days", type=_positive, default=pki.CA_DAYS, help="validity (default %(default)s)")
+    p.set_defaults(func=cmd_certs_init)
+    p = certs_sub.add_parser("issue", help="issue NAME.crt and NAME.key signed by the cluster CA",
+                             description="Roles: node (an agent; NAME must be the node's name), client (the CLI "
+                             "and tools), controller (the server; give every address agents dial with --san).")
+    p.add_argument("name", help="node name, user or tool name, or the controller's name")
+    p.add_argument("--role", choices=pki.ROLES, default="node", help="what the certificate is for (default node)")
+    p.add_argument("--san", action="append", default=[], metavar="HOST",
+                   help="controller only: a DNS name or IP address agents and users dial (repeatable)")
+    p.add_argument("--dir", default=os.environ.get("PHALANX_PKI", tls.DEFAULT_PKI_DIR),
+                   help="where the CA is and the files go (default: $PHALANX_PKI, then %(default)s)")
+    p.add_argument("--days", type=_positive, default=pki.LEAF_DAYS, help="validity (default %(default)s)")
+    p.set_defaults(func=cmd_certs_issue)
 
     p_local = sub.add_parser("local", help="a whole cluster on loopback")
     local_sub = p_local.add_subparsers(dest="local_command", metavar="ACTION", required=True)

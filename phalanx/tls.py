@@ -1,0 +1,175 @@
+"""Transport security shared by every Phalanx process: PEM files → gRPC credentials.
+
+The controller speaks mutual TLS: every agent and every client presents a certificate signed by the
+cluster CA (`phalanx certs`). A client without a certificate may instead use a bearer token on the
+controller's token port (TLS without a client certificate). Plaintext is only ever used when a
+config or the caller says ``insecure`` explicitly — the local cluster on loopback does.
+
+Files are checked when a daemon starts, so a missing, unreadable, expired or mismatched file is one
+line naming the file, not a failed handshake minutes later.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from phalanx.errors import ConfigError
+
+DEFAULT_PKI_DIR = "/etc/phalanx/pki"
+EXPIRY_WARNING = datetime.timedelta(days=30)
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """The bytes of a PEM file, or ConfigError naming it and saying what to do."""
+    if not path:
+        raise ConfigError(f"no {what} file configured")
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path}: no such file (make one with `phalanx certs`; plaintext on loopback "
+                          "needs insecure = true in a daemon's config, or PHALANX_INSECURE=1 for a client)") from None
+    except PermissionError:
+        raise ConfigError(f"{what} {path}: permission denied (the daemon's user must be able to read it)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path}: is a directory, not a PEM file") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{what} {path}: not a PEM file")
+    return data
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A certificate and its key (PEM), checked against each other and the CA."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    not_after: datetime.datetime | None
+
+    @classmethod
+    def load(cls, ca_file: str, cert_file: str, key_file: str) -> Identity:
+        ca = read_pem(ca_file, "CA certificate")
+        cert = read_pem(cert_file, "certificate")
+        key = read_pem(key_file, "private key")
+        return cls(ca, cert, key, _check(ca, cert, key, cert_file, key_file))
+
+    def expires_soon(self, now: datetime.datetime | None = None) -> bool:
+        now = now or datetime.datetime.now(datetime.UTC)
+        return self.not_after is not None and self.not_after - now < EXPIRY_WARNING
+
+
+def _check(ca: bytes, cert: bytes, key: bytes, cert_file: str, key_file: str) -> datetime.datetime | None:
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+    except ImportError:  # the handshake will check instead
+        return None
+    try:
+        ca_cert = x509.load_pem_x509_certificate(ca)
+        leaf = x509.load_pem_x509_certificate(cert)
+    except ValueError as e:
+        raise ConfigError(f"certificate {cert_file}: cannot be parsed: {e}") from None
+    try:
+        private = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"private key {key_file}: cannot be used (encrypted keys are not supported): {e}") from None
+    if private.public_key() != leaf.public_key():
+        raise ConfigError(f"private key {key_file} does not belong to certificate {cert_file}")
+    now = datetime.datetime.now(datetime.UTC)
+    if leaf.not_valid_after_utc < now:
+        raise ConfigError(f"certificate {cert_file} expired on {leaf.not_valid_after_utc:%Y-%m-%d}; issue a new "
+                          "one with `phalanx certs issue NAME`")
+    if leaf.issuer != ca_cert.subject:
+        raise ConfigError(f"certificate {cert_file} was not issued by the CA in the configured ca_file "
+                          f"({leaf.issuer.rfc4514_string()} is not {ca_cert.subject.rfc4514_string()})")
+    return leaf.not_valid_after_utc
+
+
+def server_credentials(identity: Identity) -> grpc.ServerCredentials:
+    """Mutual TLS: the peer must present a certificate signed by the cluster CA."""
+    return grpc.ssl_server_credentials([(identity.key, identity.cert)], root_certificates=identity.ca,
+                                       require_client_auth=True)
+
+
+def token_server_credentials(identity: Identity) -> grpc.ServerCredentials:
+    """TLS without a client certificate, for the token port: the caller proves itself with a token."""
+    return grpc.ssl_server_credentials([(identity.key, identity.cert)], require_client_auth=False)
+
+
+def channel_credentials(ca: bytes, cert: bytes | None = None, key: bytes | None = None,
+                        token: str | None = None) -> grpc.ChannelCredentials:
+    creds = grpc.ssl_channel_credentials(ca, key, cert)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return creds
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client (the CLI, torchrun's rendezvous handler) reaches the controller.
+
+    From the environment: ``PHALANX_INSECURE=1`` for plaintext; else TLS with ``PHALANX_CA``
+    (default /etc/phalanx/pki/ca.crt), a client certificate ``PHALANX_CERT`` + ``PHALANX_KEY`` and/or
+    a token from ``PHALANX_TOKEN`` or the file ``PHALANX_TOKEN_FILE``; ``PHALANX_SERVER_NAME`` when
+    the controller's certificate names it differently from the address dialled.
+    """
+
+    insecure: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    token: str = ""
+    server_name: str = ""
+
+    @classmethod
+    def from_env(cls, env: os._Environ[str] | dict[str, str] | None = None, **overrides: object) -> ClientSecurity:
+        env = os.environ if env is None else env
+        token = env.get("PHALANX_TOKEN", "")
+        if not token and env.get("PHALANX_TOKEN_FILE"):
+            token = read_token_file(env["PHALANX_TOKEN_FILE"])
+        values = {
+            "insecure": env.get("PHALANX_INSECURE", "") not in ("", "0", "false", "no"),
+            "ca_file": env.get("PHALANX_CA", f"{DEFAULT_PKI_DIR}/ca.crt"),
+            "cert_file": env.get("PHALANX_CERT", ""),
+            "key_file": env.get("PHALANX_KEY", ""),
+            "token": token,
+            "server_name": env.get("PHALANX_SERVER_NAME", ""),
+        }
+        values.update({k: v for k, v in overrides.items() if v not in (None, "")})
+        return cls(**values)  # type: ignore[arg-type]
+
+    def options(self) -> list[tuple[str, object]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name and not self.insecure else []
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """None for plaintext; raises ConfigError when files are missing or unusable."""
+        if self.insecure:
+            return None
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("a client certificate needs both PHALANX_CERT and PHALANX_KEY (or --cert and --key)")
+        ca = read_pem(self.ca_file, "CA certificate")
+        cert = key = None
+        if self.cert_file:
+            cert, key = read_pem(self.cert_file, "certificate"), read_pem(self.key_file, "private key")
+        return channel_credentials(ca, cert, key, self.token or None)
+
+    def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
+        creds = self.credentials()
+        if creds is None:
+            return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, creds, options=[*options, *self.options()])
+
+
+def read_token_file(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"token file {path}: {e.strerror}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(f"token file {path}: must hold one token (no spaces)")
+    return token
