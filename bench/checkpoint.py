@@ -9,9 +9,10 @@ discarded warm-up of each. Reported: median MB/s of both (MB = 10^6 bytes) and t
 >= 90 %, the same for the best run of each (less sensitive to other load on the machine, which is
 reported too), and how long `save_async` blocks the training loop (the CPU snapshot).
 
-Both writers share the disk; the checkpoint also spends CPU on torch.save's zip CRC32 and on sha256
-(about 1.4 GB/s on one core, hashed on a second thread while serializing), so on a machine with few
-cores and a fast disk the ratio is bounded by the hash.
+Both writers share the disk; the checkpoint also spends CPU on sha256 (about 1.4 GB/s on one core,
+hashed on a second thread while serializing), so on a machine with few cores and a fast disk the
+ratio is bounded by the hash. trainlib turns off torch.save's per-record CRC32 (the sha256 covers
+every byte); the plain torch.save reference keeps torch's default, CRC32 on.
 """
 
 from __future__ import annotations

@@ -84,6 +84,21 @@ class Loaded:
     generation: int  # the generation that committed the step
 
 
+def _torch_save(state: dict[str, Any], writer: Any) -> None:
+    """torch.save without its per-record CRC32: the shard's sha256, checked on load, already covers every
+    byte, and the CRC costs about a third of the write throughput. (The setting is process-wide while a
+    save runs; a torch.save elsewhere at that moment only goes without its CRC, which loads the same.)"""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch before 2.6
+        config = None
+    if config is None or not hasattr(getattr(config, "save", None), "compute_crc32"):
+        torch.save(state, writer)
+        return
+    with config.patch({"save.compute_crc32": False}):
+        torch.save(state, writer)
+
+
 class Checkpointer:
     """One rank's view of a checkpoint directory shared by all ranks of a job.
 
@@ -206,7 +221,7 @@ class Checkpointer:
     def _save_now(self, state: dict[str, Any], step: int) -> CommitResult:
         started = time.monotonic()
         name = f"rank-{self.rank:05d}.pt"
-        digest = write_atomic(self._begin_step(step) / name, lambda w: torch.save(state, w))
+        digest = write_atomic(self._begin_step(step) / name, lambda w: _torch_save(state, w))
         return self._commit(step, "torch", {name: digest}, started)
 
     def _begin_step(self, step: int) -> Path:
