@@ -26,6 +26,7 @@ from bench.common import (
     log,
     pin_this_process,
     process_running,
+    secure_controller_toml,
     temp_root,
     wait_serving,
 )
@@ -188,18 +189,33 @@ async def _state_changes(stub, after: int) -> tuple[int, dict[str, int]]:
 
 async def run(steps: list[int], hold_s: float, settle_s: float, generators: int, per_channel: int,
               budget_s: float, max_hold_s: float | None = None, ramp_timeout_s: float = 60.0,
-              open_concurrency: int = 16, gc_trace: bool = False) -> dict:
+              open_concurrency: int = 16, gc_trace: bool = False, tls: bool = False) -> dict:
+    """tls: the controller on mutual TLS and each simulated node with its own certificate (as in production);
+    otherwise plaintext."""
     with temp_root(prefix="phalanx-bench-capacity-") as tmp:
         root = Path(tmp)
         procs = Procs(root)
         before = os.sched_getaffinity(0)
         try:
+            pki = _make_pki(root / "pki", max(steps)) if tls else None
             return await _run(procs, root, steps, hold_s, settle_s, generators, per_channel, budget_s,
                               max_hold_s if max_hold_s is not None else hold_s, ramp_timeout_s, open_concurrency,
-                              gc_trace)
+                              gc_trace, pki)
         finally:
             procs.close()
             pin_this_process(before)
+
+
+def _make_pki(d: Path, nodes: int) -> Path:
+    from phalanx import pki
+    t0 = time.monotonic()
+    pki.init_ca(d, cluster="bench")
+    pki.issue(d, "controller", "controller", ("127.0.0.1",))
+    pki.issue(d, "operator", "client")
+    for gid in range(nodes):
+        pki.issue(d, f"bench-{gid:05d}", "node")
+    log(f"capacity: issued {nodes} node certificates in {time.monotonic() - t0:.1f} s")
+    return d
 
 
 def hold_for(n: int, hold_s: float, max_hold_s: float) -> float:
@@ -231,8 +247,12 @@ def _irq(times) -> float:
 
 async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle_s: float, generators: int,
                per_channel: int, budget_s: float, max_hold_s: float, ramp_timeout_s: float,
-               open_concurrency: int, gc_trace: bool) -> dict:
+               open_concurrency: int, gc_trace: bool, pki: Path | None = None) -> dict:
     t_begin = time.monotonic()
+    credentials = None
+    if pki is not None:
+        credentials = grpc.ssl_channel_credentials((pki / "ca.crt").read_bytes(), (pki / "operator.key").read_bytes(),
+                                                   (pki / "operator.crt").read_bytes())
     fd_limit = raise_fd_limit()
     # Each node session on its own TCP connection costs a descriptor in the controller and in a generator.
     max_nodes = (fd_limit - 1000) * per_channel
@@ -255,15 +275,17 @@ async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle
     address = f"127.0.0.1:{free_port()}"
     # --gc-trace: the same controller, run through bench/gcwrap.py, which logs its GC pauses.
     module = "bench.gcwrap" if gc_trace else "controller.main"
-    controller = procs.spawn("controller", module, controller_toml(address, root), cpu=ctrl_cpu)
-    await wait_serving(address, procs, controller.pid, "controller")
+    config = controller_toml(address, root) if pki is None else secure_controller_toml(address, root, pki)
+    controller = procs.spawn("controller", module, config, cpu=ctrl_cpu)
+    await wait_serving(address, procs, controller.pid, "controller", credentials=credentials)
     ctrl_ps = psutil.Process(controller.pid)
     gens = []
     for i in range(generators):
         name = f"loadgen-{i}"
         proc = await procs.spawn_piped(name, "bench.loadgen", (
             "--target", address, "--index", str(i), "--stride", str(generators), "--per-channel", str(per_channel),
-            "--concurrency", str(max(1, open_concurrency // generators))),
+            "--concurrency", str(max(1, open_concurrency // generators)),
+            *(("--pki", str(pki)) if pki is not None else ())),
             cpu=gen_cpu)
         gen = Generator(name, proc)
         try:
@@ -280,7 +302,9 @@ async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle
     stopped_because = ""
     # ListNodes of thousands of SUSPECT nodes is large: let it through.
     options = [("grpc.max_receive_message_length", 1 << 30)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
+    channel = (grpc.aio.insecure_channel(address, options=options) if credentials is None
+               else grpc.aio.secure_channel(address, credentials, options=options))
+    async with channel:
         stub = control_pb2_grpc.ControlServiceStub(channel)
         seq = 0
         register_rate = 0.0  # nodes/s of the previous ramp, to predict the next one

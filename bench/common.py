@@ -52,6 +52,12 @@ def controller_toml(address: str, root: Path) -> str:
     return f'listen = "{address}"\nstate_db = "{root / "c.db"}"\nsecurity.insecure = true  # loopback\n'
 
 
+def secure_controller_toml(address: str, root: Path, pki: Path) -> str:
+    """A controller on mutual TLS with the certificates in `pki` (bench/capacity.py's TLS comparison)."""
+    return (f'listen = "{address}"\nstate_db = "{root / "c.db"}"\n[security]\nca_file = "{pki / "ca.crt"}"\n'
+            f'cert_file = "{pki / "controller.crt"}"\nkey_file = "{pki / "controller.key"}"\n')
+
+
 def agent_toml(name: str, address: str, root: Path, gpus: int = 8) -> str:
     node = root / name
     return (f'node_name = "{name}"\ncontroller = "{address}"\nstate_dir = "{node / "state"}"\n'
@@ -192,9 +198,12 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-async def wait_serving(address: str, procs: Procs, pid: int, name: str, timeout_s: float = 60.0) -> None:
+async def wait_serving(address: str, procs: Procs, pid: int, name: str, timeout_s: float = 60.0,
+                       credentials: grpc.ChannelCredentials | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    channel = (grpc.aio.insecure_channel(address) if credentials is None
+               else grpc.aio.secure_channel(address, credentials))
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not process_running(pid):

@@ -24,6 +24,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -45,8 +46,10 @@ RECONNECT_MAX_S = 5.0
 
 
 class Gen:
-    def __init__(self, target: str, index: int, stride: int, per_channel: int, concurrency: int) -> None:
+    def __init__(self, target: str, index: int, stride: int, per_channel: int, concurrency: int,
+                 pki: str = "") -> None:
         self.target = target
+        self.pki = Path(pki) if pki else None  # mutual TLS: each node its own channel and certificate
         self.index = index  # this process is generator `index` of `stride`; it owns global ids index, index+stride, ...
         self.stride = stride
         self.per_channel = per_channel
@@ -69,7 +72,15 @@ class Gen:
         self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
         self.errors: list[str] = []
 
-    def _stub(self, local: int) -> node_pb2_grpc.NodeServiceStub:
+    def _stub(self, local: int, name: str) -> node_pb2_grpc.NodeServiceStub:
+        if self.pki is not None:  # a certificate names one node: one channel (TCP + TLS session) per node
+            creds = grpc.ssl_channel_credentials((self.pki / "ca.crt").read_bytes(),
+                                                 (self.pki / f"{name}.key").read_bytes(),
+                                                 (self.pki / f"{name}.crt").read_bytes())
+            options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+            channel = grpc.aio.secure_channel(self.target, creds, options=options)
+            self.channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
+            return self.channels[-1][1]
         i = local // self.per_channel
         while len(self.channels) <= i:
             # A local subchannel pool: each channel has its own TCP connection (the global pool would
@@ -107,7 +118,7 @@ class Gen:
         """One simulated agent: agent/link.py's loop (register, open, heartbeat; on any end, back off, again)."""
         gid = self.index + local * self.stride
         name = f"bench-{gid:05d}"
-        stub = self._stub(local)
+        stub = self._stub(local, name)
         sim = SimBackend(GPUS, name, seed=gid)
         inventory = common_pb2.NodeInventory(
             hostname=name, cpu_count=128, memory_total_bytes=2 * 1024**4, gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM,
@@ -257,7 +268,7 @@ def reply(obj: dict) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    gen = Gen(args.target, args.index, args.stride, args.per_channel, args.concurrency)
+    gen = Gen(args.target, args.index, args.stride, args.per_channel, args.concurrency, args.pki)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -307,6 +318,7 @@ def cli() -> None:
     parser.add_argument("--stride", type=int, default=1)
     parser.add_argument("--per-channel", type=int, default=50, help="node sessions per channel (TCP connection)")
     parser.add_argument("--concurrency", type=int, default=64, help="nodes registering/opening at once")
+    parser.add_argument("--pki", default="", help="mutual TLS: a directory with ca.crt and NODE.crt/NODE.key per node")
     args = parser.parse_args()
     try:
         import uvloop

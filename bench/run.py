@@ -28,10 +28,22 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 ORIGINAL_ENV = dict(os.environ)
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
-from bench import capacity, checkpoint, common, detection, footprint, health, hooks, placement, recovery  # noqa: E402
+from bench import (  # noqa: E402
+    capacity,
+    checkpoint,
+    common,
+    detection,
+    footprint,
+    health,
+    hooks,
+    placement,
+    recovery,
+    tls,
+)
 from bench.common import REPO, log, machine  # noqa: E402
 
-BENCHMARKS = ("detection", "footprint", "capacity", "health", "placement", "hooks", "checkpoint", "recovery")
+BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "recovery")
+TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
 QUICK_STEPS = [500, 2000]
 QUICK_MAX_HOLD_S = 35.0  # long enough that N=2000's lag window holds only its hold
@@ -108,6 +120,9 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = await capacity.run(args.steps, args.hold, args.settle, args.generators,
                                                    args.per_channel, budget, args.max_hold, args.ramp_timeout,
                                                    args.open_concurrency, args.gc_trace)
+            elif name == "tls":
+                results[name] = await tls.run(QUICK_TLS_NODES if args.quick else TLS_NODES, args.hold,
+                                              args.settle, budget_s=600.0)
         except Exception as e:
             log(f"{name} FAILED: {type(e).__name__}: {e}")
             traceback.print_exc(file=sys.stdout)
@@ -163,6 +178,17 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("capacity", "limited by", "", c["limited_by"]))
     elif c:
         rows.append(("capacity", "error", "", _first_line(c["error"])))
+    t = results.get("tls")
+    if t and "error" not in t:
+        rows.append(("tls", f"controller CPU per heartbeat, mTLS vs plaintext (N={t['nodes']:,})", "",
+                     f"{t['tls_us_per_heartbeat']:.0f} vs {t['plaintext_us_per_heartbeat']:.0f} us "
+                     f"= {t['cpu_ratio']:.2f}x"))
+        rows.append(("tls", "registrations/s in the ramp, mTLS vs plaintext", "",
+                     f"{t['tls_registrations_per_s']:.0f} vs {t['plaintext_registrations_per_s']:.0f} /s"))
+        rows.append(("tls", "heartbeat lag p99, mTLS vs plaintext", "",
+                     f"{t['tls_lag_p99_ms']:.1f} vs {t['plaintext_lag_p99_ms']:.1f} ms"))
+    elif t:
+        rows.append(("tls", "error", "", _first_line(t["error"])))
     rows += _later_rows(results)
     f = results.get("footprint")
     if f and "error" not in f:
