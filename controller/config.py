@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx import config
-from phalanx.config import positive, require, section, setting
+from phalanx.config import host_port, positive, require, section, setting
 from phalanx.log import LEVELS
 
 
@@ -111,6 +111,9 @@ class ControllerConfig:
     max_events: int = setting(100_000, "events kept in the log; older ones are pruned")
     log_level: str = setting("info", "debug, info, warning or error", choices=LEVELS)
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
+    metrics_listen: str = setting("", "host:port serving Prometheus metrics at /metrics over plain HTTP, e.g. "
+                                  "0.0.0.0:7371; empty = off, the default: the endpoint has no authentication, so "
+                                  "the operator picks the interface, and no fixed port collides with another daemon")
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
@@ -121,6 +124,8 @@ class ControllerConfig:
         require(bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) < 65536,
                 f"listen ({self.listen!r}) must be host:port, e.g. 0.0.0.0:7370")
         require(self.max_events >= 1000, f"max_events ({self.max_events}) must be at least 1000")
+        if self.metrics_listen:
+            host_port("metrics_listen", self.metrics_listen, "0.0.0.0:7371")
 
 
 def load(path: str | None) -> ControllerConfig:
