@@ -15,6 +15,7 @@ from pathlib import Path
 
 from agent import config as agent_config
 from agent import local_server
+from agent import metrics as agent_metrics
 from agent import nvrx as nvrx_service
 from agent.backoff import Backoff
 from agent.collectors import gpu
@@ -35,6 +36,7 @@ from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
+TELEMETRY_STALE_S = 5.0  # a scrape reads the last heartbeat's GPU readings, or sweeps anew when they are older
 logger = log.get("agent")
 
 
@@ -84,6 +86,10 @@ class Agent:
         self._dcgm_seen: set[tuple[int, str]] = set()
         self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
                          Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command)
+        self.xids = agent_metrics.XidTally()
+        self._gpus: list[common_pb2.GpuTelemetry] = []
+        self._gpus_at: float | None = None  # monotonic time of the last GPU sweep
+        self.last_host: common_pb2.HostTelemetry | None = None
 
     def inventory(self) -> common_pb2.NodeInventory:
         inventory = common_pb2.NodeInventory()
@@ -93,12 +99,19 @@ class Agent:
 
     def heartbeat(self) -> node_pb2.Heartbeat:
         host, gpus = self.host.sample(), self.backend.sample()
+        self.last_host, self._gpus, self._gpus_at = host, gpus, time.monotonic()
         if self.dcgm is not None:
             self._report_dcgm()
         self.supervisor.poll()
         return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
                                   health_digest=health_digest(gpus, host), nccl=self.nccl.scan(time.time_ns()),
                                   ranks=self.supervisor.statuses(), progress=self.local.drain())
+
+    def gpu_telemetry(self) -> list[common_pb2.GpuTelemetry]:
+        """The latest GPU readings for a scrape: the last heartbeat's, or a new sweep without recent heartbeats."""
+        if self._gpus_at is None or time.monotonic() - self._gpus_at > TELEMETRY_STALE_S:
+            self._gpus, self._gpus_at = self.backend.sample(), time.monotonic()
+        return self._gpus
 
     def _report_dcgm(self) -> None:
         """DCGM health incidents go to the event log, each once while it lasts."""
@@ -174,6 +187,7 @@ class Agent:
 
         def gpu_event(event: common_pb2.GpuEvent) -> None:  # any thread
             logger.warning("GPU event", gpu=event.gpu_index, xid=event.xid, message=event.message)
+            loop.call_soon_threadsafe(self.xids.record, event)
             loop.call_soon_threadsafe(self.link.send, node_pb2.AgentMessage(gpu_event=event))
 
         self.backend.start_events(gpu_event)
@@ -194,6 +208,9 @@ class Agent:
                     lambda: self.link.state.health, lambda: self.link.state.connected))
             except OSError as e:
                 logger.warning("NVRx node health check not served", socket=self.cfg.nvrx_socket, error=str(e))
+        metrics = agent_metrics.server(agent_metrics.view(self))
+        if self.cfg.metrics_listen:
+            await metrics.serve(self.cfg.metrics_listen)
         sdnotify.notify(f"READY=1\nSTATUS=node {self.name}, controller {self.cfg.controller}")
         watchdog = asyncio.create_task(sdnotify.watchdog()) if sdnotify.watchdog_interval_s() else None
         try:
@@ -206,6 +223,7 @@ class Agent:
                 await local.stop(1.0)
             if nvrx is not None:
                 await nvrx.stop(1.0)
+            await metrics.close()
             if self.dcgm is not None:
                 self.dcgm.close()
 
