@@ -41,14 +41,15 @@ logger = log.get("agent")
 
 
 def health_digest(gpus: list[common_pb2.GpuTelemetry], host: common_pb2.HostTelemetry) -> int:
-    """A number that changes whenever a health signal changes, and not with temperature, power or
-    load: the controller re-judges the node's health only when it does."""
+    """A number that changes whenever a health signal changes, and not with temperature, clocks, power
+    or load: the controller re-judges the node's health only when it does."""
     parts = []
     for reading in gpus:
         signals = common_pb2.GpuTelemetry()
         signals.CopyFrom(reading)
         hot = reading.HasField("slowdown_temperature_c") and reading.temperature_c >= reading.slowdown_temperature_c > 0
         signals.ClearField("temperature_c")
+        signals.ClearField("sm_clock_mhz")
         signals.ClearField("power_w")
         signals.ClearField("utilization_percent")
         signals.ClearField("memory_used_bytes")

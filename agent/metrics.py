@@ -34,6 +34,7 @@ MIB = 1024 * 1024
 # (metric, help, GpuTelemetry field, scale). Optional fields NVML does not support are left out.
 DCGM_GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temperature_c", 1),
+    ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", "sm_clock_mhz", 1),
     ("DCGM_FI_DEV_SLOWDOWN_TEMP", "Slowdown temperature threshold (in C).", "slowdown_temperature_c", 1),
     ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w", 1),
     ("DCGM_FI_DEV_POWER_MGMT_LIMIT", "Enforced power limit (in W).", "power_limit_w", 1),

@@ -369,6 +369,7 @@ def test_agent_metrics_use_dcgm_exporter_names_and_labels():
     assert value(text, "DCGM_FI_DEV_GPU_TEMP", gpu="2", UUID=gpu2.uuid, pci_bus_id=gpu2.pci_bus_id, device="nvidia2",
                  Hostname="n1") == 90.0  # thermal: above the 87 C slowdown threshold
     assert value(text, "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", gpu="2") == 0x60
+    assert value(text, "DCGM_FI_DEV_SM_CLOCK", gpu="2") < value(text, "DCGM_FI_DEV_SM_CLOCK", gpu="0")
     assert value(text, "phalanx_gpu_pcie_replays_total", gpu="2") == 7
     assert value(text, "DCGM_FI_DEV_ROW_REMAP_PENDING", gpu="0") == 1
     assert value(text, "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", gpu="0") == 1
@@ -396,6 +397,17 @@ def test_agent_metrics_leave_out_what_nvml_does_not_report():
     assert value(text, "DCGM_FI_DEV_GPU_TEMP", gpu="0") == 40.0
     assert value(text, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", gpu="0") is None  # NotSupported is not zero
     assert value(text, "phalanx_gpu_pcie_replays_total", gpu="0") is None
+
+
+def test_the_sm_clock_is_a_reading_not_a_health_signal():
+    from agent.main import health_digest
+
+    host = common_pb2.HostTelemetry()
+    boost = common_pb2.GpuTelemetry(index=0, sm_clock_mhz=1980, remap_pending=False)
+    slowed = common_pb2.GpuTelemetry(index=0, sm_clock_mhz=1200, remap_pending=False)
+    assert health_digest([boost], host) == health_digest([slowed], host)  # the controller is not bothered
+    assert health_digest([boost], host) != health_digest([common_pb2.GpuTelemetry(index=0, remap_pending=True)],
+                                                         host)
 
 
 def test_agent_gpu_health_is_the_controllers_verdict_as_last_heard():
