@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 
 from phalanx import config
-from phalanx.config import positive, require, section, setting
+from phalanx.config import host_port, positive, require, section, setting
 from phalanx.errors import ConfigError
 from phalanx.log import LEVELS
 
@@ -76,6 +76,9 @@ class AgentConfig:
     sysfs_root: str = setting("/sys", "where sysfs is mounted (topology is read from it)")
     nvrx_socket: str = setting("/run/phalanx/nvhcd.sock", "Unix socket serving NVRx's node health check "
                                "(nvhcd.HealthCheckService); empty = off")
+    metrics_listen: str = setting("", "host:port serving Prometheus metrics (this node's GPUs under dcgm-exporter's "
+                                  "names) at /metrics over plain HTTP, e.g. 0.0.0.0:7372; empty = off, the default, "
+                                  "as for the controller")
     labels: dict[str, str] = setting({}, "free-form labels reported to the controller (rack, switch, block)")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
 
@@ -89,6 +92,8 @@ class AgentConfig:
                 f"controller ({self.controller!r}) must be host:port, e.g. 10.0.0.1:7370")
         require(len(self.labels) <= 64, f"labels has {len(self.labels)} entries; the limit is 64")
         require(self.stop_grace_s >= 0, f"stop_grace_s ({self.stop_grace_s}) must not be negative")
+        if self.metrics_listen:
+            host_port("metrics_listen", self.metrics_listen, "0.0.0.0:7372")
 
     @property
     def name(self) -> str:

@@ -34,6 +34,7 @@ class LinkState:
     state: int = common_pb2.NODE_STATE_UNSPECIFIED
     drain_reason: str = ""
     health: common_pb2.NodeHealth | None = None  # the controller's latest verdict on this node
+    sessions: int = 0  # sessions opened (reconnects + 1)
 
 
 class Link:
@@ -60,6 +61,10 @@ class Link:
         self._seq = 0
         self._outbox: deque[node_pb2.AgentMessage] = deque(maxlen=MAX_QUEUED)
         self._wake = asyncio.Event()
+
+    @property
+    def heartbeats_sent(self) -> int:
+        return self._seq
 
     def emit(self, kind: str, message: str, **fields: str) -> None:
         """Queue an event for the controller's log; sent at once, or on the next session."""
@@ -128,6 +133,10 @@ class Link:
         self._outbox.extend(kept)
         s = self.state
         s.connected, s.incarnation = True, reply.incarnation
+        s.sessions += 1
+        # A new registration is judged afresh, and the controller pushes every verdict but the first
+        # HEALTHY: one from before would be stale (a GPU reset since, say).
+        s.health = None
         s.state, s.drain_reason = reply.state, reply.drain_reason
         logger.info("session open", controller=self.controller, incarnation=reply.incarnation,
                     state=common_pb2.NodeState.Name(reply.state), drain_reason=reply.drain_reason,

@@ -17,6 +17,7 @@ import grpc
 
 from agent import config as agent_config
 from agent import local_server
+from agent import metrics as agent_metrics
 from agent import nvrx as nvrx_service
 from agent.backoff import Backoff
 from agent.collectors import gpu
@@ -37,18 +38,20 @@ from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
+TELEMETRY_STALE_S = 5.0  # a scrape reads the last heartbeat's GPU readings, or sweeps anew when they are older
 logger = log.get("agent")
 
 
 def health_digest(gpus: list[common_pb2.GpuTelemetry], host: common_pb2.HostTelemetry) -> int:
-    """A number that changes whenever a health signal changes, and not with temperature, power or
-    load: the controller re-judges the node's health only when it does."""
+    """A number that changes whenever a health signal changes, and not with temperature, clocks, power
+    or load: the controller re-judges the node's health only when it does."""
     parts = []
     for reading in gpus:
         signals = common_pb2.GpuTelemetry()
         signals.CopyFrom(reading)
         hot = reading.HasField("slowdown_temperature_c") and reading.temperature_c >= reading.slowdown_temperature_c > 0
         signals.ClearField("temperature_c")
+        signals.ClearField("sm_clock_mhz")
         signals.ClearField("power_w")
         signals.ClearField("utilization_percent")
         signals.ClearField("memory_used_bytes")
@@ -88,6 +91,10 @@ class Agent:
         self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
                          Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command,
                          credentials=credentials, server_name=cfg.security.server_name)
+        self.xids = agent_metrics.XidTally()
+        self._gpus: list[common_pb2.GpuTelemetry] = []
+        self._gpus_at: float | None = None  # monotonic time of the last GPU sweep
+        self.last_host: common_pb2.HostTelemetry | None = None
 
     def inventory(self) -> common_pb2.NodeInventory:
         inventory = common_pb2.NodeInventory()
@@ -97,12 +104,19 @@ class Agent:
 
     def heartbeat(self) -> node_pb2.Heartbeat:
         host, gpus = self.host.sample(), self.backend.sample()
+        self.last_host, self._gpus, self._gpus_at = host, gpus, time.monotonic()
         if self.dcgm is not None:
             self._report_dcgm()
         self.supervisor.poll()
         return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
                                   health_digest=health_digest(gpus, host), nccl=self.nccl.scan(time.time_ns()),
                                   ranks=self.supervisor.statuses(), progress=self.local.drain())
+
+    def gpu_telemetry(self) -> list[common_pb2.GpuTelemetry]:
+        """The latest GPU readings for a scrape: the last heartbeat's, or a new sweep without recent heartbeats."""
+        if self._gpus_at is None or time.monotonic() - self._gpus_at > TELEMETRY_STALE_S:
+            self._gpus, self._gpus_at = self.backend.sample(), time.monotonic()
+        return self._gpus
 
     def _report_dcgm(self) -> None:
         """DCGM health incidents go to the event log, each once while it lasts."""
@@ -178,6 +192,7 @@ class Agent:
 
         def gpu_event(event: common_pb2.GpuEvent) -> None:  # any thread
             logger.warning("GPU event", gpu=event.gpu_index, xid=event.xid, message=event.message)
+            loop.call_soon_threadsafe(self.xids.record, event)
             loop.call_soon_threadsafe(self.link.send, node_pb2.AgentMessage(gpu_event=event))
 
         self.backend.start_events(gpu_event)
@@ -199,6 +214,9 @@ class Agent:
                     group=self.cfg.security.socket_group)
             except OSError as e:
                 logger.warning("NVRx node health check not served", socket=self.cfg.nvrx_socket, error=str(e))
+        metrics = agent_metrics.server(agent_metrics.view(self))
+        if self.cfg.metrics_listen:
+            await metrics.serve(self.cfg.metrics_listen)
         sdnotify.notify(f"READY=1\nSTATUS=node {self.name}, controller {self.cfg.controller}")
         watchdog = asyncio.create_task(sdnotify.watchdog()) if sdnotify.watchdog_interval_s() else None
         try:
@@ -211,6 +229,7 @@ class Agent:
                 await local.stop(1.0)
             if nvrx is not None:
                 await nvrx.stop(1.0)
+            await metrics.close()
             if self.dcgm is not None:
                 self.dcgm.close()
 

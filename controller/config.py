@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx import config
-from phalanx.config import positive, require, section, setting
+from phalanx.config import host_port, positive, require, section, setting
 from phalanx.log import LEVELS
 
 
@@ -122,13 +122,7 @@ class SecurityConfig:
         require(not self.token_listen or bool(self.tokens_file),
                 "security.token_listen is set but security.tokens_file is empty: a token port needs tokens")
         if self.token_listen:
-            _host_port("security.token_listen", self.token_listen)
-
-
-def _host_port(key: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    require(bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) < 65536,
-            f"{key} ({value!r}) must be host:port, e.g. 0.0.0.0:7370")
+            host_port("security.token_listen", self.token_listen, "0.0.0.0:7373")
 
 
 @dataclass(frozen=True)
@@ -138,6 +132,9 @@ class ControllerConfig:
     max_events: int = setting(100_000, "events kept in the log; older ones are pruned")
     log_level: str = setting("info", "debug, info, warning or error", choices=LEVELS)
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
+    metrics_listen: str = setting("", "host:port serving Prometheus metrics at /metrics over plain HTTP, e.g. "
+                                  "0.0.0.0:7371; empty = off, the default: the endpoint has no authentication, so "
+                                  "the operator picks the interface, and no fixed port collides with another daemon")
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
@@ -145,8 +142,10 @@ class ControllerConfig:
     security: SecurityConfig = section(SecurityConfig, "mutual TLS, tokens, and who may call what")
 
     def __post_init__(self) -> None:
-        _host_port("listen", self.listen)
+        host_port("listen", self.listen, "0.0.0.0:7370")
         require(self.max_events >= 1000, f"max_events ({self.max_events}) must be at least 1000")
+        if self.metrics_listen:
+            host_port("metrics_listen", self.metrics_listen, "0.0.0.0:7371")
 
 
 def load(path: str | None) -> ControllerConfig:

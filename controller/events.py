@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 from controller.store.base import EventRecord
+
+MAX_EVENT_KINDS = 256  # distinct kinds counted by name (agents name their own); the rest count as "other"
 
 
 class WatcherOverflow(Exception):
@@ -41,6 +44,7 @@ class EventHub:
     def __init__(self, watcher_queue: int = 10_000) -> None:
         self._watchers: set[Watcher] = set()
         self._watcher_queue = watcher_queue
+        self.published: Counter[str] = Counter()  # events by kind, for the metrics
 
     def subscribe(self) -> Watcher:
         watcher = Watcher(self, self._watcher_queue)
@@ -48,6 +52,9 @@ class EventHub:
         return watcher
 
     def publish(self, events: list[EventRecord]) -> None:
+        for event in events:
+            kind = event.kind if event.kind in self.published or len(self.published) < MAX_EVENT_KINDS else "other"
+            self.published[kind] += 1
         for watcher in list(self._watchers):
             for event in events:
                 watcher._offer(event)

@@ -32,6 +32,9 @@ class RecoveryMixin:
                     entry.recovering is not None and not entry.recovering.done()):
                 return
             cfg = self.recovery_cfg
+            self.incidents[incident.kind] += 1
+            if entry.incident_at is None:  # a restart that fails is the same recovery going on
+                entry.incident_at, entry.incident_kind = self._clock.monotonic(), incident.kind
             if job.restarts >= cfg.max_restarts:
                 await self._finish(entry, pb.JOB_STATE_FAILED, f"gave up after {job.restarts} restarts: "
                                    f"{incident.reason}", incident.exit_code)
@@ -141,6 +144,7 @@ class RecoveryMixin:
             await self._save(entry, new, self._event(
                 "job.restarting", f"{job.id} generation {generation + 1} on {', '.join(nodes)} ({how}; restart "
                 f"{new.restarts} of at most {cfg.max_restarts}, after {delay:g}s)", job.id))
+            self.restarts_by_cause[entry.incident_kind or incident.kind] += 1
             entry.missing.clear()
             entry.tracks = {}
         await self._launch(entry, generation + 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from controller.job_recovery import RecoveryMixin
 from controller.placement import Candidate, GangRequest, Unplaceable, place
 from controller.registry import NodeEntry, Registry
 from controller.states import DOWN, UP
+from controller.stats import RECOVERY_BUCKETS_S, Buckets
 from controller.store.base import EventRecord, JobRecord, Store
 from phalanx import log
 from phalanx.clock import Clock
@@ -82,9 +84,13 @@ class JobEntry:
     launching: asyncio.Task | None = None
     recovering: asyncio.Task | None = None
     tracks: dict[int, monitors.RankTrack] = field(default_factory=dict)  # this generation's progress
+    incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
+    incident_kind: str = ""
 
 
 class JobManager(RecoveryMixin):
+    INCIDENT_KINDS = recovery.KINDS
+
     def __init__(self, store: Store, registry: Registry, clock: Clock, hub: EventHub, cfg: JobsConfig,
                  topology: Callable[[], ClusterTopology], recovery_cfg: RecoveryConfig | None = None) -> None:
         self.recovery_cfg = recovery_cfg or RecoveryConfig()
@@ -102,6 +108,9 @@ class JobManager(RecoveryMixin):
         self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
         self._checkpoints: dict[int, _PendingCheckpoint] = {}
         self._checkpoint_ids = 0
+        self.incidents: Counter[str] = Counter()  # by kind; these three feed controller.metrics
+        self.restarts_by_cause: Counter[str] = Counter()
+        self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in recovery.KINDS}
 
     async def load(self) -> None:
         for record in await self._store.load_jobs():
@@ -337,6 +346,10 @@ class JobManager(RecoveryMixin):
             await self._save(entry, new, self._event(
                 "job.running", f"{job.id} generation {generation} running: {len(new.ranks)} ranks, MASTER_ADDR="
                 f"{address} MASTER_PORT={port}", job.id))
+            if entry.incident_at is not None:
+                self.recovery_s.setdefault(entry.incident_kind, Buckets(RECOVERY_BUCKETS_S)).observe(
+                    self._clock.monotonic() - entry.incident_at)
+                entry.incident_at = None
 
     def _session(self, entry: NodeEntry):
         if entry.session is None:
@@ -527,6 +540,7 @@ class JobManager(RecoveryMixin):
     async def _finish(self, entry: JobEntry, state: int, reason: str, exit_code: int) -> None:
         if entry.recovering is not None and entry.recovering is not asyncio.current_task():
             entry.recovering.cancel()
+        entry.incident_at = None  # a recovery that ends the job is no recovery
         new = self._moved(entry.job, state, reason, exit_code=exit_code, finished_unix_ns=self._clock.wall_ns())
         await self._save(entry, new, self._event(f"job.{state_name(state).lower()}",
                                                  f"{new.id} {state_name(state)}: {reason}", new.id))

@@ -52,9 +52,12 @@ class NodeView:
     health_reason: str
 
 
+KINDS = ("node-lost", "gpu-failed", "crash", "hang", "gpu-failing", "straggler")
+
+
 @dataclass(frozen=True)
 class Incident:
-    kind: str  # node-lost, gpu-failed, crash, hang, gpu-failing, straggler
+    kind: str  # one of KINDS, or "resumed" (a recovery a previous controller process began)
     predictable: bool  # checkpoint before evicting
     nodes: tuple[str, ...]  # to take out of the job (and drain); empty = restart in place
     reason: str

@@ -19,7 +19,7 @@ from controller.errors import FailedPrecondition, NotFound
 from controller.events import EventHub
 from controller.session import Session
 from controller.states import DOWN, DRAINED, DRAINING, SUSPECT, UP, NodeState, check_transition, resting_state
-from controller.stats import LagWindow
+from controller.stats import DETECTION_BUCKETS_S, DETECTION_KINDS, LAG_BUCKETS_S, Buckets, LagWindow
 from controller.store.base import EventRecord, NodeRecord, Store
 from phalanx import log
 from phalanx.clock import Clock
@@ -96,6 +96,8 @@ class Registry:
         self._lock = asyncio.Lock()
         self.lag = LagWindow()
         self.heartbeats_total = 0
+        self.lag_seconds = Buckets(LAG_BUCKETS_S)
+        self.detection = {kind: Buckets(DETECTION_BUCKETS_S) for kind in DETECTION_KINDS}  # see controller.metrics
 
     async def load(self) -> None:
         """Read every node from the store. Nodes get a full liveness window to reconnect."""
@@ -192,14 +194,19 @@ class Registry:
         entry.heartbeats += 1
         self.heartbeats_total += 1
         if heartbeat.sent_unix_ns:
-            self.lag.add((now_ns - heartbeat.sent_unix_ns) / 1e6)
+            lag_s = (now_ns - heartbeat.sent_unix_ns) / 1e9
+            self.lag.add(lag_s * 1e3)
+            self.lag_seconds.observe(lag_s if lag_s > 0 else 0.0)  # below 0: the hosts' clocks disagree
         if heartbeat.health_digest != entry.health_digest or not entry.gpu_health:
             entry.health_digest = heartbeat.health_digest
             window = self.health_cfg.window_s
             for gpu in heartbeat.gpus:
                 entry.gpu_health.setdefault(gpu.index, health.GpuHistory()).observe(gpu, now, entry.previous_seen,
                                                                                     window)
+            before = entry.verdict.health
             self._evaluate(entry, now)
+            if entry.verdict.health > before and heartbeat.sent_unix_ns:
+                self.detection["health"].observe(max(now_ns - heartbeat.sent_unix_ns, 0) / 1e9)
         return entry.record.state is SUSPECT or entry.health_action_needed()
 
     async def settle(self, entry: NodeEntry) -> None:
@@ -234,6 +241,8 @@ class Registry:
             self._hub.publish(committed.events)
             self._evaluate(entry, now)
             await self._act_on_health(entry)
+        if event.time_unix_ns:
+            self.detection["xid"].observe(max(self._clock.wall_ns() - event.time_unix_ns, 0) / 1e9)
 
     async def health_tick(self) -> None:
         """Re-judge nodes whose verdict time alone can change (rates leaving the window, recent XIDs)."""
@@ -296,7 +305,10 @@ class Registry:
             changes = self._decide_liveness()
             moves = [(self._nodes[c.name], c.target, c.reason) for c in changes]
             await self._transition(moves)
+        now = self._clock.monotonic()
         for entry, target, reason in moves:
+            if target is DOWN and entry.record.state is DOWN and entry.heartbeats:  # heard from by this process
+                self.detection["node_down"].observe(now - entry.last_seen)
             if target is DOWN and entry.record.state is DOWN and entry.session is not None:
                 entry.session.kick(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"node declared DOWN ({reason}); register again")

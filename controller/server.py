@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from controller import auth
+from controller import auth, metrics
 from controller.cluster_topology import ClusterTopology, TopologyError, flat, from_labels, merged
 from controller.config import ControllerConfig
 from controller.control_service import ControlService
@@ -74,11 +74,14 @@ class Controller:
         self.port = 0
         self.token_port = 0
         self._load_security()
+        self.metrics = metrics.server(self.registry, self.jobs, self.hub)
 
     async def start(self) -> int:
         """Load state, bind, serve, start the loops. Returns the bound port."""
         await self.registry.load()
         await self.jobs.load()
+        if self.cfg.metrics_listen:
+            await self.metrics.serve(self.cfg.metrics_listen)
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
@@ -151,5 +154,6 @@ class Controller:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace_s)
+        await self.metrics.close()
         await self.store.close()
         logger.info("controller stopped")

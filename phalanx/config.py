@@ -173,3 +173,13 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     return repr(value)
+
+
+def host_port(key: str, value: str, example: str) -> tuple[str, int]:
+    """`host:port`, or `[v6]:port`, as (host, port). Raises ConfigError quoting the value."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    require(bool(sep) and bool(host) and port.isdigit() and int(port) < 65536 and not any(c in host for c in " /[]"),
+            f"{key} ({value!r}) must be host:port, e.g. {example}")
+    return host, int(port)

@@ -31,6 +31,7 @@ class Cluster:
         self.root = root
         self.address = f"127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.metrics: dict[str, str] = {}  # process name -> its metrics address, for those started with metrics
         self.pki = pki
         if pki is None:
             self._channel = grpc.insecure_channel(self.address)
@@ -55,9 +56,16 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start_controller(self, extra: str = "") -> subprocess.Popen:
+    def _metrics_listen(self, name: str, metrics: bool) -> str:
+        if not metrics:
+            return ""
+        self.metrics[name] = f"127.0.0.1:{free_port()}"
+        return f'metrics_listen = "{self.metrics[name]}"\n'
+
+    def start_controller(self, extra: str = "", metrics: bool = False) -> subprocess.Popen:
         proc = self._spawn("controller", "controller.main",
-                           f'listen = "{self.address}"\nstate_db = "{self.root / "controller.db"}"\n{extra}\n'
+                           f'listen = "{self.address}"\nstate_db = "{self.root / "controller.db"}"\n'
+                           f'{self._metrics_listen("controller", metrics)}{extra}\n'
                            + self._security(extra, "controller"))
         self.wait_for(self._serving, "controller serving")
         return proc
@@ -69,10 +77,10 @@ class Cluster:
         except grpc.RpcError:
             return False
 
-    def start_agent(self, name: str, gpus: int = 2, extra: str = "") -> subprocess.Popen:
+    def start_agent(self, name: str, gpus: int = 2, extra: str = "", metrics: bool = False) -> subprocess.Popen:
         """`extra`: top-level keys, then any sections of its own (not [gpu] or [reconnect])."""
         node = self.root / name
-        return self._spawn(name, "agent.main", (
+        return self._spawn(name, "agent.main", self._metrics_listen(name, metrics) + (
             f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
             f'checkpoint_dir = "{node / "ckpt"}"\nnvrx_socket = "{node / "nvhcd.sock"}"\n{extra}\n'
             f'[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'

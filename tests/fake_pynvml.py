@@ -83,7 +83,7 @@ def default_values(index: int) -> dict[str, Any]:
         "uuid": f"GPU-{index:08x}-0000-4000-8000-{index:012x}", "name": "NVIDIA H100 80GB HBM3",
         "pci_bus_id": f"00000000:{0x18 + 0x10 * index:02X}:00.0", "serial": f"1650923{index:06d}",
         "memory_total": 85_520_809_984, "memory_used": 1_048_576 * (index + 1),
-        "temperature": 41, "power_usage_mw": 123_456, "utilization_gpu": 97,
+        "temperature": 41, "sm_clock": 1980, "power_usage_mw": 123_456, "utilization_gpu": 97,
         "ecc_sbe_volatile": 0, "ecc_dbe_volatile": 0, "ecc_sbe_aggregate": 0, "ecc_dbe_aggregate": 0,
         "remapped_rows": [0, 0, 0, 0], "retired_pages_sbe": 0, "retired_pages_dbe": 0, "retired_pages_pending": 0,
         "slowdown_temperature": 87, "clocks_event_reasons": 0, "power_limit_mw": 700_000,
@@ -231,6 +231,11 @@ class FakeNvml:
         if sensor != _real.NVML_TEMPERATURE_GPU:
             raise ERRORS["NVMLError_InvalidArgument"]()
         return self._value(h, "nvmlDeviceGetTemperature", "temperature")
+
+    def nvmlDeviceGetClockInfo(self, h: FakeHandle, clock_type: int) -> int:
+        if clock_type != _real.NVML_CLOCK_SM:
+            raise ERRORS["NVMLError_NotSupported"]()
+        return self._value(h, "nvmlDeviceGetClockInfo", "sm_clock")
 
     def nvmlDeviceGetTemperatureThreshold(self, h: FakeHandle, threshold: int) -> int:
         if threshold != _real.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,11 @@ def test_local_cluster_lifecycle(home):
         ("controller", "controller", True), ("agent", "node-0", True), ("agent", "node-1", True),
         ("agent", "node-2", True)]
     assert all(os.path.exists(p["log"]) for p in status)
+    assert len({p["metrics"] for p in status}) == 4  # every process its own metrics port
+    with urllib.request.urlopen(f"http://{status[0]['metrics']}/metrics", timeout=10) as reply:
+        assert 'phalanx_nodes{state="UP"} 3.0' in reply.read().decode()
+    assert phalanx("local", "status", env=home).stdout.split()[:7] == ["ROLE", "NAME", "PID", "STATUS", "ADDRESS",
+                                                                        "METRICS", "LOG"]
 
     nodes = json.loads(phalanx("nodes", "--json", env=home).stdout)
     assert [(n["name"], n["state"], len(n["gpus"]), n["gpu_backend"]) for n in nodes] == [

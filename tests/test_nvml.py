@@ -39,7 +39,7 @@ def backend(fake):
 
 
 def test_every_field_is_read_and_converted(fake, backend):
-    fake.gpus[1].set(temperature=77, power_usage_mw=512_250, utilization_gpu=55, memory_used=4096,
+    fake.gpus[1].set(temperature=77, sm_clock=1410, power_usage_mw=512_250, utilization_gpu=55, memory_used=4096,
                      ecc_sbe_volatile=3, ecc_dbe_volatile=1, ecc_sbe_aggregate=30, ecc_dbe_aggregate=2,
                      remapped_rows=[5, 1, 1, 0], retired_pages_sbe=4, retired_pages_dbe=2, retired_pages_pending=1,
                      slowdown_temperature=90, clocks_event_reasons=0x20 | 0x40, power_limit_mw=650_000,
@@ -50,7 +50,8 @@ def test_every_field_is_read_and_converted(fake, backend):
                                     (9, "DL_RECOVERY"): 4}
     t = backend.sample()[1]
     assert t == common_pb2.GpuTelemetry(
-        index=1, temperature_c=77.0, power_w=512.25, utilization_percent=55.0, memory_used_bytes=4096,
+        index=1, temperature_c=77.0, sm_clock_mhz=1410, power_w=512.25, utilization_percent=55.0,
+        memory_used_bytes=4096,
         ecc_sbe_volatile=3, ecc_dbe_volatile=1, ecc_sbe_aggregate=30, ecc_dbe_aggregate=2,
         remapped_rows_correctable=5, remapped_rows_uncorrectable=1, remap_pending=True, remap_failure=False,
         retired_pages_sbe=4, retired_pages_dbe=2, retired_pages_pending=True, slowdown_temperature_c=90.0,

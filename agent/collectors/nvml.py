@@ -99,6 +99,7 @@ def sample_queries(nvml: Any) -> dict[str, Query]:
     """Per-heartbeat queries, in the order they run. The recovery action only where pynvml knows the field."""
     queries: dict[str, Query] = {
         "temperature": lambda n, h: int(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
+        "sm_clock": lambda n, h: int(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
         "power_usage_mw": lambda n, h: int(n.nvmlDeviceGetPowerUsage(h)),
         "utilization_gpu": lambda n, h: int(n.nvmlDeviceGetUtilizationRates(h).gpu),
         "memory_used": lambda n, h: int(n.nvmlDeviceGetMemoryInfo(h).used),
@@ -134,6 +135,7 @@ def _milliwatts(mw: Any) -> float:
 # query -> (GpuTelemetry field, conversion). remapped_rows and recovery_action are handled apart.
 _SCALARS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "temperature": ("temperature_c", float),
+    "sm_clock": ("sm_clock_mhz", int),
     "power_usage_mw": ("power_w", _milliwatts),
     "utilization_gpu": ("utilization_percent", float),
     "memory_used": ("memory_used_bytes", int),

@@ -20,6 +20,8 @@ from phalanx.v1 import common_pb2
 SIM_MODEL = "NVIDIA H100 80GB HBM3 (simulated)"
 SIM_MEMORY_BYTES = 80 * 1024**3
 SLOWDOWN_C = 87.0
+SM_CLOCK_MHZ = 1980  # an H100 SXM's boost clock; thermal slowdown drops it
+THERMAL_SM_CLOCK_MHZ = 1200
 POWER_LIMIT_W = 700.0
 NVLINKS = 18
 THERMAL_REASONS = 0x20 | 0x40  # SwThermalSlowdown | HwThermalSlowdown
@@ -95,6 +97,7 @@ class SimBackend:
                 out.append(common_pb2.GpuTelemetry(
                     index=gpu.index,
                     temperature_c=temperature,
+                    sm_clock_mhz=THERMAL_SM_CLOCK_MHZ if s.thermal else SM_CLOCK_MHZ,
                     power_w=round(110 + 20 * rng.random(), 1),
                     utilization_percent=0.0,
                     memory_used_bytes=0,

@@ -46,6 +46,7 @@ class Proc:
     config: str
     log: str
     address: str = ""
+    metrics: str = ""  # where it serves Prometheus metrics (http://ADDRESS/metrics)
 
     def alive(self) -> bool:
         """Running, and still the process we started (pids get reused)."""
@@ -84,23 +85,26 @@ def controller_address() -> str | None:
     return next((p.address for p in procs if p.role == "controller"), None)
 
 
-def controller_config(address: str, root: Path) -> str:
+def controller_config(address: str, root: Path, metrics: str = "") -> str:
     # Plaintext on loopback, for trying things out: a fleet runs mutual TLS (`phalanx certs`).
-    return (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\n\n[security]\ninsecure = true\n')
+    return (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\nmetrics_listen = "{metrics}"\n'
+            '\n[security]\ninsecure = true\n')
 
 
-def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str]) -> str:
+def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str],
+                 metrics: str = "") -> str:
     node = root / "nodes" / name
     lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
              f'checkpoint_dir = "{node / "checkpoints"}"', f'nvrx_socket = "{node / "nvhcd.sock"}"',
-             "", "[gpu]", f'backend = "{backend}"',
+             f'metrics_listen = "{metrics}"', "", "[gpu]", f'backend = "{backend}"',
              f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0", "", "[security]", "insecure = true"]
     if labels:
         lines += ["", "[labels]", *[f'{k} = "{v}"' for k, v in labels.items()]]
     return "\n".join(lines) + "\n"
 
 
-def spawn(role: str, name: str, module: str, config_text: str, root: Path, address: str = "") -> Proc:
+def spawn(role: str, name: str, module: str, config_text: str, root: Path, address: str = "",
+          metrics: str = "") -> Proc:
     config_path = root / f"{name}.toml"
     config_path.write_text(config_text)
     log_path = root / "logs" / f"{name}.log"
@@ -109,7 +113,7 @@ def spawn(role: str, name: str, module: str, config_text: str, root: Path, addre
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=root)
     _children[proc.pid] = proc
-    return Proc(role, name, proc.pid, str(config_path), str(log_path), address)
+    return Proc(role, name, proc.pid, str(config_path), str(log_path), address, metrics)
 
 
 def choose_backend(requested: str, nodes: int) -> str:
@@ -146,15 +150,17 @@ def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout) -> list[Pro
     address = f"127.0.0.1:{free_port()}"
     started: list[Proc] = []
     try:
-        controller = spawn("controller", "controller", "controller.main", controller_config(address, root), root,
-                           address)
+        metrics = f"127.0.0.1:{free_port()}"  # every process its own port: several clusters and tests share a host
+        controller = spawn("controller", "controller", "controller.main", controller_config(address, root, metrics),
+                           root, address, metrics)
         started.append(controller)
         _wait_serving(controller)
         print(f"controller serving on {address} (pid {controller.pid})", file=out, flush=True)
         for i in range(nodes):
             name = f"node-{i}"
-            text = agent_config(name, address, root, backend, gpus_per_node, {"rack": f"rack-{i // 4}"})
-            started.append(spawn("agent", name, "agent.main", text, root))
+            metrics = f"127.0.0.1:{free_port()}"
+            text = agent_config(name, address, root, backend, gpus_per_node, {"rack": f"rack-{i // 4}"}, metrics)
+            started.append(spawn("agent", name, "agent.main", text, root, metrics=metrics))
         _write(started)
         _wait_nodes(address, [p for p in started if p.role == "agent"], out)
     except BaseException:

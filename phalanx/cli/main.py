@@ -106,9 +106,9 @@ def cmd_local_status(args: argparse.Namespace) -> int:
     if args.json:
         print(render.dumps(procs))
     else:
-        rows = [(p["role"], p["name"], p["pid"], "running" if p["running"] else "exited", p["address"], p["log"])
-                for p in procs]
-        print(render.table(("ROLE", "NAME", "PID", "STATUS", "ADDRESS", "LOG"), rows))
+        rows = [(p["role"], p["name"], p["pid"], "running" if p["running"] else "exited", p["address"],
+                 p["metrics"], p["log"]) for p in procs]
+        print(render.table(("ROLE", "NAME", "PID", "STATUS", "ADDRESS", "METRICS", "LOG"), rows))
     return OK if all(p["running"] for p in procs) else FAILED
 
 

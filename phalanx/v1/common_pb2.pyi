@@ -169,7 +169,7 @@ class HostTelemetry(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., load1: _Optional[float] = ..., load5: _Optional[float] = ..., load15: _Optional[float] = ..., checkpoint_free_bytes: _Optional[int] = ..., checkpoint_total_bytes: _Optional[int] = ...) -> None: ...
 
 class GpuTelemetry(_message.Message):
-    __slots__ = ("index", "temperature_c", "power_w", "utilization_percent", "memory_used_bytes", "lost", "ecc_sbe_volatile", "ecc_dbe_volatile", "ecc_sbe_aggregate", "ecc_dbe_aggregate", "remapped_rows_correctable", "remapped_rows_uncorrectable", "remap_pending", "remap_failure", "retired_pages_sbe", "retired_pages_dbe", "retired_pages_pending", "slowdown_temperature_c", "clocks_event_reasons", "power_limit_w", "pcie_link_gen", "pcie_link_width", "pcie_max_link_gen", "pcie_max_link_width", "pcie_replay_count", "nvlink_links_total", "nvlink_links_up", "nvlink_error_count", "recovery_action")
+    __slots__ = ("index", "temperature_c", "power_w", "utilization_percent", "memory_used_bytes", "lost", "ecc_sbe_volatile", "ecc_dbe_volatile", "ecc_sbe_aggregate", "ecc_dbe_aggregate", "remapped_rows_correctable", "remapped_rows_uncorrectable", "remap_pending", "remap_failure", "retired_pages_sbe", "retired_pages_dbe", "retired_pages_pending", "slowdown_temperature_c", "clocks_event_reasons", "power_limit_w", "pcie_link_gen", "pcie_link_width", "pcie_max_link_gen", "pcie_max_link_width", "pcie_replay_count", "nvlink_links_total", "nvlink_links_up", "nvlink_error_count", "recovery_action", "sm_clock_mhz")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
     POWER_W_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class GpuTelemetry(_message.Message):
     NVLINK_LINKS_UP_FIELD_NUMBER: _ClassVar[int]
     NVLINK_ERROR_COUNT_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_ACTION_FIELD_NUMBER: _ClassVar[int]
+    SM_CLOCK_MHZ_FIELD_NUMBER: _ClassVar[int]
     index: int
     temperature_c: float
     power_w: float
@@ -228,7 +229,8 @@ class GpuTelemetry(_message.Message):
     nvlink_links_up: int
     nvlink_error_count: int
     recovery_action: GpuRecoveryAction
-    def __init__(self, index: _Optional[int] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., lost: _Optional[bool] = ..., ecc_sbe_volatile: _Optional[int] = ..., ecc_dbe_volatile: _Optional[int] = ..., ecc_sbe_aggregate: _Optional[int] = ..., ecc_dbe_aggregate: _Optional[int] = ..., remapped_rows_correctable: _Optional[int] = ..., remapped_rows_uncorrectable: _Optional[int] = ..., remap_pending: _Optional[bool] = ..., remap_failure: _Optional[bool] = ..., retired_pages_sbe: _Optional[int] = ..., retired_pages_dbe: _Optional[int] = ..., retired_pages_pending: _Optional[bool] = ..., slowdown_temperature_c: _Optional[float] = ..., clocks_event_reasons: _Optional[int] = ..., power_limit_w: _Optional[float] = ..., pcie_link_gen: _Optional[int] = ..., pcie_link_width: _Optional[int] = ..., pcie_max_link_gen: _Optional[int] = ..., pcie_max_link_width: _Optional[int] = ..., pcie_replay_count: _Optional[int] = ..., nvlink_links_total: _Optional[int] = ..., nvlink_links_up: _Optional[int] = ..., nvlink_error_count: _Optional[int] = ..., recovery_action: _Optional[_Union[GpuRecoveryAction, str]] = ...) -> None: ...
+    sm_clock_mhz: int
+    def __init__(self, index: _Optional[int] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., lost: _Optional[bool] = ..., ecc_sbe_volatile: _Optional[int] = ..., ecc_dbe_volatile: _Optional[int] = ..., ecc_sbe_aggregate: _Optional[int] = ..., ecc_dbe_aggregate: _Optional[int] = ..., remapped_rows_correctable: _Optional[int] = ..., remapped_rows_uncorrectable: _Optional[int] = ..., remap_pending: _Optional[bool] = ..., remap_failure: _Optional[bool] = ..., retired_pages_sbe: _Optional[int] = ..., retired_pages_dbe: _Optional[int] = ..., retired_pages_pending: _Optional[bool] = ..., slowdown_temperature_c: _Optional[float] = ..., clocks_event_reasons: _Optional[int] = ..., power_limit_w: _Optional[float] = ..., pcie_link_gen: _Optional[int] = ..., pcie_link_width: _Optional[int] = ..., pcie_max_link_gen: _Optional[int] = ..., pcie_max_link_width: _Optional[int] = ..., pcie_replay_count: _Optional[int] = ..., nvlink_links_total: _Optional[int] = ..., nvlink_links_up: _Optional[int] = ..., nvlink_error_count: _Optional[int] = ..., recovery_action: _Optional[_Union[GpuRecoveryAction, str]] = ..., sm_clock_mhz: _Optional[int] = ...) -> None: ...
 
 class GpuEvent(_message.Message):
     __slots__ = ("gpu_index", "xid", "time_unix_ns", "message")

@@ -1,0 +1,160 @@
+"""The controller's Prometheus metrics: nodes, health, jobs, heartbeats, detection and recovery.
+
+A scrape copies the counts it needs from the registry and the jobs on the event loop (`snapshot`,
+a few milliseconds at 10,000 nodes) and renders them in a worker thread, so the heartbeat path pays
+nothing for metrics but the histogram of its lag. Latencies are histograms observed where the
+events happen (`controller.stats.Buckets`: a bisect and two additions): heartbeat lag and detection
+latency in the registry, recovery duration in the jobs' recovery.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from controller.events import EventHub
+from controller.health import HEALTHY, Health
+from controller.jobs import JobManager, state_name
+from controller.registry import Registry
+from controller.states import NodeState
+from controller.stats import Buckets
+from phalanx import __version__
+from phalanx.metrics_http import MetricsServer, standard_registry
+from phalanx.v1 import common_pb2
+
+JOB_STATES = [state_name(s) for s in common_pb2.JobState.values() if s != common_pb2.JOB_STATE_UNSPECIFIED]
+Histogram = tuple[list[tuple[str, int]], float]  # cumulative buckets, sum
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: list[tuple[str, NodeState, Health]] = field(default_factory=list)
+    gpus: dict[str, int] = field(default_factory=dict)  # by the verdict on each
+    sessions: int = 0
+    heartbeats: int = 0
+    lag: Histogram = ([], 0.0)
+    detection: dict[str, Histogram] = field(default_factory=dict)
+    jobs: dict[str, int] = field(default_factory=dict)  # by state
+    incidents: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    recovery: dict[str, Histogram] = field(default_factory=dict)
+    events: dict[str, int] = field(default_factory=dict)
+
+
+def _histogram(buckets: Buckets) -> Histogram:
+    return buckets.cumulative(), buckets.sum
+
+
+def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub) -> Snapshot:
+    """What a scrape shows, copied from the live state. On the event loop only."""
+    entries = registry.entries_by_name().values()
+    nodes = [(e.record.name, e.record.state, e.verdict.health) for e in entries]  # names looked up in the thread
+    gpus: Counter[str] = Counter()
+    total = 0
+    for e in entries:
+        total += len(e.gpu_verdicts)
+        if e.verdict.health is not HEALTHY:  # a node's verdict is its worst GPU's (or worse): skip healthy nodes
+            gpus.update(v.health.name for v in e.gpu_verdicts.values())
+    gpus[HEALTHY.name] += total - sum(gpus.values())
+    return Snapshot(
+        nodes=nodes, gpus=dict(gpus), sessions=registry.sessions, heartbeats=registry.heartbeats_total,
+        lag=_histogram(registry.lag_seconds),
+        detection={kind: _histogram(b) for kind, b in registry.detection.items()},
+        jobs=dict(Counter(state_name(j.state) for j in jobs.list(set()))),
+        incidents=dict(jobs.incidents), restarts=dict(jobs.restarts_by_cause),
+        recovery={cause: _histogram(b) for cause, b in jobs.recovery_s.items()},
+        events=dict(hub.published))
+
+
+def _counter(name: str, doc: str, label: str, counts: dict[str, int], known: Iterable[str] = ()) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value in sorted({*known, *counts}):
+        family.add_metric([value], counts.get(value, 0))
+    return family
+
+
+def _histograms(name: str, doc: str, label: str, by_label: dict[str, Histogram]) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=[label])
+    for value, (buckets, total) in sorted(by_label.items()):
+        family.add_metric([value], buckets, total)
+    return family
+
+
+def families(s: Snapshot) -> Iterator[Metric]:
+    """The metric families of a snapshot (pure: any thread)."""
+    info = InfoMetricFamily("phalanx_controller", "The controller: its version.")
+    info.add_metric([], {"version": __version__})
+    yield info
+    states = Counter(state for _, state, _ in s.nodes)
+    by_state = GaugeMetricFamily("phalanx_nodes", "Nodes by state.", labels=["state"])
+    for state in NodeState:
+        by_state.add_metric([state.value], states[state])
+    yield by_state
+    node_state = GaugeMetricFamily("phalanx_node_state", "Each node's state (1 for the current one).",
+                                   labels=["node", "state"])
+    node_health = GaugeMetricFamily("phalanx_node_health", "The health verdict on each node (1 for the current "
+                                    "one): HEALTHY, DEGRADED, FAILING or FAILED.", labels=["node", "verdict"])
+    for name, state, verdict in sorted(s.nodes, key=lambda n: n[0]):
+        node_state.add_metric([name, state.value], 1)
+        node_health.add_metric([name, verdict.name], 1)
+    yield node_state
+    yield node_health
+    gpus = GaugeMetricFamily("phalanx_gpus", "GPUs by the controller's latest verdict on each.", labels=["health"])
+    for health in Health:
+        gpus.add_metric([health.name], s.gpus.get(health.name, 0))
+    yield gpus
+    yield GaugeMetricFamily("phalanx_agents_connected", "Agents with an open session.", value=s.sessions)
+    yield CounterMetricFamily("phalanx_heartbeats", "Heartbeats received from agents.", value=s.heartbeats)
+    lag = HistogramMetricFamily("phalanx_heartbeat_lag_seconds", "From an agent sending a heartbeat to the "
+                                "controller applying it (the hosts' clocks must agree).")
+    lag.add_metric([], *s.lag)
+    yield lag
+    yield _histograms("phalanx_detection_latency_seconds", "From a fault's first sign to the controller's "
+                      "decision: node_down (from the node's last heartbeat to DOWN), xid (from the agent seeing "
+                      "the XID to the verdict acted on), health (from sending the heartbeat whose signals made a "
+                      "node's verdict worse to that verdict).", "kind", s.detection)
+    jobs = GaugeMetricFamily("phalanx_jobs", "Jobs by state.", labels=["state"])
+    for state in JOB_STATES:
+        jobs.add_metric([state], s.jobs.get(state, 0))
+    yield jobs
+    yield _counter("phalanx_job_incidents", "Incidents found in running jobs, by kind.", "kind", s.incidents,
+                   JobManager.INCIDENT_KINDS)
+    yield _counter("phalanx_job_restarts", "Job generations restarted by recovery, by the incident's kind "
+                   "(resumed: a recovery a previous controller process began).", "cause", s.restarts,
+                   JobManager.INCIDENT_KINDS)
+    yield _histograms("phalanx_recovery_duration_seconds", "From an incident to the job's next generation running "
+                      "(recoveries this controller process began).", "cause", s.recovery)
+    yield _counter("phalanx_events", "Events written to the event log, by kind.", "kind", s.events)
+
+
+class ControllerCollector:
+    """Renders the snapshot taken last (`snapshot()`, on the event loop, before every scrape)."""
+
+    def __init__(self, registry: Registry, jobs: JobManager, hub: EventHub) -> None:
+        self._sources = registry, jobs, hub
+        self._snapshot: Snapshot | None = None
+
+    def snapshot(self) -> None:
+        self._snapshot = take_snapshot(*self._sources)
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check for duplicates; keeps registration from collecting
+
+    def collect(self) -> Iterator[Metric]:
+        if self._snapshot is None:  # rendered without a scrape's snapshot (tests): this is the loop's thread
+            self.snapshot()
+        return families(self._snapshot)
+
+
+def server(registry: Registry, jobs: JobManager, hub: EventHub) -> MetricsServer:
+    collector = ControllerCollector(registry, jobs, hub)
+    return MetricsServer(standard_registry(collector), collector.snapshot)
