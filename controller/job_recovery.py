@@ -28,8 +28,10 @@ class RecoveryMixin:
     async def _begin_recovery(self, entry, incident: recovery.Incident) -> None:
         async with self._lock:
             job = entry.job
-            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_RESTARTING) or (
-                    entry.recovering is not None and not entry.recovering.done()):
+            # A recovery may start another from its own task: a launch refused while restarting.
+            busy = entry.recovering is not None and not entry.recovering.done() and \
+                entry.recovering is not asyncio.current_task()
+            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_RESTARTING) or busy:
                 return
             cfg = self.recovery_cfg
             if job.restarts >= cfg.max_restarts:

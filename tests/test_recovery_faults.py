@@ -59,6 +59,27 @@ async def check_consistent(world: World, job_id: str, after_generation: int, unr
         assert [s.generation for s in world.agents[node].running(job_id)] == [job.generation]
 
 
+# -- a launch refused during a restart ------------------------------------------------------------------
+
+
+def test_a_launch_refused_during_a_restart_starts_the_recovery_again():
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            world.agents["node-a"].fail_launch.add(2)
+            world.agents["node-b"].crash(job_id, rank=1)
+            await check_consistent(world, job_id, after_generation=2)
+            assert world.job(job_id).generation == 3 and world.job(job_id).restarts == 2
+            story = [e.message for e in await world.store.list_events(job=job_id)]
+            assert any("launch failed" in m and "generation 2 refused" in m for m in story), story
+        finally:
+            await world.stop()
+
+    run(main())
+
+
 # -- fencing ----------------------------------------------------------------------------------------------
 
 
