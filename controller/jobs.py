@@ -372,14 +372,22 @@ class JobManager(RecoveryMixin):
         """Best effort: every node of the job is told to stop it; an unreachable one is fenced when it returns."""
         for node in job.nodes:
             entry = self._registry.entries_by_name().get(node)
-            if entry is None or entry.session is None:
-                continue
-            try:
-                await entry.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
-                    job=job.id, generation=generation, grace_s=self.cfg.stop_grace_s)))
-                self._fenced[(node, job.id, generation)] = time.monotonic()
-            except Exception as e:
-                logger.warning("stop failed", job=job.id, node=node, error=str(e))
+            if entry is not None:
+                await self._stop_node(entry, job.id, generation)
+
+    async def _stop_node(self, entry: NodeEntry, job_id: str, generation: int) -> bool:
+        """Tell one node to stop a generation of a job; True if its agent took the command."""
+        if entry.session is None:
+            return False
+        node = entry.record.name
+        try:
+            await entry.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
+                job=job_id, generation=generation, grace_s=self.cfg.stop_grace_s)))
+        except Exception as e:
+            logger.warning("stop failed", job=job_id, node=node, error=str(e))
+            return False
+        self._fenced[(node, job_id, generation)] = time.monotonic()
+        return True
 
     # -- following the ranks -------------------------------------------------------------------
 

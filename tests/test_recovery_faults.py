@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
+
 from controller.config import RecoveryConfig
 from controller.states import DOWN, DRAINED, UP
 from phalanx.v1 import common_pb2 as pb
@@ -57,6 +59,60 @@ async def check_consistent(world: World, job_id: str, after_generation: int, unr
         record = world.registry.get(node).record
         assert (record.state, record.drain_reason) == (UP, ""), (node, record)
         assert [s.generation for s in world.agents[node].running(job_id)] == [job.generation]
+
+
+# -- a controller killed in each recovery state ---------------------------------------------------------
+
+
+async def _kill_during(world: World, target: str, how: str) -> None:
+    job_id = await cluster(world)
+    before = world.job(job_id).generation
+    victim = world.agents[world.job(job_id).nodes[1]]
+    if target == "RENDEZVOUS":
+        world.jobs.recovery_cfg = RecoveryConfig(restart_backoff_s=600.0)  # the dead controller never gets past it
+    command = {"CHECKPOINTING": "checkpoint", "EVICTING": "stop", "RESTARTING": "launch"}.get(target)
+    for agent in world.agents.values():
+        agent.received.clear()
+        if command is not None:
+            (agent.hold if how == "hold" else agent.mute).add(command)
+    if target == "CHECKPOINTING":
+        victim.remap_pending.add(0)  # FAILING: checkpoint, then evict
+    else:
+        victim.crash(job_id, rank=1)
+    await world.until(lambda: state(world, job_id) == target, target)
+    if command is not None:  # the command went out (and was lost, or carried out unanswered)
+        await world.until(lambda: any(command in a.received for a in world.agents.values()), f"{command} sent")
+    assert await world.stored_state(job_id) == target
+    await world.kill()
+    for agent in world.agents.values():
+        agent.hold.clear()
+        agent.mute.clear()
+    await world.start()
+    await asyncio.sleep(0.2)  # the restarted controller's first stops find nobody: the agents come back later
+    for agent in world.agents.values():
+        await agent.connect()
+    await check_consistent(world, job_id, before)
+    if target == "CHECKPOINTING":
+        assert victim.name not in world.job(job_id).nodes
+        record = world.registry.get(victim.name).record
+        assert record.state is DRAINED and record.drain_reason.startswith("health FAILING"), record
+
+
+@pytest.mark.parametrize(("target", "how"), [
+    ("CHECKPOINTING", "hold"), ("EVICTING", "hold"), ("EVICTING", "mute"), ("RENDEZVOUS", ""),
+    ("RESTARTING", "hold"), ("RESTARTING", "mute")])
+def test_a_controller_killed_during_recovery_finishes_it_after_a_restart(target, how):
+    """`hold`: the agents never got the dead controller's last command; `mute`: they carried it out and
+    the answer was lost with the controller."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            await _kill_during(world, target, how)
+        finally:
+            await world.stop()
+
+    run(main())
 
 
 # -- a launch refused during a restart ------------------------------------------------------------------
