@@ -50,7 +50,7 @@ def checkpoint_step(tracks: dict[int, monitors.RankTrack]) -> int:
     if not tracks:
         return 0
     latest = max(t.last_step for t in tracks.values())
-    steps = sorted(s for t in tracks.values() for s in t.step_s)
+    steps = sorted(s for t in tracks.values() for s in t.step_times())
     step_s = steps[len(steps) // 2] if steps else 1.0
     return max(latest, 0) + math.ceil(REQUEST_LATENCY_S / max(step_s, 1e-3)) + 2
 
