@@ -42,6 +42,20 @@ FENCE_REPEAT_S = 10.0
 
 
 REQUEST_LATENCY_S = 5.0  # controller -> agent -> trainlib's next report, with room to spare on a loaded host
+PACE_WAIT_S = 3.0  # how long a checkpoint request waits for the ranks' first report past their start-up
+
+
+def pace(tracks: dict[int, monitors.RankTrack]) -> tuple[int, float]:
+    """The newest step any rank reported, and the seconds a step takes now, erring fast: the ranks of a
+    synchronous job share one pace, and a slow report (a save, start-up contention) overstates it, which
+    would bring the agreed step too close. Without a report past a rank's start-up, the start-up one; 1.0
+    without any."""
+    latest = max((t.last_step for t in tracks.values()), default=-1)
+    recent = [p for t in tracks.values() if (p := t.recent_pace()) > 0]
+    if recent:
+        return latest, min(recent)
+    steps = sorted(s for t in tracks.values() for s in t.step_times())
+    return latest, steps[len(steps) // 2] if steps else 1.0
 
 
 def checkpoint_step(tracks: dict[int, monitors.RankTrack]) -> int:
@@ -49,9 +63,7 @@ def checkpoint_step(tracks: dict[int, monitors.RankTrack]) -> int:
     rank before it gets there, so all ranks save the same step. 0 (at once) without progress reports."""
     if not tracks:
         return 0
-    latest = max(t.last_step for t in tracks.values())
-    steps = sorted(s for t in tracks.values() for s in t.step_times())
-    step_s = steps[len(steps) // 2] if steps else 1.0
+    latest, step_s = pace(tracks)
     return max(latest, 0) + math.ceil(REQUEST_LATENCY_S / max(step_s, 1e-3)) + 2
 
 
@@ -187,6 +199,7 @@ class JobManager(RecoveryMixin):
     async def _request_checkpoint(self, entry: JobEntry, deadline_s: float, reason: str,
                                   pause: bool = False) -> tuple[int, float]:
         job = entry.job
+        await self._pace_known(entry)
         at_step = checkpoint_step(entry.tracks)
         self._checkpoint_ids += 1
         request_id = self._checkpoint_ids
@@ -195,9 +208,10 @@ class JobManager(RecoveryMixin):
         self._checkpoints[request_id] = pending
         started = time.monotonic()
         try:
+            latest, step_s = pace(entry.tracks)
             await self._log(self._event("job.checkpoint", f"{job.id}: checkpoint {request_id} requested from "
-                                        f"{len(job.ranks)} ranks after step {at_step} (deadline {deadline_s:g}s): "
-                                        f"{reason}", job.id))
+                                        f"{len(job.ranks)} ranks after step {at_step} (deadline {deadline_s:g}s; "
+                                        f"last reported step {latest}, {step_s:.3f}s a step): {reason}", job.id))
             command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
                 job=job.id, generation=job.generation, request_id=request_id, deadline_s=deadline_s,
                 reason=reason, pause=pause, at_step=at_step))
@@ -213,6 +227,14 @@ class JobManager(RecoveryMixin):
         await self._log(self._event("job.checkpointed", f"{job.id}: every rank committed step {step} "
                                     f"({seconds:.2f}s after the request)", job.id))
         return step, seconds
+
+    async def _pace_known(self, entry: JobEntry) -> None:
+        """Wait briefly for the ranks to report a step past their start-up: a request soon after a (re)start
+        would otherwise agree on a step from a pace that start-up makes look several times slower."""
+        deadline = time.monotonic() + PACE_WAIT_S
+        while entry.tracks and not any(t.recent_pace() for t in entry.tracks.values()) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:
         pending = self._checkpoints.get(ack.request_id)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from controller.config import RecoveryConfig
 
 WARMUP_STEPS = 10  # a generation's first steps say nothing about a rank's speed
+PACE_REPORTS = 5  # reports a rank's current pace is judged from
 
 
 @dataclass
@@ -52,6 +53,11 @@ class RankTrack:
     def step_times(self) -> list[float]:
         """Mean step times, one per report; the start-up report only while there is no other."""
         return list(self.step_s) or ([self.first_step_s] if self.first_step_s else [])
+
+    def recent_pace(self, reports: int = PACE_REPORTS) -> float:
+        """The fastest of the last few reports' mean step times (0.0 before any): how fast the rank can go
+        now. A report that took in a checkpoint save, or start-up contention, runs slow; none runs fast."""
+        return min(list(self.step_s)[-reports:], default=0.0)
 
 
 @dataclass(frozen=True)

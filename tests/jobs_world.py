@@ -140,6 +140,8 @@ class FakeAgent:
         self.hold: set[str] = set()  # commands it receives and leaves unanswered (and undone)
         self.held: list[node_pb2.Command] = []
         self.received: list[str] = []  # the kind of every command that reached it
+        self.commands: list[node_pb2.Command] = []
+        self.progress: list[node_pb2.RankProgress] = []  # trainlib's reports, sent with the next heartbeat
         self.mute: set[str] = set()  # commands it carries out without the answer reaching the controller
         self.frozen = False  # SIGSTOP: no heartbeats, no commands read
         self.remap_pending: set[int] = set()  # GPUs with a pending row remap (FAILING)
@@ -183,8 +185,10 @@ class FakeAgent:
     def heartbeat(self) -> node_pb2.Heartbeat:
         ranks = sorted(self.ranks.values(), key=lambda s: (s.job, s.generation, s.rank))
         gpus = [pb.GpuTelemetry(index=i, remap_pending=i in self.remap_pending) for i in range(self.gpus)]
+        progress, self.progress = self.progress, []
         return node_pb2.Heartbeat(ranks=ranks, running_ranks=sum(s.state == pb.RANK_STATE_RUNNING for s in ranks),
-                                  gpus=gpus, health_digest=1 + sum(1 << i for i in self.remap_pending))
+                                  gpus=gpus, health_digest=1 + sum(1 << i for i in self.remap_pending),
+                                  progress=progress)
 
     async def _beat(self, context: FakeContext, session: Session) -> None:
         while not session.closed.is_set():
@@ -203,6 +207,7 @@ class FakeAgent:
                 continue
             command = message.command
             self.received.append(command.WhichOneof("body"))
+            self.commands.append(command)
             if command.WhichOneof("body") in self.hold:
                 self.held.append(command)
                 continue

@@ -123,14 +123,15 @@ def test_the_warm_up_steps_are_ignored():
 
 
 def test_a_generations_start_up_does_not_set_the_pace_of_the_checkpoint_step():
-    """The first report of a rank carries its start-up in its mean step time (here 1 s over a few steps, for
-    0.05 s steps); the agreed checkpoint step must still be REQUEST_LATENCY_S of real steps ahead, or a rank
-    may pass it before the request arrives and the ranks save different steps."""
+    """The first reports of a generation run slow (start-up, contention, the first save); the agreed
+    checkpoint step must still be REQUEST_LATENCY_S of real steps ahead, or a rank may pass it before the
+    request arrives: the ranks then save different steps, and wait for each other in different collectives."""
     t = tracks(2)
     for track in t.values():
         track.observe(4, 1.0, [0.01] * 4, 1.0)  # steps 0-4, the first one after 4 s of start-up
-        track.observe(24, 0.05, [0.01] * 20, 2.0)
-    assert checkpoint_step(t) == 24 + math.ceil(REQUEST_LATENCY_S / 0.05) + 2
+        track.observe(8, 0.3, [0.01] * 4, 2.0)  # slow: the other ranks were starting too, then a save
+        track.observe(28, 0.05, [0.01] * 20, 3.0)
+    assert checkpoint_step(t) == 28 + math.ceil(REQUEST_LATENCY_S / 0.05) + 2
     assert hung(t, 1.0 + CFG.hang_min_s - 0.1, CFG) == []
 
 

@@ -6,11 +6,13 @@ a condition, and liveness moves only with the fake clock."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 
 import pytest
 
 from controller.config import RecoveryConfig
+from controller.jobs import REQUEST_LATENCY_S
 from controller.states import DOWN, DRAINED, UP
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import node_pb2
@@ -200,6 +202,37 @@ def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_r
             assert record.drain_reason == "evicted from job-1: node node-b lost"
             assert "job.fenced" in await world.kinds(job_id)
             assert state(world, job_id) == "RUNNING" and world.job(job_id).generation == 2
+        finally:
+            await world.stop()
+
+    run(main())
+
+
+# -- the agreed checkpoint step -----------------------------------------------------------------------------
+
+
+def test_a_checkpoint_soon_after_a_start_waits_for_the_ranks_real_pace():
+    """A FAILING GPU right after the ranks' first report, whose mean step time is mostly their start-up: the
+    request waits for the next report, and agrees on a step REQUEST_LATENCY_S of real steps ahead."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            a, b = (world.agents[n] for n in world.job(job_id).nodes)
+            for agent, rank in ((a, 0), (b, 1)):  # steps 0-9, the first after 3 s of start-up
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9,
+                                                            steps=10, mean_step_s=0.35))
+            await world.until(lambda: world.jobs._jobs[job_id].tracks and all(
+                t.last_step == 9 for t in world.jobs._jobs[job_id].tracks.values()), "the start-up reports")
+            b.remap_pending.add(0)
+            await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
+            for agent, rank in ((a, 0), (b, 1)):
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=29,
+                                                            steps=20, mean_step_s=0.05))
+            await world.until(lambda: "checkpoint" in a.received, "the checkpoint request")
+            (request,) = [c.checkpoint for c in a.commands if c.WhichOneof("body") == "checkpoint"]
+            assert request.at_step == 29 + math.ceil(REQUEST_LATENCY_S / 0.05) + 2 and request.pause
         finally:
             await world.stop()
 
