@@ -464,27 +464,31 @@ class JobManager(RecoveryMixin):
         return stale
 
     async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
-        """Stop ranks running on `node` that belong to no current job generation."""
+        """Stop ranks running on `node` that belong to no current job generation: one stop per generation."""
         now = time.monotonic()
+        stale: dict[tuple[str, int], list[int]] = {}
         for status in heartbeat.ranks:
-            if status.state != pb.RANK_STATE_RUNNING:
-                continue
             entry = self._jobs.get(status.job)
-            if entry is not None and entry.job.state in ACTIVE and status.generation == entry.job.generation:
+            if status.state != pb.RANK_STATE_RUNNING or (entry is not None and entry.job.state in ACTIVE
+                                                         and status.generation == entry.job.generation):
                 continue
-            key = (node.record.name, status.job, status.generation)
+            stale.setdefault((status.job, status.generation), []).append(status.rank)
+        for (job_id, generation), ranks in stale.items():
+            key = (node.record.name, job_id, generation)
             if now - self._fenced.get(key, -FENCE_REPEAT_S) < FENCE_REPEAT_S or node.session is None:
                 continue
             self._fenced[key] = now
-            why = "unknown job" if entry is None else (f"generation {status.generation} is stale (current "
-                                                       f"{entry.job.generation}, {state_name(entry.job.state)})")
-            await self._log(self._event("job.fenced", f"{status.job}: stopping rank {status.rank} generation "
-                                        f"{status.generation} on {node.record.name}: {why}", status.job))
+            entry = self._jobs.get(job_id)
+            why = ("unknown job" if entry is None else f"the job is {state_name(entry.job.state)}"
+                   if entry.job.state not in ACTIVE else f"generation {generation} is stale (current "
+                   f"{entry.job.generation}, {state_name(entry.job.state)})")
+            await self._log(self._event("job.fenced", f"{job_id}: stopping generation {generation} on "
+                                        f"{node.record.name} (ranks {', '.join(map(str, ranks))}): {why}", job_id))
             try:
                 await node.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
-                    job=status.job, generation=status.generation, grace_s=self.cfg.stop_grace_s)))
+                    job=job_id, generation=generation, grace_s=self.cfg.stop_grace_s)))
             except Exception as e:
-                logger.warning("fencing failed", job=status.job, node=node.record.name, error=str(e))
+                logger.warning("fencing failed", job=job_id, node=node.record.name, error=str(e))
 
     async def follow(self) -> None:
         """Decide the fate of running jobs from their ranks, their nodes and their progress."""
