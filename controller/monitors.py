@@ -49,7 +49,6 @@ class RankTrack:
         self.samples_seen += len(compute_samples)
         self.compute_s.extend(compute_samples[skip:])
 
-
     def step_times(self) -> list[float]:
         """Mean step times, one per report; the start-up report only while there is no other."""
         return list(self.step_s) or ([self.first_step_s] if self.first_step_s else [])
