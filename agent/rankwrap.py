@@ -28,15 +28,16 @@ def main(argv: list[str]) -> int:
         print("usage: python -m agent.rankwrap EXIT_FILE -- COMMAND...", file=sys.stderr)
         return 2
     exit_file, command = argv[0], argv[2:]
-    try:
-        child = subprocess.Popen(command)
-    except OSError as e:
-        print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
-        write_status(exit_file, 127)
-        return 127
+    child: subprocess.Popen | None = None
+    early: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
-        # A signal to the whole group reaches the child too; one sent to us alone is passed on.
+        # A signal to the whole group reaches the child too; one sent to us alone is passed on. One that
+        # comes while the child is being started waits for it: dying of it then would leave the rank running,
+        # out of the agent's sight (a stop right after a launch).
+        if child is None:
+            early.append(signum)
+            return
         try:
             child.send_signal(signum)
         except ProcessLookupError:
@@ -44,6 +45,14 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    try:
+        child = subprocess.Popen(command)  # exec resets the handlers: the rank gets the default ones
+    except OSError as e:
+        print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
+        write_status(exit_file, 127)
+        return 127
+    for signum in early:
+        child.send_signal(signum)
     code = child.wait()
     write_status(exit_file, code)  # negative: killed by that signal, as Popen reports it
     return code if code >= 0 else 128 - code

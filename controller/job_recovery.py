@@ -9,7 +9,6 @@ says is fenced (stopped, ignored).
 from __future__ import annotations
 
 import asyncio
-import time
 
 from controller import recovery
 from controller.errors import FailedPrecondition
@@ -21,15 +20,18 @@ from phalanx.v1 import common_pb2 as pb
 logger = log.get("recovery")
 
 RENDEZVOUS_RETRY_S = 1.0
-EVICT_MARGIN_S = 10.0  # beyond the stop grace: ranks on a lost node never report their end
+EVICT_MARGIN_S = 10.0  # beyond the stop grace: for agents to come back after a controller restart, and report
+EVICT_POLL_S = 0.2
 
 
 class RecoveryMixin:
     async def _begin_recovery(self, entry, incident: recovery.Incident) -> None:
         async with self._lock:
             job = entry.job
-            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_RESTARTING) or (
-                    entry.recovering is not None and not entry.recovering.done()):
+            # A recovery may start another from its own task: a launch refused while restarting.
+            busy = entry.recovering is not None and not entry.recovering.done() and \
+                entry.recovering is not asyncio.current_task()
+            if job.state not in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_RESTARTING) or busy:
                 return
             cfg = self.recovery_cfg
             self.incidents[incident.kind] += 1
@@ -150,9 +152,11 @@ class RecoveryMixin:
         await self._launch(entry, generation + 1)
 
     async def _evict(self, entry, incident: recovery.Incident, generation: int) -> None:
-        """Stop the generation's ranks everywhere, drain the bad nodes, wait until the ranks are gone."""
+        """Stop the generation's ranks, drain the bad nodes, and wait until each of the job's nodes has said,
+        in a heartbeat after the stop, that none of the generation's ranks runs there any more. A node that
+        is DOWN is not waited for (its ranks are fenced if it returns); a node whose agent is not connected
+        (after a controller restart, the agents come back one by one) is told as soon as it is."""
         job = entry.job
-        await self._stop_everywhere(job, generation)
         for node in incident.nodes:
             try:
                 record = self._registry.get(node).record
@@ -160,15 +164,34 @@ class RecoveryMixin:
                     await self._registry.drain(node, f"evicted from {job.id}: {incident.reason}")
             except Exception as e:  # a node that vanished meanwhile needs no drain
                 logger.warning("could not drain an evicted node", node=node, error=str(e))
-        deadline = time.monotonic() + self.cfg.stop_grace_s + EVICT_MARGIN_S
-        while time.monotonic() < deadline:
+        deadline = self._clock.monotonic() + self.cfg.stop_grace_s + EVICT_MARGIN_S
+        told: dict[str, tuple[object, int]] = {}  # node -> the session that took the stop, its heartbeats by then
+        while True:
             nodes = self._registry.entries_by_name()
-            alive = [r for r in entry.job.ranks if r.state == pb.RANK_STATE_RUNNING
-                     and r.node in nodes and nodes[r.node].record.state is not DOWN]
-            if not alive:
+            untold = [nodes[n] for n in job.nodes if n in nodes and nodes[n].record.state is not DOWN
+                      and nodes[n].session is not None and told.get(n, (None, 0))[0] is not nodes[n].session]
+            for node, stopped in zip(untold, await asyncio.gather(*(self._stop_node(n, job.id, generation)
+                                                                    for n in untold)), strict=True):
+                if stopped:
+                    told[node.record.name] = (node.session, node.heartbeats)
+            waiting = [n for n in job.nodes if n in nodes and nodes[n].record.state is not DOWN
+                       and not self._stopped_on(nodes[n], told.get(n), job.id, generation)]
+            if not waiting:
                 return
-            await asyncio.sleep(0.2)
-        logger.warning("ranks still reported running after the stop; they will be fenced", job=job.id)
+            if self._clock.monotonic() >= deadline:
+                logger.warning("ranks not known to be stopped; they will be fenced", job=job.id,
+                               generation=generation, nodes=",".join(waiting))
+                return
+            await asyncio.sleep(EVICT_POLL_S)
+
+    @staticmethod
+    def _stopped_on(node, told: tuple[object, int] | None, job: str, generation: int) -> bool:
+        """The node's agent took the stop on its current session and has since reported no rank of the
+        generation running."""
+        if told is None or told[0] is not node.session or node.heartbeats <= told[1] or node.heartbeat is None:
+            return False
+        return not any(s.job == job and s.generation == generation and s.state == pb.RANK_STATE_RUNNING
+                       for s in node.heartbeat.ranks)
 
     async def _next_nodes(self, entry, incident: recovery.Incident) -> tuple[list[str], list[str], str]:
         """The next generation's nodes: the good ones kept in rank order, bad ones replaced by the job's

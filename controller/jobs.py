@@ -44,6 +44,20 @@ FENCE_REPEAT_S = 10.0
 
 
 REQUEST_LATENCY_S = 5.0  # controller -> agent -> trainlib's next report, with room to spare on a loaded host
+PACE_WAIT_S = 3.0  # how long a checkpoint request waits for the ranks' first report past their start-up
+
+
+def pace(tracks: dict[int, monitors.RankTrack]) -> tuple[int, float]:
+    """The newest step any rank reported, and the seconds a step takes now, erring fast: the ranks of a
+    synchronous job share one pace, and a slow report (a save, start-up contention) overstates it, which
+    would bring the agreed step too close. Without a report past a rank's start-up, the start-up one; 1.0
+    without any."""
+    latest = max((t.last_step for t in tracks.values()), default=-1)
+    recent = [p for t in tracks.values() if (p := t.recent_pace()) > 0]
+    if recent:
+        return latest, min(recent)
+    steps = sorted(s for t in tracks.values() for s in t.step_times())
+    return latest, steps[len(steps) // 2] if steps else 1.0
 
 
 def checkpoint_step(tracks: dict[int, monitors.RankTrack]) -> int:
@@ -51,9 +65,7 @@ def checkpoint_step(tracks: dict[int, monitors.RankTrack]) -> int:
     rank before it gets there, so all ranks save the same step. 0 (at once) without progress reports."""
     if not tracks:
         return 0
-    latest = max(t.last_step for t in tracks.values())
-    steps = sorted(s for t in tracks.values() for s in t.step_s)
-    step_s = steps[len(steps) // 2] if steps else 1.0
+    latest, step_s = pace(tracks)
     return max(latest, 0) + math.ceil(REQUEST_LATENCY_S / max(step_s, 1e-3)) + 2
 
 
@@ -196,6 +208,7 @@ class JobManager(RecoveryMixin):
     async def _request_checkpoint(self, entry: JobEntry, deadline_s: float, reason: str,
                                   pause: bool = False) -> tuple[int, float]:
         job = entry.job
+        await self._pace_known(entry)
         at_step = checkpoint_step(entry.tracks)
         self._checkpoint_ids += 1
         request_id = self._checkpoint_ids
@@ -204,9 +217,10 @@ class JobManager(RecoveryMixin):
         self._checkpoints[request_id] = pending
         started = time.monotonic()
         try:
+            latest, step_s = pace(entry.tracks)
             await self._log(self._event("job.checkpoint", f"{job.id}: checkpoint {request_id} requested from "
-                                        f"{len(job.ranks)} ranks after step {at_step} (deadline {deadline_s:g}s): "
-                                        f"{reason}", job.id))
+                                        f"{len(job.ranks)} ranks after step {at_step} (deadline {deadline_s:g}s; "
+                                        f"last reported step {latest}, {step_s:.3f}s a step): {reason}", job.id))
             command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
                 job=job.id, generation=job.generation, request_id=request_id, deadline_s=deadline_s,
                 reason=reason, pause=pause, at_step=at_step))
@@ -222,6 +236,14 @@ class JobManager(RecoveryMixin):
         await self._log(self._event("job.checkpointed", f"{job.id}: every rank committed step {step} "
                                     f"({seconds:.2f}s after the request)", job.id))
         return step, seconds
+
+    async def _pace_known(self, entry: JobEntry) -> None:
+        """Wait briefly for the ranks to report a step past their start-up: a request soon after a (re)start
+        would otherwise agree on a step from a pace that start-up makes look several times slower."""
+        deadline = time.monotonic() + PACE_WAIT_S
+        while entry.tracks and not any(t.recent_pace() for t in entry.tracks.values()) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:
         pending = self._checkpoints.get(ack.request_id)
@@ -385,14 +407,22 @@ class JobManager(RecoveryMixin):
         """Best effort: every node of the job is told to stop it; an unreachable one is fenced when it returns."""
         for node in job.nodes:
             entry = self._registry.entries_by_name().get(node)
-            if entry is None or entry.session is None:
-                continue
-            try:
-                await entry.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
-                    job=job.id, generation=generation, grace_s=self.cfg.stop_grace_s)))
-                self._fenced[(node, job.id, generation)] = time.monotonic()
-            except Exception as e:
-                logger.warning("stop failed", job=job.id, node=node, error=str(e))
+            if entry is not None:
+                await self._stop_node(entry, job.id, generation)
+
+    async def _stop_node(self, entry: NodeEntry, job_id: str, generation: int) -> bool:
+        """Tell one node to stop a generation of a job; True if its agent took the command."""
+        if entry.session is None:
+            return False
+        node = entry.record.name
+        try:
+            await entry.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
+                job=job_id, generation=generation, grace_s=self.cfg.stop_grace_s)))
+        except Exception as e:
+            logger.warning("stop failed", job=job_id, node=node, error=str(e))
+            return False
+        self._fenced[(node, job_id, generation)] = time.monotonic()
+        return True
 
     # -- following the ranks -------------------------------------------------------------------
 
@@ -447,27 +477,31 @@ class JobManager(RecoveryMixin):
         return stale
 
     async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
-        """Stop ranks running on `node` that belong to no current job generation."""
+        """Stop ranks running on `node` that belong to no current job generation: one stop per generation."""
         now = time.monotonic()
+        stale: dict[tuple[str, int], list[int]] = {}
         for status in heartbeat.ranks:
-            if status.state != pb.RANK_STATE_RUNNING:
-                continue
             entry = self._jobs.get(status.job)
-            if entry is not None and entry.job.state in ACTIVE and status.generation == entry.job.generation:
+            if status.state != pb.RANK_STATE_RUNNING or (entry is not None and entry.job.state in ACTIVE
+                                                         and status.generation == entry.job.generation):
                 continue
-            key = (node.record.name, status.job, status.generation)
+            stale.setdefault((status.job, status.generation), []).append(status.rank)
+        for (job_id, generation), ranks in stale.items():
+            key = (node.record.name, job_id, generation)
             if now - self._fenced.get(key, -FENCE_REPEAT_S) < FENCE_REPEAT_S or node.session is None:
                 continue
             self._fenced[key] = now
-            why = "unknown job" if entry is None else (f"generation {status.generation} is stale (current "
-                                                       f"{entry.job.generation}, {state_name(entry.job.state)})")
-            await self._log(self._event("job.fenced", f"{status.job}: stopping rank {status.rank} generation "
-                                        f"{status.generation} on {node.record.name}: {why}", status.job))
+            entry = self._jobs.get(job_id)
+            why = ("unknown job" if entry is None else f"the job is {state_name(entry.job.state)}"
+                   if entry.job.state not in ACTIVE else f"generation {generation} is stale (current "
+                   f"{entry.job.generation}, {state_name(entry.job.state)})")
+            await self._log(self._event("job.fenced", f"{job_id}: stopping generation {generation} on "
+                                        f"{node.record.name} (ranks {', '.join(map(str, ranks))}): {why}", job_id))
             try:
                 await node.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
-                    job=status.job, generation=status.generation, grace_s=self.cfg.stop_grace_s)))
+                    job=job_id, generation=generation, grace_s=self.cfg.stop_grace_s)))
             except Exception as e:
-                logger.warning("fencing failed", job=status.job, node=node.record.name, error=str(e))
+                logger.warning("fencing failed", job=job_id, node=node.record.name, error=str(e))
 
     async def follow(self) -> None:
         """Decide the fate of running jobs from their ranks, their nodes and their progress."""

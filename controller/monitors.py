@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from controller.config import RecoveryConfig
 
 WARMUP_STEPS = 10  # a generation's first steps say nothing about a rank's speed
+PACE_REPORTS = 5  # reports a rank's current pace is judged from
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RankTrack:
     last_advance: float = 0.0  # monotonic time the step number last moved (or the rank started)
     last_report: float = 0.0  # monotonic time trainlib in the rank last reported (steps or not)
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # per report: mean step time
+    first_step_s: float = 0.0  # the first report's mean: it carries the rank's start-up (imports, rendezvous, load)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step, after the warm-up
     samples_seen: int = 0
 
@@ -39,10 +41,22 @@ class RankTrack:
         if steps and last_step > self.last_step:
             self.last_step, self.last_advance = last_step, now
         if mean_step_s > 0:
-            self.step_s.append(mean_step_s)
+            if not self.first_step_s and not self.step_s:
+                self.first_step_s = mean_step_s
+            else:
+                self.step_s.append(mean_step_s)
         skip = max(0, WARMUP_STEPS - self.samples_seen)  # first steps: imports, allocator, connection set-up
         self.samples_seen += len(compute_samples)
         self.compute_s.extend(compute_samples[skip:])
+
+    def step_times(self) -> list[float]:
+        """Mean step times, one per report; the start-up report only while there is no other."""
+        return list(self.step_s) or ([self.first_step_s] if self.first_step_s else [])
+
+    def recent_pace(self, reports: int = PACE_REPORTS) -> float:
+        """The fastest of the last few reports' mean step times (0.0 before any): how fast the rank can go
+        now. A report that took in a checkpoint save, or start-up contention, runs slow; none runs fast."""
+        return min(list(self.step_s)[-reports:], default=0.0)
 
 
 @dataclass(frozen=True)
@@ -53,7 +67,7 @@ class Finding:
 
 
 def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[Finding]:
-    steps = [s for t in tracks.values() for s in t.step_s]
+    steps = [s for t in tracks.values() for s in t.step_times()]
     median_step = statistics.median(steps) if steps else 0.0
     limit = max(cfg.hang_min_s, cfg.hang_factor * median_step)
     out = []

@@ -1,8 +1,10 @@
 """Hang and straggler detection: pure functions, virtual time, seeded noise."""
 
+import math
 import random
 
 from controller.config import RecoveryConfig
+from controller.jobs import REQUEST_LATENCY_S, checkpoint_step
 from controller.monitors import WARMUP_STEPS, RankTrack, hung, stragglers
 
 CFG = RecoveryConfig()
@@ -118,3 +120,23 @@ def test_the_warm_up_steps_are_ignored():
     assert [len(tr.compute_s) for tr in t.values()] == [0, 0]
     feed(t, 20)
     assert stragglers(t, CFG) == []
+
+
+def test_a_generations_start_up_does_not_set_the_pace_of_the_checkpoint_step():
+    """The first reports of a generation run slow (start-up, contention, the first save); the agreed
+    checkpoint step must still be REQUEST_LATENCY_S of real steps ahead, or a rank may pass it before the
+    request arrives: the ranks then save different steps, and wait for each other in different collectives."""
+    t = tracks(2)
+    for track in t.values():
+        track.observe(4, 1.0, [0.01] * 4, 1.0)  # steps 0-4, the first one after 4 s of start-up
+        track.observe(8, 0.3, [0.01] * 4, 2.0)  # slow: the other ranks were starting too, then a save
+        track.observe(28, 0.05, [0.01] * 20, 3.0)
+    assert checkpoint_step(t) == 28 + math.ceil(REQUEST_LATENCY_S / 0.05) + 2
+    assert hung(t, 1.0 + CFG.hang_min_s - 0.1, CFG) == []
+
+
+def test_the_start_up_report_alone_still_sets_a_lenient_hang_limit():
+    t = tracks(2)
+    for track in t.values():
+        track.observe(0, 30.0, [], 0.0)  # one 30 s step so far (a slow model): no hang before 300 s
+    assert hung(t, 299.0, CFG) == []

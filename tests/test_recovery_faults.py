@@ -1,0 +1,239 @@
+"""Recovery and fencing under faults, in process (tests/jobs_world.py): a controller killed in each
+recovery state and restarted on the same store, a partitioned agent, a launch refused mid-restart, and
+a fencing stop that must not block its session. No processes, no sleeps that matter: every wait is for
+a condition, and liveness moves only with the fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+
+import pytest
+
+from controller.config import RecoveryConfig
+from controller.jobs import REQUEST_LATENCY_S
+from controller.states import DOWN, DRAINED, UP
+from phalanx.v1 import common_pb2 as pb
+from phalanx.v1 import node_pb2
+from tests.jobs_world import World
+
+NODES = ("node-a", "node-b", "node-c")
+FAST = RecoveryConfig(restart_backoff_s=0.001, max_restarts=10)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def cluster(world: World, nodes=NODES) -> str:
+    """Agents on `nodes`, and a job of 2 nodes + 1 spare running on them."""
+    await world.start()
+    for name in nodes:
+        await world.add(name).connect()
+    job_id = await world.submit(nodes=2, spares=1)
+    await world.until(lambda: world.job(job_id).state == pb.JOB_STATE_RUNNING, "job running")
+    return job_id
+
+
+def state(world: World, job_id: str = "job-1") -> str:
+    return pb.JobState.Name(world.job(job_id).state).removeprefix("JOB_STATE_")
+
+
+async def check_consistent(world: World, job_id: str, after_generation: int, unreachable: tuple[str, ...] = ()) -> None:
+    """What every recovery must leave behind: the job running a newer generation, each generation
+    launched at most once on each node, no node launching one while an older one still ran there,
+    and no rank of an older generation left running on any node the controller can reach."""
+    await world.until(lambda: state(world, job_id) == "RUNNING" and world.job(job_id).generation > after_generation,
+                      f"job running a generation after {after_generation}")
+    job = world.job(job_id)
+    assert await world.stored_state(job_id) == "RUNNING"
+    generations = await world.launched_generations(job_id)
+    assert generations == sorted(set(generations)) and generations[-1] == job.generation, generations
+    for agent in world.agents.values():
+        twice = [launch for launch, n in Counter(agent.launches).items() if n > 1]
+        assert not twice, f"{agent.name} launched {twice} more than once"
+        assert not agent.overlaps, agent.overlaps
+    await world.until(lambda: all(s.generation == job.generation for a in world.agents.values()
+                                  if a.name not in unreachable for s in a.running(job_id)),
+                      "old generations stopped everywhere")
+    for node in job.nodes:
+        record = world.registry.get(node).record
+        assert (record.state, record.drain_reason) == (UP, ""), (node, record)
+        assert [s.generation for s in world.agents[node].running(job_id)] == [job.generation]
+
+
+# -- a controller killed in each recovery state ---------------------------------------------------------
+
+
+async def _kill_during(world: World, target: str, how: str) -> None:
+    job_id = await cluster(world)
+    before = world.job(job_id).generation
+    victim = world.agents[world.job(job_id).nodes[1]]
+    if target == "RENDEZVOUS":
+        world.jobs.recovery_cfg = RecoveryConfig(restart_backoff_s=600.0)  # the dead controller never gets past it
+    command = {"CHECKPOINTING": "checkpoint", "EVICTING": "stop", "RESTARTING": "launch"}.get(target)
+    for agent in world.agents.values():
+        agent.received.clear()
+        if command is not None:
+            (agent.hold if how == "hold" else agent.mute).add(command)
+    if target == "CHECKPOINTING":
+        victim.remap_pending.add(0)  # FAILING: checkpoint, then evict
+    else:
+        victim.crash(job_id, rank=1)
+    await world.until(lambda: state(world, job_id) == target, target)
+    if command is not None:  # the command went out (and was lost, or carried out unanswered)
+        await world.until(lambda: any(command in a.received for a in world.agents.values()), f"{command} sent")
+    assert await world.stored_state(job_id) == target
+    await world.kill()
+    for agent in world.agents.values():
+        agent.hold.clear()
+        agent.mute.clear()
+    await world.start()
+    await asyncio.sleep(0.2)  # the restarted controller's first stops find nobody: the agents come back later
+    for agent in world.agents.values():
+        await agent.connect()
+    await check_consistent(world, job_id, before)
+    if target == "CHECKPOINTING":
+        assert victim.name not in world.job(job_id).nodes
+        record = world.registry.get(victim.name).record
+        assert record.state is DRAINED and record.drain_reason.startswith("health FAILING"), record
+
+
+@pytest.mark.parametrize(("target", "how"), [
+    ("CHECKPOINTING", "hold"), ("EVICTING", "hold"), ("EVICTING", "mute"), ("RENDEZVOUS", ""),
+    ("RESTARTING", "hold"), ("RESTARTING", "mute")])
+def test_a_controller_killed_during_recovery_finishes_it_after_a_restart(target, how):
+    """`hold`: the agents never got the dead controller's last command; `mute`: they carried it out and
+    the answer was lost with the controller."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            await _kill_during(world, target, how)
+        finally:
+            await world.stop()
+
+    run(main())
+
+
+# -- a launch refused during a restart ------------------------------------------------------------------
+
+
+def test_a_launch_refused_during_a_restart_starts_the_recovery_again():
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            world.agents["node-a"].fail_launch.add(2)
+            world.agents["node-b"].crash(job_id, rank=1)
+            await check_consistent(world, job_id, after_generation=2)
+            assert world.job(job_id).generation == 3 and world.job(job_id).restarts == 2
+            story = [e.message for e in await world.store.list_events(job=job_id)]
+            assert any("launch failed" in m and "generation 2 refused" in m for m in story), story
+        finally:
+            await world.stop()
+
+    run(main())
+
+
+# -- fencing ----------------------------------------------------------------------------------------------
+
+
+def test_heartbeats_are_read_while_a_fencing_stop_waits_for_its_answer():
+    """The session reader hands stale ranks to fencing and goes on reading: the stop's answer, and the
+    heartbeats that keep the node alive, arrive on that same stream."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            await world.start()
+            agent = world.add("node-a")
+            agent.hold.add("stop")  # the answer never comes back
+            agent.ranks[("job-9", 1, 0)] = node_pb2.RankStatus(job="job-9", generation=1, rank=0,
+                                                          state=pb.RANK_STATE_RUNNING, pid=7)  # no such job
+            await agent.connect()
+            await world.until(lambda: agent.held, "the fencing stop sent")
+            entry = world.registry.get("node-a")
+            seen = entry.heartbeats
+            await world.until(lambda: entry.heartbeats >= seen + 5, "heartbeats read after the stop went out")
+            assert agent.session.unanswered == 1  # ... while it still waits for its answer
+        finally:
+            await world.stop()
+
+    run(main())
+
+
+async def _partition(world: World, node: str, job_id: str) -> None:
+    """SIGSTOP `node`'s agent until the controller declares the node DOWN: the fake clock moves on while
+    the other agents keep beating."""
+    agent = world.agents[node]
+    agent.frozen = True
+    for _ in range(40):
+        await asyncio.sleep(0.03)  # real time for the others' heartbeats
+        world.clock.advance(0.1)
+        await world.registry.tick()
+        if world.registry.get(node).record.state is DOWN:
+            return
+    raise AssertionError(f"{node} never went DOWN")
+
+
+def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_returns():
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            victim = world.agents["node-b"]
+            await _partition(world, "node-b", job_id)
+            await check_consistent(world, job_id, after_generation=1, unreachable=("node-b",))
+            job = world.job(job_id)
+            assert list(job.nodes) == ["node-a", "node-c"] and "node-b" in job.evicted
+            assert [s.generation for s in victim.running(job_id)] == [1]  # it knows nothing yet
+            victim.frozen = False  # SIGCONT: its session is gone; it registers again
+            victim.received.clear()
+            await victim.connect()
+            await world.until(lambda: not victim.running(job_id), "the stale rank stopped")
+            assert "stop" in victim.received and "launch" not in victim.received
+            assert ("job-1", 2) not in victim.launches
+            record = world.registry.get("node-b").record
+            assert record.state is DRAINED, record  # back, but out of service until an operator says so
+            assert record.drain_reason == "evicted from job-1: node node-b lost"
+            assert "job.fenced" in await world.kinds(job_id)
+            assert state(world, job_id) == "RUNNING" and world.job(job_id).generation == 2
+        finally:
+            await world.stop()
+
+    run(main())
+
+
+# -- the agreed checkpoint step -----------------------------------------------------------------------------
+
+
+def test_a_checkpoint_soon_after_a_start_waits_for_the_ranks_real_pace():
+    """A FAILING GPU right after the ranks' first report, whose mean step time is mostly their start-up: the
+    request waits for the next report, and agrees on a step REQUEST_LATENCY_S of real steps ahead."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            a, b = (world.agents[n] for n in world.job(job_id).nodes)
+            for agent, rank in ((a, 0), (b, 1)):  # steps 0-9, the first after 3 s of start-up
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9,
+                                                            steps=10, mean_step_s=0.35))
+            await world.until(lambda: world.jobs._jobs[job_id].tracks and all(
+                t.last_step == 9 for t in world.jobs._jobs[job_id].tracks.values()), "the start-up reports")
+            b.remap_pending.add(0)
+            await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
+            for agent, rank in ((a, 0), (b, 1)):
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=29,
+                                                            steps=20, mean_step_s=0.05))
+            await world.until(lambda: "checkpoint" in a.received, "the checkpoint request")
+            (request,) = [c.checkpoint for c in a.commands if c.WhichOneof("body") == "checkpoint"]
+            assert request.at_step == 29 + math.ceil(REQUEST_LATENCY_S / 0.05) + 2 and request.pause
+        finally:
+            await world.stop()
+
+    run(main())
