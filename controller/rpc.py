@@ -11,11 +11,13 @@ import grpc
 from controller.errors import ControllerError, FailedPrecondition, InvalidArgument, NotFound, StoreError
 from controller.validation import request_size
 from phalanx import log
+from phalanx.errors import BadRequest, PhalanxError
 
 logger = log.get("rpc")
 
-_CODES: list[tuple[type[ControllerError], grpc.StatusCode]] = [
+_CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),  # a streamed message that does not decode (request_guard)
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
@@ -24,7 +26,7 @@ _CODES: list[tuple[type[ControllerError], grpc.StatusCode]] = [
 R = TypeVar("R")
 
 
-def status_for(error: ControllerError) -> grpc.StatusCode:
+def status_for(error: PhalanxError) -> grpc.StatusCode:
     for cls, code in _CODES:
         if isinstance(error, cls):
             return code

@@ -21,6 +21,7 @@ from controller.store.base import Store
 from controller.topology_conf import parse_topology_conf
 from phalanx import log
 from phalanx.clock import Clock, RealClock
+from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
 from phalanx.v1 import control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
 
@@ -75,7 +76,7 @@ class Controller:
         """Load state, bind, serve, start the loops. Returns the bound port."""
         await self.registry.load()
         await self.jobs.load()
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs), server)
