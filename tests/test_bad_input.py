@@ -151,3 +151,14 @@ def test_garbage_in_a_session(controller):
         assert status_of(lambda call=call: list(call)) == corrupt
     channel.close()
     still_serving(c)
+
+
+def test_events_after_a_cursor_past_every_event(controller):
+    """A uint64 cursor beyond SQLite's int64 once made ListEvents fail with INTERNAL (and WatchEvents UNKNOWN)."""
+    c, _ = controller
+    reply = c.control.ListEvents(control_pb2.ListEventsRequest(after_seq=2**64 - 1), timeout=5)
+    assert list(reply.events) == []
+    code, _ = status_of(lambda: next(iter(c.control.WatchEvents(control_pb2.WatchEventsRequest(after_seq=2**64 - 1),
+                                                                 timeout=0.5))))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED  # nothing yet: it waits for the next event
+    still_serving(c)
