@@ -70,6 +70,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
     async def _read(self, context: grpc.aio.ServicerContext, entry: NodeEntry, session: Session) -> None:
         registry = self._registry
         settling: asyncio.Task | None = None
+        fencing: asyncio.Task | None = None
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
                 body = message.WhichOneof("body")
@@ -81,8 +82,10 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                         # off the reader: a commit waiting for the registry lock must not stop this
                         # node's heartbeats from being read (which would make it look silent)
                         settling = asyncio.create_task(registry.settle(entry))
-                    if self._jobs.observe(entry, message.heartbeat):
-                        await self._jobs.fence(entry, message.heartbeat)
+                    if self._jobs.observe(entry, message.heartbeat) and (fencing is None or fencing.done()):
+                        # off the reader too: the agent answers the stop on this stream, so awaiting it here
+                        # would wait out the command timeout with the answer unread (and the node silent)
+                        fencing = asyncio.create_task(self._jobs.fence(entry, message.heartbeat))
                 elif body == "inventory":
                     validation.inventory(message.inventory)
                     await registry.update_inventory(entry, message.inventory)

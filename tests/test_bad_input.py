@@ -1,8 +1,12 @@
 """Bad requests get a readable status and never take the controller down (a real controller process)."""
 
+import queue
+import time
+
 import grpc
 import pytest
 
+from controller.session import COMMAND_TIMEOUT_S
 from phalanx.rpc import MAX_REQUEST_BYTES, MAX_TRANSPORT_BYTES
 from phalanx.v1 import common_pb2, control_pb2, node_pb2, node_pb2_grpc
 
@@ -161,4 +165,29 @@ def test_events_after_a_cursor_past_every_event(controller):
     code, _ = status_of(lambda: next(iter(c.control.WatchEvents(control_pb2.WatchEventsRequest(after_seq=2**64 - 1),
                                                                  timeout=0.5))))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED  # nothing yet: it waits for the next event
+    still_serving(c)
+
+
+def test_fencing_does_not_stop_the_session_reader(controller):
+    """The controller fences a stale rank with a StopRanks command, which the agent answers on the session: the
+    reader once awaited that answer itself, so it sat out the command timeout with the answer unread and the
+    node's heartbeats unread too (long enough to declare a healthy node DOWN)."""
+    c, nodes = controller
+    reply = nodes.Register(node_pb2.RegisterRequest(node_name="f1", inventory=inventory()), timeout=5)
+    outbox: queue.Queue = queue.Queue()
+    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="f1", incarnation=reply.incarnation)))
+    call = nodes.Session(iter(outbox.get, None), timeout=10)
+    assert next(call).WhichOneof("body") == "accepted"
+    stale = node_pb2.RankStatus(job="job-404", generation=1, rank=0, state=common_pb2.RANK_STATE_RUNNING)
+    outbox.put(node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(seq=1, ranks=[stale])))
+    command = next(call).command
+    assert command.stop.job == "job-404" and command.stop.generation == 1
+    outbox.put(node_pb2.AgentMessage(result=node_pb2.CommandResult(id=command.id, ok=True)))
+    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="f1", incarnation=reply.incarnation)))
+    outbox.put(None)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert (info.value.code(), info.value.details()) == (INVALID, "the session is already open")
+    assert time.monotonic() - started < COMMAND_TIMEOUT_S / 2  # read at once, not after the command timeout
     still_serving(c)
