@@ -25,6 +25,15 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
 
 R = TypeVar("R")
 
+# gRPC carries a status message in a trailer, percent-encoded (up to 12 bytes a character), and clients refuse
+# trailers over 8 KiB: a longer message would reach the caller as RESOURCE_EXHAUSTED instead of itself.
+MAX_DETAILS_CHARS = 500
+
+
+def details(message: str) -> str:
+    """A status message short enough to arrive: messages cut what they quote, this is the backstop."""
+    return message if len(message) <= MAX_DETAILS_CHARS else message[:MAX_DETAILS_CHARS - 3] + "..."
+
 
 def status_for(error: PhalanxError) -> grpc.StatusCode:
     for cls, code in _CODES:
@@ -42,11 +51,11 @@ def unary(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]):
             request_size(request)
             return await method(self, request, context)
         except ControllerError as e:
-            await context.abort(status_for(e), str(e))
+            await context.abort(status_for(e), details(str(e)))
         except Exception as e:  # a bug: say so, keep serving
             logger.exception("rpc failed", method=method.__name__, peer=context.peer())
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: "
-                                f"{type(e).__name__}: {e} (see the controller log)")
+            await context.abort(grpc.StatusCode.INTERNAL, details(f"internal error in {method.__name__}: "
+                                f"{type(e).__name__}: {e} (see the controller log)"))
         raise AssertionError("unreachable: abort raises")
 
     return wrapper

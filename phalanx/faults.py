@@ -41,22 +41,28 @@ def parse(text: str) -> Fault:
     name, sep, raw = text.strip().partition("=")
     known = {**GPU_FAULTS, **RANK_FAULTS}
     if name not in known:
-        raise ValueError(f"unknown fault {text!r}; known faults: {', '.join(_usage(known))}")
+        raise ValueError(f"unknown fault {_shown(text)!r}; known faults: {', '.join(_usage(known))}")
     kind = known[name][0]
     if kind is None:
         if sep:
-            raise ValueError(f"fault {name} takes no value (got {text!r})")
+            raise ValueError(f"fault {name} takes no value (got {_shown(text)!r})")
         return Fault(name)
     if not sep or not raw:
         raise ValueError(f"fault {name} needs a value: {_usage({name: known[name]})[0]}")
     try:
         value = kind(raw)
     except ValueError:
-        raise ValueError(f"fault {name}: {raw!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        raise ValueError(f"fault {name}: {_shown(raw)!r} is not {'a whole number' if kind is int else 'a number'}") \
+            from None
     if value < 0 or (name == "slow" and not 0 < value < 1) or (name == "xid" and not 0 < value < 1000):
         rule = {"slow": "between 0 and 1 (0.3 = 30% slower)", "xid": "between 1 and 999"}.get(name, "not negative")
-        raise ValueError(f"fault {name}={raw} must be {rule}")
+        raise ValueError(f"fault {name}={_shown(raw)} must be {rule}")
     return Fault(name, value)
+
+
+def _shown(text: str) -> str:
+    """Typed text, cut short for a message that repeats it."""
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _usage(faults: dict[str, tuple[type | None, str]]) -> list[str]:

@@ -157,6 +157,23 @@ def test_garbage_in_a_session(controller):
     still_serving(c)
 
 
+def test_messages_quote_input_short(controller):
+    """A status message travels in a trailer that clients cap at 8 KiB: one quoting a long input in full
+    reached the caller as RESOURCE_EXHAUSTED instead of itself."""
+    c, _ = controller
+    ctl = c.control
+    code, details = status_of(lambda: ctl.GetJob(control_pb2.GetJobRequest(id="é" * 5000), timeout=5))
+    assert code == INVALID and details.startswith("id 'ééé") and details.endswith(
+        "...' is not a job id: ids look like job-17 (`phalanx jobs` lists them)") and len(details) < 200
+    reply = node_pb2_grpc.NodeServiceStub(grpc.insecure_channel(c.address)).Register(
+        node_pb2.RegisterRequest(node_name="q1", inventory=inventory()), timeout=5)
+    assert reply.incarnation
+    code, details = status_of(lambda: ctl.InjectFault(control_pb2.InjectFaultRequest(
+        node="q1", fault="x" * 5000), timeout=5))
+    assert code == INVALID and details.startswith("unknown fault 'xxx") and len(details) < 400
+    still_serving(c)
+
+
 def test_events_after_a_cursor_past_every_event(controller):
     """A uint64 cursor beyond SQLite's int64 once made ListEvents fail with INTERNAL (and WatchEvents UNKNOWN)."""
     c, _ = controller
