@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # fault -> (kind of value, what it does)
@@ -32,8 +33,13 @@ class Fault:
     def on_ranks(self) -> bool:
         return self.name in RANK_FAULTS
 
-    def __str__(self) -> str:
-        return self.name if self.value is None else f"{self.name}={self.value:g}"
+    def __str__(self) -> str:  # parse(str(fault)) == fault: the controller hands faults on to agents as text
+        if self.value is None:
+            return self.name
+        if isinstance(self.value, int):
+            return f"{self.name}={self.value}"
+        short = f"{self.value:g}"
+        return f"{self.name}={short if float(short) == self.value else repr(self.value)}"
 
 
 def parse(text: str) -> Fault:
@@ -54,10 +60,21 @@ def parse(text: str) -> Fault:
     except ValueError:
         raise ValueError(f"fault {name}: {_shown(raw)!r} is not {'a whole number' if kind is int else 'a number'}") \
             from None
-    if value < 0 or (name == "slow" and not 0 < value < 1) or (name == "xid" and not 0 < value < 1000):
-        rule = {"slow": "between 0 and 1 (0.3 = 30% slower)", "xid": "between 1 and 999"}.get(name, "not negative")
+    low, high, rule = _RANGES.get(name, (0, MAX_COUNT, f"between 0 and {MAX_COUNT}"))
+    if not low <= value <= high:  # also false for NaN
         raise ValueError(f"fault {name}={_shown(raw)} must be {rule}")
     return Fault(name, value)
+
+
+# What a value may be: the simulated counters are uint64 and must stay within range however often a
+# fault is injected, and a rate of errors must add up to a number.
+MAX_COUNT = 1_000_000_000
+MAX_RATE = 1_000_000.0
+_RANGES: dict[str, tuple[float, float, str]] = {
+    "slow": (math.ulp(0.0), 1 - math.ulp(1.0), "between 0 and 1 (0.3 = 30% slower)"),
+    "xid": (1, 999, "between 1 and 999"),
+    "ecc-sbe-rate": (0.0, MAX_RATE, f"between 0 and {MAX_RATE:.0f} (errors per second)"),
+}
 
 
 def _shown(text: str) -> str:
