@@ -44,9 +44,13 @@ class LocalState:
     requests: dict[str, node_pb2.RequestCheckpoint] = field(default_factory=dict)  # job -> pending request
 
     def drain(self) -> list[node_pb2.RankProgress]:
+        """Progress since the last drain, one entry per rank that reported. A rank silent since then is
+        forgotten (ended, or of an old generation): without that every rank ever seen stayed here."""
         out = []
-        for (job, generation, rank), p in sorted(self.progress.items()):
+        for key, p in sorted(self.progress.items()):
+            job, generation, rank = key
             if not p.reports:
+                del self.progress[key]
                 continue
             out.append(node_pb2.RankProgress(job=job, generation=generation, rank=rank, last_step=p.last_step,
                                              steps=p.steps, mean_step_s=p.step_s / p.steps if p.steps else 0.0,

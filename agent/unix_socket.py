@@ -9,6 +9,9 @@ from pathlib import Path
 
 import grpc
 
+from phalanx.request_guard import RequestGuard
+from phalanx.rpc import SERVER_OPTIONS
+
 SOCKET_MODE = 0o660  # the agent's user and group only
 
 
@@ -22,7 +25,7 @@ async def serve(path: str | Path, add_servicer: Callable[[grpc.aio.Server], None
         socket_path.unlink()
     elif socket_path.exists():
         raise OSError(f"{socket_path} exists and is not a socket; refusing to replace it")
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
     add_servicer(server)
     if server.add_insecure_port(f"unix://{socket_path}") == 0:
         raise OSError(f"cannot listen on unix socket {socket_path}")

@@ -56,6 +56,8 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
     async def ListEvents(self, request: control_pb2.ListEventsRequest, context):
         if request.node:
             validation.node_name(request.node, "node")
+        if request.job:
+            validation.job_id(request.job, "job")
         events = await self._store.list_events(after_seq=request.after_seq, limit=validation.page_limit(request.limit),
                                                node=request.node, job=request.job)
         return control_pb2.ListEventsResponse(events=[e.to_proto() for e in events])
@@ -65,6 +67,8 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
             validation.request_size(request)
             if request.node:
                 validation.node_name(request.node, "node")
+            if request.job:
+                validation.job_id(request.job, "job")
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         watcher = self._hub.subscribe()  # before the replay, so nothing falls between the two
@@ -136,15 +140,15 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
 
     @unary
     async def GetJob(self, request: control_pb2.GetJobRequest, context):
-        return self._jobs.get(request.id)
+        return self._jobs.get(validation.job_id(request.id))
 
     @unary
     async def CancelJob(self, request: control_pb2.CancelJobRequest, context):
-        return await self._jobs.cancel(request.id)
+        return await self._jobs.cancel(validation.job_id(request.id))
 
     @unary
     async def ReadLogs(self, request: control_pb2.ReadLogsRequest, context):
-        result, node = await self._jobs.read_logs(request.job, request.rank, request.offset,
+        result, node = await self._jobs.read_logs(validation.job_id(request.job, "job"), request.rank, request.offset,
                                                   validation.log_chunk(request.max_bytes))
         offset = min(request.offset, result.size)
         return control_pb2.LogChunk(data=result.data, next_offset=offset + len(result.data), size=result.size,
@@ -155,7 +159,7 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         deadline = request.deadline_s or DEFAULT_CHECKPOINT_DEADLINE_S
         if not 0 < deadline <= 3600:
             raise InvalidArgument(f"deadline_s ({deadline}) must be between 0 and 3600")
-        step, seconds = await self._jobs.checkpoint(request.id, deadline)
+        step, seconds = await self._jobs.checkpoint(validation.job_id(request.id), deadline)
         return control_pb2.CheckpointJobReply(step=step, seconds=seconds)
 
     @unary

@@ -13,6 +13,7 @@ from controller.registry import NodeEntry, Registry
 from controller.rpc import status_for, unary
 from controller.session import Session
 from phalanx import log
+from phalanx.errors import BadRequest
 from phalanx.v1 import node_pb2, node_pb2_grpc
 
 logger = log.get("node-service")
@@ -109,7 +110,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                 else:
                     raise InvalidArgument("empty session message")
             session.kick(grpc.StatusCode.OK, "")
-        except ControllerError as e:
+        except (ControllerError, BadRequest) as e:
             logger.warning("session ended", node=entry.record.name, peer=session.peer, error=str(e))
             session.kick(status_for(e), str(e))
         except asyncio.CancelledError:

@@ -18,11 +18,13 @@ from controller.errors import (
 )
 from controller.validation import request_size
 from phalanx import log
+from phalanx.errors import BadRequest, PhalanxError
 
 logger = log.get("rpc")
 
-_CODES: list[tuple[type[ControllerError], grpc.StatusCode]] = [
+_CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),  # a streamed message that does not decode (request_guard)
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
@@ -31,8 +33,17 @@ _CODES: list[tuple[type[ControllerError], grpc.StatusCode]] = [
 
 R = TypeVar("R")
 
+# gRPC carries a status message in a trailer, percent-encoded (up to 12 bytes a character), and clients refuse
+# trailers over 8 KiB: a longer message would reach the caller as RESOURCE_EXHAUSTED instead of itself.
+MAX_DETAILS_CHARS = 500
 
-def status_for(error: ControllerError) -> grpc.StatusCode:
+
+def details(message: str) -> str:
+    """A status message short enough to arrive: messages cut what they quote, this is the backstop."""
+    return message if len(message) <= MAX_DETAILS_CHARS else message[:MAX_DETAILS_CHARS - 3] + "..."
+
+
+def status_for(error: PhalanxError) -> grpc.StatusCode:
     for cls, code in _CODES:
         if isinstance(error, cls):
             return code
@@ -48,11 +59,11 @@ def unary(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]):
             request_size(request)
             return await method(self, request, context)
         except ControllerError as e:
-            await context.abort(status_for(e), str(e))
+            await context.abort(status_for(e), details(str(e)))
         except Exception as e:  # a bug: say so, keep serving
             logger.exception("rpc failed", method=method.__name__, peer=context.peer())
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: "
-                                f"{type(e).__name__}: {e} (see the controller log)")
+            await context.abort(grpc.StatusCode.INTERNAL, details(f"internal error in {method.__name__}: "
+                                f"{type(e).__name__}: {e} (see the controller log)"))
         raise AssertionError("unreachable: abort raises")
 
     return wrapper

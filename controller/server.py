@@ -23,6 +23,7 @@ from controller.topology_conf import parse_topology_conf
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.errors import ConfigError
+from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
 from phalanx.v1 import control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
 
@@ -127,7 +128,9 @@ class Controller:
         self._credentials = tls.server_credentials(self._identity)
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [] if self.cfg.security.insecure else [auth.Authorizer(self._tokens)]
+        # Outermost first: who is calling is settled before a byte of the request is decoded.
+        authorizer = [] if self.cfg.security.insecure else [auth.Authorizer(self._tokens)]
+        return [*authorizer, RequestGuard()]
 
     @staticmethod
     def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:

@@ -8,6 +8,7 @@ import itertools
 import grpc
 
 from controller.errors import FailedPrecondition
+from controller.rpc import details
 from phalanx.v1 import node_pb2
 
 COMMAND_TIMEOUT_S = 5.0
@@ -37,7 +38,7 @@ class Session:
 
     def kick(self, code: grpc.StatusCode, message: str) -> None:
         if not self.closed.is_set():
-            self.close_code, self.close_message = code, message
+            self.close_code, self.close_message = code, details(message)
             self.closed.set()
             self.outbox.put_nowait(None)
             for future in self._pending.values():

@@ -17,6 +17,7 @@ _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_JOB_NODES = 100_000
 
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_JOB_ID = _NODE_NAME  # the controller makes them: job-N
 MAX_GPUS = 64
 MAX_LABELS = 64
 MAX_LABEL_CHARS = 253
@@ -34,10 +35,23 @@ def node_name(value: str, field: str = "node_name") -> str:
     if not value:
         raise InvalidArgument(f"{field} is empty; give the node's name")
     if not _NODE_NAME.fullmatch(value):
-        shown = value if len(value) <= 80 else value[:77] + "..."
-        raise InvalidArgument(f"{field} {shown!r} is not a valid node name: 1-63 characters of letters, "
+        raise InvalidArgument(f"{field} {shown(value)!r} is not a valid node name: 1-63 characters of letters, "
                               "digits, '.', '_' or '-', starting with a letter or digit")
     return value
+
+
+def job_id(value: str, field: str = "id") -> str:
+    if not value:
+        raise InvalidArgument(f"{field} is empty; give the job's id (`phalanx jobs` lists them)")
+    if not _JOB_ID.fullmatch(value):
+        raise InvalidArgument(f"{field} {shown(value)!r} is not a job id: ids look like job-17 (`phalanx jobs` "
+                              "lists them)")
+    return value
+
+
+def shown(value: str, limit: int = 80) -> str:
+    """`value` cut to `limit` characters for a message: a status message must stay short (controller/rpc.py)."""
+    return value if len(value) <= limit else value[:limit - 3] + "..."
 
 
 def inventory(inv: common_pb2.NodeInventory) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # fault -> (kind of value, what it does)
@@ -32,8 +33,13 @@ class Fault:
     def on_ranks(self) -> bool:
         return self.name in RANK_FAULTS
 
-    def __str__(self) -> str:
-        return self.name if self.value is None else f"{self.name}={self.value:g}"
+    def __str__(self) -> str:  # parse(str(fault)) == fault: the controller hands faults on to agents as text
+        if self.value is None:
+            return self.name
+        if isinstance(self.value, int):
+            return f"{self.name}={self.value}"
+        short = f"{self.value:g}"
+        return f"{self.name}={short if float(short) == self.value else repr(self.value)}"
 
 
 def parse(text: str) -> Fault:
@@ -41,22 +47,39 @@ def parse(text: str) -> Fault:
     name, sep, raw = text.strip().partition("=")
     known = {**GPU_FAULTS, **RANK_FAULTS}
     if name not in known:
-        raise ValueError(f"unknown fault {text!r}; known faults: {', '.join(_usage(known))}")
+        raise ValueError(f"unknown fault {_shown(text)!r}; known faults: {', '.join(_usage(known))}")
     kind = known[name][0]
     if kind is None:
         if sep:
-            raise ValueError(f"fault {name} takes no value (got {text!r})")
+            raise ValueError(f"fault {name} takes no value (got {_shown(text)!r})")
         return Fault(name)
     if not sep or not raw:
         raise ValueError(f"fault {name} needs a value: {_usage({name: known[name]})[0]}")
     try:
         value = kind(raw)
     except ValueError:
-        raise ValueError(f"fault {name}: {raw!r} is not {'a whole number' if kind is int else 'a number'}") from None
-    if value < 0 or (name == "slow" and not 0 < value < 1) or (name == "xid" and not 0 < value < 1000):
-        rule = {"slow": "between 0 and 1 (0.3 = 30% slower)", "xid": "between 1 and 999"}.get(name, "not negative")
-        raise ValueError(f"fault {name}={raw} must be {rule}")
+        raise ValueError(f"fault {name}: {_shown(raw)!r} is not {'a whole number' if kind is int else 'a number'}") \
+            from None
+    low, high, rule = _RANGES.get(name, (0, MAX_COUNT, f"between 0 and {MAX_COUNT}"))
+    if not low <= value <= high:  # also false for NaN
+        raise ValueError(f"fault {name}={_shown(raw)} must be {rule}")
     return Fault(name, value)
+
+
+# What a value may be: the simulated counters are uint64 and must stay within range however often a
+# fault is injected, and a rate of errors must add up to a number.
+MAX_COUNT = 1_000_000_000
+MAX_RATE = 1_000_000.0
+_RANGES: dict[str, tuple[float, float, str]] = {
+    "slow": (math.ulp(0.0), 1 - math.ulp(1.0), "between 0 and 1 (0.3 = 30% slower)"),
+    "xid": (1, 999, "between 1 and 999"),
+    "ecc-sbe-rate": (0.0, MAX_RATE, f"between 0 and {MAX_RATE:.0f} (errors per second)"),
+}
+
+
+def _shown(text: str) -> str:
+    """Typed text, cut short for a message that repeats it."""
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _usage(faults: dict[str, tuple[type | None, str]]) -> list[str]:

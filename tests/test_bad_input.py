@@ -1,8 +1,12 @@
 """Bad requests get a readable status and never take the controller down (a real controller process)."""
 
+import queue
+import time
+
 import grpc
 import pytest
 
+from controller.session import COMMAND_TIMEOUT_S
 from phalanx.rpc import MAX_REQUEST_BYTES, MAX_TRANSPORT_BYTES
 from phalanx.v1 import common_pb2, control_pb2, node_pb2, node_pb2_grpc
 
@@ -125,12 +129,82 @@ def test_garbage_bytes_on_the_wire(controller):
     channel = grpc.insecure_channel(c.address)
     raw = channel.unary_unary("/phalanx.v1.NodeService/Register", request_serializer=lambda b: b,
                               response_deserializer=lambda b: b)
-    code, _ = status_of(lambda: raw(b"\xff\xff\xff\xff not a protobuf", timeout=5))
-    # grpc fails the call itself (UNKNOWN: "exception deserializing request") before any handler runs
-    assert code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+    # refused before any handler runs, saying what (gRPC alone answers UNKNOWN, which reads like a server bug)
+    assert status_of(lambda: raw(b"\xff\xff\xff\xff not a protobuf", timeout=5)) == (
+        INVALID, "cannot decode the request as phalanx.v1.RegisterRequest: Wire format was corrupt; are client "
+                 "and server built from the same .proto files?")
     unknown = channel.unary_unary("/phalanx.v1.NodeService/Nope", request_serializer=lambda b: b,
                                   response_deserializer=lambda b: b)
     code, _ = status_of(lambda: unknown(b"", timeout=5))
     assert code == grpc.StatusCode.UNIMPLEMENTED
     channel.close()
+    still_serving(c)
+
+
+def test_garbage_in_a_session(controller):
+    c, nodes = controller
+    channel = grpc.insecure_channel(c.address)
+    raw = channel.stream_stream("/phalanx.v1.NodeService/Session", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+    reply = nodes.Register(node_pb2.RegisterRequest(node_name="g1", inventory=inventory()), timeout=5)
+    opened = node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="g1", incarnation=reply.incarnation))
+    corrupt = (INVALID, "cannot decode the request as phalanx.v1.AgentMessage: Wire format was corrupt; are client "
+                        "and server built from the same .proto files?")
+    for messages in ([b"\xff\xff"], [opened.SerializeToString(), b"\xff\xff"]):  # first, then a later message
+        call = raw(iter(messages), timeout=10)
+        assert status_of(lambda call=call: list(call)) == corrupt
+    channel.close()
+    still_serving(c)
+
+
+def test_messages_quote_input_short(controller):
+    """A status message travels in a trailer that clients cap at 8 KiB: one quoting a long input in full
+    reached the caller as RESOURCE_EXHAUSTED instead of itself."""
+    c, _ = controller
+    ctl = c.control
+    code, details = status_of(lambda: ctl.GetJob(control_pb2.GetJobRequest(id="é" * 5000), timeout=5))
+    assert code == INVALID and details.startswith("id 'ééé") and details.endswith(
+        "...' is not a job id: ids look like job-17 (`phalanx jobs` lists them)") and len(details) < 200
+    reply = node_pb2_grpc.NodeServiceStub(grpc.insecure_channel(c.address)).Register(
+        node_pb2.RegisterRequest(node_name="q1", inventory=inventory()), timeout=5)
+    assert reply.incarnation
+    code, details = status_of(lambda: ctl.InjectFault(control_pb2.InjectFaultRequest(
+        node="q1", fault="x" * 5000), timeout=5))
+    assert code == INVALID and details.startswith("unknown fault 'xxx") and len(details) < 400
+    still_serving(c)
+
+
+def test_events_after_a_cursor_past_every_event(controller):
+    """A uint64 cursor beyond SQLite's int64 once made ListEvents fail with INTERNAL (and WatchEvents UNKNOWN)."""
+    c, _ = controller
+    reply = c.control.ListEvents(control_pb2.ListEventsRequest(after_seq=2**64 - 1), timeout=5)
+    assert list(reply.events) == []
+    code, _ = status_of(lambda: next(iter(c.control.WatchEvents(control_pb2.WatchEventsRequest(after_seq=2**64 - 1),
+                                                                 timeout=0.5))))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED  # nothing yet: it waits for the next event
+    still_serving(c)
+
+
+def test_fencing_does_not_stop_the_session_reader(controller):
+    """The controller fences a stale rank with a StopRanks command, which the agent answers on the session: the
+    reader once awaited that answer itself, so it sat out the command timeout with the answer unread and the
+    node's heartbeats unread too (long enough to declare a healthy node DOWN)."""
+    c, nodes = controller
+    reply = nodes.Register(node_pb2.RegisterRequest(node_name="f1", inventory=inventory()), timeout=5)
+    outbox: queue.Queue = queue.Queue()
+    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="f1", incarnation=reply.incarnation)))
+    call = nodes.Session(iter(outbox.get, None), timeout=10)
+    assert next(call).WhichOneof("body") == "accepted"
+    stale = node_pb2.RankStatus(job="job-404", generation=1, rank=0, state=common_pb2.RANK_STATE_RUNNING)
+    outbox.put(node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(seq=1, ranks=[stale])))
+    command = next(call).command
+    assert command.stop.job == "job-404" and command.stop.generation == 1
+    outbox.put(node_pb2.AgentMessage(result=node_pb2.CommandResult(id=command.id, ok=True)))
+    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="f1", incarnation=reply.incarnation)))
+    outbox.put(None)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert (info.value.code(), info.value.details()) == (INVALID, "the session is already open")
+    assert time.monotonic() - started < COMMAND_TIMEOUT_S / 2  # read at once, not after the command timeout
     still_serving(c)

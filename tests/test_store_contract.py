@@ -107,6 +107,16 @@ def test_events_get_increasing_seqs_and_filter(make_store):
     run(go())
 
 
+@pytest.mark.parametrize("after_seq", [2**63 - 1, 2**63, 2**64 - 1])
+def test_events_after_a_cursor_past_every_seq(make_store, after_seq):
+    """ListEvents passes a uint64 from the wire straight through: past SQLite's int64, nothing comes back."""
+    async def go():
+        store = make_store()
+        await store.commit(events=[ev()])
+        assert await store.list_events(after_seq=after_seq) == []
+    run(go())
+
+
 def test_old_events_are_pruned(make_store):
     async def go():
         store = make_store(max_events=1000)

@@ -84,7 +84,7 @@ class Store(Protocol):
     async def list_events(
         self, *, after_seq: int = 0, limit: int = 1000, node: str = "", job: str = ""
     ) -> list[EventRecord]:
-        """Events with seq > after_seq, oldest first, at most `limit`, optionally for one node/job."""
+        """Events with seq > after_seq (any int >= 0), oldest first, at most `limit`, optionally for one node/job."""
         ...
 
     async def last_event_seq(self) -> int: ...

@@ -21,6 +21,7 @@ from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1
+_MAX_SEQ = 2**63 - 1  # SQLite INTEGER is a signed 64-bit number
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (
@@ -163,7 +164,8 @@ class SqliteStore:
     ) -> list[EventRecord]:
         def read(db: sqlite3.Connection) -> list[EventRecord]:
             sql = "SELECT seq, time_ns, kind, node, job, message, fields FROM events WHERE seq > ?"
-            args: list[object] = [after_seq]
+            # a uint64 cursor from the wire may pass SQLite's int64; no seq is past the largest one
+            args: list[object] = [min(after_seq, _MAX_SEQ)]
             if node:
                 sql += " AND node = ?"
                 args.append(node)

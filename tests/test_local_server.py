@@ -1,0 +1,29 @@
+"""The agent's side of trainlib's reports: folded per heartbeat, and nothing kept for ranks that went quiet."""
+
+import asyncio
+
+from agent.local_server import LocalService, LocalState
+from phalanx.v1 import local_pb2
+
+
+def report(service, job, generation, rank, *steps):
+    request = local_pb2.ReportRequest(job=job, generation=generation, rank=rank,
+                                      steps=[local_pb2.StepSample(step=s, step_s=0.5, compute_s=0.25) for s in steps])
+    return asyncio.run(service.Report(request, None))
+
+
+def test_progress_is_folded_per_heartbeat_and_quiet_ranks_are_forgotten():
+    state = LocalState()
+    service = LocalService(state, current_generation=lambda job: None, send=lambda message: None)
+    report(service, "job-1", 1, 0, 1, 2)
+    report(service, "job-1", 1, 0, 3)
+    for rank in range(1000):  # ranks of an older generation, reported once each
+        report(service, "job-1", 0, rank)
+    first = state.drain()
+    mine = next(p for p in first if p.generation == 1)
+    assert (mine.last_step, mine.steps, mine.reports, mine.mean_step_s) == (3, 3, 2, 0.5)
+    assert len(first) == 1001
+    report(service, "job-1", 1, 0)  # a report without a finished step: still alive
+    assert [(p.rank, p.steps, p.reports) for p in state.drain()] == [(0, 0, 1)]
+    assert list(state.progress) == [("job-1", 1, 0)]  # the quiet ones are gone
+    assert state.drain() == [] and state.progress == {}
