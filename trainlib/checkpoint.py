@@ -5,7 +5,7 @@ Layout under `root`::
     GENERATION                     highest generation that has started (claim_generation)
     step-000000042/
         rank-00000.pt              this rank's shard (torch.save), or dcp/ for save_sharded
-        rank-00000.done            durable marker: generation, and size + sha256 of the rank's files
+        rank-00000.done            durable marker: generation, and size + CRC-32 of the rank's files
         MANIFEST.json              the commit record; written by rank 0 once every marker exists
 
 The commit protocol keeps two promises from the design: a checkpoint is visible to `load_latest`
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from trainlib._atomic import (
+    CHECKSUMS,
     Digest,
     file_digest,
     fsync_dir,
@@ -85,8 +86,8 @@ class Loaded:
 
 
 def _torch_save(state: dict[str, Any], writer: Any) -> None:
-    """torch.save without its per-record CRC32: the shard's sha256, checked on load, already covers every
-    byte, and the CRC costs about a third of the write throughput. (The setting is process-wide while a
+    """torch.save without its per-record CRC32: the shard's own checksum, checked on load, already covers
+    every byte, and torch's CRC costs about a third of the write throughput. (The setting is process-wide while a
     save runs; a torch.save elsewhere at that moment only goes without its CRC, which loads the same.)"""
     try:
         from torch.utils.serialization import config
@@ -251,7 +252,7 @@ class Checkpointer:
         size = sum(d.size for d in files.values())
         marker = {"rank": self.rank, "step": step, "generation": self.generation, "world_size": self.world_size,
                   "format": fmt, "size": size,
-                  "files": {rel: {"size": d.size, "sha256": d.sha256} for rel, d in files.items()}}
+                  "files": {rel: d.marker() for rel, d in files.items()}}
         self._refuse_if_stale(self.current_generation(), "mark", step)
         write_json_atomic(directory / f"rank-{self.rank:05d}.done", marker)
         if self.barrier is not None:
@@ -356,7 +357,7 @@ class Checkpointer:
         """This rank's state from the newest complete, valid step saved with `save`; None if there is none.
 
         Steps without a manifest (partial, torn) are skipped; so is a step whose shard for this rank
-        fails its sha256 check — the previous complete step is used instead.
+        fails its checksum — the previous complete step is used instead.
         """
         for n in self._steps_desc():
             manifest, _ = self._validate(n, "torch", verify=True)
@@ -369,7 +370,7 @@ class Checkpointer:
             try:
                 state = torch.load(path, map_location=map_location, weights_only=weights_only)
             except Exception as e:
-                raise CheckpointError(f"step {n}: {path} passed its sha256 check but does not load: {e}") from e
+                raise CheckpointError(f"step {n}: {path} passed its checksum but does not load: {e}") from e
             return Loaded(n, state, manifest["generation"])
         return None
 
@@ -399,7 +400,7 @@ class Checkpointer:
         """(manifest, '') when `step` is committed and its files check out; (None, why) otherwise.
 
         Every rank's files must exist at the recorded size; with `verify`, this rank's files must
-        also match their sha256. For DCP, which may read any rank's files when it reshards, the
+        also match their checksum. For DCP, which may read any rank's files when it reshards, the
         ranks split the hashing (saved rank m is checked by rank m % world_size) and agree afterwards.
         """
         directory = self.step_dir(step)
@@ -424,11 +425,12 @@ class Checkpointer:
                     if int(r) % self.world_size == self.rank or rel == "dcp/.metadata":
                         mine[rel] = info
             for rel, info in mine.items() if verify else ():
-                if file_digest(directory / rel).sha256 != info["sha256"]:
-                    why = f"{rel} does not match its sha256"
+                algorithm = next(a for a in CHECKSUMS if a in info)  # StopIteration: no known checksum
+                if file_digest(directory / rel, algorithm).value != info[algorithm]:
+                    why = f"{rel} does not match its {algorithm}"
                     log.warning("checkpoint step skipped step=%d reason=%r", step, why)
                     return None, why
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError, StopIteration) as e:
             return None, f"malformed manifest ({e!r})"
         return manifest, ""
 
