@@ -95,6 +95,7 @@ class Agent:
         self._gpus: list[common_pb2.GpuTelemetry] = []
         self._gpus_at: float | None = None  # monotonic time of the last GPU sweep
         self.last_host: common_pb2.HostTelemetry | None = None
+        self._collector_failures: dict[str, str] = {}  # collector -> its current failure, reported once
 
     def inventory(self) -> common_pb2.NodeInventory:
         inventory = common_pb2.NodeInventory()
@@ -103,14 +104,36 @@ class Agent:
         return inventory
 
     def heartbeat(self) -> node_pb2.Heartbeat:
-        host, gpus = self.host.sample(), self.backend.sample()
+        """This second's heartbeat. A collector that fails (a bug, a driver gone strange) must not silence
+        the node: its last good reading goes up instead, and the failure is logged and sent to the
+        controller's event log once while it lasts."""
+        host = self._collect("host", self.host.sample, self.last_host or common_pb2.HostTelemetry())
+        gpus = self._collect("gpu", self.backend.sample, self._gpus)
         self.last_host, self._gpus, self._gpus_at = host, gpus, time.monotonic()
         if self.dcgm is not None:
-            self._report_dcgm()
+            self._collect("dcgm", self._report_dcgm, None)
         self.supervisor.poll()
+        nccl = self._collect("nccl", lambda: self.nccl.scan(time.time_ns()), [])
         return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
-                                  health_digest=health_digest(gpus, host), nccl=self.nccl.scan(time.time_ns()),
+                                  health_digest=health_digest(gpus, host), nccl=nccl,
                                   ranks=self.supervisor.statuses(), progress=self.local.drain())
+
+    def _collect(self, name: str, sample, fallback):
+        try:
+            value = sample()
+        except Exception as e:
+            failure = f"{type(e).__name__}: {e}"
+            if self._collector_failures.get(name) != failure:
+                self._collector_failures[name] = failure
+                logger.exception("collector failed; reporting its last good reading", collector=name)
+                self.link.emit("collector_failed", f"the {name} collector on {self.name} failed: {failure}"[:500],
+                               collector=name)
+            return fallback
+        if self._collector_failures.pop(name, None) is not None:
+            logger.info("collector recovered", collector=name)
+            self.link.emit("collector_recovered", f"the {name} collector on {self.name} works again",
+                           collector=name)
+        return value
 
     def gpu_telemetry(self) -> list[common_pb2.GpuTelemetry]:
         """The latest GPU readings for a scrape: the last heartbeat's, or a new sweep without recent heartbeats."""
