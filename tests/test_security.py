@@ -306,3 +306,15 @@ def test_torchruns_rendezvous_handler_speaks_mutual_tls_from_the_environment(sec
     monkeypatch.setenv("PHALANX_CA", str(secure.root / "missing-ca.crt"))
     with pytest.raises(ConfigError, match=r"missing-ca\.crt: no such file"):
         handler("tls-run-2")
+
+
+def test_server_streams_go_through_the_same_checks(secure, ca):
+    with grpc.secure_channel(secure.address, creds(ca, "operator")) as channel:
+        stream = control_pb2_grpc.ControlServiceStub(channel).WatchEvents(control_pb2.WatchEventsRequest(), timeout=10)
+        first = next(iter(stream))
+        assert first.seq >= 1
+        stream.cancel()
+    with grpc.secure_channel(secure.address, creds(ca, "node-a")) as channel:
+        stream = control_pb2_grpc.ControlServiceStub(channel).WatchEvents(control_pb2.WatchEventsRequest(), timeout=10)
+        code, details = status_of(lambda: next(iter(stream)))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "may not call phalanx.v1.ControlService" in details
