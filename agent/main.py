@@ -123,8 +123,8 @@ class Agent:
             value = sample()
         except Exception as e:
             failure = f"{type(e).__name__}: {e}"
-            if self._collector_failures.get(name) != failure:
-                self._collector_failures[name] = failure
+            if self._collector_failures.get(name) != type(e).__name__:  # by kind: messages may vary each time
+                self._collector_failures[name] = type(e).__name__
                 logger.exception("collector failed; reporting its last good reading", collector=name)
                 self.link.emit("collector_failed", f"the {name} collector on {self.name} failed: {failure}"[:500],
                                collector=name)
@@ -277,6 +277,10 @@ def link_credentials(cfg: agent_config.AgentConfig) -> grpc.ChannelCredentials |
         identity = tls.Identity.load(sec.ca_file, sec.cert_file, sec.key_file)
     except ConfigError as e:
         raise ConfigError(f"security: {e}") from None
+    ou_cn = tls.identity_of(identity.cert)
+    if ou_cn is not None and ou_cn != ("node", cfg.name):
+        raise ConfigError(f"security: certificate {sec.cert_file} is for {ou_cn[0] or 'no role'} {ou_cn[1]!r}, not "
+                          f"node {cfg.name!r}: the controller would refuse it (`phalanx certs issue {cfg.name}`)")
     if identity.expires_soon():
         logger.warning("this node's certificate expires soon", cert=sec.cert_file, not_after=str(identity.not_after))
     return tls.channel_credentials(identity.ca, identity.cert, identity.key)

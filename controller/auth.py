@@ -25,7 +25,7 @@ from phalanx.errors import ConfigError
 
 NODE, CLIENT, CONTROLLER = "node", "client", "controller"
 
-# Services and the roles that may call them; a service not listed is open (the gRPC health check).
+# Services and the roles that may call them; OPEN_SERVICES need no credential, any other service none may call.
 SERVICE_ROLES: dict[str, frozenset[str]] = {
     "phalanx.v1.NodeService": frozenset({NODE}),
     "phalanx.v1.ControlService": frozenset({CLIENT}),
@@ -81,14 +81,23 @@ def load_tokens(path: str) -> dict[bytes, str]:
     return tokens
 
 
-def _subject_field(subject: str, key: str) -> str:
-    # x509_subject is RFC 2253 text, e.g. "CN=node-a,OU=node,O=phalanx"; names never contain ',' or '='
-    # (`phalanx certs issue` refuses them), so a plain split is exact.
+def parse_subject(subject: str) -> tuple[str, str] | None:
+    """(role, name) from an RFC 2253 subject such as "CN=node-a,OU=node,O=phalanx": the one OU and the
+    one CN. None for anything else — a subject with escapes (a ',' or '=' inside a value, which
+    `phalanx certs` never issues and which could smuggle in a second OU), or one without exactly one
+    OU and one CN — so such a certificate gets nowhere, whichever CA signed it."""
+    if "\\" in subject or '"' in subject or "+" in subject:
+        return None
+    fields: dict[str, list[str]] = {}
     for part in subject.split(","):
-        k, _, v = part.partition("=")
-        if k.strip() == key:
-            return v.strip()
-    return ""
+        key, sep, value = part.partition("=")
+        if not sep:
+            return None
+        fields.setdefault(key.strip(), []).append(value.strip())
+    ous, cns = fields.get("OU", []), fields.get("CN", [])
+    if len(ous) != 1 or len(cns) != 1 or not ous[0] or not cns[0]:
+        return None
+    return ous[0], cns[0]
 
 
 class Authorizer(grpc.aio.ServerInterceptor):
@@ -99,8 +108,8 @@ class Authorizer(grpc.aio.ServerInterceptor):
         auth = context.auth_context()
         subject = auth.get("x509_subject")
         if subject:
-            text = subject[0].decode(errors="replace")
-            return Peer(_subject_field(text, "OU"), _subject_field(text, "CN"), "certificate")
+            parsed = parse_subject(subject[0].decode(errors="replace"))
+            return Peer(*parsed, "certificate") if parsed else None
         for key, value in metadata or ():
             if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 name = self._lookup(value[len("Bearer "):].strip())

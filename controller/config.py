@@ -121,6 +121,8 @@ class SecurityConfig:
     def __post_init__(self) -> None:
         require(not self.token_listen or bool(self.tokens_file),
                 "security.token_listen is set but security.tokens_file is empty: a token port needs tokens")
+        require(not (self.token_listen and self.insecure),
+                "security.token_listen needs TLS; it cannot be used with security.insecure = true")
         if self.token_listen:
             host_port("security.token_listen", self.token_listen, "0.0.0.0:7373")
 

@@ -240,9 +240,11 @@ class JobManager(RecoveryMixin):
     async def _pace_known(self, entry: JobEntry) -> None:
         """Wait briefly for the ranks to report a step past their start-up: a request soon after a (re)start
         would otherwise agree on a step from a pace that start-up makes look several times slower."""
-        deadline = time.monotonic() + PACE_WAIT_S
-        while entry.tracks and not any(t.recent_pace() for t in entry.tracks.values()) and \
-                time.monotonic() < deadline:
+        deadline = self._clock.monotonic() + PACE_WAIT_S
+        for _ in range(int(PACE_WAIT_S / 0.1)):  # bounded in real time too, whatever the clock does
+            if not entry.tracks or any(t.recent_pace() for t in entry.tracks.values()) or \
+                    self._clock.monotonic() >= deadline:
+                return
             await asyncio.sleep(0.1)
 
     def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:

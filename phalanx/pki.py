@@ -27,7 +27,6 @@ from phalanx.errors import PhalanxError
 
 ROLES = ("node", "client", "controller")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # node names' rule; never ',' or '=' (see controller/auth)
-DEFAULT_DIR = "/etc/phalanx/pki"
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest validity browsers still accept; rotate with `issue` under a new name
 
@@ -77,6 +76,9 @@ def _now() -> datetime.datetime:
 
 def init_ca(directory: str | Path, cluster: str = "phalanx", days: int = CA_DAYS) -> Issued:
     """Create ca.crt and ca.key in directory (made 0700 if missing)."""
+    if not _NAME.fullmatch(cluster):
+        raise PkiError(f"bad cluster name {cluster!r}: 1-63 letters, digits, '.', '_' or '-', starting with a "
+                       "letter or digit")
     x509, hashes, serialization, ec, _, NameOID = _x509()
     d = Path(directory)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)

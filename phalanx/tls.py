@@ -66,6 +66,7 @@ class Identity:
 def _check(ca: bytes, cert: bytes, key: bytes, cert_file: str, key_file: str) -> datetime.datetime | None:
     try:
         from cryptography import x509
+        from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives import serialization
     except ImportError:  # the handshake will check instead
         return None
@@ -84,10 +85,25 @@ def _check(ca: bytes, cert: bytes, key: bytes, cert_file: str, key_file: str) ->
     if leaf.not_valid_after_utc < now:
         raise ConfigError(f"certificate {cert_file} expired on {leaf.not_valid_after_utc:%Y-%m-%d}; issue a new "
                           "one with `phalanx certs issue NAME`")
-    if leaf.issuer != ca_cert.subject:
+    try:
+        leaf.verify_directly_issued_by(ca_cert)  # the signature, not just the names: clusters share names
+    except (ValueError, TypeError, InvalidSignature):
         raise ConfigError(f"certificate {cert_file} was not issued by the CA in the configured ca_file "
-                          f"({leaf.issuer.rfc4514_string()} is not {ca_cert.subject.rfc4514_string()})")
+                          f"(issuer {leaf.issuer.rfc4514_string()}; CA {ca_cert.subject.rfc4514_string()})") from None
     return leaf.not_valid_after_utc
+
+
+def identity_of(cert: bytes) -> tuple[str, str] | None:
+    """(OU, CN) of a PEM certificate as `phalanx certs` issues them; None without cryptography or either."""
+    try:
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        return None
+    subject = x509.load_pem_x509_certificate(cert).subject
+    ous = subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    cns = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return (str(ous[0].value) if ous else "", str(cns[0].value) if cns else "")
 
 
 def server_credentials(identity: Identity) -> grpc.ServerCredentials:

@@ -108,7 +108,7 @@ class HashingWriter:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._sha = CHECKSUMS[CHECKSUM]()
+        self._sum = CHECKSUMS[CHECKSUM]()
         self._buffer = bytearray()
         self._cv = threading.Condition()
         self._written = 0  # guarded by _cv; the follower hashes up to here
@@ -145,7 +145,7 @@ class HashingWriter:
         if self._error is not None:
             raise self._error
         os.fsync(self._fd)
-        return Digest(self._written, self._sha.hexdigest(), CHECKSUM)
+        return Digest(self._written, self._sum.hexdigest(), CHECKSUM)
 
     def abort(self) -> None:
         self._stop(abort=True)
@@ -184,7 +184,7 @@ class HashingWriter:
                     n = os.preadv(self._fd, [chunk[:min(_CHUNK, end - self._hashed)]], self._hashed)
                     if n <= 0:
                         raise OSError(f"read back {n} bytes at offset {self._hashed} of {end} written")
-                    self._sha.update(chunk[:n])
+                    self._sum.update(chunk[:n])
                     self._hashed += n
                     if self._hashed - kicked >= _WRITEBACK_EVERY and hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(self._fd, kicked, self._hashed - kicked, os.POSIX_FADV_DONTNEED)

@@ -24,6 +24,7 @@ import copy
 import logging
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -85,6 +86,11 @@ class Loaded:
     generation: int  # the generation that committed the step
 
 
+_crc_lock = threading.Lock()
+_crc_off_saves = 0
+_crc_before = True
+
+
 def _torch_save(state: dict[str, Any], writer: Any) -> None:
     """torch.save without its per-record CRC32: the shard's own checksum, checked on load, already covers
     every byte, and torch's CRC costs about a third of the write throughput. (The setting is process-wide while a
@@ -96,8 +102,19 @@ def _torch_save(state: dict[str, Any], writer: Any) -> None:
     if config is None or not hasattr(getattr(config, "save", None), "compute_crc32"):
         torch.save(state, writer)
         return
-    with config.patch({"save.compute_crc32": False}):
+    global _crc_off_saves, _crc_before
+    with _crc_lock:  # saves may overlap (async and sync): the first in turns the CRC off, the last out restores it
+        if _crc_off_saves == 0:
+            _crc_before = config.save.compute_crc32
+            config.save.compute_crc32 = False
+        _crc_off_saves += 1
+    try:
         torch.save(state, writer)
+    finally:
+        with _crc_lock:
+            _crc_off_saves -= 1
+            if _crc_off_saves == 0:
+                config.save.compute_crc32 = _crc_before
 
 
 class Checkpointer:
@@ -425,12 +442,14 @@ class Checkpointer:
                     if int(r) % self.world_size == self.rank or rel == "dcp/.metadata":
                         mine[rel] = info
             for rel, info in mine.items() if verify else ():
-                algorithm = next(a for a in CHECKSUMS if a in info)  # StopIteration: no known checksum
+                algorithm = next((a for a in CHECKSUMS if a in info), None)
+                if algorithm is None:
+                    return None, f"{rel} has no checksum this version knows ({', '.join(CHECKSUMS)})"
                 if file_digest(directory / rel, algorithm).value != info[algorithm]:
                     why = f"{rel} does not match its {algorithm}"
                     log.warning("checkpoint step skipped step=%d reason=%r", step, why)
                     return None, why
-        except (KeyError, TypeError, AttributeError, ValueError, StopIteration) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             return None, f"malformed manifest ({e!r})"
         return manifest, ""
 
