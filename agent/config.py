@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import grp
-import re
 import socket
 from dataclasses import dataclass
 
@@ -11,8 +10,9 @@ from phalanx import config
 from phalanx.config import host_port, positive, require, section, setting
 from phalanx.errors import ConfigError
 from phalanx.log import LEVELS
+from phalanx.names import NAME
 
-_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_NODE_NAME = NAME
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from agent.backoff import Backoff
-from phalanx import log
+from phalanx import log, tls
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
@@ -56,7 +56,7 @@ class Link:
         self._backoff = backoff
         self._on_command = on_command
         self._credentials = credentials  # None: plaintext (security.insecure)
-        self._options = [*CLIENT_OPTIONS, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
+        self._options = [*CLIENT_OPTIONS, *tls.target_name_options(server_name)]
         self.state = LinkState()
         self._seq = 0
         self._outbox: deque[node_pb2.AgentMessage] = deque(maxlen=MAX_QUEUED)

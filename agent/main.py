@@ -138,7 +138,7 @@ class Agent:
     def gpu_telemetry(self) -> list[common_pb2.GpuTelemetry]:
         """The latest GPU readings for a scrape: the last heartbeat's, or a new sweep without recent heartbeats."""
         if self._gpus_at is None or time.monotonic() - self._gpus_at > TELEMETRY_STALE_S:
-            self._gpus, self._gpus_at = self.backend.sample(), time.monotonic()
+            self._gpus, self._gpus_at = self._collect("gpu", self.backend.sample, self._gpus), time.monotonic()
         return self._gpus
 
     def _report_dcgm(self) -> None:
@@ -273,16 +273,11 @@ def link_credentials(cfg: agent_config.AgentConfig) -> grpc.ChannelCredentials |
         logger.warning("security.insecure = true: the session to the controller is plaintext and unauthenticated",
                        controller=cfg.controller)
         return None
-    try:
-        identity = tls.Identity.load(sec.ca_file, sec.cert_file, sec.key_file)
-    except ConfigError as e:
-        raise ConfigError(f"security: {e}") from None
+    identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "this node's", logger)
     ou_cn = tls.identity_of(identity.cert)
     if ou_cn is not None and ou_cn != ("node", cfg.name):
         raise ConfigError(f"security: certificate {sec.cert_file} is for {ou_cn[0] or 'no role'} {ou_cn[1]!r}, not "
                           f"node {cfg.name!r}: the controller would refuse it (`phalanx certs issue {cfg.name}`)")
-    if identity.expires_soon():
-        logger.warning("this node's certificate expires soon", cert=sec.cert_file, not_after=str(identity.not_after))
     return tls.channel_credentials(identity.ca, identity.cert, identity.key)
 
 

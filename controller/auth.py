@@ -22,6 +22,7 @@ import grpc
 
 from controller.errors import PermissionDenied
 from phalanx.errors import ConfigError
+from phalanx.request_guard import handler_parts
 
 NODE, CLIENT, CONTROLLER = "node", "client", "controller"
 
@@ -150,14 +151,7 @@ async def _admit(authorizer: Authorizer, roles: frozenset[str], metadata, servic
 def _guarded(handler: grpc.RpcMethodHandler, authorizer: Authorizer, roles: frozenset[str], metadata,
              service: str) -> grpc.RpcMethodHandler:
     """The same handler with `_admit` run first, in the RPC's own task (so `current_peer` sees it)."""
-    if handler.unary_unary:
-        inner, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-    elif handler.unary_stream:
-        inner, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-    elif handler.stream_unary:
-        inner, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-    else:
-        inner, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    _, inner, factory = handler_parts(handler)
 
     if inspect.isasyncgenfunction(inner):
         async def behaviour(request, context):

@@ -22,7 +22,6 @@ from controller.store.base import Store
 from controller.topology_conf import parse_topology_conf
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
-from phalanx.errors import ConfigError
 from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
 from phalanx.v1 import control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
@@ -118,13 +117,7 @@ class Controller:
             logger.warning("security.insecure = true: anyone who can reach the controller can register a node or "
                            "submit a job; use it only on loopback", listen=self.cfg.listen)
             return
-        try:
-            self._identity = tls.Identity.load(sec.ca_file, sec.cert_file, sec.key_file)
-        except ConfigError as e:
-            raise ConfigError(f"security: {e}") from None
-        if self._identity.expires_soon():
-            logger.warning("the controller's certificate expires soon", cert=sec.cert_file,
-                           not_after=str(self._identity.not_after))
+        self._identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's", logger)
         self._credentials = tls.server_credentials(self._identity)
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:

@@ -9,14 +9,15 @@ from google.protobuf.message import Message
 
 from controller.errors import InvalidArgument
 from controller.states import NodeState
+from phalanx.names import NAME
 from phalanx.rpc import MAX_REQUEST_BYTES
 from phalanx.v1 import common_pb2
 
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_JOB_NAME = NAME
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_JOB_NODES = 100_000
 
-_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_NODE_NAME = NAME
 _JOB_ID = _NODE_NAME  # the controller makes them: job-N
 MAX_GPUS = 64
 MAX_LABELS = 64

@@ -19,14 +19,13 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.errors import PhalanxError
+from phalanx.names import NAME, RULE
 
 ROLES = ("node", "client", "controller")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # node names' rule; never ',' or '=' (see controller/auth)
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest validity browsers still accept; rotate with `issue` under a new name
 
@@ -76,9 +75,8 @@ def _now() -> datetime.datetime:
 
 def init_ca(directory: str | Path, cluster: str = "phalanx", days: int = CA_DAYS) -> Issued:
     """Create ca.crt and ca.key in directory (made 0700 if missing)."""
-    if not _NAME.fullmatch(cluster):
-        raise PkiError(f"bad cluster name {cluster!r}: 1-63 letters, digits, '.', '_' or '-', starting with a "
-                       "letter or digit")
+    if not NAME.fullmatch(cluster):
+        raise PkiError(f"bad cluster name {cluster!r}: {RULE}")
     x509, hashes, serialization, ec, _, NameOID = _x509()
     d = Path(directory)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -134,9 +132,8 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
     """Create NAME.crt and NAME.key signed by the CA in directory."""
     if role not in ROLES:
         raise PkiError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
-    if not _NAME.fullmatch(name):
-        raise PkiError(f"bad certificate name {name!r}: 1-63 letters, digits, '.', '_' or '-', starting with a "
-                       "letter or digit (a node's name, or a user's)")
+    if not NAME.fullmatch(name):
+        raise PkiError(f"bad certificate name {name!r}: {RULE} (a node's name, or a user's)")
     x509, hashes, serialization, ec, EKU, NameOID = _x509()
     d = Path(directory)
     ca_cert, ca_key = _load_ca(d)

@@ -92,6 +92,23 @@ def _stream_request(behavior: Callable) -> Callable:
     return unary_out
 
 
+_FACTORIES = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def handler_parts(handler: grpc.RpcMethodHandler) -> tuple[str, Callable, Callable]:
+    """(kind, behaviour, factory) of a method handler: kind is "unary_unary" ... "stream_stream", factory the
+    grpc.*_rpc_method_handler that builds a handler of that kind. For interceptors that wrap behaviours."""
+    for kind, factory in _FACTORIES.items():
+        if (behaviour := getattr(handler, kind)) is not None:
+            return kind, behaviour, factory
+    raise ValueError(f"a method handler with no behaviour: {handler!r}")
+
+
 class RequestGuard(grpc.aio.ServerInterceptor):
     """Put first in every server's interceptors (after authentication, which must not decode anything)."""
 
@@ -102,14 +119,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
             return None  # UNIMPLEMENTED: gRPC says so itself
         decode = checked(handler.request_deserializer, handler_call_details.method)
         serialize = handler.response_serializer
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_unary_request(handler.unary_unary, decode),
-                                                       response_serializer=serialize)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_unary_request(handler.unary_stream, decode),
-                                                        response_serializer=serialize)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_stream_request(handler.stream_unary),
-                                                        request_deserializer=decode, response_serializer=serialize)
-        return grpc.stream_stream_rpc_method_handler(_stream_request(handler.stream_stream),
-                                                     request_deserializer=decode, response_serializer=serialize)
+        kind, behaviour, factory = handler_parts(handler)
+        if kind.startswith("unary_"):  # the request arrives raw and is decoded (or refused) in the wrapper
+            return factory(_unary_request(behaviour, decode), response_serializer=serialize)
+        return factory(_stream_request(behaviour), request_deserializer=decode, response_serializer=serialize)

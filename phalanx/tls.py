@@ -106,6 +106,23 @@ def identity_of(cert: bytes) -> tuple[str, str] | None:
     return (str(ous[0].value) if ous else "", str(cns[0].value) if cns else "")
 
 
+def load_identity(ca_file: str, cert_file: str, key_file: str, who: str, log) -> Identity:
+    """A daemon's identity from its [security] files: ConfigError prefixed "security: ", a warning when the
+    certificate runs out within EXPIRY_WARNING."""
+    try:
+        identity = Identity.load(ca_file, cert_file, key_file)
+    except ConfigError as e:
+        raise ConfigError(f"security: {e}") from None
+    if identity.expires_soon():
+        log.warning(f"{who} certificate expires soon", cert=cert_file, not_after=str(identity.not_after))
+    return identity
+
+
+def target_name_options(server_name: str) -> list[tuple[str, object]]:
+    """Channel options to expect `server_name` in the server's certificate (when not the host dialled)."""
+    return [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
+
 def server_credentials(identity: Identity) -> grpc.ServerCredentials:
     """Mutual TLS: the peer must present a certificate signed by the cluster CA."""
     return grpc.ssl_server_credentials([(identity.key, identity.cert)], root_certificates=identity.ca,
@@ -160,7 +177,7 @@ class ClientSecurity:
         return cls(**values)  # type: ignore[arg-type]
 
     def options(self) -> list[tuple[str, object]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name and not self.insecure else []
+        return [] if self.insecure else target_name_options(self.server_name)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """None for plaintext; raises ConfigError when files are missing or unusable."""

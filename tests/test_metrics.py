@@ -327,7 +327,7 @@ def test_controller_metrics_follow_nodes_health_and_detection():
         promtool_check(text)
 
 
-def test_controller_snapshot_counts_gpus_without_visiting_healthy_nodes_gpus():
+def test_controller_snapshot_of_an_empty_cluster_has_every_series_at_zero():
     clock, store, hub = FakeClock(), MemoryStore(), EventHub()
     registry = Registry(store, clock, LivenessConfig(), hub, HealthConfig())
     jobs = JobManager(store, registry, clock, hub, JobsConfig(), lambda: flat({}), RecoveryConfig())

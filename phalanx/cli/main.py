@@ -34,7 +34,7 @@ class CliError(PhalanxError):
 
 
 def controller_address(args: argparse.Namespace) -> str:
-    return _target(args)[0]
+    return args.controller or os.environ.get("PHALANX_CONTROLLER") or local.controller_address() or "?"
 
 
 def _target(args: argparse.Namespace) -> tuple[str, ClientSecurity]:
