@@ -28,6 +28,11 @@ class Session:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[node_pb2.CommandResult]] = {}
 
+    @property
+    def unanswered(self) -> int:
+        """Commands sent that wait for the agent's answer."""
+        return len(self._pending)
+
     def push(self, message: node_pb2.ControllerMessage) -> None:
         self.outbox.put_nowait(message)
 
