@@ -441,7 +441,7 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "node", "local_rank", "gpu", "state", "pid", "exit_code", "generation")
+    __slots__ = ("rank", "node", "local_rank", "gpu", "state", "pid", "exit_code", "generation", "wrapper_pid")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -450,6 +450,7 @@ class RankInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WRAPPER_PID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     local_rank: int
@@ -458,10 +459,43 @@ class RankInfo(_message.Message):
     pid: int
     exit_code: int
     generation: int
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    wrapper_pid: int
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., generation: _Optional[int] = ..., wrapper_pid: _Optional[int] = ...) -> None: ...
+
+class JobCheckpoint(_message.Message):
+    __slots__ = ("id", "at_step", "deadline_unix_ns", "pause", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    at_step: int
+    deadline_unix_ns: int
+    pause: bool
+    reason: str
+    def __init__(self, id: _Optional[int] = ..., at_step: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., pause: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class HangCulprit(_message.Message):
+    __slots__ = ("rank", "node", "process_group", "op", "seq", "state", "peers_seq")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_GROUP_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_SEQ_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    process_group: str
+    op: str
+    seq: int
+    state: str
+    peers_seq: int
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., process_group: _Optional[str] = ..., op: _Optional[str] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., peers_seq: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable", "incident_nodes")
+    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable", "incident_nodes", "checkpoint", "launched_generation", "incident_kind", "culprit")
     ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -484,6 +518,10 @@ class Job(_message.Message):
     PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_PREDICTABLE_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_NODES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_KIND_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: JobState
@@ -506,4 +544,8 @@ class Job(_message.Message):
     phase_times: _containers.RepeatedCompositeFieldContainer[PhaseTime]
     incident_predictable: bool
     incident_nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    checkpoint: JobCheckpoint
+    launched_generation: int
+    incident_kind: str
+    culprit: HangCulprit
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[_Union[JobCheckpoint, _Mapping]] = ..., launched_generation: _Optional[int] = ..., incident_kind: _Optional[str] = ..., culprit: _Optional[_Union[HangCulprit, _Mapping]] = ...) -> None: ...

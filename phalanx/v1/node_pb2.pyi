@@ -114,7 +114,7 @@ class RankProgress(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., last_step: _Optional[int] = ..., steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_compute_s: _Optional[float] = ..., last_step_unix_ns: _Optional[int] = ..., compute_samples: _Optional[_Iterable[float]] = ..., reports: _Optional[int] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("job", "generation", "rank", "state", "pid", "exit_code", "gpu")
+    __slots__ = ("job", "generation", "rank", "state", "pid", "exit_code", "gpu", "rank_pid", "fatal")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,8 @@ class RankStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    RANK_PID_FIELD_NUMBER: _ClassVar[int]
+    FATAL_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -129,7 +131,9 @@ class RankStatus(_message.Message):
     pid: int
     exit_code: int
     gpu: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., gpu: _Optional[int] = ...) -> None: ...
+    rank_pid: int
+    fatal: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., gpu: _Optional[int] = ..., rank_pid: _Optional[int] = ..., fatal: _Optional[str] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
     __slots__ = ("kind", "message", "fields")
