@@ -1,13 +1,24 @@
-"""One clock protocol, a real clock and a fake one.
+"""One clock protocol, a real clock and a fake one: reading time, sleeping and timers.
 
-Decisions never read the clock: a loop reads it once per tick and passes `now` down. Tests drive
-time with `FakeClock.advance()` instead of sleeping.
+Decisions never read the clock: a loop reads it once per tick and passes `now` down. Everything
+that waits (loops, deadlines, backoffs) waits on an injected clock, so tests drive time with
+`FakeClock.advance()` / `run_for()` instead of sleeping, and a whole recovery runs in milliseconds.
 """
 
 from __future__ import annotations
 
+import asyncio
+import heapq
+import itertools
 import time
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
@@ -16,8 +27,38 @@ class Clock(Protocol):
         ...
 
     def wall_ns(self) -> int:
-        """Wall-clock time in Unix nanoseconds; for what people and logs read."""
+        """Wall-clock time in Unix nanoseconds; for records, and what people and logs read."""
         ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds` of this clock's time."""
+        ...
+
+    def call_later(self, seconds: float, callback: Callable[[], object]) -> Timer:
+        """Call `callback` (on the running event loop) after `seconds` of this clock's time."""
+        ...
+
+
+def wall_s(clock: Clock) -> float:
+    """The clock's wall time in Unix seconds."""
+    return clock.wall_ns() / 1e9
+
+
+async def wait_for(clock: Clock, awaitable: Awaitable[T], timeout: float) -> T:
+    """asyncio.wait_for on `clock`'s time: TimeoutError once `timeout` seconds of it have passed."""
+    task = asyncio.ensure_future(awaitable)
+    timer = asyncio.ensure_future(clock.sleep(timeout))
+    try:
+        done, _ = await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        timer.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise TimeoutError(f"no answer within {timeout:g}s")
 
 
 class RealClock:
@@ -27,13 +68,30 @@ class RealClock:
     def wall_ns(self) -> int:
         return time.time_ns()
 
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(seconds, 0.0))
+
+    def call_later(self, seconds: float, callback: Callable[[], object]) -> Timer:
+        return asyncio.get_running_loop().call_later(max(seconds, 0.0), callback)
+
+
+class _FakeTimer:
+    def __init__(self, callback: Callable[[], object]) -> None:
+        self.callback: Callable[[], object] | None = callback
+
+    def cancel(self) -> None:
+        self.callback = None
+
 
 class FakeClock:
-    """A clock that moves only when told to."""
+    """A clock that moves only when told to. Sleepers and timers fire as `advance` passes their time;
+    `run_for` also lets the woken tasks run between steps, so chains of waits play out in order."""
 
     def __init__(self, start: float = 1000.0, wall_start_ns: int = 1_700_000_000 * 10**9) -> None:
         self._now = start
         self._wall_offset_ns = wall_start_ns - int(start * 1e9)
+        self._timers: list[tuple[float, int, _FakeTimer]] = []
+        self._order = itertools.count()
 
     def monotonic(self) -> float:
         return self._now
@@ -41,7 +99,57 @@ class FakeClock:
     def wall_ns(self) -> int:
         return self._wall_offset_ns + int(self._now * 1e9)
 
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        future = asyncio.get_running_loop().create_future()
+        timer = self.call_later(seconds, lambda: future.done() or future.set_result(None))
+        try:
+            await future
+        finally:
+            timer.cancel()
+
+    def call_later(self, seconds: float, callback: Callable[[], object]) -> Timer:
+        timer = _FakeTimer(callback)
+        heapq.heappush(self._timers, (self._now + max(seconds, 0.0), next(self._order), timer))
+        return timer
+
+    def next_deadline(self) -> float | None:
+        """When the earliest live timer fires, or None."""
+        while self._timers and self._timers[0][2].callback is None:
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
     def advance(self, seconds: float) -> None:
+        """Move time forward and fire every timer due by then (their callbacks run now; the tasks they
+        wake run when the caller next yields to the event loop)."""
         if seconds < 0:
             raise ValueError(f"a clock cannot go back ({seconds}s)")
-        self._now += seconds
+        target = self._now + seconds
+        while (deadline := self.next_deadline()) is not None and deadline <= target:
+            _, _, timer = heapq.heappop(self._timers)
+            self._now = max(self._now, deadline)
+            callback, timer.callback = timer.callback, None
+            if callback is not None:
+                callback()
+        self._now = target
+
+    jump = advance  # Trio's name
+
+    async def run_for(self, seconds: float, settle: int = 20) -> None:
+        """Advance `seconds`, timer by timer, letting woken tasks run (`settle` loop turns) after each."""
+        target = self._now + seconds
+        while True:
+            await _settle(settle)
+            deadline = self.next_deadline()
+            if deadline is None or deadline > target:
+                break
+            self.advance(deadline - self._now)
+        self.advance(target - self._now)
+        await _settle(settle)
+
+
+async def _settle(turns: int) -> None:
+    for _ in range(turns):
+        await asyncio.sleep(0)

@@ -1,0 +1,96 @@
+"""The fake clock: sleepers, timers and wait_for move only with virtual time."""
+
+import asyncio
+
+import pytest
+
+from phalanx.clock import FakeClock, RealClock, wait_for
+
+
+def run(test):
+    """Each test is a coroutine run on a fresh event loop."""
+    def wrapper():
+        asyncio.run(test())
+    wrapper.__name__ = test.__name__
+    return wrapper
+
+
+@run
+async def test_a_sleeper_wakes_when_the_fake_clock_passes_its_time():
+    clock = FakeClock()
+    woke = []
+
+    async def sleeper(name, seconds):
+        await clock.sleep(seconds)
+        woke.append((name, clock.monotonic()))
+
+    tasks = [asyncio.create_task(sleeper("late", 5)), asyncio.create_task(sleeper("early", 2))]
+    await clock.run_for(1)
+    assert woke == []
+    await clock.run_for(10)
+    assert woke == [("early", 1002.0), ("late", 1005.0)]
+    await asyncio.gather(*tasks)
+
+
+@run
+async def test_chained_waits_play_out_in_virtual_time():
+    clock = FakeClock()
+    ticks = []
+
+    async def loop():
+        for _ in range(100):
+            await clock.sleep(0.5)
+            ticks.append(clock.monotonic())
+
+    task = asyncio.create_task(loop())
+    await clock.run_for(50)
+    assert len(ticks) == 100 and ticks[-1] == pytest.approx(1050.0)
+    await task
+
+
+@run
+async def test_wait_for_times_out_on_the_clock_it_is_given():
+    clock = FakeClock()
+    never = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(wait_for(clock, never, 30))
+    await clock.run_for(29)
+    assert not waiting.done()
+    await clock.run_for(2)
+    with pytest.raises(TimeoutError, match="30s"):
+        await waiting
+    assert never.cancelled()
+
+
+@run
+async def test_wait_for_returns_the_answer_that_came_first():
+    clock = FakeClock()
+
+    async def answer():
+        await clock.sleep(1)
+        return 42
+
+    waiting = asyncio.create_task(wait_for(clock, answer(), 30))
+    await clock.run_for(2)
+    assert await waiting == 42
+    assert clock.next_deadline() is None  # the timeout's timer is gone
+
+
+def test_a_cancelled_timer_never_fires_and_time_cannot_go_back():
+    clock = FakeClock()
+    fired = []
+    timer = clock.call_later(1, lambda: fired.append("x"))
+    clock.call_later(2, lambda: fired.append("y"))
+    timer.cancel()
+    clock.advance(3)
+    assert fired == ["y"]
+    with pytest.raises(ValueError, match="cannot go back"):
+        clock.advance(-1)
+
+
+@run
+async def test_the_real_clock_sleeps_and_sets_timers():
+    clock = RealClock()
+    fired = asyncio.Event()
+    clock.call_later(0, fired.set)
+    await clock.sleep(0)
+    await asyncio.wait_for(fired.wait(), 10)
