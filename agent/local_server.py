@@ -3,7 +3,8 @@
 Ranks report their step timings in batches; the agent folds them into one summary per rank per
 heartbeat for the controller (straggler and hang detection). The reply to a report carries the
 controller's pending checkpoint request for the rank's job, and tells a rank of a stale generation
-that it is stale. A rank's "checkpoint committed" goes up to the controller at once.
+that it is stale. A rank's "checkpoint committed" goes up to the controller at once. A rank that
+says it stops for good (`fatal`) has the reason put on its rank status, which every heartbeat carries.
 """
 
 from __future__ import annotations
@@ -64,13 +65,18 @@ class LocalState:
 
 class LocalService(local_pb2_grpc.LocalServiceServicer):
     def __init__(self, state: LocalState, current_generation: Callable[[str], int | None],
-                 send: Callable[[node_pb2.AgentMessage], None]) -> None:
+                 send: Callable[[node_pb2.AgentMessage], None],
+                 fatal: Callable[[str, int, int, str], bool] = lambda job, generation, rank, reason: False) -> None:
         self._state = state
         self._current = current_generation
         self._send = send
+        self._fatal = fatal  # (job, generation, rank, reason) -> whether that rank is known here
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
+        if request.fatal and not self._fatal(request.job, request.generation, request.rank, request.fatal):
+            logger.warning("fatal report from a rank this agent does not run; ignored", job=request.job,
+                           generation=request.generation, rank=request.rank, reason=request.fatal)
         p = self._state.progress.setdefault(key, _Progress())
         p.reports += 1
         for sample in request.steps:

@@ -1,9 +1,14 @@
-"""`python -m agent.rankwrap EXIT_FILE -- COMMAND...`: run one rank and write down how it ended.
+"""`python -I .../agent/rankwrap.py EXIT_FILE -- COMMAND...`: run one rank and write down how it ended.
 
 The agent starts every rank through this wrapper, in a session of its own. The wrapper runs the
-command in the same process group, passes SIGTERM/SIGINT on, and writes the exit status to
-EXIT_FILE (atomically) when the rank ends. An agent that restarted meanwhile — and so is no longer
-the rank's parent and cannot wait() for it — still learns how the rank ended.
+command in the same process group, passes SIGTERM/SIGINT on, writes the rank's pid to
+`pid_path(EXIT_FILE)` as soon as it has started it, and writes the exit status to EXIT_FILE
+(atomically) when the rank ends. An agent that restarted meanwhile — and so is no longer the
+rank's parent and cannot wait() for it — still learns the rank's pid and how it ended.
+
+The agent runs this file by its path in isolated mode (`-I`): nothing in the job's working
+directory or PYTHONPATH (a user's `agent.py`, say) can stand in for it. So it imports the standard
+library only.
 """
 
 from __future__ import annotations
@@ -12,6 +17,11 @@ import os
 import signal
 import subprocess
 import sys
+
+
+def pid_path(exit_file: str) -> str:
+    """Where the wrapper of `exit_file` writes its rank's pid."""
+    return f"{os.path.splitext(exit_file)[0]}.pid"
 
 
 def write_status(path: str, code: int) -> None:
@@ -25,7 +35,7 @@ def write_status(path: str, code: int) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m agent.rankwrap EXIT_FILE -- COMMAND...", file=sys.stderr)
+        print("usage: python -I rankwrap.py EXIT_FILE -- COMMAND...", file=sys.stderr)
         return 2
     exit_file, command = argv[0], argv[2:]
     child: subprocess.Popen | None = None
@@ -51,6 +61,7 @@ def main(argv: list[str]) -> int:
         print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
         write_status(exit_file, 127)
         return 127
+    write_status(pid_path(exit_file), child.pid)
     for signum in early:
         child.send_signal(signum)
     code = child.wait()

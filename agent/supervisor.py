@@ -2,9 +2,10 @@
 
 Every rank runs under `agent.rankwrap` in a session of its own (so nothing is orphaned into the
 agent's group, and a stop reaches every process the rank started). Each rank has a record in
-`<state_dir>/ranks/` — pid, process start time, exit-file path — written before the launch is
-reported, so an agent that restarts re-adopts the ranks still running and learns how the others
-ended. The pid's start time guards against a recycled pid.
+`<state_dir>/ranks/` — the wrapper's pid, process start time, exit-file path — written before the
+launch is reported, so an agent that restarts re-adopts the ranks still running and learns how the
+others ended. The pid's start time guards against a recycled pid. The rank's own pid (the wrapper's
+child) is learnt from the file the wrapper writes beside its exit file, and kept in the record.
 """
 
 from __future__ import annotations
@@ -21,12 +22,21 @@ from pathlib import Path
 
 import psutil
 
+from agent import rankwrap
 from phalanx import log
+from phalanx.clock import Clock, RealClock, wall_s
 from phalanx.v1 import common_pb2, node_pb2
 
 logger = log.get("supervisor")
 
 KEEP_EXITED_S = 600.0  # exited ranks stay reported this long, so the controller hears of them
+# Run by path, isolated (-I: no working directory, script directory or PYTHONPATH on sys.path): a
+# user's `agent.py` or `agent/` in the job's working directory cannot shadow the wrapper.
+WRAPPER = str(Path(rankwrap.__file__).resolve())
+# The agent's own systemd plumbing (notify socket, watchdog, socket activation): a rank that inherited
+# it could ping the agent's watchdog or claim its sockets.
+AGENT_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+                            "LISTEN_FDNAMES"})
 
 
 @dataclass
@@ -40,9 +50,11 @@ class RankRecord:
     started: float  # the process's create_time, to tell it from a later process with the same pid
     log: str
     exit_file: str
-    exited_at: float = 0.0
+    exited_at: float = 0.0  # wall-clock seconds
     exit_code: int | None = None
     lost: bool = False
+    rank_pid: int = 0  # the rank's own process (the wrapper's child); 0 until the wrapper has said
+    fatal: str = ""  # what the rank's trainlib said made it stop for good
 
     @property
     def key(self) -> str:
@@ -50,7 +62,9 @@ class RankRecord:
 
 
 class Supervisor:
-    def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None) -> None:
+    def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None,
+                 clock: Clock | None = None) -> None:
+        self._clock = clock or RealClock()
         self._dir = state_dir / "ranks"
         self._logs = state_dir / "logs"
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +96,9 @@ class Supervisor:
         log_path = log_dir / f"rank-{rank.rank}.log"
         exit_file = self._dir / f"{request.job}.g{request.generation}.r{rank.rank}.exit"
         exit_file.unlink(missing_ok=True)
-        env = {**base_env, **request.env, **rank.env}
+        Path(rankwrap.pid_path(str(exit_file))).unlink(missing_ok=True)
+        env = {k: v for k, v in base_env.items() if k not in AGENT_ONLY_ENV}
+        env.update({**request.env, **rank.env})
         cpus = self._cpus_for_gpu.get(rank.gpu)
         workdir = request.workdir or str(self._dir.parent)
 
@@ -90,12 +106,13 @@ class Supervisor:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(wall_s(self._clock)))
         with open(log_path, "ab") as out:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} "
-                      f"starting at {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
+                      f"starting at {now} ---\n".encode())
             out.flush()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "agent.rankwrap", str(exit_file), "--", *request.command],
+                [sys.executable, "-I", WRAPPER, str(exit_file), "--", *request.command],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                 start_new_session=True, preexec_fn=pin if cpus else None)
         try:
@@ -129,7 +146,7 @@ class Supervisor:
     def poll(self) -> list[RankRecord]:
         """Notice ranks that ended since the last call; returns them."""
         ended = []
-        now = time.time()
+        now = wall_s(self._clock)
         with self._lock:
             records = list(self._ranks.values())
         for record in records:
@@ -137,6 +154,7 @@ class Supervisor:
                 if now - record.exited_at > KEEP_EXITED_S:
                     self._drop(record)
                 continue
+            self._learn_rank_pid(record)
             if self._alive(record):
                 continue
             child = self._children.pop(record.pid, None)
@@ -154,6 +172,26 @@ class Supervisor:
             logger.info("rank ended", job=record.job, generation=record.generation, rank=record.rank,
                         exit_code=record.exit_code, lost=record.lost)
         return ended
+
+    def _learn_rank_pid(self, record: RankRecord) -> None:
+        if record.rank_pid:
+            return
+        try:
+            record.rank_pid = int(Path(rankwrap.pid_path(record.exit_file)).read_text().strip())
+        except (OSError, ValueError):
+            return  # not started yet (or a wrapper from before the pid file)
+        self._save(record)
+
+    def mark_fatal(self, job: str, generation: int, rank: int, reason: str) -> bool:
+        """Remember that the rank's trainlib said it stops for good; False if no such rank runs here."""
+        record = self._ranks.get(f"{job}.g{generation}.r{rank}")
+        if record is None:
+            return False
+        if record.fatal != reason:
+            record.fatal = reason
+            self._save(record)
+            logger.warning("rank stops for good", job=job, generation=generation, rank=rank, reason=reason)
+        return True
 
     @staticmethod
     def _read_exit(record: RankRecord) -> int | None:
@@ -174,7 +212,8 @@ class Supervisor:
             else:
                 state = common_pb2.RANK_STATE_RUNNING
             out.append(node_pb2.RankStatus(job=r.job, generation=r.generation, rank=r.rank, state=state, pid=r.pid,
-                                           exit_code=r.exit_code or 0, gpu=r.gpu))
+                                           exit_code=r.exit_code or 0, gpu=r.gpu, rank_pid=r.rank_pid,
+                                           fatal=r.fatal))
         return out
 
     def current_generation(self, job: str) -> int | None:
@@ -191,16 +230,16 @@ class Supervisor:
     # -- stopping ----------------------------------------------------------------------------
 
     def stop(self, job: str, generation: int, grace_s: float) -> str:
-        """SIGTERM the job's ranks (generation 0 = all) now; SIGKILL their groups after `grace_s`."""
+        """SIGTERM the job's ranks (generation 0 = all) now; SIGKILL their groups after `grace_s` of the clock.
+        Call on the event loop."""
         targets = [r for r in self._live() if r.job == job and (generation == 0 or r.generation == generation)]
         for record in targets:
             self._stop_duty(record.key)
             self._signal(record, signal.SIGCONT, group=True)  # a stopped (hung) rank cannot act on SIGTERM
             self._signal(record, signal.SIGTERM, group=False)  # the wrapper passes it to the rank once
         if targets:
-            timer = threading.Timer(grace_s, self._kill_remaining, args=([r.key for r in targets],))
-            timer.daemon = True
-            timer.start()
+            keys = [r.key for r in targets]
+            self._clock.call_later(grace_s, lambda: self._kill_remaining(keys))
         return f"stopping {len(targets)} ranks of {job}" + (f" generation {generation}" if generation else "")
 
     def _kill_remaining(self, keys: list[str]) -> None:
@@ -280,7 +319,8 @@ class Supervisor:
     def _drop(self, record: RankRecord) -> None:
         with self._lock:
             self._ranks.pop(record.key, None)
-        for path in (self._dir / f"{record.key}.json", Path(record.exit_file)):
+        exit_file = record.exit_file
+        for path in (self._dir / f"{record.key}.json", Path(exit_file), Path(rankwrap.pid_path(exit_file))):
             path.unlink(missing_ok=True)
 
     def adopt(self) -> list[RankRecord]:

@@ -27,3 +27,14 @@ def test_progress_is_folded_per_heartbeat_and_quiet_ranks_are_forgotten():
     assert [(p.rank, p.steps, p.reports) for p in state.drain()] == [(0, 0, 1)]
     assert list(state.progress) == [("job-1", 1, 0)]  # the quiet ones are gone
     assert state.drain() == [] and state.progress == {}
+
+
+def test_a_fatal_report_is_handed_on_to_the_ranks_status():
+    told = []
+    service = LocalService(LocalState(), current_generation=lambda job: 1, send=lambda message: None,
+                           fatal=lambda job, generation, rank, reason: told.append((job, generation, rank, reason))
+                           or True)
+    report(service, "job-1", 1, 0, 5)
+    asyncio.run(service.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0, fatal="disk not shared"),
+                               None))
+    assert told == [("job-1", 1, 0, "disk not shared")]

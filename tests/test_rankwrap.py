@@ -1,6 +1,10 @@
-"""agent.rankwrap: the wrapper every rank runs under passes a stop on, even one that comes while it starts the rank."""
+"""agent.rankwrap and the supervisor's launch: the wrapper passes a stop on, even one that comes while it starts the
+rank; nothing in the job's working directory can stand in for it; ranks get none of the agent's systemd variables;
+the rank's own pid reaches the rank's status and outlives an agent restart."""
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -8,6 +12,10 @@ import time
 from pathlib import Path
 
 import psutil
+
+from agent.supervisor import Supervisor
+from phalanx.clock import FakeClock
+from phalanx.v1 import common_pb2, node_pb2
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 # The wrapper's own main(), with a Popen that is hit by a SIGTERM as it returns: the agent's stop landing
@@ -44,3 +52,126 @@ def test_a_stop_that_comes_while_the_rank_starts_still_reaches_the_rank(tmp_path
             os.killpg(wrapper.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# -- ranks launched by the supervisor: a workdir that shadows `agent`, the agent's systemd variables,
+# -- the rank's own pid, and a fatal report ------------------------------------------------------
+
+# The rank waits for its wrapper's pid file (so the agent can know its pid by then), then writes its pid, cwd
+# and environment into a FIFO the test reads: the test waits for that, not for a time.
+RANK = """
+import json, os, signal, sys, time
+if os.environ.get("IGNORE_SIGTERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+with open(sys.argv[2], "w") as f:
+    json.dump({"pid": os.getpid(), "cwd": os.getcwd(), "env": dict(os.environ)}, f)
+time.sleep(600)
+"""
+SYSTEMD_ENV = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1",
+               "LISTEN_FDS": "2", "LISTEN_PID": "1", "LISTEN_FDNAMES": "grpc:metrics"}
+
+
+def shadowing_workdir(tmp_path: Path) -> Path:
+    """A job's working directory with its own `agent.py` and `agent/` (a user's, nothing to do with ours)."""
+    workdir = tmp_path / "work"
+    (workdir / "agent").mkdir(parents=True)
+    (workdir / "agent" / "helper.py").write_text("raise SystemExit('the user agent package was imported')\n")
+    (workdir / "agent.py").write_text("raise SystemExit('the user agent.py was imported')\n")
+    return workdir
+
+
+def launch(supervisor, tmp_path: Path, workdir: Path, job: str = "job-1", env: dict[str, str] | None = None):
+    """Launch one rank of `job` in `workdir`; returns (what the rank said of itself, its record)."""
+    fifo = tmp_path / f"{job}.fifo"
+    os.mkfifo(fifo)
+    pid_file = tmp_path / "state" / "ranks" / f"{job}.g1.r0.pid"
+    request = node_pb2.LaunchRanks(job=job, generation=1, workdir=str(workdir),
+                                   command=[sys.executable, "-c", RANK, str(pid_file), str(fifo)],
+                                   env={"PYTHONPATH": "."},  # as a user may set it: "." is the workdir
+                                   ranks=[node_pb2.RankLaunch(rank=0, local_rank=0, gpu=0)])
+    supervisor.launch(request, {**os.environ, **(env or {})})
+    record = supervisor._ranks[f"{job}.g1.r0"]
+    return read_fifo(fifo, record), record
+
+
+def read_fifo(fifo: Path, record) -> dict:
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], 60)
+            assert ready, f"the rank never said it started; its log:\n{Path(record.log).read_text()}"
+            chunk = os.read(fd, 1 << 16)
+            if not chunk and chunks:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return json.loads(b"".join(chunks))
+
+
+def kill(record) -> None:
+    try:
+        os.killpg(record.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_workdir_with_its_own_agent_module_does_not_shadow_the_wrapper(tmp_path):
+    workdir = shadowing_workdir(tmp_path)
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock())
+    said, record = launch(supervisor, tmp_path, workdir)
+    try:
+        assert said["cwd"] == str(workdir)  # the rank itself runs where the job said
+        assert said["env"]["PYTHONPATH"] == "."  # and gets its environment untouched
+        supervisor.poll()
+        [status] = supervisor.statuses()
+        assert status.state == common_pb2.RANK_STATE_RUNNING
+    finally:
+        kill(record)
+
+
+def test_ranks_do_not_inherit_the_agents_systemd_variables(tmp_path):
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock())
+    said, record = launch(supervisor, tmp_path, tmp_path, env={**SYSTEMD_ENV, "KEEP_ME": "1"})
+    try:
+        assert not set(SYSTEMD_ENV) & set(said["env"])
+        assert said["env"]["KEEP_ME"] == "1"
+    finally:
+        kill(record)
+
+
+def test_the_ranks_own_pid_is_learnt_and_survives_an_agent_restart(tmp_path):
+    first = Supervisor(tmp_path / "state", clock=FakeClock())
+    said, record = launch(first, tmp_path, tmp_path)
+    try:
+        # the agent dies before it polled once: the record on disk does not know the rank's pid yet
+        restarted = Supervisor(tmp_path / "state", clock=FakeClock())
+        assert [r.key for r in restarted.adopt()] == ["job-1.g1.r0"]
+        [status] = restarted.statuses()
+        assert (status.pid, status.rank_pid) == (record.pid, said["pid"])
+        assert psutil.Process(status.rank_pid).ppid() == status.pid  # the wrapper's child
+        again = Supervisor(tmp_path / "state", clock=FakeClock())  # and once more, now from the record
+        again.adopt()
+        assert again.statuses()[0].rank_pid == said["pid"]
+    finally:
+        kill(record)
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_when_the_grace_period_has_passed_on_the_clock(tmp_path):
+    clock = FakeClock()
+    supervisor = Supervisor(tmp_path / "state", clock=clock)
+    _, record = launch(supervisor, tmp_path, tmp_path, env={"IGNORE_SIGTERM": "1"})
+    wrapper = supervisor._children[record.pid]
+    try:
+        assert supervisor.stop("job-1", 0, grace_s=30) == "stopping 1 ranks of job-1"
+        clock.advance(29.9)
+        assert wrapper.poll() is None  # SIGTERM only, so far: the rank ignores it, its wrapper waits for it
+        clock.advance(0.2)
+        assert wrapper.wait(timeout=60) == -signal.SIGKILL
+        supervisor.poll()
+        assert supervisor.statuses()[0].state == common_pb2.RANK_STATE_EXITED
+    finally:
+        kill(record)
