@@ -2,21 +2,22 @@
 
 Any end of the session (controller restart, network loss, a refusal) leads to the same path:
 wait a jittered, growing delay, register again and open a new session. Registering again is the
-resync: the controller gets the full inventory and answers with its view of the node.
+resync: the controller gets the full inventory and answers with its view of the node. Every wait
+(heartbeat cadence, backoff, deadlines) is on the injected clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from agent.backoff import Backoff
 from phalanx import log, tls
+from phalanx.clock import Clock, RealClock, wait_for
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
@@ -43,16 +44,18 @@ class Link:
         node_name: str,
         controller: str,
         inventory: Callable[[], common_pb2.NodeInventory],
-        heartbeat: Callable[[], node_pb2.Heartbeat],
+        heartbeat: Callable[[float], Awaitable[node_pb2.Heartbeat]],
         backoff: Backoff,
         on_command: Callable[[node_pb2.Command], node_pb2.CommandResult] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
+        clock: Clock | None = None,
     ) -> None:
         self.node_name = node_name
         self.controller = controller
         self._inventory = inventory
-        self._heartbeat = heartbeat
+        self._heartbeat = heartbeat  # builds one within the budget of seconds it is given
+        self._clock = clock or RealClock()
         self._backoff = backoff
         self._on_command = on_command
         self._credentials = credentials  # None: plaintext (security.insecure)
@@ -93,7 +96,7 @@ class Link:
             delay = self._backoff.next()
             logger.debug("reconnecting", delay_s=round(delay, 3))
             try:
-                await asyncio.wait_for(stop.wait(), delay)
+                await wait_for(self._clock, stop.wait(), delay)
             except TimeoutError:
                 pass
 
@@ -110,7 +113,7 @@ class Link:
             call = stub.Session()
             await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
                 node_name=self.node_name, incarnation=reply.incarnation)))
-            first = await asyncio.wait_for(call.read(), DEFAULT_TIMEOUT_S)
+            first = await wait_for(self._clock, call.read(), DEFAULT_TIMEOUT_S)
             if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":
                 await call.code()
                 raise ConnectionError("controller closed the session before accepting it")
@@ -143,29 +146,32 @@ class Link:
                     heartbeat_interval_s=reply.heartbeat_interval_s)
 
     async def _heartbeats(self, call, interval: float, reader: asyncio.Task, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
+        clock = self._clock
+        next_at = clock.monotonic()
         stopper = asyncio.create_task(stop.wait())
         waker: asyncio.Task | None = None
         try:
             while not stop.is_set() and not reader.done():
                 self._wake.clear()
                 while self._outbox:  # events, XIDs, command results: as soon as they happen
-                    await asyncio.wait_for(call.write(self._outbox[0]), DEFAULT_TIMEOUT_S)
+                    await wait_for(clock, call.write(self._outbox[0]), DEFAULT_TIMEOUT_S)
                     self._outbox.popleft()
-                if loop.time() >= next_at:
+                if clock.monotonic() >= next_at:
+                    heartbeat = await self._heartbeat(interval / 2)  # a slow collector may not hold it back longer
                     self._seq += 1
-                    heartbeat = self._heartbeat()
                     heartbeat.seq = self._seq
-                    heartbeat.sent_unix_ns = time.time_ns()
-                    await asyncio.wait_for(call.write(node_pb2.AgentMessage(heartbeat=heartbeat)), DEFAULT_TIMEOUT_S)
+                    heartbeat.sent_unix_ns = clock.wall_ns()
+                    await wait_for(clock, call.write(node_pb2.AgentMessage(heartbeat=heartbeat)), DEFAULT_TIMEOUT_S)
                     next_at += interval
-                    if next_at < loop.time():  # we were paused (SIGSTOP, overload): do not burst
-                        next_at = loop.time()
+                    if next_at < clock.monotonic():  # we were paused (SIGSTOP, overload): do not burst
+                        next_at = clock.monotonic()
                 if waker is None or waker.done():
                     waker = asyncio.create_task(self._wake.wait())
-                await asyncio.wait({reader, stopper, waker}, timeout=max(0.0, next_at - loop.time()),
-                                   return_when=asyncio.FIRST_COMPLETED)
+                tick = asyncio.create_task(clock.sleep(next_at - clock.monotonic()))
+                try:
+                    await asyncio.wait({reader, stopper, waker, tick}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    tick.cancel()
         finally:
             stopper.cancel()
             if waker is not None:

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -27,10 +26,12 @@ from agent.collectors.nccl import FlightRecorderWatcher, rank_env
 from agent.collectors.nvml import NvmlBackend
 from agent.collectors.sim import SimBackend
 from agent.collectors.topology import parse_cpulist, read_topology
+from agent.guarded import Guarded
 from agent.link import Link
 from agent.local_server import LocalState
 from agent.supervisor import Supervisor
 from phalanx import __version__, faults, log, sdnotify, tls
+from phalanx.clock import Clock, RealClock
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 from phalanx.ports import free_port
@@ -38,7 +39,7 @@ from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
-TELEMETRY_STALE_S = 5.0  # a scrape reads the last heartbeat's GPU readings, or sweeps anew when they are older
+TELEMETRY_STALE_S = 5.0  # a scrape reads the last heartbeat's GPU readings, and starts a sweep when they are older
 logger = log.get("agent")
 
 
@@ -61,13 +62,15 @@ def health_digest(gpus: list[common_pb2.GpuTelemetry], host: common_pb2.HostTele
 
 
 class Agent:
-    """Wires collectors to the link. Everything it reports is read fresh from the collectors."""
+    """Wires collectors to the link. Everything it reports is read fresh from the collectors, each in a
+    worker thread (agent.guarded), so that no collector can hold back a heartbeat."""
 
     def __init__(self, cfg: agent_config.AgentConfig, backend: gpu.GpuBackend,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, clock: Clock | None = None) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.backend = backend
+        self.clock = clock or RealClock()
         self.host = HostCollector(cfg.checkpoint_dir)
         cpus, memory = inventory_basics()
         nvml = backend.library if isinstance(backend, NvmlBackend) else None
@@ -83,19 +86,31 @@ class Agent:
         for locality in self.topology.locality if nvml is not None else ():
             with contextlib.suppress(ValueError):
                 cpus_for_gpu[locality.gpu_index] = parse_cpulist(locality.cpulist)
-        self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu)
+        self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock)
         self.local = LocalState()
         self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None
         self._dcgm_seen: set[tuple[int, str]] = set()
         self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
                          Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command,
-                         credentials=credentials, server_name=cfg.security.server_name)
+                         credentials=credentials, server_name=cfg.security.server_name, clock=self.clock)
         self.xids = agent_metrics.XidTally()
-        self._gpus: list[common_pb2.GpuTelemetry] = []
-        self._gpus_at: float | None = None  # monotonic time of the last GPU sweep
-        self.last_host: common_pb2.HostTelemetry | None = None
-        self._collector_failures: dict[str, str] = {}  # collector -> its current failure, reported once
+
+        def emit(kind: str, message: str, collector: str) -> None:
+            self.link.emit(kind, message, collector=collector)
+
+        def guard(name: str, call, last) -> Guarded:
+            return Guarded(name, call, last, self.clock, self.name, emit)
+
+        self._host = guard("host", self.host.sample, common_pb2.HostTelemetry())
+        self._gpu = guard("gpu", backend.sample, [])
+        self._nccl = guard("nccl", lambda: self.nccl.scan(self.clock.wall_ns()), [])
+        self._dcgm = guard("dcgm", self.dcgm.check, {}) if self.dcgm is not None else None
+
+    @property
+    def last_host(self) -> common_pb2.HostTelemetry | None:
+        """The latest host reading; None before the first."""
+        return self._host.last if self._host.at is not None else None
 
     def inventory(self) -> common_pb2.NodeInventory:
         inventory = common_pb2.NodeInventory()
@@ -103,47 +118,31 @@ class Agent:
         inventory.gpus.extend(self.backend.inventory())
         return inventory
 
-    def heartbeat(self) -> node_pb2.Heartbeat:
-        """This second's heartbeat. A collector that fails (a bug, a driver gone strange) must not silence
-        the node: its last good reading goes up instead, and the failure is logged and sent to the
-        controller's event log once while it lasts."""
-        host = self._collect("host", self.host.sample, self.last_host or common_pb2.HostTelemetry())
-        gpus = self._collect("gpu", self.backend.sample, self._gpus)
-        self.last_host, self._gpus, self._gpus_at = host, gpus, time.monotonic()
-        if self.dcgm is not None:
-            self._collect("dcgm", self._report_dcgm, None)
+    async def heartbeat(self, budget_s: float) -> node_pb2.Heartbeat:
+        """This second's heartbeat, built within `budget_s` of the clock's time. A collector that fails (a bug,
+        a driver gone strange) or has not answered by then must not silence the node: its last good reading
+        goes up instead, and the failure is logged and sent to the controller's event log once while it lasts."""
+        readers = [self._host.read(budget_s), self._gpu.read(budget_s), self._nccl.read(budget_s)]
+        if self._dcgm is not None:
+            readers.append(self._dcgm.read(budget_s))
+        host, gpus, nccl, *dcgm = await asyncio.gather(*readers)
+        if dcgm:
+            self._report_dcgm(dcgm[0])
         self.supervisor.poll()
-        nccl = self._collect("nccl", lambda: self.nccl.scan(time.time_ns()), [])
         return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
                                   health_digest=health_digest(gpus, host), nccl=nccl,
                                   ranks=self.supervisor.statuses(), progress=self.local.drain())
 
-    def _collect(self, name: str, sample, fallback):
-        try:
-            value = sample()
-        except Exception as e:
-            failure = f"{type(e).__name__}: {e}"
-            if self._collector_failures.get(name) != type(e).__name__:  # by kind: messages may vary each time
-                self._collector_failures[name] = type(e).__name__
-                logger.exception("collector failed; reporting its last good reading", collector=name)
-                self.link.emit("collector_failed", f"the {name} collector on {self.name} failed: {failure}"[:500],
-                               collector=name)
-            return fallback
-        if self._collector_failures.pop(name, None) is not None:
-            logger.info("collector recovered", collector=name)
-            self.link.emit("collector_recovered", f"the {name} collector on {self.name} works again",
-                           collector=name)
-        return value
-
     def gpu_telemetry(self) -> list[common_pb2.GpuTelemetry]:
-        """The latest GPU readings for a scrape: the last heartbeat's, or a new sweep without recent heartbeats."""
-        if self._gpus_at is None or time.monotonic() - self._gpus_at > TELEMETRY_STALE_S:
-            self._gpus, self._gpus_at = self._collect("gpu", self.backend.sample, self._gpus), time.monotonic()
-        return self._gpus
+        """The latest GPU readings for a scrape (on the event loop): the last heartbeat's. When they are older
+        than TELEMETRY_STALE_S (no heartbeats: the controller is away) a sweep starts for the next scrape."""
+        if self._gpu.at is None or self.clock.monotonic() - self._gpu.at > TELEMETRY_STALE_S:
+            self._gpu.refresh()
+        return self._gpu.last
 
-    def _report_dcgm(self) -> None:
+    def _report_dcgm(self, incidents: dict[int, list[str]]) -> None:
         """DCGM health incidents go to the event log, each once while it lasts."""
-        current = {(index, message) for index, messages in self.dcgm.check().items() for message in messages}
+        current = {(index, message) for index, messages in incidents.items() for message in messages}
         for index, message in sorted(current - self._dcgm_seen):
             self.link.emit("dcgm", f"DCGM health incident on GPU {index}: {message}", gpu=str(index))
         self._dcgm_seen = current
@@ -192,6 +191,17 @@ class Agent:
         logger.warning("fault injected", fault=str(fault), gpu=inject.gpu_index)
         return f"{self.name}: injected {done}"
 
+    def local_service(self) -> local_server.LocalService:
+        """The service trainlib in the ranks talks to (served on `<state_dir>/agent.sock`)."""
+        return local_server.LocalService(self.local, self.supervisor.current_generation, self.link.send,
+                                         self.supervisor.mark_fatal)
+
+    async def _watchdog(self, interval_s: float) -> None:
+        """Ping systemd's watchdog from the event loop itself: a stuck loop stops the pings and gets restarted."""
+        while True:
+            sdnotify.notify("WATCHDOG=1")
+            await self.clock.sleep(interval_s)
+
     def _rank_env(self, job: str) -> dict[str, str]:
         """What every rank of `job` on this node gets from the node itself (the controller adds the rest)."""
         env = dict(os.environ)
@@ -219,13 +229,14 @@ class Agent:
             loop.call_soon_threadsafe(self.link.send, node_pb2.AgentMessage(gpu_event=event))
 
         self.backend.start_events(gpu_event)
+        self._gpu.refresh()  # the first scrape finds readings
         adopted = self.supervisor.adopt()
         if adopted:
             self.link.emit("adopted", f"agent on {self.name} re-adopted {len(adopted)} running ranks",
                            ranks=",".join(r.key for r in adopted))
         try:
-            local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", local_server.LocalService(
-                self.local, self.supervisor.current_generation, self.link.send), group=self.cfg.security.socket_group)
+            local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", self.local_service(),
+                                             group=self.cfg.security.socket_group)
         except OSError as e:
             local = None
             logger.error("local service for trainlib not served; ranks run without it", error=str(e))
@@ -241,7 +252,8 @@ class Agent:
         if self.cfg.metrics_listen:
             await metrics.serve(self.cfg.metrics_listen)
         sdnotify.notify(f"READY=1\nSTATUS=node {self.name}, controller {self.cfg.controller}")
-        watchdog = asyncio.create_task(sdnotify.watchdog()) if sdnotify.watchdog_interval_s() else None
+        interval = sdnotify.watchdog_interval_s()
+        watchdog = asyncio.create_task(self._watchdog(interval)) if interval else None
         try:
             await self.link.run(stop)
         finally:

@@ -1,8 +1,9 @@
 """The agent's Prometheus metrics: this node's GPUs under dcgm-exporter's names, and the agent itself.
 
-A scrape copies, on the agent's event loop, the GPU readings of the last heartbeat (or of a fresh
-sweep when there has been none for a while, e.g. while the controller is unreachable), the XIDs
-seen, the controller's verdict on each GPU, the session and the ranks; it renders them in a thread.
+A scrape copies, on the agent's event loop, the GPU readings of the last heartbeat (when there has
+been none for a while, e.g. while the controller is unreachable, it also starts a sweep in a worker
+thread, which the next scrape shows), the XIDs seen, the controller's verdict on each GPU, the
+session and the ranks; it renders them in a thread.
 
 GPU series carry dcgm-exporter's labels `gpu`, `UUID`, `pci_bus_id`, `device` and `Hostname` (the
 node name), so dashboards and alerts written for dcgm-exporter work. Three differences, all for

@@ -1,42 +1,148 @@
-"""The agent's heartbeat survives a collector that fails: the node stays alive, the failure is told once."""
+"""The agent's heartbeat survives a collector that fails or blocks: the node stays alive, the trouble is told once.
+The link's loops (heartbeat cadence, reconnect backoff) run in virtual time."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+import threading
+
 from agent import config as agent_config
+from agent.backoff import Backoff
 from agent.collectors.sim import SimBackend
+from agent.link import Link
 from agent.main import Agent
+from phalanx.clock import FakeClock
+from phalanx.v1 import node_pb2
+
+
+def run(test):
+    """Each test is a coroutine run on a fresh event loop."""
+    def wrapper(tmp_path):
+        asyncio.run(test(tmp_path))
+    wrapper.__name__ = test.__name__
+    return wrapper
 
 
 class FlakyBackend(SimBackend):
+    """Simulated GPUs whose sweep can fail, or block (a driver call that hangs) until released."""
+
     def __init__(self) -> None:
         super().__init__(2, "node-f", seed=1)
         self.fail: Exception | None = None
+        self.block = False
+        self.release = threading.Event()
+        self.calls = 0
 
     def sample(self):
+        self.calls += 1
+        if self.block:
+            self.release.wait(60)  # bounded only so that a failing test cannot hang the run
         if self.fail is not None:
             raise self.fail
         return super().sample()
 
 
-def test_a_failing_gpu_collector_sends_its_last_reading_and_says_so_once(tmp_path):
+def make_agent(tmp_path, backend, clock):
     cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"),
                                    checkpoint_dir=str(tmp_path), nvrx_socket="")
-    backend = FlakyBackend()
-    agent = Agent(cfg, backend)
+    agent = Agent(cfg, backend, clock=clock)
     events = []
     agent.link.emit = lambda kind, message, **fields: events.append((kind, message, fields))
-    good = agent.heartbeat()
+    return agent, events
+
+
+@run
+async def test_a_failing_gpu_collector_sends_its_last_reading_and_says_so_once(tmp_path):
+    backend = FlakyBackend()
+    agent, events = make_agent(tmp_path, backend, FakeClock())
+    good = await agent.heartbeat(1.0)  # the clock stands still: each heartbeat waits for its collectors
     assert len(good.gpus) == 2 and not events
     backend.fail = OverflowError("int too large to convert")
     for _ in range(3):
-        beat = agent.heartbeat()
+        beat = await agent.heartbeat(1.0)
         assert list(beat.gpus) == list(good.gpus) and beat.host.ByteSize() > 0
     assert events == [("collector_failed", "the gpu collector on node-f failed: OverflowError: int too large to "
                        "convert", {"collector": "gpu"})]
     backend.fail = ValueError("another")
-    agent.heartbeat()
+    await agent.heartbeat(1.0)
     assert events[-1][0] == "collector_failed" and "ValueError: another" in events[-1][1]
     backend.fail = None
-    assert len(agent.heartbeat().gpus) == 2
+    assert len((await agent.heartbeat(1.0)).gpus) == 2
     assert events[-1] == ("collector_recovered", "the gpu collector on node-f works again", {"collector": "gpu"})
     assert len(events) == 3
+
+
+class FakeCall:
+    """The session's stream as the heartbeat loop sees it: what it writes is kept."""
+
+    def __init__(self) -> None:
+        self.heartbeats: list[node_pb2.Heartbeat] = []
+        self.wrote = asyncio.Event()
+
+    async def write(self, message: node_pb2.AgentMessage) -> None:
+        if message.HasField("heartbeat"):
+            self.heartbeats.append(message.heartbeat)
+        self.wrote.set()
+
+    async def heartbeat_number(self, n: int) -> node_pb2.Heartbeat:
+        while len(self.heartbeats) < n:
+            self.wrote.clear()
+            await self.wrote.wait()
+        return self.heartbeats[n - 1]
+
+
+@run
+async def test_heartbeats_keep_their_cadence_while_a_gpu_query_blocks(tmp_path):
+    clock = FakeClock()
+    backend = FlakyBackend()
+    agent, events = make_agent(tmp_path, backend, clock)
+    good = await agent.heartbeat(0.5)
+    backend.block = True
+    call, stop = FakeCall(), asyncio.Event()
+    controller = asyncio.get_running_loop().create_future()  # the controller's end: never closes here
+    beats = asyncio.create_task(agent.link._heartbeats(call, 1.0, controller, stop))
+    try:
+        await clock.run_for(5.0)
+        # one every second, each as soon as its collectors' budget (half the interval) ran out
+        assert [(b.seq, b.sent_unix_ns - clock.wall_ns()) for b in call.heartbeats] == \
+            [(seq, int((seq - 5.5) * 1e9)) for seq in range(1, 6)]
+        assert all(list(b.gpus) == list(good.gpus) for b in call.heartbeats)  # the last good reading
+        assert backend.calls == 2  # the blocked call is waited for again, never started twice
+        assert [e for e in events if e[2] == {"collector": "gpu"}] == [
+            ("collector_slow", "the gpu collector on node-f has not answered within 0.5s", {"collector": "gpu"})]
+        backend.block = False
+        backend.release.set()
+        sixth = await asyncio.wait_for(call.heartbeat_number(6), 60)  # the clock stands still: it waits for the GPUs
+        assert sixth.seq == 6 and len(sixth.gpus) == 2 and backend.calls == 2
+        assert [e for e in events if e[2] == {"collector": "gpu"}][-1] == (
+            "collector_recovered", "the gpu collector on node-f works again", {"collector": "gpu"})
+    finally:
+        backend.release.set()
+        stop.set()
+        await beats
+
+
+@run
+async def test_reconnects_wait_the_jittered_backoff_on_the_clock(tmp_path):
+    clock = FakeClock()
+    attempts = []
+
+    async def session(stop):
+        attempts.append(clock.monotonic())
+        raise ConnectionError("controller unreachable")
+
+    link = Link("node-f", "127.0.0.1:1", inventory=None, heartbeat=None,
+                backoff=Backoff(1.0, 8.0, random.Random(3)), clock=clock)
+    link._session = session
+    stop = asyncio.Event()
+    task = asyncio.create_task(link.run(stop))
+    await clock.run_for(60.0)
+    twin = Backoff(1.0, 8.0, random.Random(3))
+    expected = [1000.0]
+    while (at := expected[-1] + twin.next()) <= 1060.0:
+        expected.append(at)
+    assert attempts == expected and len(attempts) > 8
+    stop.set()
+    await task  # a stop ends the wait at once, with no time passing
+    assert clock.monotonic() == 1060.0 and len(attempts) == len(expected)

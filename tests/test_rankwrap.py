@@ -1,7 +1,8 @@
 """agent.rankwrap and the supervisor's launch: the wrapper passes a stop on, even one that comes while it starts the
 rank; nothing in the job's working directory can stand in for it; ranks get none of the agent's systemd variables;
-the rank's own pid reaches the rank's status and outlives an agent restart."""
+the rank's own pid and a fatal report reach the rank's status and outlive an agent restart."""
 
+import asyncio
 import json
 import os
 import select
@@ -13,9 +14,12 @@ from pathlib import Path
 
 import psutil
 
+from agent import config as agent_config
+from agent.collectors.sim import SimBackend
+from agent.main import Agent
 from agent.supervisor import Supervisor
 from phalanx.clock import FakeClock
-from phalanx.v1 import common_pb2, node_pb2
+from phalanx.v1 import common_pb2, local_pb2, node_pb2
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 # The wrapper's own main(), with a Popen that is hit by a SIGTERM as it returns: the agent's stop landing
@@ -156,6 +160,29 @@ def test_the_ranks_own_pid_is_learnt_and_survives_an_agent_restart(tmp_path):
         again = Supervisor(tmp_path / "state", clock=FakeClock())  # and once more, now from the record
         again.adopt()
         assert again.statuses()[0].rank_pid == said["pid"]
+    finally:
+        kill(record)
+
+
+def test_a_fatal_report_goes_up_on_the_ranks_status_and_survives_an_agent_restart(tmp_path):
+    cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"),
+                                   checkpoint_dir=str(tmp_path), nvrx_socket="")
+    agent = Agent(cfg, SimBackend(1, "node-f", seed=1), clock=FakeClock())
+    said, record = launch(agent.supervisor, tmp_path, tmp_path)
+    reason = "checkpoint directory /ckpt/job-1 is not shared by the job's nodes"
+
+    async def report_and_beat():
+        await agent.local_service().Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0, fatal=reason),
+                                           None)
+        return await agent.heartbeat(1.0)
+
+    try:
+        beat = asyncio.run(report_and_beat())
+        [status] = beat.ranks
+        assert (status.fatal, status.rank_pid, status.state) == (reason, said["pid"], common_pb2.RANK_STATE_RUNNING)
+        restarted = Supervisor(tmp_path / "state", clock=FakeClock())
+        restarted.adopt()
+        assert restarted.statuses()[0].fatal == reason
     finally:
         kill(record)
 
