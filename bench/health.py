@@ -110,7 +110,7 @@ def sweep(iterations: int = 2000) -> dict:
     from agent.collectors.sim import SimBackend
     from agent.main import health_digest
     from controller.config import HealthConfig
-    from controller.health import GpuHistory, evaluate_node
+    from controller.nodes.health import GpuHistory, evaluate_node
     from phalanx.v1 import common_pb2
     from tests.fake_pynvml import FakeNvml
 

@@ -21,9 +21,9 @@ import statistics
 import time
 
 from bench.common import log
-from controller.cluster_topology import ClusterTopology
-from controller.placement import Candidate, GangRequest, Placement, place
-from controller.topology_conf import parse_topology_conf
+from controller.jobs.placement import Candidate, GangRequest, Placement, place
+from controller.jobs.slurm_topology import parse_topology_conf
+from controller.jobs.topology import ClusterTopology
 
 GOAL_MS = 50.0
 SEED = 1024

@@ -69,11 +69,15 @@ class JobsConfig:
                                  "agents' labels (switch, spine, block), else one domain")
     schedule_interval_s: float = setting(0.5, "seconds between scheduler passes (it also runs on every change)")
     launch_timeout_s: float = setting(30.0, "seconds an agent has to start its ranks")
+    missing_reports_lost: int = setting(5, "heartbeats in a row from a rank's node without news of the rank before "
+                                        "the rank counts as lost")
     stop_grace_s: float = setting(30.0, "seconds between SIGTERM and SIGKILL when a job's ranks are stopped")
 
     def __post_init__(self) -> None:
         positive("jobs.schedule_interval_s", self.schedule_interval_s)
         positive("jobs.launch_timeout_s", self.launch_timeout_s)
+        require(self.missing_reports_lost >= 1,
+                f"jobs.missing_reports_lost ({self.missing_reports_lost}) must be at least 1")
         require(self.stop_grace_s >= 0, f"jobs.stop_grace_s ({self.stop_grace_s}) must not be negative")
 
 
@@ -82,6 +86,14 @@ class RecoveryConfig:
     max_restarts: int = setting(3, "restarts of a job before it is declared FAILED")
     restart_backoff_s: float = setting(1.0, "wait before the first restart, doubled for each later one")
     checkpoint_deadline_s: float = setting(30.0, "seconds ranks have to commit a checkpoint before an eviction")
+    checkpoint_lead_s: float = setting(5.0, "how far ahead of a request, in seconds of steps at the ranks' pace, the "
+                                       "agreed checkpoint step lies (time for the request to reach every rank)")
+    pace_wait_s: float = setting(3.0, "how long a checkpoint request soon after a (re)start waits for a progress "
+                                 "report past the ranks' start-up")
+    evict_margin_s: float = setting(10.0, "seconds beyond jobs.stop_grace_s an eviction waits for every node to "
+                                    "confirm its ranks stopped (then they are fenced when reported)")
+    silent_s: float = setting(3.0, "seconds without a trainlib report that make a hung rank the culprit (trainlib "
+                              "reports twice a second)")
     hang_min_s: float = setting(5.0, "a rank without step progress this long (at least) is hung")
     hang_factor: float = setting(10.0, "... or this many times the job's median step time, if longer")
     startup_s: float = setting(180.0, "seconds a rank may take to its first step before it counts as hung")
@@ -95,7 +107,8 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, f"recovery.max_restarts ({self.max_restarts}) must not be negative")
-        for key in ("restart_backoff_s", "checkpoint_deadline_s", "hang_min_s", "hang_factor", "startup_s"):
+        for key in ("restart_backoff_s", "checkpoint_deadline_s", "hang_min_s", "hang_factor", "startup_s",
+                    "checkpoint_lead_s", "pace_wait_s", "evict_margin_s", "silent_s"):
             positive(f"recovery.{key}", getattr(self, key))
         require(self.straggler_ratio > 1.0, f"recovery.straggler_ratio ({self.straggler_ratio}) must be above 1")
         require(1 <= self.straggler_min_samples <= self.straggler_window,

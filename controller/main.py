@@ -9,15 +9,16 @@ import signal
 import sys
 
 from controller import config as controller_config
-from controller.cluster_topology import TopologyError
 from controller.errors import StoreError
+from controller.jobs.topology import TopologyError
 from controller.server import Controller
 from controller.store.sqlite import SqliteStore
-from phalanx import __version__, log, sdnotify
+from phalanx import __version__, daemon, log, sdnotify
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 
 PROG = "phalanx-controller"
+logger = log.get("controller")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,12 +30,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def serve(cfg: controller_config.ControllerConfig) -> None:
+async def serve(cfg: controller_config.ControllerConfig, path: str | None = None) -> None:
     controller = Controller(cfg, SqliteStore(cfg.state_db, max_events=cfg.max_events))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload(controller, path))
     try:
         await controller.start()
     except BaseException:
@@ -53,32 +55,28 @@ async def serve(cfg: controller_config.ControllerConfig) -> None:
 
 
 
+def reload(controller: Controller, path: str | None) -> None:
+    """SIGHUP: read the config file again and apply what can change while serving; say what cannot. A
+    bad file changes nothing (the error is logged) and the controller goes on as it was."""
+    try:
+        cfg = controller_config.load(path)
+    except ConfigError as e:
+        logger.error("config reload refused", error=str(e), path=path)
+        return
+    applied, needs_restart = controller.reload(cfg)
+    log.configure(cfg.log_level, cfg.log_format)
+    logger.info("config reloaded", path=path, applied=",".join(applied) or "nothing changed",
+                needs_restart=",".join(needs_restart) or None)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.print_default_config:
         sys.stdout.write(default_toml(controller_config.ControllerConfig))
         return 0
-    try:
-        cfg = controller_config.load(args.config)
-    except ConfigError as e:
-        print(f"{PROG}: config error: {e}", file=sys.stderr)
-        return 2
-    log.configure(cfg.log_level, cfg.log_format)
     gc.set_threshold(50_000, 20, 100)  # fewer, not longer, collections: the heartbeat path allocates steadily
-    try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:  # uvloop is Linux/macOS only; asyncio works, just slower
-        runner = asyncio.run
-    try:
-        runner(serve(cfg))
-    except ConfigError as e:  # found when the daemon reads the files the config names (certificates)
-        print(f"{PROG}: config error: {e}", file=sys.stderr)
-        return 2
-    except (StoreError, TopologyError, OSError) as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return daemon.run(PROG, controller_config.load, args.config, lambda cfg: serve(cfg, args.config),
+                      (StoreError, TopologyError, OSError))
 
 
 if __name__ == "__main__":

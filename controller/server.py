@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from controller import auth, metrics
-from controller.cluster_topology import ClusterTopology, TopologyError, flat, from_labels, merged
+from controller.api import auth
+from controller.api.control_service import ControlService
+from controller.api.node_service import NodeService
+from controller.api.rendezvous_service import RendezvousService
 from controller.config import ControllerConfig
-from controller.control_service import ControlService
-from controller.events import EventHub
-from controller.jobs import JobManager
-from controller.node_service import NodeService
-from controller.registry import Registry
-from controller.rendezvous import RendezvousService
+from controller.jobs.manager import JobManager
+from controller.jobs.slurm_topology import parse_topology_conf
+from controller.jobs.topology import ClusterTopology, TopologyError, flat, from_labels, merged
+from controller.nodes.registry import Registry
+from controller.obs import metrics
+from controller.obs.events import EventHub
 from controller.store.base import Store
-from controller.topology_conf import parse_topology_conf
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
@@ -32,6 +34,18 @@ SERVICES = ("phalanx.v1.NodeService", "phalanx.v1.ControlService", "phalanx.v1.R
 HEALTH_TICK_S = 1.0  # re-judging non-healthy nodes; new signals are judged as they arrive
 
 
+def _changed_keys(old: object, new: object, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two configs (sections are walked)."""
+    out = []
+    for f in dataclasses.fields(old):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if dataclasses.is_dataclass(a):
+            out += _changed_keys(a, b, f"{prefix}{f.name}.")
+        elif a != b:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
 def load_topology_conf(path: str) -> ClusterTopology | None:
     """Read the Slurm topology.conf named in the config. Raises OSError or TopologyConfError with the reason."""
     if not path:
@@ -40,10 +54,9 @@ def load_topology_conf(path: str) -> ClusterTopology | None:
         return parse_topology_conf(f.read(), source=path)
 
 
-async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[object]]) -> None:
-    """Run `job` every `interval_s`; a failure is logged with context and the loop goes on."""
-    loop = asyncio.get_running_loop()
-    next_at = loop.time()
+async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[object]], clock: Clock) -> None:
+    """Run `job` every `interval_s` of `clock`; a failure is logged with context and the loop goes on."""
+    next_at = clock.monotonic()
     while True:
         try:
             await job()
@@ -52,11 +65,11 @@ async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[obj
         except Exception:
             logger.exception("periodic job failed; will retry", job=name)
         next_at += interval_s
-        delay = next_at - loop.time()
+        delay = next_at - clock.monotonic()
         if delay < 0:  # fell behind: skip the missed ticks rather than bunching them up
-            next_at = loop.time()
+            next_at = clock.monotonic()
             delay = 0
-        await asyncio.sleep(delay)
+        await clock.sleep(delay)
 
 
 class Controller:
@@ -97,9 +110,9 @@ class Controller:
         for service in ("", *SERVICES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(
-            periodic("liveness", self.cfg.liveness.tick_s, self.registry.tick), name="liveness"))
+            periodic("liveness", self.cfg.liveness.tick_s, self.registry.tick, self.clock), name="liveness"))
         self._tasks.append(asyncio.create_task(
-            periodic("health", HEALTH_TICK_S, self.registry.health_tick), name="health"))
+            periodic("health", HEALTH_TICK_S, self.registry.health_tick, self.clock), name="health"))
         self._tasks.append(asyncio.create_task(self.jobs.run(), name="scheduler"))
         self.jobs.resume_recoveries()
         logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()),
@@ -132,6 +145,30 @@ class Controller:
         if port == 0:
             raise OSError(f"cannot listen on {address} (address in use, or not an address of this host)")
         return port
+
+    # What SIGHUP may change while serving: policies read afresh at every decision, and the tokens file.
+    RELOADABLE = ("log_level", "log_format", "health", "recovery", "jobs.schedule_interval_s", "jobs.launch_timeout_s",
+                  "jobs.stop_grace_s", "jobs.missing_reports_lost", "security.tokens_file")
+
+    def reload(self, cfg: ControllerConfig) -> tuple[list[str], list[str]]:
+        """Apply a reloaded config; returns the keys applied and the keys that changed but need a restart."""
+        old = self.cfg
+        changed = _changed_keys(old, cfg)
+        applied = [k for k in changed if k.split(".")[0] in self.RELOADABLE or k in self.RELOADABLE]
+        needs_restart = [k for k in changed if k not in applied]
+        if cfg.security.tokens_file != old.security.tokens_file or "security.tokens_file" in applied:
+            tokens = auth.load_tokens(cfg.security.tokens_file)
+            self._tokens.clear()
+            self._tokens.update(tokens)
+        jobs_cfg = old.jobs
+        for key in ("schedule_interval_s", "launch_timeout_s", "stop_grace_s", "missing_reports_lost"):
+            jobs_cfg = dataclasses.replace(jobs_cfg, **{key: getattr(cfg.jobs, key)})
+        self.jobs.cfg, self.jobs.recovery_cfg, self.registry.health_cfg = jobs_cfg, cfg.recovery, cfg.health
+        self.cfg = dataclasses.replace(old, log_level=cfg.log_level, log_format=cfg.log_format, health=cfg.health,
+                                       recovery=cfg.recovery, jobs=jobs_cfg,
+                                       security=dataclasses.replace(old.security, tokens_file=cfg.security.tokens_file))
+        self.jobs.wake()
+        return applied, needs_restart
 
     def topology(self) -> ClusterTopology:
         """topology.conf where it names a node; the agents' labels (switch, spine, block) elsewhere.

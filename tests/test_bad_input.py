@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from controller.session import COMMAND_TIMEOUT_S
+from controller.nodes.session import COMMAND_TIMEOUT_S
 from phalanx.rpc import MAX_REQUEST_BYTES, MAX_TRANSPORT_BYTES
 from phalanx.v1 import common_pb2, control_pb2, node_pb2, node_pb2_grpc
 

@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.cluster_topology import (
+from controller.errors import ControllerError
+from controller.jobs.slurm_topology import expand_hostlist, parse_topology_conf
+from controller.jobs.topology import (
     DEFAULT_LEAF,
     FABRIC,
     ClusterTopology,
@@ -14,8 +16,6 @@ from controller.cluster_topology import (
     from_labels,
     merged,
 )
-from controller.errors import ControllerError
-from controller.topology_conf import expand_hostlist, parse_topology_conf
 
 SLURM_GUIDE = """\
 # topology.conf

@@ -3,7 +3,7 @@
 import pytest
 
 from controller.config import HealthConfig
-from controller.health import DEGRADED, FAILED, FAILING, HEALTHY, GpuHistory, evaluate_gpu, evaluate_node
+from controller.nodes.health import DEGRADED, FAILED, FAILING, HEALTHY, GpuHistory, evaluate_gpu, evaluate_node
 from phalanx.v1 import common_pb2
 
 CFG = HealthConfig()

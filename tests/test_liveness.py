@@ -6,11 +6,11 @@ import pytest
 
 from controller.config import LivenessConfig
 from controller.errors import FailedPrecondition, NotFound
-from controller.events import EventHub
-from controller.liveness import Change, Seen, decide
-from controller.registry import Registry
-from controller.session import Session
-from controller.states import DOWN, DRAINED, DRAINING, SUSPECT, UP
+from controller.nodes.liveness import Change, Seen, decide
+from controller.nodes.registry import Registry
+from controller.nodes.session import Session
+from controller.nodes.states import DOWN, DRAINED, DRAINING, SUSPECT, UP
+from controller.obs.events import EventHub
 from controller.store.memory import MemoryStore
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, node_pb2

@@ -17,14 +17,14 @@ from agent import config as agent_config
 from agent import metrics as agent_metrics
 from agent.collectors.sim import SimBackend
 from controller import config as controller_config
-from controller import metrics as controller_metrics
-from controller.cluster_topology import flat
 from controller.config import HealthConfig, JobsConfig, LivenessConfig, RecoveryConfig
-from controller.events import EventHub
-from controller.jobs import JobManager
-from controller.registry import Registry
-from controller.session import Session
-from controller.stats import Buckets
+from controller.jobs.manager import JobManager
+from controller.jobs.topology import flat
+from controller.nodes.registry import Registry
+from controller.nodes.session import Session
+from controller.obs import metrics as controller_metrics
+from controller.obs.events import EventHub
+from controller.obs.stats import Buckets
 from controller.store.memory import MemoryStore
 from phalanx import faults, metrics_http
 from phalanx.clock import FakeClock
@@ -334,6 +334,22 @@ def test_controller_snapshot_of_an_empty_cluster_has_every_series_at_zero():
     snapshot = controller_metrics.take_snapshot(registry, jobs, hub)
     assert snapshot.nodes == [] and snapshot.gpus == {"HEALTHY": 0}
     assert snapshot.detection.keys() == {"node_down", "xid", "health"}
+
+
+def test_a_hang_culprit_from_the_flight_recorder_is_a_series_while_its_job_is_active():
+    from controller.jobs.manager import JobEntry
+
+    clock, store, hub = FakeClock(), MemoryStore(), EventHub()
+    registry = Registry(store, clock, LivenessConfig(), hub, HealthConfig())
+    jobs = JobManager(store, registry, clock, hub, JobsConfig(), lambda: flat({}), RecoveryConfig())
+    server = controller_metrics.server(registry, jobs, hub)
+    culprit = common_pb2.HangCulprit(rank=3, node="n2", op="nccl:all_reduce", seq=41, state="started")
+    jobs.entries["job-1"] = JobEntry(common_pb2.Job(id="job-1", state=common_pb2.JOB_STATE_EVICTING, culprit=culprit))
+    jobs.entries["job-2"] = JobEntry(common_pb2.Job(id="job-2", state=common_pb2.JOB_STATE_FAILED, culprit=culprit))
+    server.snapshot()
+    labels = {"job": "job-1", "rank": "3", "node": "n2", "op": "nccl:all_reduce", "seq": "41", "state": "started"}
+    assert server.registry.get_sample_value("phalanx_job_hang_culprit", labels) == 1
+    assert server.registry.get_sample_value("phalanx_job_hang_culprit", {**labels, "job": "job-2"}) is None
 
 
 # -- the agent's collector -------------------------------------------------------------------------

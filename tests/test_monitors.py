@@ -4,8 +4,8 @@ import math
 import random
 
 from controller.config import RecoveryConfig
-from controller.jobs import REQUEST_LATENCY_S, checkpoint_step
-from controller.monitors import WARMUP_STEPS, RankTrack, hung, stragglers
+from controller.recovery.lifecycle import REQUEST_LATENCY_S, checkpoint_step
+from controller.recovery.progress import WARMUP_STEPS, RankTrack, hung, stragglers
 
 CFG = RecoveryConfig()
 

@@ -7,10 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.cluster_topology import ClusterTopology
 from controller.errors import InvalidArgument
-from controller.health import Health
-from controller.placement import (
+from controller.jobs.placement import (
     ALL_BLOCKS,
     Candidate,
     GangRequest,
@@ -19,8 +17,10 @@ from controller.placement import (
     lower_bound_leaves,
     place,
 )
-from controller.states import NodeState
-from controller.topology_conf import parse_topology_conf
+from controller.jobs.slurm_topology import parse_topology_conf
+from controller.jobs.topology import ClusterTopology
+from controller.nodes.health import Health
+from controller.nodes.states import NodeState
 
 # --- builders ---------------------------------------------------------------------------------------
 

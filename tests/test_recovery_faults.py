@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 
 from controller.config import RecoveryConfig
-from controller.jobs import REQUEST_LATENCY_S
-from controller.states import DOWN, DRAINED, UP
+from controller.nodes.states import DOWN, DRAINED, UP
+from controller.recovery.lifecycle import REQUEST_LATENCY_S
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import node_pb2
 from tests.jobs_world import World

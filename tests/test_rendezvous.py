@@ -3,7 +3,7 @@
 import pytest
 
 from controller.errors import FailedPrecondition, NotFound
-from controller.rendezvous import (
+from controller.rendezvous.book import (
     CLOSED_RUN_TTL_S,
     IDLE_RUN_TTL_S,
     LEASE_S,

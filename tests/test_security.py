@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller import auth
+from controller.api import auth
 from phalanx import pki, tls
 from phalanx.errors import ConfigError
 from phalanx.ports import free_port

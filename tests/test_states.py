@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from controller.errors import IllegalTransition
-from controller.states import (
+from controller.nodes.states import (
     DOWN,
     DRAINED,
     DRAINING,

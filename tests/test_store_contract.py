@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from controller.errors import RevisionConflict, StoreError
-from controller.states import DOWN, DRAINED, UP
+from controller.nodes.states import DOWN, DRAINED, UP
 from controller.store import EventRecord, JobRecord, MemoryStore, NodeRecord, SqliteStore
 
 

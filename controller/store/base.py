@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controller.states import NodeState
+from controller.nodes.states import NodeState
 from phalanx.v1 import common_pb2
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from controller.errors import RevisionConflict, StoreError
-from controller.states import NodeState
+from controller.nodes.states import NodeState
 from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from google.protobuf.message import Message
 
 from controller.errors import InvalidArgument
-from controller.states import NodeState
+from controller.nodes.states import NodeState
 from phalanx.names import NAME
 from phalanx.rpc import MAX_REQUEST_BYTES
 from phalanx.v1 import common_pb2

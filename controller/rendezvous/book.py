@@ -11,24 +11,20 @@ when a store was reused) and no step is needed after forming: a rank 0 that dies
 others waiting for an address it never published.
 
 `RendezvousBook` is the state: it reads no clock, does no I/O, and `decide(run, now)` says what
-time alone changes (timeouts, dropped participants, the last call). `RendezvousService` is the thin
-servicer: it reads the clock once per step and turns long waits into bounded server-side waits the
-client repeats, so no call outlives its deadline. The state is in memory: after a controller restart
-waiting agents re-join (their AwaitRound answers NOT_FOUND) and running groups carry on.
+time alone changes (timeouts, dropped participants, the last call). The servicer is
+`controller.api.rendezvous_service`. The state is in memory: after a controller restart waiting
+agents re-join (their AwaitRound answers NOT_FOUND) and running groups carry on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controller.errors import FailedPrecondition, InvalidArgument, NotFound
-from controller.rpc import unary
+from controller.errors import FailedPrecondition, NotFound
 from phalanx import log
-from phalanx.clock import Clock
-from phalanx.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+from phalanx.v1 import rendezvous_pb2
 
 logger = log.get("rendezvous")
 
@@ -386,109 +382,3 @@ def _closed(run: Run) -> Reply:
 
 
 # --- the servicer: validate, call the book, pack ---------------------------------------------------------------
-
-def _text(value: str, field_name: str, hint: str) -> str:
-    if not value:
-        raise InvalidArgument(f"{field_name} is empty; {hint}")
-    if len(value) > MAX_ID_CHARS or not value.isprintable() or any(c.isspace() for c in value):
-        shown = value if len(value) <= 80 else value[:77] + "..."
-        raise InvalidArgument(f"{field_name} {shown!r} must be 1-{MAX_ID_CHARS} printable characters without spaces")
-    return value
-
-
-def _seconds(value: float, field_name: str, low: float, high: float) -> float:
-    if not low <= value <= high:  # also false for NaN
-        raise InvalidArgument(f"{field_name} ({value:g}s) must be between {low:g}s and {high:g}s")
-    return value
-
-
-def _settings(s: rendezvous_pb2.RoundSettings) -> Settings:
-    if s.min_nodes < 1:
-        raise InvalidArgument(f"settings.min_nodes ({s.min_nodes}) must be at least 1")
-    if s.min_nodes > s.max_nodes:
-        raise InvalidArgument(f"settings.min_nodes ({s.min_nodes}) must not be larger than max_nodes ({s.max_nodes})")
-    if s.max_nodes > MAX_NODES:
-        raise InvalidArgument(f"settings.max_nodes ({s.max_nodes}) is more than {MAX_NODES}")
-    return Settings(s.min_nodes, s.max_nodes, _seconds(s.last_call_s, "settings.last_call_s", 0, 3600))
-
-
-def _store(s: rendezvous_pb2.StoreAddress) -> StoreAddress:
-    host = _text(s.host, "store.host", "give the address other nodes reach this node's TCPStore at")
-    if not 1 <= s.port <= 65535:
-        raise InvalidArgument(f"store.port ({s.port}) must be between 1 and 65535")
-    return StoreAddress(host, s.port)
-
-
-class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
-    def __init__(self, clock: Clock) -> None:
-        self._clock = clock
-        self._events: dict[str, asyncio.Event] = {}
-        self.book = RendezvousBook(on_change=self._wake)
-
-    def _wake(self, run_id: str) -> None:
-        event = self._events.pop(run_id, None)
-        if event is not None:
-            event.set()
-
-    @unary
-    async def Join(self, request: rendezvous_pb2.JoinRequest, context) -> rendezvous_pb2.RoundReply:
-        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
-        pid = _text(request.participant_id, "participant_id", "give a name unique to this torchrun agent")
-        settings = _settings(request.settings)
-        join_timeout = _seconds(request.join_timeout_s, "join_timeout_s", 0.001, 7 * 86400)
-        store = _store(request.store)
-        reply = self.book.join(run_id, pid, request.attempt, settings, join_timeout, store, self._clock.monotonic())
-        return reply.to_proto()
-
-    @unary
-    async def AwaitRound(self, request: rendezvous_pb2.AwaitRoundRequest, context) -> rendezvous_pb2.RoundReply:
-        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
-        pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
-        wait_s = _seconds(request.wait_s, "wait_s", 0, MAX_WAIT_S)
-        start = self._clock.monotonic()
-        while True:
-            now = self._clock.monotonic()
-            reply = self.book.poll(run_id, pid, request.round, now)
-            left = start + wait_s - now
-            if reply.outcome is not Outcome.WAITING or left <= 0:
-                return reply.to_proto()
-            # No await between the poll and here, so no change can slip in before we wait on the event.
-            event = self._events.setdefault(run_id, asyncio.Event())
-            wakeup = self.book.next_wakeup(run_id)
-            timeout = left if wakeup is None else min(left, max(0.0, wakeup - now) + 0.001)
-            try:
-                await asyncio.wait_for(event.wait(), timeout)
-            except TimeoutError:
-                pass
-
-    @unary
-    async def NumNodesWaiting(self, request: rendezvous_pb2.NumNodesWaitingRequest,
-                              context) -> rendezvous_pb2.NumNodesWaitingReply:
-        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
-        pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
-        waiting = self.book.num_waiting(run_id, pid, request.round, self._clock.monotonic())
-        return rendezvous_pb2.NumNodesWaitingReply(waiting=waiting)
-
-    @unary
-    async def SetClosed(self, request: rendezvous_pb2.SetClosedRequest, context) -> rendezvous_pb2.SetClosedReply:
-        self.book.close(_text(request.run_id, "run_id", "pass --rdzv-id"), self._clock.monotonic())
-        return rendezvous_pb2.SetClosedReply()
-
-    @unary
-    async def GetRun(self, request: rendezvous_pb2.GetRunRequest, context) -> rendezvous_pb2.RunStatus:
-        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
-        self.book.sweep(self._clock.monotonic())
-        run = self.book.get(run_id)
-        if run is None:
-            raise NotFound(f"rendezvous {run_id!r} is not known here (never joined, or finished and forgotten)")
-        return rendezvous_pb2.RunStatus(
-            run_id=run.id, closed=run.closed, formed_round=run.formed.number if run.formed else 0,
-            world_size=len(run.formed.ranks) if run.formed else 0, open_round=run.open.number if run.open else 0,
-            waiting=len(run.open.waiting) if run.open else 0)
-
-    @unary
-    async def Leave(self, request: rendezvous_pb2.LeaveRequest, context) -> rendezvous_pb2.LeaveReply:
-        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
-        pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
-        self.book.leave(run_id, pid, request.round, request.close_run, self._clock.monotonic())
-        return rendezvous_pb2.LeaveReply()

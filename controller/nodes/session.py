@@ -7,8 +7,8 @@ import itertools
 
 import grpc
 
+from controller.api.rpc import details
 from controller.errors import FailedPrecondition
-from controller.rpc import details
 from phalanx.v1 import node_pb2
 
 COMMAND_TIMEOUT_S = 5.0

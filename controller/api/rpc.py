@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from controller.api.validation import request_size
 from controller.errors import (
     ControllerError,
     FailedPrecondition,
@@ -16,7 +17,6 @@ from controller.errors import (
     PermissionDenied,
     StoreError,
 )
-from controller.validation import request_size
 from phalanx import log
 from phalanx.errors import BadRequest, PhalanxError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from controller.cluster_topology import ClusterTopology, TopologyConfError, TopologyError, check_block_sizes, find_cycle
+from controller.jobs.topology import ClusterTopology, TopologyConfError, TopologyError, check_block_sizes, find_cycle
 
 MAX_HOSTLIST = 1 << 20  # names one hostlist expression may expand to
 

@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from controller.cluster_topology import ClusterTopology
 from controller.errors import InvalidArgument
-from controller.health import Health
-from controller.states import NodeState
+from controller.jobs.topology import ClusterTopology
+from controller.nodes.health import Health
+from controller.nodes.states import NodeState
 
 ALL_BLOCKS = "(all blocks)"  # the domain of a segmented job that no aggregate of blocks holds
 
@@ -52,8 +52,11 @@ class Candidate:
     gpus: int
 
     @classmethod
-    def of(cls, name: str, state: NodeState, health: Health, free: bool, gpus: int) -> Candidate:
-        schedulable = state is NodeState.UP and health in (Health.HEALTHY, Health.DEGRADED)
+    def of(cls, name: str, state: NodeState, health: Health, free: bool, gpus: int, connected: bool = True,
+           drained: bool = False) -> Candidate:
+        """The one definition of schedulable: UP, not drained, its agent connected, and not FAILING/FAILED."""
+        schedulable = state is NodeState.UP and not drained and connected and health in (Health.HEALTHY,
+                                                                                          Health.DEGRADED)
         return cls(name, schedulable, health is Health.HEALTHY, free, gpus)
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from controller.config import LivenessConfig
-from controller.states import DOWN, LIVE, SUSPECT, NodeState
+from controller.nodes.states import DOWN, LIVE, SUSPECT, NodeState
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from controller import health, liveness
 from controller.config import HealthConfig, LivenessConfig
 from controller.errors import FailedPrecondition, NotFound
-from controller.events import EventHub
-from controller.session import Session
-from controller.states import DOWN, DRAINED, DRAINING, SUSPECT, UP, NodeState, check_transition, resting_state
-from controller.stats import DETECTION_BUCKETS_S, DETECTION_KINDS, LAG_BUCKETS_S, Buckets, LagWindow
+from controller.nodes import health, liveness
+from controller.nodes.session import Session
+from controller.nodes.states import DOWN, DRAINED, DRAINING, SUSPECT, UP, NodeState, check_transition, resting_state
+from controller.obs.events import EventHub
+from controller.obs.stats import DETECTION_BUCKETS_S, DETECTION_KINDS, LAG_BUCKETS_S, Buckets, LagWindow
 from controller.store.base import EventRecord, NodeRecord, Store
 from phalanx import log
 from phalanx.clock import Clock
@@ -97,7 +97,7 @@ class Registry:
         self.lag = LagWindow()
         self.heartbeats_total = 0
         self.lag_seconds = Buckets(LAG_BUCKETS_S)
-        self.detection = {kind: Buckets(DETECTION_BUCKETS_S) for kind in DETECTION_KINDS}  # see controller.metrics
+        self.detection = {kind: Buckets(DETECTION_BUCKETS_S) for kind in DETECTION_KINDS}  # see controller.obs.metrics
 
     async def load(self) -> None:
         """Read every node from the store. Nodes get a full liveness window to reconnect."""
@@ -398,7 +398,8 @@ class Registry:
                 entry.session.push(node_pb2.ControllerMessage(status=node_pb2.NodeStatus(
                     state=record.state.to_proto(), drain_reason=record.drain_reason, health=entry.health_proto())))
         for event in committed.events:
-            logger.info(event.message, kind=event.kind, node=event.node, fields=event.fields)
+            logger.info(event.kind.replace(".", " "), kind=event.kind, node=event.node, detail=event.message,
+                        fields=event.fields)
         self._hub.publish(committed.events)
 
     def _event(self, kind: str, message: str, node: str, **fields: str) -> EventRecord:

@@ -1,9 +1,9 @@
 """The cluster's network topology as a pure value: the leaf switch each node hangs off, how switches
 nest, and which NVLink-style block each node belongs to.
 
-Built from Slurm's topology.conf (`controller.topology_conf.parse_topology_conf`, tree or block syntax), from
+Built from Slurm's topology.conf (`controller.jobs.slurm_topology.parse_topology_conf`, tree or block syntax), from
 the agents' labels (`from_labels`), or both (`merged`: the file wins). Placement
-(controller/placement.py) only reads it. Everything a placement asks for is precomputed once, so a
+(controller/jobs/placement.py) only reads it. Everything a placement asks for is precomputed once, so a
 16,384-node tree answers in constant or subtree-sized time.
 
 Slurm semantics kept on purpose: a switch may be listed by several parents (a fat tree with redundant

@@ -6,12 +6,12 @@ import asyncio
 
 import grpc
 
-from controller import auth, validation
+from controller.api import auth, validation
+from controller.api.rpc import status_for, unary
 from controller.errors import ControllerError, InvalidArgument
-from controller.jobs import JobManager
-from controller.registry import NodeEntry, Registry
-from controller.rpc import status_for, unary
-from controller.session import Session
+from controller.jobs.manager import JobManager
+from controller.nodes.registry import NodeEntry, Registry
+from controller.nodes.session import Session
 from phalanx import log
 from phalanx.errors import BadRequest
 from phalanx.v1 import node_pb2, node_pb2_grpc
@@ -59,7 +59,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             await context.abort(status_for(e), str(e))
         await context.write(node_pb2.ControllerMessage(
             accepted=node_pb2.SessionAccepted(incarnation=entry.record.incarnation)))
-        reader = asyncio.create_task(self._read(context, entry, session))
+        with log.bound(node=name):  # every line of this session, and the tasks it starts, names the node
+            reader = asyncio.create_task(self._read(context, entry, session))
         try:
             while (message := await session.outbox.get()) is not None:
                 await context.write(message)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import psutil
 
-from controller import validation
+from controller.api import validation
+from controller.api.rpc import unary
 from controller.errors import FailedPrecondition, InvalidArgument
-from controller.events import EventHub, WatcherOverflow
-from controller.jobs import JobManager
-from controller.registry import Registry
-from controller.rpc import unary
+from controller.jobs.manager import JobManager
+from controller.nodes.registry import Registry
+from controller.obs.events import EventHub, WatcherOverflow
 from controller.store.base import Store
 from phalanx import faults
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc, node_pb2
@@ -27,7 +25,8 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         self._jobs = jobs
         self._store = store
         self._hub = hub
-        self._started = time.monotonic()
+        self._clock = jobs.clock
+        self._started = self._clock.monotonic()
         self._process = psutil.Process()
 
     @unary
@@ -177,5 +176,5 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
             heartbeat_lag_samples=registry.lag.count,
             process_cpu_seconds=cpu.user + cpu.system,
             process_rss_bytes=self._process.memory_info().rss,
-            uptime_s=time.monotonic() - self._started,
+            uptime_s=self._clock.monotonic() - self._started,
         )

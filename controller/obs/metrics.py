@@ -3,7 +3,7 @@
 A scrape copies the counts it needs from the registry and the jobs on the event loop (`snapshot`,
 a few milliseconds at 10,000 nodes) and renders them in a worker thread, so the heartbeat path pays
 nothing for metrics but the histogram of its lag. Latencies are histograms observed where the
-events happen (`controller.stats.Buckets`: a bisect and two additions): heartbeat lag and detection
+events happen (`controller.obs.stats.Buckets`: a bisect and two additions): heartbeat lag and detection
 latency in the registry, recovery duration in the jobs' recovery.
 """
 
@@ -21,12 +21,12 @@ from prometheus_client.core import (
     Metric,
 )
 
-from controller.events import EventHub
-from controller.health import HEALTHY, Health
-from controller.jobs import JobManager, state_name
-from controller.registry import Registry
-from controller.states import NodeState
-from controller.stats import Buckets
+from controller.jobs.manager import ACTIVE, JobManager, state_name
+from controller.nodes.health import HEALTHY, Health
+from controller.nodes.registry import Registry
+from controller.nodes.states import NodeState
+from controller.obs.events import EventHub
+from controller.obs.stats import Buckets
 from phalanx import __version__
 from phalanx.metrics_http import MetricsServer, standard_registry
 from phalanx.v1 import common_pb2
@@ -48,6 +48,7 @@ class Snapshot:
     restarts: dict[str, int] = field(default_factory=dict)
     recovery: dict[str, Histogram] = field(default_factory=dict)
     events: dict[str, int] = field(default_factory=dict)
+    culprits: list[tuple[str, common_pb2.HangCulprit]] = field(default_factory=list)  # (job, culprit) of active jobs
 
 
 def _histogram(buckets: Buckets) -> Histogram:
@@ -72,7 +73,8 @@ def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub) -> Snapsh
         jobs=dict(Counter(state_name(j.state) for j in jobs.list(set()))),
         incidents=dict(jobs.incidents), restarts=dict(jobs.restarts_by_cause),
         recovery={cause: _histogram(b) for cause, b in jobs.recovery_s.items()},
-        events=dict(hub.published))
+        events=dict(hub.published),
+        culprits=[(j.id, j.culprit) for j in jobs.list(set(ACTIVE)) if j.HasField("culprit")])
 
 
 def _counter(name: str, doc: str, label: str, counts: dict[str, int], known: Iterable[str] = ()) -> Metric:
@@ -134,6 +136,12 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield _histograms("phalanx_recovery_duration_seconds", "From an incident to the job's next generation running "
                       "(recoveries this controller process began).", "cause", s.recovery)
     yield _counter("phalanx_events", "Events written to the event log, by kind.", "kind", s.events)
+    culprit = GaugeMetricFamily("phalanx_job_hang_culprit", "The rank an active job's hang was blamed on, from the "
+                                "NCCL flight-recorder dumps (1 while the job recovers from it or runs on): its node "
+                                "and its last collective.", labels=["job", "rank", "node", "op", "seq", "state"])
+    for job, c in s.culprits:
+        culprit.add_metric([job, str(c.rank), c.node, c.op, str(c.seq), c.state], 1)
+    yield culprit
 
 
 class ControllerCollector:

@@ -1,0 +1,1 @@
+"""The gRPC surface: thin servicers, authorisation, request validation, and domain errors mapped to statuses."""

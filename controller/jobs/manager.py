@@ -1,0 +1,381 @@
+"""Gang jobs: what the controller keeps of each job, the user's requests, and the ranks' news from heartbeats.
+
+The record in the store is the truth; a `JobEntry` adds what this process sees (progress, launches and
+stops in flight, checkpoint acknowledgements). Every decision about a job is
+`controller.recovery.lifecycle.step`, applied by `controller.recovery.executor.Executor`; this module
+only turns requests and heartbeats into records and views. Ranks that belong to no current job
+generation on their node are told to stop (fencing): a rank from an old generation never runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from controller.api import validation
+from controller.config import JobsConfig, RecoveryConfig
+from controller.errors import FailedPrecondition, InvalidArgument, NotFound
+from controller.jobs.topology import ClusterTopology
+from controller.nodes.registry import NodeEntry, Registry
+from controller.obs.events import EventHub
+from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
+from controller.recovery import detectors, lifecycle, table
+from controller.recovery import progress as monitors
+from controller.recovery.executor import Executor
+from controller.recovery.table import ACTIVE, RUNNING, TERMINAL, rank_may_move, state_name
+from controller.store.base import EventRecord, JobRecord, Store
+from phalanx import clock as clocks
+from phalanx import log
+from phalanx.clock import Clock
+from phalanx.v1 import common_pb2, node_pb2
+
+logger = log.get("jobs")
+
+pb = common_pb2
+FENCE_REPEAT_S = 10.0  # a stale generation on a node is told to stop again after this long
+
+__all__ = ["ACTIVE", "TERMINAL", "JobEntry", "JobManager", "state_name"]
+
+
+@dataclass
+class PendingCheckpoint:
+    """One checkpoint request of this process: the acknowledgements so far, and who waits for them."""
+
+    request_id: int
+    generation: int
+    ranks: int
+    acks: dict[int, int] = field(default_factory=dict)  # rank -> committed step
+    future: asyncio.Future | None = None  # a user's `phalanx checkpoint` waits on it
+
+    def view(self) -> lifecycle.CheckpointView:
+        return lifecycle.CheckpointView(self.request_id, dict(self.acks))
+
+
+SENDING = None  # a stop on its way to an agent: told, not yet taken
+
+
+@dataclass
+class JobEntry:
+    job: pb.Job
+    revision: int = 0
+    # What this process sees of the current generation; reset when the generation changes.
+    generation: int = 0
+    missing: dict[int, int] = field(default_factory=dict)  # rank -> heartbeats without news of it
+    tracks: dict[int, monitors.RankTrack] = field(default_factory=dict)  # progress, from trainlib's reports
+    nccl: dict[int, pb.NcclRankState] = field(default_factory=dict)  # rank -> newest flight-recorder state
+    fatal: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
+    launch: lifecycle.LaunchView | None = None
+    launch_task: asyncio.Task | None = None
+    stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when) at the stop
+    checkpoint: PendingCheckpoint | None = None
+    wake_at: float | None = None
+    incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
+    incident_kind: str = ""
+
+    def new_generation(self, generation: int) -> None:
+        if generation == self.generation:
+            return
+        if self.launch_task is not None and self.launch is not None and self.launch.generation != generation:
+            self.launch_task.cancel()
+        self.generation = generation
+        self.missing, self.tracks, self.nccl, self.fatal, self.stops = {}, {}, {}, {}, {}
+        self.checkpoint = None
+        if self.launch is not None and self.launch.generation != generation:
+            self.launch = None
+
+
+class JobManager:
+    INCIDENT_KINDS = detectors.KINDS
+
+    def __init__(self, store: Store, registry: Registry, clock: Clock, hub: EventHub, cfg: JobsConfig,
+                 topology: Callable[[], ClusterTopology], recovery_cfg: RecoveryConfig | None = None) -> None:
+        self.recovery_cfg = recovery_cfg or RecoveryConfig()
+        self.store = store
+        self.registry = registry
+        self.clock = clock
+        self.hub = hub
+        self.cfg = cfg
+        self.topology = topology
+        self.entries: dict[str, JobEntry] = {}
+        self.lock = asyncio.Lock()
+        self._next_id = 1
+        self._fenced: dict[tuple[str, str, int], float] = {}  # (node, job, generation) -> when told to stop
+        self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
+        self.incidents: Counter[str] = Counter()  # by kind; these three feed controller.obs.metrics
+        self.restarts_by_cause: Counter[str] = Counter()
+        self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
+        self.executor = Executor(self)
+
+    @property
+    def _jobs(self) -> dict[str, JobEntry]:  # the tests' name for the entries
+        return self.entries
+
+    def policy(self) -> lifecycle.Policy:
+        return lifecycle.Policy(self.recovery_cfg, self.cfg)
+
+    @staticmethod
+    def pending_checkpoint(request_id: int, generation: int, ranks: int) -> PendingCheckpoint:
+        return PendingCheckpoint(request_id, generation, ranks)
+
+    def now(self) -> float:
+        return clocks.wall_s(self.clock)
+
+    async def load(self) -> None:
+        for record in await self.store.load_jobs():
+            job = pb.Job.FromString(record.data)
+            self.entries[job.id] = JobEntry(job, record.revision, generation=job.generation)
+            self.index(job)
+            self._next_id = max(self._next_id, int(job.id.removeprefix("job-")) + 1)
+        logger.info("jobs loaded", jobs=len(self.entries),
+                    active=sum(e.job.state in ACTIVE for e in self.entries.values()))
+
+    async def run(self) -> None:
+        await self.executor.run()
+
+    def resume_recoveries(self) -> None:
+        """After a controller restart nothing special is needed: the executor steps every stored record,
+        and the lifecycle carries on from what the record says (kept for callers that still ask)."""
+        self.wake()
+
+    def wake(self) -> None:
+        self.executor.wake()
+
+    # -- the user side -----------------------------------------------------------------------
+
+    def get(self, job_id: str) -> pb.Job:
+        return self.entry(job_id).job
+
+    def entry(self, job_id: str) -> JobEntry:
+        try:
+            return self.entries[job_id]
+        except KeyError:
+            raise NotFound(f"no job {job_id!r}; `phalanx jobs` lists them") from None
+
+    def list(self, states: set[int]) -> list[pb.Job]:
+        jobs = [e.job for e in self.entries.values() if not states or e.job.state in states]
+        return sorted(jobs, key=lambda j: int(j.id.removeprefix("job-")))
+
+    async def submit(self, spec: pb.JobSpec, user: str) -> pb.Job:
+        validation.job_spec(spec)
+        spec.ranks_per_node = spec.ranks_per_node or 1
+        async with self.lock:
+            now_ns = self.clock.wall_ns()
+            job = pb.Job(id=f"job-{self._next_id}", spec=spec, state=pb.JOB_STATE_PENDING,
+                         reason="waiting for the scheduler", submitted_unix_ns=now_ns, user=user,
+                         state_since_unix_ns=now_ns)
+            entry = JobEntry(job)
+            what = f"{spec.nodes} nodes x {spec.ranks_per_node} ranks" + (f" + {spec.spares} spares" if spec.spares
+                                                                           else "")
+            await self.save(entry, lifecycle.Commit(job, "job.submitted", f"{job.id} ({spec.name or spec.command[0]}) "
+                                                    f"submitted: {what}, priority {spec.priority}"))
+            self.entries[job.id] = entry
+            self._next_id += 1
+        self.wake()
+        return entry.job
+
+    async def cancel(self, job_id: str) -> pb.Job:
+        async with self.lock:
+            entry = self.entry(job_id)
+            if entry.job.state in TERMINAL:
+                raise FailedPrecondition(f"{job_id} already ended ({state_name(entry.job.state)})")
+            await self.executor.apply(entry, lifecycle.cancel(entry.job, self.now()), self.now())
+            if entry.launch_task is not None:
+                entry.launch_task.cancel()
+        await self.executor.advance(entry)  # the stops go out before the answer
+        return entry.job
+
+    async def read_logs(self, job_id: str, rank: int, offset: int,
+                        max_bytes: int) -> tuple[node_pb2.CommandResult, str]:
+        job = self.get(job_id)
+        if not job.nodes:
+            raise FailedPrecondition(f"{job_id} has not started; it has no logs yet")
+        world = len(job.nodes) * job.spec.ranks_per_node
+        if rank >= world:
+            raise InvalidArgument(f"{job_id} has ranks 0-{world - 1}; there is no rank {rank}")
+        node = job.nodes[rank // job.spec.ranks_per_node]
+        session = self.registry.get(node).session
+        if session is None:
+            raise FailedPrecondition(f"node {node}, which holds rank {rank}'s log, is not connected")
+        result = await session.request(node_pb2.Command(read_log=node_pb2.ReadLog(
+            job=job_id, rank=rank, offset=offset, max_bytes=max_bytes)))
+        return result, node
+
+    async def checkpoint(self, job_id: str, deadline_s: float) -> tuple[int, float]:
+        """Ask every rank of a running job to checkpoint; return the step all committed and the seconds.
+        The request's id is the job's stored counter plus one, so a restarted controller never reuses an id
+        that trainlib has already handled."""
+        entry = self.entry(job_id)
+        if entry.job.state != RUNNING:
+            raise FailedPrecondition(f"{job_id} is {state_name(entry.job.state)}; only a running job can checkpoint")
+        await self._pace_known(entry)
+        async with self.lock:
+            job = entry.job
+            if job.state != RUNNING:
+                raise FailedPrecondition(f"{job_id} is {state_name(job.state)}; only a running job can checkpoint")
+            now = self.now()
+            at_step = lifecycle.checkpoint_step(entry.tracks, self.recovery_cfg.checkpoint_lead_s)
+            latest, step_s = lifecycle.pace(entry.tracks)
+            ask = pb.JobCheckpoint(id=job.checkpoint.id + 1, at_step=at_step,
+                                   deadline_unix_ns=int((now + deadline_s) * 1e9), reason="requested")
+            future = asyncio.get_running_loop().create_future()
+            await self.executor.apply(entry, [
+                lifecycle.Commit(lifecycle.copied(job, checkpoint=ask), "job.checkpoint",
+                                 f"{job.id}: checkpoint {ask.id} requested from {len(job.ranks)} ranks after step "
+                                 f"{at_step} (deadline {deadline_s:g}s; last reported step {latest}, {step_s:.3f}s a "
+                                 "step): requested"),
+                lifecycle.RequestCheckpoint(job.id, job.generation, tuple(job.nodes), ask)], now)
+            entry.checkpoint.future = future
+            started = self.clock.monotonic()
+        try:
+            step = await clocks.wait_for(self.clock, asyncio.shield(future), deadline_s)
+        except TimeoutError:
+            pending = entry.checkpoint
+            done = len(pending.acks) if pending is not None and pending.request_id == ask.id else 0
+            raise FailedPrecondition(f"{job_id}: only {done} of {len(job.ranks)} ranks committed checkpoint {ask.id} "
+                                     f"within {deadline_s:g}s") from None
+        seconds = self.clock.monotonic() - started
+        await self.log(lifecycle.Event("job.checkpointed", f"{job_id}: every rank committed step {step} "
+                                       f"({seconds:.2f}s after the request)"), job_id)
+        return step, seconds
+
+    async def _pace_known(self, entry: JobEntry) -> None:
+        """Wait briefly for the ranks to report a step past their start-up: a request soon after a (re)start
+        would otherwise agree on a step from a pace that start-up makes look several times slower."""
+        deadline = self.clock.monotonic() + self.recovery_cfg.pace_wait_s
+        while not lifecycle.pace_known(entry.tracks) and self.clock.monotonic() < deadline:
+            await self.clock.sleep(0.1)
+
+    def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:
+        entry = self.entries.get(ack.job)
+        pending = entry.checkpoint if entry is not None else None
+        if pending is None or (pending.request_id, pending.generation) != (ack.request_id, ack.generation):
+            return  # unasked, or from a stale generation: fenced, never counted
+        pending.acks[ack.rank] = ack.step
+        if len(pending.acks) >= pending.ranks:
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_result(min(pending.acks.values()))
+            self.wake()
+
+    # -- following the ranks -------------------------------------------------------------------
+
+    def observe(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> bool:
+        """Fold a heartbeat's rank reports into the jobs (no I/O; wakes the executor when a decision may
+        follow). True if the node runs ranks of no current generation (fencing follows)."""
+        name = node.record.name
+        if not heartbeat.ranks and name not in self._on_node:
+            return False
+        reported = {}
+        stale = False
+        for status in heartbeat.ranks:
+            entry = self.entries.get(status.job)
+            if entry is not None and entry.job.state in ACTIVE and status.generation == entry.job.generation:
+                reported[(status.job, status.rank)] = status
+            elif status.state == pb.RANK_STATE_RUNNING:
+                stale = True
+        changed = stale
+        now = self.now()
+        for report in heartbeat.progress:
+            entry = self.entries.get(report.job)
+            if entry is None or entry.job.generation != report.generation or entry.job.state not in ACTIVE:
+                continue
+            if not entry.tracks:  # trainlib speaks for this job: follow every rank's progress from now on
+                entry.tracks = {r.rank: monitors.RankTrack(last_advance=now, last_report=now) for r in entry.job.ranks}
+            track = entry.tracks.get(report.rank)
+            if track is not None:
+                track.observe(report.last_step, report.mean_step_s, list(report.compute_samples), now, report.steps)
+        for nccl in heartbeat.nccl:
+            entry = self.entries.get(nccl.job)
+            if entry is not None and entry.job.state in ACTIVE:
+                entry.nccl[nccl.rank] = nccl
+        for job_id in self._on_node.get(name, ()):
+            entry = self.entries[job_id]
+            job = entry.job
+            if job.state != RUNNING:
+                changed = True  # launching, recovering or cancelling: each heartbeat may be the news it waits for
+            if job.state in table.LAUNCHING:
+                continue
+            for rank in job.ranks:
+                if rank.node != name or rank.state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
+                    continue
+                status = reported.get((job.id, rank.rank))
+                if status is None:
+                    entry.missing[rank.rank] = entry.missing.get(rank.rank, 0) + 1
+                    if entry.missing[rank.rank] >= self.cfg.missing_reports_lost:
+                        table.check_rank(job.id, rank.rank, rank.state, pb.RANK_STATE_LOST)
+                        rank.state = pb.RANK_STATE_LOST
+                        changed = True
+                    continue
+                entry.missing.pop(rank.rank, None)
+                rank.pid, rank.wrapper_pid = status.rank_pid or status.pid, status.pid
+                if status.fatal and rank.rank not in entry.fatal:
+                    entry.fatal[rank.rank] = status.fatal
+                    changed = True
+                if status.state != rank.state and rank_may_move(rank.state, status.state):
+                    rank.state, rank.exit_code = status.state, status.exit_code
+                    changed = True
+        if changed:
+            self.wake()
+        return stale
+
+    async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
+        """Stop ranks running on `node` that belong to no current job generation: one stop per generation."""
+        now = self.clock.monotonic()
+        stale: dict[tuple[str, int], list[int]] = {}
+        for status in heartbeat.ranks:
+            entry = self.entries.get(status.job)
+            if status.state != pb.RANK_STATE_RUNNING or (entry is not None and entry.job.state in ACTIVE
+                                                         and status.generation == entry.job.generation):
+                continue
+            stale.setdefault((status.job, status.generation), []).append(status.rank)
+        for (job_id, generation), ranks in stale.items():
+            key = (node.record.name, job_id, generation)
+            if now - self._fenced.get(key, -FENCE_REPEAT_S) < FENCE_REPEAT_S or node.session is None:
+                continue
+            self._fenced[key] = now
+            entry = self.entries.get(job_id)
+            why = ("unknown job" if entry is None else f"the job is {state_name(entry.job.state)}"
+                   if entry.job.state not in ACTIVE else f"generation {generation} is stale (current "
+                   f"{entry.job.generation}, {state_name(entry.job.state)})")
+            await self.log(lifecycle.Event("job.fenced", f"{job_id}: stopping generation {generation} on "
+                                           f"{node.record.name} (ranks {', '.join(map(str, ranks))}): {why}"), job_id)
+            try:
+                await node.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
+                    job=job_id, generation=generation, grace_s=self.cfg.stop_grace_s)))
+            except Exception as e:
+                logger.warning("fencing failed", job=job_id, node=node.record.name, error=str(e))
+
+    def fenced(self, node: str, job: str, generation: int) -> None:
+        self._fenced[(node, job, generation)] = self.clock.monotonic()
+
+    # -- the store -------------------------------------------------------------------------------
+
+    async def save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
+        """Commit the record with its event; memory follows only once the store has it. Lock held."""
+        job = commit.job
+        event = self.event(commit.kind, commit.message, job.id)
+        record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)
+        committed = await self.store.commit(jobs=[record], events=[event])
+        entry.job, entry.revision = job, committed.jobs[0].revision
+        entry.new_generation(job.generation)
+        self.index(job)
+        logger.info(commit.kind.removeprefix("job.").replace(".", " "), kind=commit.kind, job=job.id,
+                    generation=job.generation, state=state_name(job.state), detail=commit.message)
+        self.hub.publish(committed.events)
+
+    def index(self, job: pb.Job) -> None:
+        for ids in self._on_node.values():
+            ids.discard(job.id)
+        if job.state in ACTIVE:
+            for node in [*job.nodes, *job.spares]:
+                self._on_node.setdefault(node, set()).add(job.id)
+        for node in [n for n, ids in self._on_node.items() if not ids]:
+            del self._on_node[node]
+
+    async def log(self, event: lifecycle.Event, job: str) -> None:
+        committed = await self.store.commit(events=[self.event(event.kind, event.message, job)])
+        self.hub.publish(committed.events)
+
+    def event(self, kind: str, message: str, job: str) -> EventRecord:
+        return EventRecord(kind=kind, message=message, time_ns=self.clock.wall_ns(), job=job)

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, cheap counters and histograms, and the fan-out of committed events."""

@@ -1,0 +1,128 @@
+"""Incident detection: the most urgent thing wrong with a running job, a pure function of its view and `now`.
+
+Sudden failures (a lost node, a FAILED GPU, a crashed or hung rank) come before predictable ones (a
+FAILING GPU, a straggler). A hang names its culprit from the NCCL flight-recorder dumps when they
+single one rank out (its last collective), else from whose trainlib fell silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from controller.config import RecoveryConfig
+from controller.nodes.health import FAILED, FAILING, Health
+from controller.recovery import progress as monitors
+from phalanx.v1 import common_pb2 as pb
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What recovery knows of one of the job's nodes (its own or a spare)."""
+
+    name: str
+    down: bool
+    health: Health
+    health_reason: str
+    connected: bool = True
+    drained: bool = False
+    stop_told: bool = False  # this controller process told its agent to stop the generation, on its current
+    # session, and lately (lifecycle.RESTOP_S): a stop that raced a launch still in flight is sent again
+    stopped: bool = False  # ... and a heartbeat since says none of the generation's ranks runs there
+    running: bool = False  # its newest heartbeat shows ranks of the job's generation running
+
+
+KINDS = ("node-lost", "gpu-failed", "crash", "hang", "gpu-failing", "straggler")
+
+
+@dataclass(frozen=True)
+class Incident:
+    kind: str  # one of KINDS, or "resumed" (a recovery a previous controller process began)
+    predictable: bool  # checkpoint before evicting
+    nodes: tuple[str, ...]  # to take out of the job (and drain); empty = restart in place
+    reason: str
+    exit_code: int = 1  # the job's exit code if this incident ends it (a crashed rank's own code)
+    culprit: pb.HangCulprit | None = None  # a hang's rank and last collective, from the NCCL dumps
+    fatal: bool = False  # no restart mends it (a rank said so): the job fails at once
+
+
+
+
+def nccl_culprit(nccl: Mapping[int, pb.NcclRankState], node_of: Mapping[int, str]) -> pb.HangCulprit | None:
+    """The rank the flight-recorder dumps single out: in the process group where the ranks disagree, the one
+    that completed the fewest collectives (the others wait for it in the next one). None when the dumps
+    agree, or fewer than two ranks dumped."""
+    groups: dict[str, dict[int, pb.NcclRankState]] = {}
+    for rank, state in nccl.items():
+        groups.setdefault(state.process_group, {})[rank] = state
+    best = None
+    for group, states in sorted(groups.items()):
+        if len(states) < 2:
+            continue
+        newest = max(s.last_completed_seq for s in states.values())
+        rank, behind = min(states.items(), key=lambda item: (item[1].last_completed_seq, item[0]))
+        if behind.last_completed_seq >= newest:
+            continue
+        gap = newest - behind.last_completed_seq
+        if best is None or gap > best[0]:
+            seq = max(behind.last_started_seq, behind.last_completed_seq + 1)
+            best = (gap, pb.HangCulprit(rank=rank, node=node_of.get(rank, ""), process_group=group,
+                                        op=behind.last_op, seq=seq, state=behind.last_state, peers_seq=newest))
+    return best[1] if best else None
+
+
+def describe_culprit(c: pb.HangCulprit) -> str:
+    return (f"rank {c.rank} on {c.node} is stuck at collective {c.seq} ({c.op or 'unknown op'}, {c.state or 'no state'}"
+            f", process group {c.process_group or '?'}) while its peers completed {c.peers_seq}")
+
+
+def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: Mapping[int, monitors.RankTrack],
+           now: float, cfg: RecoveryConfig, nccl: Mapping[int, pb.NcclRankState] | None = None,
+           fatal: Mapping[int, str] | None = None) -> Incident | None:
+    """The most urgent thing wrong with a running job, or None. Sudden failures come first; a rank that
+    said no restart can mend it comes before everything."""
+    ranks = list(ranks)
+    node_of = {r.rank: r.node for r in ranks}
+    for rank, why in sorted((fatal or {}).items()):
+        return Incident("crash", False, (), f"rank {rank} on {node_of.get(rank, '?')} stopped for good: {why}",
+                        fatal=True)
+    lost = sorted(n for n, v in nodes.items() if v.down)
+    if lost:
+        return Incident("node-lost", False, tuple(lost), f"node {', '.join(lost)} lost")
+    failed = sorted(n for n, v in nodes.items() if v.health >= FAILED)
+    if failed:
+        return Incident("gpu-failed", False, tuple(failed),
+                        f"node {failed[0]} FAILED: {nodes[failed[0]].health_reason}")
+    for rank in ranks:
+        if rank.state == pb.RANK_STATE_LOST or (rank.state == pb.RANK_STATE_EXITED and rank.exit_code != 0):
+            how = "was lost" if rank.state == pb.RANK_STATE_LOST else f"exited with code {rank.exit_code}"
+            code = rank.exit_code if rank.state == pb.RANK_STATE_EXITED and 0 < rank.exit_code < 256 else 1
+            return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how}", code)
+    hangs = monitors.hung(tracks, now, cfg)
+    if hangs:
+        culprit = nccl_culprit(nccl or {}, node_of)
+        if culprit is not None:
+            return Incident("hang", False, (culprit.node,) if culprit.node else (),
+                            f"{hangs[0].reason}; the NCCL flight recorder says {describe_culprit(culprit)}",
+                            culprit=culprit)
+        silent = monitors.culprits(hangs, tracks, now, cfg.silent_s)
+        if silent:
+            bad = tuple(sorted({node_of[r] for r in silent if r in node_of}))
+            first = next(f for f in hangs if f.rank == silent[0])
+            return Incident("hang", False, bad, f"{first.reason}; its trainlib is silent too (on {', '.join(bad)})")
+        return Incident("hang", False, (), f"{hangs[0].reason}; every rank is stuck and none is silent: restart in "
+                                           "place")
+    failing = sorted(n for n, v in nodes.items() if v.health >= FAILING)
+    if failing:
+        return Incident("gpu-failing", True, tuple(failing),
+                        f"node {failing[0]} FAILING: {nodes[failing[0]].health_reason}")
+    slow = monitors.stragglers(tracks, cfg)
+    if slow:
+        node = node_of.get(slow[0].rank, "")
+        return Incident("straggler", True, (node,) if node else (), f"{slow[0].reason} (on {node})")
+    return None
+
+
+def backoff(restarts: int, cfg: RecoveryConfig) -> float:
+    """Seconds to wait before restart number `restarts + 1`."""
+    return cfg.restart_backoff_s * (2 ** min(restarts, 10))

@@ -1,0 +1,293 @@
+"""The one executor of the job lifecycle: builds each job's view, steps it, and applies the actions.
+
+A pass steps every job that is not over (pending ones by priority, then submission, so placement
+sees earlier placements); each job is stepped again while its step commits something. Commits go to
+the store before anything else of the same step happens; launches, stops and checkpoint requests go
+out as tasks whose outcomes land in the job's entry and wake the loop. All waiting is on the
+injected clock: `WakeAt` sets a timer on it, so under a fake clock a whole recovery plays out as fast
+as the clock is moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from controller.errors import FailedPrecondition
+from controller.jobs.placement import Candidate
+from controller.nodes.states import DOWN
+from controller.recovery import lifecycle
+from controller.recovery.detectors import NodeView
+from controller.recovery.table import ACTIVE, LAUNCHING, PENDING, RANK_RUNNING, RESTARTING, RUNNING, TERMINAL
+from phalanx import clock as clocks
+from phalanx import log
+from phalanx.v1 import node_pb2
+
+if TYPE_CHECKING:
+    from controller.jobs.manager import JobEntry, JobManager
+
+logger = log.get("recovery")
+
+MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a pass, not a recovery
+
+
+class Executor:
+    def __init__(self, jobs: JobManager) -> None:
+        self.jobs = jobs
+        self._wake = asyncio.Event()
+        self._timer = None
+        self._timer_at: float | None = None
+        self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """The loop: a pass on every change (submit, node or rank news, an outcome, a timer) and at least every
+        `jobs.schedule_interval_s`; a pass that fails is logged and the loop goes on."""
+        clock = self.jobs.clock
+        while True:
+            try:
+                await clocks.wait_for(clock, self._wake.wait(), self.jobs.cfg.schedule_interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.run_pass()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("scheduler pass failed; will retry")
+
+    async def run_pass(self) -> None:
+        entries = list(self.jobs.entries.values())
+        pending = sorted((e for e in entries if e.job.state == PENDING),
+                         key=lambda e: (-e.job.spec.priority, e.job.submitted_unix_ns))
+        for entry in [*pending, *(e for e in entries if e.job.state in ACTIVE)]:
+            try:
+                await self.advance(entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("job step failed; will retry", job=entry.job.id,
+                                 generation=entry.job.generation)
+
+    async def advance(self, entry: JobEntry) -> None:
+        """Step one job until its step commits nothing more."""
+        for _ in range(MAX_STEPS):
+            async with self.jobs.lock:
+                if entry.job.state in TERMINAL:
+                    return
+                with _bound(entry):
+                    now = self.jobs.now()
+                    actions = lifecycle.step(entry.job, self.view(entry), now, self.jobs.policy())
+                    committed = await self.apply(entry, actions, now)
+            if not committed:
+                return
+
+    # -- the view ------------------------------------------------------------------------------
+
+    def view(self, entry: JobEntry) -> lifecycle.JobView:
+        job = entry.job
+        nodes = self.jobs.registry.entries_by_name()
+        names = dict.fromkeys([*job.nodes, *job.spares, *job.incident_nodes])
+        views = {n: self._node_view(entry, nodes[n]) for n in names if n in nodes}
+        placing = job.state in (PENDING, lifecycle.RENDEZVOUS)
+        since_ns = job.state_since_unix_ns if job.state == RUNNING else 0
+        return lifecycle.JobView(
+            nodes=views, tracks=entry.tracks, fatal=dict(entry.fatal),
+            nccl={r: s for r, s in entry.nccl.items() if s.dump_time_unix_ns >= since_ns},
+            launch=entry.launch if entry.launch is not None and entry.launch.generation == job.generation else None,
+            checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
+            candidates=self.candidates(exclude=job.id) if placing else (),
+            topology=self.jobs.topology() if placing else None)
+
+    def _node_view(self, entry: JobEntry, node) -> NodeView:
+        job, name = entry.job, node.record.name
+        told = entry.stops.get(name, False)  # None: on its way; (session, heartbeats, when): taken
+        taken = bool(told) and told[0] is node.session
+        beat = node.heartbeat
+        running = beat is not None and any(s.job == job.id and s.generation == job.generation and
+                                           s.state == RANK_RUNNING for s in beat.ranks)
+        recent = taken and self.jobs.clock.monotonic() - told[2] < lifecycle.RESTOP_S
+        return NodeView(name, node.record.state is DOWN, node.verdict.health,
+                        node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
+                        drained=bool(node.record.drain_reason), stop_told=told is None or recent,
+                        stopped=taken and node.heartbeats > told[1] and not running, running=running)
+
+    def candidates(self, exclude: str = "") -> list[Candidate]:
+        """Every node as placement sees it; nodes held by job `exclude` count as free (it is being re-placed)."""
+        busy = {n for e in self.jobs.entries.values() if e.job.state in ACTIVE and e.job.id != exclude
+                for n in [*e.job.nodes, *e.job.spares]}
+        return [Candidate.of(e.record.name, e.record.state, e.verdict.health, e.record.name not in busy,
+                             len(e.inventory().gpus), connected=e.session is not None,
+                             drained=bool(e.record.drain_reason))
+                for e in self.jobs.registry.entries()]
+
+    # -- the actions ----------------------------------------------------------------------------
+
+    async def apply(self, entry: JobEntry, actions: list[lifecycle.Action], now: float) -> bool:
+        """Carry out `actions` in order (lock held); True if any committed. A failed commit raises, and
+        nothing after it happens."""
+        committed = False
+        for action in actions:
+            match action:
+                case lifecycle.Commit():
+                    await self._commit(entry, action)
+                    committed = True
+                case lifecycle.Launch(generation=generation):
+                    entry.launch = lifecycle.LaunchView(generation)
+                    entry.launch_task = asyncio.create_task(self._launch(entry, generation),
+                                                            name=f"launch-{entry.job.id}-{generation}")
+                case lifecycle.Stop(node=node, generation=generation):
+                    entry.stops[node] = None
+                    self._spawn(self._stop(entry, node, generation), f"stop-{entry.job.id}-{node}")
+                case lifecycle.Drain(node=node, reason=reason):
+                    try:
+                        await self.jobs.registry.drain(node, reason)
+                    except Exception as e:  # a node that vanished meanwhile needs no drain
+                        logger.warning("could not drain an evicted node", node=node, error=str(e))
+                case lifecycle.RequestCheckpoint():
+                    self._request_checkpoint(entry, action)
+                case lifecycle.WakeAt(at=at):
+                    self._wake_at(at, now)
+                case lifecycle.Event(kind=kind, message=message):
+                    await self.jobs.log(action, entry.job.id)
+                    logger.info(kind.removeprefix("job."), job=entry.job.id, generation=entry.job.generation,
+                                detail=message)
+        return committed
+
+    async def _commit(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
+        before = entry.job.state
+        await self.jobs.save(entry, commit)
+        job = commit.job
+        if commit.incident:
+            self.jobs.incidents[commit.incident] += 1
+            if entry.incident_at is None:  # a restart that fails is the same recovery going on
+                entry.incident_at, entry.incident_kind = self.jobs.clock.monotonic(), commit.incident
+        if job.state == RESTARTING and before != RESTARTING:
+            self.jobs.restarts_by_cause[entry.incident_kind or job.incident_kind or "resumed"] += 1
+        if job.state == RUNNING and before in LAUNCHING and entry.incident_at is not None:
+            self.jobs.recovery_s[entry.incident_kind].observe(self.jobs.clock.monotonic() - entry.incident_at)
+            entry.incident_at = None
+        if job.state in TERMINAL:
+            entry.incident_at = None  # a recovery that ends the job is no recovery
+            if entry.launch_task is not None:
+                entry.launch_task.cancel()
+
+    def _wake_at(self, at: float, now: float) -> None:
+        if self._timer_at is not None and self._timer_at <= at and self._timer_at > now:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self.jobs.clock.call_later(max(0.0, at - now), self._fire)
+
+    def _fire(self) -> None:
+        self._timer, self._timer_at = None, None
+        self.wake()
+
+    async def _launch(self, entry: JobEntry, generation: int) -> None:
+        """Ask the first node for a port (MASTER_PORT), then every node to start its ranks; the outcome
+        lands in the entry and the lifecycle decides."""
+        job = entry.job
+        registry = self.jobs.registry
+        try:
+            master = registry.get(job.nodes[0])
+            port = (await _session(master).request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
+            address = master.inventory().address or _peer_host(master.peer)
+            await asyncio.gather(*(self._launch_node(job, i, node, address, port) for i, node in enumerate(job.nodes)))
+            outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
+        except asyncio.CancelledError:
+            return  # cancelled meanwhile: the cancel stops whatever started
+        except Exception as e:  # any node refusing or unreachable fails the whole gang
+            logger.warning("launch failed", job=job.id, generation=generation, error=str(e))
+            outcome = lifecycle.LaunchView(generation, done=True, ok=False, error=str(e))
+        if entry.launch is not None and entry.launch.generation == generation:
+            entry.launch = outcome
+        self.wake()
+
+    async def _launch_node(self, job, index: int, node: str, master_addr: str, master_port: int) -> None:
+        spec, per = job.spec, job.spec.ranks_per_node
+        world = len(job.nodes) * per
+        common = {
+            **spec.env,
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(per), "GROUP_RANK": str(index), "GROUP_WORLD_SIZE": str(len(job.nodes)),
+            "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world),
+            "TORCHELASTIC_RESTART_COUNT": str(job.generation - 1),
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": job.id,
+            "PHALANX_JOB": job.id, "PHALANX_GENERATION": str(job.generation),
+        }
+        if spec.checkpoint_dir:
+            common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
+        ranks = []
+        for local in range(per):
+            rank = index * per + local
+            ranks.append(node_pb2.RankLaunch(rank=rank, local_rank=local, gpu=local, env={
+                "RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank),
+                "CUDA_VISIBLE_DEVICES": str(local)}))
+        session = _session(self.jobs.registry.get(node))
+        await session.request(node_pb2.Command(launch=node_pb2.LaunchRanks(
+            job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,
+            ranks=ranks)), timeout=self.jobs.cfg.launch_timeout_s)
+
+    async def _stop(self, entry: JobEntry, node: str, generation: int) -> None:
+        """Tell one node to stop a generation; once its agent took the command, the session and heartbeat
+        count are remembered, so a later heartbeat can confirm the ranks are gone."""
+        nodes = self.jobs.registry.entries_by_name()
+        target = nodes.get(node)
+        session = target.session if target is not None else None
+        taken = None
+        if session is not None:
+            try:
+                await session.request(node_pb2.Command(stop=node_pb2.StopRanks(
+                    job=entry.job.id, generation=generation, grace_s=self.jobs.cfg.stop_grace_s)))
+                taken = (session, target.heartbeats, self.jobs.clock.monotonic())
+                self.jobs.fenced(node, entry.job.id, generation)
+            except Exception as e:
+                logger.warning("stop failed", job=entry.job.id, node=node, generation=generation, error=str(e))
+        if entry.job.generation == generation and entry.stops.get(node, False) is None:
+            if taken is None:
+                entry.stops.pop(node, None)  # told again when its agent is back
+            else:
+                entry.stops[node] = taken
+        self.wake()
+
+    def _request_checkpoint(self, entry: JobEntry, action: lifecycle.RequestCheckpoint) -> None:
+        request = action.request
+        entry.checkpoint = self.jobs.pending_checkpoint(request.id, action.generation, len(entry.job.ranks))
+        deadline_s = max(0.0, request.deadline_unix_ns / 1e9 - self.jobs.now())
+        command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
+            job=action.job, generation=action.generation, request_id=request.id, deadline_s=deadline_s,
+            reason=request.reason, pause=request.pause, at_step=request.at_step))
+        for node in action.nodes:
+            self._spawn(self._send(node, command), f"checkpoint-{action.job}-{node}")
+
+    async def _send(self, node: str, command: node_pb2.Command) -> None:
+        try:
+            await _session(self.jobs.registry.get(node)).request(command)
+        except Exception as e:  # the deadline decides; a node that missed the request just does not answer
+            logger.warning("checkpoint request not delivered", node=node, job=command.checkpoint.job, error=str(e))
+
+
+def _bound(entry: JobEntry):
+    return log.bound(job=entry.job.id, generation=entry.job.generation)
+
+
+def _peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string: "ipv4:10.0.0.7:52344" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1"."""
+    address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _session(entry):
+    if entry.session is None:
+        raise FailedPrecondition(f"node {entry.record.name} is not connected")
+    return entry.session
+

@@ -1,0 +1,478 @@
+"""A job's whole life as one pure decision: `step(job, view, now, cfg) -> list[Action]`.
+
+`job` is the stored record (the truth); `view` is what this controller process sees of the job's
+nodes, ranks, progress and acknowledgements, and of its own commands in flight; `now` is wall-clock
+seconds. The answer is data: commit a new record (with its event), launch, stop, drain, ask for a
+checkpoint, wake me at. `controller.recovery.executor` applies it, committing to the store first, and
+steps again as outcomes come back. A controller that restarts starts with an empty view and steps the
+stored record like any other: a command the previous process sent but whose outcome it never saw
+shows up as "sent, never seen here" (`launched_generation`, `checkpoint.id`), and is redone or
+abandoned by the same rules. Every state change goes through `controller.recovery.table`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from controller.config import JobsConfig, RecoveryConfig
+from controller.jobs.placement import Candidate, GangRequest, Unplaceable, place
+from controller.jobs.topology import ClusterTopology
+from controller.nodes.health import FAILED as HEALTH_FAILED
+from controller.recovery import progress
+from controller.recovery.detectors import Incident, NodeView, backoff, detect
+from controller.recovery.table import (
+    ACTIVE,
+    CANCELLED,
+    CANCELLING,
+    CHECKPOINTING,
+    EVICTING,
+    FAILED,
+    LAUNCHING,
+    PENDING,
+    RANK_EXITED,
+    RANK_RUNNING,
+    RENDEZVOUS,
+    RESTARTING,
+    RUNNING,
+    STARTING,
+    SUCCEEDED,
+    check,
+    state_name,
+)
+from phalanx.v1 import common_pb2 as pb
+
+# -- the view ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchView:
+    """This process's launch of one generation: in flight, or how it ended."""
+
+    generation: int
+    done: bool = False
+    ok: bool = False
+    error: str = ""
+    address: str = ""
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    """This process's sending of one checkpoint request, and the ranks' acknowledgements (rank -> step)."""
+
+    request_id: int
+    acks: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobView:
+    nodes: Mapping[str, NodeView] = field(default_factory=dict)  # the job's nodes and spares
+    tracks: Mapping[int, progress.RankTrack] = field(default_factory=dict)  # this generation's progress
+    nccl: Mapping[int, pb.NcclRankState] = field(default_factory=dict)  # rank -> newest flight-recorder state
+    fatal: Mapping[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
+    launch: LaunchView | None = None  # of job.generation, by this process
+    checkpoint: CheckpointView | None = None  # of job.checkpoint.id, by this process
+    candidates: Sequence[Candidate] = ()  # every node as placement sees it (this job's own count as free)
+    topology: ClusterTopology | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    recovery: RecoveryConfig
+    jobs: JobsConfig
+
+
+# -- the actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Store `job` (with an event); memory follows the store. `incident` counts a new incident of that kind."""
+
+    job: pb.Job
+    kind: str
+    message: str
+    incident: str = ""
+
+
+@dataclass(frozen=True)
+class Launch:
+    job: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    node: str
+    job: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Drain:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestCheckpoint:
+    job: str
+    generation: int
+    nodes: tuple[str, ...]
+    request: pb.JobCheckpoint
+
+
+@dataclass(frozen=True)
+class WakeAt:
+    at: float  # wall-clock seconds
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    message: str
+
+
+Action = Commit | Launch | Stop | Drain | RequestCheckpoint | WakeAt | Event
+
+# -- timings (protocol margins, not operator policy: those are in RecoveryConfig) --------------------
+
+REQUEST_LATENCY_S = RecoveryConfig().checkpoint_lead_s  # the default lead of the agreed checkpoint step
+RENDEZVOUS_RETRY_S = 1.0  # how often a job waiting for nodes looks again
+RESTOP_S = 2.0  # a node still running the generation this long after taking a stop is told again
+
+
+def pace(tracks: Mapping[int, progress.RankTrack]) -> tuple[int, float]:
+    """The newest step any rank reported, and the seconds a step takes now, erring fast: the ranks of a
+    synchronous job share one pace, and a slow report (a save, start-up contention) overstates it, which
+    would bring the agreed step too close. Without a report past a rank's start-up, the start-up one; 1.0
+    without any."""
+    latest = max((t.last_step for t in tracks.values()), default=-1)
+    recent = [p for t in tracks.values() if (p := t.recent_pace()) > 0]
+    if recent:
+        return latest, min(recent)
+    steps = sorted(s for t in tracks.values() for s in t.step_times())
+    return latest, steps[len(steps) // 2] if steps else 1.0
+
+
+def checkpoint_step(tracks: Mapping[int, progress.RankTrack], lead_s: float = REQUEST_LATENCY_S) -> int:
+    """The step after which every rank should save: far enough ahead that the request reaches every
+    rank before it gets there, so all ranks save the same step. 0 (at once) without progress reports."""
+    if not tracks:
+        return 0
+    latest, step_s = pace(tracks)
+    return max(latest, 0) + math.ceil(lead_s / max(step_s, 1e-3)) + 2
+
+
+def pace_known(tracks: Mapping[int, progress.RankTrack]) -> bool:
+    """No progress at all (a job without trainlib: save at once), or a report past some rank's start-up."""
+    return not tracks or any(t.recent_pace() for t in tracks.values())
+
+
+# -- building records ------------------------------------------------------------------------------
+
+
+def moved(job: pb.Job, state: int, reason: str, now: float, **changes: object) -> pb.Job:
+    """A copy of `job` in `state` (checked against the table), its time in the old state added up."""
+    check(job.id, job.state, state)
+    now_ns = int(now * 1e9)
+    new = copied(job, state=state, reason=reason, state_since_unix_ns=now_ns, **changes)
+    if job.state_since_unix_ns:
+        phase = state_name(job.state)
+        spent = max(0.0, (now_ns - job.state_since_unix_ns) / 1e9)
+        existing = next((p for p in new.phase_times if p.phase == phase), None)
+        if existing is None:
+            new.phase_times.add(phase=phase, seconds=spent)
+        else:
+            existing.seconds += spent
+    return new
+
+
+def copied(job: pb.Job, **changes: object) -> pb.Job:
+    new = pb.Job()
+    new.CopyFrom(job)
+    for key, value in changes.items():
+        if isinstance(value, pb.JobCheckpoint | pb.HangCulprit):
+            getattr(new, key).CopyFrom(value)
+        else:
+            setattr(new, key, value)
+    return new
+
+
+def _replace(repeated, values) -> None:
+    del repeated[:]
+    repeated.extend(values)
+
+
+def rank_table(job: pb.Job) -> list[pb.RankInfo]:
+    per = job.spec.ranks_per_node
+    return [pb.RankInfo(rank=i * per + local, node=node, local_rank=local, gpu=local,
+                        state=pb.RANK_STATE_UNSPECIFIED, generation=job.generation)
+            for i, node in enumerate(job.nodes) for local in range(per)]
+
+
+def with_nodes(job: pb.Job, nodes: Sequence[str], spares: Sequence[str]) -> pb.Job:
+    _replace(job.nodes, nodes)
+    _replace(job.spares, spares)
+    _replace(job.ranks, rank_table(job))
+    return job
+
+
+def finished(job: pb.Job, state: int, reason: str, exit_code: int, now: float) -> Commit:
+    new = moved(job, state, reason, now, exit_code=exit_code, finished_unix_ns=int(now * 1e9))
+    return Commit(new, f"job.{state_name(state).lower()}", f"{job.id} {state_name(state)}: {reason}")
+
+
+def all_exited_zero(job: pb.Job) -> bool:
+    return bool(job.ranks) and all(r.state == RANK_EXITED and r.exit_code == 0 for r in job.ranks)
+
+
+def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
+    """Stop the job's generation on each of its nodes whose agent has not been told on its current session."""
+    out: list[Action] = []
+    for node in job.nodes:
+        v = view.nodes.get(node)
+        if v is not None and not v.down and v.connected and not v.stop_told:
+            out.append(Stop(node, job.id, job.generation))
+    return out
+
+
+# -- the decision ----------------------------------------------------------------------------------
+
+
+def step(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    """What to do next for `job`, given what is seen of it and the wall-clock time `now`."""
+    match job.state:
+        case s if s == PENDING:
+            return _pending(job, view, now)
+        case s if s in LAUNCHING:
+            return _launching(job, view, now, policy)
+        case s if s == RUNNING:
+            return _running(job, view, now, policy)
+        case s if s == CHECKPOINTING:
+            return _checkpointing(job, view, now, policy)
+        case s if s == EVICTING:
+            return _evicting(job, view, now, policy)
+        case s if s == RENDEZVOUS:
+            return _rendezvous(job, view, now, policy)
+        case s if s == CANCELLING:
+            return _cancelling(job, view, now)
+    return []
+
+
+def _pending(job: pb.Job, view: JobView, now: float) -> list[Action]:
+    spec = job.spec
+    request = GangRequest(nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, spares=spec.spares,
+                          segment=spec.segment or None)
+    decision = place(list(view.candidates), request, view.topology)
+    if isinstance(decision, Unplaceable):
+        if job.reason == decision.reason:
+            return []
+        return [Commit(copied(job, reason=decision.reason), "job.pending", f"{job.id} waits: {decision.reason}")]
+    generation = job.generation + 1
+    new = moved(job, STARTING, f"placed on {', '.join(decision.nodes)}", now, generation=generation,
+                started_unix_ns=int(now * 1e9), launched_generation=generation)
+    with_nodes(new, decision.nodes, decision.spares)
+    spares = f"; spares {', '.join(decision.spares)}" if decision.spares else ""
+    return [Commit(new, "job.placed", f"{new.id} generation {generation} placed on {', '.join(decision.nodes)}"
+                   f"{spares} ({len(decision.leaves)} leaf switches, lower bound {decision.lower_bound})"),
+            Launch(job.id, generation)]
+
+
+def _launching(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    launch = view.launch
+    if job.launched_generation < job.generation:  # committed by an older version that launched after the commit
+        return [Commit(copied(job, launched_generation=job.generation), "job.launching",
+                       f"{job.id} generation {job.generation}: launching"), Launch(job.id, job.generation)]
+    if launch is None or launch.generation != job.generation:
+        # The record says this generation's launch was sent, and this process never saw it: a controller
+        # restart lost its outcome. It is evicted and made again as the next generation, so no generation
+        # number is ever launched twice.
+        return _incident(job, Incident("crash", False, (), f"the launch of generation {job.generation} was "
+                                       "interrupted by a controller restart"), now, policy)
+    if not launch.done:
+        return []
+    if launch.ok:
+        new = moved(job, RUNNING, f"running on {', '.join(job.nodes)}", now, master_addr=launch.address,
+                    master_port=launch.port)
+        for rank in new.ranks:
+            rank.state = RANK_RUNNING
+        return [Commit(new, "job.running", f"{job.id} generation {job.generation} running: {len(new.ranks)} ranks, "
+                       f"MASTER_ADDR={launch.address} MASTER_PORT={launch.port}")]
+    reason = f"launch failed: {launch.error}"
+    if job.state == STARTING:
+        return [finished(job, FAILED, reason, 1, now), *_stop_all(job)]
+    return _incident(job, Incident("crash", False, (), reason), now, policy)
+
+
+def _stop_all(job: pb.Job) -> list[Action]:
+    """Best effort when a job ends: every node of it is told; an unreachable one is fenced when it returns."""
+    return [Stop(node, job.id, job.generation) for node in job.nodes]
+
+
+def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    if all_exited_zero(job):
+        return [finished(job, SUCCEEDED, "every rank exited 0", 0, now)]
+    nodes = {n: view.nodes[n] if n in view.nodes else NodeView(n, True, HEALTH_FAILED, "node unknown")
+             for n in job.nodes}
+    incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal)
+    if incident is None:
+        return []
+    return _incident(job, incident, now, policy)
+
+
+def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy) -> list[Action]:
+    """Begin a recovery: checkpoint first when the failure is predictable, else evict at once; give up
+    after max_restarts, or at once when a rank said no restart mends it."""
+    if incident.fatal or job.restarts >= policy.recovery.max_restarts:
+        why = incident.reason if incident.fatal else f"gave up after {job.restarts} restarts: {incident.reason}"
+        new = finished(job, FAILED, why, incident.exit_code, now)
+        new.job.incident, new.job.incident_kind = incident.reason, incident.kind
+        return [Commit(new.job, new.kind, new.message, incident=incident.kind), *_stop_all(job)]
+    target = CHECKPOINTING if incident.predictable else EVICTING
+    new = moved(job, target, incident.reason, now, incident=incident.reason, incident_predictable=incident.predictable,
+                incident_kind=incident.kind)
+    _replace(new.incident_nodes, incident.nodes)
+    new.ClearField("culprit")
+    if incident.culprit is not None:
+        new.culprit.CopyFrom(incident.culprit)
+    what = "predictable: checkpoint first" if incident.predictable else \
+        "sudden: resume from the last committed checkpoint"
+    return [Commit(new, "job.incident", f"{job.id} generation {job.generation}: {incident.kind}: {incident.reason} "
+                   f"({what})", incident=incident.kind)]
+
+
+def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    if all_exited_zero(job):  # it finished before the agreed step: nothing left to save or evict
+        return [finished(job, SUCCEEDED, "every rank exited 0 (before the eviction checkpoint)", 0, now)]
+    request = job.checkpoint
+    asked_here = request.id and request.pause and request.deadline_unix_ns > job.state_since_unix_ns
+    if not asked_here:
+        wait_until = job.state_since_unix_ns / 1e9 + policy.recovery.pace_wait_s
+        if not pace_known(view.tracks) and now < wait_until:
+            return [WakeAt(wait_until)]
+        at_step = checkpoint_step(view.tracks, policy.recovery.checkpoint_lead_s)
+        latest, step_s = pace(view.tracks)
+        deadline = policy.recovery.checkpoint_deadline_s
+        ask = pb.JobCheckpoint(id=request.id + 1, at_step=at_step, deadline_unix_ns=int((now + deadline) * 1e9),
+                               pause=True, reason=job.incident)
+        return [Commit(copied(job, checkpoint=ask), "job.checkpoint",
+                       f"{job.id}: checkpoint {ask.id} requested from {len(job.ranks)} ranks after step {at_step} "
+                       f"(deadline {deadline:g}s; last reported step {latest}, {step_s:.3f}s a step): {job.incident}"),
+                RequestCheckpoint(job.id, job.generation, tuple(job.nodes), ask)]
+    seen = view.checkpoint
+    if seen is None or seen.request_id != request.id:
+        note = (f"checkpoint {request.id} abandoned: the controller restarted while it was in flight; resuming "
+                "from the newest complete checkpoint")
+        return [Commit(moved(job, EVICTING, note, now), "job.evicting", f"{job.id}: {note}; evicting "
+                       f"{', '.join(job.incident_nodes) or 'nothing (restart in place)'}")]
+    asked_at = request.deadline_unix_ns / 1e9 - policy.recovery.checkpoint_deadline_s
+    if len(seen.acks) >= len(job.ranks):
+        step_done = min(seen.acks.values())
+        note = f"every rank committed step {step_done} in {max(0.0, now - asked_at):.2f}s"
+        return [Event("job.checkpointed", f"{job.id}: every rank committed step {step_done} "
+                      f"({max(0.0, now - asked_at):.2f}s after the request)"),
+                Commit(moved(job, EVICTING, note, now), "job.evicting",
+                       f"{job.id}: {note}; evicting {', '.join(job.incident_nodes) or 'nothing (restart in place)'}")]
+    deadline = request.deadline_unix_ns / 1e9
+    if now >= deadline:
+        note = (f"checkpoint incomplete (only {len(seen.acks)} of {len(job.ranks)} ranks committed checkpoint "
+                f"{request.id} within {policy.recovery.checkpoint_deadline_s:g}s); resuming from the last committed "
+                "one")
+        return [Commit(moved(job, EVICTING, note, now), "job.evicting",
+                       f"{job.id}: {note}; evicting {', '.join(job.incident_nodes) or 'nothing (restart in place)'}")]
+    return [WakeAt(deadline)]
+
+
+def _evicting(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    """Stop the generation's ranks, drain the bad nodes, and go on once each of the job's nodes has said,
+    in a heartbeat after the stop, that none of the generation's ranks runs there any more. A node that
+    is DOWN is not waited for (its ranks are fenced if it returns); one whose agent is not connected
+    (after a controller restart, agents come back one by one) is told as soon as it is."""
+    out: list[Action] = [Drain(n, f"evicted from {job.id}: {job.incident}") for n in job.incident_nodes
+                         if n in view.nodes and not view.nodes[n].drained]
+    out += stop_untold(job, view)
+    waiting = [n for n in job.nodes if n in view.nodes and not view.nodes[n].down and not view.nodes[n].stopped]
+    window = policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
+    deadline = job.state_since_unix_ns / 1e9 + window
+    # A node that is connected and still shows the generation running (a launch the previous controller sent
+    # may land after the stop) holds the next generation back a while longer: it must never start beside it.
+    running = [n for n in waiting if view.nodes[n].connected and view.nodes[n].running]
+    if waiting and (now < deadline or (running and now < deadline + 2 * window)):
+        return [*out, WakeAt(min(now + RESTOP_S, deadline if now < deadline else deadline + 2 * window))]
+    if waiting:
+        out.append(Event("job.unconfirmed", f"{job.id}: generation {job.generation} not known to be stopped on "
+                         f"{', '.join(waiting)}; its ranks will be fenced when their agents report them"))
+    return [*out, Commit(moved(job, RENDEZVOUS, "choosing the next generation's nodes", now), "job.rendezvous",
+                         f"{job.id}: generation {job.generation} stopped; choosing nodes for the next")]
+
+
+def next_nodes(job: pb.Job, view: JobView) -> tuple[list[str], list[str], str] | str:
+    """The next generation's nodes: the good ones kept in rank order, bad ones replaced by the job's
+    spares; failing that, a fresh placement. Returns (nodes, spares, how), or why it must wait."""
+    bad = set(job.incident_nodes)
+    candidates = {c.name: c for c in view.candidates}
+    usable = {n for n, c in candidates.items() if c.schedulable and c.free and c.gpus >= job.spec.ranks_per_node
+              and n not in bad}
+    keep = [n for n in job.nodes if n in usable]
+    spares = [n for n in job.spares if n in usable and n not in keep]
+    missing = len(job.nodes) - len(keep)
+    if missing <= len(spares):
+        replacement = iter(spares[:missing])
+        nodes = [n if n in usable else next(replacement) for n in job.nodes]
+        used = set(nodes)
+        how = "same nodes" if not missing else f"spares {', '.join(n for n in nodes if n not in job.nodes)}"
+        return nodes, [s for s in job.spares if s not in used and s in usable], how
+    request = GangRequest(nodes=job.spec.nodes, ranks_per_node=job.spec.ranks_per_node, spares=0,
+                          segment=job.spec.segment or None)
+    decision = place([c for n, c in candidates.items() if n not in bad], request, view.topology)
+    if isinstance(decision, Unplaceable):
+        return f"waiting for nodes: {decision.reason}"
+    return list(decision.nodes), [], "a new placement (no spare left in the domain)"
+
+
+def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    delay = backoff(job.restarts, policy.recovery)
+    ready_at = job.state_since_unix_ns / 1e9 + delay
+    if now < ready_at:
+        return [WakeAt(ready_at)]
+    chosen = next_nodes(job, view)
+    if isinstance(chosen, str):
+        wait = [WakeAt(now + RENDEZVOUS_RETRY_S)]
+        if job.reason == chosen:
+            return wait
+        return [Commit(copied(job, reason=chosen), "job.waiting", f"{job.id}: {chosen}"), *wait]
+    nodes, spares, how = chosen
+    generation = job.generation + 1
+    new = moved(job, RESTARTING, f"restarting on {', '.join(nodes)}", now, generation=generation,
+                restarts=job.restarts + 1, launched_generation=generation)
+    new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
+    with_nodes(new, nodes, spares)
+    return [Commit(new, "job.restarting", f"{job.id} generation {generation} on {', '.join(nodes)} ({how}; restart "
+                   f"{new.restarts} of at most {policy.recovery.max_restarts}, after {delay:g}s)"),
+            Launch(job.id, generation)]
+
+
+def _cancelling(job: pb.Job, view: JobView, now: float) -> list[Action]:
+    out = stop_untold(job, view)
+    down = {n for n, v in view.nodes.items() if v.down}
+    running = [r for r in job.ranks if r.state == RANK_RUNNING and r.node not in down and r.node in view.nodes]
+    if running:
+        return out
+    return [*out, finished(job, CANCELLED, "cancelled", 1, now)]
+
+
+def cancel(job: pb.Job, now: float) -> list[Action]:
+    """What a cancel request does to a job in any state (raises IllegalTransition from a final one)."""
+    if job.state == PENDING:
+        return [finished(job, CANCELLED, "cancelled while pending", 1, now)]
+    if job.state == CANCELLING:
+        return []
+    new = moved(job, CANCELLING, "cancel requested", now)
+    return [Commit(new, "job.cancelling", f"{job.id}: cancel requested; stopping {len(job.ranks)} ranks")]
+
+
+def is_active(job: pb.Job) -> bool:
+    return job.state in ACTIVE

@@ -1,0 +1,1 @@
+"""torchrun's rendezvous: the book of rounds (pure); its servicer is in controller.api."""

@@ -1,0 +1,419 @@
+"""The job lifecycle's transition coverage, in virtual time: every incident, with the controller restarted
+in every state it passes through, and cancels from every state, all driven through the pure `step`.
+
+A small discrete-event world stands in for the agents, the ranks and trainlib: it applies the actions
+(`Launch` starts ranks a second later, `Stop` kills them, `RequestCheckpoint` is answered by the ranks
+that still step) and feeds the outcomes back as the view. A controller restart wipes everything the
+controller process knew (launches, stops and checkpoint requests in flight, progress) and keeps the
+stored record, exactly as a kill -9 does. No sleeps, no event loop: each case runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from controller.config import JobsConfig, RecoveryConfig
+from controller.errors import IllegalTransition
+from controller.jobs.placement import Candidate
+from controller.jobs.topology import flat
+from controller.nodes.health import FAILED, FAILING, HEALTHY
+from controller.recovery import lifecycle, table
+from controller.recovery.detectors import NodeView
+from controller.recovery.progress import RankTrack
+from phalanx.v1 import common_pb2 as pb
+
+START = 1_700_000_000.0
+STEP_S = 0.1  # a training step
+REPORT_S = 0.5  # trainlib reports twice a second
+POLICY = lifecycle.Policy(RecoveryConfig(max_restarts=3, restart_backoff_s=1.0, checkpoint_deadline_s=30.0,
+                                         hang_min_s=5.0, startup_s=20.0),
+                          JobsConfig(stop_grace_s=5.0))
+
+
+@dataclass
+class Node:
+    name: str
+    down: bool = False
+    health: object = HEALTHY
+    reason: str = ""
+    drained: bool = False
+    ranks: dict[tuple[int, int], str] = field(default_factory=dict)  # (generation, rank) -> running|exited:<code>
+    stopped_generation: int = 0  # the agent refuses to launch a generation it was told to stop (as the real one)
+
+
+@dataclass
+class Process:
+    """What one controller process knows beyond the store; a restart starts a new one."""
+
+    epoch: int
+    launch: lifecycle.LaunchView | None = None
+    checkpoint: lifecycle.CheckpointView | None = None
+    stops: dict[str, tuple[str, float]] = field(default_factory=dict)  # node -> (sending | taken, when)
+    tracks: dict[int, RankTrack] = field(default_factory=dict)
+    generation: int = 0
+
+
+class Sim:
+    def __init__(self, nodes=("a", "b", "c"), job_nodes: int = 2, spares: int = 1, ranks_per_node: int = 2,
+                 policy: lifecycle.Policy = POLICY) -> None:
+        self.now = START
+        self.policy = policy
+        self.nodes = {n: Node(n) for n in nodes}
+        self.queue: list = []
+        self.order = itertools.count()
+        self.process = Process(epoch=0)
+        self.launched: list[int] = []
+        self.states: list[str] = []
+        self.events: list[tuple[str, str]] = []
+        self.incidents: list[str] = []  # the kind of every incident committed, in order
+        self.on_state: dict[str, callable] = {}
+        self.hung: set[int] = set()  # ranks that stopped (SIGSTOP): they step no more and fall silent
+        self.slow: set[int] = set()  # ranks whose compute is 50% slower
+        self.step_of: dict[int, int] = {}
+        spec = pb.JobSpec(command=["train"], nodes=job_nodes, ranks_per_node=ranks_per_node, spares=spares)
+        self.job = pb.Job(id="job-1", spec=spec, state=pb.JOB_STATE_PENDING, state_since_unix_ns=int(self.now * 1e9))
+        self.at(self.now, self.report)
+
+    # -- the world's clock ---------------------------------------------------------------------
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self.queue, (t, next(self.order), fn, args))
+
+    def run_until(self, done, limit_s: float = 600.0) -> None:
+        end = self.now + limit_s
+        self.decide()
+        while not done():
+            assert self.queue and self.queue[0][0] <= end, f"not done after {limit_s}s: {self.describe()}"
+            t, _, fn, args = heapq.heappop(self.queue)
+            self.now = max(self.now, t)
+            fn(*args)
+            self.decide()
+
+    def run_for(self, seconds: float) -> None:
+        end = self.now + seconds
+        self.run_until(lambda: not self.queue or self.queue[0][0] > end)
+        self.now = end
+
+    def describe(self) -> str:
+        return f"{table.state_name(self.job.state)} gen {self.job.generation}: {self.job.reason}; {self.events[-3:]}"
+
+    # -- the controller side: build the view, step, apply ---------------------------------------
+
+    def view(self) -> lifecycle.JobView:
+        job, p = self.job, self.process
+        views = {}
+        for name, n in self.nodes.items():
+            running = any(g == job.generation and s == "running" for (g, _), s in n.ranks.items())
+            how, when = p.stops.get(name, ("", 0.0))
+            told = how == "sending" or (how == "taken" and self.now - when < lifecycle.RESTOP_S)
+            views[name] = NodeView(name, n.down, n.health, n.reason, connected=not n.down, drained=n.drained,
+                                   stop_told=told, stopped=how == "taken" and not running, running=running)
+        busy = set()  # one job: nothing else holds a node
+        candidates = [Candidate.of(n.name, _state(n), n.health, n.name not in busy, 8, connected=not n.down,
+                                   drained=n.drained) for n in self.nodes.values()]
+        return lifecycle.JobView(nodes=views, tracks=p.tracks, launch=p.launch if p.launch and
+                                 p.launch.generation == job.generation else None, checkpoint=p.checkpoint,
+                                 candidates=candidates, topology=flat(self.nodes))
+
+    def decide(self) -> None:
+        for _ in range(32):
+            self.sync_ranks()
+            actions = lifecycle.step(self.job, self.view(), self.now, self.policy)
+            if not self.apply(actions):
+                return
+        raise AssertionError(f"no quiet point after 32 steps: {self.describe()}")
+
+    def sync_ranks(self) -> None:
+        """What heartbeats tell the controller of the current generation's ranks (JobManager.observe)."""
+        if self.job.state in table.LAUNCHING:
+            return
+        for rank in self.job.ranks:
+            node = self.nodes[rank.node]
+            status = node.ranks.get((self.job.generation, rank.rank))
+            if node.down or status is None:
+                continue
+            target = pb.RANK_STATE_RUNNING if status == "running" else pb.RANK_STATE_EXITED
+            if target != rank.state and table.rank_may_move(rank.state, target):
+                rank.state = target
+                rank.exit_code = 0 if status == "running" else int(status.split(":")[1])
+
+    def apply(self, actions) -> bool:
+        committed = False
+        for action in actions:
+            p = self.process
+            match action:
+                case lifecycle.Commit(job=job, kind=kind, message=message, incident=incident):
+                    if incident:
+                        self.incidents.append(incident)
+                    before = self.job.state
+                    self.job = job
+                    self.events.append((kind, message))
+                    if job.generation != p.generation:
+                        p.generation, p.tracks, p.stops, p.checkpoint = job.generation, {}, {}, None
+                    if job.state != before:
+                        self.states.append(table.state_name(job.state))
+                        hook = self.on_state.pop(table.state_name(job.state), None)
+                        if hook is not None:
+                            self.at(self.now + 0.05, hook)
+                    committed = True
+                case lifecycle.Launch(generation=generation):
+                    self.launched.append(generation)
+                    p.launch = lifecycle.LaunchView(generation)
+                    self.at(self.now + 1.0, self.launched_on_agents, p.epoch, generation, tuple(self.job.nodes))
+                case lifecycle.Stop(node=node, generation=generation):
+                    p.stops[node] = ("sending", self.now)
+                    self.at(self.now + 0.1, self.stopped_on_agent, p.epoch, node, generation)
+                case lifecycle.Drain(node=node):
+                    self.nodes[node].drained = True
+                case lifecycle.RequestCheckpoint(request=request):
+                    p.checkpoint = lifecycle.CheckpointView(request.id, {})
+                    self.at(self.now + 0.5, self.acked, p.epoch, self.job.generation, request.id, request.at_step)
+                case lifecycle.WakeAt(at=at):
+                    assert at > self.now - 1e-9, f"a wake-up in the past: {at - self.now}"
+                    self.at(at, lambda: None)
+                case lifecycle.Event(kind=kind, message=message):
+                    self.events.append((kind, message))
+        return committed
+
+    # -- the agents and the ranks --------------------------------------------------------------
+
+    def launched_on_agents(self, epoch: int, generation: int, nodes: tuple[str, ...]) -> None:
+        missing = [n for n in nodes if self.nodes[n].down or self.nodes[n].stopped_generation >= generation]
+        per = self.job.spec.ranks_per_node
+        if not missing:
+            for i, name in enumerate(nodes):
+                node = self.nodes[name]
+                assert not any(s == "running" for (g, _), s in node.ranks.items() if g < generation), \
+                    f"generation {generation} launched on {name} while an older one still runs there"
+                for local in range(per):
+                    node.ranks[(generation, i * per + local)] = "running"
+        if epoch == self.process.epoch and self.process.launch and self.process.launch.generation == generation:
+            self.process.launch = lifecycle.LaunchView(generation, done=True, ok=not missing, error=f"{missing} down",
+                                                       address="10.0.0.1", port=29500)
+
+    def stopped_on_agent(self, epoch: int, name: str, generation: int) -> None:
+        node = self.nodes[name]
+        if node.down:
+            if epoch == self.process.epoch:
+                self.process.stops.pop(name, None)
+            return
+        node.stopped_generation = max(node.stopped_generation, generation)
+        for key, status in node.ranks.items():
+            if key[0] == generation and status == "running":
+                node.ranks[key] = "exited:-15"
+        if epoch == self.process.epoch and name in self.process.stops:
+            self.process.stops[name] = ("taken", self.now)
+
+    def acked(self, epoch: int, generation: int, request_id: int, at_step: int) -> None:
+        p = self.process
+        if epoch != p.epoch or p.checkpoint is None or p.checkpoint.request_id != request_id:
+            return  # the ranks' answers went to a controller that is gone
+        acks = dict(p.checkpoint.acks)
+        for rank in self.job.ranks:
+            if rank.rank not in self.hung and self._running(rank):
+                acks[rank.rank] = at_step
+        p.checkpoint = lifecycle.CheckpointView(request_id, acks)
+
+    def _running(self, rank) -> bool:
+        node = self.nodes[rank.node]
+        return not node.down and node.ranks.get((self.job.generation, rank.rank)) == "running"
+
+    def report(self) -> None:
+        """trainlib's reports: running ranks step on (all wait for a hung one: a synchronous job)."""
+        job, p = self.job, self.process
+        if job.state in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CHECKPOINTING):
+            live = [r for r in job.ranks if self._running(r)]
+            stuck = any(r.rank in self.hung for r in job.ranks)
+            for rank in live:
+                if rank.rank in self.hung:
+                    continue
+                track = p.tracks.setdefault(rank.rank, RankTrack(last_advance=self.now, last_report=self.now))
+                steps = 0 if stuck else int(REPORT_S / STEP_S)
+                self.step_of[rank.rank] = self.step_of.get(rank.rank, 0) + steps
+                compute = [STEP_S * (1.5 if rank.rank in self.slow else 1.0)] * steps
+                track.observe(self.step_of[rank.rank], STEP_S if steps else 0.0, compute, self.now, steps)
+        self.at(self.now + REPORT_S, self.report)
+
+    def controller_restart(self) -> None:
+        self.process = Process(epoch=self.process.epoch + 1)
+        self.events.append(("test.restart", f"controller restarted in {table.state_name(self.job.state)}"))
+
+
+def _state(node: Node):
+    from controller.nodes.states import DOWN, UP
+    return DOWN if node.down else UP
+
+
+def running(sim: Sim) -> bool:
+    return sim.job.state == pb.JOB_STATE_RUNNING
+
+
+def start(sim: Sim) -> None:
+    sim.run_until(lambda: running(sim) and sim.process.tracks and min(sim.step_of.values(), default=0) > 20)
+
+
+INCIDENTS = {
+    # kind: (what happens to node b, whether it is taken out, predictable)
+    "node-lost": True, "gpu-failed": True, "crash": False, "hang": True, "gpu-failing": True, "straggler": True,
+}
+
+
+def inject(sim: Sim, kind: str) -> None:
+    b = sim.nodes["b"]
+    first_b = next(r.rank for r in sim.job.ranks if r.node == "b")
+    if kind == "node-lost":
+        b.down = True
+    elif kind == "gpu-failed":
+        b.health, b.reason = FAILED, "GPU 1: XID 79"
+    elif kind == "gpu-failing":
+        b.health, b.reason = FAILING, "GPU 1: row remap pending"
+    elif kind == "crash":
+        b.ranks[(sim.job.generation, first_b)] = "exited:3"
+    elif kind == "hang":
+        sim.hung.add(first_b)
+    elif kind == "straggler":
+        sim.slow.add(first_b)
+
+
+RESTART_AT = [None, "CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING"]
+
+
+@pytest.mark.parametrize("restart_at", RESTART_AT, ids=lambda s: f"restart-in-{s}" if s else "no-restart")
+@pytest.mark.parametrize("kind", list(INCIDENTS))
+def test_every_incident_recovers_with_a_controller_restart_in_any_state(kind, restart_at):
+    sim = Sim()
+    start(sim)
+    before, seen = sim.job.generation, len(sim.states)
+    if restart_at is not None:
+        sim.on_state[restart_at] = sim.controller_restart
+    inject(sim, kind)
+    sim.hung.discard(-1)
+    sim.run_until(lambda: running(sim) and sim.job.generation > before)
+    job = sim.job
+    kinds = [k for k, _ in sim.events]
+    assert sim.incidents[0] == kind, sim.events
+    if restart_at in ("RESTARTING",):  # the launch the dead controller sent is lost with it: a second recovery
+        assert sim.incidents[1:] == ["crash"] and "interrupted by a controller restart" in job.incident
+    else:
+        assert sim.incidents == [kind] and job.incident_kind == kind
+    assert sim.launched == sorted(set(sim.launched)), f"a generation launched twice: {sim.launched}"
+    if INCIDENTS[kind]:
+        assert "b" not in job.nodes and "b" in job.evicted and sim.nodes["b"].drained, sim.events
+        assert job.nodes == ["a", "c"]  # the good node keeps its place; the spare takes b's
+    else:
+        assert list(job.nodes) == ["a", "b"]  # a crash restarts in place
+    predictable = kind in ("gpu-failing", "straggler")
+    if predictable and restart_at != "CHECKPOINTING":
+        assert "job.checkpointed" in kinds, sim.events
+        assert sim.states[seen:seen + 2] == ["CHECKPOINTING", "EVICTING"]
+    if restart_at == "CHECKPOINTING" and predictable:
+        assert any("abandoned" in m for k, m in sim.events if k == "job.evicting"), sim.events
+    if restart_at in sim.states[seen:]:
+        assert "test.restart" in kinds, f"the controller was never restarted in {restart_at}: {sim.states}"
+    if kind == "hang":
+        first = next(m for k, m in sim.events if k == "job.incident")
+        assert "its trainlib is silent too (on b)" in first, first
+    # nothing of an older generation runs anywhere the controller can reach
+    for node in sim.nodes.values():
+        if not node.down:
+            assert all(g == job.generation for (g, _), s in node.ranks.items() if s == "running"), node
+
+
+def test_a_hang_names_the_rank_the_flight_recorder_singles_out():
+    sim = Sim()
+    start(sim)
+    sim.hung.add(2)
+    sim.run_until(lambda: sim.job.state != pb.JOB_STATE_RUNNING or sim.now > START + 200, limit_s=400)
+    sim.job.state = pb.JOB_STATE_RUNNING  # replay the decision with the dumps in view
+    nccl = {r: pb.NcclRankState(job="job-1", rank=r, process_group="0", last_started_seq=41,
+                                last_completed_seq=41 if r != 2 else 37, last_op="nccl:all_reduce",
+                                last_state="completed" if r != 2 else "started") for r in range(4)}
+    view = sim.view()
+    view = lifecycle.JobView(**{**view.__dict__, "nccl": nccl})
+    [commit] = lifecycle.step(sim.job, view, sim.now + 60, POLICY)
+    assert commit.job.culprit.rank == 2 and commit.job.culprit.node == "b"
+    assert commit.job.culprit.seq == 41 and commit.job.culprit.peers_seq == 41
+    assert "rank 2 on b is stuck at collective 41 (nccl:all_reduce, started" in commit.message
+    assert list(commit.job.incident_nodes) == ["b"]
+
+
+def test_a_job_gives_up_after_max_restarts_with_the_reason():
+    sim = Sim(policy=lifecycle.Policy(RecoveryConfig(max_restarts=1, restart_backoff_s=1.0), JobsConfig()))
+    start(sim)
+    for _ in range(2):
+        generation = sim.job.generation
+        first = next(r.rank for r in sim.job.ranks if r.node == "a")
+        sim.nodes["a"].ranks[(generation, first)] = "exited:7"
+        sim.run_until(lambda g=generation: (sim.job.generation > g and running(sim)) or
+                      sim.job.state == pb.JOB_STATE_FAILED)
+        if sim.job.state != pb.JOB_STATE_FAILED:
+            start(sim)
+    assert sim.job.state == pb.JOB_STATE_FAILED and sim.job.exit_code == 7
+    assert sim.job.reason.startswith("gave up after 1 restarts: rank 0 on a exited with code 7")
+
+
+def test_a_fatal_rank_fails_the_job_at_once():
+    sim = Sim()
+    start(sim)
+    view = sim.view()
+    view = lifecycle.JobView(**{**view.__dict__, "fatal": {1: "checkpoint directory /x is not shared"}})
+    actions = lifecycle.step(sim.job, view, sim.now, POLICY)
+    assert actions[0].job.state == pb.JOB_STATE_FAILED
+    assert "stopped for good: checkpoint directory /x is not shared" in actions[0].job.reason
+    assert {a.node for a in actions[1:]} == {"a", "b"}
+
+
+def test_a_job_waits_for_nodes_and_a_launch_that_fails_at_start_fails_it():
+    sim = Sim(nodes=("a", "b"), spares=0)
+    sim.nodes["b"].down = True
+    sim.run_for(30)  # b is down: placement waits, and says why once
+    assert sim.job.state == pb.JOB_STATE_PENDING and "needs 2 nodes" in sim.job.reason
+    assert [k for k, _ in sim.events] == ["job.pending"]
+    sim.nodes["b"].down = False
+    sim.on_state["STARTING"] = lambda: setattr(sim.nodes["b"], "down", True)  # b dies while the launch is on its way
+    sim.run_until(lambda: sim.job.state in table.TERMINAL)
+    assert sim.job.state == pb.JOB_STATE_FAILED and sim.job.reason.startswith("launch failed")
+
+
+STATES_TO_CANCEL = ["STARTING", "RUNNING", "CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING"]
+
+
+@pytest.mark.parametrize("state", STATES_TO_CANCEL)
+def test_a_cancel_in_any_state_stops_every_rank_and_ends_cancelled(state):
+    sim = Sim()
+
+    def cancel():
+        for action in lifecycle.cancel(sim.job, sim.now):
+            sim.apply([action])
+
+    if state == "STARTING":
+        sim.on_state["STARTING"] = cancel
+    else:
+        start(sim)
+        if state == "RUNNING":
+            sim.at(sim.now + 0.01, cancel)
+        else:
+            sim.on_state[state] = cancel
+            inject(sim, "gpu-failing")
+    sim.run_until(lambda: sim.job.state in table.TERMINAL)
+    assert sim.job.state == pb.JOB_STATE_CANCELLED, sim.events
+    sim.run_for(2)  # the stops land
+    for node in sim.nodes.values():
+        assert not any(s == "running" for s in node.ranks.values()), (state, node)
+
+
+def test_every_transition_outside_the_table_is_refused_with_both_states():
+    job = pb.Job(id="job-9", state=pb.JOB_STATE_RUNNING)
+    with pytest.raises(IllegalTransition, match=r"job job-9.*RUNNING.*RENDEZVOUS"):
+        lifecycle.moved(job, pb.JOB_STATE_RENDEZVOUS, "skip", START)
+    for source, targets in table.TRANSITIONS.items():
+        for target in table.TRANSITIONS:
+            if target not in targets:
+                with pytest.raises(IllegalTransition):
+                    table.check("j", source, target)
+    with pytest.raises(IllegalTransition, match=r"rank 3.*EXITED.*RUNNING"):
+        table.check_rank("j", 3, pb.RANK_STATE_EXITED, pb.RANK_STATE_RUNNING)
