@@ -30,7 +30,7 @@ from agent.guarded import Guarded
 from agent.link import Link
 from agent.local_server import LocalState
 from agent.supervisor import Supervisor
-from phalanx import __version__, faults, log, sdnotify, tls
+from phalanx import __version__, daemon, faults, log, sdnotify, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
@@ -325,23 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_default_config:
         sys.stdout.write(default_toml(agent_config.AgentConfig))
         return 0
-    try:
-        cfg = agent_config.load(args.config)
-    except ConfigError as e:
-        print(f"{PROG}: config error: {e}", file=sys.stderr)
-        return 2
-    log.configure(cfg.log_level, cfg.log_format)
-    try:
-        credentials = link_credentials(cfg)
-    except ConfigError as e:
-        print(f"{PROG}: config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:  # uvloop is Linux/macOS only; asyncio works, just slower
-        runner = asyncio.run
-    return runner(serve(cfg, credentials))
+
+    async def start(cfg: agent_config.AgentConfig) -> int:
+        return await serve(cfg, link_credentials(cfg))  # a bad certificate is a ConfigError: one line, exit 2
+
+    return daemon.run(PROG, agent_config.load, args.config, start)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,9 @@ class Supervisor:
         self._children: dict[int, subprocess.Popen] = {}
         self._duty: dict[str, threading.Event] = {}  # slow=F duty cycles, by rank key
         self._lock = threading.Lock()
+        # job -> the newest generation this agent was told to stop: a launch of it (or an older one) that
+        # arrives later — sent by a controller that died before the stop — is refused (fencing).
+        self._stopped: dict[str, int] = {}
 
     # -- launching ---------------------------------------------------------------------------
 
@@ -80,6 +83,9 @@ class Supervisor:
         """Start this node's ranks of a job. Raises ValueError/OSError with a reason on failure."""
         if not request.command:
             raise ValueError("no command to run")
+        if request.generation <= self._stopped.get(request.job, 0):
+            raise ValueError(f"{request.job} generation {request.generation} was told to stop here (generation "
+                             f"{self._stopped[request.job]}); a launch of it is refused")
         for rank in request.ranks:
             existing = self._ranks.get(f"{request.job}.g{request.generation}.r{rank.rank}")
             if existing is not None and self._alive(existing):
@@ -232,6 +238,8 @@ class Supervisor:
     def stop(self, job: str, generation: int, grace_s: float) -> str:
         """SIGTERM the job's ranks (generation 0 = all) now; SIGKILL their groups after `grace_s` of the clock.
         Call on the event loop."""
+        if generation:
+            self._stopped[job] = max(self._stopped.get(job, 0), generation)
         targets = [r for r in self._live() if r.job == job and (generation == 0 or r.generation == generation)]
         for record in targets:
             self._stop_duty(record.key)

@@ -16,9 +16,10 @@ C = TypeVar("C")
 
 
 def run(prog: str, load: Callable[[str | None], C], path: str | None,
-        serve: Callable[[C], Coroutine[Any, Any, None]], failures: tuple[type[BaseException], ...] = (OSError,)) -> int:
+        serve: Callable[[C], Coroutine[Any, Any, int | None]],
+        failures: tuple[type[BaseException], ...] = (OSError,)) -> int:
     """Load the config at `path`, configure logging from it, and run `serve(cfg)` to the end. Exit codes:
-    0 done, 2 config error (also one found while serving, e.g. an unreadable certificate), 1 a failure of
+    what `serve` returns (0 if nothing), 2 config error (also one found while serving, e.g. an unreadable certificate), 1 a failure of
     the kinds in `failures`."""
     try:
         cfg = load(path)
@@ -32,11 +33,11 @@ def run(prog: str, load: Callable[[str | None], C], path: str | None,
     except ImportError:  # uvloop is Linux/macOS only; asyncio works, just slower
         runner = asyncio.run
     try:
-        runner(serve(cfg))
+        code = runner(serve(cfg))
     except ConfigError as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
     except failures as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    return 0
+    return code or 0

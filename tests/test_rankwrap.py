@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from agent import config as agent_config
 from agent.collectors.sim import SimBackend
@@ -202,3 +203,18 @@ def test_a_rank_that_ignores_sigterm_is_killed_when_the_grace_period_has_passed_
         assert supervisor.statuses()[0].state == common_pb2.RANK_STATE_EXITED
     finally:
         kill(record)
+
+
+def test_a_launch_of_a_generation_told_to_stop_is_refused(tmp_path):
+    """A controller that dies after sending a launch: its successor stops the generation, and the launch,
+    should it arrive only now, must not start ranks beside the next generation."""
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock())
+    assert supervisor.stop("job-1", 2, grace_s=0) == "stopping 0 ranks of job-1 generation 2"
+    for generation in (1, 2):
+        request = node_pb2.LaunchRanks(job="job-1", generation=generation, command=["true"],
+                                       ranks=[node_pb2.RankLaunch(rank=0, local_rank=0, gpu=0)])
+        with pytest.raises(ValueError, match=f"job-1 generation {generation} was told to stop here"):
+            supervisor.launch(request, dict(os.environ))
+    assert supervisor._ranks == {}
+    supervisor.stop("job-2", 0, grace_s=0)  # "every generation" (a cancel of an unknown job) fences nothing ahead
+    assert supervisor._stopped == {"job-1": 2}
