@@ -19,8 +19,8 @@ def run(prog: str, load: Callable[[str | None], C], path: str | None,
         serve: Callable[[C], Coroutine[Any, Any, int | None]],
         failures: tuple[type[BaseException], ...] = (OSError,)) -> int:
     """Load the config at `path`, configure logging from it, and run `serve(cfg)` to the end. Exit codes:
-    what `serve` returns (0 if nothing), 2 config error (also one found while serving, e.g. an unreadable certificate), 1 a failure of
-    the kinds in `failures`."""
+    what `serve` returns (0 if nothing); 2 a config error (also one found while serving, e.g. an
+    unreadable certificate); 1 a failure of the kinds in `failures`."""
     try:
         cfg = load(path)
     except ConfigError as e:
