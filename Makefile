@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-slow lint demo bench proto proto-check clean
+.PHONY: test test-busy test-slow lint demo bench proto proto-check clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# The same suite while another process keeps one core busy: tests wait for events, never for time.
+test-busy: lint
+	$(PY) tools/busy.py -- $(PY) -m pytest -q
 
 # The loops marked `slow` (deselected by `make test`; tests/conftest.py).
 test-slow: $(STAMP)
