@@ -72,10 +72,47 @@ def test_under_phalanx_it_reads_the_environment_and_sets_nccl_defaults():
         ctx = trainlib.init()
         print(ctx.active, ctx.job, ctx.generation, ctx.rank, ctx.local_rank, ctx.world_size)
         print(os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"], os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
-        print(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+        print(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"], os.environ.get("TORCH_FR_BUFFER_SIZE"))
     """, {**UNDER_PHALANX, "TORCH_NCCL_TRACE_BUFFER_SIZE": "77"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["True job-7 3 1 1 4", "1 1", "77"]  # the user's own value wins
+    assert result.stdout.splitlines() == ["True job-7 3 1 1 4", "1 1", "77 None"]  # the user's own value wins
+
+
+# A process group of one (gloo) is enough: torch reads the flight recorder's settings, and warns about a
+# deprecated name, when it creates one, whatever the backend.
+PROCESS_GROUP = """
+    import os, sys, trainlib
+    from datetime import timedelta
+    trainlib.init()
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1],
+                            timeout=timedelta(seconds=60))
+    dist.all_reduce(torch.ones(2))
+    dist.destroy_process_group()
+    print(os.environ.get("TORCH_FR_BUFFER_SIZE"), os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
+"""
+
+
+def run_process_group(env: dict[str, str]):
+    from phalanx.ports import free_port
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(PROCESS_GROUP), str(free_port())],
+                          capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_only_the_flight_recorder_name_torch_reads_is_set_and_torch_does_not_warn():
+    result = run_process_group(UNDER_PHALANX)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["2000 None"]  # torch 2.13 reads TORCH_FR_BUFFER_SIZE
+    assert "deprecated" not in result.stderr, result.stderr
+
+
+def test_a_flight_recorder_size_the_user_set_under_the_new_name_is_kept_alone():
+    result = run_process_group({**UNDER_PHALANX, "TORCH_FR_BUFFER_SIZE": "64"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["64 None"]
+    assert "deprecated" not in result.stderr, result.stderr
 
 
 def test_sigusr1_is_a_checkpoint_request():

@@ -30,9 +30,13 @@ NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_ENABLE_MONITORING": "1",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    "TORCH_FR_BUFFER_SIZE": "2000",
 }
+# The flight recorder's buffer size has two names: torch renamed TORCH_NCCL_TRACE_BUFFER_SIZE to
+# TORCH_FR_BUFFER_SIZE and warns, on every rank, when the old name is set. Only the name the installed
+# torch reads is set (flight_recorder_env), and neither when the user set one of them.
+FR_BUFFER_ENV_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_BUFFER_SIZE = "2000"
+FR_RENAMED_IN = (2, 9)  # only consulted when torch's headers are not installed (see flight_recorder_env)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ def init() -> Context:
         return _ctx
     for key, value in NCCL_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if not any(name in os.environ for name in FR_BUFFER_ENV_NAMES):
+        os.environ[flight_recorder_env()] = FR_BUFFER_SIZE
     if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None) and threading.current_thread() is \
             threading.main_thread():
         signal.signal(signal.SIGUSR1, _on_sigusr1)
@@ -102,6 +108,30 @@ def init() -> Context:
         _reporter.start()
         atexit.register(_flush_at_exit)
     return _ctx
+
+
+def flight_recorder_env() -> str:
+    """The name the installed torch reads for the flight recorder's buffer size, found without importing torch
+    (seconds): torch's own FlightRecorder.hpp, installed with it, lists the names it reads, newest first;
+    without the headers, torch's version decides."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    for directory in (spec.submodule_search_locations or []) if spec is not None else []:
+        header = os.path.join(directory, "include", "torch", "csrc", "distributed", "c10d", "FlightRecorder.hpp")
+        try:
+            with open(header, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        return next((name for name in FR_BUFFER_ENV_NAMES if f'"{name}"' in text), FR_BUFFER_ENV_NAMES[1])
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return FR_BUFFER_ENV_NAMES[0]
+    parts = [int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit()]
+    return FR_BUFFER_ENV_NAMES[0] if tuple(parts) >= FR_RENAMED_IN else FR_BUFFER_ENV_NAMES[1]
 
 
 def step(number: int | None = None) -> None:
