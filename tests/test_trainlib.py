@@ -7,9 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
+
+from tests.fake_agent import FakeAgent
+from trainlib._runtime import STALE_EXIT_CODE
 
 
 def run(code: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
@@ -138,3 +143,56 @@ def test_a_script_that_handles_sigusr1_itself_keeps_its_handler():
         print(trainlib.checkpoint_requested())
     """, UNDER_PHALANX)
     assert result.stdout.splitlines() == ["mine", "False"]
+
+
+@pytest.fixture
+def agent():
+    with tempfile.TemporaryDirectory(prefix="tl-") as short:  # a Unix socket path must stay under 108 bytes
+        fake = FakeAgent(Path(short) / "agent.sock")
+        yield fake
+        fake.close()
+
+
+def start_rank(code: str, env: dict[str, str]) -> subprocess.Popen:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
+    full_env.update(env)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=full_env)
+
+
+def test_a_rank_told_its_generation_is_stale_stops_even_while_blocked_in_training(agent, tmp_path):
+    rank = start_rank("""
+        import threading, trainlib
+        trainlib.init()
+        trainlib.step(0)
+        print("training", flush=True)
+        threading.Event().wait()  # blocked for good, like a collective whose peers are gone
+    """, {**UNDER_PHALANX, "PHALANX_AGENT_SOCKET": str(agent.socket), "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+    try:
+        assert rank.stdout.readline() == "training\n"
+        assert agent.reported.wait(60), "the rank never reported"
+        agent.stale.set()
+        _out, err = rank.communicate(timeout=60)
+    finally:
+        rank.kill()
+    assert rank.returncode == STALE_EXIT_CODE, err
+    assert err.splitlines() == [
+        f"trainlib: generation 3 of job-7 is no longer current (a newer generation runs); rank 1 (pid {rank.pid}) "
+        f"stops now without another step or checkpoint (exit code {STALE_EXIT_CODE})"]
+
+
+def test_a_stale_rank_commits_no_checkpoint(tmp_path):
+    # The moment between the agent's answer and the end of the process: a save started then writes nothing.
+    result = run("""
+        import trainlib, trainlib._runtime as runtime
+        from trainlib.checkpoint import StaleGenerationError
+        trainlib.init()
+        runtime._stale = True
+        try:
+            trainlib.save({"w": 1}, 5)
+        except StaleGenerationError as e:
+            print(e)
+    """, {**UNDER_PHALANX, "WORLD_SIZE": "1", "RANK": "0", "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["generation 3 is no longer current; refusing to save step 5"]
+    assert not list(tmp_path.glob("step-*"))

@@ -4,11 +4,17 @@ The per-step hook only reads a counter and appends to a deque (no lock, no syste
 thread sends the batch to the node's agent twice a second over its Unix socket and brings back
 what the controller wants of this rank (a checkpoint). SIGUSR1 — what Slurm's `--signal` sends —
 is a checkpoint request too.
+
+When the agent answers that this rank's generation is no longer current (a newer one of the job
+runs), the reporter thread ends the process itself, with one line on stderr and exit code
+STALE_EXIT_CODE: the training thread may be blocked in a collective whose peers are gone and never
+reach another step, and whatever it did next (a step, a checkpoint) would be thrown away or worse.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -23,6 +29,7 @@ from typing import Any
 REPORT_INTERVAL_S = 0.5
 EVICTION_WAIT_S = 120.0
 RPC_TIMEOUT_S = 2.0  # a report that cannot reach the agent in this time is dropped, not retried
+STALE_EXIT_CODE = 75  # EX_TEMPFAIL: this generation is over; the job goes on in a newer one
 
 # NCCL watchdog defaults (REFERENCE.md), set unless the user already set them. Phalanx finds hung
 # collectives itself within seconds; these make sure a hang leaves a flight-recorder dump behind.
@@ -73,6 +80,7 @@ _handled: set[int] = set()
 _callback: Callable[[int], None] | None = None
 _checkpointer: Any = None
 _reporter: threading.Thread | None = None
+_stale = False  # the agent said a newer generation of the job runs: this process is ending
 
 
 def init() -> Context:
@@ -200,6 +208,10 @@ def save(state: dict, step_number: int) -> Any:
     """Write this rank's checkpoint for `step_number` atomically and durably (see trainlib.checkpoint);
     if Phalanx asked for it, tell Phalanx the step is safe."""
     global _requested
+    if _stale:  # between the agent's answer and the end of the process: commit nothing
+        from trainlib.checkpoint import StaleGenerationError
+        raise StaleGenerationError(f"generation {_ctx.generation if _ctx else '?'} is no longer current; "
+                                   f"refusing to save step {step_number}")
     answers = checkpoint_requested()  # a periodic save before the agreed step does not answer a request
     result = _checkpoint().save(state, step_number)
     if answers:
@@ -243,7 +255,7 @@ def _agent():
     return _stub
 
 
-def _flush() -> None:
+def _flush(at_exit: bool = False) -> None:
     global _tail
     from phalanx.v1 import local_pb2
     head = _head
@@ -256,14 +268,30 @@ def _flush() -> None:
     _tail = head
     reply = _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
                                                     steps=batch, pid=os.getpid()), timeout=RPC_TIMEOUT_S)
+    if reply.stale and not at_exit:
+        _end_stale()
     request = reply.checkpoint
     if request.id and request.id not in _handled and (not _requested or _request_id != request.id):
         _request(request.id, request.pause, request.at_step)
 
 
+def _end_stale() -> None:
+    """A newer generation of the job runs: stop this process now, before it trains or commits anything more."""
+    global _stale
+    _stale = True
+    ctx = _ctx
+    assert ctx is not None
+    print(f"trainlib: generation {ctx.generation} of {ctx.job} is no longer current (a newer generation runs); "
+          f"rank {ctx.rank} (pid {os.getpid()}) stops now without another step or checkpoint "
+          f"(exit code {STALE_EXIT_CODE})", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(STALE_EXIT_CODE)
+
+
 def _flush_at_exit() -> None:
     try:
-        _flush()
+        _flush(at_exit=True)
     except Exception:  # the agent may be gone already; the last half second of timings is all we lose
         pass
 
