@@ -20,8 +20,10 @@ from trainlib._runtime import STALE_EXIT_CODE
 def run(code: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
     full_env.update(env or {})
-    return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=full_env, timeout=120)
+    with tempfile.TemporaryDirectory(prefix="tl-ckpt-") as scratch:  # under Phalanx, init writes a marker there
+        full_env.setdefault("PHALANX_CHECKPOINT_DIR", scratch)
+        return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                              text=True, env=full_env, timeout=120)
 
 
 UNDER_PHALANX = {"PHALANX_JOB": "job-7", "PHALANX_GENERATION": "3", "RANK": "1", "WORLD_SIZE": "4",

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -30,6 +31,10 @@ REPORT_INTERVAL_S = 0.5
 EVICTION_WAIT_S = 120.0
 RPC_TIMEOUT_S = 2.0  # a report that cannot reach the agent in this time is dropped, not retried
 STALE_EXIT_CODE = 75  # EX_TEMPFAIL: this generation is over; the job goes on in a newer one
+FATAL_EXIT_CODE = 78  # EX_CONFIG: the job cannot work as submitted (Phalanx fails it rather than restart it)
+# How long rank 0, at its first save, waits to see every rank's marker in the checkpoint directory (a shared
+# filesystem may show another node's new file late); PHALANX_CHECKPOINT_SHARED_WAIT_S overrides it.
+SHARED_WAIT_S = 60.0
 
 # NCCL watchdog defaults (REFERENCE.md), set unless the user already set them. Phalanx finds hung
 # collectives itself within seconds; these make sure a hang leaves a flight-recorder dump behind.
@@ -56,6 +61,8 @@ class Context:
     world_size: int
     checkpoint_dir: str
     agent_socket: str
+    node: str = ""
+    local_world_size: int = 1
 
 
 _ctx: Context | None = None
@@ -81,6 +88,7 @@ _callback: Callable[[int], None] | None = None
 _checkpointer: Any = None
 _reporter: threading.Thread | None = None
 _stale = False  # the agent said a newer generation of the job runs: this process is ending
+_shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
 
 
 def init() -> Context:
@@ -99,6 +107,8 @@ def init() -> Context:
         world_size=int(env.get("WORLD_SIZE", "1")),
         checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or os.path.abspath("checkpoints"),
         agent_socket=env.get("PHALANX_AGENT_SOCKET", ""),
+        node=env.get("PHALANX_NODE", ""),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
     )
     if not active:
         warnings.warn("trainlib: not running under Phalanx (no PHALANX_JOB); step hooks are no-ops and checkpoints "
@@ -108,6 +118,14 @@ def init() -> Context:
         os.environ.setdefault(key, value)
     if not any(name in os.environ for name in FR_BUFFER_ENV_NAMES):
         os.environ[flight_recorder_env()] = FR_BUFFER_SIZE
+    try:  # rank 0 checks at its first save that it sees every rank's marker (trainlib/shared_dir.py)
+        from pathlib import Path
+
+        from trainlib.shared_dir import announce
+        announce(Path(_ctx.checkpoint_dir), _ctx.generation, _ctx.rank, _ctx.node or socket.gethostname())
+    except OSError as e:
+        print(f"trainlib: cannot write this rank's marker in the checkpoint directory {_ctx.checkpoint_dir}: {e}",
+              file=sys.stderr, flush=True)
     if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None) and threading.current_thread() is \
             threading.main_thread():
         signal.signal(signal.SIGUSR1, _on_sigusr1)
@@ -213,6 +231,7 @@ def save(state: dict, step_number: int) -> Any:
         raise StaleGenerationError(f"generation {_ctx.generation if _ctx else '?'} is no longer current; "
                                    f"refusing to save step {step_number}")
     answers = checkpoint_requested()  # a periodic save before the agreed step does not answer a request
+    _check_shared()
     result = _checkpoint().save(state, step_number)
     if answers:
         request_id, pause = _request_id, _pause_after
@@ -223,6 +242,39 @@ def save(state: dict, step_number: int) -> Any:
         if pause and step_number == _at_step:  # saved where every rank saves: nothing after it would be kept
             _wait_for_eviction(step_number)
     return result
+
+
+def _check_shared() -> None:
+    """Rank 0's first save under Phalanx: every rank's marker must be visible, or the job can never checkpoint."""
+    global _shared_checked
+    ctx = _ctx
+    if _shared_checked or ctx is None or not ctx.active or ctx.rank != 0:
+        return
+    from pathlib import Path
+
+    from trainlib.shared_dir import check
+    wait_s = float(os.environ.get("PHALANX_CHECKPOINT_SHARED_WAIT_S") or SHARED_WAIT_S)
+    problem = check(Path(ctx.checkpoint_dir), ctx.generation, ctx.world_size, ctx.local_world_size,
+                    ctx.node or socket.gethostname(), wait_s)
+    if problem:
+        _end_fatal(problem)
+    _shared_checked = True
+
+
+def _end_fatal(reason: str) -> None:
+    """This job cannot work as submitted: say why, tell Phalanx (the job fails with the reason instead of
+    restarting), and end the process."""
+    print(f"trainlib: fatal: {reason}", file=sys.stderr, flush=True)
+    if _ctx is not None and _ctx.agent_socket:
+        from phalanx.v1 import local_pb2
+        try:
+            _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
+                                                    pid=os.getpid(), fatal=reason), timeout=RPC_TIMEOUT_S)
+        except Exception as e:
+            print(f"trainlib: could not tell the agent why this rank stops: {e}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(FATAL_EXIT_CODE)
 
 
 def _wait_for_eviction(step_number: int) -> None:
