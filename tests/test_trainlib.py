@@ -104,8 +104,10 @@ def run_process_group(env: dict[str, str]):
     from phalanx.ports import free_port
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(PROCESS_GROUP), str(free_port())],
-                          capture_output=True, text=True, env=full_env, timeout=120)
+    with tempfile.TemporaryDirectory(prefix="tl-ckpt-") as scratch:  # under Phalanx, init writes a marker there
+        full_env.setdefault("PHALANX_CHECKPOINT_DIR", scratch)
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(PROCESS_GROUP), str(free_port())],
+                              capture_output=True, text=True, env=full_env, timeout=120)
 
 
 def test_only_the_flight_recorder_name_torch_reads_is_set_and_torch_does_not_warn():
