@@ -33,7 +33,12 @@ def main() -> int:
     parser.add_argument("--work", type=int, default=0, help="extra CPU work per step (matmuls of 256x256, ~0.3 ms "
                         "each): compute that a slowed-down (duty-cycled) rank really takes longer for")
     parser.add_argument("--every", type=int, default=0, help="also checkpoint every N steps (0 = only on request)")
+    parser.add_argument("--steps-after-resume", type=int, default=0,
+                        help="a run that resumed from a checkpoint stops this many steps after it, or at --steps if "
+                        "sooner (0 = at --steps): with a large --steps, the run ends only once a recovery happened")
     parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
+    parser.add_argument("--out-steps", default="", help="rank 0 writes the number of steps the model was trained "
+                        "for here (what an uninterrupted run needs as --steps to end with the same model)")
     parser.add_argument("--print-every", type=int, default=10, help="rank 0 prints the loss every N steps")
     args = parser.parse_args()
 
@@ -52,7 +57,10 @@ def main() -> int:
         optimizer.load_state_dict(loaded.state["optimizer"])
         first = loaded.step + 1
         print(f"rank {ctx.rank}: resumed from step {loaded.step} (generation {ctx.generation})", flush=True)
-    for step in range(first, args.steps):
+    steps = args.steps
+    if loaded is not None and args.steps_after_resume:
+        steps = min(steps, first + args.steps_after_resume)  # every rank resumed from the same step: same end
+    for step in range(first, steps):
         x, y = batch(step, ctx.rank)
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
@@ -77,6 +85,9 @@ def main() -> int:
     if ctx.rank == 0 and args.out:
         with open(args.out, "w") as f:
             f.write(digest + "\n")
+    if ctx.rank == 0 and args.out_steps:
+        with open(args.out_steps, "w") as f:
+            f.write(f"{steps}\n")
     print(f"rank {ctx.rank}/{ctx.world_size} done: {digest[:16]}", flush=True)
     if ctx.world_size > 1:
         dist.barrier()

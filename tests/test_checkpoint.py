@@ -244,7 +244,9 @@ def test_commit_times_out_when_a_rank_never_writes(tmp_path):
     rank0 = ck(tmp_path, 0, 2, commit_timeout_s=0.2)
     with pytest.raises(CommitTimeout) as e:
         rank0.save({"r": 0}, 1)
-    assert str(e.value) == "step 1 not committed: no durable shard after 0.2s from rank(s) 1 (no marker) of 2"
+    assert str(e.value) == (f"step 1 not committed: waited 0.2s in {tmp_path / 'step-000000001'} for every rank's "
+                            "marker (rank-NNNNN.done, written once its shard is durable); none vouches for this "
+                            "step and generation from rank(s) 1 (no marker) of 2")
     assert rank0.latest_step() is None
 
 

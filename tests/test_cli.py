@@ -2,12 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from phalanx.cli import local
@@ -50,6 +52,8 @@ def test_local_cluster_lifecycle(home):
     assert [(n["name"], n["state"], len(n["gpus"]), n["gpu_backend"]) for n in nodes] == [
         ("node-0", "UP", 2, "SIM"), ("node-1", "UP", 2, "SIM"), ("node-2", "UP", 2, "SIM")]
     assert nodes[0]["labels"] == {"rack": "rack-0"}
+    # one checkpoint directory for all, as a shared filesystem: a job without --checkpoint-dir can checkpoint
+    assert {n["host"]["checkpoint_dir"] for n in nodes} == {str(Path(home["PHALANX_HOME"]) / "local" / "checkpoints")}
 
     drained = phalanx("drain", "node-1", "--reason", "PSU fan", env=home)
     assert drained.returncode == 0 and drained.stdout.strip() == "node-1: DRAINED (drain reason: PSU fan)"
@@ -108,3 +112,40 @@ def test_no_controller_is_a_clear_error(home):
     no_ca = phalanx("--controller", f"127.0.0.1:{port}", "--ca", str(Path(home["PHALANX_HOME"]) / "ca.crt"), "nodes",
                     env=home)
     assert no_ca.returncode == 1 and "ca.crt: no such file (make one with `phalanx certs`" in no_ca.stderr
+
+
+def test_local_status_and_down_find_a_controller_restarted_by_hand(home):
+    assert phalanx("local", "up", "--nodes", "1", env=home).returncode == 0
+    before = json.loads(phalanx("local", "status", "--json", env=home).stdout)[0]
+    assert before["role"] == "controller" and before["running"]
+    os.kill(before["pid"], signal.SIGKILL)
+    wait_until(lambda: not psutil.pid_exists(before["pid"]) or
+               psutil.Process(before["pid"]).status() == psutil.STATUS_ZOMBIE, "the controller gone")
+    assert json.loads(phalanx("local", "status", "--json", env=home).stdout)[0]["running"] is False
+
+    # what an operator does: start it again by hand, with the same configuration
+    root = Path(home["PHALANX_HOME"]) / "local"
+    with open(root / "logs" / "controller.log", "ab") as log:
+        again = subprocess.Popen([sys.executable, "-m", "controller.main", "--config", before["config"]], cwd=root,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=home)
+    try:
+        wait_until(lambda: phalanx("nodes", env=home).returncode == 0, "the restarted controller serving")
+        status = phalanx("local", "status", "--json", env=home)
+        controller = json.loads(status.stdout)[0]
+        assert (controller["pid"], controller["running"]) == (again.pid, True)
+        assert status.returncode == 0
+
+        down = phalanx("local", "down", env=home)
+        assert down.returncode == 0 and "stopped 2 processes" in down.stdout
+        assert again.wait(timeout=60) is not None  # down stopped it
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+
+
+def wait_until(predicate, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)

@@ -7,16 +7,23 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
+
+from tests.fake_agent import FakeAgent
+from trainlib._runtime import STALE_EXIT_CODE
 
 
 def run(code: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
     full_env.update(env or {})
-    return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=full_env, timeout=120)
+    with tempfile.TemporaryDirectory(prefix="tl-ckpt-") as scratch:  # under Phalanx, init writes a marker there
+        full_env.setdefault("PHALANX_CHECKPOINT_DIR", scratch)
+        return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                              text=True, env=full_env, timeout=120)
 
 
 UNDER_PHALANX = {"PHALANX_JOB": "job-7", "PHALANX_GENERATION": "3", "RANK": "1", "WORLD_SIZE": "4",
@@ -72,10 +79,49 @@ def test_under_phalanx_it_reads_the_environment_and_sets_nccl_defaults():
         ctx = trainlib.init()
         print(ctx.active, ctx.job, ctx.generation, ctx.rank, ctx.local_rank, ctx.world_size)
         print(os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"], os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
-        print(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+        print(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"], os.environ.get("TORCH_FR_BUFFER_SIZE"))
     """, {**UNDER_PHALANX, "TORCH_NCCL_TRACE_BUFFER_SIZE": "77"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["True job-7 3 1 1 4", "1 1", "77"]  # the user's own value wins
+    assert result.stdout.splitlines() == ["True job-7 3 1 1 4", "1 1", "77 None"]  # the user's own value wins
+
+
+# A process group of one (gloo) is enough: torch reads the flight recorder's settings, and warns about a
+# deprecated name, when it creates one, whatever the backend.
+PROCESS_GROUP = """
+    import os, sys, trainlib
+    from datetime import timedelta
+    trainlib.init()
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1],
+                            timeout=timedelta(seconds=60))
+    dist.all_reduce(torch.ones(2))
+    dist.destroy_process_group()
+    print(os.environ.get("TORCH_FR_BUFFER_SIZE"), os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
+"""
+
+
+def run_process_group(env: dict[str, str]):
+    from phalanx.ports import free_port
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
+    full_env.update(env)
+    with tempfile.TemporaryDirectory(prefix="tl-ckpt-") as scratch:  # under Phalanx, init writes a marker there
+        full_env.setdefault("PHALANX_CHECKPOINT_DIR", scratch)
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(PROCESS_GROUP), str(free_port())],
+                              capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_only_the_flight_recorder_name_torch_reads_is_set_and_torch_does_not_warn():
+    result = run_process_group(UNDER_PHALANX)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["2000 None"]  # torch 2.13 reads TORCH_FR_BUFFER_SIZE
+    assert "deprecated" not in result.stderr, result.stderr
+
+
+def test_a_flight_recorder_size_the_user_set_under_the_new_name_is_kept_alone():
+    result = run_process_group({**UNDER_PHALANX, "TORCH_FR_BUFFER_SIZE": "64"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["64 None"]
+    assert "deprecated" not in result.stderr, result.stderr
 
 
 def test_sigusr1_is_a_checkpoint_request():
@@ -101,3 +147,56 @@ def test_a_script_that_handles_sigusr1_itself_keeps_its_handler():
         print(trainlib.checkpoint_requested())
     """, UNDER_PHALANX)
     assert result.stdout.splitlines() == ["mine", "False"]
+
+
+@pytest.fixture
+def agent():
+    with tempfile.TemporaryDirectory(prefix="tl-") as short:  # a Unix socket path must stay under 108 bytes
+        fake = FakeAgent(Path(short) / "agent.sock")
+        yield fake
+        fake.close()
+
+
+def start_rank(code: str, env: dict[str, str]) -> subprocess.Popen:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}
+    full_env.update(env)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=full_env)
+
+
+def test_a_rank_told_its_generation_is_stale_stops_even_while_blocked_in_training(agent, tmp_path):
+    rank = start_rank("""
+        import threading, trainlib
+        trainlib.init()
+        trainlib.step(0)
+        print("training", flush=True)
+        threading.Event().wait()  # blocked for good, like a collective whose peers are gone
+    """, {**UNDER_PHALANX, "PHALANX_AGENT_SOCKET": str(agent.socket), "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+    try:
+        assert rank.stdout.readline() == "training\n"
+        assert agent.reported.wait(60), "the rank never reported"
+        agent.stale.set()
+        _out, err = rank.communicate(timeout=60)
+    finally:
+        rank.kill()
+    assert rank.returncode == STALE_EXIT_CODE, err
+    assert err.splitlines() == [
+        f"trainlib: generation 3 of job-7 is no longer current (a newer generation runs); rank 1 (pid {rank.pid}) "
+        f"stops now without another step or checkpoint (exit code {STALE_EXIT_CODE})"]
+
+
+def test_a_stale_rank_commits_no_checkpoint(tmp_path):
+    # The moment between the agent's answer and the end of the process: a save started then writes nothing.
+    result = run("""
+        import trainlib, trainlib._runtime as runtime
+        from trainlib.checkpoint import StaleGenerationError
+        trainlib.init()
+        runtime._stale = True
+        try:
+            trainlib.save({"w": 1}, 5)
+        except StaleGenerationError as e:
+            print(e)
+    """, {**UNDER_PHALANX, "WORLD_SIZE": "1", "RANK": "0", "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["generation 3 is no longer current; refusing to save step 5"]
+    assert not list(tmp_path.glob("step-*"))

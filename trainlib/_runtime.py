@@ -4,13 +4,20 @@ The per-step hook only reads a counter and appends to a deque (no lock, no syste
 thread sends the batch to the node's agent twice a second over its Unix socket and brings back
 what the controller wants of this rank (a checkpoint). SIGUSR1 — what Slurm's `--signal` sends —
 is a checkpoint request too.
+
+When the agent answers that this rank's generation is no longer current (a newer one of the job
+runs), the reporter thread ends the process itself, with one line on stderr and exit code
+STALE_EXIT_CODE: the training thread may be blocked in a collective whose peers are gone and never
+reach another step, and whatever it did next (a step, a checkpoint) would be thrown away or worse.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -23,6 +30,11 @@ from typing import Any
 REPORT_INTERVAL_S = 0.5
 EVICTION_WAIT_S = 120.0
 RPC_TIMEOUT_S = 2.0  # a report that cannot reach the agent in this time is dropped, not retried
+STALE_EXIT_CODE = 75  # EX_TEMPFAIL: this generation is over; the job goes on in a newer one
+FATAL_EXIT_CODE = 78  # EX_CONFIG: the job cannot work as submitted (Phalanx fails it rather than restart it)
+# How long rank 0, at its first save, waits to see every rank's marker in the checkpoint directory (a shared
+# filesystem may show another node's new file late); PHALANX_CHECKPOINT_SHARED_WAIT_S overrides it.
+SHARED_WAIT_S = 60.0
 
 # NCCL watchdog defaults (REFERENCE.md), set unless the user already set them. Phalanx finds hung
 # collectives itself within seconds; these make sure a hang leaves a flight-recorder dump behind.
@@ -30,9 +42,13 @@ NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_ENABLE_MONITORING": "1",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    "TORCH_FR_BUFFER_SIZE": "2000",
 }
+# The flight recorder's buffer size has two names: torch renamed TORCH_NCCL_TRACE_BUFFER_SIZE to
+# TORCH_FR_BUFFER_SIZE and warns, on every rank, when the old name is set. Only the name the installed
+# torch reads is set (flight_recorder_env), and neither when the user set one of them.
+FR_BUFFER_ENV_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_BUFFER_SIZE = "2000"
+FR_RENAMED_IN = (2, 9)  # only consulted when torch's headers are not installed (see flight_recorder_env)
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,8 @@ class Context:
     world_size: int
     checkpoint_dir: str
     agent_socket: str
+    node: str = ""
+    local_world_size: int = 1
 
 
 _ctx: Context | None = None
@@ -69,6 +87,8 @@ _handled: set[int] = set()
 _callback: Callable[[int], None] | None = None
 _checkpointer: Any = None
 _reporter: threading.Thread | None = None
+_stale = False  # the agent said a newer generation of the job runs: this process is ending
+_shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
 
 
 def init() -> Context:
@@ -87,6 +107,8 @@ def init() -> Context:
         world_size=int(env.get("WORLD_SIZE", "1")),
         checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or os.path.abspath("checkpoints"),
         agent_socket=env.get("PHALANX_AGENT_SOCKET", ""),
+        node=env.get("PHALANX_NODE", ""),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
     )
     if not active:
         warnings.warn("trainlib: not running under Phalanx (no PHALANX_JOB); step hooks are no-ops and checkpoints "
@@ -94,6 +116,16 @@ def init() -> Context:
         return _ctx
     for key, value in NCCL_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if not any(name in os.environ for name in FR_BUFFER_ENV_NAMES):
+        os.environ[flight_recorder_env()] = FR_BUFFER_SIZE
+    try:  # rank 0 checks at its first save that it sees every rank's marker (trainlib/shared_dir.py)
+        from pathlib import Path
+
+        from trainlib.shared_dir import announce
+        announce(Path(_ctx.checkpoint_dir), _ctx.generation, _ctx.rank, _ctx.node or socket.gethostname())
+    except OSError as e:
+        print(f"trainlib: cannot write this rank's marker in the checkpoint directory {_ctx.checkpoint_dir}: {e}",
+              file=sys.stderr, flush=True)
     if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None) and threading.current_thread() is \
             threading.main_thread():
         signal.signal(signal.SIGUSR1, _on_sigusr1)
@@ -102,6 +134,30 @@ def init() -> Context:
         _reporter.start()
         atexit.register(_flush_at_exit)
     return _ctx
+
+
+def flight_recorder_env() -> str:
+    """The name the installed torch reads for the flight recorder's buffer size, found without importing torch
+    (seconds): torch's own FlightRecorder.hpp, installed with it, lists the names it reads, newest first;
+    without the headers, torch's version decides."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    for directory in (spec.submodule_search_locations or []) if spec is not None else []:
+        header = os.path.join(directory, "include", "torch", "csrc", "distributed", "c10d", "FlightRecorder.hpp")
+        try:
+            with open(header, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        return next((name for name in FR_BUFFER_ENV_NAMES if f'"{name}"' in text), FR_BUFFER_ENV_NAMES[1])
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return FR_BUFFER_ENV_NAMES[0]
+    parts = [int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit()]
+    return FR_BUFFER_ENV_NAMES[0] if tuple(parts) >= FR_RENAMED_IN else FR_BUFFER_ENV_NAMES[1]
 
 
 def step(number: int | None = None) -> None:
@@ -170,7 +226,12 @@ def save(state: dict, step_number: int) -> Any:
     """Write this rank's checkpoint for `step_number` atomically and durably (see trainlib.checkpoint);
     if Phalanx asked for it, tell Phalanx the step is safe."""
     global _requested
+    if _stale:  # between the agent's answer and the end of the process: commit nothing
+        from trainlib.checkpoint import StaleGenerationError
+        raise StaleGenerationError(f"generation {_ctx.generation if _ctx else '?'} is no longer current; "
+                                   f"refusing to save step {step_number}")
     answers = checkpoint_requested()  # a periodic save before the agreed step does not answer a request
+    _check_shared()
     result = _checkpoint().save(state, step_number)
     if answers:
         request_id, pause = _request_id, _pause_after
@@ -181,6 +242,39 @@ def save(state: dict, step_number: int) -> Any:
         if pause and step_number == _at_step:  # saved where every rank saves: nothing after it would be kept
             _wait_for_eviction(step_number)
     return result
+
+
+def _check_shared() -> None:
+    """Rank 0's first save under Phalanx: every rank's marker must be visible, or the job can never checkpoint."""
+    global _shared_checked
+    ctx = _ctx
+    if _shared_checked or ctx is None or not ctx.active or ctx.rank != 0:
+        return
+    from pathlib import Path
+
+    from trainlib.shared_dir import check
+    wait_s = float(os.environ.get("PHALANX_CHECKPOINT_SHARED_WAIT_S") or SHARED_WAIT_S)
+    problem = check(Path(ctx.checkpoint_dir), ctx.generation, ctx.world_size, ctx.local_world_size,
+                    ctx.node or socket.gethostname(), wait_s)
+    if problem:
+        _end_fatal(problem)
+    _shared_checked = True
+
+
+def _end_fatal(reason: str) -> None:
+    """This job cannot work as submitted: say why, tell Phalanx (the job fails with the reason instead of
+    restarting), and end the process."""
+    print(f"trainlib: fatal: {reason}", file=sys.stderr, flush=True)
+    if _ctx is not None and _ctx.agent_socket:
+        from phalanx.v1 import local_pb2
+        try:
+            _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
+                                                    pid=os.getpid(), fatal=reason), timeout=RPC_TIMEOUT_S)
+        except Exception as e:
+            print(f"trainlib: could not tell the agent why this rank stops: {e}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(FATAL_EXIT_CODE)
 
 
 def _wait_for_eviction(step_number: int) -> None:
@@ -213,7 +307,7 @@ def _agent():
     return _stub
 
 
-def _flush() -> None:
+def _flush(at_exit: bool = False) -> None:
     global _tail
     from phalanx.v1 import local_pb2
     head = _head
@@ -226,14 +320,30 @@ def _flush() -> None:
     _tail = head
     reply = _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
                                                     steps=batch, pid=os.getpid()), timeout=RPC_TIMEOUT_S)
+    if reply.stale and not at_exit:
+        _end_stale()
     request = reply.checkpoint
     if request.id and request.id not in _handled and (not _requested or _request_id != request.id):
         _request(request.id, request.pause, request.at_step)
 
 
+def _end_stale() -> None:
+    """A newer generation of the job runs: stop this process now, before it trains or commits anything more."""
+    global _stale
+    _stale = True
+    ctx = _ctx
+    assert ctx is not None
+    print(f"trainlib: generation {ctx.generation} of {ctx.job} is no longer current (a newer generation runs); "
+          f"rank {ctx.rank} (pid {os.getpid()}) stops now without another step or checkpoint "
+          f"(exit code {STALE_EXIT_CODE})", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(STALE_EXIT_CODE)
+
+
 def _flush_at_exit() -> None:
     try:
-        _flush()
+        _flush(at_exit=True)
     except Exception:  # the agent may be gone already; the last half second of timings is all we lose
         pass
 

@@ -3,6 +3,7 @@
 Layout under `root`::
 
     GENERATION                     highest generation that has started (claim_generation)
+    .ranks/g000000003/rank-00000.json  each rank's marker at trainlib.init() (trainlib/shared_dir.py)
     step-000000042/
         rank-00000.pt              this rank's shard (torch.save), or dcp/ for save_sharded
         rank-00000.done            durable marker: generation, and size + CRC-32 of the rank's files
@@ -317,8 +318,10 @@ class Checkpointer:
                 return found
             self._refuse_if_stale(self.current_generation(), "commit", step)
             if time.monotonic() >= deadline:
-                raise CommitTimeout(f"step {step} not committed: no durable shard after {self.commit_timeout_s:g}s "
-                                    f"from rank(s) {', '.join(waiting)} of {self.world_size}")
+                raise CommitTimeout(f"step {step} not committed: waited {self.commit_timeout_s:g}s in {directory} "
+                                    f"for every rank's marker (rank-NNNNN.done, written once its shard is "
+                                    f"durable); none vouches for this step and generation from rank(s) "
+                                    f"{', '.join(waiting)} of {self.world_size}")
             time.sleep(pause)
             pause = min(pause * 1.5, _POLL_MAX_S)
 

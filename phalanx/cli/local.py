@@ -3,6 +3,10 @@
 Everything lives in one directory (`$PHALANX_HOME/local`, default `~/.phalanx/local`): the
 configuration of each process, its log, the controller's database, and `cluster.json`, which
 records what was started so that `status` and `down` (and the CLI's controller lookup) can find it.
+
+A daemon restarted by hand (after a crash, to try a setting) has a pid that `cluster.json` does not
+know; `status` and `down` find it by what can be seen from outside: the process that now listens on
+the controller's address, or one whose command line names the same configuration file.
 """
 
 from __future__ import annotations
@@ -59,6 +63,65 @@ class Proc:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
 
+    def live_pid(self) -> int | None:
+        """The process that plays this part now: the one we started if it runs; else, for the controller, the
+        one listening on its address; else one started by hand with the same configuration file. None if none."""
+        if self.alive():
+            return self.pid
+        if self.role == "controller" and self.address:
+            pid = _listener(self.address)
+            if pid is not None and _runs_module(pid, "controller"):
+                return pid
+        return _by_config(self.config)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _listener(address: str) -> int | None:
+    """The pid of the process listening on TCP `address` (HOST:PORT), if it is one of this user's."""
+    host, _, port = address.rpartition(":")
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return None
+    for c in connections:
+        if c.status == psutil.CONN_LISTEN and c.pid and c.laddr and c.laddr.port == int(port) and \
+                c.laddr.ip in (host.strip("[]"), "0.0.0.0", "::"):
+            return c.pid
+    return None
+
+
+def _runs_module(pid: int, role: str) -> bool:
+    """Whether `pid` is a Phalanx daemon of that role (`python -m controller.main`, `phalanx-controller`)."""
+    try:
+        p = psutil.Process(pid)
+        cmdline = p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return _running(p) and any(arg in (f"{role}.main", f"phalanx-{role}") or arg.endswith(f"/phalanx-{role}")
+                               for arg in cmdline)
+
+
+def _by_config(config: str) -> int | None:
+    """A running process whose command line has `--config FILE` with FILE our configuration file."""
+    want = os.path.realpath(config)
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmdline = p.info["cmdline"] or []
+        for i, arg in enumerate(cmdline):
+            value = cmdline[i + 1] if arg == "--config" and i + 1 < len(cmdline) else \
+                arg.removeprefix("--config=") if arg.startswith("--config=") else None
+            if value is None:
+                continue
+            path = os.path.join(p.info["cwd"] or "", value) if not os.path.isabs(value) else value
+            if os.path.realpath(path) == want and _running(p):
+                return p.pid
+    return None
+
 
 def home() -> Path:
     return Path(os.environ.get("PHALANX_HOME") or Path.home() / ".phalanx") / "local"
@@ -94,8 +157,10 @@ def controller_config(address: str, root: Path, metrics: str = "") -> str:
 def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str],
                  metrics: str = "") -> str:
     node = root / "nodes" / name
+    # One checkpoint directory for every agent, as a shared filesystem would be on a real fleet: a job submitted
+    # without --checkpoint-dir uses <checkpoint_dir>/<job> on each of its nodes, and all must see the same one.
     lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
-             f'checkpoint_dir = "{node / "checkpoints"}"', f'nvrx_socket = "{node / "nvhcd.sock"}"',
+             f'checkpoint_dir = "{root / "checkpoints"}"', f'nvrx_socket = "{node / "nvhcd.sock"}"',
              f'metrics_listen = "{metrics}"', "", "[gpu]", f'backend = "{backend}"',
              f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0", "", "[security]", "insecure = true"]
     if labels:
@@ -135,11 +200,11 @@ def choose_backend(requested: str, nodes: int) -> str:
 
 def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout) -> list[Proc]:
     existing = read_cluster()
-    if existing and any(p.alive() for p in existing):
+    if existing and any(p.live_pid() is not None for p in existing):
         raise LocalError(f"a local cluster is already running (see `phalanx local status`, {cluster_file()}); "
                          "run `phalanx local down` first")
     root = home()
-    for stale in ("controller.db", "controller.db-wal", "controller.db-shm", "nodes", "logs"):
+    for stale in ("controller.db", "controller.db-wal", "controller.db-shm", "nodes", "logs", "checkpoints"):
         path = root / stale
         if path.is_dir():
             shutil.rmtree(path)
@@ -230,7 +295,11 @@ def status() -> list[dict[str, Any]]:
     procs = read_cluster()
     if procs is None:
         raise LocalError("no local cluster; start one with `phalanx local up --nodes N`")
-    return [{**asdict(p), "running": p.alive()} for p in procs]
+    out = []
+    for p in procs:
+        pid = p.live_pid()
+        out.append({**asdict(p), "pid": pid or p.pid, "running": pid is not None})  # restarted by hand: its new pid
+    return out
 
 
 def down(out=sys.stdout) -> int:
@@ -245,20 +314,34 @@ def down(out=sys.stdout) -> int:
 
 
 def _stop(procs: list[Proc]) -> int:
-    """SIGTERM agents, then the controller; SIGKILL whatever is left after the grace period."""
-    running = [p for p in procs if p.alive()]
-    for proc in sorted(running, key=lambda p: p.role == "controller"):
+    """SIGTERM agents, then the controller (whatever process plays each part now, see Proc.live_pid); SIGKILL
+    whatever is left after the grace period."""
+    running: list[tuple[Proc, int]] = []
+    for proc in sorted(procs, key=lambda p: p.role == "controller"):
+        pid = proc.live_pid()
+        if pid is not None:
+            running.append((proc, pid))
+    for _, pid in running:
         try:
-            os.kill(proc.pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+
+    def alive(proc: Proc, pid: int) -> bool:
+        if pid == proc.pid:
+            return proc.alive()
+        try:
+            return _running(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            return False
+
     deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline and any(p.alive() for p in running):
+    while time.monotonic() < deadline and any(alive(p, pid) for p, pid in running):
         time.sleep(0.05)
-    for proc in running:
-        if proc.alive():
+    for proc, pid in running:
+        if alive(proc, pid):
             try:
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     return len(running)

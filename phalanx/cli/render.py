@@ -152,7 +152,8 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "restarts": job.restarts, "incident": job.incident or None, "evicted": list(job.evicted),
         "seconds_in_state": {p.phase: round(p.seconds, 3) for p in job.phase_times},
         "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu,
-                   "state": rank_state(r.state), "pid": r.pid or None, "exit_code": r.exit_code}
+                   "state": rank_state(r.state), "pid": r.pid or None, "wrapper_pid": r.wrapper_pid or None,
+                   "exit_code": r.exit_code}
                   for r in job.ranks],
     }
 
@@ -178,7 +179,9 @@ def job_text(job: common_pb2.Job) -> str:
              f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",
              f"  submitted:   {d['submitted']}   started: {d['started'] or '-'}   finished: {d['finished'] or '-'}"]
     if job.ranks:
-        lines.append(table(("  RANK", "NODE", "GPU", "STATE", "PID", "EXIT"),
-                           [(f"  {r.rank}", r.node, r.gpu, rank_state(r.state), r.pid or "",
+        # PID is the rank's own process (what to attach a debugger or py-spy to); WRAPPER is the agent's small
+        # wrapper around it, which records its exit status.
+        lines.append(table(("  RANK", "NODE", "GPU", "STATE", "PID", "WRAPPER", "EXIT"),
+                           [(f"  {r.rank}", r.node, r.gpu, rank_state(r.state), r.pid or "", r.wrapper_pid or "",
                              r.exit_code if r.state == common_pb2.RANK_STATE_EXITED else "") for r in job.ranks]))
     return "\n".join(lines)

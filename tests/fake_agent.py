@@ -1,0 +1,38 @@
+"""A node agent's local service, faked for trainlib tests: it records what ranks report, and answers what the
+test sets (a stale generation)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from phalanx.v1 import local_pb2, local_pb2_grpc
+
+
+class FakeAgent(local_pb2_grpc.LocalServiceServicer):
+    def __init__(self, socket: Path) -> None:
+        self.socket = socket
+        self.reports: list[local_pb2.ReportRequest] = []
+        self.reported = threading.Event()  # a report arrived
+        self.fatal = threading.Event()  # a report with `fatal` arrived
+        self.stale = threading.Event()  # set by the test: answer every report with stale
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        local_pb2_grpc.add_LocalServiceServicer_to_server(self, self._server)
+        self._server.add_insecure_port(f"unix://{socket}")
+        self._server.start()
+
+    def Report(self, request, context):
+        self.reports.append(request)
+        self.reported.set()
+        if request.fatal:
+            self.fatal.set()
+        return local_pb2.ReportReply(stale=self.stale.is_set())
+
+    def CheckpointDone(self, request, context):
+        return local_pb2.CheckpointDoneReply()
+
+    def close(self) -> None:
+        self._server.stop(grace=None)
