@@ -329,15 +329,17 @@ def test_a_hang_names_the_rank_the_flight_recorder_singles_out():
     sim.hung.add(2)
     sim.run_until(lambda: sim.job.state != pb.JOB_STATE_RUNNING or sim.now > START + 200, limit_s=400)
     sim.job.state = pb.JOB_STATE_RUNNING  # replay the decision with the dumps in view
-    nccl = {r: pb.NcclRankState(job="job-1", rank=r, process_group="0", last_started_seq=41,
-                                last_completed_seq=41 if r != 2 else 37, last_op="nccl:all_reduce",
-                                last_state="completed" if r != 2 else "started") for r in range(4)}
+    # ranks 0, 1, 3 entered collective 41 and wait in it; rank 2 finished 40 and never entered 41
+    nccl = {r: pb.NcclRankState(job="job-1", rank=r, process_group="0", last_started_seq=41 if r != 2 else 40,
+                                last_completed_seq=40, last_op="nccl:all_reduce",
+                                last_state="started" if r != 2 else "completed") for r in range(4)}
     view = sim.view()
     view = lifecycle.JobView(**{**view.__dict__, "nccl": nccl})
     [commit] = lifecycle.step(sim.job, view, sim.now + 60, POLICY)
     assert commit.job.culprit.rank == 2 and commit.job.culprit.node == "b"
-    assert commit.job.culprit.seq == 41 and commit.job.culprit.peers_seq == 41
-    assert "rank 2 on b is stuck at collective 41 (nccl:all_reduce, started" in commit.message
+    assert commit.job.culprit.seq == 40 and commit.job.culprit.peers_seq == 41
+    assert "rank 2 on b is stuck at collective 40 (nccl:all_reduce, completed, process group 0) while its peers " \
+           "reached 41" in commit.message
     assert list(commit.job.incident_nodes) == ["b"]
 
 
@@ -417,3 +419,23 @@ def test_every_transition_outside_the_table_is_refused_with_both_states():
                     table.check("j", source, target)
     with pytest.raises(IllegalTransition, match=r"rank 3.*EXITED.*RUNNING"):
         table.check_rank("j", 3, pb.RANK_STATE_EXITED, pb.RANK_STATE_RUNNING)
+
+
+def test_the_flight_recorder_names_no_culprit_when_the_dumps_agree_or_are_too_few():
+    from controller.recovery.detectors import nccl_culprit
+
+    def state(rank, started, completed, group="0"):
+        return pb.NcclRankState(rank=rank, process_group=group, last_started_seq=started, last_completed_seq=completed,
+                                last_op="nccl:all_reduce", last_state="started")
+
+    nodes = {0: "a", 1: "b", 2: "c"}
+    assert nccl_culprit({0: state(0, 9, 8), 1: state(1, 9, 8)}, nodes) is None  # all wait in 9 together
+    assert nccl_culprit({0: state(0, 9, 8)}, nodes) is None
+    assert nccl_culprit({}, nodes) is None
+    # everyone entered 9, rank 1 alone did not finish it
+    culprit = nccl_culprit({0: state(0, 9, 9), 1: state(1, 9, 8), 2: state(2, 9, 9)}, nodes)
+    assert (culprit.rank, culprit.node, culprit.seq, culprit.peers_seq) == (1, "b", 9, 9)
+    # two groups: the one where a rank is furthest behind wins
+    culprit = nccl_culprit({0: state(0, 9, 8, "0"), 1: state(1, 8, 8, "0"), 2: state(2, 30, 29, "1"),
+                            3: state(3, 20, 20, "1")}, {**nodes, 3: "d"})
+    assert (culprit.rank, culprit.process_group, culprit.seq, culprit.peers_seq) == (3, "1", 20, 30)

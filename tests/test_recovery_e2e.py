@@ -168,3 +168,19 @@ def test_a_checkpoint_request_and_its_acknowledgement_go_through_the_agents(clus
     assert f"checkpointed step {step}" in phalanx(cluster4, "logs", job_id, "--rank", "1").stdout
     assert job(cluster4, job_id)["state"] == "RUNNING"  # a checkpoint on request does not stop the job
     assert phalanx(cluster4, "cancel", job_id).returncode == 0
+
+
+def test_a_checkpoint_directory_the_nodes_do_not_share_fails_the_job_at_once_with_that_reason(cluster4, tmp_path):
+    """Each test agent has a checkpoint directory of its own: a 2-node job given none saves to two places.
+    Rank 0 finds out at its first save, trainlib says so, and the job FAILS with that reason at once
+    (before: rank 0 waited for shards written elsewhere, and the hang detector restarted it three times)."""
+    result = phalanx(cluster4, "submit", "--nodes", "2", "--env", "PHALANX_CHECKPOINT_SHARED_WAIT_S=3", "--",
+                     sys.executable, TRAIN, "--steps", "100", "--every", "5")
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip()
+    waited = phalanx(cluster4, "wait", job_id)
+    j = job(cluster4, job_id)
+    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster4, job_id))
+    assert waited.returncode != 0 and j["state"] == "FAILED", story
+    assert "is not shared between the job's nodes" in j["reason"], story
+    assert j["restarts"] == 0 and j["generation"] == 1, story

@@ -237,3 +237,28 @@ def test_a_checkpoint_soon_after_a_start_waits_for_the_ranks_real_pace():
             await world.stop()
 
     run(main())
+
+
+def test_checkpoint_request_ids_go_on_counting_after_a_controller_restart():
+    """trainlib ignores a request id it has handled: a restarted controller that began again at 1 had its first
+    request (in a recovery, the eviction checkpoint) dropped by every rank."""
+    from controller.errors import FailedPrecondition
+
+    async def go():
+        world = World()
+        job_id = await cluster(world)
+        agent = world.agents[world.job(job_id).nodes[0]]
+        with pytest.raises(FailedPrecondition, match="only 0 of 2 ranks committed checkpoint 1"):
+            await world.jobs.checkpoint(job_id, 0.2)
+        await world.restart()
+        for name in NODES:
+            await world.agents[name].connect()
+        await world.until(lambda: all(world.registry.get(n).session is not None for n in NODES), "agents back")
+        with pytest.raises(FailedPrecondition, match="checkpoint 2 within"):
+            await world.jobs.checkpoint(job_id, 0.2)
+        ids = [c.checkpoint.request_id for c in agent.commands if c.WhichOneof("body") == "checkpoint"]
+        assert ids == [1, 2]
+        assert world.job(job_id).checkpoint.id == 2
+        await world.stop()
+
+    run(go())

@@ -25,3 +25,16 @@ def test_job_table_shows_the_ranks_pid_and_its_wrappers():
     assert lines[header].split() == ["RANK", "NODE", "GPU", "STATE", "PID", "WRAPPER", "EXIT"]
     assert lines[header + 1].split() == ["0", "node-0", "0", "RUNNING", "4242", "4240", "-"]
     assert lines[header + 2].split() == ["1", "node-1", "0", "-", "-", "5150", "-"]
+
+
+def test_a_hang_culprit_named_by_the_flight_recorder_is_shown_and_in_the_json():
+    job = a_job()
+    job.incident, job.incident_kind = "rank 1 made no progress for 9.0s", "hang"
+    job.culprit.CopyFrom(common_pb2.HangCulprit(rank=1, node="node-1", process_group="0", op="nccl:all_reduce",
+                                                seq=41, state="started", peers_seq=41))
+    assert "  culprit:     rank 1 on node-1: stuck at collective 41 (nccl:all_reduce, started) while its peers " \
+           "reached 41 (NCCL flight recorder)" in job_text(job).splitlines()
+    d = job_dict(job)
+    assert d["incident_kind"] == "hang" and d["hang_culprit"]["op"] == "nccl:all_reduce"
+    assert job_dict(a_job())["hang_culprit"] is None
+    assert not any(line.startswith("  culprit:") for line in job_text(a_job()).splitlines())

@@ -50,8 +50,9 @@ class Incident:
 
 def nccl_culprit(nccl: Mapping[int, pb.NcclRankState], node_of: Mapping[int, str]) -> pb.HangCulprit | None:
     """The rank the flight-recorder dumps single out: in the process group where the ranks disagree, the one
-    that completed the fewest collectives (the others wait for it in the next one). None when the dumps
-    agree, or fewer than two ranks dumped."""
+    furthest behind — it never entered the collective its peers wait in (fewest started), or, if all entered
+    it, the one that did not finish it (fewest completed). None when the dumps agree, or fewer than two ranks
+    dumped."""
     groups: dict[str, dict[int, pb.NcclRankState]] = {}
     for rank, state in nccl.items():
         groups.setdefault(state.process_group, {})[rank] = state
@@ -59,21 +60,23 @@ def nccl_culprit(nccl: Mapping[int, pb.NcclRankState], node_of: Mapping[int, str
     for group, states in sorted(groups.items()):
         if len(states) < 2:
             continue
-        newest = max(s.last_completed_seq for s in states.values())
-        rank, behind = min(states.items(), key=lambda item: (item[1].last_completed_seq, item[0]))
-        if behind.last_completed_seq >= newest:
+        progress = {rank: (s.last_started_seq, s.last_completed_seq) for rank, s in states.items()}
+        rank = min(progress, key=lambda r: (progress[r], r))
+        newest = max(progress.values())
+        if progress[rank] == newest:
             continue
-        gap = newest - behind.last_completed_seq
+        behind = states[rank]
+        peers = newest[0] if newest[0] > behind.last_started_seq else newest[1]
+        gap = peers - (behind.last_started_seq if newest[0] > behind.last_started_seq else behind.last_completed_seq)
         if best is None or gap > best[0]:
-            seq = max(behind.last_started_seq, behind.last_completed_seq + 1)
-            best = (gap, pb.HangCulprit(rank=rank, node=node_of.get(rank, ""), process_group=group,
-                                        op=behind.last_op, seq=seq, state=behind.last_state, peers_seq=newest))
+            best = (gap, pb.HangCulprit(rank=rank, node=node_of.get(rank, ""), process_group=group, op=behind.last_op,
+                                        seq=behind.last_started_seq, state=behind.last_state, peers_seq=peers))
     return best[1] if best else None
 
 
 def describe_culprit(c: pb.HangCulprit) -> str:
     return (f"rank {c.rank} on {c.node} is stuck at collective {c.seq} ({c.op or 'unknown op'}, {c.state or 'no state'}"
-            f", process group {c.process_group or '?'}) while its peers completed {c.peers_seq}")
+            f", process group {c.process_group or '?'}) while its peers reached {c.peers_seq}")
 
 
 def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: Mapping[int, monitors.RankTrack],

@@ -149,7 +149,11 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "master_addr": job.master_addr or None, "master_port": job.master_port or None,
         "submitted": iso(job.submitted_unix_ns), "started": iso(job.started_unix_ns),
         "finished": iso(job.finished_unix_ns), "exit_code": job.exit_code,
-        "restarts": job.restarts, "incident": job.incident or None, "evicted": list(job.evicted),
+        "restarts": job.restarts, "incident": job.incident or None, "incident_kind": job.incident_kind or None,
+        "evicted": list(job.evicted),
+        "hang_culprit": {"rank": job.culprit.rank, "node": job.culprit.node, "process_group": job.culprit.process_group,
+                         "op": job.culprit.op, "seq": job.culprit.seq, "state": job.culprit.state,
+                         "peers_seq": job.culprit.peers_seq} if job.HasField("culprit") else None,
         "seconds_in_state": {p.phase: round(p.seconds, 3) for p in job.phase_times},
         "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu,
                    "state": rank_state(r.state), "pid": r.pid or None, "wrapper_pid": r.wrapper_pid or None,
@@ -174,6 +178,9 @@ def job_text(job: common_pb2.Job) -> str:
              f"  generation:  {job.generation} (restarts: {job.restarts})",
              f"  incident:    {job.incident or '-'}" + (f" (evicted: {', '.join(job.evicted)})" if job.evicted
                                                          else ""),
+             *([f"  culprit:     rank {job.culprit.rank} on {job.culprit.node}: stuck at collective {job.culprit.seq} "
+                f"({job.culprit.op or '?'}, {job.culprit.state or '?'}) while its peers reached "
+                f"{job.culprit.peers_seq} (NCCL flight recorder)"] if job.HasField("culprit") else []),
              f"  nodes:       {', '.join(job.nodes) or '-'}" + (f" (spares: {', '.join(job.spares)})" if job.spares
                                                                  else ""),
              f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",
