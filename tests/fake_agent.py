@@ -3,8 +3,11 @@ test sets (a stale generation)."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -36,3 +39,14 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
 
     def close(self) -> None:
         self._server.stop(grace=None)
+
+
+@contextmanager
+def serving() -> Iterator[FakeAgent]:
+    """A fake agent on a socket in a short temporary directory (a Unix socket path must stay under 108 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="tl-") as short:
+        fake = FakeAgent(Path(short) / "agent.sock")
+        try:
+            yield fake
+        finally:
+            fake.close()

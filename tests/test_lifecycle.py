@@ -439,3 +439,34 @@ def test_the_flight_recorder_names_no_culprit_when_the_dumps_agree_or_are_too_fe
     culprit = nccl_culprit({0: state(0, 9, 8, "0"), 1: state(1, 8, 8, "0"), 2: state(2, 30, 29, "1"),
                             3: state(3, 20, 20, "1")}, {**nodes, 3: "d"})
     assert (culprit.rank, culprit.process_group, culprit.seq, culprit.peers_seq) == (3, "1", 20, 30)
+
+
+def test_a_checkpoint_some_ranks_never_commit_is_given_up_at_its_deadline_in_virtual_time():
+    sim = Sim()
+    start(sim)
+    before = sim.job.generation
+    inject(sim, "gpu-failing")
+    sim.hung.add(0)  # rank 0 stops stepping as the request goes out: it never commits
+    sim.on_state["EVICTING"] = lambda: sim.hung.clear()
+    sim.run_until(lambda: running(sim) and sim.job.generation > before)
+    notes = [m for k, m in sim.events if k == "job.evicting"]
+    assert notes and "checkpoint incomplete (only 3 of 4 ranks committed checkpoint 1 within 30s)" in notes[0]
+    asked = next(i for i, (k, _) in enumerate(sim.events) if k == "job.checkpoint")
+    assert "job.checkpointed" not in [k for k, _ in sim.events[asked:]]
+    assert sim.job.phase_times and dict((p.phase, p.seconds) for p in sim.job.phase_times)["CHECKPOINTING"] >= 30
+
+
+def test_a_second_predictable_incident_soon_after_the_first_asks_for_a_new_checkpoint():
+    """The first request's deadline (30 s) has not passed when the next generation's incident comes: its
+    checkpoint must still be asked for afresh, not taken for one a dead controller left in flight."""
+    sim = Sim(nodes=("a", "b", "c", "d"))
+    start(sim)
+    inject(sim, "gpu-failing")
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    assert sim.now - START < 30
+    sim.slow.add(next(r.rank for r in sim.job.ranks if r.node == "c"))
+    sim.run_until(lambda: running(sim) and sim.job.generation == 3)
+    kinds = [k for k, _ in sim.events]
+    assert kinds.count("job.checkpointed") == 2, sim.events
+    assert not any("abandoned" in m for _, m in sim.events)
+    assert sim.job.checkpoint.id == 2 and sim.job.checkpoint.generation == 2

@@ -4,13 +4,12 @@ reported to Phalanx as fatal (no restart can mend it). Two "nodes" here are two 
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.fake_agent import FakeAgent
+from tests.fake_agent import serving
 from trainlib import shared_dir
 from trainlib._runtime import FATAL_EXIT_CODE
 
@@ -78,10 +77,8 @@ def test_a_marker_that_shows_up_late_is_waited_for(tmp_path):
 
 @pytest.fixture
 def agent():
-    with tempfile.TemporaryDirectory(prefix="tl-") as short:  # a Unix socket path must stay under 108 bytes
-        fake = FakeAgent(Path(short) / "agent.sock")
+    with serving() as fake:
         yield fake
-        fake.close()
 
 
 def test_rank_0_stops_at_its_first_save_and_tells_phalanx_why(agent, tmp_path):

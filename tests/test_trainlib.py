@@ -9,11 +9,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.fake_agent import FakeAgent
+from tests.fake_agent import serving
 from trainlib._runtime import STALE_EXIT_CODE
 
 
@@ -151,10 +150,8 @@ def test_a_script_that_handles_sigusr1_itself_keeps_its_handler():
 
 @pytest.fixture
 def agent():
-    with tempfile.TemporaryDirectory(prefix="tl-") as short:  # a Unix socket path must stay under 108 bytes
-        fake = FakeAgent(Path(short) / "agent.sock")
+    with serving() as fake:
         yield fake
-        fake.close()
 
 
 def start_rank(code: str, env: dict[str, str]) -> subprocess.Popen:

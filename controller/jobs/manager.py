@@ -218,7 +218,8 @@ class JobManager:
             at_step = lifecycle.checkpoint_step(entry.tracks, self.recovery_cfg.checkpoint_lead_s)
             latest, step_s = lifecycle.pace(entry.tracks)
             ask = pb.JobCheckpoint(id=job.checkpoint.id + 1, at_step=at_step,
-                                   deadline_unix_ns=int((now + deadline_s) * 1e9), reason="requested")
+                                   deadline_unix_ns=int((now + deadline_s) * 1e9), reason="requested",
+                                   generation=job.generation, asked_unix_ns=int(now * 1e9))
             future = asyncio.get_running_loop().create_future()
             await self.executor.apply(entry, [
                 lifecycle.Commit(lifecycle.copied(job, checkpoint=ask), "job.checkpoint",

@@ -348,7 +348,8 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
     if all_exited_zero(job):  # it finished before the agreed step: nothing left to save or evict
         return [finished(job, SUCCEEDED, "every rank exited 0 (before the eviction checkpoint)", 0, now)]
     request = job.checkpoint
-    asked_here = request.id and request.pause and request.deadline_unix_ns > job.state_since_unix_ns
+    asked_here = bool(request.id) and request.pause and request.generation == job.generation and \
+        request.asked_unix_ns >= job.state_since_unix_ns
     if not asked_here:
         wait_until = job.state_since_unix_ns / 1e9 + policy.recovery.pace_wait_s
         if not pace_known(view.tracks) and now < wait_until:
@@ -357,7 +358,8 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
         latest, step_s = pace(view.tracks)
         deadline = policy.recovery.checkpoint_deadline_s
         ask = pb.JobCheckpoint(id=request.id + 1, at_step=at_step, deadline_unix_ns=int((now + deadline) * 1e9),
-                               pause=True, reason=job.incident)
+                               pause=True, reason=job.incident, generation=job.generation,
+                               asked_unix_ns=int(now * 1e9))
         return [Commit(copied(job, checkpoint=ask), "job.checkpoint",
                        f"{job.id}: checkpoint {ask.id} requested from {len(job.ranks)} ranks after step {at_step} "
                        f"(deadline {deadline:g}s; last reported step {latest}, {step_s:.3f}s a step): {job.incident}"),
@@ -368,7 +370,7 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
                 "from the newest complete checkpoint")
         return [Commit(moved(job, EVICTING, note, now), "job.evicting", f"{job.id}: {note}; evicting "
                        f"{', '.join(job.incident_nodes) or 'nothing (restart in place)'}")]
-    asked_at = request.deadline_unix_ns / 1e9 - policy.recovery.checkpoint_deadline_s
+    asked_at = request.asked_unix_ns / 1e9
     if len(seen.acks) >= len(job.ranks):
         step_done = min(seen.acks.values())
         note = f"every rank committed step {step_done} in {max(0.0, now - asked_at):.2f}s"

@@ -463,18 +463,22 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., generation: _Optional[int] = ..., wrapper_pid: _Optional[int] = ...) -> None: ...
 
 class JobCheckpoint(_message.Message):
-    __slots__ = ("id", "at_step", "deadline_unix_ns", "pause", "reason")
+    __slots__ = ("id", "at_step", "deadline_unix_ns", "pause", "reason", "generation", "asked_unix_ns")
     ID_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ASKED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     id: int
     at_step: int
     deadline_unix_ns: int
     pause: bool
     reason: str
-    def __init__(self, id: _Optional[int] = ..., at_step: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., pause: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    generation: int
+    asked_unix_ns: int
+    def __init__(self, id: _Optional[int] = ..., at_step: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., pause: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., asked_unix_ns: _Optional[int] = ...) -> None: ...
 
 class HangCulprit(_message.Message):
     __slots__ = ("rank", "node", "process_group", "op", "seq", "state", "peers_seq")
