@@ -155,13 +155,13 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         victim_node, rank = info["ranks"][1]["node"], info["ranks"][1]
         fault_at = time.time()
         if fault == "crash":
-            child = psutil.Process(rank["pid"]).children()[0]  # the rank itself, under its wrapper
+            child = psutil.Process(rank["wrapper_pid"]).children()[0]  # the rank itself, under its wrapper
             child.send_signal(signal.SIGKILL)
         elif fault == "hang":
-            _kill_tree(rank["pid"], signal.SIGSTOP)
+            _kill_tree(rank["wrapper_pid"], signal.SIGSTOP)
         else:
             procs[victim_node].send_signal(signal.SIGKILL)
-            _kill_tree(rank["pid"], signal.SIGKILL)
+            _kill_tree(rank["wrapper_pid"], signal.SIGKILL)
         result = _measure(read, fault_at)
         info = json.loads(_cli(address, "job", job, "--json"))
         result["seconds_in_state"] = info["seconds_in_state"]

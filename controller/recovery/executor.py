@@ -145,8 +145,8 @@ class Executor:
                     entry.launch_task = asyncio.create_task(self._launch(entry, generation),
                                                             name=f"launch-{entry.job.id}-{generation}")
                 case lifecycle.Stop(node=node, generation=generation):
-                    entry.stops[node] = None
-                    self._spawn(self._stop(entry, node, generation), f"stop-{entry.job.id}-{node}")
+                    before, entry.stops[node] = entry.stops.get(node), None
+                    self._spawn(self._stop(entry, node, generation, before), f"stop-{entry.job.id}-{node}")
                 case lifecycle.Drain(node=node, reason=reason):
                     try:
                         await self.jobs.registry.drain(node, reason)
@@ -237,9 +237,10 @@ class Executor:
             job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,
             ranks=ranks)), timeout=self.jobs.cfg.launch_timeout_s)
 
-    async def _stop(self, entry: JobEntry, node: str, generation: int) -> None:
+    async def _stop(self, entry: JobEntry, node: str, generation: int, before: tuple | None = None) -> None:
         """Tell one node to stop a generation; once its agent took the command, the session and heartbeat
-        count are remembered, so a later heartbeat can confirm the ranks are gone."""
+        count are remembered, so a later heartbeat can confirm the ranks are gone. A stop told again on the
+        same session keeps the first one's heartbeat count: any heartbeat since the first can confirm."""
         nodes = self.jobs.registry.entries_by_name()
         target = nodes.get(node)
         session = target.session if target is not None else None
@@ -248,7 +249,8 @@ class Executor:
             try:
                 await session.request(node_pb2.Command(stop=node_pb2.StopRanks(
                     job=entry.job.id, generation=generation, grace_s=self.jobs.cfg.stop_grace_s)))
-                taken = (session, target.heartbeats, self.jobs.clock.monotonic())
+                beats = before[1] if before and before[0] is session else target.heartbeats
+                taken = (session, beats, self.jobs.clock.monotonic())
                 self.jobs.fenced(node, entry.job.id, generation)
             except Exception as e:
                 logger.warning("stop failed", job=entry.job.id, node=node, generation=generation, error=str(e))
