@@ -104,6 +104,11 @@ class RecoveryConfig:
     straggler_window: int = setting(30, "steps a straggler verdict looks at")
     straggler_min_samples: int = setting(10, "steps per rank needed before any straggler verdict")
     straggler_share: float = setting(0.6, "share of the window's steps that must be slow")
+    straggler_max_evictions: int = setting(2, "straggler evictions of one job within straggler_evictions_window_s; "
+                                           "a verdict beyond the bound is held back (an event says so)")
+    straggler_evictions_window_s: float = setting(3600.0, "the window of straggler_max_evictions, in seconds")
+    straggler_gain: float = setting(0.05, "how much faster (share of step time) the job must have become after a "
+                                    "straggler eviction before another straggler verdict is acted on")
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, f"recovery.max_restarts ({self.max_restarts}) must not be negative")
@@ -115,6 +120,10 @@ class RecoveryConfig:
                 f"recovery.straggler_min_samples ({self.straggler_min_samples}) must be between 1 and "
                 f"recovery.straggler_window ({self.straggler_window})")
         require(0 < self.straggler_share <= 1, f"recovery.straggler_share ({self.straggler_share}) must be in (0, 1]")
+        require(self.straggler_max_evictions >= 0,
+                f"recovery.straggler_max_evictions ({self.straggler_max_evictions}) must not be negative")
+        positive("recovery.straggler_evictions_window_s", self.straggler_evictions_window_s)
+        require(0 <= self.straggler_gain < 1, f"recovery.straggler_gain ({self.straggler_gain}) must be in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ class Sim:
         self.incidents: list[str] = []  # the kind of every incident committed, in order
         self.on_state: dict[str, callable] = {}
         self.hung: set[int] = set()  # ranks that stopped (SIGSTOP): they step no more and fall silent
-        self.slow: set[int] = set()  # ranks whose compute is 50% slower
+        self.slow: set[str] = set()  # nodes whose ranks compute 50% slower (and so the job's steps, when they run)
+        self.pace_factor = 1.0  # the whole job's steps this much slower, whatever its ranks (a slow dataset)
         self.step_of: dict[int, int] = {}
         spec = pb.JobSpec(command=["train"], nodes=job_nodes, ranks_per_node=ranks_per_node, spares=spares)
         self.job = pb.Job(id="job-1", spec=spec, state=pb.JOB_STATE_PENDING, state_since_unix_ns=int(self.now * 1e9))
@@ -95,7 +96,7 @@ class Sim:
 
     def run_for(self, seconds: float) -> None:
         end = self.now + seconds
-        self.run_until(lambda: not self.queue or self.queue[0][0] > end)
+        self.run_until(lambda: not self.queue or self.queue[0][0] > end, limit_s=seconds + 1)
         self.now = end
 
     def describe(self) -> str:
@@ -228,14 +229,15 @@ class Sim:
         if job.state in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CHECKPOINTING):
             live = [r for r in job.ranks if self._running(r)]
             stuck = any(r.rank in self.hung for r in job.ranks)
+            step_s = STEP_S * self.pace_factor * (1.5 if any(r.node in self.slow for r in live) else 1.0)
             for rank in live:
                 if rank.rank in self.hung:
                     continue
                 track = p.tracks.setdefault(rank.rank, RankTrack(last_advance=self.now, last_report=self.now))
                 steps = 0 if stuck else int(REPORT_S / STEP_S)
                 self.step_of[rank.rank] = self.step_of.get(rank.rank, 0) + steps
-                compute = [STEP_S * (1.5 if rank.rank in self.slow else 1.0)] * steps
-                track.observe(self.step_of[rank.rank], STEP_S if steps else 0.0, compute, self.now, steps)
+                compute = [STEP_S * (1.5 if rank.node in self.slow else 1.0)] * steps
+                track.observe(self.step_of[rank.rank], step_s if steps else 0.0, compute, self.now, steps)
         self.at(self.now + REPORT_S, self.report)
 
     def controller_restart(self) -> None:
@@ -276,7 +278,7 @@ def inject(sim: Sim, kind: str) -> None:
     elif kind == "hang":
         sim.hung.add(first_b)
     elif kind == "straggler":
-        sim.slow.add(first_b)
+        sim.slow.add("b")
 
 
 RESTART_AT = [None, "CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING"]
@@ -464,9 +466,49 @@ def test_a_second_predictable_incident_soon_after_the_first_asks_for_a_new_check
     inject(sim, "gpu-failing")
     sim.run_until(lambda: running(sim) and sim.job.generation == 2)
     assert sim.now - START < 30
-    sim.slow.add(next(r.rank for r in sim.job.ranks if r.node == "c"))
+    sim.slow.add("c")
     sim.run_until(lambda: running(sim) and sim.job.generation == 3)
     kinds = [k for k, _ in sim.events]
     assert kinds.count("job.checkpointed") == 2, sim.events
     assert not any("abandoned" in m for _, m in sim.events)
     assert sim.job.checkpoint.id == 2 and sim.job.checkpoint.generation == 2
+
+
+def straggler_policy(**changes) -> lifecycle.Policy:
+    return lifecycle.Policy(RecoveryConfig(**{"max_restarts": 10, "restart_backoff_s": 1.0, **changes}),
+                            JobsConfig(stop_grace_s=5.0))
+
+
+def held_events(sim: Sim) -> list[str]:
+    return [m for k, m in sim.events if k == "job.straggler_held"]
+
+
+def test_straggler_evictions_are_bounded_per_window_and_the_bound_says_so_once():
+    sim = Sim(nodes=("a", "b", "c", "d"), policy=straggler_policy(straggler_max_evictions=1))
+    start(sim)
+    inject(sim, "straggler")
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    sim.run_for(20)  # the eviction paid off: the job runs at full speed again
+    sim.slow.add("c")  # a second straggler, within the hour
+    sim.run_for(120)
+    assert sim.job.generation == 2 and running(sim), sim.describe()
+    [held] = held_events(sim)
+    assert "straggler verdict held back: rank" in held and "1 straggler evictions in the last 3600s already" in held
+    assert sim.incidents == ["straggler"]
+    sim.run_for(3600)  # the window passes: the verdict is acted on
+    assert sim.incidents == ["straggler", "straggler"] and sim.job.generation == 3
+    assert len(held_events(sim)) == 1
+
+
+def test_a_straggler_eviction_that_did_not_speed_the_job_up_holds_the_next_verdict():
+    sim = Sim(nodes=("a", "b", "c", "d"), policy=straggler_policy())
+    start(sim)
+    inject(sim, "straggler")
+    sim.pace_factor = 1.5  # the job was slow for another reason: evicting b will not help
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    assert sim.job.straggler_step_s == pytest.approx(STEP_S * 1.5 * 1.5)
+    sim.slow.add("c")  # with the job's own slowness: 2.25x, as before the eviction
+    sim.run_for(120)
+    assert sim.job.generation == 2, sim.describe()
+    [held] = held_events(sim)
+    assert "the last straggler eviction did not make the job faster" in held

@@ -166,6 +166,30 @@ def checkpoint_step(tracks: Mapping[int, progress.RankTrack], lead_s: float = RE
     return max(latest, 0) + math.ceil(lead_s / max(step_s, 1e-3)) + 2
 
 
+def job_step_s(tracks: Mapping[int, progress.RankTrack], reports: int = 5) -> float:
+    """The job's step time now: the median of its ranks' last few reported step times (0.0 before any). In a
+    synchronous job every rank takes as long as the slowest, so this is the job's throughput."""
+    recent = sorted(s for t in tracks.values() for s in list(t.step_s)[-reports:])
+    return recent[len(recent) // 2] if recent else 0.0
+
+
+def straggler_hold(job: pb.Job, tracks: Mapping[int, progress.RankTrack], now: float, cfg: RecoveryConfig) -> str:
+    """Why a straggler verdict must not be acted on now ("" if it may): evictions must not cascade. A false
+    verdict drains a healthy node, and in a loop it could drain a fleet."""
+    window = [t for t in job.straggler_evictions_unix_ns if now - t / 1e9 < cfg.straggler_evictions_window_s]
+    if len(window) >= cfg.straggler_max_evictions:
+        return (f"{len(window)} straggler evictions in the last {cfg.straggler_evictions_window_s:g}s already "
+                f"(recovery.straggler_max_evictions = {cfg.straggler_max_evictions})")
+    # Did the last eviction pay off? The fastest this generation has gone against the job's step time when
+    # it evicted: a new straggler slows the job again, but only lately.
+    before = job.straggler_step_s
+    best = min((t.fastest_s for t in tracks.values() if t.fastest_s), default=0.0)
+    if before and best and best > before * (1 - cfg.straggler_gain):
+        return (f"the last straggler eviction did not make the job faster ({before:.3f}s a step before it, at best "
+                f"{best:.3f}s since; recovery.straggler_gain = {cfg.straggler_gain:g}): the verdict may be noise")
+    return ""
+
+
 def pace_known(tracks: Mapping[int, progress.RankTrack]) -> bool:
     """No progress at all (a job without trainlib: save at once), or a report past some rank's start-up."""
     return not tracks or any(t.recent_pace() for t in tracks.values())
@@ -320,10 +344,17 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal)
     if incident is None:
         return []
-    return _incident(job, incident, now, policy)
+    if incident.kind == "straggler":
+        held = straggler_hold(job, view.tracks, now, policy.recovery)
+        if held:
+            if job.straggler_held == held.split(" (")[0]:
+                return []  # said once
+            return [Commit(copied(job, straggler_held=held.split(" (")[0]), "job.straggler_held",
+                           f"{job.id}: straggler verdict held back: {incident.reason}: {held}")]
+    return _incident(job, incident, now, policy, view)
 
 
-def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy) -> list[Action]:
+def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:
     """Begin a recovery: checkpoint first when the failure is predictable, else evict at once; give up
     after max_restarts, or at once when a rank said no restart mends it."""
     if incident.fatal or job.restarts >= policy.recovery.max_restarts:
@@ -334,6 +365,10 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy) -> li
     target = CHECKPOINTING if incident.predictable else EVICTING
     new = moved(job, target, incident.reason, now, incident=incident.reason, incident_predictable=incident.predictable,
                 incident_kind=incident.kind)
+    if incident.kind == "straggler" and view is not None:
+        new.straggler_evictions_unix_ns.append(int(now * 1e9))
+        new.straggler_step_s = job_step_s(view.tracks)
+        new.straggler_held = ""
     _replace(new.incident_nodes, incident.nodes)
     new.ClearField("culprit")
     if incident.culprit is not None:

@@ -34,6 +34,7 @@ class RankTrack:
     first_step_s: float = 0.0  # the first report's mean: it carries the rank's start-up (imports, rendezvous, load)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step, after the warm-up
     samples_seen: int = 0
+    fastest_s: float = 0.0  # the fastest mean step time of any report past the first (this generation)
 
     def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float,
                 steps: int = 1) -> None:
@@ -45,6 +46,7 @@ class RankTrack:
                 self.first_step_s = mean_step_s
             else:
                 self.step_s.append(mean_step_s)
+                self.fastest_s = min(self.fastest_s or mean_step_s, mean_step_s)
         skip = max(0, WARMUP_STEPS - self.samples_seen)  # first steps: imports, allocator, connection set-up
         self.samples_seen += len(compute_samples)
         self.compute_s.extend(compute_samples[skip:])
