@@ -34,6 +34,7 @@ class _Progress:
     compute_s: float = 0.0
     last_unix_ns: int = 0
     reports: int = 0
+    saving: bool = False
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
 
@@ -57,7 +58,7 @@ class LocalState:
                                              steps=p.steps, mean_step_s=p.step_s / p.steps if p.steps else 0.0,
                                              mean_compute_s=p.compute_s / p.steps if p.steps else 0.0,
                                              last_step_unix_ns=p.last_unix_ns,
-                                             compute_samples=p.samples, reports=p.reports))
+                                             compute_samples=p.samples, reports=p.reports, saving=p.saving))
             p.steps, p.step_s, p.compute_s, p.reports = 0, 0.0, 0.0, 0
             p.samples.clear()
         return out
@@ -79,6 +80,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
                            generation=request.generation, rank=request.rank, reason=request.fatal)
         p = self._state.progress.setdefault(key, _Progress())
         p.reports += 1
+        p.saving = request.saving
         for sample in request.steps:
             p.steps += 1
             p.step_s += sample.step_s

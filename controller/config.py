@@ -94,8 +94,10 @@ class RecoveryConfig:
                                     "confirm its ranks stopped (then they are fenced when reported)")
     silent_s: float = setting(3.0, "seconds without a trainlib report that make a hung rank the culprit (trainlib "
                               "reports twice a second)")
-    hang_min_s: float = setting(5.0, "a rank without step progress this long (at least) is hung")
-    hang_factor: float = setting(10.0, "... or this many times the job's median step time, if longer")
+    hang_min_s: float = setting(2.0, "a rank without step progress this long (at least) is hung (not while a rank "
+                                "of the job writes a checkpoint, nor in a generation's first 10 steps)")
+    hang_factor: float = setting(3.0, "... or this many times the job's typical step time (90th percentile of "
+                                 "recent ones), if longer")
     startup_s: float = setting(180.0, "seconds a rank may take to its first step before it counts as hung")
     straggler_ratio: float = setting(1.05, "compute time against the other ranks' median counted as slow (a "
                                      "10% slower rank is found; healthy noise is not)")

@@ -38,3 +38,12 @@ def test_a_fatal_report_is_handed_on_to_the_ranks_status():
     asyncio.run(service.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0, fatal="disk not shared"),
                                None))
     assert told == [("job-1", 1, 0, "disk not shared")]
+
+
+def test_a_rank_writing_a_checkpoint_says_so_in_the_heartbeats_progress():
+    state = LocalState()
+    service = LocalService(state, current_generation=lambda job: None, send=lambda message: None)
+    asyncio.run(service.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0, saving=True), None))
+    assert [(p.rank, p.saving) for p in state.drain()] == [(0, True)]
+    asyncio.run(service.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0), None))
+    assert [(p.rank, p.saving) for p in state.drain()] == [(0, False)]

@@ -197,3 +197,25 @@ def test_a_stale_rank_commits_no_checkpoint(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["generation 3 is no longer current; refusing to save step 5"]
     assert not list(tmp_path.glob("step-*"))
+
+
+def test_a_save_marks_the_rank_as_saving_for_its_reports_while_it_writes(monkeypatch):
+    """The hang detector holds off while a rank writes a checkpoint: the reporter thread sends `saving`."""
+    from trainlib import _runtime
+
+    seen = []
+
+    class Recorder:
+        def save(self, state, step):
+            seen.append(_runtime._saving)
+            if step == 6:
+                raise OSError("disk full")
+            return "committed"
+
+    monkeypatch.setattr(_runtime, "_checkpoint", lambda: Recorder())
+    monkeypatch.setattr(_runtime, "_check_shared", lambda: None)
+    monkeypatch.setattr(_runtime, "checkpoint_requested", lambda: False)
+    assert _runtime.save({}, 5) == "committed"
+    with pytest.raises(OSError, match="disk full"):
+        _runtime.save({}, 6)
+    assert seen == [True, True] and _runtime._saving is False

@@ -87,6 +87,7 @@ _handled: set[int] = set()
 _callback: Callable[[int], None] | None = None
 _checkpointer: Any = None
 _reporter: threading.Thread | None = None
+_saving = False  # save() is writing: reports say so, and the hang detector waits
 _stale = False  # the agent said a newer generation of the job runs: this process is ending
 _shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
 
@@ -230,9 +231,14 @@ def save(state: dict, step_number: int) -> Any:
         from trainlib.checkpoint import StaleGenerationError
         raise StaleGenerationError(f"generation {_ctx.generation if _ctx else '?'} is no longer current; "
                                    f"refusing to save step {step_number}")
+    global _saving
     answers = checkpoint_requested()  # a periodic save before the agreed step does not answer a request
     _check_shared()
-    result = _checkpoint().save(state, step_number)
+    _saving = True  # the reporter says so: a long save is not a hang
+    try:
+        result = _checkpoint().save(state, step_number)
+    finally:
+        _saving = False
     if answers:
         request_id, pause = _request_id, _pause_after
         _requested = False
@@ -319,7 +325,8 @@ def _flush(at_exit: bool = False) -> None:
                                           compute_s=_ring_compute_s[slot], end_unix_ns=_ring_end_ns[slot]))
     _tail = head
     reply = _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
-                                                    steps=batch, pid=os.getpid()), timeout=RPC_TIMEOUT_S)
+                                                    steps=batch, pid=os.getpid(), saving=_saving),
+                            timeout=RPC_TIMEOUT_S)
     if reply.stale and not at_exit:
         _end_stale()
     request = reply.checkpoint

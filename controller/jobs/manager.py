@@ -285,7 +285,8 @@ class JobManager:
                 entry.tracks = {r.rank: monitors.RankTrack(last_advance=now, last_report=now) for r in entry.job.ranks}
             track = entry.tracks.get(report.rank)
             if track is not None:
-                track.observe(report.last_step, report.mean_step_s, list(report.compute_samples), now, report.steps)
+                track.observe(report.last_step, report.mean_step_s, list(report.compute_samples), now, report.steps,
+                              report.saving)
         for nccl in heartbeat.nccl:
             entry = self.entries.get(nccl.job)
             if entry is not None and entry.job.state in ACTIVE:

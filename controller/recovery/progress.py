@@ -3,8 +3,11 @@
 Progress comes from trainlib in each rank (step number, step time and the compute time before the
 gradient synchronisation), folded per heartbeat by the agents.
 
-- Hung rank: its step number has not moved for max(hang_min_s, hang_factor x the job's median step
-  time); before a rank's first step, `startup_s` applies instead.
+- Hung rank: its step number has not moved for max(hang_min_s, hang_factor x the job's typical step
+  time: the 90th percentile of its recent reports, so spikes it has shown before do not alarm);
+  during a generation's first WARMUP_STEPS steps `startup_s` applies instead. While any rank of the
+  job is writing a checkpoint (trainlib says so) no rank is hung: the others wait for it in the next
+  collective. A save that outlasts `checkpoint_deadline_s` no longer shields them.
 - Straggler: a rank whose per-step compute time stays >= `straggler_ratio` x the median of the
   other ranks' over the last `straggler_window` steps. Robust by construction: medians, not means;
   a verdict needs `straggler_min_samples` steps of evidence with most of them slow, so healthy
@@ -35,10 +38,19 @@ class RankTrack:
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step, after the warm-up
     samples_seen: int = 0
     fastest_s: float = 0.0  # the fastest mean step time of any report past the first (this generation)
+    steps_seen: int = 0  # steps reported this generation
+    saving: bool = False  # the newest report says the rank is writing a checkpoint
+    saving_since: float = 0.0
 
     def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float,
-                steps: int = 1) -> None:
+                steps: int = 1, saving: bool = False) -> None:
         self.last_report = now
+        if saving and not self.saving:
+            self.saving_since = now
+        elif self.saving and not saving:
+            self.last_advance = max(self.last_advance, now)  # the save's time was no hang
+        self.saving = saving
+        self.steps_seen += steps
         if steps and last_step > self.last_step:
             self.last_step, self.last_advance = last_step, now
         if mean_step_s > 0:
@@ -68,21 +80,30 @@ class Finding:
     reason: str
 
 
+def typical_step_s(tracks: dict[int, RankTrack]) -> float:
+    """The 90th percentile of the ranks' recent step times (0.0 before any)."""
+    steps = sorted(s for t in tracks.values() for s in t.step_times())
+    return steps[min(len(steps) - 1, int(0.9 * len(steps)))] if steps else 0.0
+
+
 def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[Finding]:
-    steps = [s for t in tracks.values() for s in t.step_times()]
-    median_step = statistics.median(steps) if steps else 0.0
-    limit = max(cfg.hang_min_s, cfg.hang_factor * median_step)
+    if any(t.saving and now - t.saving_since < cfg.checkpoint_deadline_s for t in tracks.values()):
+        return []  # a rank is writing a checkpoint; the others wait for it in the next collective
+    typical = typical_step_s(tracks)
+    limit = max(cfg.hang_min_s, cfg.hang_factor * typical)
     out = []
     for rank, track in sorted(tracks.items()):
         silent = now - track.last_advance
-        if track.last_step < 0:
-            if silent >= cfg.startup_s:
-                out.append(Finding(rank, "hang", f"rank {rank} has not finished a step {silent:.0f}s after it "
-                                                 f"started (limit {cfg.startup_s:g}s)"))
+        if track.last_step < 0 or track.steps_seen < WARMUP_STEPS:
+            if silent >= max(cfg.startup_s, limit):
+                what = "finished a step" if track.last_step < 0 else f"made progress (step {track.last_step}, in " \
+                                                                       "its first steps)"
+                out.append(Finding(rank, "hang", f"rank {rank} has not {what} for {silent:.0f}s (limit "
+                                                 f"{max(cfg.startup_s, limit):g}s)"))
         elif silent >= limit:
             out.append(Finding(rank, "hang", f"rank {rank} made no progress for {silent:.1f}s (limit {limit:.1f}s "
-                                             f"= max({cfg.hang_min_s:g}s, {cfg.hang_factor:g} x median step "
-                                             f"{median_step:.2f}s)); last step {track.last_step}"))
+                                             f"= max({cfg.hang_min_s:g}s, {cfg.hang_factor:g} x typical step "
+                                             f"{typical:.2f}s)); last step {track.last_step}"))
     return out
 
 

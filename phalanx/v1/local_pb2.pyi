@@ -19,20 +19,22 @@ class StepSample(_message.Message):
     def __init__(self, step: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., end_unix_ns: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("job", "generation", "rank", "steps", "pid", "fatal")
+    __slots__ = ("job", "generation", "rank", "steps", "pid", "fatal", "saving")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     FATAL_FIELD_NUMBER: _ClassVar[int]
+    SAVING_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
     steps: _containers.RepeatedCompositeFieldContainer[StepSample]
     pid: int
     fatal: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ..., fatal: _Optional[str] = ...) -> None: ...
+    saving: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ..., fatal: _Optional[str] = ..., saving: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("id", "deadline_s", "reason", "pause", "at_step")

@@ -90,7 +90,7 @@ class Heartbeat(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ...) -> None: ...
 
 class RankProgress(_message.Message):
-    __slots__ = ("job", "generation", "rank", "last_step", "steps", "mean_step_s", "mean_compute_s", "last_step_unix_ns", "compute_samples", "reports")
+    __slots__ = ("job", "generation", "rank", "last_step", "steps", "mean_step_s", "mean_compute_s", "last_step_unix_ns", "compute_samples", "reports", "saving")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class RankProgress(_message.Message):
     LAST_STEP_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    SAVING_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -111,7 +112,8 @@ class RankProgress(_message.Message):
     last_step_unix_ns: int
     compute_samples: _containers.RepeatedScalarFieldContainer[float]
     reports: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., last_step: _Optional[int] = ..., steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_compute_s: _Optional[float] = ..., last_step_unix_ns: _Optional[int] = ..., compute_samples: _Optional[_Iterable[float]] = ..., reports: _Optional[int] = ...) -> None: ...
+    saving: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., last_step: _Optional[int] = ..., steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_compute_s: _Optional[float] = ..., last_step_unix_ns: _Optional[int] = ..., compute_samples: _Optional[_Iterable[float]] = ..., reports: _Optional[int] = ..., saving: _Optional[bool] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("job", "generation", "rank", "state", "pid", "exit_code", "gpu", "rank_pid", "fatal")
