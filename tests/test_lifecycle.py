@@ -512,3 +512,21 @@ def test_a_straggler_eviction_that_did_not_speed_the_job_up_holds_the_next_verdi
     assert sim.job.generation == 2, sim.describe()
     [held] = held_events(sim)
     assert "the last straggler eviction did not make the job faster" in held
+
+
+def test_no_hang_is_blamed_while_a_node_of_the_job_is_quiet():
+    """An agent that stops (SIGSTOP, a partition) takes its ranks' progress with it: their steps look
+    stalled before liveness can call the node DOWN. The hang verdict waits; the node-lost one follows."""
+    from controller.recovery.detectors import detect
+
+    t = {r: RankTrack(last_advance=0.0, last_report=0.0) for r in range(2)}
+    for step in range(20):
+        for track in t.values():
+            track.observe(step, 0.1, [0.08], step * 0.1)
+    ranks = [pb.RankInfo(rank=r, node="b", state=pb.RANK_STATE_RUNNING) for r in range(2)]
+    quiet = {"b": NodeView("b", False, HEALTHY, "", quiet=True)}
+    assert detect(ranks, quiet, t, 10.0, POLICY.recovery) is None
+    heard = {"b": NodeView("b", False, HEALTHY, "")}
+    assert detect(ranks, heard, t, 10.0, POLICY.recovery).kind == "hang"
+    down = {"b": NodeView("b", True, HEALTHY, "", quiet=True)}
+    assert detect(ranks, down, t, 10.0, POLICY.recovery).kind == "node-lost"

@@ -30,6 +30,7 @@ class NodeView:
     # session, and lately (lifecycle.RESTOP_S): a stop that raced a launch still in flight is sent again
     stopped: bool = False  # ... and a heartbeat since says none of the generation's ranks runs there
     running: bool = False  # its newest heartbeat shows ranks of the job's generation running
+    quiet: bool = False  # its heartbeats are late (over 1.5 intervals): its ranks' progress cannot arrive either
 
 
 KINDS = ("node-lost", "gpu-failed", "crash", "hang", "gpu-failing", "straggler")
@@ -102,6 +103,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
             code = rank.exit_code if rank.state == pb.RANK_STATE_EXITED and 0 < rank.exit_code < 256 else 1
             return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how}", code)
     hangs = monitors.hung(tracks, now, cfg)
+    if hangs and any(v.quiet for v in nodes.values()):
+        hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first
     if hangs:
         culprit = nccl_culprit(nccl or {}, node_of)
         if culprit is not None:

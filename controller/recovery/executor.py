@@ -118,7 +118,9 @@ class Executor:
         return NodeView(name, node.record.state is DOWN, node.verdict.health,
                         node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
                         drained=bool(node.record.drain_reason), stop_told=told is None or recent,
-                        stopped=taken and node.heartbeats > told[1] and not running, running=running)
+                        stopped=taken and node.heartbeats > told[1] and not running, running=running,
+                        quiet=self.jobs.clock.monotonic() - node.last_seen >
+                        1.5 * self.jobs.registry.policy.heartbeat_interval_s)
 
     def candidates(self, exclude: str = "") -> list[Candidate]:
         """Every node as placement sees it; nodes held by job `exclude` count as free (it is being re-placed)."""
