@@ -92,8 +92,9 @@ class RecoveryConfig:
                                  "report past the ranks' start-up")
     evict_margin_s: float = setting(10.0, "seconds beyond jobs.stop_grace_s an eviction waits for every node to "
                                     "confirm its ranks stopped (then they are fenced when reported)")
-    silent_s: float = setting(3.0, "seconds without a trainlib report that make a hung rank the culprit (trainlib "
-                              "reports twice a second)")
+    silent_s: float = setting(2.0, "seconds without a trainlib report that make a hung rank the culprit (trainlib "
+                              "reports twice a second; at most hang_min_s, or a hang is judged before its culprit "
+                              "can be)")
     hang_min_s: float = setting(2.0, "a rank without step progress this long (at least) is hung (not while a rank "
                                 "of the job writes a checkpoint, nor in a generation's first 10 steps)")
     hang_factor: float = setting(3.0, "... or this many times the job's typical step time (90th percentile of "
@@ -122,6 +123,9 @@ class RecoveryConfig:
                 f"recovery.straggler_min_samples ({self.straggler_min_samples}) must be between 1 and "
                 f"recovery.straggler_window ({self.straggler_window})")
         require(0 < self.straggler_share <= 1, f"recovery.straggler_share ({self.straggler_share}) must be in (0, 1]")
+        require(self.silent_s <= self.hang_min_s,
+                f"recovery.silent_s ({self.silent_s}) must not be larger than recovery.hang_min_s ({self.hang_min_s}): "
+                "a hang would be judged before its culprit could be named")
         require(self.straggler_max_evictions >= 0,
                 f"recovery.straggler_max_evictions ({self.straggler_max_evictions}) must not be negative")
         positive("recovery.straggler_evictions_window_s", self.straggler_evictions_window_s)

@@ -39,6 +39,9 @@ def test_defaults_without_a_file():
     ('log_level = "loud"', "log_level ('loud') must be one of: debug, info, warning, error"),
     ('listen = "7370"', "listen ('7370') must be host:port, e.g. 0.0.0.0:7370"),
     ("max_events = true", "max_events must be an integer, not bool True"),
+    ("[recovery]\nhang_min_s = 1.0", "recovery.silent_s (2.0) must not be larger than recovery.hang_min_s (1.0): a "
+                                     "hang would be judged before its culprit could be named"),
+    ("[recovery]\nstraggler_gain = 1.0", "recovery.straggler_gain (1.0) must be in [0, 1)"),
 ])
 def test_controller_config_errors(tmp_path, text, message):
     path = write(tmp_path, text)
