@@ -251,17 +251,19 @@ def save(state: dict, step_number: int) -> Any:
 
 
 def _check_shared() -> None:
-    """Rank 0's first save under Phalanx: every rank's marker must be visible, or the job can never checkpoint."""
+    """A rank's first save under Phalanx: every rank's marker must be visible, or the job can never checkpoint.
+    Every rank checks (not only rank 0): a rank that cannot see the others reports the reason itself, instead of
+    crashing in a collective when rank 0 leaves, which would look like an ordinary crash and be restarted."""
     global _shared_checked
     ctx = _ctx
-    if _shared_checked or ctx is None or not ctx.active or ctx.rank != 0:
+    if _shared_checked or ctx is None or not ctx.active:
         return
     from pathlib import Path
 
     from trainlib.shared_dir import check
     wait_s = float(os.environ.get("PHALANX_CHECKPOINT_SHARED_WAIT_S") or SHARED_WAIT_S)
     problem = check(Path(ctx.checkpoint_dir), ctx.generation, ctx.world_size, ctx.local_world_size,
-                    ctx.node or socket.gethostname(), wait_s)
+                    ctx.node or socket.gethostname(), wait_s, rank=ctx.rank)
     if problem:
         _end_fatal(problem)
     _shared_checked = True

@@ -61,8 +61,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def unshared_message(root: Path, node: str, world_size: int, local_world_size: int,
-                     found: dict[int, dict[str, Any]], waited_s: float) -> str:
-    """What rank 0 tells the user (and Phalanx) when some ranks' markers are not visible to it."""
+                     found: dict[int, dict[str, Any]], waited_s: float, rank: int = 0) -> str:
+    """What a rank tells the user (and Phalanx) when some ranks' markers are not visible to it."""
     missing = [r for r in range(world_size) if r not in found]
     by_node: dict[str, list[int]] = {}
     for r, marker in sorted(found.items()):
@@ -74,15 +74,18 @@ def unshared_message(root: Path, node: str, world_size: int, local_world_size: i
         groups.setdefault(r // per_node, []).append(r)
     nodes = len(range(0, world_size, per_node))
     hidden = ", ".join(f"ranks {_ranks(rs)} (the job's node {g + 1} of {nodes})" for g, rs in groups.items())
-    return (f"checkpoint directory {root} is not shared between the job's nodes: rank 0 on {node} sees no marker "
-            f"from {hidden} after {waited_s:g}s (it sees {visible or 'none'}); those ranks write their "
-            f"checkpoints into a directory rank 0 cannot see, so no checkpoint can ever be committed. Give the job "
-            f"a directory every node mounts: phalanx submit --checkpoint-dir DIR")
+    return (f"checkpoint directory {root} is not shared between the job's nodes: rank {rank} on {node} sees no "
+            f"marker from {hidden} after {waited_s:g}s (it sees {visible or 'none'}); those ranks write their "
+            f"checkpoints into a directory rank {rank} cannot see, so no checkpoint can ever be committed. Give the "
+            f"job a directory every node mounts: phalanx submit --checkpoint-dir DIR")
 
 
 def check(root: Path, generation: int, world_size: int, local_world_size: int, node: str, wait_s: float,
-          monotonic: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> str:
-    """Rank 0: wait up to `wait_s` for every rank's marker of `generation`; '' once all are visible, else why not.
+          monotonic: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+          rank: int = 0) -> str:
+    """Wait up to `wait_s` for every rank's marker of `generation`; '' once all are visible, else why not. Every
+    rank checks at its first save, so each one that cannot see the others says so itself (and none crashes in a
+    collective first because another one left).
 
     Once all are visible, the markers of older generations are removed.
     """
@@ -94,7 +97,7 @@ def check(root: Path, generation: int, world_size: int, local_world_size: int, n
             _forget_older(root, generation)
             return ""
         if monotonic() >= deadline:
-            return unshared_message(root, node, world_size, local_world_size, found, wait_s)
+            return unshared_message(root, node, world_size, local_world_size, found, wait_s, rank)
         sleep(pause)
         pause = min(pause * 1.5, _POLL_MAX_S)
 
