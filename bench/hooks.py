@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from bench.common import log
 
@@ -35,9 +36,11 @@ print(json.dumps(best))
 
 
 def run() -> dict:
-    env = {**os.environ, "PHALANX_JOB": "bench", "PHALANX_GENERATION": "1", "RANK": "0", "WORLD_SIZE": "1"}
-    env.pop("PHALANX_AGENT_SOCKET", None)  # no reporter thread: measure the hook alone
-    out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=300)
+    with tempfile.TemporaryDirectory(prefix="phalanx-hooks-") as scratch:  # init drops its marker there
+        env = {**os.environ, "PHALANX_JOB": "bench", "PHALANX_GENERATION": "1", "RANK": "0", "WORLD_SIZE": "1",
+               "PHALANX_CHECKPOINT_DIR": scratch}
+        env.pop("PHALANX_AGENT_SOCKET", None)  # no reporter thread: measure the hook alone
+        out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1])
     ns = json.loads(out.stdout)

@@ -119,7 +119,7 @@ def init() -> Context:
         os.environ.setdefault(key, value)
     if not any(name in os.environ for name in FR_BUFFER_ENV_NAMES):
         os.environ[flight_recorder_env()] = FR_BUFFER_SIZE
-    try:  # rank 0 checks at its first save that it sees every rank's marker (trainlib/shared_dir.py)
+    try:  # every rank checks at its first save that it sees every rank's marker (trainlib/shared_dir.py)
         from pathlib import Path
 
         from trainlib.shared_dir import announce
