@@ -60,10 +60,10 @@ def reload(controller: Controller, path: str | None) -> None:
     bad file changes nothing (the error is logged) and the controller goes on as it was."""
     try:
         cfg = controller_config.load(path)
+        applied, needs_restart = controller.reload(cfg)
     except ConfigError as e:
         logger.error("config reload refused", error=str(e), path=path)
         return
-    applied, needs_restart = controller.reload(cfg)
     log.configure(cfg.log_level, cfg.log_format)
     logger.info("config reloaded", path=path, applied=",".join(applied) or "nothing changed",
                 needs_restart=",".join(needs_restart) or None)

@@ -114,7 +114,6 @@ class Controller:
         self._tasks.append(asyncio.create_task(
             periodic("health", HEALTH_TICK_S, self.registry.health_tick, self.clock), name="health"))
         self._tasks.append(asyncio.create_task(self.jobs.run(), name="scheduler"))
-        self.jobs.resume_recoveries()
         logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()),
                     security="insecure" if self.cfg.security.insecure else "mutual TLS",
                     token_port=self.token_port or None)
@@ -151,15 +150,17 @@ class Controller:
                   "jobs.stop_grace_s", "jobs.missing_reports_lost", "security.tokens_file")
 
     def reload(self, cfg: ControllerConfig) -> tuple[list[str], list[str]]:
-        """Apply a reloaded config; returns the keys applied and the keys that changed but need a restart."""
+        """Apply a reloaded config; returns the keys applied and the keys that changed but need a restart.
+        Raises ConfigError (changing nothing) for a tokens file that does not load."""
         old = self.cfg
+        tokens = auth.load_tokens(cfg.security.tokens_file)  # read every time: its contents change, not its path
         changed = _changed_keys(old, cfg)
         applied = [k for k in changed if k.split(".")[0] in self.RELOADABLE or k in self.RELOADABLE]
         needs_restart = [k for k in changed if k not in applied]
-        if cfg.security.tokens_file != old.security.tokens_file or "security.tokens_file" in applied:
-            tokens = auth.load_tokens(cfg.security.tokens_file)
-            self._tokens.clear()
-            self._tokens.update(tokens)
+        if cfg.security.tokens_file and "security.tokens_file" not in applied:
+            applied.append("security.tokens_file")
+        self._tokens.clear()  # in place: the authoriser holds this dict
+        self._tokens.update(tokens)
         jobs_cfg = old.jobs
         for key in ("schedule_interval_s", "launch_timeout_s", "stop_grace_s", "missing_reports_lost"):
             jobs_cfg = dataclasses.replace(jobs_cfg, **{key: getattr(cfg.jobs, key)})

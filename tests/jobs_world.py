@@ -62,7 +62,6 @@ class World:
         await self.jobs.load()
         self._tasks = [asyncio.create_task(self.jobs.run(), name="scheduler"),
                        asyncio.create_task(self._liveness(), name="liveness")]
-        self.jobs.resume_recoveries()
 
     async def _liveness(self) -> None:
         """The liveness loop. Virtual time moves BEAT_S a turn of it, as fast as the event loop turns (the fake

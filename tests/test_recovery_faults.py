@@ -223,8 +223,8 @@ def test_a_checkpoint_soon_after_a_start_waits_for_the_ranks_real_pace():
             for agent, rank in ((a, 0), (b, 1)):  # steps 0-9, the first after 3 s of start-up
                 agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9,
                                                             steps=10, mean_step_s=0.35))
-            await world.until(lambda: world.jobs._jobs[job_id].tracks and all(
-                t.last_step == 9 for t in world.jobs._jobs[job_id].tracks.values()), "the start-up reports")
+            await world.until(lambda: world.jobs.entries[job_id].tracks and all(
+                t.last_step == 9 for t in world.jobs.entries[job_id].tracks.values()), "the start-up reports")
             b.remap_pending.add(0)
             await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
             for agent, rank in ((a, 0), (b, 1)):

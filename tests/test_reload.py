@@ -46,3 +46,39 @@ def test_sighup_reloads_what_it_can_and_names_what_needs_a_restart(cluster):
     assert "recovery" in refused["error"]
     assert proc.poll() is None
     cluster.control.ListNodes(control_pb2.ListNodesRequest(), timeout=10)
+
+
+def test_a_reload_reads_the_tokens_file_again_and_a_bad_one_changes_nothing(tmp_path):
+    """Operators edit the tokens file in place (add a user, revoke one): the path stays, the contents change."""
+    import asyncio
+    import hashlib
+
+    import pytest
+
+    from controller.config import ControllerConfig, SecurityConfig
+    from controller.server import Controller
+    from controller.store.memory import MemoryStore
+    from phalanx.errors import ConfigError
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice " + "a" * 32 + "\n")
+    cfg = ControllerConfig(listen="127.0.0.1:0", security=SecurityConfig(insecure=True, tokens_file=str(tokens)))
+
+    def names(controller):
+        return sorted(controller._tokens.values())
+
+    async def go():
+        controller = Controller(cfg, MemoryStore())
+        held = controller._tokens  # what the authoriser holds
+        assert names(controller) == ["alice"]
+        tokens.write_text("bob " + "b" * 32 + "\n")
+        applied, needs_restart = controller.reload(cfg)
+        assert applied == ["security.tokens_file"] and needs_restart == []
+        assert names(controller) == ["bob"] and controller._tokens is held
+        assert held[hashlib.sha256(b"b" * 32).digest()] == "bob"
+        tokens.write_text("carol short\n")
+        with pytest.raises(ConfigError, match="at least 16 characters"):
+            controller.reload(cfg)
+        assert names(controller) == ["bob"]
+
+    asyncio.run(go())

@@ -23,7 +23,7 @@ from controller.obs.events import EventHub
 from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
 from controller.recovery import detectors, lifecycle, table
 from controller.recovery import progress as monitors
-from controller.recovery.executor import Executor
+from controller.recovery.executor import Executor, PendingCheckpoint
 from controller.recovery.table import ACTIVE, RUNNING, TERMINAL, rank_may_move, state_name
 from controller.store.base import EventRecord, JobRecord, Store
 from phalanx import clock as clocks
@@ -40,23 +40,6 @@ __all__ = ["ACTIVE", "TERMINAL", "JobEntry", "JobManager", "state_name"]
 
 
 @dataclass
-class PendingCheckpoint:
-    """One checkpoint request of this process: the acknowledgements so far, and who waits for them."""
-
-    request_id: int
-    generation: int
-    ranks: int
-    acks: dict[int, int] = field(default_factory=dict)  # rank -> committed step
-    future: asyncio.Future | None = None  # a user's `phalanx checkpoint` waits on it
-
-    def view(self) -> lifecycle.CheckpointView:
-        return lifecycle.CheckpointView(self.request_id, dict(self.acks))
-
-
-SENDING = None  # a stop on its way to an agent: told, not yet taken
-
-
-@dataclass
 class JobEntry:
     job: pb.Job
     revision: int = 0
@@ -70,7 +53,6 @@ class JobEntry:
     launch_task: asyncio.Task | None = None
     stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when) at the stop
     checkpoint: PendingCheckpoint | None = None
-    wake_at: float | None = None
     incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
     incident_kind: str = ""
 
@@ -108,16 +90,8 @@ class JobManager:
         self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
         self.executor = Executor(self)
 
-    @property
-    def _jobs(self) -> dict[str, JobEntry]:  # the tests' name for the entries
-        return self.entries
-
     def policy(self) -> lifecycle.Policy:
         return lifecycle.Policy(self.recovery_cfg, self.cfg)
-
-    @staticmethod
-    def pending_checkpoint(request_id: int, generation: int, ranks: int) -> PendingCheckpoint:
-        return PendingCheckpoint(request_id, generation, ranks)
 
     def now(self) -> float:
         return clocks.wall_s(self.clock)
@@ -130,14 +104,10 @@ class JobManager:
             self._next_id = max(self._next_id, int(job.id.removeprefix("job-")) + 1)
         logger.info("jobs loaded", jobs=len(self.entries),
                     active=sum(e.job.state in ACTIVE for e in self.entries.values()))
+        self.wake()  # the first pass carries on whatever the stored records say, recoveries included
 
     async def run(self) -> None:
         await self.executor.run()
-
-    def resume_recoveries(self) -> None:
-        """After a controller restart nothing special is needed: the executor steps every stored record,
-        and the lifecycle carries on from what the record says (kept for callers that still ask)."""
-        self.wake()
 
     def wake(self) -> None:
         self.executor.wake()

@@ -11,6 +11,7 @@ as the clock is moved.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.errors import FailedPrecondition
@@ -27,6 +28,20 @@ if TYPE_CHECKING:
     from controller.jobs.manager import JobEntry, JobManager
 
 logger = log.get("recovery")
+
+@dataclass
+class PendingCheckpoint:
+    """One checkpoint request of this process: the acknowledgements so far, and who waits for them."""
+
+    request_id: int
+    generation: int
+    ranks: int
+    acks: dict[int, int] = field(default_factory=dict)  # rank -> committed step
+    future: asyncio.Future | None = None  # a user's `phalanx checkpoint` waits on it
+
+    def view(self) -> lifecycle.CheckpointView:
+        return lifecycle.CheckpointView(self.request_id, dict(self.acks))
+
 
 MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a pass, not a recovery
 
@@ -265,7 +280,7 @@ class Executor:
 
     def _request_checkpoint(self, entry: JobEntry, action: lifecycle.RequestCheckpoint) -> None:
         request = action.request
-        entry.checkpoint = self.jobs.pending_checkpoint(request.id, action.generation, len(entry.job.ranks))
+        entry.checkpoint = PendingCheckpoint(request.id, action.generation, len(entry.job.ranks))
         deadline_s = max(0.0, request.deadline_unix_ns / 1e9 - self.jobs.now())
         command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
             job=action.job, generation=action.generation, request_id=request.id, deadline_s=deadline_s,

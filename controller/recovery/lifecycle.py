@@ -23,13 +23,11 @@ from controller.nodes.health import FAILED as HEALTH_FAILED
 from controller.recovery import progress
 from controller.recovery.detectors import Incident, NodeView, backoff, detect
 from controller.recovery.table import (
-    ACTIVE,
     CANCELLED,
     CANCELLING,
     CHECKPOINTING,
     EVICTING,
     FAILED,
-    LAUNCHING,
     PENDING,
     RANK_EXITED,
     RANK_RUNNING,
@@ -268,25 +266,11 @@ def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
 
 def step(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     """What to do next for `job`, given what is seen of it and the wall-clock time `now`."""
-    match job.state:
-        case s if s == PENDING:
-            return _pending(job, view, now)
-        case s if s in LAUNCHING:
-            return _launching(job, view, now, policy)
-        case s if s == RUNNING:
-            return _running(job, view, now, policy)
-        case s if s == CHECKPOINTING:
-            return _checkpointing(job, view, now, policy)
-        case s if s == EVICTING:
-            return _evicting(job, view, now, policy)
-        case s if s == RENDEZVOUS:
-            return _rendezvous(job, view, now, policy)
-        case s if s == CANCELLING:
-            return _cancelling(job, view, now)
-    return []
+    decide = _BY_STATE.get(job.state)
+    return decide(job, view, now, policy) if decide is not None else []  # a final state: nothing to do
 
 
-def _pending(job: pb.Job, view: JobView, now: float) -> list[Action]:
+def _pending(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     spec = job.spec
     request = GangRequest(nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, spares=spec.spares,
                           segment=spec.segment or None)
@@ -492,7 +476,7 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
             Launch(job.id, generation)]
 
 
-def _cancelling(job: pb.Job, view: JobView, now: float) -> list[Action]:
+def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     out = stop_untold(job, view)
     down = {n for n, v in view.nodes.items() if v.down}
     running = [r for r in job.ranks if r.state == RANK_RUNNING and r.node not in down and r.node in view.nodes]
@@ -511,5 +495,5 @@ def cancel(job: pb.Job, now: float) -> list[Action]:
     return [Commit(new, "job.cancelling", f"{job.id}: cancel requested; stopping {len(job.ranks)} ranks")]
 
 
-def is_active(job: pb.Job) -> bool:
-    return job.state in ACTIVE
+_BY_STATE = {PENDING: _pending, STARTING: _launching, RESTARTING: _launching, RUNNING: _running,
+             CHECKPOINTING: _checkpointing, EVICTING: _evicting, RENDEZVOUS: _rendezvous, CANCELLING: _cancelling}
