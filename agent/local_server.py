@@ -1,14 +1,17 @@
 """The agent's Unix-socket service for trainlib inside the ranks (LocalService).
 
 Ranks report their step timings in batches; the agent folds them into one summary per rank per
-heartbeat for the controller (straggler and hang detection). The reply to a report carries the
-controller's pending checkpoint request for the rank's job, and tells a rank of a stale generation
-that it is stale. A rank's "checkpoint committed" goes up to the controller at once. A rank that
-says it stops for good (`fatal`) has the reason put on its rank status, which every heartbeat carries.
+heartbeat for the controller (straggler and hang detection). What the controller wants of a rank —
+its job's pending checkpoint request, or word that its generation is stale — is pushed down each
+rank's `Watch` stream the moment it changes, and carried on every report's reply as well (a rank
+whose stream broke still learns it within half a second). A rank's "checkpoint committed" goes up to
+the controller at once. A rank that says it stops for good (`fatal`) has the reason put on its rank
+status, which every heartbeat carries.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +47,22 @@ class LocalState:
 
     progress: dict[tuple[str, int, int], _Progress] = field(default_factory=dict)
     requests: dict[str, node_pb2.RequestCheckpoint] = field(default_factory=dict)  # job -> pending request
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def ask(self, request: node_pb2.RequestCheckpoint) -> None:
+        """Hand a checkpoint request to the job's ranks: pushed to their Watch streams at once."""
+        self.requests[request.job] = request
+        self.notify()
+
+    def notify(self) -> None:
+        """Something a rank may need to hear of changed (a request, a new generation): wake every watcher.
+        Called on the event loop."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def next_change(self) -> asyncio.Event:
+        """The event the next notify() sets."""
+        return self._changed
 
     def drain(self) -> list[node_pb2.RankProgress]:
         """Progress since the last drain, one entry per rank that reported. A rank silent since then is
@@ -72,6 +91,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         self._current = current_generation
         self._send = send
         self._fatal = fatal  # (job, generation, rank, reason) -> whether that rank is known here
+        self.watchers = 0  # Watch streams open now
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
@@ -88,13 +108,34 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
             p.last_step, p.last_unix_ns = sample.step, sample.end_unix_ns
             if sample.compute_s > 0:
                 p.samples.append(sample.compute_s)
+        return self._wanted(request.job, request.generation)
+
+    async def Watch(self, request: local_pb2.WatchRequest, context):
+        """Push what the controller wants of this rank each time it changes, until the generation is stale."""
+        sent = None
+        self.watchers += 1
+        try:
+            while True:
+                change = self._state.next_change()  # taken before reading: no change slips between read and wait
+                wanted = self._wanted(request.job, request.generation)
+                if wanted != sent:
+                    yield wanted
+                    sent = wanted
+                if wanted.stale:
+                    return
+                await change.wait()
+        finally:
+            self.watchers -= 1
+
+    def _wanted(self, job: str, generation: int) -> local_pb2.ReportReply:
+        """What the controller wants of a rank of `job` in `generation`: to stop (stale), or to checkpoint."""
         reply = local_pb2.ReportReply()
-        current = self._current(request.job)
-        if current is not None and request.generation < current:
+        current = self._current(job)
+        if current is not None and generation < current:
             reply.stale = True
             return reply
-        pending = self._state.requests.get(request.job)
-        if pending is not None and pending.generation == request.generation:
+        pending = self._state.requests.get(job)
+        if pending is not None and pending.generation == generation:
             reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(id=pending.request_id, deadline_s=pending.deadline_s,
                                                                   reason=pending.reason, pause=pending.pause,
                                                                   at_step=pending.at_step))

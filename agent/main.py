@@ -155,6 +155,7 @@ class Agent:
                 return node_pb2.CommandResult(ok=True, message=self._inject(command.inject))
             if body == "launch":
                 message = self.supervisor.launch(command.launch, self._rank_env(command.launch.job))
+                self.local.notify()  # the older generation's ranks hear at once that they are stale
                 return node_pb2.CommandResult(ok=True, message=message)
             if body == "stop":
                 stop = command.stop
@@ -166,11 +167,11 @@ class Agent:
                 return self._read_log(command.read_log)
             if body == "checkpoint":
                 request = command.checkpoint
-                self.local.requests[request.job] = request
+                self.local.ask(request)
                 ranks = [r.rank for r in self.supervisor.statuses()
                          if r.job == request.job and r.generation == request.generation]
                 return node_pb2.CommandResult(ok=True, message=f"checkpoint request {request.request_id} for "
-                                              f"{request.job} handed to ranks {ranks} at their next report")
+                                              f"{request.job} pushed to ranks {ranks}")
         except (ValueError, OSError) as e:
             return node_pb2.CommandResult(ok=False, error=str(e))
         return node_pb2.CommandResult(ok=False, error=f"unknown command {body!r}")

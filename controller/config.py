@@ -86,8 +86,8 @@ class RecoveryConfig:
     max_restarts: int = setting(3, "restarts of a job before it is declared FAILED")
     restart_backoff_s: float = setting(1.0, "wait before the first restart, doubled for each later one")
     checkpoint_deadline_s: float = setting(30.0, "seconds ranks have to commit a checkpoint before an eviction")
-    checkpoint_lead_s: float = setting(5.0, "how far ahead of a request, in seconds of steps at the ranks' pace, the "
-                                       "agreed checkpoint step lies (time for the request to reach every rank)")
+    checkpoint_lead_s: float = setting(1.0, "how far ahead of a request, in seconds of steps at the ranks' pace, the "
+                                       "agreed checkpoint step lies (time for the pushed request to reach every rank)")
     pace_wait_s: float = setting(3.0, "how long a checkpoint request soon after a (re)start waits for a progress "
                                  "report past the ranks' start-up")
     evict_margin_s: float = setting(10.0, "seconds beyond jobs.stop_grace_s an eviction waits for every node to "

@@ -1,9 +1,19 @@
 """The agent's side of trainlib's reports: folded per heartbeat, and nothing kept for ranks that went quiet."""
 
 import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from pathlib import Path
 
+import pytest
+
+from agent import local_server
 from agent.local_server import LocalService, LocalState
-from phalanx.v1 import local_pb2
+from phalanx.v1 import local_pb2, node_pb2
 
 
 def report(service, job, generation, rank, *steps):
@@ -47,3 +57,71 @@ def test_a_rank_writing_a_checkpoint_says_so_in_the_heartbeats_progress():
     assert [(p.rank, p.saving) for p in state.drain()] == [(0, True)]
     asyncio.run(service.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0), None))
     assert [(p.rank, p.saving) for p in state.drain()] == [(0, False)]
+
+
+def test_watch_pushes_a_request_the_moment_it_arrives_and_ends_when_the_generation_is_stale():
+    current = {"job-1": 1}
+
+    async def scenario():
+        state = LocalState()
+        service = LocalService(state, current_generation=current.get, send=lambda message: None)
+        stream = service.Watch(local_pb2.WatchRequest(job="job-1", generation=1, rank=0), None)
+        first = await anext(stream)
+        assert not first.stale and not first.checkpoint.id  # nothing wanted yet: said once, at the start
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing changed: nothing pushed
+        state.ask(node_pb2.RequestCheckpoint(job="job-2", generation=1, request_id=9))  # another job's
+        state.ask(node_pb2.RequestCheckpoint(job="job-1", generation=1, request_id=4, at_step=120, pause=True))
+        pushed = await waiting
+        assert (pushed.checkpoint.id, pushed.checkpoint.at_step, pushed.checkpoint.pause) == (4, 120, True)
+        current["job-1"] = 2
+        state.notify()  # a newer generation was launched
+        assert (await anext(stream)).stale
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+
+    asyncio.run(scenario())
+
+
+def test_a_rank_hears_a_request_by_push_without_waiting_for_its_next_report(tmp_path):
+    """The rank's reports are an hour apart here: only the Watch stream can bring the request."""
+    state = LocalState()
+    service = LocalService(state, current_generation=lambda job: 3, send=lambda message: None)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    with tempfile.TemporaryDirectory(prefix="ls-") as short:
+        socket = Path(short) / "agent.sock"
+        server = asyncio.run_coroutine_threadsafe(local_server.serve(socket, service), loop).result(30)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_"))}
+        env.update({"PHALANX_JOB": "job-1", "PHALANX_GENERATION": "3", "RANK": "0", "WORLD_SIZE": "1",
+                    "PHALANX_AGENT_SOCKET": str(socket), "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+        rank = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+            import time, trainlib, trainlib._runtime as runtime
+            runtime.REPORT_INTERVAL_S = 3600.0
+            trainlib.init()
+            print("ready", flush=True)
+            step = 0
+            while not trainlib.checkpoint_requested():
+                trainlib.step(step)
+                step += 1
+                time.sleep(0.005)
+            print("requested", runtime._request_id, runtime._at_step, flush=True)
+        """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert rank.stdout.readline() == "ready\n"
+            asyncio.run_coroutine_threadsafe(wait_for_watcher(service), loop).result(60)
+            loop.call_soon_threadsafe(state.ask, node_pb2.RequestCheckpoint(job="job-1", generation=3, request_id=7,
+                                                                            at_step=1))
+            out, err = rank.communicate(timeout=60)
+        finally:
+            rank.kill()
+            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+    assert rank.returncode == 0, err
+    assert out.splitlines()[-1] == "requested 7 1"
+
+
+async def wait_for_watcher(service: LocalService) -> None:
+    while not service.watchers:
+        await asyncio.sleep(0.01)

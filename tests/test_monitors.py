@@ -153,6 +153,20 @@ def test_a_generations_start_up_does_not_set_the_pace_of_the_checkpoint_step():
     assert hung(t, 1.0 + CFG.hang_min_s - 0.1, CFG) == []
 
 
+def test_the_checkpoint_step_is_reckoned_from_where_the_ranks_are_now_not_from_their_last_report():
+    """Reports are up to a report interval and a heartbeat old when a request is made: the ranks went on
+    stepping since. With a lead of one second, a step agreed from the report alone could lie behind them."""
+    t = tracks(2)
+    for track in t.values():
+        track.observe(10, 0.05, [0.01] * 10, now=99.0, steps=10, step_at=98.5)
+        track.observe(100, 0.05, [0.01] * 90, now=100.0, steps=90, step_at=99.5)  # step 100 ended at 99.5 s
+    ahead = math.ceil(REQUEST_LATENCY_S / 0.05) + 2
+    assert checkpoint_step(t) == 100 + ahead  # from the report alone
+    assert checkpoint_step(t, now=100.52) == 120 + ahead  # 1.02 s after step 100 ended: 20 steps on
+    t[1].observe(101, 0.05, [0.01], now=100.6, step_at=101.0)  # a rank clock ahead of ours counts as "now"
+    assert t[1].last_step_at == 100.6
+
+
 def test_the_start_up_report_alone_still_sets_a_lenient_hang_limit():
     t = tracks(2)
     for track in t.values():

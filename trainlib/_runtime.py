@@ -1,9 +1,11 @@
 """trainlib's state inside one rank: the environment Phalanx gave it, step timing, checkpoint requests.
 
-The per-step hook only reads a counter and appends to a deque (no lock, no system call); a daemon
-thread sends the batch to the node's agent twice a second over its Unix socket and brings back
-what the controller wants of this rank (a checkpoint). SIGUSR1 — what Slurm's `--signal` sends —
-is a checkpoint request too.
+The per-step hook only writes numbers into preallocated rings (no lock, no system call); a daemon
+thread sends the batch to the node's agent twice a second over its Unix socket. What the controller
+wants of this rank (a checkpoint) is pushed by the agent down a `Watch` stream that a second daemon
+thread holds open, so a request agreed a second ahead arrives in milliseconds; each report's reply
+carries it too, in case the stream is broken. SIGUSR1 — what Slurm's `--signal` sends — is a
+checkpoint request too.
 
 When the agent answers that this rank's generation is no longer current (a newer one of the job
 runs), the reporter thread ends the process itself, with one line on stderr and exit code
@@ -30,6 +32,7 @@ from typing import Any
 REPORT_INTERVAL_S = 0.5
 EVICTION_WAIT_S = 120.0
 RPC_TIMEOUT_S = 2.0  # a report that cannot reach the agent in this time is dropped, not retried
+WATCH_RETRY_S = 1.0  # a broken Watch stream is opened again after this long (reports carry requests meanwhile)
 STALE_EXIT_CODE = 75  # EX_TEMPFAIL: this generation is over; the job goes on in a newer one
 FATAL_EXIT_CODE = 78  # EX_CONFIG: the job cannot work as submitted (Phalanx fails it rather than restart it)
 # How long rank 0, at its first save, waits to see every rank's marker in the checkpoint directory (a shared
@@ -87,6 +90,7 @@ _handled: set[int] = set()
 _callback: Callable[[int], None] | None = None
 _checkpointer: Any = None
 _reporter: threading.Thread | None = None
+_stub_lock = threading.Lock()
 _saving = False  # save() is writing: reports say so, and the hang detector waits
 _stale = False  # the agent said a newer generation of the job runs: this process is ending
 _shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
@@ -133,6 +137,7 @@ def init() -> Context:
     if _ctx.agent_socket:
         _reporter = threading.Thread(target=_report_loop, name="trainlib-reporter", daemon=True)
         _reporter.start()
+        threading.Thread(target=_watch_loop, name="trainlib-watcher", daemon=True).start()
         atexit.register(_flush_at_exit)
     return _ctx
 
@@ -307,12 +312,13 @@ _stub = None
 
 def _agent():
     global _stub
-    if _stub is None:
-        import grpc
+    with _stub_lock:  # the reporter and the watcher share one channel
+        if _stub is None:
+            import grpc
 
-        from phalanx.v1 import local_pb2_grpc
-        _stub = local_pb2_grpc.LocalServiceStub(grpc.insecure_channel(f"unix://{_ctx.agent_socket}"))
-    return _stub
+            from phalanx.v1 import local_pb2_grpc
+            _stub = local_pb2_grpc.LocalServiceStub(grpc.insecure_channel(f"unix://{_ctx.agent_socket}"))
+        return _stub
 
 
 def _flush(at_exit: bool = False) -> None:
@@ -329,11 +335,31 @@ def _flush(at_exit: bool = False) -> None:
     reply = _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
                                                     steps=batch, pid=os.getpid(), saving=_saving),
                             timeout=RPC_TIMEOUT_S)
-    if reply.stale and not at_exit:
+    if not at_exit:
+        _heed(reply)
+
+
+def _heed(reply: Any) -> None:
+    """Act on what the agent says the controller wants of this rank (a ReportReply, reported or pushed)."""
+    if reply.stale:
         _end_stale()
     request = reply.checkpoint
     if request.id and request.id not in _handled and (not _requested or _request_id != request.id):
         _request(request.id, request.pause, request.at_step)
+
+
+def _watch_loop() -> None:
+    """Hold the agent's Watch stream open: requests arrive the moment the agent has them."""
+    from phalanx.v1 import local_pb2
+    ctx = _ctx
+    assert ctx is not None
+    while True:
+        try:
+            for reply in _agent().Watch(local_pb2.WatchRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank)):
+                _heed(reply)
+        except Exception:  # the agent restarting, or an older one without Watch: reports carry the same news
+            pass
+        time.sleep(WATCH_RETRY_S)
 
 
 def _end_stale() -> None:

@@ -185,7 +185,7 @@ class JobManager:
             if job.state != RUNNING:
                 raise FailedPrecondition(f"{job_id} is {state_name(job.state)}; only a running job can checkpoint")
             now = self.now()
-            at_step = lifecycle.checkpoint_step(entry.tracks, self.recovery_cfg.checkpoint_lead_s)
+            at_step = lifecycle.checkpoint_step(entry.tracks, self.recovery_cfg.checkpoint_lead_s, self.now())
             latest, step_s = lifecycle.pace(entry.tracks)
             ask = pb.JobCheckpoint(id=job.checkpoint.id + 1, at_step=at_step,
                                    deadline_unix_ns=int((now + deadline_s) * 1e9), reason="requested",
@@ -256,7 +256,7 @@ class JobManager:
             track = entry.tracks.get(report.rank)
             if track is not None:
                 track.observe(report.last_step, report.mean_step_s, list(report.compute_samples), now, report.steps,
-                              report.saving)
+                              report.saving, report.last_step_unix_ns / 1e9)
         for nccl in heartbeat.nccl:
             entry = self.entries.get(nccl.job)
             if entry is not None and entry.job.state in ACTIVE:

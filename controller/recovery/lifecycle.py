@@ -155,13 +155,22 @@ def pace(tracks: Mapping[int, progress.RankTrack]) -> tuple[int, float]:
     return latest, steps[len(steps) // 2] if steps else 1.0
 
 
-def checkpoint_step(tracks: Mapping[int, progress.RankTrack], lead_s: float = REQUEST_LATENCY_S) -> int:
+def checkpoint_step(tracks: Mapping[int, progress.RankTrack], lead_s: float = REQUEST_LATENCY_S,
+                    now: float | None = None) -> int:
     """The step after which every rank should save: far enough ahead that the request reaches every
-    rank before it gets there, so all ranks save the same step. 0 (at once) without progress reports."""
+    rank before it gets there, so all ranks save the same step. 0 (at once) without progress reports.
+
+    The newest report is up to a report interval and a heartbeat old, so with `now` the step the ranks
+    are at now is reckoned from when their last reported step ended (by the rank's clock) at their pace:
+    the lead then covers only the request's way down (pushed: milliseconds), not the reports' way up."""
     if not tracks:
         return 0
     latest, step_s = pace(tracks)
-    return max(latest, 0) + math.ceil(lead_s / max(step_s, 1e-3)) + 2
+    step_s = max(step_s, 1e-3)
+    if now is not None:
+        latest = max([latest, *(t.last_step + math.floor(max(0.0, now - t.last_step_at) / step_s)
+                                for t in tracks.values() if t.last_step >= 0 and t.last_step_at > 0)])
+    return max(latest, 0) + math.ceil(lead_s / step_s) + 2
 
 
 def job_step_s(tracks: Mapping[int, progress.RankTrack], reports: int = 5) -> float:
@@ -373,7 +382,7 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
         wait_until = job.state_since_unix_ns / 1e9 + policy.recovery.pace_wait_s
         if not pace_known(view.tracks) and now < wait_until:
             return [WakeAt(wait_until)]
-        at_step = checkpoint_step(view.tracks, policy.recovery.checkpoint_lead_s)
+        at_step = checkpoint_step(view.tracks, policy.recovery.checkpoint_lead_s, now)
         latest, step_s = pace(view.tracks)
         deadline = policy.recovery.checkpoint_deadline_s
         ask = pb.JobCheckpoint(id=request.id + 1, at_step=at_step, deadline_unix_ns=int((now + deadline) * 1e9),

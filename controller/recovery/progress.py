@@ -33,6 +33,7 @@ class RankTrack:
     last_step: int = -1
     last_advance: float = 0.0  # monotonic time the step number last moved (or the rank started)
     last_report: float = 0.0  # monotonic time trainlib in the rank last reported (steps or not)
+    last_step_at: float = 0.0  # when the rank finished last_step, by its own clock (never later than the report)
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # per report: mean step time
     first_step_s: float = 0.0  # the first report's mean: it carries the rank's start-up (imports, rendezvous, load)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # per step, after the warm-up
@@ -43,7 +44,7 @@ class RankTrack:
     saving_since: float = 0.0
 
     def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float,
-                steps: int = 1, saving: bool = False) -> None:
+                steps: int = 1, saving: bool = False, step_at: float = 0.0) -> None:
         self.last_report = now
         if saving and not self.saving:
             self.saving_since = now
@@ -53,6 +54,7 @@ class RankTrack:
         self.steps_seen += steps
         if steps and last_step > self.last_step:
             self.last_step, self.last_advance = last_step, now
+            self.last_step_at = min(step_at, now) if step_at > 0 else now
         if mean_step_s > 0:
             if not self.first_step_s and not self.step_s:
                 self.first_step_s = mean_step_s

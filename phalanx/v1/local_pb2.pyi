@@ -58,6 +58,16 @@ class ReportReply(_message.Message):
     stale: bool
     def __init__(self, checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., stale: _Optional[bool] = ...) -> None: ...
 
+class WatchRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
 class CheckpointDoneRequest(_message.Message):
     __slots__ = ("job", "generation", "rank", "request_id", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]

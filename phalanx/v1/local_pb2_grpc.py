@@ -44,6 +44,11 @@ class LocalServiceStub:
                 request_serializer=phalanx_dot_v1_dot_local__pb2.CheckpointDoneRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_local__pb2.CheckpointDoneReply.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/phalanx.v1.LocalService/Watch',
+                request_serializer=phalanx_dot_v1_dot_local__pb2.WatchRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_local__pb2.ReportReply.FromString,
+                _registered_method=True)
 
 
 class LocalServiceServicer:
@@ -64,6 +69,15 @@ class LocalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """What the controller wants of the rank, pushed the moment it changes (a checkpoint request, the
+        generation going stale) and once at the start: a checkpoint agreed a second ahead cannot wait for
+        the next Report. The stream ends once the rank's generation is stale.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +90,11 @@ def add_LocalServiceServicer_to_server(servicer, server):
                     servicer.CheckpointDone,
                     request_deserializer=phalanx_dot_v1_dot_local__pb2.CheckpointDoneRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_local__pb2.CheckpointDoneReply.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=phalanx_dot_v1_dot_local__pb2.WatchRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_local__pb2.ReportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +151,33 @@ class LocalService:
             '/phalanx.v1.LocalService/CheckpointDone',
             phalanx_dot_v1_dot_local__pb2.CheckpointDoneRequest.SerializeToString,
             phalanx_dot_v1_dot_local__pb2.CheckpointDoneReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/phalanx.v1.LocalService/Watch',
+            phalanx_dot_v1_dot_local__pb2.WatchRequest.SerializeToString,
+            phalanx_dot_v1_dot_local__pb2.ReportReply.FromString,
             options,
             channel_credentials,
             insecure,
