@@ -80,6 +80,13 @@ class AgentConfig:
                                   "names) at /metrics over plain HTTP, e.g. 0.0.0.0:7372; empty = off, the default, "
                                   "as for the controller")
     labels: dict[str, str] = setting({}, "free-form labels reported to the controller (rack, switch, block)")
+    snapshot_dir: str = setting("/dev/shm/phalanx", "tmpfs directory holding ranks' in-memory snapshots and peers' "
+                                "replicas (a subdirectory per node name); empty = no snapshots on this node")
+    snapshot_budget_mb: int = setting(0, "host memory the node's snapshots may take, its ranks' and peers' replicas "
+                                      "together; 0 = a quarter of the node's memory")
+    snapshot_listen: str = setting("", "host:port serving snapshot replicas to peer agents (plain gRPC: with "
+                                   "security.insecure = false no replicas are kept until this is set); empty = the "
+                                   "advertise address, else 127.0.0.1, on a free port")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
 
     def __post_init__(self) -> None:
@@ -94,6 +101,9 @@ class AgentConfig:
         require(self.stop_grace_s >= 0, f"stop_grace_s ({self.stop_grace_s}) must not be negative")
         if self.metrics_listen:
             host_port("metrics_listen", self.metrics_listen, "0.0.0.0:7372")
+        if self.snapshot_listen:
+            host_port("snapshot_listen", self.snapshot_listen, "10.0.0.5:7373")
+        require(self.snapshot_budget_mb >= 0, f"snapshot_budget_mb ({self.snapshot_budget_mb}) must not be negative")
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from agent import snapshots as snaps
 from agent import unix_socket
 from phalanx import log
 from phalanx.v1 import local_pb2, local_pb2_grpc, node_pb2
@@ -86,12 +87,15 @@ class LocalState:
 class LocalService(local_pb2_grpc.LocalServiceServicer):
     def __init__(self, state: LocalState, current_generation: Callable[[str], int | None],
                  send: Callable[[node_pb2.AgentMessage], None],
-                 fatal: Callable[[str, int, int, str], bool] = lambda job, generation, rank, reason: False) -> None:
+                 fatal: Callable[[str, int, int, str], bool] = lambda job, generation, rank, reason: False,
+                 snapshots: snaps.Snapshots | None = None, emit: Callable[..., None] = lambda *a, **k: None) -> None:
         self._state = state
         self._current = current_generation
         self._send = send
         self._fatal = fatal  # (job, generation, rank, reason) -> whether that rank is known here
         self.watchers = 0  # Watch streams open now
+        self._snapshots = snapshots  # None: this node keeps no snapshots
+        self._emit = emit  # (kind, message, **labels) -> the controller's event log
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
@@ -140,6 +144,26 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
                                                                   reason=pending.reason, pause=pending.pause,
                                                                   at_step=pending.at_step))
         return reply
+
+    async def SnapshotTaken(self, request: local_pb2.SnapshotTakenRequest, context) -> local_pb2.SnapshotTakenReply:
+        if self._snapshots is None:
+            return local_pb2.SnapshotTakenReply(error="this node keeps no snapshots (agent snapshot_dir is empty)")
+        return local_pb2.SnapshotTakenReply(error=self._snapshots.taken(
+            snaps.Key.of(request), request.path, request.size, request.crc32))
+
+    async def FetchSnapshot(self, request: local_pb2.FetchSnapshotRequest, context) -> local_pb2.FetchSnapshotReply:
+        if self._snapshots is None:
+            return local_pb2.FetchSnapshotReply(error="this node keeps no snapshots (agent snapshot_dir is empty)")
+        try:
+            held = await self._snapshots.fetch(snaps.Key.of(request), request.source)
+        except snaps.SnapshotError as e:
+            return local_pb2.FetchSnapshotReply(error=str(e))
+        return local_pb2.FetchSnapshotReply(path=str(held.path), crc32=held.crc32)
+
+    async def Tell(self, request: local_pb2.TellRequest, context) -> local_pb2.TellReply:
+        kind = request.kind if request.kind.replace("_", "").isalnum() else "trainlib"
+        self._emit(kind[:64], request.message[:2000], job=request.job[:256], rank=str(request.rank))
+        return local_pb2.TellReply()
 
     async def CheckpointDone(self, request: local_pb2.CheckpointDoneRequest, context) -> local_pb2.CheckpointDoneReply:
         logger.info("rank committed a checkpoint", job=request.job, rank=request.rank, step=request.step,

@@ -18,6 +18,7 @@ from agent import config as agent_config
 from agent import local_server
 from agent import metrics as agent_metrics
 from agent import nvrx as nvrx_service
+from agent import snapshots as snaps
 from agent.backoff import Backoff
 from agent.collectors import gpu
 from agent.collectors.dcgm import DcgmHealth
@@ -39,6 +40,7 @@ from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
+SNAPSHOT_IDLE_S = 600.0  # a job's snapshots here that have not changed this long (and no rank of it runs) are dropped
 TELEMETRY_STALE_S = 5.0  # a scrape reads the last heartbeat's GPU readings, and starts a sweep when they are older
 logger = log.get("agent")
 
@@ -88,6 +90,13 @@ class Agent:
                 cpus_for_gpu[locality.gpu_index] = parse_cpulist(locality.cpulist)
         self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock)
         self.local = LocalState()
+        self.snapshots: snaps.Snapshots | None = None
+        self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)
+        self._snapshot_keys: dict[str, set] = {}
+        if cfg.snapshot_dir:
+            budget = cfg.snapshot_budget_mb * 1_000_000 or memory // 4
+            store = snaps.SnapshotStore(Path(cfg.snapshot_dir) / self.name, budget)
+            self.snapshots = snaps.Snapshots(store, snaps.Replicator(store, self._emit), self._emit)
         self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None
         self._dcgm_seen: set[tuple[int, str]] = set()
@@ -106,6 +115,9 @@ class Agent:
         self._gpu = guard("gpu", backend.sample, [])
         self._nccl = guard("nccl", lambda: self.nccl.scan(self.clock.wall_ns()), [])
         self._dcgm = guard("dcgm", self.dcgm.check, {}) if self.dcgm is not None else None
+
+    def _emit(self, kind: str, message: str, **fields: str) -> None:
+        self.link.emit(kind, message, **fields)
 
     @property
     def last_host(self) -> common_pb2.HostTelemetry | None:
@@ -129,9 +141,34 @@ class Agent:
         if dcgm:
             self._report_dcgm(dcgm[0])
         self.supervisor.poll()
+        ranks = self.supervisor.statuses()
+        held = []
+        if self.snapshots is not None:
+            self._forget_snapshots(ranks)
+            held = self.snapshots.store.report()
         return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
                                   health_digest=health_digest(gpus, host), nccl=nccl,
-                                  ranks=self.supervisor.statuses(), progress=self.local.drain())
+                                  ranks=ranks, progress=self.local.drain(), snapshots=held)
+
+    def _forget_snapshots(self, ranks: list[node_pb2.RankStatus]) -> None:
+        """Snapshots outlive their ranks (a restore needs them), not their job: a job with no rank here and no
+        new snapshot for SNAPSHOT_IDLE_S has ended or moved on, and its memory is given back."""
+        assert self.snapshots is not None
+        now = self.clock.monotonic()
+        keys: dict[str, set] = {}
+        for held in self.snapshots.store.held():
+            keys.setdefault(held.key.job, set()).add(held.key)
+        running = {r.job for r in ranks if r.state == common_pb2.RANK_STATE_RUNNING}
+        for job, held_keys in keys.items():
+            if job in running or held_keys != self._snapshot_keys.get(job):  # its ranks here or elsewhere go on
+                self._snapshot_seen[job] = now
+        self._snapshot_keys = keys
+        idle = {job for job in keys if now - self._snapshot_seen.get(job, now) > SNAPSHOT_IDLE_S}
+        if idle:
+            gone = self.snapshots.store.forget(set(keys) - idle)
+            logger.info("snapshots of idle jobs dropped", jobs=",".join(gone))
+            for job in idle:
+                self._snapshot_seen.pop(job, None)
 
     def gpu_telemetry(self) -> list[common_pb2.GpuTelemetry]:
         """The latest GPU readings for a scrape (on the event loop): the last heartbeat's. When they are older
@@ -155,6 +192,9 @@ class Agent:
                 return node_pb2.CommandResult(ok=True, message=self._inject(command.inject))
             if body == "launch":
                 message = self.supervisor.launch(command.launch, self._rank_env(command.launch.job))
+                if self.snapshots is not None:  # and where this node's ranks' snapshots are replicated to
+                    self.snapshots.launched(command.launch.job, command.launch.generation,
+                                            command.launch.env.get("PHALANX_SNAPSHOT_PEER", ""))
                 self.local.notify()  # the older generation's ranks hear at once that they are stale
                 return node_pb2.CommandResult(ok=True, message=message)
             if body == "stop":
@@ -195,7 +235,23 @@ class Agent:
     def local_service(self) -> local_server.LocalService:
         """The service trainlib in the ranks talks to (served on `<state_dir>/agent.sock`)."""
         return local_server.LocalService(self.local, self.supervisor.current_generation, self.link.send,
-                                         self.supervisor.mark_fatal)
+                                         self.supervisor.mark_fatal, self.snapshots, self._emit)
+
+    async def _serve_snapshots(self) -> grpc.aio.Server | None:
+        """Serve peers' replicas (before the link starts: the inventory says where). Plain gRPC, so only on a
+        trial cluster (security.insecure) or where the operator chose an address for it (snapshot_listen)."""
+        if self.snapshots is None or not (self.cfg.snapshot_listen or self.cfg.security.insecure):
+            return None
+        listen = self.cfg.snapshot_listen or f"{self.cfg.advertise_address or '127.0.0.1'}:0"
+        try:
+            server, address = await snaps.serve(listen, snaps.SnapshotService(self.snapshots.store, self._emit))
+        except (OSError, RuntimeError) as e:
+            logger.error("snapshot replicas not served; this node's snapshots stay unreplicated", listen=listen,
+                         error=str(e))
+            return None
+        self._static.snapshot_address = address
+        logger.info("snapshot service serving", address=address, budget_mb=self.snapshots.store.budget // 1_000_000)
+        return server
 
     async def _watchdog(self, interval_s: float) -> None:
         """Ping systemd's watchdog from the event loop itself: a stuck loop stops the pings and gets restarted."""
@@ -209,6 +265,8 @@ class Agent:
         env.update(rank_env(Path(self.cfg.state_dir), job))
         env.update(PHALANX_NODE=self.name, PHALANX_AGENT_SOCKET=str(Path(self.cfg.state_dir) / "agent.sock"),
                    PHALANX_CHECKPOINT_DIR=str(Path(self.cfg.checkpoint_dir) / job))
+        if self.snapshots is not None:
+            env["PHALANX_SNAPSHOT_DIR"] = str(self.snapshots.store.own_dir)
         return env
 
     def _read_log(self, request: node_pb2.ReadLog) -> node_pb2.CommandResult:
@@ -249,6 +307,7 @@ class Agent:
                     group=self.cfg.security.socket_group)
             except OSError as e:
                 logger.warning("NVRx node health check not served", socket=self.cfg.nvrx_socket, error=str(e))
+        peers = await self._serve_snapshots()
         metrics = agent_metrics.server(agent_metrics.view(self))
         if self.cfg.metrics_listen:
             await metrics.serve(self.cfg.metrics_listen)
@@ -265,6 +324,10 @@ class Agent:
                 await local.stop(1.0)
             if nvrx is not None:
                 await nvrx.stop(1.0)
+            if peers is not None:
+                await peers.stop(1.0)
+            if self.snapshots is not None:
+                await self.snapshots.replicator.close()
             await metrics.close()
             if self.dcgm is not None:
                 self.dcgm.close()

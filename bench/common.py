@@ -62,7 +62,8 @@ def agent_toml(name: str, address: str, root: Path, gpus: int = 8) -> str:
     node = root / name
     return (f'node_name = "{name}"\ncontroller = "{address}"\nstate_dir = "{node / "state"}"\n'
             'security.insecure = true\n'
-            f'checkpoint_dir = "{node / "checkpoints"}"\n\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n')
+            f'checkpoint_dir = "{node / "checkpoints"}"\nsnapshot_dir = "{node / "snapshots"}"\n'
+            f'\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n')
 
 
 def pin_argv(argv: list[str], cpu: int | None) -> tuple[list[str], object]:

@@ -1,5 +1,6 @@
 """The same small gloo training job as train_gloo.py, written against trainlib: resumes from the newest
-complete checkpoint, checkpoints when Phalanx asks (and every --every steps), reports step times.
+in-memory snapshot or complete checkpoint, snapshots every step, checkpoints when Phalanx asks (and every
+--every steps), reports step times.
 
 Runs alone too: outside Phalanx trainlib is a no-op shim and checkpoints go to ./checkpoints.
 """
@@ -36,6 +37,8 @@ def main() -> int:
     parser.add_argument("--steps-after-resume", type=int, default=0,
                         help="a run that resumed from a checkpoint stops this many steps after it, or at --steps if "
                         "sooner (0 = at --steps): with a large --steps, the run ends only once a recovery happened")
+    parser.add_argument("--no-snapshots", action="store_true", help="no in-memory snapshots: a restart resumes from "
+                        "the newest durable checkpoint")
     parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
     parser.add_argument("--out-steps", default="", help="rank 0 writes the number of steps the model was trained "
                         "for here (what an uninterrupted run needs as --steps to end with the same model)")
@@ -51,6 +54,10 @@ def main() -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scratch = torch.ones(256, 256)
     first = 0
+
+    def training_state() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
     loaded = trainlib.load_latest()
     if loaded is not None:
         model.load_state_dict(loaded.state["model"])
@@ -76,8 +83,10 @@ def main() -> int:
                 p.grad /= ctx.world_size
         optimizer.step()
         trainlib.step(step)
+        if not args.no_snapshots:
+            trainlib.snapshot(training_state, step)
         if trainlib.checkpoint_requested() or (args.every and (step + 1) % args.every == 0):
-            trainlib.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
+            trainlib.save(training_state(), step)
             print(f"rank {ctx.rank}: checkpointed step {step}", flush=True)
         if ctx.rank == 0 and step % args.print_every == 0:
             print(f"step {step} loss {loss.item():.4f} at {time.time():.3f}", flush=True)

@@ -82,7 +82,8 @@ class Cluster:
         node = self.root / name
         return self._spawn(name, "agent.main", self._metrics_listen(name, metrics) + (
             f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
-            f'checkpoint_dir = "{node / "ckpt"}"\nnvrx_socket = "{node / "nvhcd.sock"}"\n{extra}\n'
+            f'checkpoint_dir = "{node / "ckpt"}"\nsnapshot_dir = "{node / "snapshots"}"\n'
+            f'nvrx_socket = "{node / "nvhcd.sock"}"\n{extra}\n'
             f'[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'
             "[reconnect]\nmax_backoff_s = 1.0\n" + self._security(extra, name)))
 

@@ -44,7 +44,7 @@ class FlakyBackend(SimBackend):
 
 
 def make_agent(tmp_path, backend, clock):
-    cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"),
+    cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"), snapshot_dir="",
                                    checkpoint_dir=str(tmp_path), nvrx_socket="")
     agent = Agent(cfg, backend, clock=clock)
     events = []

@@ -166,7 +166,7 @@ def test_the_ranks_own_pid_is_learnt_and_survives_an_agent_restart(tmp_path):
 
 
 def test_a_fatal_report_goes_up_on_the_ranks_status_and_survives_an_agent_restart(tmp_path):
-    cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"),
+    cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"), snapshot_dir="",
                                    checkpoint_dir=str(tmp_path), nvrx_socket="")
     agent = Agent(cfg, SimBackend(1, "node-f", seed=1), clock=FakeClock())
     said, record = launch(agent.supervisor, tmp_path, tmp_path)

@@ -171,7 +171,7 @@ def test_daemons_exit_2_on_missing_certificates_and_bad_security_config(tmp_path
     assert result.returncode == 2
     assert "token_listen needs TLS; it cannot be used with security.insecure" in result.stderr
     agent = tmp_path / "a.toml"
-    agent.write_text(f'node_name = "n1"\nstate_dir = "{tmp_path / "s"}"\n[security]\n'
+    agent.write_text(f'node_name = "n1"\nstate_dir = "{tmp_path / "s"}"\nsnapshot_dir = ""\n[security]\n'
                      f'cert_file = "{tmp_path / "n1.crt"}"\nca_file = "{tmp_path / "ca.crt"}"\n')
     result = run("-m", "agent.main", "--config", str(agent))
     assert result.returncode == 2 and result.stderr.startswith("phalanx-agent: config error: security: CA certificate")

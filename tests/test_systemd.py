@@ -52,6 +52,7 @@ def test_daemons_say_ready_ping_the_watchdog_and_say_stopping(tmp_path, module):
         config.write_text(f'listen = "127.0.0.1:{port}"\nstate_db = "{tmp_path / "c.db"}"\nsecurity.insecure = true\n')
     else:  # an agent whose controller is not there: it still comes up and keeps trying
         config.write_text(f'node_name = "n1"\ncontroller = "127.0.0.1:{port}"\nstate_dir = "{tmp_path / "s"}"\n'
+                          f'snapshot_dir = ""\n'
                           f'checkpoint_dir = "{tmp_path / "c"}"\nnvrx_socket = ""\nsecurity.insecure = true\n'
                           '[gpu]\nbackend = "sim"\n')
     env = {**os.environ, "NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "1000000"}

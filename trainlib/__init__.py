@@ -8,6 +8,7 @@
         trainlib.compute_done()            # optional: just before the gradient synchronisation
         ...all-reduce, optimizer step...
         trainlib.step(step)                # the per-step hook: ~0.5 us, no system call
+        trainlib.snapshot(state, step)     # in host memory, replicated to a peer: a restart loses <= 1 step
         if trainlib.checkpoint_requested():
             trainlib.save(state, step)     # durable, atomic; tells Phalanx which step is safe
 
@@ -25,8 +26,9 @@ from trainlib._runtime import (
     load_latest,
     on_checkpoint_request,
     save,
+    snapshot,
     step,
 )
 
 __all__ = ["Context", "checkpoint_requested", "compute_done", "init", "load_latest", "on_checkpoint_request",
-           "save", "step"]
+           "save", "snapshot", "step"]

@@ -94,6 +94,7 @@ _stub_lock = threading.Lock()
 _saving = False  # save() is writing: reports say so, and the hang detector waits
 _stale = False  # the agent said a newer generation of the job runs: this process is ending
 _shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
+_snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is first called under Phalanx
 
 
 def init() -> Context:
@@ -301,8 +302,68 @@ def _wait_for_eviction(step_number: int) -> None:
 
 
 def load_latest(map_location: str = "cpu") -> Any:
-    """The newest complete checkpoint for this rank, or None."""
-    return _checkpoint().load_latest(map_location=map_location)
+    """The newest state to resume from, or None: after a failure, the in-memory snapshot Phalanx names when every
+    rank has its own (collective then: every rank calls it, after init_process_group), else the newest complete
+    durable checkpoint."""
+    checkpointer = _checkpoint()
+    ctx = init()
+    if ctx.active and ctx.agent_socket:
+        from trainlib._snapshot import restore
+        loaded = restore(ctx, checkpointer, _agent(), map_location, _agreement(), _tell)
+        if loaded is not None:
+            return loaded
+    return checkpointer.load_latest(map_location=map_location)
+
+
+def snapshot(state: dict | Callable[[], dict], step_number: int) -> bool:
+    """Keep `state` (or what the function `state` returns, called only when a snapshot is due) as of
+    `step_number` in host memory that outlives this process, replicated to another node,
+    when a snapshot is due (every step while that costs at most 3% of a step; see trainlib._snapshot). Blocks only
+    for the copy into host memory. True if one was taken; always False outside Phalanx or without an agent that
+    keeps snapshots. Call it after trainlib.step(step_number), with the state a restart would need."""
+    global _snapshotter
+    ctx = _ctx
+    if ctx is None or not ctx.active or not ctx.agent_socket or _stale:
+        return False
+    if _snapshotter is None:
+        directory = os.environ.get("PHALANX_SNAPSHOT_DIR", "")
+        if not directory:
+            return False
+        from pathlib import Path
+
+        from trainlib._snapshot import Snapshotter
+        every = os.environ.get("PHALANX_SNAPSHOT_EVERY", "")
+        _snapshotter = Snapshotter(Path(directory), ctx.job, ctx.generation, ctx.rank,
+                                   lambda request: _agent().SnapshotTaken(request, timeout=RPC_TIMEOUT_S),
+                                   int(every) if every.strip().isdigit() else None)
+    return _snapshotter.offer(state, step_number, _ring_step_s[(_head - 1) % RING] if _head else 0.0)
+
+
+def _agreement() -> Callable[[bool], bool] | None:
+    """How the ranks agree on a yes/no: a collective over the process group; None when they cannot."""
+    ctx = init()
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        dist = None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        def agree(ok: bool) -> bool:
+            votes: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(votes, ok)
+            return all(votes)
+        return agree
+    return (lambda ok: ok) if ctx.world_size == 1 else None
+
+
+def _tell(kind: str, message: str) -> None:
+    """Put `message` in the controller's event log (through the agent); best effort."""
+    from phalanx.v1 import local_pb2
+    ctx = init()
+    try:
+        _agent().Tell(local_pb2.TellRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank, kind=kind,
+                                            message=message), timeout=RPC_TIMEOUT_S)
+    except Exception as e:
+        print(f"trainlib: could not tell the agent ({kind}): {e}", file=sys.stderr, flush=True)
 
 
 # -- talking to the agent --------------------------------------------------------------------

@@ -55,6 +55,9 @@ class JobEntry:
     checkpoint: PendingCheckpoint | None = None
     incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
     incident_kind: str = ""
+    # node -> the in-memory snapshots of this job it holds, from its newest heartbeat (kept across generations:
+    # a new generation restores from the last one's)
+    snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
 
     def new_generation(self, generation: int) -> None:
         if generation == self.generation:
@@ -85,6 +88,7 @@ class JobManager:
         self._next_id = 1
         self._fenced: dict[tuple[str, str, int], float] = {}  # (node, job, generation) -> when told to stop
         self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
+        self._snapshots_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds snapshots of
         self.incidents: Counter[str] = Counter()  # by kind; these three feed controller.obs.metrics
         self.restarts_by_cause: Counter[str] = Counter()
         self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
@@ -235,6 +239,7 @@ class JobManager:
         """Fold a heartbeat's rank reports into the jobs (no I/O; wakes the executor when a decision may
         follow). True if the node runs ranks of no current generation (fencing follows)."""
         name = node.record.name
+        self._fold_snapshots(name, heartbeat.snapshots)
         if not heartbeat.ranks and name not in self._on_node:
             return False
         reported = {}
@@ -344,6 +349,24 @@ class JobManager:
                 self._on_node.setdefault(node, set()).add(job.id)
         for node in [n for n, ids in self._on_node.items() if not ids]:
             del self._on_node[node]
+
+    def _fold_snapshots(self, node: str, snapshots) -> None:
+        """What in-memory snapshots `node` holds now, per job (a job it reported before and not now: none)."""
+        by_job: dict[str, list[node_pb2.SnapshotHeld]] = {}
+        for held in snapshots:
+            by_job.setdefault(held.job, []).append(held)
+        for job in self._snapshots_on.get(node, set()) - set(by_job):
+            entry = self.entries.get(job)
+            if entry is not None:
+                entry.snapshots.pop(node, None)
+        for job, held in by_job.items():
+            entry = self.entries.get(job)
+            if entry is not None and entry.job.state in ACTIVE:
+                entry.snapshots[node] = held
+        if by_job:
+            self._snapshots_on[node] = set(by_job)
+        else:
+            self._snapshots_on.pop(node, None)
 
     async def log(self, event: lifecycle.Event, job: str) -> None:
         committed = await self.store.commit(events=[self.event(event.kind, event.message, job)])

@@ -18,6 +18,7 @@ from controller.errors import FailedPrecondition
 from controller.jobs.placement import Candidate
 from controller.nodes.states import DOWN
 from controller.recovery import lifecycle
+from controller.recovery import snapshots as snapshot_plan
 from controller.recovery.detectors import NodeView
 from controller.recovery.table import ACTIVE, LAUNCHING, PENDING, RANK_RUNNING, RESTARTING, RUNNING, TERMINAL
 from phalanx import clock as clocks
@@ -218,7 +219,9 @@ class Executor:
             master = registry.get(job.nodes[0])
             port = (await _session(master).request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
             address = master.inventory().address or _peer_host(master.peer)
-            await asyncio.gather(*(self._launch_node(job, i, node, address, port) for i, node in enumerate(job.nodes)))
+            restore = await self._restore_plan(entry)
+            await asyncio.gather(*(self._launch_node(job, i, node, address, port, restore)
+                                   for i, node in enumerate(job.nodes)))
             outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
         except asyncio.CancelledError:
             return  # cancelled meanwhile: the cancel stops whatever started
@@ -229,7 +232,32 @@ class Executor:
             entry.launch = outcome
         self.wake()
 
-    async def _launch_node(self, job, index: int, node: str, master_addr: str, master_port: int) -> None:
+    async def _restore_plan(self, entry: JobEntry) -> snapshot_plan.Restore | None:
+        """Where each rank of the generation about to start finds its in-memory snapshot of the last one, if every
+        rank's survives; the event log says which, or why the disk checkpoint decides."""
+        job = entry.job
+        if job.generation <= 1:
+            return None
+        per = job.spec.ranks_per_node
+        nodes = self.jobs.registry.entries_by_name()
+        up = {name for name, n in nodes.items() if n.session is not None and n.record.state is not DOWN
+              and n.inventory().snapshot_address}
+        placement = {i * per + local: node for i, node in enumerate(job.nodes) for local in range(per)}
+        restore, why = snapshot_plan.plan(entry.snapshots, job.id, job.generation - 1, len(placement), up, placement)
+        if restore is None:
+            if entry.snapshots:
+                await self.jobs.log(lifecycle.Event("job.snapshot_fallback", f"{job.id} generation {job.generation}: "
+                                                    f"{why}; resuming from the newest durable checkpoint"), job.id)
+            return None
+        fetched = sorted({node for rank, node in restore.sources.items() if node != placement[rank]})
+        await self.jobs.log(lifecycle.Event("job.snapshot_restore", f"{job.id} generation {job.generation}: every rank "
+                                            f"restores from its in-memory snapshot of step {restore.step} (generation "
+                                            f"{restore.generation})" + (f", fetched from {', '.join(fetched)}"
+                                                                        if fetched else "")), job.id)
+        return restore
+
+    async def _launch_node(self, job, index: int, node: str, master_addr: str, master_port: int,
+                           restore: snapshot_plan.Restore | None = None) -> None:
         spec, per = job.spec, job.spec.ranks_per_node
         world = len(job.nodes) * per
         common = {
@@ -243,12 +271,19 @@ class Executor:
         }
         if spec.checkpoint_dir:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
+        registry = self.jobs.registry.entries_by_name()
+        if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job
+            peer = registry.get(job.nodes[(index + 1) % len(job.nodes)])
+            common["PHALANX_SNAPSHOT_PEER"] = peer.inventory().snapshot_address if peer is not None else ""
         ranks = []
         for local in range(per):
             rank = index * per + local
-            ranks.append(node_pb2.RankLaunch(rank=rank, local_rank=local, gpu=local, env={
-                "RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank),
-                "CUDA_VISIBLE_DEVICES": str(local)}))
+            env = {"RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank),
+                   "CUDA_VISIBLE_DEVICES": str(local)}
+            source = registry.get(restore.sources.get(rank, "")) if restore is not None else None
+            if source is not None:  # generation:step:where its snapshot is served from
+                env["PHALANX_RESTORE"] = f"{restore.generation}:{restore.step}:{source.inventory().snapshot_address}"
+            ranks.append(node_pb2.RankLaunch(rank=rank, local_rank=local, gpu=local, env=env))
         session = _session(self.jobs.registry.get(node))
         await session.request(node_pb2.Command(launch=node_pb2.LaunchRanks(
             job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,

@@ -160,7 +160,8 @@ def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, l
     # One checkpoint directory for every agent, as a shared filesystem would be on a real fleet: a job submitted
     # without --checkpoint-dir uses <checkpoint_dir>/<job> on each of its nodes, and all must see the same one.
     lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
-             f'checkpoint_dir = "{root / "checkpoints"}"', f'nvrx_socket = "{node / "nvhcd.sock"}"',
+             f'checkpoint_dir = "{root / "checkpoints"}"', f'snapshot_dir = "{node / "snapshots"}"',
+             f'nvrx_socket = "{node / "nvhcd.sock"}"',
              f'metrics_listen = "{metrics}"', "", "[gpu]", f'backend = "{backend}"',
              f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0", "", "[security]", "insecure = true"]
     if labels:

@@ -116,7 +116,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., serial: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInventory(_message.Message):
-    __slots__ = ("hostname", "cpu_count", "memory_total_bytes", "gpu_backend", "gpus", "labels", "agent_version", "checkpoint_dir", "agent_pid", "topology", "address")
+    __slots__ = ("hostname", "cpu_count", "memory_total_bytes", "gpu_backend", "gpus", "labels", "agent_version", "checkpoint_dir", "agent_pid", "topology", "address", "snapshot_address")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class NodeInventory(_message.Message):
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     cpu_count: int
     memory_total_bytes: int
@@ -146,7 +147,8 @@ class NodeInventory(_message.Message):
     agent_pid: int
     topology: Topology
     address: str
-    def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpu_backend: _Optional[_Union[GpuBackendKind, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., agent_pid: _Optional[int] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+    snapshot_address: str
+    def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpu_backend: _Optional[_Union[GpuBackendKind, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., agent_pid: _Optional[int] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., address: _Optional[str] = ..., snapshot_address: _Optional[str] = ...) -> None: ...
 
 class HostTelemetry(_message.Message):
     __slots__ = ("cpu_percent", "memory_used_bytes", "memory_available_bytes", "load1", "load5", "load15", "checkpoint_free_bytes", "checkpoint_total_bytes")

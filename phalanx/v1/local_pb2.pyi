@@ -68,6 +68,72 @@ class WatchRequest(_message.Message):
     rank: int
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
+class SnapshotTakenRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank", "step", "path", "size", "crc32")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    step: int
+    path: str
+    size: int
+    crc32: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class SnapshotTakenReply(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...
+
+class FetchSnapshotRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank", "step", "source")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    step: int
+    source: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class FetchSnapshotReply(_message.Message):
+    __slots__ = ("path", "crc32", "error")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    crc32: int
+    error: str
+    def __init__(self, path: _Optional[str] = ..., crc32: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TellRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank", "kind", "message")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    kind: str
+    message: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TellReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CheckpointDoneRequest(_message.Message):
     __slots__ = ("job", "generation", "rank", "request_id", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]

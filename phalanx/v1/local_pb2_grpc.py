@@ -49,6 +49,21 @@ class LocalServiceStub:
                 request_serializer=phalanx_dot_v1_dot_local__pb2.WatchRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_local__pb2.ReportReply.FromString,
                 _registered_method=True)
+        self.SnapshotTaken = channel.unary_unary(
+                '/phalanx.v1.LocalService/SnapshotTaken',
+                request_serializer=phalanx_dot_v1_dot_local__pb2.SnapshotTakenRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_local__pb2.SnapshotTakenReply.FromString,
+                _registered_method=True)
+        self.FetchSnapshot = channel.unary_unary(
+                '/phalanx.v1.LocalService/FetchSnapshot',
+                request_serializer=phalanx_dot_v1_dot_local__pb2.FetchSnapshotRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_local__pb2.FetchSnapshotReply.FromString,
+                _registered_method=True)
+        self.Tell = channel.unary_unary(
+                '/phalanx.v1.LocalService/Tell',
+                request_serializer=phalanx_dot_v1_dot_local__pb2.TellRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_local__pb2.TellReply.FromString,
+                _registered_method=True)
 
 
 class LocalServiceServicer:
@@ -78,6 +93,29 @@ class LocalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SnapshotTaken(self, request, context):
+        """The rank wrote an in-memory snapshot into the agent's snapshot directory: keep it (within the
+        node's budget) and replicate it to the job's peer node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchSnapshot(self, request, context):
+        """Make a snapshot available on this node (fetched from `source` if it is not held here) and say
+        where it lies; its checksum is checked on the way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tell(self, request, context):
+        """Something the job's operator should read in the event log (a restore and where from, a fallback).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +133,21 @@ def add_LocalServiceServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=phalanx_dot_v1_dot_local__pb2.WatchRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_local__pb2.ReportReply.SerializeToString,
+            ),
+            'SnapshotTaken': grpc.unary_unary_rpc_method_handler(
+                    servicer.SnapshotTaken,
+                    request_deserializer=phalanx_dot_v1_dot_local__pb2.SnapshotTakenRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_local__pb2.SnapshotTakenReply.SerializeToString,
+            ),
+            'FetchSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchSnapshot,
+                    request_deserializer=phalanx_dot_v1_dot_local__pb2.FetchSnapshotRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_local__pb2.FetchSnapshotReply.SerializeToString,
+            ),
+            'Tell': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tell,
+                    request_deserializer=phalanx_dot_v1_dot_local__pb2.TellRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_local__pb2.TellReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +231,87 @@ class LocalService:
             '/phalanx.v1.LocalService/Watch',
             phalanx_dot_v1_dot_local__pb2.WatchRequest.SerializeToString,
             phalanx_dot_v1_dot_local__pb2.ReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SnapshotTaken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.LocalService/SnapshotTaken',
+            phalanx_dot_v1_dot_local__pb2.SnapshotTakenRequest.SerializeToString,
+            phalanx_dot_v1_dot_local__pb2.SnapshotTakenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.LocalService/FetchSnapshot',
+            phalanx_dot_v1_dot_local__pb2.FetchSnapshotRequest.SerializeToString,
+            phalanx_dot_v1_dot_local__pb2.FetchSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tell(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.LocalService/Tell',
+            phalanx_dot_v1_dot_local__pb2.TellRequest.SerializeToString,
+            phalanx_dot_v1_dot_local__pb2.TellReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from phalanx.v1 import common_pb2 as phalanx_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15phalanx/v1/node.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"R\n\x0fRegisterRequest\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12,\n\tinventory\x18\x02 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\"\x81\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x04 \x01(\t\"\xd1\x02\n\x0c\x41gentMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SessionOpenH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.phalanx.v1.HeartbeatH\x00\x12.\n\tinventory\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.NodeInventoryH\x00\x12\'\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.phalanx.v1.AgentEventH\x00\x12)\n\tgpu_event\x18\x05 \x01(\x0b\x32\x14.phalanx.v1.GpuEventH\x00\x12+\n\x06result\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.CommandResultH\x00\x12\x33\n\x0e\x63heckpoint_ack\x18\x07 \x01(\x0b\x32\x19.phalanx.v1.CheckpointAckH\x00\x42\x06\n\x04\x62ody\"`\n\rCheckpointAck\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"5\n\x0bSessionOpen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xa9\x02\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x02 \x01(\x03\x12\'\n\x04host\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x04 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x15\n\rrunning_ranks\x18\x05 \x01(\r\x12\'\n\x04nccl\x18\x06 \x03(\x0b\x32\x19.phalanx.v1.NcclRankState\x12\x15\n\rhealth_digest\x18\x07 \x01(\x04\x12%\n\x05ranks\x18\x08 \x03(\x0b\x32\x16.phalanx.v1.RankStatus\x12*\n\x08progress\x18\t \x03(\x0b\x32\x18.phalanx.v1.RankProgress\"\xe1\x01\n\x0cRankProgress\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\tlast_step\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x13\n\x0bmean_step_s\x18\x06 \x01(\x01\x12\x16\n\x0emean_compute_s\x18\x07 \x01(\x01\x12\x19\n\x11last_step_unix_ns\x18\x08 \x01(\x03\x12\x17\n\x0f\x63ompute_samples\x18\t \x03(\x01\x12\x0f\n\x07reports\x18\n \x01(\r\x12\x0e\n\x06saving\x18\x0b \x01(\x08\"\xaf\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.phalanx.v1.RankState\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0b\n\x03gpu\x18\x07 \x01(\r\x12\x10\n\x08rank_pid\x18\x08 \x01(\x05\x12\r\n\x05\x66\x61tal\x18\t \x01(\t\"\x8e\x01\n\nAgentEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x32\n\x06\x66ields\x18\x03 \x03(\x0b\x32\".phalanx.v1.AgentEvent.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9e\x01\n\x11\x43ontrollerMessage\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.phalanx.v1.SessionAcceptedH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.phalanx.v1.NodeStatusH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.phalanx.v1.CommandH\x00\x42\x06\n\x04\x62ody\"\xa9\x02\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x06inject\x18\x02 \x01(\x0b\x32\x17.phalanx.v1.InjectFaultH\x00\x12)\n\x06launch\x18\x03 \x01(\x0b\x32\x17.phalanx.v1.LaunchRanksH\x00\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x15.phalanx.v1.StopRanksH\x00\x12/\n\x0creserve_port\x18\x05 \x01(\x0b\x32\x17.phalanx.v1.ReservePortH\x00\x12\'\n\x08read_log\x18\x06 \x01(\x0b\x32\x13.phalanx.v1.ReadLogH\x00\x12\x33\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x1d.phalanx.v1.RequestCheckpointH\x00\x42\x06\n\x04\x62ody\"\x8c\x01\n\x11RequestCheckpoint\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05pause\x18\x06 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x07 \x01(\x04\"\xd2\x01\n\x0bLaunchRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ommand\x18\x03 \x03(\t\x12-\n\x03\x65nv\x18\x04 \x03(\x0b\x32 .phalanx.v1.LaunchRanks.EnvEntry\x12\x0f\n\x07workdir\x18\x05 \x01(\t\x12%\n\x05ranks\x18\x06 \x03(\x0b\x32\x16.phalanx.v1.RankLaunch\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x01\n\nRankLaunch\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x0b\n\x03gpu\x18\x03 \x01(\r\x12,\n\x03\x65nv\x18\x04 \x03(\x0b\x32\x1f.phalanx.v1.RankLaunch.EnvEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\tStopRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07grace_s\x18\x03 \x01(\x01\"\r\n\x0bReservePort\"G\n\x07ReadLog\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\r\"/\n\x0bInjectFault\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x02 \x01(\t\"q\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0c\n\x04size\x18\x07 \x01(\x04\"&\n\x0fSessionAccepted\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\"p\n\nNodeStatus\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x02 \x01(\t\x12&\n\x06health\x18\x03 \x01(\x0b\x32\x16.phalanx.v1.NodeHealth2\x9c\x01\n\x0bNodeService\x12\x45\n\x08Register\x12\x1b.phalanx.v1.RegisterRequest\x1a\x1c.phalanx.v1.RegisterResponse\x12\x46\n\x07Session\x12\x18.phalanx.v1.AgentMessage\x1a\x1d.phalanx.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15phalanx/v1/node.proto\x12\nphalanx.v1\x1a\x17phalanx/v1/common.proto\"R\n\x0fRegisterRequest\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12,\n\tinventory\x18\x02 \x01(\x0b\x32\x19.phalanx.v1.NodeInventory\"\x81\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x04 \x01(\t\"\xd1\x02\n\x0c\x41gentMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SessionOpenH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.phalanx.v1.HeartbeatH\x00\x12.\n\tinventory\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.NodeInventoryH\x00\x12\'\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.phalanx.v1.AgentEventH\x00\x12)\n\tgpu_event\x18\x05 \x01(\x0b\x32\x14.phalanx.v1.GpuEventH\x00\x12+\n\x06result\x18\x06 \x01(\x0b\x32\x19.phalanx.v1.CommandResultH\x00\x12\x33\n\x0e\x63heckpoint_ack\x18\x07 \x01(\x0b\x32\x19.phalanx.v1.CheckpointAckH\x00\x42\x06\n\x04\x62ody\"`\n\rCheckpointAck\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"5\n\x0bSessionOpen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xd6\x02\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x02 \x01(\x03\x12\'\n\x04host\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.HostTelemetry\x12&\n\x04gpus\x18\x04 \x03(\x0b\x32\x18.phalanx.v1.GpuTelemetry\x12\x15\n\rrunning_ranks\x18\x05 \x01(\r\x12\'\n\x04nccl\x18\x06 \x03(\x0b\x32\x19.phalanx.v1.NcclRankState\x12\x15\n\rhealth_digest\x18\x07 \x01(\x04\x12%\n\x05ranks\x18\x08 \x03(\x0b\x32\x16.phalanx.v1.RankStatus\x12*\n\x08progress\x18\t \x03(\x0b\x32\x18.phalanx.v1.RankProgress\x12+\n\tsnapshots\x18\n \x03(\x0b\x32\x18.phalanx.v1.SnapshotHeld\"j\n\x0cSnapshotHeld\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0f\n\x07replica\x18\x06 \x01(\x08\"\xe1\x01\n\x0cRankProgress\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\tlast_step\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x13\n\x0bmean_step_s\x18\x06 \x01(\x01\x12\x16\n\x0emean_compute_s\x18\x07 \x01(\x01\x12\x19\n\x11last_step_unix_ns\x18\x08 \x01(\x03\x12\x17\n\x0f\x63ompute_samples\x18\t \x03(\x01\x12\x0f\n\x07reports\x18\n \x01(\r\x12\x0e\n\x06saving\x18\x0b \x01(\x08\"\xaf\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.phalanx.v1.RankState\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0b\n\x03gpu\x18\x07 \x01(\r\x12\x10\n\x08rank_pid\x18\x08 \x01(\x05\x12\r\n\x05\x66\x61tal\x18\t \x01(\t\"\x8e\x01\n\nAgentEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x32\n\x06\x66ields\x18\x03 \x03(\x0b\x32\".phalanx.v1.AgentEvent.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9e\x01\n\x11\x43ontrollerMessage\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.phalanx.v1.SessionAcceptedH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.phalanx.v1.NodeStatusH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.phalanx.v1.CommandH\x00\x42\x06\n\x04\x62ody\"\xa9\x02\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x06inject\x18\x02 \x01(\x0b\x32\x17.phalanx.v1.InjectFaultH\x00\x12)\n\x06launch\x18\x03 \x01(\x0b\x32\x17.phalanx.v1.LaunchRanksH\x00\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x15.phalanx.v1.StopRanksH\x00\x12/\n\x0creserve_port\x18\x05 \x01(\x0b\x32\x17.phalanx.v1.ReservePortH\x00\x12\'\n\x08read_log\x18\x06 \x01(\x0b\x32\x13.phalanx.v1.ReadLogH\x00\x12\x33\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x1d.phalanx.v1.RequestCheckpointH\x00\x42\x06\n\x04\x62ody\"\x8c\x01\n\x11RequestCheckpoint\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05pause\x18\x06 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x07 \x01(\x04\"\xd2\x01\n\x0bLaunchRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ommand\x18\x03 \x03(\t\x12-\n\x03\x65nv\x18\x04 \x03(\x0b\x32 .phalanx.v1.LaunchRanks.EnvEntry\x12\x0f\n\x07workdir\x18\x05 \x01(\t\x12%\n\x05ranks\x18\x06 \x03(\x0b\x32\x16.phalanx.v1.RankLaunch\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x01\n\nRankLaunch\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x0b\n\x03gpu\x18\x03 \x01(\r\x12,\n\x03\x65nv\x18\x04 \x03(\x0b\x32\x1f.phalanx.v1.RankLaunch.EnvEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\tStopRanks\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07grace_s\x18\x03 \x01(\x01\"\r\n\x0bReservePort\"G\n\x07ReadLog\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\r\"/\n\x0bInjectFault\x12\x11\n\tgpu_index\x18\x01 \x01(\r\x12\r\n\x05\x66\x61ult\x18\x02 \x01(\t\"q\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0c\n\x04size\x18\x07 \x01(\x04\"&\n\x0fSessionAccepted\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\"p\n\nNodeStatus\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.phalanx.v1.NodeState\x12\x14\n\x0c\x64rain_reason\x18\x02 \x01(\t\x12&\n\x06health\x18\x03 \x01(\x0b\x32\x16.phalanx.v1.NodeHealth2\x9c\x01\n\x0bNodeService\x12\x45\n\x08Register\x12\x1b.phalanx.v1.RegisterRequest\x1a\x1c.phalanx.v1.RegisterResponse\x12\x46\n\x07Session\x12\x18.phalanx.v1.AgentMessage\x1a\x1d.phalanx.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,43 +49,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONOPEN']._serialized_start=716
   _globals['_SESSIONOPEN']._serialized_end=769
   _globals['_HEARTBEAT']._serialized_start=772
-  _globals['_HEARTBEAT']._serialized_end=1069
-  _globals['_RANKPROGRESS']._serialized_start=1072
-  _globals['_RANKPROGRESS']._serialized_end=1297
-  _globals['_RANKSTATUS']._serialized_start=1300
-  _globals['_RANKSTATUS']._serialized_end=1475
-  _globals['_AGENTEVENT']._serialized_start=1478
-  _globals['_AGENTEVENT']._serialized_end=1620
-  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_start=1575
-  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_end=1620
-  _globals['_CONTROLLERMESSAGE']._serialized_start=1623
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1781
-  _globals['_COMMAND']._serialized_start=1784
-  _globals['_COMMAND']._serialized_end=2081
-  _globals['_REQUESTCHECKPOINT']._serialized_start=2084
-  _globals['_REQUESTCHECKPOINT']._serialized_end=2224
-  _globals['_LAUNCHRANKS']._serialized_start=2227
-  _globals['_LAUNCHRANKS']._serialized_end=2437
-  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_start=2395
-  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_end=2437
-  _globals['_RANKLAUNCH']._serialized_start=2440
-  _globals['_RANKLAUNCH']._serialized_end=2589
-  _globals['_RANKLAUNCH_ENVENTRY']._serialized_start=2395
-  _globals['_RANKLAUNCH_ENVENTRY']._serialized_end=2437
-  _globals['_STOPRANKS']._serialized_start=2591
-  _globals['_STOPRANKS']._serialized_end=2652
-  _globals['_RESERVEPORT']._serialized_start=2654
-  _globals['_RESERVEPORT']._serialized_end=2667
-  _globals['_READLOG']._serialized_start=2669
-  _globals['_READLOG']._serialized_end=2740
-  _globals['_INJECTFAULT']._serialized_start=2742
-  _globals['_INJECTFAULT']._serialized_end=2789
-  _globals['_COMMANDRESULT']._serialized_start=2791
-  _globals['_COMMANDRESULT']._serialized_end=2904
-  _globals['_SESSIONACCEPTED']._serialized_start=2906
-  _globals['_SESSIONACCEPTED']._serialized_end=2944
-  _globals['_NODESTATUS']._serialized_start=2946
-  _globals['_NODESTATUS']._serialized_end=3058
-  _globals['_NODESERVICE']._serialized_start=3061
-  _globals['_NODESERVICE']._serialized_end=3217
+  _globals['_HEARTBEAT']._serialized_end=1114
+  _globals['_SNAPSHOTHELD']._serialized_start=1116
+  _globals['_SNAPSHOTHELD']._serialized_end=1222
+  _globals['_RANKPROGRESS']._serialized_start=1225
+  _globals['_RANKPROGRESS']._serialized_end=1450
+  _globals['_RANKSTATUS']._serialized_start=1453
+  _globals['_RANKSTATUS']._serialized_end=1628
+  _globals['_AGENTEVENT']._serialized_start=1631
+  _globals['_AGENTEVENT']._serialized_end=1773
+  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_start=1728
+  _globals['_AGENTEVENT_FIELDSENTRY']._serialized_end=1773
+  _globals['_CONTROLLERMESSAGE']._serialized_start=1776
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1934
+  _globals['_COMMAND']._serialized_start=1937
+  _globals['_COMMAND']._serialized_end=2234
+  _globals['_REQUESTCHECKPOINT']._serialized_start=2237
+  _globals['_REQUESTCHECKPOINT']._serialized_end=2377
+  _globals['_LAUNCHRANKS']._serialized_start=2380
+  _globals['_LAUNCHRANKS']._serialized_end=2590
+  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_start=2548
+  _globals['_LAUNCHRANKS_ENVENTRY']._serialized_end=2590
+  _globals['_RANKLAUNCH']._serialized_start=2593
+  _globals['_RANKLAUNCH']._serialized_end=2742
+  _globals['_RANKLAUNCH_ENVENTRY']._serialized_start=2548
+  _globals['_RANKLAUNCH_ENVENTRY']._serialized_end=2590
+  _globals['_STOPRANKS']._serialized_start=2744
+  _globals['_STOPRANKS']._serialized_end=2805
+  _globals['_RESERVEPORT']._serialized_start=2807
+  _globals['_RESERVEPORT']._serialized_end=2820
+  _globals['_READLOG']._serialized_start=2822
+  _globals['_READLOG']._serialized_end=2893
+  _globals['_INJECTFAULT']._serialized_start=2895
+  _globals['_INJECTFAULT']._serialized_end=2942
+  _globals['_COMMANDRESULT']._serialized_start=2944
+  _globals['_COMMANDRESULT']._serialized_end=3057
+  _globals['_SESSIONACCEPTED']._serialized_start=3059
+  _globals['_SESSIONACCEPTED']._serialized_end=3097
+  _globals['_NODESTATUS']._serialized_start=3099
+  _globals['_NODESTATUS']._serialized_end=3211
+  _globals['_NODESERVICE']._serialized_start=3214
+  _globals['_NODESERVICE']._serialized_end=3370
 # @@protoc_insertion_point(module_scope)

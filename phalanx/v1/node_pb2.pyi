@@ -68,7 +68,7 @@ class SessionOpen(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks", "progress")
+    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks", "progress", "snapshots")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class Heartbeat(_message.Message):
     HEALTH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix_ns: int
     host: _common_pb2.HostTelemetry
@@ -87,7 +88,24 @@ class Heartbeat(_message.Message):
     health_digest: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
     progress: _containers.RepeatedCompositeFieldContainer[RankProgress]
-    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ...) -> None: ...
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotHeld]
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotHeld, _Mapping]]] = ...) -> None: ...
+
+class SnapshotHeld(_message.Message):
+    __slots__ = ("job", "generation", "rank", "step", "size", "replica")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    step: int
+    size: int
+    replica: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., size: _Optional[int] = ..., replica: _Optional[bool] = ...) -> None: ...
 
 class RankProgress(_message.Message):
     __slots__ = ("job", "generation", "rank", "last_step", "steps", "mean_step_s", "mean_compute_s", "last_step_unix_ns", "compute_samples", "reports", "saving")

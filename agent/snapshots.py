@@ -1,0 +1,448 @@
+"""In-memory snapshots of the ranks' training state, held by the node's agent and replicated to a peer.
+
+trainlib in a rank copies its state into host memory, writes it to a file under this node's snapshot
+directory (tmpfs: host memory that outlives the rank process) and tells the agent (SnapshotTaken). The
+agent keeps it within the node's budget and streams a replica to the agent of another node of the job
+(the peer the controller named at launch), so that losing one node loses no snapshot. When a rank is
+restored, its node's agent hands it the file — from its own directory, or fetched from the node that
+holds it — after checking the CRC-32 recorded when it was taken.
+
+Layout under `root`::
+
+    own/<job>/g<generation>/r<rank>/s<step>.pt        written by the rank (renamed into place when complete)
+    replica/<job>/g<generation>/r<rank>/s<step>.pt    written by this agent from a peer's stream
+    ...s<step>.pt.json                                size and CRC-32: the file counts as held only with it
+
+Per (job, rank) and kind, only the newest KEEP_STEPS steps of the newest generation are kept: a restore
+uses the generation that just ended, and replicas may lag their rank by a step or two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from phalanx import log
+from phalanx.v1 import node_pb2, snapshot_pb2, snapshot_pb2_grpc
+
+logger = log.get("snapshots")
+
+KEEP_STEPS = 4
+CHUNK = 1 << 20
+OWN, REPLICA = "own", "replica"
+_STEP = re.compile(r"^s(\d+)\.pt$")
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be kept or handed out; the message says why."""
+
+
+@dataclass(frozen=True)
+class Key:
+    job: str
+    generation: int
+    rank: int
+    step: int
+
+    def relative(self) -> Path:
+        return Path(self.job) / f"g{self.generation}" / f"r{self.rank}" / f"s{self.step}.pt"
+
+    def pb(self) -> snapshot_pb2.SnapshotKey:
+        return snapshot_pb2.SnapshotKey(job=self.job, generation=self.generation, rank=self.rank, step=self.step)
+
+    @classmethod
+    def of(cls, message) -> Key:
+        return cls(message.job, message.generation, message.rank, message.step)
+
+
+@dataclass(frozen=True)
+class Held:
+    key: Key
+    kind: str  # OWN or REPLICA
+    path: Path
+    size: int
+    crc32: int
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+class SnapshotStore:
+    """The snapshots this node holds, bounded by `budget_bytes` (own and replicas together)."""
+
+    def __init__(self, root: Path, budget_bytes: int, keep: int = KEEP_STEPS) -> None:
+        self.root, self.budget, self.keep = root, budget_bytes, keep
+        self.own_dir = root / OWN
+        self._held: dict[tuple[str, Key], Held] = {}
+        for kind in (OWN, REPLICA):
+            (root / kind).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.own_dir, 0o1777)  # ranks write their own snapshots here (sticky, like /tmp)
+        self._rescan()
+
+    @property
+    def used(self) -> int:
+        return sum(h.size for h in self._held.values())
+
+    def held(self) -> list[Held]:
+        return sorted(self._held.values(), key=lambda h: (h.key.job, h.key.rank, h.key.generation, h.key.step, h.kind))
+
+    def report(self) -> list[node_pb2.SnapshotHeld]:
+        return [node_pb2.SnapshotHeld(job=h.key.job, generation=h.key.generation, rank=h.key.rank, step=h.key.step,
+                                      size=h.size, replica=h.kind == REPLICA) for h in self.held()]
+
+    def find(self, key: Key) -> Held | None:
+        return self._held.get((OWN, key)) or self._held.get((REPLICA, key))
+
+    def path(self, kind: str, key: Key) -> Path:
+        return self.root / kind / key.relative()
+
+    def accept_own(self, key: Key, path: str, size: int, crc32: int) -> Held:
+        """A rank's new snapshot, written where its key says. Raises SnapshotError (the file is removed)."""
+        expected = self.path(OWN, key)
+        try:
+            if Path(path) != expected:
+                raise SnapshotError(f"snapshot of rank {key.rank} of {key.job} step {key.step} is at {path}, not "
+                                    f"{expected}")
+            actual = expected.stat().st_size
+            if actual != size:
+                raise SnapshotError(f"snapshot {expected} holds {actual} bytes, not the {size} its rank wrote")
+            self._fit(key, size, OWN)
+        except (SnapshotError, OSError) as e:
+            with contextlib.suppress(OSError):
+                expected.unlink()
+            raise SnapshotError(str(e)) from e
+        return self._keep(Held(key, OWN, expected, size, crc32))
+
+    async def accept_replica(self, key: Key, size: int, crc32: int, chunks: AsyncIterator[bytes]) -> Held:
+        """Write a peer's snapshot from its chunks, check its size and CRC-32, keep it. Raises SnapshotError."""
+        self._fit(key, size, REPLICA)
+        path = self.path(REPLICA, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        crc, written = 0, 0
+        try:
+            with open(tmp, "wb") as f:
+                async for data in chunks:
+                    written += len(data)
+                    if written > size:
+                        raise SnapshotError(f"replica of rank {key.rank} step {key.step} is longer than its {size} "
+                                            "bytes")
+                    crc = zlib.crc32(data, crc)
+                    f.write(data)
+            if written != size or crc != crc32:
+                raise SnapshotError(f"replica of rank {key.rank} of {key.job} step {key.step} arrived torn or "
+                                    f"corrupt ({written} of {size} bytes, CRC-32 {crc:08x}, expected {crc32:08x})")
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return self._keep(Held(key, REPLICA, path, size, crc32))
+
+    def verified(self, key: Key) -> Held:
+        """The held snapshot for `key` after checking its CRC-32 against the one recorded. Raises SnapshotError."""
+        held = self.find(key)
+        if held is None:
+            raise SnapshotError(f"no snapshot of rank {key.rank} of {key.job} step {key.step} (generation "
+                                f"{key.generation}) here")
+        if file_crc32(held.path) != held.crc32:
+            self._drop(held)
+            raise SnapshotError(f"snapshot {held.path} does not match its CRC-32 (corrupt); dropped")
+        return held
+
+    def launched(self, job: str, generation: int) -> None:
+        """A generation of `job` starts here: anything held of it or a later generation comes from another life
+        of the same job id (a controller whose store was reset) and must never be restored."""
+        for held in [h for h in self._held.values() if h.key.job == job and h.key.generation >= generation]:
+            self._drop(held)
+
+    def forget(self, keep_jobs: Iterable[str]) -> list[str]:
+        """Drop every snapshot of jobs not in `keep_jobs` (ended, or gone from this node); the jobs dropped."""
+        keep = set(keep_jobs)
+        gone = sorted({h.key.job for h in self._held.values()} - keep)
+        for held in [h for h in self._held.values() if h.key.job in gone]:
+            self._drop(held)
+        for kind in (OWN, REPLICA):
+            for job in gone:
+                shutil.rmtree(self.root / kind / job, ignore_errors=True)
+        return gone
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _fit(self, key: Key, size: int, kind: str) -> None:
+        """Make room for `size` bytes by dropping what the new snapshot supersedes; SnapshotError if it cannot fit
+        (or a newer generation's snapshot of the rank is held already: this one is stale)."""
+        if any(hk.job == key.job and hk.rank == key.rank and hk.generation > key.generation and k == kind
+               for k, hk in self._held):
+            raise SnapshotError(f"snapshot of rank {key.rank} of {key.job} is of generation {key.generation}, and a "
+                                "newer generation's is held: stale")
+        if size > self.budget:
+            raise SnapshotError(f"a snapshot of rank {key.rank} of {key.job} takes {size / 1e6:.1f} MB, more than this "
+                                f"node's whole snapshot budget of {self.budget / 1e6:.1f} MB (agent "
+                                "snapshot_budget_mb): the job's state does not fit in memory here")
+        free = self.budget - self.used
+        # under pressure the rank's own older steps go first, oldest first (fewer steps kept, but the newest)
+        reclaimable = [h for h in self._mine(kind, key) if (h.key.generation, h.key.step) < (key.generation, key.step)]
+        if free + sum(h.size for h in reclaimable) < size:
+            raise SnapshotError(f"a snapshot of rank {key.rank} of {key.job} ({size / 1e6:.1f} MB) does not fit in "
+                                f"this node's snapshot budget: {self.used / 1e6:.1f} of {self.budget / 1e6:.1f} MB "
+                                "are taken (agent snapshot_budget_mb)")
+        for held in reclaimable:
+            if free >= size:
+                break
+            self._drop(held)
+            free += held.size
+
+    def _superseded(self, kind: str, key: Key) -> list[Held]:
+        """Of (job, rank)'s other snapshots of `kind`, those to drop once `key` is kept, oldest first: every older
+        generation's, and beyond the newest `keep` steps (with `key`) of its own."""
+        mine = self._mine(kind, key)
+        same = [h for h in mine if h.key.generation == key.generation]
+        return [h for h in mine if h.key.generation < key.generation] + same[:max(0, len(same) - (self.keep - 1))]
+
+    def _mine(self, kind: str, key: Key) -> list[Held]:
+        """The other snapshots of `kind` of key's job and rank, oldest first."""
+        return sorted((h for (k, hk), h in self._held.items()
+                       if k == kind and hk.job == key.job and hk.rank == key.rank and hk != key),
+                      key=lambda h: (h.key.generation, h.key.step))
+
+    def _keep(self, held: Held) -> Held:
+        meta = held.path.with_name(held.path.name + ".json")
+        tmp = meta.with_name(f".{meta.name}.tmp")
+        tmp.write_text(json.dumps({"size": held.size, "crc32": held.crc32}))
+        os.replace(tmp, meta)
+        self._held[(held.kind, held.key)] = held
+        for old in self._superseded(held.kind, held.key):
+            self._drop(old)
+        return held
+
+    def _drop(self, held: Held) -> None:
+        self._held.pop((held.kind, held.key), None)
+        for path in (held.path.with_name(held.path.name + ".json"), held.path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def _rescan(self) -> None:
+        """An agent that restarts finds the snapshots it held (tmpfs outlives it); torn files are removed."""
+        for kind in (OWN, REPLICA):
+            base = self.root / kind
+            for path in base.glob("*/g*/r*/*"):
+                m = _STEP.match(path.name)
+                if m is None:
+                    if not path.name.endswith(".pt.json"):
+                        with contextlib.suppress(OSError):
+                            path.unlink()  # a temporary file of a write that never finished
+                    continue
+                try:
+                    job, gen, rank = path.relative_to(base).parts[:3]
+                    meta = json.loads(path.with_name(path.name + ".json").read_text())
+                    key = Key(job, int(gen[1:]), int(rank[1:]), int(m.group(1)))
+                    if path.stat().st_size == meta["size"]:
+                        self._held[(kind, key)] = Held(key, kind, path, meta["size"], meta["crc32"])
+                        continue
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+# -- between agents ------------------------------------------------------------------------------
+
+async def _chunks_of(path: Path, key: Key, size: int, crc32: int) -> AsyncIterator[snapshot_pb2.SnapshotChunk]:
+    first = True
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(CHUNK)
+            if first:
+                yield snapshot_pb2.SnapshotChunk(key=key.pb(), size=size, crc32=crc32, data=data)
+                first = False
+            elif data:
+                yield snapshot_pb2.SnapshotChunk(data=data)
+            if len(data) < CHUNK:
+                return
+
+
+class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
+    """Peers put replicas here and get snapshots back."""
+
+    def __init__(self, store: SnapshotStore, emit: Callable[..., None]) -> None:
+        self._store, self._emit = store, emit
+
+    async def Put(self, request_iterator, context) -> snapshot_pb2.PutReply:
+        stream = request_iterator.__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return snapshot_pb2.PutReply(ok=False, error="empty stream: no snapshot")
+        key = Key.of(first.key)
+        if not key.job:
+            return snapshot_pb2.PutReply(ok=False, error="the first chunk names no snapshot (key.job is empty)")
+
+        async def data() -> AsyncIterator[bytes]:
+            yield first.data
+            async for chunk in stream:
+                yield chunk.data
+
+        try:
+            await self._store.accept_replica(key, first.size, first.crc32, data())
+        except (SnapshotError, OSError) as e:
+            logger.warning("replica refused", job=key.job, rank=key.rank, step=key.step, error=str(e))
+            return snapshot_pb2.PutReply(ok=False, error=str(e))
+        return snapshot_pb2.PutReply(ok=True)
+
+    async def Get(self, request: snapshot_pb2.SnapshotKey, context):
+        try:
+            held = self._store.verified(Key.of(request))
+        except SnapshotError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            return
+        async for chunk in _chunks_of(held.path, held.key, held.size, held.crc32):
+            yield chunk
+
+
+class Replicator:
+    """Streams each new own snapshot to the job's peer node, newest first: while a transfer runs, a newer
+    snapshot of the same rank replaces any waiting one (a replica a step behind is worth more than a queue)."""
+
+    def __init__(self, store: SnapshotStore, emit: Callable[..., None]) -> None:
+        self._store, self._emit = store, emit
+        self.peers: dict[str, str] = {}  # job -> host:port of its peer's SnapshotService
+        self._waiting: dict[tuple[str, int], Held] = {}
+        self._busy: set[str] = set()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._failing: set[str] = set()  # jobs whose last transfer failed (said once until one succeeds)
+        self.sent = 0
+
+    def offer(self, held: Held) -> None:
+        peer = self.peers.get(held.key.job)
+        if not peer:
+            return
+        self._waiting[(held.key.job, held.key.rank)] = held
+        if held.key.job not in self._busy:
+            self._busy.add(held.key.job)
+            asyncio.get_running_loop().create_task(self._send_all(held.key.job))
+
+    async def _send_all(self, job: str) -> None:
+        try:
+            while True:
+                ready = [k for k in self._waiting if k[0] == job]
+                if not ready:
+                    return
+                held = self._waiting.pop(ready[0])
+                if self._store.find(held.key) is None:
+                    continue  # superseded meanwhile
+                await self._send(self.peers.get(job, ""), held)
+        finally:
+            self._busy.discard(job)
+
+    async def _send(self, peer: str, held: Held) -> None:
+        if not peer:
+            return
+        channel = self._channels.get(peer)
+        if channel is None:
+            channel = self._channels[peer] = grpc.aio.insecure_channel(peer)
+        stub = snapshot_pb2_grpc.SnapshotServiceStub(channel)
+        try:
+            reply = await stub.Put(_chunks_of(held.path, held.key, held.size, held.crc32), timeout=60)
+            error = "" if reply.ok else reply.error
+        except (grpc.RpcError, OSError) as e:
+            error = f"{peer} unreachable: {e.code().name if isinstance(e, grpc.RpcError) else e}"
+        if error:
+            if held.key.job not in self._failing:
+                self._failing.add(held.key.job)
+                self._emit("snapshot_replica_failed", f"replica of {held.key.job} rank {held.key.rank} step "
+                           f"{held.key.step} not kept by {peer}: {error}", job=held.key.job)
+            return
+        self._failing.discard(held.key.job)
+        self.sent += 1
+
+    async def fetch(self, source: str, key: Key) -> Held:
+        """Get `key` from the SnapshotService at `source` into this node's replicas. Raises SnapshotError."""
+        channel = self._channels.get(source)
+        if channel is None:
+            channel = self._channels[source] = grpc.aio.insecure_channel(source)
+        stream = snapshot_pb2_grpc.SnapshotServiceStub(channel).Get(key.pb(), timeout=120)
+        try:
+            first = await stream.read()
+            if first is grpc.aio.EOF:
+                raise SnapshotError(f"{source} sent nothing for rank {key.rank} step {key.step}")
+
+            async def data() -> AsyncIterator[bytes]:
+                yield first.data
+                while (chunk := await stream.read()) is not grpc.aio.EOF:
+                    yield chunk.data
+
+            return await self._store.accept_replica(key, first.size, first.crc32, data())
+        except grpc.RpcError as e:
+            raise SnapshotError(f"fetching rank {key.rank} of {key.job} step {key.step} from {source} failed: "
+                                f"{e.code().name}: {e.details()}") from e
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+async def serve(listen: str, service: SnapshotService) -> tuple[grpc.aio.Server, str]:
+    """Serve peers at `listen` (host:port, port 0 = any free one); the server and the address it took."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * CHUNK + 4096)])
+    snapshot_pb2_grpc.add_SnapshotServiceServicer_to_server(service, server)
+    host = listen.rsplit(":", 1)[0]
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen} for snapshot peers")
+    await server.start()
+    return server, f"{host}:{port}"
+
+
+class Snapshots:
+    """The agent's side of snapshots: what the ranks hand in (kept, replicated) and what a restore asks for."""
+
+    def __init__(self, store: SnapshotStore, replicator: Replicator, emit: Callable[..., None]) -> None:
+        self.store, self.replicator, self._emit = store, replicator, emit
+        self._refused: set[str] = set()  # jobs told once that their snapshots do not fit
+
+    def launched(self, job: str, generation: int, peer: str) -> None:
+        self.store.launched(job, generation)
+        self.replicator.peers[job] = peer
+
+    def taken(self, key: Key, path: str, size: int, crc32: int) -> str:
+        """A rank's new snapshot: kept and offered to the peer; else why not (an event says so once per job)."""
+        try:
+            held = self.store.accept_own(key, path, size, crc32)
+        except SnapshotError as e:
+            if key.job not in self._refused:
+                self._refused.add(key.job)
+                self._emit("snapshot_refused", f"{key.job}: {e}; the job goes on with its disk checkpoints only",
+                           job=key.job)
+            return str(e)
+        self.replicator.offer(held)
+        return ""
+
+    async def fetch(self, key: Key, source: str) -> Held:
+        """The verified snapshot for `key` on this node, fetched from `source` if it is not here. Raises
+        SnapshotError with the reason (an event says so)."""
+        try:
+            try:
+                return self.store.verified(key)
+            except SnapshotError:
+                if not source:
+                    raise
+            return await self.replicator.fetch(source, key)
+        except (SnapshotError, OSError) as e:
+            self._emit("snapshot_unavailable", f"{key.job}: snapshot of rank {key.rank} step {key.step} (generation "
+                       f"{key.generation}) cannot be restored here: {e}", job=key.job)
+            raise SnapshotError(str(e)) from e

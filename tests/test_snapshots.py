@@ -1,0 +1,152 @@
+"""In-memory snapshots on the agent: kept within a budget, replicated to a peer over real gRPC, fetched back,
+checked against their CRC-32 — and the controller's choice of which step a new generation restores."""
+
+import asyncio
+import zlib
+
+import pytest
+
+from agent import snapshots as snaps
+from controller.recovery import snapshots as plan
+from phalanx.v1 import node_pb2
+
+
+def write(store: snaps.SnapshotStore, key: snaps.Key, data: bytes) -> snaps.Held:
+    path = store.path(snaps.OWN, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return store.accept_own(key, str(path), len(data), zlib.crc32(data))
+
+
+def key(step: int, rank: int = 0, generation: int = 1, job: str = "job-1") -> snaps.Key:
+    return snaps.Key(job, generation, rank, step)
+
+
+def test_a_rank_keeps_its_newest_steps_of_its_newest_generation(tmp_path):
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000, keep=3)
+    for step in range(6):
+        write(store, key(step), b"x" * 100)
+    assert [h.key.step for h in store.held()] == [3, 4, 5]
+    write(store, key(7, generation=2), b"y" * 100)  # a new generation: the old one's are never restored again
+    assert [(h.key.generation, h.key.step) for h in store.held()] == [(2, 7)]
+    assert sorted(p.name for p in (tmp_path / "own" / "job-1").rglob("s*")) == ["s7.pt", "s7.pt.json"]
+    with pytest.raises(snaps.SnapshotError, match="newer generation's is held: stale"):
+        write(store, key(9, generation=1), b"z")
+
+
+def test_a_snapshot_over_the_budget_is_refused_with_the_setting_to_change(tmp_path):
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=1000)
+    with pytest.raises(snaps.SnapshotError, match=r"more than this node's whole snapshot budget of 0.0 MB \(agent "
+                                                  r"snapshot_budget_mb\)"):
+        write(store, key(1), b"x" * 1001)
+    assert not store.path(snaps.OWN, key(1)).exists()  # refused, and its memory given back
+    write(store, key(1, rank=0), b"x" * 600)
+    with pytest.raises(snaps.SnapshotError, match=r"does not fit in this node.s snapshot budget: 0\.0 of 0\.0 MB"):
+        write(store, key(1, rank=1), b"x" * 600)  # another rank's: nothing of its own to make room with
+    write(store, key(2, rank=0), b"x" * 600)  # its own older step makes room
+    assert [(h.key.rank, h.key.step) for h in store.held()] == [(0, 2)]
+
+
+def test_an_agent_that_restarts_finds_what_it_held_and_drops_torn_files(tmp_path):
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000)
+    write(store, key(4), b"state")
+    torn = store.path(snaps.OWN, key(5)).with_name(".s5.pt.tmp-1")
+    torn.write_bytes(b"half")
+    unvouched = store.path(snaps.OWN, key(6))
+    unvouched.write_bytes(b"no sidecar")  # renamed into place, but never handed to the agent
+    again = snaps.SnapshotStore(tmp_path, budget_bytes=10_000)
+    assert [h.key for h in again.held()] == [key(4)]
+    assert not torn.exists() and not unvouched.exists()
+
+
+def test_a_corrupt_snapshot_is_never_handed_out(tmp_path):
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000)
+    held = write(store, key(4), b"state")
+    held.path.write_bytes(b"stake")  # a bit flipped in memory
+    with pytest.raises(snaps.SnapshotError, match="does not match its CRC-32"):
+        store.verified(key(4))
+    assert store.held() == []
+
+
+def test_a_new_life_of_the_same_job_id_never_sees_the_old_ones_snapshots(tmp_path):
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000)
+    write(store, key(500, generation=1), b"old life")
+    store.launched("job-1", 1)
+    assert store.held() == []
+
+
+async def serving(tmp_path, name):
+    store = snaps.SnapshotStore(tmp_path / name, budget_bytes=1 << 30)
+    events = []
+    server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(store, lambda *a, **k: events.append(a)))
+    return store, server, address, events
+
+
+def test_a_snapshot_is_replicated_to_the_peer_and_fetched_back_by_a_third_node(tmp_path):
+    async def scenario():
+        a, a_server, a_address, _ = await serving(tmp_path, "a")
+        b, b_server, b_address, _ = await serving(tmp_path, "b")
+        c, c_server, _, _ = await serving(tmp_path, "c")
+        events = []
+        a_side = snaps.Snapshots(a, snaps.Replicator(a, lambda *x, **k: events.append(x)), lambda *x, **k: None)
+        a_side.launched("job-1", 1, b_address)
+        data = bytes(range(256)) * 20_000  # 5 MB: several chunks
+        path = a.path(snaps.OWN, key(7))
+        path.parent.mkdir(parents=True)
+        path.write_bytes(data)
+        assert a_side.taken(key(7), str(path), len(data), zlib.crc32(data)) == ""
+        while a_side.replicator.sent < 1:
+            assert not events, events
+            await asyncio.sleep(0.01)
+        assert [(h.kind, h.key) for h in b.held()] == [(snaps.REPLICA, key(7))]
+        c_side = snaps.Snapshots(c, snaps.Replicator(c, lambda *x, **k: None), lambda *x, **k: None)
+        fetched = await c_side.fetch(key(7), b_address)  # a is lost: its replica on b serves
+        assert fetched.path.read_bytes() == data
+        with pytest.raises(snaps.SnapshotError, match="NOT_FOUND: no snapshot of rank 0 of job-1 step 8"):
+            await c_side.fetch(key(8), a_address)
+        for server in (a_server, b_server, c_server):
+            await server.stop(None)
+        await a_side.replicator.close()
+        await c_side.replicator.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_arrives_corrupt_or_torn_is_not_kept(tmp_path):
+    async def scenario():
+        store = snaps.SnapshotStore(tmp_path, budget_bytes=1 << 20)
+
+        async def chunks(*parts):
+            for part in parts:
+                yield part
+
+        with pytest.raises(snaps.SnapshotError, match="arrived torn or corrupt"):
+            await store.accept_replica(key(3), 10, zlib.crc32(b"0123456789"), chunks(b"01234", b"5678X"))
+        with pytest.raises(snaps.SnapshotError, match=r"arrived torn or corrupt \(5 of 10 bytes"):
+            await store.accept_replica(key(3), 10, zlib.crc32(b"0123456789"), chunks(b"01234"))  # the peer died
+        assert store.held() == [] and not list((tmp_path / "replica").rglob("*.pt*"))
+
+    asyncio.run(scenario())
+
+
+def held(job, generation, rank, step, replica=False):
+    return node_pb2.SnapshotHeld(job=job, generation=generation, rank=rank, step=step, size=1, replica=replica)
+
+
+def test_the_newest_step_every_rank_has_on_a_node_that_is_up_is_restored():
+    reported = {"a": [held("j", 1, 0, s) for s in (7, 8, 9)] + [held("j", 1, 1, s, True) for s in (6, 7, 8)],
+                "b": [held("j", 1, 1, s) for s in (8, 9, 10)] + [held("j", 1, 0, s, True) for s in (7, 8)]}
+    restore, _ = plan.plan(reported, "j", 1, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    assert (restore.step, restore.sources) == (9, {0: "a", 1: "b"})  # in place: each from its own node
+    restore, _ = plan.plan(reported, "j", 1, 2, up={"a", "c"}, placement={0: "a", 1: "c"})
+    assert (restore.step, restore.sources) == (8, {0: "a", 1: "a"})  # b lost: rank 1 from its replica on a
+
+
+def test_no_restore_mixes_generations_or_uses_a_lost_nodes_snapshots():
+    reported = {"a": [held("j", 1, 0, 9), held("j", 2, 0, 12)], "b": [held("j", 2, 1, 12)]}
+    restore, why = plan.plan(reported, "j", 2, 2, up={"a"}, placement={0: "a", 1: "c"})
+    assert restore is None
+    assert why == ("no step of generation 2 has every rank's in-memory snapshot on a node that is up: the newest, "
+                   "step 12, lacks rank(s) 1 (held on b, which cannot be reached)")
+    restore, why = plan.plan(reported, "j", 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    assert restore is None and why == "generation 3 left no in-memory snapshot on a node that is up"

@@ -1,0 +1,179 @@
+"""In-memory snapshots of a rank's training state, and restoring from them.
+
+`trainlib.snapshot(state, step)` copies the state into host memory on the training thread (the only
+time it blocks training), then a writer thread serializes the copy into the node agent's snapshot
+directory (tmpfs: memory that outlives this process) and hands it to the agent, which replicates it to
+a peer node. A copy is taken every `interval` steps: every step when the copy costs at most
+OVERHEAD_BUDGET of a step, else the smallest interval that keeps it there, measured as training runs
+(PHALANX_SNAPSHOT_EVERY=N fixes it; 0 turns snapshots off). While the writer is still busy with the
+previous copy, a due snapshot is skipped rather than waited for.
+
+On a restart the controller names, in PHALANX_RESTORE, the newest step of the last generation for
+which every rank's snapshot survives, and where each lies. `trainlib.load_latest()` fetches this rank's
+(checked against its CRC-32 on the way) and the ranks agree, in one collective, that every one of them
+has its snapshot; otherwise all of them load the newest durable checkpoint instead, so the ranks never
+resume from different steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+OVERHEAD_BUDGET = 0.03  # share of a step's time the snapshot copy may cost
+SMOOTHING = 0.2  # weight of the newest measurement in the copy time's moving average
+SETTLE = 5  # snapshots before the interval is said (the first steps carry start-up, not the step's own time)
+
+
+class Snapshotter:
+    """One rank's snapshots. `tell(request)` sends a SnapshotTakenRequest to the agent and returns its reply."""
+
+    def __init__(self, directory: Path, job: str, generation: int, rank: int, tell: Any,
+                 every: int | None = None) -> None:
+        self.directory = directory / job / f"g{generation}" / f"r{rank}"
+        self.job, self.generation, self.rank = job, generation, rank
+        self._tell = tell
+        self.fixed = every  # None: tuned to OVERHEAD_BUDGET as training runs
+        self.interval = every or 1
+        self.copy_s = 0.0  # moving average of the copy into host memory
+        self.taken = self.skipped = 0
+        self.disabled = "" if every != 0 else "PHALANX_SNAPSHOT_EVERY=0"
+        self._last = -1
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlib-snapshot")
+        self._inflight: Future | None = None
+        self._said = 0  # the interval last printed
+
+    def offer(self, state: Any, step: int, step_s: float) -> bool:
+        """Snapshot `state` (a state tree, or a function returning one: called only when a snapshot is due) as of
+        `step` if one is due and the writer is free; True if a copy was taken."""
+        if self.disabled or (self._last >= 0 and step - self._last < self.interval):
+            return False
+        if self._inflight is not None and not self._inflight.done():
+            self.skipped += 1
+            return False
+        from trainlib.checkpoint import snapshot_to_cpu
+
+        started = time.perf_counter()
+        copy = snapshot_to_cpu(state() if callable(state) else state)
+        copy_s = time.perf_counter() - started
+        self.copy_s = copy_s if not self.taken else (1 - SMOOTHING) * self.copy_s + SMOOTHING * copy_s
+        self._last, self.taken = step, self.taken + 1
+        self._tune(step_s)
+        self._inflight = self._writer.submit(self._write, copy, step)
+        return True
+
+    def wait(self) -> None:
+        """Wait for the snapshot being written, if any (tests, and a clean exit)."""
+        if self._inflight is not None:
+            self._inflight.result()
+
+    def _tune(self, step_s: float) -> None:
+        if self.fixed is not None or step_s <= 0:
+            return
+        compute_s = max(step_s - self.copy_s / self.interval, 1e-9)  # the step's own time, without our copy
+        self.interval = max(1, math.ceil(self.copy_s / (OVERHEAD_BUDGET * compute_s)))
+        if self.taken >= SETTLE and (self._said == 0 or not 0.5 <= self.interval / self._said <= 2):
+            self._said = self.interval
+            print(f"trainlib: in-memory snapshots every {self.interval} step(s): the copy takes "
+                  f"{self.copy_s * 1e3:.2f} ms of a {compute_s * 1e3:.1f} ms step (budget "
+                  f"{OVERHEAD_BUDGET:.0%})", file=sys.stderr, flush=True)
+
+    def _write(self, copy: dict[str, Any], step: int) -> None:
+        from phalanx.v1 import local_pb2
+        from trainlib._atomic import make_dirs_durable, write_atomic
+        from trainlib.checkpoint import _torch_save
+
+        try:
+            make_dirs_durable(self.directory)
+            path = self.directory / f"s{step}.pt"
+            digest = write_atomic(path, lambda w: _torch_save(copy, w))
+            reply = self._tell(local_pb2.SnapshotTakenRequest(
+                job=self.job, generation=self.generation, rank=self.rank, step=step, path=str(path),
+                size=digest.size, crc32=int(digest.value, 16)))
+            error = reply.error
+        except Exception as e:  # a full tmpfs, the agent gone: training goes on with durable checkpoints
+            error = f"{type(e).__name__}: {e}"
+        if error:
+            self.disabled = error
+            print(f"trainlib: in-memory snapshots off for this rank: {error}", file=sys.stderr, flush=True)
+
+
+def parse_restore(spec: str) -> tuple[int, int, str]:
+    """PHALANX_RESTORE "generation:step:host:port" as (generation, step, source)."""
+    generation, step, source = spec.split(":", 2)
+    return int(generation), int(step), source
+
+
+def restore(ctx: Any, checkpointer: Any, agent: Any, map_location: Any, agree: Any, tell: Any) -> Any:
+    """This rank's state from the in-memory snapshot PHALANX_RESTORE names, as a checkpoint.Loaded; None when the
+    durable checkpoint is to be loaded instead. `agree(ok)` is True only if every rank's `ok` is; None when the
+    ranks cannot agree (several ranks, no process group yet): then none restores a snapshot."""
+    from phalanx.v1 import local_pb2
+    from trainlib.checkpoint import Loaded
+
+    spec = os.environ.get("PHALANX_RESTORE", "")
+    if not spec:
+        return None
+    if agree is None:
+        print("trainlib: an in-memory snapshot is restored only when torch.distributed is initialized before "
+              "load_latest() (the ranks must agree on it); loading the newest durable checkpoint", file=sys.stderr,
+              flush=True)
+        return None
+    state, why = None, ""
+    try:
+        generation, step, source = parse_restore(spec)
+    except ValueError:
+        generation, step, source = 0, 0, ""
+        why = f"PHALANX_RESTORE={spec!r} is not generation:step:host:port"
+    disk = checkpointer.latest_step() if not why else None
+    if disk is not None and disk >= step:
+        why = f"the durable checkpoint of step {disk} is as new"
+    elif not why:
+        reply = agent.FetchSnapshot(local_pb2.FetchSnapshotRequest(job=ctx.job, generation=generation, rank=ctx.rank,
+                                                                   step=step, source=source), timeout=300)
+        why = reply.error
+        if not why:
+            import torch
+            try:
+                state = torch.load(reply.path, map_location=map_location, weights_only=True)
+            except Exception as e:
+                why = f"{reply.path} does not load: {e}"
+            else:
+                _keep_as_own(ctx, Path(reply.path), step, reply.crc32, agent)
+    if not agree(state is not None):
+        if why:
+            print(f"trainlib: rank {ctx.rank} cannot restore its in-memory snapshot of step {step}: {why}",
+                  file=sys.stderr, flush=True)
+            tell("snapshot_fallback", f"{ctx.job} generation {ctx.generation}: rank {ctx.rank} does not restore from "
+                                      f"the in-memory snapshot of step {step}: {why}; every rank loads the newest "
+                                      "durable checkpoint instead")
+        return None
+    print(f"trainlib: rank {ctx.rank} restored its in-memory snapshot of step {step} (generation {generation})",
+          file=sys.stderr, flush=True)
+    if ctx.rank == 0:
+        tell("snapshot_restored", f"{ctx.job} generation {ctx.generation}: every rank restored its in-memory "
+                                  f"snapshot of step {step} (generation {generation})")
+    return Loaded(step, state, generation)
+
+
+def _keep_as_own(ctx: Any, path: Path, step: int, crc32: int, agent: Any) -> None:
+    """The restored snapshot is this generation's first one too (a link, not a copy): should it fail before
+    its first snapshot, the next one restores from here rather than from disk."""
+    from phalanx.v1 import local_pb2
+
+    directory = Path(os.environ.get("PHALANX_SNAPSHOT_DIR", "")) / ctx.job / f"g{ctx.generation}" / f"r{ctx.rank}"
+    target = directory / f"s{step}.pt"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            os.link(path, target)
+        agent.SnapshotTaken(local_pb2.SnapshotTakenRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank,
+                                                           step=step, path=str(target), size=target.stat().st_size,
+                                                           crc32=crc32), timeout=30)
+    except Exception as e:  # only a lost head start: the first snapshot taken from here on will do
+        print(f"trainlib: could not keep the restored snapshot for this generation: {e}", file=sys.stderr, flush=True)
