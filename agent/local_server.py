@@ -3,8 +3,9 @@
 Ranks report their step timings in batches; the agent folds them into one summary per rank per
 heartbeat for the controller (straggler and hang detection). The reply to a report carries the
 controller's pending checkpoint request for the rank's job, and tells a rank of a stale generation
-that it is stale. A rank's "checkpoint committed" goes up to the controller at once. A rank that
-says it stops for good (`fatal`) has the reason put on its rank status, which every heartbeat carries.
+that it is stale, and hands the rank a slow=F fault injected on its GPU (trainlib stretches its steps).
+A rank's "checkpoint committed" goes up to the controller at once. A rank that says it stops for good
+(`fatal`) has the reason put on its rank status, which every heartbeat carries.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ class LocalState:
 class LocalService(local_pb2_grpc.LocalServiceServicer):
     def __init__(self, state: LocalState, current_generation: Callable[[str], int | None],
                  send: Callable[[node_pb2.AgentMessage], None],
-                 fatal: Callable[[str, int, int, str], bool] = lambda job, generation, rank, reason: False) -> None:
+                 fatal: Callable[[str, int, int, str], bool] = lambda job, generation, rank, reason: False,
+                 slow_factor: Callable[[str, int, int], float] = lambda job, generation, rank: 0.0) -> None:
         self._state = state
         self._current = current_generation
         self._send = send
         self._fatal = fatal  # (job, generation, rank, reason) -> whether that rank is known here
+        self._slow_factor = slow_factor  # (job, generation, rank) -> the slow=F injected on its GPU, or 0.0
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
@@ -93,6 +96,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         if current is not None and request.generation < current:
             reply.stale = True
             return reply
+        reply.slow_factor = self._slow_factor(request.job, request.generation, request.rank)
         pending = self._state.requests.get(request.job)
         if pending is not None and pending.generation == request.generation:
             reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(id=pending.request_id, deadline_s=pending.deadline_s,

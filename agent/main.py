@@ -178,8 +178,12 @@ class Agent:
     def _inject(self, inject: node_pb2.InjectFault) -> str:
         fault = faults.parse(inject.fault)
         if fault.on_ranks:
-            ranks = (self.supervisor.hang(inject.gpu_index) if fault.name == "hang"
-                     else self.supervisor.slow(inject.gpu_index, float(fault.value)))
+            if fault.name == "hang":
+                ranks = self.supervisor.hang(inject.gpu_index)
+            elif fault.name == "slow":
+                ranks = self.supervisor.slow(inject.gpu_index, float(fault.value))
+            else:
+                ranks = self.supervisor.slow_bursts(inject.gpu_index, float(fault.value))
             if not ranks:
                 raise ValueError(f"no ranks are running on GPU {inject.gpu_index} of {self.name}; {fault} needs a "
                                  "job there")
@@ -194,7 +198,7 @@ class Agent:
     def local_service(self) -> local_server.LocalService:
         """The service trainlib in the ranks talks to (served on `<state_dir>/agent.sock`)."""
         return local_server.LocalService(self.local, self.supervisor.current_generation, self.link.send,
-                                         self.supervisor.mark_fatal)
+                                         self.supervisor.mark_fatal, self.supervisor.slow_factor)
 
     async def _watchdog(self, interval_s: float) -> None:
         """Ping systemd's watchdog from the event loop itself: a stuck loop stops the pings and gets restarted."""

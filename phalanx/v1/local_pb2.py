@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16phalanx/v1/local.proto\x12\nphalanx.v1\"R\n\nStepSample\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"\x91\x01\n\rReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.phalanx.v1.StepSample\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\r\n\x05\x66\x61tal\x18\x06 \x01(\t\x12\x0e\n\x06saving\x18\x07 \x01(\x08\"c\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05pause\x18\x04 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x05 \x01(\x04\"O\n\x0bReportReply\x12\x31\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1d.phalanx.v1.CheckpointRequest\x12\r\n\x05stale\x18\x02 \x01(\x08\"h\n\x15\x43heckpointDoneRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x15\n\x13\x43heckpointDoneReply2\xa2\x01\n\x0cLocalService\x12<\n\x06Report\x12\x19.phalanx.v1.ReportRequest\x1a\x17.phalanx.v1.ReportReply\x12T\n\x0e\x43heckpointDone\x12!.phalanx.v1.CheckpointDoneRequest\x1a\x1f.phalanx.v1.CheckpointDoneReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16phalanx/v1/local.proto\x12\nphalanx.v1\"R\n\nStepSample\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"\x91\x01\n\rReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.phalanx.v1.StepSample\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\r\n\x05\x66\x61tal\x18\x06 \x01(\t\x12\x0e\n\x06saving\x18\x07 \x01(\x08\"c\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05pause\x18\x04 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x05 \x01(\x04\"d\n\x0bReportReply\x12\x31\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1d.phalanx.v1.CheckpointRequest\x12\r\n\x05stale\x18\x02 \x01(\x08\x12\x13\n\x0bslow_factor\x18\x03 \x01(\x01\"h\n\x15\x43heckpointDoneRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x15\n\x13\x43heckpointDoneReply2\xa2\x01\n\x0cLocalService\x12<\n\x06Report\x12\x19.phalanx.v1.ReportRequest\x1a\x17.phalanx.v1.ReportReply\x12T\n\x0e\x43heckpointDone\x12!.phalanx.v1.CheckpointDoneRequest\x1a\x1f.phalanx.v1.CheckpointDoneReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTREQUEST']._serialized_start=270
   _globals['_CHECKPOINTREQUEST']._serialized_end=369
   _globals['_REPORTREPLY']._serialized_start=371
-  _globals['_REPORTREPLY']._serialized_end=450
-  _globals['_CHECKPOINTDONEREQUEST']._serialized_start=452
-  _globals['_CHECKPOINTDONEREQUEST']._serialized_end=556
-  _globals['_CHECKPOINTDONEREPLY']._serialized_start=558
-  _globals['_CHECKPOINTDONEREPLY']._serialized_end=579
-  _globals['_LOCALSERVICE']._serialized_start=582
-  _globals['_LOCALSERVICE']._serialized_end=744
+  _globals['_REPORTREPLY']._serialized_end=471
+  _globals['_CHECKPOINTDONEREQUEST']._serialized_start=473
+  _globals['_CHECKPOINTDONEREQUEST']._serialized_end=577
+  _globals['_CHECKPOINTDONEREPLY']._serialized_start=579
+  _globals['_CHECKPOINTDONEREPLY']._serialized_end=600
+  _globals['_LOCALSERVICE']._serialized_start=603
+  _globals['_LOCALSERVICE']._serialized_end=765
 # @@protoc_insertion_point(module_scope)
