@@ -4,7 +4,8 @@ Ranks report their step timings in batches; the agent folds them into one summar
 heartbeat for the controller (straggler and hang detection). What the controller wants of a rank —
 its job's pending checkpoint request, or word that its generation is stale — is pushed down each
 rank's `Watch` stream the moment it changes, and carried on every report's reply as well (a rank
-whose stream broke still learns it within half a second). A rank's "checkpoint committed" goes up to
+whose stream broke still learns it within half a second); the reply also hands the rank a slow=F fault
+injected on its GPU (trainlib stretches its steps). A rank's "checkpoint committed" goes up to
 the controller at once. A rank that says it stops for good (`fatal`) has the reason put on its rank
 status, which every heartbeat carries.
 """
@@ -88,7 +89,8 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
     def __init__(self, state: LocalState, current_generation: Callable[[str], int | None],
                  send: Callable[[node_pb2.AgentMessage], None],
                  fatal: Callable[[str, int, int, str], bool] = lambda job, generation, rank, reason: False,
-                 snapshots: snaps.Snapshots | None = None, emit: Callable[..., None] = lambda *a, **k: None) -> None:
+                 snapshots: snaps.Snapshots | None = None, emit: Callable[..., None] = lambda *a, **k: None,
+                 slow_factor: Callable[[str, int, int], float] = lambda job, generation, rank: 0.0) -> None:
         self._state = state
         self._current = current_generation
         self._send = send
@@ -96,6 +98,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         self.watchers = 0  # Watch streams open now
         self._snapshots = snapshots  # None: this node keeps no snapshots
         self._emit = emit  # (kind, message, **labels) -> the controller's event log
+        self._slow_factor = slow_factor  # (job, generation, rank) -> the slow=F injected on its GPU, or 0.0
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
@@ -112,7 +115,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
             p.last_step, p.last_unix_ns = sample.step, sample.end_unix_ns
             if sample.compute_s > 0:
                 p.samples.append(sample.compute_s)
-        return self._wanted(request.job, request.generation)
+        return self._wanted(request.job, request.generation, request.rank)
 
     async def Watch(self, request: local_pb2.WatchRequest, context):
         """Push what the controller wants of this rank each time it changes, until the generation is stale."""
@@ -121,7 +124,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         try:
             while True:
                 change = self._state.next_change()  # taken before reading: no change slips between read and wait
-                wanted = self._wanted(request.job, request.generation)
+                wanted = self._wanted(request.job, request.generation, request.rank)
                 if wanted != sent:
                     yield wanted
                     sent = wanted
@@ -131,13 +134,14 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         finally:
             self.watchers -= 1
 
-    def _wanted(self, job: str, generation: int) -> local_pb2.ReportReply:
-        """What the controller wants of a rank of `job` in `generation`: to stop (stale), or to checkpoint."""
+    def _wanted(self, job: str, generation: int, rank: int) -> local_pb2.ReportReply:
+        """What the controller wants of a rank: to stop (stale), or to checkpoint; and a slow=F fault on its GPU."""
         reply = local_pb2.ReportReply()
         current = self._current(job)
         if current is not None and generation < current:
             reply.stale = True
             return reply
+        reply.slow_factor = self._slow_factor(job, generation, rank)
         pending = self._state.requests.get(job)
         if pending is not None and pending.generation == generation:
             reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(id=pending.request_id, deadline_s=pending.deadline_s,

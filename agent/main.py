@@ -219,8 +219,12 @@ class Agent:
     def _inject(self, inject: node_pb2.InjectFault) -> str:
         fault = faults.parse(inject.fault)
         if fault.on_ranks:
-            ranks = (self.supervisor.hang(inject.gpu_index) if fault.name == "hang"
-                     else self.supervisor.slow(inject.gpu_index, float(fault.value)))
+            if fault.name == "hang":
+                ranks = self.supervisor.hang(inject.gpu_index)
+            elif fault.name == "slow":
+                ranks = self.supervisor.slow(inject.gpu_index, float(fault.value))
+            else:
+                ranks = self.supervisor.slow_bursts(inject.gpu_index, float(fault.value))
             if not ranks:
                 raise ValueError(f"no ranks are running on GPU {inject.gpu_index} of {self.name}; {fault} needs a "
                                  "job there")
@@ -235,7 +239,8 @@ class Agent:
     def local_service(self) -> local_server.LocalService:
         """The service trainlib in the ranks talks to (served on `<state_dir>/agent.sock`)."""
         return local_server.LocalService(self.local, self.supervisor.current_generation, self.link.send,
-                                         self.supervisor.mark_fatal, self.snapshots, self._emit)
+                                         self.supervisor.mark_fatal, self.snapshots, self._emit,
+                                         self.supervisor.slow_factor)
 
     async def _serve_snapshots(self) -> grpc.aio.Server | None:
         """Serve peers' replicas (before the link starts: the inventory says where). Plain gRPC, so only on a

@@ -71,7 +71,8 @@ class Supervisor:
         self._cpus_for_gpu = cpus_for_gpu or {}
         self._ranks: dict[str, RankRecord] = {}
         self._children: dict[int, subprocess.Popen] = {}
-        self._duty: dict[str, threading.Event] = {}  # slow=F duty cycles, by rank key
+        self._duty: dict[str, threading.Event] = {}  # slow-bursts=F duty cycles, by rank key
+        self._throttle: dict[str, float] = {}  # slow=F factors, by rank key: the rank's trainlib applies them
         self._lock = threading.Lock()
         # job -> the newest generation this agent was told to stop: a launch of it (or an older one) that
         # arrives later — sent by a controller that died before the stop — is refused (fencing).
@@ -172,7 +173,7 @@ class Supervisor:
                 record.lost = True
             else:
                 record.exit_code = code
-            self._stop_duty(record.key)
+            self._end_slowness(record.key)
             self._save(record)
             ended.append(record)
             logger.info("rank ended", job=record.job, generation=record.generation, rank=record.rank,
@@ -242,7 +243,7 @@ class Supervisor:
             self._stopped[job] = max(self._stopped.get(job, 0), generation)
         targets = [r for r in self._live() if r.job == job and (generation == 0 or r.generation == generation)]
         for record in targets:
-            self._stop_duty(record.key)
+            self._end_slowness(record.key)
             self._signal(record, signal.SIGCONT, group=True)  # a stopped (hung) rank cannot act on SIGTERM
             self._signal(record, signal.SIGTERM, group=False)  # the wrapper passes it to the rank once
         if targets:
@@ -271,7 +272,7 @@ class Supervisor:
             records = list(self._ranks.values())
         return [r for r in records if self._alive(r)]
 
-    # -- faults on ranks (phalanx inject ... slow=F | hang) -----------------------------------
+    # -- faults on ranks (phalanx inject ... slow=F | slow-bursts=F | hang) --------------------
 
     def ranks_on_gpu(self, gpu: int) -> list[RankRecord]:
         return [r for r in self._live() if r.gpu == gpu]
@@ -280,16 +281,31 @@ class Supervisor:
         """SIGSTOP the ranks on `gpu` until they are stopped for good."""
         ranks = self.ranks_on_gpu(gpu)
         for record in ranks:
-            self._stop_duty(record.key)
+            self._end_slowness(record.key)
             self._signal(record, signal.SIGSTOP, group=True)
         return [r.rank for r in ranks]
 
-    def slow(self, gpu: int, factor: float, period_s: float = 0.1) -> list[int]:
-        """Duty-cycle the ranks on `gpu` with SIGSTOP/SIGCONT so that they run `factor` slower."""
+    def slow(self, gpu: int, factor: float) -> list[int]:
+        """Throttle the ranks on `gpu` as a hot GPU would: every step's compute takes (1 + `factor`)x as long. The
+        factor goes to the rank's trainlib in its report replies (slow_factor): only the rank knows where its
+        steps begin and end."""
+        ranks = self.ranks_on_gpu(gpu)
+        for record in ranks:
+            self._end_slowness(record.key)
+            self._throttle[record.key] = factor
+        return [r.rank for r in ranks]
+
+    def slow_factor(self, job: str, generation: int, rank: int) -> float:
+        """The slow=F throttle on this rank (0.0 for none)."""
+        return self._throttle.get(f"{job}.g{generation}.r{rank}", 0.0)
+
+    def slow_bursts(self, gpu: int, factor: float, period_s: float = 0.1) -> list[int]:
+        """Duty-cycle the ranks on `gpu` with SIGSTOP/SIGCONT so that they run `factor` slower on average: with steps
+        shorter than the cycle, some steps stop for a burst and others run at full speed."""
         ranks = self.ranks_on_gpu(gpu)
         stopped_share = factor / (1.0 + factor)  # F slower: work per second drops to 1 / (1 + F)
         for record in ranks:
-            self._stop_duty(record.key)
+            self._end_slowness(record.key)
             done = threading.Event()
             self._duty[record.key] = done
 
@@ -305,7 +321,9 @@ class Supervisor:
             threading.Thread(target=cycle, name=f"slow-{record.key}", daemon=True).start()
         return [r.rank for r in ranks]
 
-    def _stop_duty(self, key: str) -> None:
+    def _end_slowness(self, key: str) -> None:
+        """End a slow=F or slow-bursts=F on the rank: it ended, is stopped, or has a new fault instead."""
+        self._throttle.pop(key, None)
         done = self._duty.pop(key, None)
         if done is not None:
             done.set()

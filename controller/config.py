@@ -102,11 +102,14 @@ class RecoveryConfig:
     startup_s: float = setting(180.0, "seconds a rank may take to its first step before it counts as hung")
     straggler_ratio: float = setting(1.05, "compute time against the other ranks' median counted as slow (a "
                                      "10% slower rank is found; healthy noise is not)")
-    straggler_min_delta_s: float = setting(0.002, "... and at least this many seconds slower per step (tiny "
-                                           "computes are all noise)")
+    straggler_min_delta_s: float = setting(0.002, "... and at least this many seconds slower per step (a ratio "
+                                           "of tiny computes is noise; straggler_cost needs no such floor)")
     straggler_window: int = setting(30, "steps a straggler verdict looks at")
     straggler_min_samples: int = setting(10, "steps per rank needed before any straggler verdict")
     straggler_share: float = setting(0.6, "share of the window's steps that must be slow")
+    straggler_cost: float = setting(0.10, "... or: share of the job's step time a rank's compute costs it (its "
+                                    "pace less the other ranks', in every third of the window), e.g. when it is "
+                                    "slow in bursts or the steps are short")
     straggler_max_evictions: int = setting(2, "straggler evictions of one job within straggler_evictions_window_s; "
                                            "a verdict beyond the bound is held back (an event says so)")
     straggler_evictions_window_s: float = setting(3600.0, "the window of straggler_max_evictions, in seconds")
@@ -123,6 +126,9 @@ class RecoveryConfig:
                 f"recovery.straggler_min_samples ({self.straggler_min_samples}) must be between 1 and "
                 f"recovery.straggler_window ({self.straggler_window})")
         require(0 < self.straggler_share <= 1, f"recovery.straggler_share ({self.straggler_share}) must be in (0, 1]")
+        require(0 < self.straggler_cost < 1, f"recovery.straggler_cost ({self.straggler_cost}) must be in (0, 1)")
+        require(self.straggler_window >= 6, f"recovery.straggler_window ({self.straggler_window}) must be at least 6: "
+                "straggler_cost splits it in thirds and leaves out each third's slowest step")
         require(self.silent_s <= self.hang_min_s,
                 f"recovery.silent_s ({self.silent_s}) must not be larger than recovery.hang_min_s ({self.hang_min_s}): "
                 "a hang would be judged before its culprit could be named")

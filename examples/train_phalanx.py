@@ -32,7 +32,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of idle time per step")
     parser.add_argument("--work", type=int, default=0, help="extra CPU work per step (matmuls of 256x256, ~0.3 ms "
-                        "each): compute that a slowed-down (duty-cycled) rank really takes longer for")
+                        "each): compute that a rank stopped in bursts (slow-bursts=F) really takes longer for")
     parser.add_argument("--every", type=int, default=0, help="also checkpoint every N steps (0 = only on request)")
     parser.add_argument("--steps-after-resume", type=int, default=0,
                         help="a run that resumed from a checkpoint stops this many steps after it, or at --steps if "

@@ -19,7 +19,10 @@ GPU_FAULTS: dict[str, tuple[type | None, str]] = {
     "clear": (None, "undo every fault on this GPU"),
 }
 RANK_FAULTS: dict[str, tuple[type | None, str]] = {
-    "slow": (float, "duty-cycle the GPU's ranks with SIGSTOP/SIGCONT so they run F slower, e.g. slow=0.3"),
+    "slow": (float, "throttle the GPU's ranks, as a hot GPU is: every step's compute takes (1 + F)x as long "
+                    "(trainlib in the rank waits out the difference), e.g. slow=0.3"),
+    "slow-bursts": (float, "stop the GPU's ranks in bursts (SIGSTOP/SIGCONT over a 0.1 s cycle) so they run F "
+                           "slower on average, e.g. slow-bursts=0.3"),
     "hang": (None, "SIGSTOP the GPU's ranks until they are evicted"),
 }
 
@@ -72,6 +75,7 @@ MAX_COUNT = 1_000_000_000
 MAX_RATE = 1_000_000.0
 _RANGES: dict[str, tuple[float, float, str]] = {
     "slow": (math.ulp(0.0), 1 - math.ulp(1.0), "between 0 and 1 (0.3 = 30% slower)"),
+    "slow-bursts": (math.ulp(0.0), 1 - math.ulp(1.0), "between 0 and 1 (0.3 = 30% slower)"),
     "xid": (1, 999, "between 1 and 999"),
     "ecc-sbe-rate": (0.0, MAX_RATE, f"between 0 and {MAX_RATE:.0f} (errors per second)"),
 }

@@ -1,5 +1,5 @@
 """A node agent's local service, faked for trainlib tests: it records what ranks report, and answers what the
-test sets (a stale generation)."""
+test sets (a stale generation, a slow=F fault)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
         self.reported = threading.Event()  # a report arrived
         self.fatal = threading.Event()  # a report with `fatal` arrived
         self.stale = threading.Event()  # set by the test: answer every report with stale
+        self.slow_factor = 0.0  # set by the test: the slow=F fault every reply hands on
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         local_pb2_grpc.add_LocalServiceServicer_to_server(self, self._server)
         self._server.add_insecure_port(f"unix://{socket}")
@@ -32,7 +33,7 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
         self.reported.set()
         if request.fatal:
             self.fatal.set()
-        return local_pb2.ReportReply(stale=self.stale.is_set())
+        return local_pb2.ReportReply(stale=self.stale.is_set(), slow_factor=self.slow_factor)
 
     def CheckpointDone(self, request, context):
         return local_pb2.CheckpointDoneReply()

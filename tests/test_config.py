@@ -42,6 +42,10 @@ def test_defaults_without_a_file():
     ("[recovery]\nhang_min_s = 1.0", "recovery.silent_s (2.0) must not be larger than recovery.hang_min_s (1.0): a "
                                      "hang would be judged before its culprit could be named"),
     ("[recovery]\nstraggler_gain = 1.0", "recovery.straggler_gain (1.0) must be in [0, 1)"),
+    ("[recovery]\nstraggler_cost = 0", "recovery.straggler_cost (0.0) must be in (0, 1)"),
+    ("[recovery]\nstraggler_window = 5\nstraggler_min_samples = 5",
+     "recovery.straggler_window (5) must be at least 6: straggler_cost splits it in thirds and leaves out each "
+     "third's slowest step"),
 ])
 def test_controller_config_errors(tmp_path, text, message):
     path = write(tmp_path, text)

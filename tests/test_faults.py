@@ -17,6 +17,7 @@ from phalanx import faults
     ("pcie-replay=18446744073709551616", "fault pcie-replay=18446744073709551616 must be between 0 and 1000000000"),
     ("nvlink-errors=-1", "fault nvlink-errors=-1 must be between 0 and 1000000000"),
     ("slow=nan", "fault slow=nan must be between 0 and 1 (0.3 = 30% slower)"),
+    ("slow-bursts=1", "fault slow-bursts=1 must be between 0 and 1 (0.3 = 30% slower)"),
     ("xid=1000", "fault xid=1000 must be between 1 and 999"),
     ("xid=1e3", "fault xid: '1e3' is not a whole number"),
 ])
@@ -27,7 +28,7 @@ def test_out_of_range_values_are_refused(text, message):
 
 
 @pytest.mark.parametrize("text", ["pcie-replay=1234567", "nvlink-errors=1000000000", "ecc-sbe-rate=0.1234567",
-                                  "ecc-sbe-rate=5", "slow=0.3", "xid=79", "thermal"])
+                                  "ecc-sbe-rate=5", "slow=0.3", "slow-bursts=0.5", "xid=79", "thermal"])
 def test_the_text_handed_on_parses_to_the_same_fault(text):
     # str() once wrote 1234567 as "1.23457e+06", which the agent then refused as not a whole number
     fault = faults.parse(text)
@@ -41,7 +42,8 @@ def test_counts_round_trip(name, value):
     assert faults.parse(str(fault)) == fault
 
 
-@given(st.sampled_from(["ecc-sbe-rate", "slow"]), st.floats(0.0, 1e6, exclude_min=True, exclude_max=True))
+@given(st.sampled_from(["ecc-sbe-rate", "slow", "slow-bursts"]), st.floats(0.0, 1e6, exclude_min=True,
+                                                                           exclude_max=True))
 def test_rates_round_trip(name, value):
     try:
         fault = faults.parse(f"{name}={value!r}")

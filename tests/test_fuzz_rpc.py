@@ -130,7 +130,7 @@ def small_or_random(bits: int = 64) -> st.SearchStrategy[int]:
 
 JOBS = ["job-1", "job-2", "job-3"]  # running (never on VICTIM), succeeded, pending (see `fuzzed`)
 FAULT_NAMES = ["xid", "ecc-dbe", "ecc-sbe-rate", "remap-pending", "remap-failure", "thermal", "gpu-lost",
-               "pcie-replay", "nvlink-errors", "clear", "slow", "hang"]
+               "pcie-replay", "nvlink-errors", "clear", "slow", "slow-bursts", "hang"]
 FAULT_VALUES = ["", "0", "1", "48", "79", "999", "1000", "-1", "0.3", "1.5", "nan", "inf", "-inf", "1e308", "1e20",
                 "18446744073709551616", "1234567", "0x10", "1_000", " 7 ", "=1"]
 faults = st.one_of(  # the language of phalanx/faults.py: NAME or NAME=VALUE, with values of every kind

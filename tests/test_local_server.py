@@ -125,3 +125,12 @@ def test_a_rank_hears_a_request_by_push_without_waiting_for_its_next_report(tmp_
 async def wait_for_watcher(service: LocalService) -> None:
     while not service.watchers:
         await asyncio.sleep(0.01)
+
+
+def test_a_slow_fault_on_a_ranks_gpu_reaches_that_rank_in_its_report_reply():
+    slowed = {("job-1", 1, 1): 0.5}
+    service = LocalService(LocalState(), current_generation=lambda job: 1, send=lambda message: None,
+                           slow_factor=lambda job, generation, rank: slowed.get((job, generation, rank), 0.0))
+    assert [report(service, "job-1", 1, rank, 5).slow_factor for rank in (0, 1)] == [0.0, 0.5]
+    slowed.clear()  # the fault ended (its rank was stopped, or hangs instead)
+    assert report(service, "job-1", 1, 1, 6).slow_factor == 0.0

@@ -3,6 +3,8 @@
 import math
 import random
 
+import pytest
+
 from controller.config import RecoveryConfig
 from controller.recovery.lifecycle import REQUEST_LATENCY_S, checkpoint_step
 from controller.recovery.progress import WARMUP_STEPS, RankTrack, hung, stragglers
@@ -128,6 +130,75 @@ def test_a_tiny_compute_is_never_a_straggler():
         for rank, track in t.items():
             track.observe(step, 0.01, [0.0015 * (1.3 if rank == 2 else 1.0) * rng.lognormvariate(0, 0.02)], step)
     assert stragglers(t, CFG) == []  # 30% slower, but by half a millisecond: noise on any real machine
+
+
+def synchronous_job(compute, steps, ranks=8, sync_s=0.002, report_every=5, seed=0):
+    """A synchronous job past its warm-up: each step, rank r computes `compute(r, step, rng)` seconds, then every
+    rank waits for the slowest and syncs; trainlib reports every `report_every` steps. Returns, per report, the
+    step it ended at and the straggler findings then."""
+    t = tracks(ranks)
+    for track in t.values():
+        track.samples_seen = WARMUP_STEPS
+    rng = random.Random(seed)
+    verdicts = []
+    for first in range(0, steps, report_every):
+        samples = {rank: [] for rank in t}
+        job_s = 0.0
+        for step in range(first, first + report_every):
+            for rank in t:
+                samples[rank].append(compute(rank, step, rng))
+            job_s += max(s[-1] for s in samples.values()) + sync_s
+        for rank, track in t.items():
+            track.observe(first + report_every, job_s / report_every, samples[rank], 0.0, steps=report_every)
+        verdicts.append((first + report_every, stragglers(t, CFG)))
+    return verdicts
+
+
+def found_at(verdicts):
+    """{step the first finding came at: ranks found}, or {} when none ever did."""
+    return next(({step: [f.rank for f in findings]} for step, findings in verdicts if findings), {})
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.15])
+def test_a_throttled_rank_is_found_within_thirty_steps_of_short_steps(factor):
+    # 20 ms steps (18 ms of compute); from step 60 rank 3 computes F slower (slow=F): the job loses 29% of its
+    # throughput at F = 0.5 and 10% at F = 0.15
+    def compute(rank, step, rng):
+        return 0.018 * rng.lognormvariate(0, 0.02) * (1 + factor if rank == 3 and step >= 60 else 1)
+
+    for seed in range(20):
+        assert found_at(synchronous_job(compute, steps=90, seed=seed)) in (
+            {step: [3]} for step in range(65, 91, 5)), seed
+
+
+def test_a_rank_slow_in_bursts_is_found_within_thirty_steps():
+    # slow-bursts=0.5 on 20 ms steps: stopped 33 ms at a time, about every fifth step. The median step
+    # looks healthy; the job loses 24% of its throughput.
+    for seed in range(20):
+        def compute(rank, step, rng, phase=seed % 5):
+            return 0.018 * rng.lognormvariate(0, 0.02) + (0.033 if rank == 3 and step >= 60 and step % 5 == phase
+                                                          else 0.0)
+
+        verdicts = synchronous_job(compute, steps=90, seed=seed)
+        assert found_at(verdicts) in ({step: [3]} for step in range(65, 91, 5)), seed
+        assert verdicts[-1][1][0].reason.startswith("rank 3 costs the job 1")
+
+
+def test_no_false_alarm_on_healthy_noise_of_short_steps():
+    for seed in range(50):
+        spike = random.Random(seed).randrange(300)
+
+        def compute(rank, step, rng, spike=spike):
+            c = 0.018 * rng.lognormvariate(0, 0.05)  # jitter
+            if step == spike and rank == 0:
+                c += 0.1  # one GC pause
+            if step % 25 == 7:
+                c *= 3  # a slow batch on every rank
+            if rng.random() < 0.02:
+                c *= 2  # ... or on one rank, now and then
+            return c
+
+        assert found_at(synchronous_job(compute, steps=300, seed=seed)) == {}, seed
 
 
 def test_the_warm_up_steps_are_ignored():

@@ -1,6 +1,7 @@
 """agent.rankwrap and the supervisor's launch: the wrapper passes a stop on, even one that comes while it starts the
 rank; nothing in the job's working directory can stand in for it; ranks get none of the agent's systemd variables;
-the rank's own pid and a fatal report reach the rank's status and outlive an agent restart."""
+the rank's own pid and a fatal report reach the rank's status and outlive an agent restart; a slow=F fault reaches
+the rank's trainlib."""
 
 import asyncio
 import json
@@ -184,6 +185,30 @@ def test_a_fatal_report_goes_up_on_the_ranks_status_and_survives_an_agent_restar
         restarted = Supervisor(tmp_path / "state", clock=FakeClock())
         restarted.adopt()
         assert restarted.statuses()[0].fatal == reason
+    finally:
+        kill(record)
+
+
+def test_a_slow_fault_reaches_the_ranks_trainlib_until_another_fault_replaces_it(tmp_path):
+    cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"),
+                                   checkpoint_dir=str(tmp_path), nvrx_socket="")
+    agent = Agent(cfg, SimBackend(1, "node-f", seed=1), clock=FakeClock())
+    _, record = launch(agent.supervisor, tmp_path, tmp_path)
+
+    def factor() -> float:
+        return asyncio.run(agent.local_service().Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0),
+                                                        None)).slow_factor
+
+    try:
+        assert factor() == 0.0
+        assert agent._inject(node_pb2.InjectFault(gpu_index=0, fault="slow=0.5")) == \
+            "node-f: slow=0.5 on GPU 0 (ranks 0)"
+        assert factor() == 0.5
+        agent._inject(node_pb2.InjectFault(gpu_index=0, fault="slow-bursts=0.5"))  # SIGSTOP bursts instead
+        assert factor() == 0.0
+        agent._inject(node_pb2.InjectFault(gpu_index=0, fault="slow=0.2"))
+        agent.supervisor.stop("job-1", 1, grace_s=30)
+        assert factor() == 0.0
     finally:
         kill(record)
 

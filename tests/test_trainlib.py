@@ -219,3 +219,66 @@ def test_a_save_marks_the_rank_as_saving_for_its_reports_while_it_writes(monkeyp
     with pytest.raises(OSError, match="disk full"):
         _runtime.save({}, 6)
     assert seen == [True, True] and _runtime._saving is False
+
+
+class FakeTime:
+    """The clock trainlib's hooks read, in virtual time: a sleep moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def time_ns(self) -> int:
+        return int(self.now * 1e9)
+
+
+def test_a_slow_fault_stretches_each_steps_compute_or_the_whole_step_when_none_is_marked(monkeypatch):
+    from trainlib import _runtime
+    clock = FakeTime()
+    monkeypatch.setattr(_runtime, "time", clock)
+    for name, value in (("_last_end", clock.now), ("_compute_mark", 0.0), ("_head", _runtime._head),
+                        ("_steps_seen", _runtime._steps_seen), ("_last_step", _runtime._last_step), ("_slow", 0.5)):
+        monkeypatch.setattr(_runtime, name, value)
+
+    def last_sample() -> tuple[float, float]:
+        slot = (_runtime._head - 1) % _runtime.RING
+        return _runtime._ring_compute_s[slot], _runtime._ring_step_s[slot]
+
+    clock.now += 0.020  # compute
+    _runtime.compute_done()
+    clock.now += 0.004  # the gradient sync: not the GPU's work
+    _runtime.step(0)
+    assert last_sample() == (pytest.approx(0.030), pytest.approx(0.034))
+    clock.now += 0.020  # a script that marks no compute
+    _runtime.step(1)
+    assert last_sample() == (0.0, pytest.approx(0.030))
+    _runtime._slow = 0.0  # the fault ended: the hooks sleep no more
+    slept = len(clock.slept)
+    clock.now += 0.020
+    _runtime.compute_done()
+    clock.now += 0.004
+    _runtime.step(2)
+    assert last_sample() == (pytest.approx(0.020), pytest.approx(0.024)) and len(clock.slept) == slept
+
+
+def test_the_slow_factor_in_the_agents_reply_reaches_the_hooks(agent, monkeypatch, tmp_path):
+    from trainlib import _runtime
+    monkeypatch.setattr(_runtime, "_ctx", _runtime.Context(
+        active=True, job="job-7", generation=3, rank=1, local_rank=1, world_size=4, checkpoint_dir=str(tmp_path),
+        agent_socket=str(agent.socket)))
+    for name in ("_stub", "_slow", "_tail"):
+        monkeypatch.setattr(_runtime, name, getattr(_runtime, name))
+    _runtime._stub = None
+    agent.slow_factor = 0.5
+    _runtime._flush()
+    assert _runtime._slow == 0.5
+    agent.slow_factor = 0.0
+    _runtime._flush()
+    assert _runtime._slow == 0.0

@@ -95,6 +95,7 @@ _saving = False  # save() is writing: reports say so, and the hang detector wait
 _stale = False  # the agent said a newer generation of the job runs: this process is ending
 _shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
 _snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is first called under Phalanx
+_slow = 0.0  # a slow=F fault on this rank's GPU, from the agent's replies: each step's compute takes (1 + F)x
 
 
 def init() -> Context:
@@ -171,6 +172,8 @@ def step(number: int | None = None) -> None:
     """Mark the end of a training step. Cheap enough for every step: no lock, no allocation, no system call."""
     global _last_end, _compute_mark, _steps_seen, _head, _last_step
     now = time.perf_counter()
+    if _slow and _compute_mark <= _last_end:  # slow=F, and the script marks no compute: the whole step is slowed
+        now = _throttle(_last_end, now)
     slot = _head % RING
     _last_step = _steps_seen if number is None else number
     _ring_step[slot] = _last_step
@@ -186,6 +189,15 @@ def compute_done() -> None:
     """Mark, within a step, the end of the compute before the gradient synchronisation."""
     global _compute_mark
     _compute_mark = time.perf_counter()
+    if _slow:
+        _compute_mark = _throttle(_last_end, _compute_mark)
+
+
+def _throttle(start: float, now: float) -> float:
+    """slow=F as a throttled GPU shows it: the work since `start` takes (1 + F)x as long. The difference is slept,
+    not spun, so the rank takes no CPU from its neighbours. Returns the clock after it."""
+    time.sleep(_slow * (now - start))
+    return time.perf_counter()
 
 
 def checkpoint_requested() -> bool:
@@ -402,8 +414,10 @@ def _flush(at_exit: bool = False) -> None:
 
 def _heed(reply: Any) -> None:
     """Act on what the agent says the controller wants of this rank (a ReportReply, reported or pushed)."""
+    global _slow
     if reply.stale:
         _end_stale()
+    _slow = reply.slow_factor
     request = reply.checkpoint
     if request.id and request.id not in _handled and (not _requested or _request_id != request.id):
         _request(request.id, request.pause, request.at_step)

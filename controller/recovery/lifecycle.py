@@ -173,13 +173,6 @@ def checkpoint_step(tracks: Mapping[int, progress.RankTrack], lead_s: float = RE
     return max(latest, 0) + math.ceil(lead_s / step_s) + 2
 
 
-def job_step_s(tracks: Mapping[int, progress.RankTrack], reports: int = 5) -> float:
-    """The job's step time now: the median of its ranks' last few reported step times (0.0 before any). In a
-    synchronous job every rank takes as long as the slowest, so this is the job's throughput."""
-    recent = sorted(s for t in tracks.values() for s in list(t.step_s)[-reports:])
-    return recent[len(recent) // 2] if recent else 0.0
-
-
 def straggler_hold(job: pb.Job, tracks: Mapping[int, progress.RankTrack], now: float, cfg: RecoveryConfig) -> str:
     """Why a straggler verdict must not be acted on now ("" if it may): evictions must not cascade. A false
     verdict drains a healthy node, and in a loop it could drain a fleet."""
@@ -360,7 +353,7 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
                 incident_kind=incident.kind)
     if incident.kind == "straggler" and view is not None:
         new.straggler_evictions_unix_ns.append(int(now * 1e9))
-        new.straggler_step_s = job_step_s(view.tracks)
+        new.straggler_step_s = progress.job_step_s(view.tracks)
         new.straggler_held = ""
     _replace(new.incident_nodes, incident.nodes)
     new.ClearField("culprit")

@@ -8,22 +8,34 @@ gradient synchronisation), folded per heartbeat by the agents.
   during a generation's first WARMUP_STEPS steps `startup_s` applies instead. While any rank of the
   job is writing a checkpoint (trainlib says so) no rank is hung: the others wait for it in the next
   collective. A save that outlasts `checkpoint_deadline_s` no longer shields them.
-- Straggler: a rank whose per-step compute time stays >= `straggler_ratio` x the median of the
-  other ranks' over the last `straggler_window` steps. Robust by construction: medians, not means;
-  a verdict needs `straggler_min_samples` steps of evidence with most of them slow, so healthy
-  noise (a GC pause, a slow batch) never raises an alarm on its own.
+- Straggler: a rank found by either of two tests over the last `straggler_window` steps of per-step
+  compute time (medians and trimmed means, so healthy noise - a GC pause, a slow batch, jitter - never
+  raises an alarm on its own):
+  - slow every step: its compute stays >= `straggler_ratio` x the median of the other ranks' in most
+    of the window (`straggler_share`), by at least `straggler_min_delta_s` a step;
+  - costly: what its compute costs the job - its pace less the others', weighed against the job's own
+    step time - is >= `straggler_cost` in every third of a full window. This finds a rank that is slow
+    in bursts (the median of its steps looks healthy) and a rank of a job whose steps are too short for
+    the ratio test's floor. Each third drops its slowest step and the rank is judged by its best third,
+    so a burst no longer than a third of the window, or one outlier per third, does not count.
+  The reference is the job itself: the others' pace over the same window, and the job's step time for
+  what a lag costs. Not the rank's own earlier compute: a GPU slow from the start has no fast past.
+  Evictions do not cascade because lifecycle.straggler_hold acts on another verdict only when the last
+  eviction made the job faster, and bounds the evictions per job and hour.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from controller.config import RecoveryConfig
 
 WARMUP_STEPS = 10  # a generation's first steps say nothing about a rank's speed
 PACE_REPORTS = 5  # reports a rank's current pace is judged from
+PARTS = 3  # a costly straggler must show in each of this many parts of the window: not one burst, however long
 
 
 @dataclass
@@ -115,11 +127,31 @@ def culprits(findings: list[Finding], tracks: dict[int, RankTrack], now: float, 
     return [f.rank for f in findings if now - tracks[f.rank].last_report >= silent_s]
 
 
-def stragglers(tracks: dict[int, RankTrack], cfg: RecoveryConfig) -> list[Finding]:
+def job_step_s(tracks: Mapping[int, RankTrack], reports: int = PACE_REPORTS) -> float:
+    """The job's step time now: the median of its ranks' last few reported step times (0.0 before any). In a
+    synchronous job every rank takes as long as the slowest, so this is the job's throughput."""
+    recent = sorted(s for t in tracks.values() for s in list(t.step_s)[-reports:])
+    return recent[len(recent) // 2] if recent else 0.0
+
+
+def sustained_pace(compute_s: list[float]) -> float:
+    """A rank's compute per step as the job feels it, robust to noise: the mean of each third of the samples
+    without its slowest step, and of those the lowest. A one-off spike or a burst up to a third of the samples
+    long leaves some third (the lowest) untouched; slowness in bursts, spread through the samples, shows in
+    every third's mean where a median would not see it."""
+    size = len(compute_s) // PARTS
+    parts = [sorted(compute_s[i * size:(i + 1) * size])[:-1] for i in range(PARTS)]
+    return min(sum(part) / len(part) for part in parts)
+
+
+def stragglers(tracks: Mapping[int, RankTrack], cfg: RecoveryConfig) -> list[Finding]:
     window = cfg.straggler_window
     recent = {rank: list(t.compute_s)[-window:] for rank, t in tracks.items()}
     if len(recent) < 2 or any(len(v) < cfg.straggler_min_samples for v in recent.values()):
         return []
+    full = all(len(v) == window for v in recent.values())
+    paces = {rank: sustained_pace(v) for rank, v in recent.items()} if full else {}
+    step_s = job_step_s(tracks)
     out = []
     for rank, mine in sorted(recent.items()):
         others = [statistics.median(v) for r, v in recent.items() if r != rank]
@@ -134,4 +166,12 @@ def stragglers(tracks: dict[int, RankTrack], cfg: RecoveryConfig) -> list[Findin
             out.append(Finding(rank, "straggler", f"rank {rank} computes {statistics.median(ratios):.2f}x slower "
                                                   f"than the others' median ({slow} of the last {len(ratios)} "
                                                   f"steps >= {cfg.straggler_ratio:g}x)"))
+            continue
+        if not paces or step_s <= 0:
+            continue
+        cost = (paces[rank] - statistics.median(p for r, p in paces.items() if r != rank)) / step_s
+        if cost >= cfg.straggler_cost:
+            out.append(Finding(rank, "straggler", f"rank {rank} costs the job {cost:.0%} of its step time "
+                                                  f"({step_s * 1e3:.1f} ms): its compute runs over the others' in "
+                                                  f"every third of the last {window} steps"))
     return out

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16phalanx/v1/local.proto\x12\nphalanx.v1\"R\n\nStepSample\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"\x91\x01\n\rReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.phalanx.v1.StepSample\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\r\n\x05\x66\x61tal\x18\x06 \x01(\t\x12\x0e\n\x06saving\x18\x07 \x01(\x08\"c\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05pause\x18\x04 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x05 \x01(\x04\"O\n\x0bReportReply\x12\x31\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1d.phalanx.v1.CheckpointRequest\x12\r\n\x05stale\x18\x02 \x01(\x08\"=\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"~\n\x14SnapshotTakenRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"#\n\x12SnapshotTakenReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"c\n\x14\x46\x65tchSnapshotRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0e\n\x06source\x18\x05 \x01(\t\"@\n\x12\x46\x65tchSnapshotReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"[\n\x0bTellRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x0b\n\tTellReply\"h\n\x15\x43heckpointDoneRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x15\n\x13\x43heckpointDoneReply2\xbe\x03\n\x0cLocalService\x12<\n\x06Report\x12\x19.phalanx.v1.ReportRequest\x1a\x17.phalanx.v1.ReportReply\x12T\n\x0e\x43heckpointDone\x12!.phalanx.v1.CheckpointDoneRequest\x1a\x1f.phalanx.v1.CheckpointDoneReply\x12<\n\x05Watch\x12\x18.phalanx.v1.WatchRequest\x1a\x17.phalanx.v1.ReportReply0\x01\x12Q\n\rSnapshotTaken\x12 .phalanx.v1.SnapshotTakenRequest\x1a\x1e.phalanx.v1.SnapshotTakenReply\x12Q\n\rFetchSnapshot\x12 .phalanx.v1.FetchSnapshotRequest\x1a\x1e.phalanx.v1.FetchSnapshotReply\x12\x36\n\x04Tell\x12\x17.phalanx.v1.TellRequest\x1a\x15.phalanx.v1.TellReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16phalanx/v1/local.proto\x12\nphalanx.v1\"R\n\nStepSample\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"\x91\x01\n\rReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.phalanx.v1.StepSample\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\r\n\x05\x66\x61tal\x18\x06 \x01(\t\x12\x0e\n\x06saving\x18\x07 \x01(\x08\"c\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05pause\x18\x04 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x05 \x01(\x04\"d\n\x0bReportReply\x12\x31\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1d.phalanx.v1.CheckpointRequest\x12\r\n\x05stale\x18\x02 \x01(\x08\x12\x13\n\x0bslow_factor\x18\x03 \x01(\x01\"=\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"~\n\x14SnapshotTakenRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"#\n\x12SnapshotTakenReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"c\n\x14\x46\x65tchSnapshotRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0e\n\x06source\x18\x05 \x01(\t\"@\n\x12\x46\x65tchSnapshotReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"[\n\x0bTellRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x0b\n\tTellReply\"h\n\x15\x43heckpointDoneRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x15\n\x13\x43heckpointDoneReply2\xbe\x03\n\x0cLocalService\x12<\n\x06Report\x12\x19.phalanx.v1.ReportRequest\x1a\x17.phalanx.v1.ReportReply\x12T\n\x0e\x43heckpointDone\x12!.phalanx.v1.CheckpointDoneRequest\x1a\x1f.phalanx.v1.CheckpointDoneReply\x12<\n\x05Watch\x12\x18.phalanx.v1.WatchRequest\x1a\x17.phalanx.v1.ReportReply0\x01\x12Q\n\rSnapshotTaken\x12 .phalanx.v1.SnapshotTakenRequest\x1a\x1e.phalanx.v1.SnapshotTakenReply\x12Q\n\rFetchSnapshot\x12 .phalanx.v1.FetchSnapshotRequest\x1a\x1e.phalanx.v1.FetchSnapshotReply\x12\x36\n\x04Tell\x12\x17.phalanx.v1.TellRequest\x1a\x15.phalanx.v1.TellReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,25 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTREQUEST']._serialized_start=270
   _globals['_CHECKPOINTREQUEST']._serialized_end=369
   _globals['_REPORTREPLY']._serialized_start=371
-  _globals['_REPORTREPLY']._serialized_end=450
-  _globals['_WATCHREQUEST']._serialized_start=452
-  _globals['_WATCHREQUEST']._serialized_end=513
-  _globals['_SNAPSHOTTAKENREQUEST']._serialized_start=515
-  _globals['_SNAPSHOTTAKENREQUEST']._serialized_end=641
-  _globals['_SNAPSHOTTAKENREPLY']._serialized_start=643
-  _globals['_SNAPSHOTTAKENREPLY']._serialized_end=678
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=680
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=779
-  _globals['_FETCHSNAPSHOTREPLY']._serialized_start=781
-  _globals['_FETCHSNAPSHOTREPLY']._serialized_end=845
-  _globals['_TELLREQUEST']._serialized_start=847
-  _globals['_TELLREQUEST']._serialized_end=938
-  _globals['_TELLREPLY']._serialized_start=940
-  _globals['_TELLREPLY']._serialized_end=951
-  _globals['_CHECKPOINTDONEREQUEST']._serialized_start=953
-  _globals['_CHECKPOINTDONEREQUEST']._serialized_end=1057
-  _globals['_CHECKPOINTDONEREPLY']._serialized_start=1059
-  _globals['_CHECKPOINTDONEREPLY']._serialized_end=1080
-  _globals['_LOCALSERVICE']._serialized_start=1083
-  _globals['_LOCALSERVICE']._serialized_end=1529
+  _globals['_REPORTREPLY']._serialized_end=471
+  _globals['_WATCHREQUEST']._serialized_start=473
+  _globals['_WATCHREQUEST']._serialized_end=534
+  _globals['_SNAPSHOTTAKENREQUEST']._serialized_start=536
+  _globals['_SNAPSHOTTAKENREQUEST']._serialized_end=662
+  _globals['_SNAPSHOTTAKENREPLY']._serialized_start=664
+  _globals['_SNAPSHOTTAKENREPLY']._serialized_end=699
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=701
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=800
+  _globals['_FETCHSNAPSHOTREPLY']._serialized_start=802
+  _globals['_FETCHSNAPSHOTREPLY']._serialized_end=866
+  _globals['_TELLREQUEST']._serialized_start=868
+  _globals['_TELLREQUEST']._serialized_end=959
+  _globals['_TELLREPLY']._serialized_start=961
+  _globals['_TELLREPLY']._serialized_end=972
+  _globals['_CHECKPOINTDONEREQUEST']._serialized_start=974
+  _globals['_CHECKPOINTDONEREQUEST']._serialized_end=1078
+  _globals['_CHECKPOINTDONEREPLY']._serialized_start=1080
+  _globals['_CHECKPOINTDONEREPLY']._serialized_end=1101
+  _globals['_LOCALSERVICE']._serialized_start=1104
+  _globals['_LOCALSERVICE']._serialized_end=1550
 # @@protoc_insertion_point(module_scope)

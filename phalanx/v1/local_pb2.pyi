@@ -51,12 +51,14 @@ class CheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("checkpoint", "stale")
+    __slots__ = ("checkpoint", "stale", "slow_factor")
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
+    SLOW_FACTOR_FIELD_NUMBER: _ClassVar[int]
     checkpoint: CheckpointRequest
     stale: bool
-    def __init__(self, checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., stale: _Optional[bool] = ...) -> None: ...
+    slow_factor: float
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., stale: _Optional[bool] = ..., slow_factor: _Optional[float] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("job", "generation", "rank")
