@@ -205,6 +205,12 @@ class Agent:
                 return node_pb2.CommandResult(ok=True, port=free_port(""))  # reachable from other nodes
             if body == "read_log":
                 return self._read_log(command.read_log)
+            if body == "pin_snapshot":
+                pin = command.pin_snapshot
+                if self.snapshots is None:
+                    raise ValueError(f"{self.name} keeps no snapshots (snapshot_dir is empty)")
+                self.snapshots.store.pin(pin.job, pin.generation, pin.step)
+                return node_pb2.CommandResult(ok=True)
             if body == "checkpoint":
                 request = command.checkpoint
                 self.local.ask(request)

@@ -89,6 +89,7 @@ class SnapshotStore:
         self.root, self.budget, self.keep = root, budget_bytes, keep
         self.own_dir = root / OWN
         self._held: dict[tuple[str, Key], Held] = {}
+        self._pins: dict[str, tuple[int, int]] = {}  # job -> (generation, step) kept beyond the newest steps
         for kind in (OWN, REPLICA):
             (root / kind).mkdir(parents=True, exist_ok=True)
         os.chmod(self.own_dir, 0o1777)  # ranks write their own snapshots here (sticky, like /tmp)
@@ -164,11 +165,25 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot {held.path} does not match its CRC-32 (corrupt); dropped")
         return held
 
+    def pin(self, job: str, generation: int, step: int) -> None:
+        """Keep `step` of `generation` (the controller's newest step held twice over), releasing the previous pin."""
+        self._pins[job] = (generation, step)
+        newest: dict[tuple[str, int], Key] = {}  # (kind, rank) -> its newest snapshot
+        for kind, key in self._held:
+            best = newest.get((kind, key.rank))
+            if key.job == job and (best is None or (key.generation, key.step) > (best.generation, best.step)):
+                newest[(kind, key.rank)] = key
+        for (kind, _rank), key in newest.items():
+            for old in self._superseded(kind, key):
+                self._drop(old)
+
     def launched(self, job: str, generation: int) -> None:
         """A generation of `job` starts here: anything held of it or a later generation comes from another life
         of the same job id (a controller whose store was reset) and must never be restored."""
         for held in [h for h in self._held.values() if h.key.job == job and h.key.generation >= generation]:
             self._drop(held)
+        if self._pins.get(job, (0, 0))[0] >= generation:
+            del self._pins[job]
 
     def forget(self, keep_jobs: Iterable[str]) -> list[str]:
         """Drop every snapshot of jobs not in `keep_jobs` (ended, or gone from this node); the jobs dropped."""
@@ -179,6 +194,8 @@ class SnapshotStore:
         for kind in (OWN, REPLICA):
             for job in gone:
                 shutil.rmtree(self.root / kind / job, ignore_errors=True)
+        for job in gone:
+            self._pins.pop(job, None)
         return gone
 
     # -- internals -----------------------------------------------------------------------------
@@ -196,7 +213,9 @@ class SnapshotStore:
                                 "snapshot_budget_mb): the job's state does not fit in memory here")
         free = self.budget - self.used
         # under pressure the rank's own older steps go first, oldest first (fewer steps kept, but the newest)
-        reclaimable = [h for h in self._mine(kind, key) if (h.key.generation, h.key.step) < (key.generation, key.step)]
+        pinned = self._pins.get(key.job)
+        older = [h for h in self._mine(kind, key) if (h.key.generation, h.key.step) < (key.generation, key.step)]
+        reclaimable = sorted(older, key=lambda h: (h.key.generation, h.key.step) == pinned)  # the pin last
         if free + sum(h.size for h in reclaimable) < size:
             raise SnapshotError(f"a snapshot of rank {key.rank} of {key.job} ({size / 1e6:.1f} MB) does not fit in "
                                 f"this node's snapshot budget: {self.used / 1e6:.1f} of {self.budget / 1e6:.1f} MB "
@@ -209,10 +228,13 @@ class SnapshotStore:
 
     def _superseded(self, kind: str, key: Key) -> list[Held]:
         """Of (job, rank)'s other snapshots of `kind`, those to drop once `key` is kept, oldest first: every older
-        generation's, and beyond the newest `keep` steps (with `key`) of its own."""
+        generation's, and beyond the newest `keep` steps (with `key`) of its own but the pinned one."""
+        pinned = self._pins.get(key.job)
         mine = self._mine(kind, key)
         same = [h for h in mine if h.key.generation == key.generation]
-        return [h for h in mine if h.key.generation < key.generation] + same[:max(0, len(same) - (self.keep - 1))]
+        newest = same[len(same) - (self.keep - 1):] if self.keep > 1 else []
+        return [h for h in mine if h.key.generation < key.generation] + [
+            h for h in same if h not in newest and (h.key.generation, h.key.step) != pinned]
 
     def _mine(self, kind: str, key: Key) -> list[Held]:
         """The other snapshots of `kind` of key's job and rank, oldest first."""

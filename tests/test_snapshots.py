@@ -150,3 +150,26 @@ def test_no_restore_mixes_generations_or_uses_a_lost_nodes_snapshots():
                    "step 12, lacks rank(s) 1 (held on b, which cannot be reached)")
     restore, why = plan.plan(reported, "j", 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
     assert restore is None and why == "generation 3 left no in-memory snapshot on a node that is up"
+
+
+def test_the_pinned_step_is_kept_however_far_the_rank_moves_on(tmp_path):
+    """After a node is lost the survivors' ranks train on for seconds; their newest steps are then past the lost
+    ranks' last replicas. The step the controller pinned (held twice over) is the one every rank still has."""
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000, keep=2)
+    for step in range(3):
+        write(store, key(step), b"x")
+    store.pin("job-1", 1, 2)
+    for step in range(3, 9):
+        write(store, key(step), b"x")
+    assert [h.key.step for h in store.held()] == [2, 7, 8]
+    store.pin("job-1", 1, 7)  # the pin moved on: the old one is let go
+    assert [h.key.step for h in store.held()] == [7, 8]
+
+
+def test_the_safe_step_is_the_newest_one_every_rank_has_on_two_nodes():
+    reported = {"a": [held("j", 1, 0, s) for s in (7, 8, 9)] + [held("j", 1, 1, s, True) for s in (6, 7)],
+                "b": [held("j", 1, 1, s) for s in (8, 9)] + [held("j", 1, 0, s, True) for s in (7, 8)]}
+    assert plan.safe_step(reported, "j", 1, 2) is None  # rank 1's step 7 is held once (rank 1 no longer has it)
+    reported["b"].append(held("j", 1, 1, 7))  # pinned there
+    assert plan.safe_step(reported, "j", 1, 2) == 7
+    assert plan.safe_step(reported, "j", 2, 2) is None

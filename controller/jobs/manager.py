@@ -23,6 +23,7 @@ from controller.obs.events import EventHub
 from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
 from controller.recovery import detectors, lifecycle, table
 from controller.recovery import progress as monitors
+from controller.recovery import snapshots as snapshot_plan
 from controller.recovery.executor import Executor, PendingCheckpoint
 from controller.recovery.table import ACTIVE, RUNNING, TERMINAL, rank_may_move, state_name
 from controller.store.base import EventRecord, JobRecord, Store
@@ -58,6 +59,7 @@ class JobEntry:
     # node -> the in-memory snapshots of this job it holds, from its newest heartbeat (kept across generations:
     # a new generation restores from the last one's)
     snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
+    pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
 
     def new_generation(self, generation: int) -> None:
         if generation == self.generation:
@@ -363,10 +365,21 @@ class JobManager:
             entry = self.entries.get(job)
             if entry is not None and entry.job.state in ACTIVE:
                 entry.snapshots[node] = held
+                self._pin(entry)
         if by_job:
             self._snapshots_on[node] = set(by_job)
         else:
             self._snapshots_on.pop(node, None)
+
+    def _pin(self, entry: JobEntry) -> None:
+        """Tell the job's nodes to keep its newest step held twice over, when that moved on."""
+        job = entry.job
+        if job.state != RUNNING or len(job.nodes) < 2:
+            return
+        step = snapshot_plan.safe_step(entry.snapshots, job.id, job.generation, len(job.ranks))
+        if step is not None and (job.generation, step) > entry.pinned:
+            entry.pinned = (job.generation, step)
+            self.executor.pin_snapshot(entry, step)
 
     async def log(self, event: lifecycle.Event, job: str) -> None:
         committed = await self.store.commit(events=[self.event(event.kind, event.message, job)])

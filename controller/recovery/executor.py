@@ -323,11 +323,17 @@ class Executor:
         for node in action.nodes:
             self._spawn(self._send(node, command), f"checkpoint-{action.job}-{node}")
 
+    def pin_snapshot(self, entry: JobEntry, step: int) -> None:
+        command = node_pb2.Command(pin_snapshot=node_pb2.PinSnapshot(job=entry.job.id, generation=entry.job.generation,
+                                                                     step=step))
+        for node in entry.snapshots:
+            self._spawn(self._send(node, command), f"pin-{entry.job.id}-{node}")
+
     async def _send(self, node: str, command: node_pb2.Command) -> None:
         try:
             await _session(self.jobs.registry.get(node)).request(command)
-        except Exception as e:  # the deadline decides; a node that missed the request just does not answer
-            logger.warning("checkpoint request not delivered", node=node, job=command.checkpoint.job, error=str(e))
+        except Exception as e:  # a checkpoint's deadline decides; a pin missed is sent again when the step moves on
+            logger.warning("command not delivered", node=node, command=command.WhichOneof("body"), error=str(e))
 
 
 def _bound(entry: JobEntry):

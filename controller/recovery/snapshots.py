@@ -23,6 +23,21 @@ class Restore:
     sources: dict[int, str]  # rank -> the node to fetch its snapshot from
 
 
+def safe_step(held: Mapping[str, Iterable[node_pb2.SnapshotHeld]], job: str, generation: int,
+              world: int) -> int | None:
+    """The newest step of `generation` whose every rank's snapshot is held on two nodes or more (its own and a
+    replica), so that no one lost node can take it away; None if there is none. Agents keep it (a pin) however
+    far their ranks move on: after a node is lost, the survivors' newest steps are seconds past the lost ranks'
+    last replicas, and without the pin no step would be whole."""
+    where: dict[int, dict[int, set[str]]] = {}
+    for node, snapshots in held.items():
+        for s in snapshots:
+            if s.job == job and s.generation == generation:
+                where.setdefault(s.step, {}).setdefault(s.rank, set()).add(node)
+    return max((step for step, ranks in where.items()
+                if len(ranks) == world and all(len(nodes) >= 2 for nodes in ranks.values())), default=None)
+
+
 def plan(held: Mapping[str, Iterable[node_pb2.SnapshotHeld]], job: str, generation: int, world: int,
          up: set[str], placement: Mapping[int, str]) -> tuple[Restore | None, str]:
     """(the restore, "") or (None, why there is none). `held`: node -> what it reported; `up`: the nodes a

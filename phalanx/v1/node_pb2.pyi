@@ -183,7 +183,7 @@ class ControllerMessage(_message.Message):
     def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint")
+    __slots__ = ("id", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot")
     ID_FIELD_NUMBER: _ClassVar[int]
     INJECT_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class Command(_message.Message):
     RESERVE_PORT_FIELD_NUMBER: _ClassVar[int]
     READ_LOG_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PIN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     id: int
     inject: InjectFault
     launch: LaunchRanks
@@ -198,7 +199,18 @@ class Command(_message.Message):
     reserve_port: ReservePort
     read_log: ReadLog
     checkpoint: RequestCheckpoint
-    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ...) -> None: ...
+    pin_snapshot: PinSnapshot
+    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ...) -> None: ...
+
+class PinSnapshot(_message.Message):
+    __slots__ = ("job", "generation", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class RequestCheckpoint(_message.Message):
     __slots__ = ("job", "generation", "request_id", "deadline_s", "reason", "pause", "at_step")
