@@ -152,8 +152,11 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
     async def SnapshotTaken(self, request: local_pb2.SnapshotTakenRequest, context) -> local_pb2.SnapshotTakenReply:
         if self._snapshots is None:
             return local_pb2.SnapshotTakenReply(error="this node keeps no snapshots (agent snapshot_dir is empty)")
-        return local_pb2.SnapshotTakenReply(error=self._snapshots.taken(
-            snaps.Key.of(request), request.path, request.size, request.crc32))
+        try:
+            key = snaps.Key.of(request)
+        except snaps.SnapshotError as e:
+            return local_pb2.SnapshotTakenReply(error=str(e))
+        return local_pb2.SnapshotTakenReply(error=self._snapshots.taken(key, request.path, request.size, request.crc32))
 
     async def FetchSnapshot(self, request: local_pb2.FetchSnapshotRequest, context) -> local_pb2.FetchSnapshotReply:
         if self._snapshots is None:

@@ -33,12 +33,15 @@ from pathlib import Path
 import grpc
 
 from phalanx import log
+from phalanx.names import NAME
+from phalanx.request_guard import RequestGuard
+from phalanx.rpc import SERVER_OPTIONS
 from phalanx.v1 import node_pb2, snapshot_pb2, snapshot_pb2_grpc
 
 logger = log.get("snapshots")
 
 KEEP_STEPS = 4
-CHUNK = 1 << 20
+CHUNK = 512 << 10  # a stream message's data: well under MAX_REQUEST_BYTES with its header
 OWN, REPLICA = "own", "replica"
 _STEP = re.compile(r"^s(\d+)\.pt$")
 
@@ -62,6 +65,9 @@ class Key:
 
     @classmethod
     def of(cls, message) -> Key:
+        """The key a request names. Raises SnapshotError for a job id that could not be ours (it names a path)."""
+        if not NAME.fullmatch(message.job):
+            raise SnapshotError(f"job {message.job[:80]!r} is not a job id (1-63 letters, digits, '.', '_', '-')")
         return cls(message.job, message.generation, message.rank, message.step)
 
 
@@ -310,9 +316,10 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             first = await stream.__anext__()
         except StopAsyncIteration:
             return snapshot_pb2.PutReply(ok=False, error="empty stream: no snapshot")
-        key = Key.of(first.key)
-        if not key.job:
-            return snapshot_pb2.PutReply(ok=False, error="the first chunk names no snapshot (key.job is empty)")
+        try:
+            key = Key.of(first.key)
+        except SnapshotError as e:
+            return snapshot_pb2.PutReply(ok=False, error=f"the first chunk names no snapshot: {e}")
 
         async def data() -> AsyncIterator[bytes]:
             yield first.data
@@ -331,7 +338,6 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             held = self._store.verified(Key.of(request))
         except SnapshotError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-            return
         async for chunk in _chunks_of(held.path, held.key, held.size, held.crc32):
             yield chunk
 
@@ -381,7 +387,7 @@ class Replicator:
         try:
             reply = await stub.Put(_chunks_of(held.path, held.key, held.size, held.crc32), timeout=60)
             error = "" if reply.ok else reply.error
-        except (grpc.RpcError, OSError) as e:
+        except Exception as e:  # gRPC's errors, a file dropped meanwhile: the next snapshot tries again
             error = f"{peer} unreachable: {e.code().name if isinstance(e, grpc.RpcError) else e}"
         if error:
             if held.key.job not in self._failing:
@@ -420,7 +426,7 @@ class Replicator:
 
 async def serve(listen: str, service: SnapshotService) -> tuple[grpc.aio.Server, str]:
     """Serve peers at `listen` (host:port, port 0 = any free one); the server and the address it took."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * CHUNK + 4096)])
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
     snapshot_pb2_grpc.add_SnapshotServiceServicer_to_server(service, server)
     host = listen.rsplit(":", 1)[0]
     port = server.add_insecure_port(listen)
@@ -464,7 +470,7 @@ class Snapshots:
                 if not source:
                     raise
             return await self.replicator.fetch(source, key)
-        except (SnapshotError, OSError) as e:
+        except Exception as e:  # SnapshotError, OSError, a source gRPC cannot even parse: all say why
             self._emit("snapshot_unavailable", f"{key.job}: snapshot of rank {key.rank} step {key.step} (generation "
                        f"{key.generation}) cannot be restored here: {e}", job=key.job)
             raise SnapshotError(str(e)) from e

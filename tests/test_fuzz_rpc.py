@@ -61,11 +61,12 @@ WHERE = {
     "phalanx.v1.RendezvousService": "controller",
     "grpc.health.v1.Health": "controller",
     "phalanx.v1.LocalService": "local",
+    "phalanx.v1.SnapshotService": "snapshot",
     "nvhcd.HealthCheckService": "nvrx",
 }
-# Calls that wait by design: for a commit, a round to form, the next event or health change.
+# Calls that wait by design: for a commit, a round to form, the next event, health change or checkpoint request.
 WAITS = {"phalanx.v1.ControlService/WatchEvents", "phalanx.v1.ControlService/CheckpointJob",
-         "phalanx.v1.RendezvousService/AwaitRound", "grpc.health.v1.Health/Watch"}
+         "phalanx.v1.RendezvousService/AwaitRound", "grpc.health.v1.Health/Watch", "phalanx.v1.LocalService/Watch"}
 # Cases per method, relative: the session and the calls with the most behind them get more.
 WEIGHT = {"phalanx.v1.NodeService/Session": 4, "phalanx.v1.NodeService/Register": 2,
           "phalanx.v1.ControlService/SubmitJob": 2, "phalanx.v1.ControlService/InjectFault": 4,
@@ -290,6 +291,8 @@ def fuzzed(request, tmp_path_factory):
         "controller": grpc.insecure_channel(c.address, options=BIG),
         "local": grpc.insecure_channel(f"unix://{c.root / 'n1' / 'state' / 'agent.sock'}", options=BIG),
         "nvrx": grpc.insecure_channel(f"unix://{c.root / 'n1' / 'nvhcd.sock'}", options=BIG),
+        "snapshot": grpc.insecure_channel(ctl.GetNode(control_pb2.GetNodeRequest(name="n1"), timeout=5)
+                                          .inventory.snapshot_address, options=BIG),
     }
     yield Fuzzed(total, c, channels, collections.Counter(), collections.defaultdict(collections.Counter))
     for channel in channels.values():
