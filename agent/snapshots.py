@@ -334,8 +334,13 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
         return snapshot_pb2.PutReply(ok=True)
 
     async def Get(self, request: snapshot_pb2.SnapshotKey, context):
+        """Stream a held snapshot with its recorded CRC-32; the receiver checks it (a corrupt file is refused there,
+        so reading it twice here would only halve the throughput)."""
         try:
-            held = self._store.verified(Key.of(request))
+            held = self._store.find(Key.of(request))
+            if held is None:
+                raise SnapshotError(f"no snapshot of rank {request.rank} of {request.job} step {request.step} "
+                                    f"(generation {request.generation}) here")
         except SnapshotError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         async for chunk in _chunks_of(held.path, held.key, held.size, held.crc32):

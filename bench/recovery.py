@@ -1,14 +1,18 @@
-"""Issue 6 benchmark: Phalanx against torchrun on the same job and the same faults.
+"""Issues 6 and 11 benchmark: Phalanx against torchrun on the same job and the same faults.
 
-The job: examples/train_phalanx.py, 2 "nodes" x 1 rank on loopback (gloo, CPU), checkpointing every
-20 steps, rank 0 printing every step with its wall time. The faults:
+The job: examples/train_phalanx.py, 2 "nodes" x 1 rank on loopback (gloo, CPU), a durable checkpoint
+every 500 steps, an in-memory snapshot every step (Phalanx; torchrun has none), rank 0 printing every
+step with its wall time. The faults:
 - crash: kill -9 of one rank's process
+- xid-79: an injected XID 79 (GPU fallen off the bus) on the GPU of one rank (Phalanx only: torchrun has
+  no GPU health signal)
+- node-loss: kill -9 of one node's agent (torchrun: its elastic agent) together with its rank
 - hang: SIGSTOP of one rank's process group
-- node loss: kill -9 of one node's agent (torchrun: its elastic agent) together with its rank
+- remap-pending: an injected predictable failure (Phalanx only): checkpoint, then evict
 
-Measured per fault: seconds from the fault to the first training step after it, and steps lost
+Measured per fault: seconds from the fault to the first training step after it, and steps computed twice
 (the last step done before the fault minus the step training resumed from). "never" means no step
-within the observation window. For Phalanx also the time spent in each recovery state.
+within the observation window. Phalanx runs each fault REPEATS times (median and max); torchrun once.
 """
 
 from __future__ import annotations
@@ -28,29 +32,40 @@ from bench.common import agent_toml, controller_toml, free_port, log, temp_root
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train_phalanx.py"
-STEPS = 2000
+STEPS = 3000
+REPEATS = 5
 WINDOW_S = 90.0  # after a fault: how long we wait for training to resume before saying "never"
 STEP_LINE = re.compile(r"^step (\d+) loss \S+ at ([\d.]+)$", re.M)
 RESUMED = re.compile(r"resumed from step (\d+)")
-FAULTS = ("crash", "hang", "node-loss")
+FAULTS = ("crash", "xid-79", "node-loss", "hang", "remap-pending")
+GPU_FAULTS = {"xid-79": "xid=79", "remap-pending": "remap-pending"}  # injected into the simulated GPU
 
 
 def _train_args(ckpt: Path) -> list[str]:
-    return [str(TRAIN), "--steps", str(STEPS), "--step-time", "0.05", "--every", "20", "--print-every", "1"]
+    return [str(TRAIN), "--steps", str(STEPS), "--step-time", "0.05", "--every", "500", "--print-every", "1"]
 
 
 def _steps(text: str) -> list[tuple[int, float]]:
     return [(int(m.group(1)), float(m.group(2))) for m in STEP_LINE.finditer(text)]
 
 
+NEXT_GENERATION = "generation 2 rank 0 starting"  # Phalanx's rank log marks each generation's start
+
+
 def _measure(read_log, fault_at: float) -> dict:
-    """Wait for a step printed after the fault; return seconds to it and steps lost."""
+    """Wait for a step printed after the fault (with Phalanx: by the next generation, as a predictable fault lets
+    training run on until its checkpoint); return seconds to it and steps computed twice."""
     deadline = time.time() + WINDOW_S
     while time.time() < deadline:
         text = read_log()
-        steps = _steps(text)
-        before = [s for s, t in steps if t <= fault_at]
-        after = [(s, t) for s, t in steps if t > fault_at + 0.5]
+        if NEXT_GENERATION in text:
+            old, new = text.split(NEXT_GENERATION, 1)
+            before = [s for s, _ in _steps(old)]
+            after = _steps(new)
+        else:
+            steps = _steps(text)
+            before = [s for s, t in steps if t <= fault_at]
+            after = [(s, t) for s, t in steps if t > fault_at + 0.5 and "phalanx:" not in text]
         if after and before:
             resumed = [int(x) for x in RESUMED.findall(text)]
             first_step, first_t = after[0]
@@ -81,6 +96,8 @@ def _kill_tree(pid: int, sig: int) -> None:
 # -- torchrun ------------------------------------------------------------------------------------
 
 def torchrun_trial(fault: str, root: Path) -> dict:
+    if fault in GPU_FAULTS:
+        return {"resumed_s": None, "steps_lost": None, "skipped": "no GPU health signal in torchrun"}
     port = free_port()
     logs = [root / f"torchrun-{i}.log" for i in range(2)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
@@ -154,7 +171,9 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         info = json.loads(_cli(address, "job", job, "--json"))
         victim_node, rank = info["ranks"][1]["node"], info["ranks"][1]
         fault_at = time.time()
-        if fault == "crash":
+        if fault in GPU_FAULTS:
+            _cli(address, "inject", victim_node, "--gpu", "0", GPU_FAULTS[fault])
+        elif fault == "crash":
             child = psutil.Process(rank["wrapper_pid"]).children()[0]  # the rank itself, under its wrapper
             child.send_signal(signal.SIGKILL)
         elif fault == "hang":
@@ -178,20 +197,42 @@ def phalanx_trial(fault: str, root: Path) -> dict:
             p.wait()
 
 
+def _trial(system: str, trial, fault: str) -> dict:
+    with temp_root(prefix=f"phalanx-bench-recovery-{system}-") as tmp:
+        log(f"recovery: {system}: {fault} ...")
+        try:
+            outcome = trial(fault, Path(tmp))
+        except Exception as e:
+            outcome = {"error": f"{type(e).__name__}: {e}", "resumed_s": None, "steps_lost": None}
+        resumed = outcome.get("resumed_s")
+        log(f"recovery: {system}: {fault}: " + (f"training again after {resumed} s, {outcome['steps_lost']} steps "
+            "computed twice" if resumed is not None else outcome.get("skipped") or
+            f"never within {WINDOW_S:g} s {outcome.get('error', '')}"))
+        return outcome
+
+
+def _summary(trials: list[dict]) -> dict:
+    """Median and max over the trials; a trial that never resumed counts as never (max) and is listed."""
+    import statistics
+    done = [t for t in trials if t.get("resumed_s") is not None]
+    out = {"trials": trials, "resumed": len(done), "of": len(trials)}
+    if done:
+        out.update(resumed_s=statistics.median(t["resumed_s"] for t in done),
+                   resumed_max_s=max(t["resumed_s"] for t in done),
+                   steps_lost=statistics.median(t["steps_lost"] for t in done),
+                   steps_lost_max=max(t["steps_lost"] for t in done))
+        out["seconds_in_state"] = done[-1].get("seconds_in_state", {})
+    else:
+        out.update(resumed_s=None, steps_lost=None)
+    return out
+
+
 def run(quick: bool = False) -> dict:
     results: dict[str, dict] = {}
+    repeats = 1 if quick else REPEATS
     for fault in FAULTS:
-        for system, trial in (("phalanx", phalanx_trial), ("torchrun", torchrun_trial)):
-            with temp_root(prefix=f"phalanx-bench-recovery-{system}-") as tmp:
-                log(f"recovery: {system}: {fault} ...")
-                try:
-                    outcome = trial(fault, Path(tmp))
-                except Exception as e:
-                    outcome = {"error": f"{type(e).__name__}: {e}", "resumed_s": None, "steps_lost": None}
-                resumed = outcome.get("resumed_s")
-                log(f"recovery: {system}: {fault}: " + (f"training again after {resumed} s, "
-                    f"{outcome['steps_lost']} steps lost" if resumed is not None else
-                    f"never within {WINDOW_S:g} s {outcome.get('error', '')}"))
-                results.setdefault(fault, {})[system] = outcome
-    return {"faults": results, "window_s": WINDOW_S,
-            "job": "2 nodes x 1 rank, gloo on CPU, 0.05 s steps, checkpoint every 20 steps"}
+        results[fault] = {"phalanx": _summary([_trial("phalanx", phalanx_trial, fault) for _ in range(repeats)]),
+                          "torchrun": _trial("torchrun", torchrun_trial, fault)}
+    return {"faults": results, "window_s": WINDOW_S, "repeats": repeats,
+            "job": "2 nodes x 1 rank, gloo on CPU, 0.05 s steps, a durable checkpoint every 500 steps, "
+                   "Phalanx: an in-memory snapshot every step"}

@@ -38,11 +38,13 @@ from bench import (  # noqa: E402
     hooks,
     placement,
     recovery,
+    snapshots,
     tls,
 )
 from bench.common import REPO, log, machine  # noqa: E402
 
-BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "recovery")
+BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
+              "recovery")
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
 QUICK_STEPS = [500, 2000]
@@ -113,6 +115,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = hooks.run()
             elif name == "checkpoint":
                 results[name] = checkpoint.run(quick=args.quick)
+            elif name == "snapshots":
+                results[name] = snapshots.run(quick=args.quick)
             elif name == "recovery":
                 results[name] = recovery.run(quick=args.quick)
             elif name == "capacity":
@@ -232,12 +236,29 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("checkpoint", f"write throughput vs dd + fsync ({c['state_mib']} MiB)", ">= 90 %",
                      f"{c['checkpoint_mbps']:,.0f} vs {c['raw_mbps']:,.0f} MB/s = {c['ratio']:.0%} (plain torch.save "
                      f"+ fsync {c['torch_save_fsync_mbps']:,.0f} MB/s){_verdict(c['ok'])}"))
+    s = results.get("snapshots")
+    if s and "error" not in s:
+        for o in s["overhead"]:
+            rows.append(("snapshots", f"step time with snapshots, {o['state_mb']} MB per rank", "<= 3 %",
+                         f"{o['overhead_pct']:+.1f} % ({o['step_ms']:.0f} ms step; every {o['interval_steps']} "
+                         f"step(s), copy {o['copy_ms']:.1f} ms){_verdict(o['overhead_pct'] <= s['budget_pct'])}"))
+        p = s["peer"]
+        rows.append(("snapshots", f"peer restore over loopback ({p['size_mb']} MB)", ">= 1 GB/s",
+                     f"{p['get_gbps']} GB/s (replica put {p['put_gbps']} GB/s)"
+                     f"{_verdict(p['get_gbps'] >= s['restore_goal_gbps'])}"))
     r = results.get("recovery")
     if r and "error" not in r:
         for fault, systems in r["faults"].items():
             for system, o in systems.items():
+                if o.get("skipped"):
+                    rows.append(("recovery", f"{fault}: {system}", "", f"n/a ({o['skipped']})"))
+                    continue
                 result = ("never" if o.get("resumed_s") is None else
-                          f"{o['resumed_s']:.1f} s to training, {o['steps_lost']} steps lost")
+                          f"{o['resumed_s']:.1f} s to training, {o['steps_lost']:g} steps computed twice")
+                if o.get("of", 1) > 1 and o.get("resumed_s") is not None:
+                    result = (f"median {o['resumed_s']:.1f} s (max {o['resumed_max_s']:.1f}) to training, "
+                              f"{o['steps_lost']:g} steps computed twice (max {o['steps_lost_max']}); "
+                              f"{o['resumed']} of {o['of']} resumed")
                 if o.get("seconds_in_state"):
                     states = {k: v for k, v in o["seconds_in_state"].items()
                               if k in ("CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING")}
