@@ -173,3 +173,45 @@ def test_the_safe_step_is_the_newest_one_every_rank_has_on_two_nodes():
     reported["b"].append(held("j", 1, 1, 7))  # pinned there
     assert plan.safe_step(reported, "j", 1, 2) == 7
     assert plan.safe_step(reported, "j", 2, 2) is None
+
+
+class FakeAgent:
+    def __init__(self, error=""):
+        self.taken, self.error = [], error
+
+    def __call__(self, request):
+        from phalanx.v1 import local_pb2
+        self.taken.append(request)
+        return local_pb2.SnapshotTakenReply(error=self.error)
+
+
+def test_a_rank_snapshots_every_step_while_the_copy_is_cheap_and_less_often_when_it_is_not(tmp_path):
+    import torch
+
+    from trainlib._snapshot import Snapshotter
+    agent = FakeAgent()
+    snapshotter = Snapshotter(tmp_path, "job-1", 2, 0, agent)
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    for step in range(6):
+        assert snapshotter.offer(lambda: state, step, step_s=10.0)  # a 10 s step: any copy is cheap
+        snapshotter.wait()
+    assert snapshotter.interval == 1 and [r.step for r in agent.taken] == list(range(6))
+    request = agent.taken[-1]
+    path = tmp_path / "job-1" / "g2" / "r0" / "s5.pt"
+    assert request.path == str(path) and request.crc32 == zlib.crc32(path.read_bytes())
+    assert torch.equal(torch.load(path)["w"], state["w"])
+    snapshotter.offer(state, 6, step_s=1e-7)  # a step far shorter than the copy: every N steps, N > 1
+    assert snapshotter.interval > 1
+    assert not snapshotter.offer(state, 7, step_s=1e-7)
+
+
+def test_a_snapshot_the_agent_refuses_turns_the_ranks_snapshots_off_and_says_why(tmp_path, capsys):
+    import torch
+
+    from trainlib._snapshot import Snapshotter
+    agent = FakeAgent(error="does not fit in this node's snapshot budget")
+    snapshotter = Snapshotter(tmp_path, "job-1", 1, 0, agent, every=1)
+    assert snapshotter.offer({"w": torch.zeros(4)}, 0, 1.0)
+    snapshotter.wait()
+    assert not snapshotter.offer({"w": torch.zeros(4)}, 1, 1.0) and len(agent.taken) == 1
+    assert "in-memory snapshots off for this rank: does not fit" in capsys.readouterr().err

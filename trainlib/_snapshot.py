@@ -41,7 +41,7 @@ class Snapshotter:
         self.fixed = every  # None: tuned to OVERHEAD_BUDGET as training runs
         self.interval = every or 1
         self.copy_s = 0.0  # moving average of the copy into host memory
-        self.taken = self.skipped = 0
+        self.taken = self.skipped = self.failed = 0
         self.disabled = "" if every != 0 else "PHALANX_SNAPSHOT_EVERY=0"
         self._last = -1
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlib-snapshot")
@@ -88,19 +88,23 @@ class Snapshotter:
         from trainlib._atomic import make_dirs_durable, write_atomic
         from trainlib.checkpoint import _torch_save
 
+        path = self.directory / f"s{step}.pt"
         try:
             make_dirs_durable(self.directory)
-            path = self.directory / f"s{step}.pt"
             digest = write_atomic(path, lambda w: _torch_save(copy, w))
             reply = self._tell(local_pb2.SnapshotTakenRequest(
                 job=self.job, generation=self.generation, rank=self.rank, step=step, path=str(path),
                 size=digest.size, crc32=int(digest.value, 16)))
-            error = reply.error
-        except Exception as e:  # a full tmpfs, the agent gone: training goes on with durable checkpoints
-            error = f"{type(e).__name__}: {e}"
-        if error:
-            self.disabled = error
-            print(f"trainlib: in-memory snapshots off for this rank: {error}", file=sys.stderr, flush=True)
+        except Exception as e:  # a full tmpfs, the agent restarting: this one is lost, the next may do
+            path.unlink(missing_ok=True)  # nobody holds it: its memory goes back
+            if not self.failed:
+                print(f"trainlib: in-memory snapshot of step {step} not kept: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+            self.failed += 1
+            return
+        if reply.error:  # the agent refused it (over the node's budget): it would refuse the next ones too
+            self.disabled = reply.error
+            print(f"trainlib: in-memory snapshots off for this rank: {reply.error}", file=sys.stderr, flush=True)
 
 
 def parse_restore(spec: str) -> tuple[int, int, str]:
