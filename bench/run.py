@@ -239,9 +239,13 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
     s = results.get("snapshots")
     if s and "error" not in s:
         for o in s["overhead"]:
+            steady = o["interval_steps"] * 3 <= o["steps"]  # several intervals measured: the figure is steady state
+            pct = o["overhead_pct"] if steady else o["amortized_pct"]
+            how = (f"measured over {o['steps']} steps" if steady else f"amortized: the copy / ({o['interval_steps']} "
+                   f"steps); {o['overhead_pct']:+.1f} % measured over {o['steps']} steps, one copy")
             rows.append(("snapshots", f"step time with snapshots, {o['state_mb']} MB per rank", "<= 3 %",
-                         f"{o['overhead_pct']:+.1f} % ({o['step_ms']:.0f} ms step; every {o['interval_steps']} "
-                         f"step(s), copy {o['copy_ms']:.1f} ms){_verdict(o['overhead_pct'] <= s['budget_pct'])}"))
+                         f"{pct:+.1f} % ({how}; {o['step_ms']:.0f} ms step, every {o['interval_steps']} step(s), "
+                         f"copy {o['copy_ms']:.1f} ms){_verdict(pct <= s['budget_pct'])}"))
         p = s["peer"]
         rows.append(("snapshots", f"peer restore over loopback ({p['size_mb']} MB)", ">= 1 GB/s",
                      f"{p['get_gbps']} GB/s (replica put {p['put_gbps']} GB/s)"

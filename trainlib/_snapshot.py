@@ -41,6 +41,8 @@ class Snapshotter:
         self.fixed = every  # None: tuned to OVERHEAD_BUDGET as training runs
         self.interval = every or 1
         self.copy_s = 0.0  # moving average of the copy into host memory
+        self.step_s = 0.0  # moving average of a step's own time (without a copy of ours in it)
+        self._last_copy_s = 0.0
         self.taken = self.skipped = self.failed = 0
         self.disabled = "" if every != 0 else "PHALANX_SNAPSHOT_EVERY=0"
         self._last = -1
@@ -50,7 +52,12 @@ class Snapshotter:
 
     def offer(self, state: Any, step: int, step_s: float) -> bool:
         """Snapshot `state` (a state tree, or a function returning one: called only when a snapshot is due) as of
-        `step` if one is due and the writer is free; True if a copy was taken."""
+        `step` if one is due and the writer is free; True if a copy was taken. `step_s`: the step's time, which
+        takes in the copy made after the previous step, if one was."""
+        own = step_s - (self._last_copy_s if self._last == step - 1 else 0.0)
+        if own > 0:
+            self.step_s = own if not self.step_s else (1 - SMOOTHING) * self.step_s + SMOOTHING * own
+            self._tune()
         if self.disabled or (self._last >= 0 and step - self._last < self.interval):
             return False
         if self._inflight is not None and not self._inflight.done():
@@ -62,8 +69,8 @@ class Snapshotter:
         copy = snapshot_to_cpu(state() if callable(state) else state)
         copy_s = time.perf_counter() - started
         self.copy_s = copy_s if not self.taken else (1 - SMOOTHING) * self.copy_s + SMOOTHING * copy_s
-        self._last, self.taken = step, self.taken + 1
-        self._tune(step_s)
+        self._last, self.taken, self._last_copy_s = step, self.taken + 1, copy_s
+        self._tune()
         self._inflight = self._writer.submit(self._write, copy, step)
         return True
 
@@ -72,15 +79,14 @@ class Snapshotter:
         if self._inflight is not None:
             self._inflight.result()
 
-    def _tune(self, step_s: float) -> None:
-        if self.fixed is not None or step_s <= 0:
+    def _tune(self) -> None:
+        if self.fixed is not None or self.step_s <= 0:
             return
-        compute_s = max(step_s - self.copy_s / self.interval, 1e-9)  # the step's own time, without our copy
-        self.interval = max(1, math.ceil(self.copy_s / (OVERHEAD_BUDGET * compute_s)))
+        self.interval = max(1, math.ceil(self.copy_s / (OVERHEAD_BUDGET * self.step_s)))
         if self.taken >= SETTLE and (self._said == 0 or not 0.5 <= self.interval / self._said <= 2):
             self._said = self.interval
             print(f"trainlib: in-memory snapshots every {self.interval} step(s): the copy takes "
-                  f"{self.copy_s * 1e3:.2f} ms of a {compute_s * 1e3:.1f} ms step (budget "
+                  f"{self.copy_s * 1e3:.2f} ms of a {self.step_s * 1e3:.1f} ms step (budget "
                   f"{OVERHEAD_BUDGET:.0%})", file=sys.stderr, flush=True)
 
     def _write(self, copy: dict[str, Any], step: int) -> None:
