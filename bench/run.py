@@ -116,7 +116,7 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
             elif name == "checkpoint":
                 results[name] = checkpoint.run(quick=args.quick)
             elif name == "snapshots":
-                results[name] = snapshots.run(quick=args.quick)
+                results[name] = await snapshots.run(quick=args.quick)
             elif name == "recovery":
                 results[name] = recovery.run(quick=args.quick)
             elif name == "capacity":

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
 import time
@@ -124,7 +123,7 @@ async def peer_restore(mb: int) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(quick: bool = False) -> dict:
+async def run(quick: bool = False) -> dict:
     results = []
     for mb in SIZES_MB[:2] if quick else SIZES_MB:
         steps = 60 if quick else 150
@@ -135,6 +134,6 @@ def run(quick: bool = False) -> dict:
         results.append(r)
     size = 200 if quick else 1000
     log(f"snapshots: peer restore of {size} MB over loopback ...")
-    peer = asyncio.run(peer_restore(size))
+    peer = await peer_restore(size)
     log(f"snapshots: peer restore {peer['get_gbps']} GB/s, replica put {peer['put_gbps']} GB/s")
     return {"overhead": results, "peer": peer, "budget_pct": 3.0, "restore_goal_gbps": 1.0}

@@ -241,7 +241,7 @@ class Executor:
         per = job.spec.ranks_per_node
         nodes = self.jobs.registry.entries_by_name()
         up = {name for name, n in nodes.items() if n.session is not None and n.record.state is not DOWN
-              and n.inventory().snapshot_address}
+              and n.inventory().snapshot_address}  # every source is one of these: every rank is told, or none
         placement = {i * per + local: node for i, node in enumerate(job.nodes) for local in range(per)}
         restore, why = snapshot_plan.plan(entry.snapshots, job.id, job.generation - 1, len(placement), up, placement)
         if restore is None:
