@@ -95,7 +95,7 @@ class Agent:
         self._snapshot_keys: dict[str, set] = {}
         if cfg.snapshot_dir:
             budget = cfg.snapshot_budget_mb * 1_000_000 or memory // 4
-            store = snaps.SnapshotStore(Path(cfg.snapshot_dir) / self.name, budget)
+            store = snaps.SnapshotStore(Path(cfg.snapshot_dir) / self.name, budget, clock=self.clock)
             self.snapshots = snaps.Snapshots(store, snaps.Replicator(store, self._emit), self._emit)
         self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None

@@ -13,8 +13,12 @@ Layout under `root`::
     replica/<job>/g<generation>/r<rank>/s<step>.pt    written by this agent from a peer's stream
     ...s<step>.pt.json                                size and CRC-32: the file counts as held only with it
 
-Per (job, rank) and kind, only the newest KEEP_STEPS steps of the newest generation are kept: a restore
-uses the generation that just ended, and replicas may lag their rank by a step or two.
+Per (job, rank) and kind, only the newest generation is kept (a restore uses the generation that just
+ended), and of it the steps taken in the last RETAIN_S seconds, at least the newest KEEP_STEPS, and the
+step the controller pinned. Keeping by time, the same on every node, is what makes the nodes' holdings
+overlap: the controller sees each node's as of its last heartbeat, up to a second apart, which with
+short steps is dozens of steps; it pins a step it sees on two nodes for every rank, and that step must
+still be there when the pin arrives.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 import grpc
 
 from phalanx import log
+from phalanx.clock import Clock, RealClock
 from phalanx.names import NAME
 from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
@@ -41,6 +46,7 @@ from phalanx.v1 import node_pb2, snapshot_pb2, snapshot_pb2_grpc
 logger = log.get("snapshots")
 
 KEEP_STEPS = 4
+RETAIN_S = 3.0  # snapshots younger than this are kept: over two heartbeat intervals of the controller's view
 CHUNK = 512 << 10  # a stream message's data: well under MAX_REQUEST_BYTES with its header
 OWN, REPLICA = "own", "replica"
 _STEP = re.compile(r"^s(\d+)\.pt$")
@@ -78,6 +84,7 @@ class Held:
     path: Path
     size: int
     crc32: int
+    at: float = 0.0  # when this node took it in (monotonic)
 
 
 def file_crc32(path: Path) -> int:
@@ -91,8 +98,10 @@ def file_crc32(path: Path) -> int:
 class SnapshotStore:
     """The snapshots this node holds, bounded by `budget_bytes` (own and replicas together)."""
 
-    def __init__(self, root: Path, budget_bytes: int, keep: int = KEEP_STEPS) -> None:
-        self.root, self.budget, self.keep = root, budget_bytes, keep
+    def __init__(self, root: Path, budget_bytes: int, keep: int = KEEP_STEPS, clock: Clock | None = None,
+                 retain_s: float = RETAIN_S) -> None:
+        self.root, self.budget, self.keep, self.retain_s = root, budget_bytes, keep, retain_s
+        self._clock = clock or RealClock()
         self.own_dir = root / OWN
         self._held: dict[tuple[str, Key], Held] = {}
         self._pins: dict[str, tuple[int, int]] = {}  # job -> (generation, step) kept beyond the newest steps
@@ -133,7 +142,7 @@ class SnapshotStore:
             with contextlib.suppress(OSError):
                 expected.unlink()
             raise SnapshotError(str(e)) from e
-        return self._keep(Held(key, OWN, expected, size, crc32))
+        return self._keep(Held(key, OWN, expected, size, crc32, self._clock.monotonic()))
 
     async def accept_replica(self, key: Key, size: int, crc32: int, chunks: AsyncIterator[bytes]) -> Held:
         """Write a peer's snapshot from its chunks, check its size and CRC-32, keep it. Raises SnapshotError."""
@@ -158,15 +167,16 @@ class SnapshotStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-        return self._keep(Held(key, REPLICA, path, size, crc32))
+        return self._keep(Held(key, REPLICA, path, size, crc32, self._clock.monotonic()))
 
-    def verified(self, key: Key) -> Held:
-        """The held snapshot for `key` after checking its CRC-32 against the one recorded. Raises SnapshotError."""
+    async def verified(self, key: Key) -> Held:
+        """The held snapshot for `key` after checking its CRC-32 against the one recorded (read in a worker thread:
+        a gigabyte would hold the agent's event loop, and its heartbeats, for a second). Raises SnapshotError."""
         held = self.find(key)
         if held is None:
             raise SnapshotError(f"no snapshot of rank {key.rank} of {key.job} step {key.step} (generation "
                                 f"{key.generation}) here")
-        if file_crc32(held.path) != held.crc32:
+        if await asyncio.to_thread(file_crc32, held.path) != held.crc32:
             self._drop(held)
             raise SnapshotError(f"snapshot {held.path} does not match its CRC-32 (corrupt); dropped")
         return held
@@ -234,13 +244,15 @@ class SnapshotStore:
 
     def _superseded(self, kind: str, key: Key) -> list[Held]:
         """Of (job, rank)'s other snapshots of `kind`, those to drop once `key` is kept, oldest first: every older
-        generation's, and beyond the newest `keep` steps (with `key`) of its own but the pinned one."""
+        generation's, and of its own those neither among the newest `keep` steps (with `key`), nor younger than
+        `retain_s`, nor pinned."""
         pinned = self._pins.get(key.job)
         mine = self._mine(kind, key)
         same = [h for h in mine if h.key.generation == key.generation]
         newest = same[len(same) - (self.keep - 1):] if self.keep > 1 else []
+        old = self._clock.monotonic() - self.retain_s
         return [h for h in mine if h.key.generation < key.generation] + [
-            h for h in same if h not in newest and (h.key.generation, h.key.step) != pinned]
+            h for h in same if h not in newest and h.at < old and (h.key.generation, h.key.step) != pinned]
 
     def _mine(self, kind: str, key: Key) -> list[Held]:
         """The other snapshots of `kind` of key's job and rank, oldest first."""
@@ -280,7 +292,8 @@ class SnapshotStore:
                     meta = json.loads(path.with_name(path.name + ".json").read_text())
                     key = Key(job, int(gen[1:]), int(rank[1:]), int(m.group(1)))
                     if path.stat().st_size == meta["size"]:
-                        self._held[(kind, key)] = Held(key, kind, path, meta["size"], meta["crc32"])
+                        self._held[(kind, key)] = Held(key, kind, path, meta["size"], meta["crc32"],
+                                                       self._clock.monotonic())
                         continue
                 except (OSError, ValueError, KeyError, TypeError):
                     pass
@@ -382,15 +395,18 @@ class Replicator:
         finally:
             self._busy.discard(job)
 
+    def _stub(self, address: str) -> snapshot_pb2_grpc.SnapshotServiceStub:
+        """A stub on the one channel kept per peer address."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return snapshot_pb2_grpc.SnapshotServiceStub(channel)
+
     async def _send(self, peer: str, held: Held) -> None:
         if not peer:
             return
-        channel = self._channels.get(peer)
-        if channel is None:
-            channel = self._channels[peer] = grpc.aio.insecure_channel(peer)
-        stub = snapshot_pb2_grpc.SnapshotServiceStub(channel)
         try:
-            reply = await stub.Put(_chunks_of(held.path, held.key, held.size, held.crc32), timeout=60)
+            reply = await self._stub(peer).Put(_chunks_of(held.path, held.key, held.size, held.crc32), timeout=60)
             error = "" if reply.ok else reply.error
         except Exception as e:  # gRPC's errors, a file dropped meanwhile: the next snapshot tries again
             error = f"{peer} unreachable: {e.code().name if isinstance(e, grpc.RpcError) else e}"
@@ -405,10 +421,7 @@ class Replicator:
 
     async def fetch(self, source: str, key: Key) -> Held:
         """Get `key` from the SnapshotService at `source` into this node's replicas. Raises SnapshotError."""
-        channel = self._channels.get(source)
-        if channel is None:
-            channel = self._channels[source] = grpc.aio.insecure_channel(source)
-        stream = snapshot_pb2_grpc.SnapshotServiceStub(channel).Get(key.pb(), timeout=120)
+        stream = self._stub(source).Get(key.pb(), timeout=120)
         try:
             first = await stream.read()
             if first is grpc.aio.EOF:
@@ -470,7 +483,7 @@ class Snapshots:
         SnapshotError with the reason (an event says so)."""
         try:
             try:
-                return self.store.verified(key)
+                return await self.store.verified(key)
             except SnapshotError:
                 if not source:
                     raise

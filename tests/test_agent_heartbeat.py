@@ -146,3 +146,26 @@ async def test_reconnects_wait_the_jittered_backoff_on_the_clock(tmp_path):
     stop.set()
     await task  # a stop ends the wait at once, with no time passing
     assert clock.monotonic() == 1060.0 and len(attempts) == len(expected)
+
+
+@run
+async def test_a_jobs_snapshots_are_reported_and_given_back_once_it_has_left_the_node_for_ten_minutes(tmp_path):
+    import zlib
+
+    from agent import snapshots as snaps
+    from agent.main import SNAPSHOT_IDLE_S
+    clock = FakeClock()
+    cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"), nvrx_socket="",
+                                   snapshot_dir=str(tmp_path / "snap"), checkpoint_dir=str(tmp_path))
+    agent = Agent(cfg, SimBackend(2, "node-f", seed=1), clock=clock)
+    agent.link.emit = lambda *a, **k: None
+    key = snaps.Key("job-9", 1, 0, 5)
+    path = agent.snapshots.store.path(snaps.OWN, key)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"state")
+    assert agent.snapshots.taken(key, str(path), 5, zlib.crc32(b"state")) == ""
+    assert [(s.job, s.step) for s in (await agent.heartbeat(1.0)).snapshots] == [("job-9", 5)]
+    clock.advance(SNAPSHOT_IDLE_S - 1)
+    assert len((await agent.heartbeat(1.0)).snapshots) == 1  # unchanged, but not for long enough
+    clock.advance(2)
+    assert not (await agent.heartbeat(1.0)).snapshots and not path.exists()  # its memory is given back

@@ -15,13 +15,13 @@ DECISIONS = [
     "controller/recovery/lifecycle.py", "controller/recovery/detectors.py", "controller/recovery/progress.py",
     "controller/recovery/table.py", "controller/nodes/liveness.py", "controller/nodes/health.py",
     "controller/nodes/states.py", "controller/jobs/placement.py", "controller/jobs/topology.py",
-    "controller/rendezvous/book.py",
+    "controller/rendezvous/book.py", "controller/recovery/snapshots.py",
 ]
 # Loops and executors: they wait and read time through the injected clock.
 LOOPS = [
     "controller/server.py", "controller/jobs/manager.py", "controller/recovery/executor.py",
     "controller/api/control_service.py", "controller/api/rendezvous_service.py", "controller/nodes/registry.py",
-    "agent/link.py", "agent/main.py", "agent/supervisor.py",
+    "agent/link.py", "agent/main.py", "agent/supervisor.py", "agent/snapshots.py",
 ]
 FORBIDDEN = {("time", "time"), ("time", "monotonic"), ("time", "time_ns"), ("time", "monotonic_ns"),
              ("time", "sleep"), ("asyncio", "sleep"), ("asyncio", "wait_for"), ("datetime", "now"),

@@ -24,7 +24,7 @@ def key(step: int, rank: int = 0, generation: int = 1, job: str = "job-1") -> sn
 
 
 def test_a_rank_keeps_its_newest_steps_of_its_newest_generation(tmp_path):
-    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000, keep=3)
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000, keep=3, retain_s=0)
     for step in range(6):
         write(store, key(step), b"x" * 100)
     assert [h.key.step for h in store.held()] == [3, 4, 5]
@@ -65,7 +65,7 @@ def test_a_corrupt_snapshot_is_never_handed_out(tmp_path):
     held = write(store, key(4), b"state")
     held.path.write_bytes(b"stake")  # a bit flipped in memory
     with pytest.raises(snaps.SnapshotError, match="does not match its CRC-32"):
-        store.verified(key(4))
+        asyncio.run(store.verified(key(4)))
     assert store.held() == []
 
 
@@ -156,7 +156,7 @@ def test_no_restore_mixes_generations_or_uses_a_lost_nodes_snapshots():
 def test_the_pinned_step_is_kept_however_far_the_rank_moves_on(tmp_path):
     """After a node is lost the survivors' ranks train on for seconds; their newest steps are then past the lost
     ranks' last replicas. The step the controller pinned (held twice over) is the one every rank still has."""
-    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000, keep=2)
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000, keep=2, retain_s=0)
     for step in range(3):
         write(store, key(step), b"x")
     store.pin("job-1", 1, 2)
@@ -165,6 +165,19 @@ def test_the_pinned_step_is_kept_however_far_the_rank_moves_on(tmp_path):
     assert [h.key.step for h in store.held()] == [2, 7, 8]
     store.pin("job-1", 1, 7)  # the pin moved on: the old one is let go
     assert [h.key.step for h in store.held()] == [7, 8]
+
+
+def test_the_steps_of_the_last_seconds_are_kept_so_that_nodes_reported_a_second_apart_still_overlap(tmp_path):
+    """The controller sees each node's holdings as of its last heartbeat: with 20 steps a second, a second apart
+    is 20 steps, and the newest few steps of one node would share none with another's. Kept by time, they do."""
+    from phalanx.clock import FakeClock
+    clock = FakeClock()
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=1 << 20, keep=2, clock=clock, retain_s=3.0)
+    for step in range(100):
+        write(store, key(step), b"x")
+        clock.advance(0.05)
+    assert [h.key.step for h in store.held()] == list(range(39, 100))  # the last 3 s (60 steps) and the one on
+    # its edge; a step older than that goes at the next write
 
 
 def test_the_safe_step_is_the_newest_one_every_rank_has_on_two_nodes():
@@ -209,7 +222,7 @@ def test_a_rank_snapshots_every_step_while_the_copy_is_cheap_and_less_often_when
         snapshotter.offer(big, step, step_s=now - last)  # the step's time takes in the copy after the last one
         last = now
     snapshotter.wait()
-    assert snapshotter.interval > 1
+    assert snapshotter.interval > 1 and snapshotter.interval & (snapshotter.interval - 1) == 0  # a power of two
 
 
 def test_a_snapshot_the_agent_refuses_turns_the_ranks_snapshots_off_and_says_why(tmp_path, capsys):
@@ -222,3 +235,23 @@ def test_a_snapshot_the_agent_refuses_turns_the_ranks_snapshots_off_and_says_why
     snapshotter.wait()
     assert not snapshotter.offer({"w": torch.zeros(4)}, 1, 1.0) and len(agent.taken) == 1
     assert "in-memory snapshots off for this rank: does not fit" in capsys.readouterr().err
+
+
+def test_a_rank_whose_agent_cannot_be_asked_votes_no_and_every_rank_loads_the_disk_checkpoint(tmp_path, monkeypatch):
+    """Before: the failed call raised out of load_latest, and the other ranks waited in the vote for ever."""
+    from types import SimpleNamespace
+
+    from trainlib._snapshot import restore
+
+    class GoneAgent:
+        def FetchSnapshot(self, request, timeout):
+            raise ConnectionError("agent socket gone")
+
+    votes, told = [], []
+    monkeypatch.setenv("PHALANX_RESTORE", "1:41:127.0.0.1:7373")
+    ctx = SimpleNamespace(job="job-1", generation=2, rank=1)
+    checkpointer = SimpleNamespace(latest_step=lambda: 20)
+    loaded = restore(ctx, checkpointer, GoneAgent(), "cpu", lambda ok: votes.append(ok) or ok,
+                     lambda kind, message: told.append((kind, message)))
+    assert loaded is None and votes == [False]
+    assert told[0][0] == "snapshot_fallback" and "the agent could not be asked for it: agent socket gone" in told[0][1]

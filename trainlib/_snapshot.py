@@ -3,10 +3,12 @@
 `trainlib.snapshot(state, step)` copies the state into host memory on the training thread (the only
 time it blocks training), then a writer thread serializes the copy into the node agent's snapshot
 directory (tmpfs: memory that outlives this process) and hands it to the agent, which replicates it to
-a peer node. A copy is taken every `interval` steps: every step when the copy costs at most
-OVERHEAD_BUDGET of a step, else the smallest interval that keeps it there, measured as training runs
-(PHALANX_SNAPSHOT_EVERY=N fixes it; 0 turns snapshots off). While the writer is still busy with the
-previous copy, a due snapshot is skipped rather than waited for.
+a peer node. A copy is taken at the steps that are multiples of `interval`: every step when the copy
+costs at most OVERHEAD_BUDGET of a step, else the smallest power of two that keeps it there, measured
+as training runs (PHALANX_SNAPSHOT_EVERY=N fixes it; 0 turns snapshots off). Multiples of powers of two
+line the ranks up: each tunes its own interval, and a restore needs a step every rank has; ranks that
+chose 4 and 8 both have every multiple of 8. While the writer is still busy with the previous copy, a
+due snapshot is skipped rather than waited for.
 
 On a restart the controller names, in PHALANX_RESTORE, the newest step of the last generation for
 which every rank's snapshot survives, and where each lies. `trainlib.load_latest()` fetches this rank's
@@ -49,6 +51,7 @@ class Snapshotter:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlib-snapshot")
         self._inflight: Future | None = None
         self._said = 0  # the interval last printed
+        self._made_dir = False  # the writer makes the directory once
 
     def offer(self, state: Any, step: int, step_s: float) -> bool:
         """Snapshot `state` (a state tree, or a function returning one: called only when a snapshot is due) as of
@@ -58,7 +61,7 @@ class Snapshotter:
         if own > 0:
             self.step_s = own if not self.step_s else (1 - SMOOTHING) * self.step_s + SMOOTHING * own
             self._tune()
-        if self.disabled or (self._last >= 0 and step - self._last < self.interval):
+        if self.disabled or step % self.interval:
             return False
         if self._inflight is not None and not self._inflight.done():
             self.skipped += 1
@@ -82,7 +85,8 @@ class Snapshotter:
     def _tune(self) -> None:
         if self.fixed is not None or self.step_s <= 0:
             return
-        self.interval = max(1, math.ceil(self.copy_s / (OVERHEAD_BUDGET * self.step_s)))
+        needed = self.copy_s / (OVERHEAD_BUDGET * self.step_s)
+        self.interval = 1 << max(0, math.ceil(math.log2(needed))) if needed > 1 else 1
         if self.taken >= SETTLE and (self._said == 0 or not 0.5 <= self.interval / self._said <= 2):
             self._said = self.interval
             print(f"trainlib: in-memory snapshots every {self.interval} step(s): the copy takes "
@@ -96,7 +100,9 @@ class Snapshotter:
 
         path = self.directory / f"s{step}.pt"
         try:
-            make_dirs_durable(self.directory)
+            if not self._made_dir:
+                make_dirs_durable(self.directory)
+                self._made_dir = True
             digest = write_atomic(path, lambda w: _torch_save(copy, w))
             reply = self._tell(local_pb2.SnapshotTakenRequest(
                 job=self.job, generation=self.generation, rank=self.rank, step=step, path=str(path),
@@ -141,28 +147,33 @@ def restore(ctx: Any, checkpointer: Any, agent: Any, map_location: Any, agree: A
         generation, step, source = 0, 0, ""
         why = f"PHALANX_RESTORE={spec!r} is not generation:step:host:port"
     disk = checkpointer.latest_step() if not why else None
-    if disk is not None and disk >= step:
+    newer_disk = disk is not None and disk >= step  # the same on every rank (a shared directory): rank 0 says it
+    reply = None
+    if newer_disk:
         why = f"the durable checkpoint of step {disk} is as new"
     elif not why:
-        reply = agent.FetchSnapshot(local_pb2.FetchSnapshotRequest(job=ctx.job, generation=generation, rank=ctx.rank,
-                                                                   step=step, source=source), timeout=300)
-        why = reply.error
+        try:
+            reply = agent.FetchSnapshot(local_pb2.FetchSnapshotRequest(
+                job=ctx.job, generation=generation, rank=ctx.rank, step=step, source=source), timeout=300)
+            why = reply.error
+        except Exception as e:  # the agent gone: this rank votes no, and no rank is left waiting in the vote
+            why = f"the agent could not be asked for it: {e}"
         if not why:
             import torch
             try:
                 state = torch.load(reply.path, map_location=map_location, weights_only=True)
             except Exception as e:
                 why = f"{reply.path} does not load: {e}"
-            else:
-                _keep_as_own(ctx, Path(reply.path), step, reply.crc32, agent)
     if not agree(state is not None):
         if why:
-            print(f"trainlib: rank {ctx.rank} cannot restore its in-memory snapshot of step {step}: {why}",
+            print(f"trainlib: rank {ctx.rank} does not restore its in-memory snapshot of step {step}: {why}",
                   file=sys.stderr, flush=True)
+        if why and (ctx.rank == 0 or not newer_disk):
             tell("snapshot_fallback", f"{ctx.job} generation {ctx.generation}: rank {ctx.rank} does not restore from "
                                       f"the in-memory snapshot of step {step}: {why}; every rank loads the newest "
                                       "durable checkpoint instead")
         return None
+    _keep_as_own(ctx, Path(reply.path), step, reply.crc32, agent)
     print(f"trainlib: rank {ctx.rank} restored its in-memory snapshot of step {step} (generation {generation})",
           file=sys.stderr, flush=True)
     if ctx.rank == 0:

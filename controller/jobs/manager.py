@@ -191,7 +191,7 @@ class JobManager:
             if job.state != RUNNING:
                 raise FailedPrecondition(f"{job_id} is {state_name(job.state)}; only a running job can checkpoint")
             now = self.now()
-            at_step = lifecycle.checkpoint_step(entry.tracks, self.recovery_cfg.checkpoint_lead_s, self.now())
+            at_step = lifecycle.checkpoint_step(entry.tracks, self.recovery_cfg.checkpoint_lead_s, now)
             latest, step_s = lifecycle.pace(entry.tracks)
             ask = pb.JobCheckpoint(id=job.checkpoint.id + 1, at_step=at_step,
                                    deadline_unix_ns=int((now + deadline_s) * 1e9), reason="requested",
@@ -365,7 +365,8 @@ class JobManager:
             entry = self.entries.get(job)
             if entry is not None and entry.job.state in ACTIVE:
                 entry.snapshots[node] = held
-                self._pin(entry)
+                if entry.job.nodes and node == entry.job.nodes[0]:  # once a heartbeat interval, not once per node
+                    self._pin(entry)
         if by_job:
             self._snapshots_on[node] = set(by_job)
         else:

@@ -27,6 +27,7 @@ from phalanx.v1 import node_pb2
 
 if TYPE_CHECKING:
     from controller.jobs.manager import JobEntry, JobManager
+    from controller.nodes.registry import NodeEntry
 
 logger = log.get("recovery")
 
@@ -219,9 +220,10 @@ class Executor:
             master = registry.get(job.nodes[0])
             port = (await _session(master).request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
             address = master.inventory().address or _peer_host(master.peer)
-            restore = await self._restore_plan(entry)
-            await asyncio.gather(*(self._launch_node(job, i, node, address, port, restore)
-                                   for i, node in enumerate(job.nodes)))
+            nodes = registry.entries_by_name()
+            restore = await self._restore_plan(entry, nodes)
+            await asyncio.gather(*(self._launch_node(job, i, nodes, address, port, restore)
+                                   for i in range(len(job.nodes))))
             outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
         except asyncio.CancelledError:
             return  # cancelled meanwhile: the cancel stops whatever started
@@ -232,14 +234,13 @@ class Executor:
             entry.launch = outcome
         self.wake()
 
-    async def _restore_plan(self, entry: JobEntry) -> snapshot_plan.Restore | None:
+    async def _restore_plan(self, entry: JobEntry, nodes: dict[str, NodeEntry]) -> snapshot_plan.Restore | None:
         """Where each rank of the generation about to start finds its in-memory snapshot of the last one, if every
         rank's survives; the event log says which, or why the disk checkpoint decides."""
         job = entry.job
         if job.generation <= 1:
             return None
         per = job.spec.ranks_per_node
-        nodes = self.jobs.registry.entries_by_name()
         up = {name for name, n in nodes.items() if n.session is not None and n.record.state is not DOWN
               and n.inventory().snapshot_address}  # every source is one of these: every rank is told, or none
         placement = {i * per + local: node for i, node in enumerate(job.nodes) for local in range(per)}
@@ -256,8 +257,8 @@ class Executor:
                                                                         if fetched else "")), job.id)
         return restore
 
-    async def _launch_node(self, job, index: int, node: str, master_addr: str, master_port: int,
-                           restore: snapshot_plan.Restore | None = None) -> None:
+    async def _launch_node(self, job, index: int, registry: dict[str, NodeEntry], master_addr: str,
+                           master_port: int, restore: snapshot_plan.Restore | None) -> None:
         spec, per = job.spec, job.spec.ranks_per_node
         world = len(job.nodes) * per
         common = {
@@ -271,7 +272,6 @@ class Executor:
         }
         if spec.checkpoint_dir:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
-        registry = self.jobs.registry.entries_by_name()
         if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job
             peer = registry.get(job.nodes[(index + 1) % len(job.nodes)])
             common["PHALANX_SNAPSHOT_PEER"] = peer.inventory().snapshot_address if peer is not None else ""
@@ -284,7 +284,7 @@ class Executor:
             if source is not None:  # generation:step:where its snapshot is served from
                 env["PHALANX_RESTORE"] = f"{restore.generation}:{restore.step}:{source.inventory().snapshot_address}"
             ranks.append(node_pb2.RankLaunch(rank=rank, local_rank=local, gpu=local, env=env))
-        session = _session(self.jobs.registry.get(node))
+        session = _session(self.jobs.registry.get(job.nodes[index]))
         await session.request(node_pb2.Command(launch=node_pb2.LaunchRanks(
             job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,
             ranks=ranks)), timeout=self.jobs.cfg.launch_timeout_s)
