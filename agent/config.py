@@ -87,6 +87,9 @@ class AgentConfig:
     snapshot_listen: str = setting("", "host:port serving snapshot replicas to peer agents (plain gRPC: with "
                                    "security.insecure = false no replicas are kept until this is set); empty = the "
                                    "advertise address, else 127.0.0.1, on a free port")
+    warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
+                               "here, or the controller asks a spare for), so a restart skips starting Python and "
+                               "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
 
     def __post_init__(self) -> None:

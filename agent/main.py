@@ -31,6 +31,7 @@ from agent.guarded import Guarded
 from agent.link import Link
 from agent.local_server import LocalState
 from agent.supervisor import Supervisor
+from agent.warm import WarmPool
 from phalanx import __version__, daemon, faults, log, sdnotify, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.config import default_toml
@@ -88,7 +89,10 @@ class Agent:
         for locality in self.topology.locality if nvml is not None else ():
             with contextlib.suppress(ValueError):
                 cpus_for_gpu[locality.gpu_index] = parse_cpulist(locality.cpulist)
-        self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock)
+        warm = WarmPool(Path(cfg.state_dir), self.clock, cfg.warm_start,
+                        lambda job, why: self._emit("warm_start_off", f"ranks of {job} on {self.name} start cold: "
+                                                    f"{why}", job=job))
+        self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock, warm=warm)
         self.local = LocalState()
         self.snapshots: snaps.Snapshots | None = None
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)
@@ -141,14 +145,17 @@ class Agent:
         if dcgm:
             self._report_dcgm(dcgm[0])
         self.supervisor.poll()
+        self.supervisor.tend_warm()
         ranks = self.supervisor.statuses()
         held = []
         if self.snapshots is not None:
             self._forget_snapshots(ranks)
             held = self.snapshots.store.report()
+        standbys = [node_pb2.Standbys(job=job, ready=ready, starting=total - ready)
+                    for job, (ready, total) in sorted(self.supervisor.warm.counts().items())]
         return node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=self.supervisor.running,
                                   health_digest=health_digest(gpus, host), nccl=nccl,
-                                  ranks=ranks, progress=self.local.drain(), snapshots=held)
+                                  ranks=ranks, progress=self.local.drain(), snapshots=held, standbys=standbys)
 
     def _forget_snapshots(self, ranks: list[node_pb2.RankStatus]) -> None:
         """Snapshots outlive their ranks (a restore needs them), not their job: a job with no rank here and no
@@ -197,6 +204,9 @@ class Agent:
                                             command.launch.env.get("PHALANX_SNAPSHOT_PEER", ""))
                 self.local.notify()  # the older generation's ranks hear at once that they are stale
                 return node_pb2.CommandResult(ok=True, message=message)
+            if body == "prepare":
+                return node_pb2.CommandResult(ok=True, message=self.supervisor.prepare(
+                    command.prepare, self._rank_env(command.prepare.job)))
             if body == "stop":
                 stop = command.stop
                 return node_pb2.CommandResult(ok=True, message=self.supervisor.stop(
@@ -339,6 +349,7 @@ class Agent:
                 await peers.stop(1.0)
             if self.snapshots is not None:
                 await self.snapshots.replicator.close()
+            self.supervisor.warm.close()
             await metrics.close()
             if self.dcgm is not None:
                 self.dcgm.close()

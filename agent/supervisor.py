@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from agent import rankwrap
+from agent.warm import HOLD_S, Recipe, WarmPool, recipe
 from phalanx import log
 from phalanx.clock import Clock, RealClock, wall_s
 from phalanx.v1 import common_pb2, node_pb2
@@ -55,6 +56,7 @@ class RankRecord:
     lost: bool = False
     rank_pid: int = 0  # the rank's own process (the wrapper's child); 0 until the wrapper has said
     fatal: str = ""  # what the rank's trainlib said made it stop for good
+    warm: bool = False  # started from a standby (agent.warm), not a new process
 
     @property
     def key(self) -> str:
@@ -63,8 +65,9 @@ class RankRecord:
 
 class Supervisor:
     def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, warm: WarmPool | None = None) -> None:
         self._clock = clock or RealClock()
+        self.warm = warm
         self._dir = state_dir / "ranks"
         self._logs = state_dir / "logs"
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -91,49 +94,89 @@ class Supervisor:
             existing = self._ranks.get(f"{request.job}.g{request.generation}.r{rank.rank}")
             if existing is not None and self._alive(existing):
                 raise ValueError(f"rank {rank.rank} of {request.job} generation {request.generation} already runs")
+        env = self._env(base_env, request.env)
+        kind = recipe(request.job, request.command, env, self._workdir(request.workdir)) if self.warm else None
         started = []
         for rank in request.ranks:
-            started.append(self._start(request, rank, base_env))
+            started.append(self._start(request, rank, env, kind))
+        if self.warm is not None:
+            self.warm.launching()
+            self.warm.want(kind, len(request.ranks))  # ready for the next generation here
+        warm = sum(1 for r in started if r.warm)
         return f"started ranks {', '.join(str(r.rank) for r in started)} of {request.job} (generation " \
-               f"{request.generation})"
+               f"{request.generation}" + (f", {warm} warm" if warm else "") + ")"
 
-    def _start(self, request: node_pb2.LaunchRanks, rank: node_pb2.RankLaunch, base_env: dict[str, str]) -> RankRecord:
+    def prepare(self, request: node_pb2.PrepareRanks, base_env: dict[str, str]) -> str:
+        """Keep standbys for a job this node may be asked to run (a spare of it)."""
+        if self.warm is None or not self.warm.enabled:
+            return "warm starts are off on this node"
+        kind = recipe(request.job, request.command, self._env(base_env, request.env), self._workdir(request.workdir))
+        if kind is None:
+            return f"{request.job}'s ranks start cold (not a python program, or PHALANX_WARM_START=0)"
+        self.warm.want(kind, request.count, request.hold_s or HOLD_S)
+        return f"holding {request.count} standbys of {request.job}"
+
+    def tend_warm(self) -> None:
+        if self.warm is not None:
+            self.warm.tend({r.job for r in self._live()})
+
+    @staticmethod
+    def _env(base_env: dict[str, str], job_env) -> dict[str, str]:
+        env = {k: v for k, v in base_env.items() if k not in AGENT_ONLY_ENV}
+        env.update(job_env)
+        return env
+
+    def _workdir(self, workdir: str) -> str:
+        return workdir or str(self._dir.parent)
+
+    def _start(self, request: node_pb2.LaunchRanks, rank: node_pb2.RankLaunch, job_env: dict[str, str],
+               kind: Recipe | None) -> RankRecord:
         log_dir = self._logs / request.job
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"rank-{rank.rank}.log"
         exit_file = self._dir / f"{request.job}.g{request.generation}.r{rank.rank}.exit"
         exit_file.unlink(missing_ok=True)
         Path(rankwrap.pid_path(str(exit_file))).unlink(missing_ok=True)
-        env = {k: v for k, v in base_env.items() if k not in AGENT_ONLY_ENV}
-        env.update({**request.env, **rank.env})
+        env = {**job_env, **rank.env}
         cpus = self._cpus_for_gpu.get(rank.gpu)
-        workdir = request.workdir or str(self._dir.parent)
+        workdir = self._workdir(request.workdir)
+        standby = self.warm.take(kind) if self.warm is not None else None
 
         def pin() -> None:  # in the child, before exec
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
         now = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(wall_s(self._clock)))
+        proc = None
         with open(log_path, "ab") as out:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} "
-                      f"starting at {now} ---\n".encode())
+                      f"starting at {now}{' (warm)' if standby else ''} ---\n".encode())
             out.flush()
-            proc = subprocess.Popen(
-                [sys.executable, "-I", WRAPPER, str(exit_file), "--", *request.command],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                start_new_session=True, preexec_fn=pin if cpus else None)
+            if standby is not None:
+                try:
+                    self.warm.assign(standby, {"env": env, "cwd": workdir, "log": str(log_path),
+                                              "exit_file": str(exit_file), "cpus": cpus or []})
+                    proc = standby.proc
+                except OSError as e:
+                    out.write(f"--- phalanx: {e}; starting cold ---\n".encode())
+                    out.flush()
+            if proc is None:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", WRAPPER, str(exit_file), "--", *request.command],
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                    start_new_session=True, preexec_fn=pin if cpus else None)
         try:
             created = psutil.Process(proc.pid).create_time()
         except psutil.Error:
             created = 0.0
         record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, proc.pid, created,
-                            str(log_path), str(exit_file))
+                            str(log_path), str(exit_file), warm=standby is not None and proc is standby.proc)
         with self._lock:
             self._ranks[record.key] = record
             self._children[proc.pid] = proc
         self._save(record)
         logger.info("rank started", job=request.job, generation=request.generation, rank=rank.rank, pid=proc.pid,
-                    gpu=rank.gpu, cpus=len(cpus) if cpus else "all")
+                    gpu=rank.gpu, cpus=len(cpus) if cpus else "all", warm=record.warm)
         return record
 
     # -- watching ----------------------------------------------------------------------------

@@ -199,6 +199,17 @@ def last_step_before_restart(logs: str) -> int:
     return max(int(line.split()[1]) for line in first.splitlines() if line.startswith("step ") and " loss " in line)
 
 
+def await_standbys(cluster, job_id, nodes):
+    """Wait until each of `nodes` holds a warm standby of the job (agent.warm): the restart can start warm."""
+    cluster.wait_for(lambda: all(job(cluster, job_id)["standbys"].get(n, 0) >= 1 for n in nodes),
+                     f"warm standbys on {', '.join(nodes)}")
+
+
+def started_warm(logs: str, generation: int) -> bool:
+    header = next(line for line in logs.splitlines() if f" generation {generation} rank " in line)
+    return header.endswith("(warm) ---")
+
+
 def resumed_step(logs: str) -> int:
     return int(logs.split("resumed from step ")[1].split()[0])
 
@@ -206,12 +217,14 @@ def resumed_step(logs: str) -> int:
 def test_a_killed_rank_resumes_from_the_in_memory_snapshots_recomputing_at_most_a_step_or_two(cluster4, tmp_path,
                                                                                               reference):
     job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+    await_standbys(cluster4, job_id, job(cluster4, job_id)["nodes"])
     rank1 = next(r for r in job(cluster4, job_id)["ranks"] if r["rank"] == 1)
     os.kill(int(rank1["pid"]), signal.SIGKILL)
     finish(cluster4, job_id, out, reference)
     restore = next(e for e in events(cluster4, job_id) if e["kind"] == "job.snapshot_restore")["message"]
     assert "every rank restores from its in-memory snapshot of step" in restore and "fetched" not in restore
     logs = phalanx(cluster4, "logs", job_id, "--rank", "0").stdout
+    assert started_warm(logs, 2) and not started_warm(logs, 1)  # the restart took the standby
     recomputed = last_step_before_restart(logs) - resumed_step(logs)
     # At most one in a quiet run (the step being snapshotted when the rank died); a busy machine can make the
     # writer skip one, never more: every step's snapshot is due, and a skipped one is taken at the next step.
@@ -220,6 +233,7 @@ def test_a_killed_rank_resumes_from_the_in_memory_snapshots_recomputing_at_most_
 
 def test_a_lost_node_resumes_from_its_ranks_replica_on_another_node(cluster4, tmp_path, reference):
     job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+    await_standbys(cluster4, job_id, job(cluster4, job_id)["spares"])
     victim = job(cluster4, job_id)["nodes"][1]
     cluster4.kill(victim, signal.SIGKILL)
     j = finish(cluster4, job_id, out, reference)
@@ -228,6 +242,7 @@ def test_a_lost_node_resumes_from_its_ranks_replica_on_another_node(cluster4, tm
     assert restore.endswith(f"fetched from {j['nodes'][0]}"), restore  # the survivor held the lost ranks' replicas
     logs = phalanx(cluster4, "logs", job_id, "--rank", "1").stdout
     assert "restored its in-memory snapshot of step" in logs and resumed_step(logs) > 0
+    assert started_warm(logs, 2)  # on the spare, from the standby it held for the job
 
 
 def test_a_node_lost_with_the_node_holding_its_replicas_falls_back_to_the_disk_checkpoint(cluster4, tmp_path,

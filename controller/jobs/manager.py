@@ -36,6 +36,9 @@ logger = log.get("jobs")
 
 pb = common_pb2
 FENCE_REPEAT_S = 10.0  # a stale generation on a node is told to stop again after this long
+# A running job's spares are asked to hold standbys of its ranks (agent.warm) for PREPARE_HOLD_S, renewed this often.
+PREPARE_RENEW_S = 30.0
+PREPARE_HOLD_S = 120.0
 
 __all__ = ["ACTIVE", "TERMINAL", "JobEntry", "JobManager", "state_name"]
 
@@ -60,6 +63,8 @@ class JobEntry:
     # a new generation restores from the last one's)
     snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
     pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
+    prepared: dict[str, float] = field(default_factory=dict)  # spare -> monotonic time it was last asked for standbys
+    standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there
 
     def new_generation(self, generation: int) -> None:
         if generation == self.generation:
@@ -91,6 +96,7 @@ class JobManager:
         self._fenced: dict[tuple[str, str, int], float] = {}  # (node, job, generation) -> when told to stop
         self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
         self._snapshots_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds snapshots of
+        self._standbys_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds standbys of
         self.incidents: Counter[str] = Counter()  # by kind; these three feed controller.obs.metrics
         self.restarts_by_cause: Counter[str] = Counter()
         self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
@@ -121,7 +127,13 @@ class JobManager:
     # -- the user side -----------------------------------------------------------------------
 
     def get(self, job_id: str) -> pb.Job:
-        return self.entry(job_id).job
+        entry = self.entry(job_id)
+        if not entry.standbys or entry.job.state not in ACTIVE:
+            return entry.job
+        job = pb.Job()
+        job.CopyFrom(entry.job)
+        job.standbys.update(entry.standbys)
+        return job
 
     def entry(self, job_id: str) -> JobEntry:
         try:
@@ -242,6 +254,7 @@ class JobManager:
         follow). True if the node runs ranks of no current generation (fencing follows)."""
         name = node.record.name
         self._fold_snapshots(name, heartbeat.snapshots)
+        self._fold_standbys(name, heartbeat.standbys)
         if not heartbeat.ranks and name not in self._on_node:
             return False
         reported = {}
@@ -271,6 +284,8 @@ class JobManager:
         for job_id in self._on_node.get(name, ()):
             entry = self.entries[job_id]
             job = entry.job
+            if job.state == RUNNING and name in job.spares:
+                self._prepare(entry, name)
             if job.state != RUNNING:
                 changed = True  # launching, recovering or cancelling: each heartbeat may be the news it waits for
             if job.state in table.LAUNCHING:
@@ -357,20 +372,44 @@ class JobManager:
         by_job: dict[str, list[node_pb2.SnapshotHeld]] = {}
         for held in snapshots:
             by_job.setdefault(held.job, []).append(held)
-        for job in self._snapshots_on.get(node, set()) - set(by_job):
+        for entry in self._fold_by_job(self._snapshots_on, node, by_job, "snapshots"):
+            if entry.job.nodes and node == entry.job.nodes[0]:  # once a heartbeat interval, not once per node
+                self._pin(entry)
+
+    def _fold_standbys(self, node: str, standbys) -> None:
+        """How many warm standbys of each job `node` holds ready now."""
+        self._fold_by_job(self._standbys_on, node, {s.job: s.ready for s in standbys if s.ready}, "standbys")
+
+    def _fold_by_job(self, seen: dict[str, set[str]], node: str, by_job: dict, name: str) -> list[JobEntry]:
+        """Set what `node` says of each active job into the entry's `name` dict, by node (a job it said something of
+        before and not now: removed). Returns the entries set."""
+        for job in seen.get(node, set()) - set(by_job):
             entry = self.entries.get(job)
             if entry is not None:
-                entry.snapshots.pop(node, None)
-        for job, held in by_job.items():
+                getattr(entry, name).pop(node, None)
+        updated = []
+        for job, value in by_job.items():
             entry = self.entries.get(job)
             if entry is not None and entry.job.state in ACTIVE:
-                entry.snapshots[node] = held
-                if entry.job.nodes and node == entry.job.nodes[0]:  # once a heartbeat interval, not once per node
-                    self._pin(entry)
+                getattr(entry, name)[node] = value
+                updated.append(entry)
         if by_job:
-            self._snapshots_on[node] = set(by_job)
+            seen[node] = set(by_job)
         else:
-            self._snapshots_on.pop(node, None)
+            seen.pop(node, None)
+        return updated
+
+    def _prepare(self, entry: JobEntry, spare: str) -> None:
+        """Ask a running job's spare, every PREPARE_RENEW_S, to hold standbys of the job's ranks: a restart there
+        then skips starting Python and importing torch."""
+        now = self.clock.monotonic()
+        if now - entry.prepared.get(spare, float("-inf")) < PREPARE_RENEW_S:
+            return
+        entry.prepared[spare] = now
+        spec = entry.job.spec
+        self.executor.send(spare, node_pb2.Command(prepare=node_pb2.PrepareRanks(
+            job=entry.job.id, command=spec.command, env=spec.env, workdir=spec.workdir, count=spec.ranks_per_node,
+            hold_s=PREPARE_HOLD_S)), f"prepare-{entry.job.id}-{spare}")
 
     def _pin(self, entry: JobEntry) -> None:
         """Tell the job's nodes to keep its newest step held twice over, when that moved on."""

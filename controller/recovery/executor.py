@@ -327,7 +327,11 @@ class Executor:
         command = node_pb2.Command(pin_snapshot=node_pb2.PinSnapshot(job=entry.job.id, generation=entry.job.generation,
                                                                      step=step))
         for node in entry.snapshots:
-            self._spawn(self._send(node, command), f"pin-{entry.job.id}-{node}")
+            self.send(node, command, f"pin-{entry.job.id}-{node}")
+
+    def send(self, node: str, command: node_pb2.Command, name: str) -> None:
+        """Send a command that needs no answer, in the background (a failure is logged)."""
+        self._spawn(self._send(node, command), name)
 
     async def _send(self, node: str, command: node_pb2.Command) -> None:
         try:

@@ -151,6 +151,7 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "finished": iso(job.finished_unix_ns), "exit_code": job.exit_code,
         "restarts": job.restarts, "incident": job.incident or None, "incident_kind": job.incident_kind or None,
         "evicted": list(job.evicted),
+        "standbys": dict(sorted(job.standbys.items())),
         "hang_culprit": {"rank": job.culprit.rank, "node": job.culprit.node, "process_group": job.culprit.process_group,
                          "op": job.culprit.op, "seq": job.culprit.seq, "state": job.culprit.state,
                          "peers_seq": job.culprit.peers_seq} if job.HasField("culprit") else None,
@@ -184,6 +185,9 @@ def job_text(job: common_pb2.Job) -> str:
              f"  nodes:       {', '.join(job.nodes) or '-'}" + (f" (spares: {', '.join(job.spares)})" if job.spares
                                                                  else ""),
              f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",
+             *(["  warm:        " + ", ".join(f"{node} {n}" for node, n in sorted(job.standbys.items()))
+                + " (standbys ready: a restart there skips starting Python and importing torch)"]
+               if job.standbys else []),
              f"  submitted:   {d['submitted']}   started: {d['started'] or '-'}   finished: {d['finished'] or '-'}"]
     if job.ranks:
         # PID is the rank's own process (what to attach a debugger or py-spy to); WRAPPER is the agent's small

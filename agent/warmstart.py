@@ -1,0 +1,137 @@
+"""`python [FLAGS] .../agent/warmstart.py READY_FILE IMPORTS -- PROGRAM...`: a rank started before it is needed.
+
+The agent keeps a few of these per job (`agent.warm`): the job's own interpreter, with the job's
+interpreter flags, environment and working directory, that has already imported the heavy modules
+(IMPORTS, comma-separated: torch, torch.distributed and trainlib by default) and waits on its stdin.
+When the agent assigns it a rank it writes one JSON line (the rank's full environment, log file,
+exit file and CPUs) and the process becomes that rank's wrapper: it forks, the child runs PROGRAM
+(`script.py ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`) as `python PROGRAM` would, and the parent does
+what `agent/rankwrap.py` does for a cold start (passes SIGTERM/SIGINT/SIGHUP on, writes the rank's
+pid and, when it ends, its exit status). A rank so started skips the interpreter's start and the
+imports: most of a restart's time on a spare.
+
+Forking after `import torch` is safe as long as nothing initialised CUDA or started a thread pool:
+importing torch does neither, and IMPORTS must name only modules that do not either.
+
+Run by path; imports the standard library only (and rankwrap, by its path). Without a line on stdin
+(the agent let go of it, or died) it exits 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import sys
+import types
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _rankwrap():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankwrap.py")
+    spec = importlib.util.spec_from_file_location("_phalanx_rankwrap", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def search_dir(program: list[str]) -> str:
+    """What `python PROGRAM` puts first on sys.path: the script's directory, or the working directory."""
+    if program[0] == "-c":
+        return ""
+    if program[0] == "-m":
+        return os.getcwd()
+    return os.path.dirname(os.path.realpath(program[0]))
+
+
+def run_program(program: list[str]) -> None:
+    """Run PROGRAM as the interpreter would have as its main program (in the forked child)."""
+    if program[0] == "-m":
+        sys.argv = [program[1], *program[2:]]  # runpy puts the module's path in argv[0]
+        runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+    elif program[0] == "-c":
+        sys.argv = ["-c", *program[2:]]
+        main = types.ModuleType("__main__")  # this file's module stays whole for the code after
+        sys.modules["__main__"] = main
+        exec(compile(program[1], "<string>", "exec"), main.__dict__)
+    else:
+        sys.argv = list(program)
+        runpy.run_path(program[0], run_name="__main__")
+
+
+def assigned(spec: dict, program: list[str], rankwrap) -> int:
+    """Become the rank's wrapper: the child runs PROGRAM; this process reports how it ended."""
+    fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])
+    exit_file = spec["exit_file"]
+    child = 0
+    early: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if not child:
+            early.append(signum)
+            return
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    pid = os.fork()
+    if pid == 0:
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(spec["env"])
+        os.chdir(spec["cwd"])
+        run_program(program)
+        sys.exit(0)
+    child = pid
+    rankwrap.write_status(rankwrap.pid_path(exit_file), pid)
+    for signum in early:
+        os.kill(pid, signum)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)  # negative: killed by that signal, as rankwrap reports it
+    rankwrap.write_status(exit_file, code)
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: python [FLAGS] warmstart.py READY_FILE IMPORTS -- PROGRAM...", file=sys.stderr)
+        return 2
+    ready_file, imports, program = argv[0], [m for m in argv[1].split(",") if m], argv[3:]
+    rankwrap = _rankwrap()
+    if not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
+        sys.path[0] = search_dir(program)  # not this file's directory: as `python PROGRAM` would have it
+    for name in imports:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the rank imports what it needs itself; this one only saves time
+            print(f"phalanx warm start: {name} not imported ahead: {e}", file=sys.stderr, flush=True)
+    with open(ready_file, "w"):
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    code = assigned(json.loads(line), program, rankwrap)
+    sys.stdout.flush()
+    os._exit(code)  # the wrapper half: no interpreter teardown of what the imports set up
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,223 @@
+"""Warm starts (agent.warm, agent/warmstart.py) with real processes: a standby imports ahead and then runs the rank
+as `python PROGRAM` would (argv, environment, sys.path, __main__, exit status, signals), reports its pid and exit
+like the cold wrapper; the supervisor hands launches to standbys of the same recipe and starts cold otherwise; a
+standby that cannot start turns its recipe cold, once."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import rankwrap
+from agent.supervisor import Supervisor
+from agent.warm import HOLD_S, QUIET_S, WarmPool, recipe, split_command
+from phalanx.clock import FakeClock
+from phalanx.v1 import node_pb2
+
+PY = sys.executable
+# A module that says, once, which process imported it: the standby (ahead) or the rank (cold).
+HEAVY = "import os, sys\nwith open(os.environ['IMPORTED_BY'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n"
+SCRIPT = """
+import json, os, sys
+import heavy
+out = {"argv": sys.argv, "rank": os.environ.get("RANK"), "path0": sys.path[0], "name": __name__,
+       "cwd": os.getcwd(), "pid": os.getpid(), "policy": os.sched_getscheduler(0)}
+with open(os.environ["SAID"], "w") as f:
+    json.dump(out, f)
+if os.environ.get("HOLD"):
+    import time
+    time.sleep(120)
+sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+def wait_until(predicate, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "heavy.py").write_text(HEAVY)
+    (work / "train.py").write_text(SCRIPT)
+    return work
+
+
+def base_env(tmp_path: Path) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", ""), "IMPORTED_BY": str(tmp_path / "imported"),
+            "PHALANX_WARM_IMPORTS": "heavy", "SAID": str(tmp_path / "said.json")}
+
+
+def warm_ready(pool: WarmPool, job: str, count: int = 1) -> None:
+    def ready():
+        pool.tend(set())
+        return pool.counts().get(job, (0, 0))[0] >= count
+    wait_until(ready, f"{count} standbys of {job} to be ready")
+
+
+def test_split_command_takes_python_programs_only():
+    assert split_command([PY, "-u", "train.py", "--lr", "3"]) == ((PY, "-u"), ("train.py", "--lr", "3"))
+    assert split_command(["python3.11", "-X", "dev", "-m", "pkg.main", "a"]) == (("python3.11", "-X", "dev"),
+                                                                                 ("-m", "pkg.main", "a"))
+    assert split_command(["python", "-c", "print(1)"]) == (("python",), ("-c", "print(1)"))
+    for cold in (["torchrun", "train.py"], ["sh", "-c", "python x.py"], ["python"], ["python", "-i", "x.py"],
+                 ["python", "-m"], ["python", "-"], ["python", "-X"], []):
+        assert split_command(cold) is None, cold
+
+
+def test_a_recipe_leaves_out_what_changes_between_launches():
+    one = recipe("j", ["python", "t.py"], {"A": "1", "RANK": "0", "MASTER_PORT": "1", "PHALANX_GENERATION": "1"}, "/w")
+    two = recipe("j", ["python", "t.py"], {"A": "1", "RANK": "3", "MASTER_PORT": "2", "PHALANX_GENERATION": "2"}, "/w")
+    assert one == two and one.env == (("A", "1"),)
+    assert recipe("j", ["python", "t.py"], {"A": "2"}, "/w") != one  # the job's own environment does count
+    assert recipe("j", ["python", "t.py"], {"PHALANX_WARM_START": "0"}, "/w") is None
+
+
+def test_a_standby_imports_ahead_and_then_runs_the_program_as_python_would(tmp_path, job_dir):
+    pool = WarmPool(tmp_path / "state", FakeClock())
+    env = base_env(tmp_path)
+    kind = recipe("j", [PY, "train.py", "--x", "1"], env, str(job_dir))
+    pool.want(kind, 1)
+    try:
+        warm_ready(pool, "j")
+        standby = pool.take(kind)
+        assert standby is not None and pool.take(kind) is None
+        ahead = (tmp_path / "imported").read_text().split()
+        assert ahead == [str(standby.proc.pid)]  # imported by the standby, before it had a rank
+        if os.geteuid() == 0:  # it imports on CPU time nobody else wants
+            assert os.sched_getscheduler(standby.proc.pid) == os.SCHED_IDLE
+        exit_file = tmp_path / "r0.exit"
+        pool.assign(standby, {"env": {**env, "RANK": "0", "CODE": "3"}, "cwd": str(job_dir),
+                                  "log": str(tmp_path / "r0.log"), "exit_file": str(exit_file), "cpus": []})
+        assert standby.proc.wait(timeout=120) == 3
+        assert exit_file.read_text().strip() == "3"
+        said = __import__("json").loads((tmp_path / "said.json").read_text())
+        assert said["argv"] == ["train.py", "--x", "1"] and said["rank"] == "0" and said["name"] == "__main__"
+        assert said["path0"] == str(job_dir) and said["cwd"] == str(job_dir)
+        assert said["policy"] == os.SCHED_OTHER  # and the rank runs as any other
+        assert int(Path(rankwrap.pid_path(str(exit_file))).read_text()) == said["pid"] != standby.proc.pid
+        assert (tmp_path / "imported").read_text().split() == ahead  # not imported again by the rank
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("program", [["-m", "train"], ["-c", "import runpy; runpy.run_path('train.py', "
+                                                                  "run_name='__main__')"]])
+def test_a_standby_runs_modules_and_code_too(tmp_path, job_dir, program):
+    pool = WarmPool(tmp_path / "state", FakeClock())
+    env = base_env(tmp_path)
+    kind = recipe("j", [PY, *program], env, str(job_dir))
+    pool.want(kind, 1)
+    try:
+        warm_ready(pool, "j")
+        standby = pool.take(kind)
+        pool.assign(standby, {"env": env, "cwd": str(job_dir), "log": str(tmp_path / "log"),
+                                  "exit_file": str(tmp_path / "exit"), "cpus": []})
+        assert standby.proc.wait(timeout=120) == 0, (tmp_path / "log").read_text()
+        said = __import__("json").loads((tmp_path / "said.json").read_text())
+        assert said["name"] == "__main__"
+    finally:
+        pool.close()
+
+
+def test_a_stop_reaches_a_warm_started_rank_and_its_end_is_written_down(tmp_path, job_dir):
+    pool = WarmPool(tmp_path / "state", FakeClock())
+    env = base_env(tmp_path)
+    kind = recipe("j", [PY, "train.py"], env, str(job_dir))
+    pool.want(kind, 1)
+    try:
+        warm_ready(pool, "j")
+        standby = pool.take(kind)
+        exit_file = tmp_path / "exit"
+        pool.assign(standby, {"env": {**env, "HOLD": "1"}, "cwd": str(job_dir), "log": str(tmp_path / "log"),
+                                  "exit_file": str(exit_file), "cpus": []})
+        wait_until((tmp_path / "said.json").exists, "the rank to start")
+        os.kill(standby.proc.pid, signal.SIGTERM)  # to the wrapper alone, as the supervisor's stop does
+        assert standby.proc.wait(timeout=120) == 128 + signal.SIGTERM
+        assert exit_file.read_text().strip() == str(-signal.SIGTERM)
+    finally:
+        pool.close()
+
+
+def test_a_standby_that_cannot_start_turns_its_recipe_cold_once(tmp_path, job_dir):
+    said = []
+    pool = WarmPool(tmp_path / "state", FakeClock(), on_cold=lambda job, why: said.append((job, why)))
+    kind = recipe("j", [PY, "train.py"], {**base_env(tmp_path), "PYTHONHOME": "/nonexistent"}, str(job_dir))
+    pool.want(kind, 2)
+    wait_until(lambda: pool.tend(set()) or said, "the standby's death to be noticed")
+    for _ in range(3):
+        pool.tend(set())
+    assert len(said) == 1 and said[0][0] == "j" and "exited with status" in said[0][1]
+    assert pool.counts().get("j", (0, 0)) == (0, 0)  # and no other is tried
+    pool.close()
+
+
+def test_standbys_wait_for_a_launch_to_settle_and_go_when_no_longer_wanted(tmp_path, job_dir):
+    clock = FakeClock()
+    pool = WarmPool(tmp_path / "state", clock)
+    kind = recipe("j", [PY, "train.py"], base_env(tmp_path), str(job_dir))
+    pool.launching()
+    pool.want(kind, 1)
+    pool.tend(set())
+    assert pool.counts() == {}  # a launch is younger than QUIET_S
+    clock.advance(QUIET_S)
+    warm_ready(pool, "j")
+    [standby] = pool._standbys[kind]
+    clock.advance(HOLD_S / 2)
+    pool.tend({"j"})  # its ranks run here: held on
+    clock.advance(HOLD_S * 0.9)
+    pool.tend(set())
+    assert pool.counts() == {"j": (1, 1)}
+    clock.advance(HOLD_S)
+    pool.tend(set())
+    assert pool.counts() == {} and standby.proc.poll() is not None
+
+
+def launch(job_dir: Path, generation: int, env: dict[str, str]) -> node_pb2.LaunchRanks:
+    return node_pb2.LaunchRanks(job="j", generation=generation, command=[PY, "train.py"], env=env,
+                                workdir=str(job_dir), ranks=[node_pb2.RankLaunch(rank=0, env={"RANK": "0"})])
+
+
+def test_the_supervisor_starts_the_next_generation_warm(tmp_path, job_dir):
+    clock = FakeClock()
+    pool = WarmPool(tmp_path / "state", clock)
+    supervisor = Supervisor(tmp_path / "state", clock=clock, warm=pool)
+    env = base_env(tmp_path)
+    try:
+        assert "warm" not in supervisor.launch(launch(job_dir, 1, {"PHALANX_GENERATION": "1"}), env)
+        wait_until(lambda: supervisor.poll(), "generation 1 to end")
+        clock.advance(QUIET_S)
+        warm_ready(pool, "j")
+        message = supervisor.launch(launch(job_dir, 2, {"PHALANX_GENERATION": "2", "MASTER_PORT": "9"}), env)
+        assert "1 warm" in message
+        [ended] = wait_until(lambda: supervisor.poll(), "generation 2 to end")
+        assert ended.generation == 2 and ended.warm and ended.exit_code == 0
+        assert "(warm)" in Path(ended.log).read_text().splitlines()[-1]
+        assert len((tmp_path / "imported").read_text().split()) == 2  # generation 1's rank, then the standby
+        [status] = [s for s in supervisor.statuses() if s.generation == 2]
+        assert status.rank_pid and status.rank_pid != status.pid  # the rank is the standby's child
+    finally:
+        pool.close()
+
+
+def test_a_spare_prepared_by_the_controller_holds_standbys(tmp_path, job_dir):
+    pool = WarmPool(tmp_path / "state", FakeClock())
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock(), warm=pool)
+    env = base_env(tmp_path)
+    try:
+        said = supervisor.prepare(node_pb2.PrepareRanks(job="j", command=[PY, "train.py"], workdir=str(job_dir),
+                                                        count=2, hold_s=60), env)
+        assert said == "holding 2 standbys of j"
+        warm_ready(pool, "j", 2)
+        cold = supervisor.prepare(node_pb2.PrepareRanks(job="k", command=["sh", "run.sh"], count=1), env)
+        assert "start cold" in cold
+    finally:
+        pool.close()
