@@ -64,6 +64,8 @@ class Link:
         self._seq = 0
         self._outbox: deque[node_pb2.AgentMessage] = deque(maxlen=MAX_QUEUED)
         self._wake = asyncio.Event()
+        self._beat_now = False
+        self._commands_done = 0  # the newest command id of this session carried out (heartbeats say it)
 
     @property
     def heartbeats_sent(self) -> int:
@@ -72,6 +74,11 @@ class Link:
     def emit(self, kind: str, message: str, **fields: str) -> None:
         """Queue an event for the controller's log; sent at once, or on the next session."""
         self.send(node_pb2.AgentMessage(event=node_pb2.AgentEvent(kind=kind, message=message, fields=fields)))
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat now, not at its time: something in it (a rank that ended) cannot wait."""
+        self._beat_now = True
+        self._wake.set()
 
     def send(self, message: node_pb2.AgentMessage) -> None:
         """Queue a message to go up now (not at the next heartbeat). Call from the event loop's thread."""
@@ -118,6 +125,7 @@ class Link:
                 await call.code()
                 raise ConnectionError("controller closed the session before accepting it")
             self._accepted(reply)
+            self._commands_done = 0  # command ids count afresh in each session
             reader = asyncio.create_task(self._read(call))
             try:
                 await self._heartbeats(call, reply.heartbeat_interval_s, reader, stop)
@@ -156,10 +164,13 @@ class Link:
                 while self._outbox:  # events, XIDs, command results: as soon as they happen
                     await wait_for(clock, call.write(self._outbox[0]), DEFAULT_TIMEOUT_S)
                     self._outbox.popleft()
-                if clock.monotonic() >= next_at:
+                if clock.monotonic() >= next_at or self._beat_now:
+                    if self._beat_now:  # and the next one an interval after this one
+                        self._beat_now, next_at = False, clock.monotonic()
                     heartbeat = await self._heartbeat(interval / 2)  # a slow collector may not hold it back longer
                     self._seq += 1
                     heartbeat.seq = self._seq
+                    heartbeat.commands_done = self._commands_done
                     heartbeat.sent_unix_ns = clock.wall_ns()
                     await wait_for(clock, call.write(node_pb2.AgentMessage(heartbeat=heartbeat)), DEFAULT_TIMEOUT_S)
                     next_at += interval
@@ -182,6 +193,7 @@ class Link:
             body = message.WhichOneof("body")
             if body == "command":
                 self.send(node_pb2.AgentMessage(result=self._run(message.command)))
+                self._commands_done = max(self._commands_done, message.command.id)
             elif body == "status":
                 status = message.status
                 self.state.state, self.state.drain_reason = status.state, status.drain_reason

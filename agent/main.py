@@ -41,6 +41,7 @@ from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
+RANK_POLL_S = 0.1  # how often the agent looks for ranks that ended, to tell the controller at once
 SNAPSHOT_IDLE_S = 600.0  # a job's snapshots here that have not changed this long (and no rank of it runs) are dropped
 TELEMETRY_STALE_S = 5.0  # a scrape reads the last heartbeat's GPU readings, and starts a sweep when they are older
 logger = log.get("agent")
@@ -209,8 +210,9 @@ class Agent:
                     command.prepare, self._rank_env(command.prepare.job)))
             if body == "stop":
                 stop = command.stop
-                return node_pb2.CommandResult(ok=True, message=self.supervisor.stop(
-                    stop.job, stop.generation, stop.grace_s or self.cfg.stop_grace_s))
+                message = self.supervisor.stop(stop.job, stop.generation, stop.grace_s or self.cfg.stop_grace_s)
+                self.link.beat_now()  # the controller waits for a heartbeat after the stop to go on
+                return node_pb2.CommandResult(ok=True, message=message)
             if body == "reserve_port":
                 return node_pb2.CommandResult(ok=True, port=free_port(""))  # reachable from other nodes
             if body == "read_log":
@@ -274,6 +276,14 @@ class Agent:
         logger.info("snapshot service serving", address=address, budget_mb=self.snapshots.store.budget // 1_000_000)
         return server
 
+    async def _watch_ranks(self) -> None:
+        """A rank that ends is news for the controller now (a crash to recover from, a stop it waits to see done),
+        not at the next heartbeat."""
+        while True:
+            await self.clock.sleep(RANK_POLL_S)
+            if self.supervisor.poll():
+                self.link.beat_now()
+
     async def _watchdog(self, interval_s: float) -> None:
         """Ping systemd's watchdog from the event loop itself: a stuck loop stops the pings and gets restarted."""
         while True:
@@ -335,10 +345,12 @@ class Agent:
         sdnotify.notify(f"READY=1\nSTATUS=node {self.name}, controller {self.cfg.controller}")
         interval = sdnotify.watchdog_interval_s()
         watchdog = asyncio.create_task(self._watchdog(interval)) if interval else None
+        ranks = asyncio.create_task(self._watch_ranks())
         try:
             await self.link.run(stop)
         finally:
             sdnotify.notify("STOPPING=1")
+            ranks.cancel()
             if watchdog is not None:
                 watchdog.cancel()
             if local is not None:

@@ -9,6 +9,11 @@ step with its wall time. The faults:
 - node-loss: kill -9 of one node's agent (torchrun: its elastic agent) together with its rank
 - hang: SIGSTOP of one rank's process group
 - remap-pending: an injected predictable failure (Phalanx only): checkpoint, then evict
+- crash-cold: the crash again, with warm starts off for the job (PHALANX_WARM_START=0): what the
+  standbys save
+
+Phalanx's faults come once the job's nodes and spare hold their warm standbys (as they do a few seconds
+into any job), except crash-cold's.
 
 Measured per fault: seconds from the fault to the first training step after it, and steps computed twice
 (the last step done before the fault minus the step training resumed from). "never" means no step
@@ -37,7 +42,7 @@ REPEATS = 5
 WINDOW_S = 90.0  # after a fault: how long we wait for training to resume before saying "never"
 STEP_LINE = re.compile(r"^step (\d+) loss \S+ at ([\d.]+)$", re.M)
 RESUMED = re.compile(r"resumed from step (\d+)")
-FAULTS = ("crash", "xid-79", "node-loss", "hang", "remap-pending")
+FAULTS = ("crash", "xid-79", "node-loss", "hang", "remap-pending", "crash-cold")
 GPU_FAULTS = {"xid-79": "xid=79", "remap-pending": "remap-pending"}  # injected into the simulated GPU
 
 
@@ -98,6 +103,8 @@ def _kill_tree(pid: int, sig: int) -> None:
 def torchrun_trial(fault: str, root: Path) -> dict:
     if fault in GPU_FAULTS:
         return {"resumed_s": None, "steps_lost": None, "skipped": "no GPU health signal in torchrun"}
+    if fault.endswith("-cold"):
+        return {"resumed_s": None, "steps_lost": None, "skipped": "the same as crash for torchrun"}
     port = free_port()
     logs = [root / f"torchrun-{i}.log" for i in range(2)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
@@ -162,18 +169,24 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         deadline = time.time() + 60
         while len(json.loads(_cli(address, "nodes", "--json") or "[]")) < 3 and time.time() < deadline:
             time.sleep(0.3)
-        job = _cli(address, "submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(root / "ckpt"), "--",
+        cold = fault.endswith("-cold")
+        job = _cli(address, "submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(root / "ckpt"),
+                   *(("--env", "PHALANX_WARM_START=0") if cold else ()), "--",
                    sys.executable, *_train_args(root / "ckpt")).strip()
 
         def read() -> str:
             return _cli(address, "logs", job, "--rank", "0")
         _wait_steps(read, 40)
         info = json.loads(_cli(address, "job", job, "--json"))
+        deadline = time.time() + 120
+        while not cold and len(info["standbys"]) < 3 and time.time() < deadline:  # both nodes and the spare
+            time.sleep(0.5)
+            info = json.loads(_cli(address, "job", job, "--json"))
         victim_node, rank = info["ranks"][1]["node"], info["ranks"][1]
         fault_at = time.time()
         if fault in GPU_FAULTS:
             _cli(address, "inject", victim_node, "--gpu", "0", GPU_FAULTS[fault])
-        elif fault == "crash":
+        elif fault.startswith("crash"):
             child = psutil.Process(rank["wrapper_pid"]).children()[0]  # the rank itself, under its wrapper
             child.send_signal(signal.SIGKILL)
         elif fault == "hang":
@@ -185,6 +198,7 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         info = json.loads(_cli(address, "job", job, "--json"))
         result["seconds_in_state"] = info["seconds_in_state"]
         result["incident"] = info["incident"]
+        result["warm"] = "(warm) ---" in read()
         return result
     finally:
         for record in root.glob("*/state/ranks/*.json"):
@@ -220,7 +234,8 @@ def _summary(trials: list[dict]) -> dict:
         out.update(resumed_s=statistics.median(t["resumed_s"] for t in done),
                    resumed_max_s=max(t["resumed_s"] for t in done),
                    steps_lost=statistics.median(t["steps_lost"] for t in done),
-                   steps_lost_max=max(t["steps_lost"] for t in done))
+                   steps_lost_max=max(t["steps_lost"] for t in done),
+                   warm=sum(1 for t in done if t.get("warm")))
         out["seconds_in_state"] = done[-1].get("seconds_in_state", {})
     else:
         out.update(resumed_s=None, steps_lost=None)

@@ -262,7 +262,7 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                 if o.get("of", 1) > 1 and o.get("resumed_s") is not None:
                     result = (f"median {o['resumed_s']:.1f} s (max {o['resumed_max_s']:.1f}) to training, "
                               f"{o['steps_lost']:g} steps computed twice (max {o['steps_lost_max']}); "
-                              f"{o['resumed']} of {o['of']} resumed")
+                              f"{o['resumed']} of {o['of']} resumed" + (f", {o['warm']} warm" if "warm" in o else ""))
                 if o.get("seconds_in_state"):
                     states = {k: v for k, v in o["seconds_in_state"].items()
                               if k in ("CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING")}

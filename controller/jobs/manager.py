@@ -55,7 +55,7 @@ class JobEntry:
     fatal: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
     launch: lifecycle.LaunchView | None = None
     launch_task: asyncio.Task | None = None
-    stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when) at the stop
+    stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when, command id)
     checkpoint: PendingCheckpoint | None = None
     incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
     incident_kind: str = ""

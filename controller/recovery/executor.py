@@ -135,7 +135,7 @@ class Executor:
         return NodeView(name, node.record.state is DOWN, node.verdict.health,
                         node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
                         drained=bool(node.record.drain_reason), stop_told=told is None or recent,
-                        stopped=taken and node.heartbeats > told[1] and not running, running=running,
+                        stopped=taken and not running and _after(node, told), running=running,
                         quiet=self.jobs.clock.monotonic() - node.last_seen >
                         1.5 * self.jobs.registry.policy.heartbeat_interval_s)
 
@@ -290,19 +290,21 @@ class Executor:
             ranks=ranks)), timeout=self.jobs.cfg.launch_timeout_s)
 
     async def _stop(self, entry: JobEntry, node: str, generation: int, before: tuple | None = None) -> None:
-        """Tell one node to stop a generation; once its agent took the command, the session and heartbeat
-        count are remembered, so a later heartbeat can confirm the ranks are gone. A stop told again on the
-        same session keeps the first one's heartbeat count: any heartbeat since the first can confirm."""
+        """Tell one node to stop a generation; once its agent took the command, the session, heartbeat count and
+        command id are remembered, so a later heartbeat (one that says it came after the command) can confirm the
+        ranks are gone. A stop told again on the same session keeps the first one's: any heartbeat since the first
+        can confirm."""
         nodes = self.jobs.registry.entries_by_name()
         target = nodes.get(node)
         session = target.session if target is not None else None
         taken = None
         if session is not None:
             try:
-                await session.request(node_pb2.Command(stop=node_pb2.StopRanks(
-                    job=entry.job.id, generation=generation, grace_s=self.jobs.cfg.stop_grace_s)))
-                beats = before[1] if before and before[0] is session else target.heartbeats
-                taken = (session, beats, self.jobs.clock.monotonic())
+                command = node_pb2.Command(stop=node_pb2.StopRanks(
+                    job=entry.job.id, generation=generation, grace_s=self.jobs.cfg.stop_grace_s))
+                await session.request(command)  # which gives it its id
+                first = before if before and before[0] is session else (session, target.heartbeats, 0.0, command.id)
+                taken = (session, first[1], self.jobs.clock.monotonic(), first[3])
                 self.jobs.fenced(node, entry.job.id, generation)
             except Exception as e:
                 logger.warning("stop failed", job=entry.job.id, node=node, generation=generation, error=str(e))
@@ -338,6 +340,15 @@ class Executor:
             await _session(self.jobs.registry.get(node)).request(command)
         except Exception as e:  # a checkpoint's deadline decides; a pin missed is sent again when the step moves on
             logger.warning("command not delivered", node=node, command=command.WhichOneof("body"), error=str(e))
+
+
+def _after(node, told: tuple) -> bool:
+    """Whether the node's newest heartbeat came after it carried out the stop `told` (session, heartbeats then,
+    when, command id): it says so (commands_done), or, from an agent that does not say, it is a later one."""
+    beat = node.heartbeat
+    if beat is not None and beat.commands_done:
+        return beat.commands_done >= told[3]
+    return node.heartbeats > told[1]
 
 
 def _bound(entry: JobEntry):

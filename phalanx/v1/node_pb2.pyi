@@ -68,7 +68,7 @@ class SessionOpen(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks", "progress", "snapshots", "standbys")
+    __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks", "progress", "snapshots", "standbys", "commands_done")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class Heartbeat(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     STANDBYS_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_DONE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix_ns: int
     host: _common_pb2.HostTelemetry
@@ -91,7 +92,8 @@ class Heartbeat(_message.Message):
     progress: _containers.RepeatedCompositeFieldContainer[RankProgress]
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotHeld]
     standbys: _containers.RepeatedCompositeFieldContainer[Standbys]
-    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotHeld, _Mapping]]] = ..., standbys: _Optional[_Iterable[_Union[Standbys, _Mapping]]] = ...) -> None: ...
+    commands_done: int
+    def __init__(self, seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[_common_pb2.GpuTelemetry, _Mapping]]] = ..., running_ranks: _Optional[int] = ..., nccl: _Optional[_Iterable[_Union[_common_pb2.NcclRankState, _Mapping]]] = ..., health_digest: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotHeld, _Mapping]]] = ..., standbys: _Optional[_Iterable[_Union[Standbys, _Mapping]]] = ..., commands_done: _Optional[int] = ...) -> None: ...
 
 class Standbys(_message.Message):
     __slots__ = ("job", "ready", "starting")
