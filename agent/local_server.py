@@ -90,7 +90,8 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
                  send: Callable[[node_pb2.AgentMessage], None],
                  fatal: Callable[[str, int, int, str], bool] = lambda job, generation, rank, reason: False,
                  snapshots: snaps.Snapshots | None = None, emit: Callable[..., None] = lambda *a, **k: None,
-                 slow_factor: Callable[[str, int, int], float] = lambda job, generation, rank: 0.0) -> None:
+                 slow_factor: Callable[[str, int, int], float] = lambda job, generation, rank: 0.0,
+                 park: Callable[..., str] | None = None) -> None:
         self._state = state
         self._current = current_generation
         self._send = send
@@ -99,6 +100,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         self._snapshots = snapshots  # None: this node keeps no snapshots
         self._emit = emit  # (kind, message, **labels) -> the controller's event log
         self._slow_factor = slow_factor  # (job, generation, rank) -> the slow=F injected on its GPU, or 0.0
+        self._park = park  # Supervisor.park: (request, deliver) -> "" or why the rank cannot wait here
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
@@ -171,6 +173,31 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         kind = request.kind if request.kind.replace("_", "").isalnum() else "trainlib"
         self._emit(kind[:64], request.message[:2000], job=request.job[:256], rank=str(request.rank))
         return local_pb2.TellReply()
+
+    async def Park(self, request: local_pb2.ParkRequest, context) -> local_pb2.ParkReply:
+        """Hold a rank whose generation ended until the next one is launched here with it (its environment), or
+        until none will be (exit)."""
+        if self._park is None:
+            return local_pb2.ParkReply(why="this agent does not keep ranks between generations")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def deliver(env: dict[str, str] | None, why: str) -> bool:
+            """Answer the rank; False if it is no longer waiting."""
+            if future.done():
+                return False
+            future.set_result((env, why))
+            return True
+        refused = self._park(request, deliver)
+        if refused:
+            return local_pb2.ParkReply(why=refused)
+        try:
+            env, why = await future
+        except asyncio.CancelledError:  # the rank went away (its process ended): nothing to hand it
+            deliver(None, "the rank is gone")
+            raise
+        if env is None:
+            return local_pb2.ParkReply(why=why)
+        return local_pb2.ParkReply(rejoin=True, env=env)
 
     async def CheckpointDone(self, request: local_pb2.CheckpointDoneRequest, context) -> local_pb2.CheckpointDoneReply:
         logger.info("rank committed a checkpoint", job=request.job, rank=request.rank, step=request.step,

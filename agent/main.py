@@ -258,7 +258,7 @@ class Agent:
         """The service trainlib in the ranks talks to (served on `<state_dir>/agent.sock`)."""
         return local_server.LocalService(self.local, self.supervisor.current_generation, self.link.send,
                                          self.supervisor.mark_fatal, self.snapshots, self._emit,
-                                         self.supervisor.slow_factor)
+                                         self.supervisor.slow_factor, self.supervisor.park)
 
     async def _serve_snapshots(self) -> grpc.aio.Server | None:
         """Serve peers' replicas (before the link starts: the inventory says where). Plain gRPC, so only on a

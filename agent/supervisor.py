@@ -10,6 +10,7 @@ child) is learnt from the file the wrapper writes beside its exit file, and kept
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,12 +27,13 @@ import psutil
 from agent import rankwrap
 from agent.warm import HOLD_S, Recipe, WarmPool, recipe
 from phalanx import log
-from phalanx.clock import Clock, RealClock, wall_s
+from phalanx.clock import Clock, RealClock, Timer, wall_s
 from phalanx.v1 import common_pb2, node_pb2
 
 logger = log.get("supervisor")
 
 KEEP_EXITED_S = 600.0  # exited ranks stay reported this long, so the controller hears of them
+PARK_HOLD_S = 60.0  # a rank parked by trainlib.run waits this long for a next generation here, then exits
 # Run by path, isolated (-I: no working directory, script directory or PYTHONPATH on sys.path): a
 # user's `agent.py` or `agent/` in the job's working directory cannot shadow the wrapper.
 WRAPPER = str(Path(rankwrap.__file__).resolve())
@@ -63,6 +66,14 @@ class RankRecord:
         return f"{self.job}.g{self.generation}.r{self.rank}"
 
 
+@dataclass
+class _Parked:
+    """A rank (trainlib.run) whose generation ended and that waits, in its process, to rejoin the next."""
+    record: RankRecord  # the ended generation's
+    deliver: Callable[[dict[str, str] | None, str], bool]  # its answer: the next environment, or None and why
+    timer: Timer
+
+
 class Supervisor:
     def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None,
                  clock: Clock | None = None, warm: WarmPool | None = None) -> None:
@@ -80,6 +91,7 @@ class Supervisor:
         # job -> the newest generation this agent was told to stop: a launch of it (or an older one) that
         # arrives later — sent by a controller that died before the stop — is refused (fencing).
         self._stopped: dict[str, int] = {}
+        self._parked: dict[tuple[str, int], _Parked] = {}  # (job, rank) -> a process waiting to rejoin as that rank
 
     # -- launching ---------------------------------------------------------------------------
 
@@ -140,6 +152,9 @@ class Supervisor:
         env = {**job_env, **rank.env}
         cpus = self._cpus_for_gpu.get(rank.gpu)
         workdir = self._workdir(request.workdir)
+        rejoined = self._rejoin(request, rank, env, cpus, log_path)
+        if rejoined is not None:
+            return rejoined
         standby = self.warm.take(kind) if self.warm is not None else None
 
         def pin() -> None:  # in the child, before exec
@@ -179,11 +194,70 @@ class Supervisor:
                     gpu=rank.gpu, cpus=len(cpus) if cpus else "all", warm=record.warm)
         return record
 
+    def _rejoin(self, request: node_pb2.LaunchRanks, rank: node_pb2.RankLaunch, env: dict[str, str],
+                cpus: list[int] | None, log_path: Path) -> RankRecord | None:
+        """Hand the rank to the process that was it in an earlier generation and waits to rejoin (trainlib.run), if
+        there is one; None if not."""
+        parked = self._parked.pop((request.job, rank.rank), None)
+        if parked is None:
+            return None
+        parked.timer.cancel()
+        old = parked.record
+        if not self._running(old) or not parked.deliver(env, ""):
+            return None
+        if cpus and old.rank_pid:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(old.rank_pid, cpus)
+        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(wall_s(self._clock)))
+        with open(log_path, "ab") as out:
+            out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} rejoining in "
+                      f"the same process (pid {old.rank_pid or old.pid}) at {now} ---\n".encode())
+        record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, old.pid, old.started,
+                            str(log_path), old.exit_file, rank_pid=old.rank_pid, warm=True)
+        old.exit_file = ""  # the wrapper writes it for the process's last generation: the new record's now
+        self._save(old)
+        with self._lock:
+            self._ranks[record.key] = record
+        self._save(record)
+        logger.info("rank rejoined", job=request.job, generation=request.generation, rank=rank.rank, pid=old.pid)
+        return record
+
+    def park(self, request, deliver: Callable[[dict[str, str] | None, str], bool]) -> str:
+        """A rank run by trainlib.run ended its generation (`request.exit_code`: 0 stopped, else failed) and waits to
+        rejoin the next. Its generation's record ends now, as if the process had exited with that code; the next
+        launch here with the same rank hands it the new environment (deliver), or, after PARK_HOLD_S, it is told to
+        exit. Returns why it cannot wait here, or ""."""
+        record = self._ranks.get(f"{request.job}.g{request.generation}.r{request.rank}")
+        if record is None or not self._alive(record):
+            return f"rank {request.rank} of {request.job} generation {request.generation} does not run here"
+        if record.rank_pid and request.pid != record.rank_pid:
+            return f"pid {request.pid} is not rank {request.rank}'s process (pid {record.rank_pid})"
+        key = (request.job, request.rank)
+        if key in self._parked:
+            self._release(key, "another process of this rank waits to rejoin")
+        record.exit_code, record.exited_at = request.exit_code, wall_s(self._clock)
+        self._end_slowness(record.key)
+        self._save(record)
+        timer = self._clock.call_later(PARK_HOLD_S, lambda: self._release(
+            key, f"no generation of {request.job} was launched here with rank {request.rank} within {PARK_HOLD_S:g}s"))
+        self._parked[key] = _Parked(record, deliver, timer)
+        logger.info("rank waits to rejoin", job=request.job, generation=request.generation, rank=request.rank,
+                    exit_code=request.exit_code, reason=request.reason)
+        return ""
+
+    def _release(self, key: tuple[str, int], why: str) -> None:
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            parked.timer.cancel()
+            parked.deliver(None, why)
+
     # -- watching ----------------------------------------------------------------------------
 
     def _alive(self, record: RankRecord) -> bool:
-        if record.exit_code is not None or record.lost:
-            return False
+        return record.exit_code is None and not record.lost and self._running(record)
+
+    def _running(self, record: RankRecord) -> bool:
+        """Whether the record's process runs (a parked rank's does, though its generation's record has ended)."""
         child = self._children.get(record.pid)
         if child is not None:
             return child.poll() is None
@@ -221,6 +295,11 @@ class Supervisor:
             ended.append(record)
             logger.info("rank ended", job=record.job, generation=record.generation, rank=record.rank,
                         exit_code=record.exit_code, lost=record.lost)
+        with self._lock:
+            live = {r.pid for r in self._ranks.values() if r.exit_code is None and not r.lost}
+        for pid, child in list(self._children.items()):  # a parked rank told to exit: reap its wrapper
+            if pid not in live and child.poll() is not None:
+                self._children.pop(pid, None)
         return ended
 
     def _learn_rank_pid(self, record: RankRecord) -> None:
@@ -285,6 +364,9 @@ class Supervisor:
         if generation:
             self._stopped[job] = max(self._stopped.get(job, 0), generation)
         targets = [r for r in self._live() if r.job == job and (generation == 0 or r.generation == generation)]
+        if generation == 0:  # the job is over here: none of its ranks rejoins
+            for key in [k for k in self._parked if k[0] == job]:
+                self._release(key, f"{job} was stopped")
         for record in targets:
             self._end_slowness(record.key)
             self._signal(record, signal.SIGCONT, group=True)  # a stopped (hung) rank cannot act on SIGTERM

@@ -43,8 +43,13 @@ def main() -> int:
     parser.add_argument("--out-steps", default="", help="rank 0 writes the number of steps the model was trained "
                         "for here (what an uninterrupted run needs as --steps to end with the same model)")
     parser.add_argument("--print-every", type=int, default=10, help="rank 0 prints the loss every N steps")
+    parser.add_argument("--rejoin", action="store_true", help="run the training under trainlib.run: a rank that "
+                        "survives a failure rejoins the next generation in this process instead of a new one")
     args = parser.parse_args()
+    return trainlib.run(train, args) if args.rejoin else train(args)
 
+
+def train(args: argparse.Namespace) -> int:
     ctx = trainlib.init()  # before init_process_group: it sets the NCCL watchdog defaults
     if ctx.world_size > 1:
         dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=60))

@@ -143,16 +143,25 @@ class Observer:
         return seen
 
     def rank_processes(self, job_id: str) -> dict[int, int]:
-        """pid -> generation of each live process (wrapper or rank) an agent of this cluster started for the job."""
+        """pid -> generation of each live process (wrapper or rank) an agent of this cluster started for the job,
+        from the agents' rank records (a rank started warm has its environment from Python, not from exec: what
+        /proc/PID/environ shows is the standby's). The newest generation a process served wins."""
         out = {}
-        for proc in psutil.process_iter():
+        records = []
+        for path in self.root.glob(f"*/state/ranks/{job_id}.g*.r*.json"):
             try:
-                env = proc.environ()
-                if env.get("PHALANX_JOB") == job_id and env.get("PHALANX_AGENT_SOCKET", "").startswith(str(self.root)) \
-                        and proc.status() != psutil.STATUS_ZOMBIE:
-                    out[proc.pid] = int(env["PHALANX_GENERATION"])
-            except (psutil.Error, KeyError, ValueError):
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
                 continue
+        for record in sorted(records, key=lambda r: r["generation"]):
+            if record["exit_code"] is not None or record["lost"]:
+                continue
+            for pid in (record["pid"], record.get("rank_pid", 0)):
+                try:
+                    if pid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        out[pid] = record["generation"]
+                except psutil.Error:
+                    continue
         return out
 
     def rank_pid(self, job: pb.Job, rank: int) -> int:

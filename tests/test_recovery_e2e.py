@@ -195,7 +195,7 @@ def test_a_checkpoint_directory_the_nodes_do_not_share_fails_the_job_at_once_wit
 
 def last_step_before_restart(logs: str) -> int:
     """The last step rank 0 finished in generation 1 (it prints every step with --print-every 1)."""
-    first = logs.split("generation 2 rank 0 starting")[0]
+    first = logs.split("generation 2 rank 0 ")[0]  # starting (a new process) or rejoining (the same)
     return max(int(line.split()[1]) for line in first.splitlines() if line.startswith("step ") and " loss " in line)
 
 
@@ -261,3 +261,29 @@ def test_a_node_lost_with_the_node_holding_its_replicas_falls_back_to_the_disk_c
     assert "left no in-memory snapshot on a node that is up" in fallback and "which cannot be reached" in fallback
     assert "resuming from the newest durable checkpoint" in fallback
     assert (tmp_path / "checksum.txt").read_text().strip() == reference
+
+
+@pytest.mark.parametrize("fault", ["kill", "remap-pending"])
+def test_a_surviving_rank_run_by_trainlib_run_rejoins_the_next_generation_in_its_own_process(cluster4, tmp_path,
+                                                                                            reference, fault):
+    """kill: the survivor's collective fails and it waits; remap-pending: it is stopped (SIGTERM) after the
+    checkpoint, and waits. Either way it trains on in generation 2 in the same process."""
+    job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", "--rejoin", every="100000")
+    ranks = {r["rank"]: r for r in job(cluster4, job_id)["ranks"]}
+    if fault == "kill":
+        os.kill(int(ranks[1]["pid"]), signal.SIGKILL)
+    else:
+        assert phalanx(cluster4, "inject", ranks[1]["node"], "--gpu", "0", "remap-pending").returncode == 0
+    finish(cluster4, job_id, out, reference)
+    again = {r["rank"]: r for r in job(cluster4, job_id)["ranks"]}
+    assert again[0]["pid"] == ranks[0]["pid"]  # the survivor trained on in the same process
+    assert again[1]["pid"] != ranks[1]["pid"]
+    logs = phalanx(cluster4, "logs", job_id, "--rank", "0").stdout
+    assert "generation 2 rank 0 rejoining in the same process" in logs, logs[-3000:]
+    assert "rank 0 rejoins " + job_id + " in generation 2 (same process)" in logs
+    assert ("(stopped); waiting to rejoin" in logs) == (fault == "remap-pending")
+    if fault == "kill":
+        assert 0 <= last_step_before_restart(logs) - resumed_step(logs) <= 2, logs[-3000:]
+    else:  # from the step every rank committed before the eviction: none lost
+        committed = next(e for e in events(cluster4, job_id) if e["kind"] == "job.checkpointed")["message"]
+        assert resumed_step(logs) == int(committed.split("committed step ")[1].split()[0]), logs[-3000:]

@@ -221,3 +221,47 @@ def test_a_spare_prepared_by_the_controller_holds_standbys(tmp_path, job_dir):
         assert "start cold" in cold
     finally:
         pool.close()
+
+
+def test_a_parked_rank_rejoins_the_next_launch_here_or_is_told_to_exit(tmp_path, job_dir):
+    """trainlib.run's side is in test_recovery_e2e; this is the agent's: the parked rank's generation ends in its
+    record at once, the next launch of its rank hands the process the new environment, and a park nothing claims
+    is answered after PARK_HOLD_S."""
+    from agent.supervisor import PARK_HOLD_S
+    from phalanx.v1 import common_pb2, local_pb2
+    clock = FakeClock()
+    supervisor = Supervisor(tmp_path / "state", clock=clock)
+    env = {**base_env(tmp_path), "HOLD": "1"}
+    supervisor.launch(launch(job_dir, 1, {"PHALANX_GENERATION": "1"}), env)
+    try:
+        def rank_pid():
+            supervisor.poll()
+            return next(s.rank_pid for s in supervisor.statuses())
+        pid = wait_until(rank_pid, "the rank's pid")
+        answers = []
+
+        def deliver(environment, why):
+            answers.append((environment, why))
+            return True
+        park = local_pb2.ParkRequest(job="j", generation=1, rank=0, pid=pid, exit_code=1, reason="RuntimeError")
+        assert supervisor.park(local_pb2.ParkRequest(job="j", generation=1, rank=0, pid=pid + 1), deliver) == \
+            f"pid {pid + 1} is not rank 0's process (pid {pid})"
+        assert supervisor.park(local_pb2.ParkRequest(job="j", generation=3, rank=0, pid=pid), deliver).startswith(
+            "rank 0 of j generation 3 does not run here")
+        assert supervisor.park(park, deliver) == ""
+        [ended] = supervisor.statuses()
+        assert (ended.state, ended.exit_code) == (common_pb2.RANK_STATE_EXITED, 1)  # the generation is over here
+        supervisor.launch(launch(job_dir, 2, {"PHALANX_GENERATION": "2"}), env)
+        [(given, _)] = answers
+        assert given["PHALANX_GENERATION"] == "2" and given["RANK"] == "0"
+        current = next(s for s in supervisor.statuses() if s.generation == 2)
+        assert current.state == common_pb2.RANK_STATE_RUNNING and current.rank_pid == pid  # the same process
+        assert supervisor.park(local_pb2.ParkRequest(job="j", generation=2, rank=0, pid=pid), deliver) == ""
+        clock.advance(PARK_HOLD_S)
+        assert answers[-1] == (None, f"no generation of j was launched here with rank 0 within {PARK_HOLD_S:g}s")
+    finally:
+        for status in supervisor.statuses():
+            try:
+                os.killpg(status.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

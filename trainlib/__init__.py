@@ -2,6 +2,7 @@
 
     import trainlib
     ctx = trainlib.init()                  # before torch.distributed.init_process_group
+    trainlib.run(main)                     # optional: main() again for the next generation, in this process
     loaded = trainlib.load_latest()        # .step and .state of the newest complete checkpoint, or None
     for step in range(loaded.step + 1 if loaded else 0, steps):
         ...forward, backward...
@@ -20,15 +21,17 @@ from __future__ import annotations
 
 from trainlib._runtime import (
     Context,
+    GenerationEnded,
     checkpoint_requested,
     compute_done,
     init,
     load_latest,
     on_checkpoint_request,
+    run,
     save,
     snapshot,
     step,
 )
 
-__all__ = ["Context", "checkpoint_requested", "compute_done", "init", "load_latest", "on_checkpoint_request",
-           "save", "snapshot", "step"]
+__all__ = ["Context", "GenerationEnded", "checkpoint_requested", "compute_done", "init", "load_latest",
+           "on_checkpoint_request", "run", "save", "snapshot", "step"]

@@ -11,6 +11,13 @@ When the agent answers that this rank's generation is no longer current (a newer
 runs), the reporter thread ends the process itself, with one line on stderr and exit code
 STALE_EXIT_CODE: the training thread may be blocked in a collective whose peers are gone and never
 reach another step, and whatever it did next (a step, a checkpoint) would be thrown away or worse.
+
+A script that hands its training function to `run(train_fn)` lets the rank outlive its generation:
+the agent's stop (SIGTERM) raises GenerationEnded in the training thread, and an exception out of
+the function (a collective whose peer died) ends the generation the same way. The process then
+tears down its process group, tells the agent (Park), and waits; when the next generation is
+launched on this node with this rank in it, the agent hands it the new environment and run() calls
+the function again: no new process, no imports, the script's module state kept.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import warnings
 from array import array
 from collections.abc import Callable
@@ -33,6 +41,7 @@ REPORT_INTERVAL_S = 0.5
 EVICTION_WAIT_S = 120.0
 RPC_TIMEOUT_S = 2.0  # a report that cannot reach the agent in this time is dropped, not retried
 WATCH_RETRY_S = 1.0  # a broken Watch stream is opened again after this long (reports carry requests meanwhile)
+PARK_WAIT_S = 300.0  # a parked rank waits this long at most for the agent's answer (the agent answers sooner)
 STALE_EXIT_CODE = 75  # EX_TEMPFAIL: this generation is over; the job goes on in a newer one
 FATAL_EXIT_CODE = 78  # EX_CONFIG: the job cannot work as submitted (Phalanx fails it rather than restart it)
 # How long rank 0, at its first save, waits to see every rank's marker in the checkpoint directory (a shared
@@ -96,6 +105,14 @@ _stale = False  # the agent said a newer generation of the job runs: this proces
 _shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
 _snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is first called under Phalanx
 _slow = 0.0  # a slow=F fault on this rank's GPU, from the agent's replies: each step's compute takes (1 + F)x
+_rejoin = False  # run() drives this rank: the end of a generation ends the training function, not the process
+_ending = False  # a stop came: the training function is unwinding (a second stop changes nothing)
+_parked = False  # waiting for the agent to say whether this process rejoins (a stop now ends it)
+
+
+class GenerationEnded(BaseException):
+    """Raised in the training thread of a rank run by `trainlib.run` when the agent stops its generation. A
+    BaseException, as KeyboardInterrupt is: an `except Exception` in the training loop must not swallow it."""
 
 
 def init() -> Context:
@@ -137,10 +154,11 @@ def init() -> Context:
             threading.main_thread():
         signal.signal(signal.SIGUSR1, _on_sigusr1)
     if _ctx.agent_socket:
-        _reporter = threading.Thread(target=_report_loop, name="trainlib-reporter", daemon=True)
-        _reporter.start()
-        threading.Thread(target=_watch_loop, name="trainlib-watcher", daemon=True).start()
-        atexit.register(_flush_at_exit)
+        if _reporter is None:  # one for the life of the process: it reports for whichever generation is current
+            _reporter = threading.Thread(target=_report_loop, name="trainlib-reporter", daemon=True)
+            _reporter.start()
+            atexit.register(_flush_at_exit)
+        threading.Thread(target=_watch_loop, args=(_ctx,), name="trainlib-watcher", daemon=True).start()
     return _ctx
 
 
@@ -423,14 +441,15 @@ def _heed(reply: Any) -> None:
         _request(request.id, request.pause, request.at_step)
 
 
-def _watch_loop() -> None:
-    """Hold the agent's Watch stream open: requests arrive the moment the agent has them."""
+def _watch_loop(ctx: Context) -> None:
+    """Hold the agent's Watch stream open for `ctx`'s generation: requests arrive the moment the agent has them.
+    Ends when this process has moved on to another generation (trainlib.run)."""
     from phalanx.v1 import local_pb2
-    ctx = _ctx
-    assert ctx is not None
-    while True:
+    while _ctx is ctx:
         try:
             for reply in _agent().Watch(local_pb2.WatchRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank)):
+                if _ctx is not ctx or _parked:
+                    return
                 _heed(reply)
         except Exception:  # the agent restarting, or an older one without Watch: reports carry the same news
             pass
@@ -440,6 +459,8 @@ def _watch_loop() -> None:
 def _end_stale() -> None:
     """A newer generation of the job runs: stop this process now, before it trains or commits anything more."""
     global _stale
+    if _parked:  # the generation it is stale for is over for this process: it waits to rejoin the next
+        return
     _stale = True
     ctx = _ctx
     assert ctx is not None
@@ -481,3 +502,97 @@ def _send_done(request_id: int, step_number: int) -> None:
                                                                 step=step_number), timeout=RPC_TIMEOUT_S)
     except Exception as e:
         print(f"trainlib: could not tell the agent that step {step_number} is checkpointed: {e}", file=sys.stderr)
+
+
+# -- trainlib.run: a rank that outlives its generation ---------------------------------------------------------------
+
+def run(train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `train_fn(*args, **kwargs)` as this rank's training, and again for each later generation of the job that
+    runs this rank on this node, in this same process. Returns what it returns when it returns (the job is done).
+
+    `train_fn` does what a script's main does: init_process_group, build or load the model, `load_latest()`,
+    train. When its generation ends — Phalanx stops it (GenerationEnded is raised in it), or it raises (a
+    collective whose peer died) — run() destroys the process group, and the rank waits for the next generation;
+    if it is launched here with this rank in it, the environment (RANK, MASTER_PORT, PHALANX_GENERATION, ...) is
+    the new generation's and `train_fn` is called again; if not, the process exits (0 if stopped, 1 if it
+    raised). Outside Phalanx it is just `train_fn(*args, **kwargs)`."""
+    global _rejoin, _ending
+    ctx = init()
+    if not (ctx.active and ctx.agent_socket) or threading.current_thread() is not threading.main_thread():
+        return train_fn(*args, **kwargs)
+    _rejoin = True
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    while True:
+        try:
+            return train_fn(*args, **kwargs)
+        except GenerationEnded:
+            code, reason = 0, "stopped"
+        except Exception as e:  # what an uncaught exception would have printed, before this rank waits
+            traceback.print_exc()
+            code, reason = 1, f"{type(e).__name__}: {e}"
+        env = _park(code, reason)
+        if env is None:
+            raise SystemExit(code)
+        _next_generation(env)
+        _ending = False
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    global _ending
+    if _parked:  # stopped while waiting to rejoin: this process is done
+        os._exit(128 + signum)
+    if _ending:
+        return
+    _ending = True
+    raise GenerationEnded(f"generation {_ctx.generation if _ctx else '?'} stopped by Phalanx")
+
+
+def _park(code: int, reason: str) -> dict[str, str] | None:
+    """End this generation here (process group, snapshot writer, reports) and wait for the agent's word: the next
+    generation's environment for this rank, or None (exit)."""
+    global _parked
+    ctx = _ctx
+    assert ctx is not None
+    _parked = True
+    try:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:
+        print(f"trainlib: could not tear the process group down: {e}", file=sys.stderr, flush=True)
+    if _snapshotter is not None:
+        with contextlib.suppress(Exception):
+            _snapshotter.wait()  # the snapshot being written may be the one the next generation restores
+    with contextlib.suppress(Exception):
+        _flush(at_exit=True)
+    print(f"trainlib: generation {ctx.generation} of {ctx.job} ended for rank {ctx.rank} ({reason}); waiting to "
+          "rejoin the next one in this process", file=sys.stderr, flush=True)
+    from phalanx.v1 import local_pb2
+    try:
+        reply = _agent().Park(local_pb2.ParkRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank,
+                                                    pid=os.getpid(), exit_code=code, reason=reason),
+                              timeout=PARK_WAIT_S)
+    except Exception as e:
+        print(f"trainlib: the agent did not take this rank back ({e}); exiting", file=sys.stderr, flush=True)
+        return None
+    if not reply.rejoin:
+        print(f"trainlib: no next generation for this process ({reply.why}); exiting", file=sys.stderr, flush=True)
+        return None
+    return dict(reply.env)
+
+
+def _next_generation(env: dict[str, str]) -> None:
+    """Take the next generation's environment and start trainlib afresh for it."""
+    global _ctx, _head, _tail, _steps_seen, _requested, _request_id, _pause_after, _at_step, _last_step, _handled
+    global _checkpointer, _saving, _stale, _shared_checked, _snapshotter, _slow, _last_end, _compute_mark, _parked
+    os.environ.clear()
+    os.environ.update(env)
+    _ctx, _checkpointer, _snapshotter = None, None, None
+    _tail = _head  # the old generation's samples are not the new one's
+    _steps_seen, _requested, _request_id, _pause_after, _at_step, _last_step = 0, False, 0, False, 0, -1
+    _handled, _saving, _stale, _shared_checked, _slow = set(), False, False, False, 0.0
+    _last_end = _compute_mark = time.perf_counter()
+    _parked = False
+    ctx = init()
+    print(f"trainlib: rank {ctx.rank} rejoins {ctx.job} in generation {ctx.generation} (same process)",
+          file=sys.stderr, flush=True)

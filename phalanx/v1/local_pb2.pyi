@@ -6,6 +6,39 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ParkRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank", "pid", "exit_code", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    pid: int
+    exit_code: int
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ParkReply(_message.Message):
+    __slots__ = ("rejoin", "env", "why")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    rejoin: bool
+    env: _containers.ScalarMap[str, str]
+    why: str
+    def __init__(self, rejoin: _Optional[bool] = ..., env: _Optional[_Mapping[str, str]] = ..., why: _Optional[str] = ...) -> None: ...
+
 class StepSample(_message.Message):
     __slots__ = ("step", "step_s", "compute_s", "end_unix_ns")
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class LocalServiceStub:
                 request_serializer=phalanx_dot_v1_dot_local__pb2.TellRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_local__pb2.TellReply.FromString,
                 _registered_method=True)
+        self.Park = channel.unary_unary(
+                '/phalanx.v1.LocalService/Park',
+                request_serializer=phalanx_dot_v1_dot_local__pb2.ParkRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_local__pb2.ParkReply.FromString,
+                _registered_method=True)
 
 
 class LocalServiceServicer:
@@ -116,6 +121,15 @@ class LocalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Park(self, request, context):
+        """The rank's generation ended (it was stopped, or its training function raised) and the rank, run by
+        trainlib.run, waits to rejoin the next one in this same process. The answer comes when the next
+        generation is launched here with this rank in it (its environment), or when none will be (exit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +162,11 @@ def add_LocalServiceServicer_to_server(servicer, server):
                     servicer.Tell,
                     request_deserializer=phalanx_dot_v1_dot_local__pb2.TellRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_local__pb2.TellReply.SerializeToString,
+            ),
+            'Park': grpc.unary_unary_rpc_method_handler(
+                    servicer.Park,
+                    request_deserializer=phalanx_dot_v1_dot_local__pb2.ParkRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_local__pb2.ParkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +331,33 @@ class LocalService:
             '/phalanx.v1.LocalService/Tell',
             phalanx_dot_v1_dot_local__pb2.TellRequest.SerializeToString,
             phalanx_dot_v1_dot_local__pb2.TellReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Park(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.LocalService/Park',
+            phalanx_dot_v1_dot_local__pb2.ParkRequest.SerializeToString,
+            phalanx_dot_v1_dot_local__pb2.ParkReply.FromString,
             options,
             channel_credentials,
             insecure,
