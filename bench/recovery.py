@@ -11,6 +11,8 @@ step with its wall time. The faults:
 - remap-pending: an injected predictable failure (Phalanx only): checkpoint, then evict
 - crash-cold: the crash again, with warm starts off for the job (PHALANX_WARM_START=0): what the
   standbys save
+- crash-rejoin: the crash again, the script run under trainlib.run (--rejoin): the survivor rejoins
+  the next generation in its own process
 
 Phalanx's faults come once the job's nodes and spare hold their warm standbys (as they do a few seconds
 into any job), except crash-cold's.
@@ -42,7 +44,7 @@ REPEATS = 5
 WINDOW_S = 90.0  # after a fault: how long we wait for training to resume before saying "never"
 STEP_LINE = re.compile(r"^step (\d+) loss \S+ at ([\d.]+)$", re.M)
 RESUMED = re.compile(r"resumed from step (\d+)")
-FAULTS = ("crash", "xid-79", "node-loss", "hang", "remap-pending", "crash-cold")
+FAULTS = ("crash", "xid-79", "node-loss", "hang", "remap-pending", "crash-cold", "crash-rejoin")
 GPU_FAULTS = {"xid-79": "xid=79", "remap-pending": "remap-pending"}  # injected into the simulated GPU
 
 
@@ -54,7 +56,8 @@ def _steps(text: str) -> list[tuple[int, float]]:
     return [(int(m.group(1)), float(m.group(2))) for m in STEP_LINE.finditer(text)]
 
 
-NEXT_GENERATION = "generation 2 rank 0 starting"  # Phalanx's rank log marks each generation's start
+# Phalanx's rank log marks each generation's start: "starting" (a process) or "rejoining" (trainlib.run)
+NEXT_GENERATION = "generation 2 rank 0 "
 
 
 def _measure(read_log, fault_at: float) -> dict:
@@ -103,7 +106,7 @@ def _kill_tree(pid: int, sig: int) -> None:
 def torchrun_trial(fault: str, root: Path) -> dict:
     if fault in GPU_FAULTS:
         return {"resumed_s": None, "steps_lost": None, "skipped": "no GPU health signal in torchrun"}
-    if fault.endswith("-cold"):
+    if fault.startswith("crash-"):
         return {"resumed_s": None, "steps_lost": None, "skipped": "the same as crash for torchrun"}
     port = free_port()
     logs = [root / f"torchrun-{i}.log" for i in range(2)]
@@ -172,7 +175,8 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         cold = fault.endswith("-cold")
         job = _cli(address, "submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(root / "ckpt"),
                    *(("--env", "PHALANX_WARM_START=0") if cold else ()), "--",
-                   sys.executable, *_train_args(root / "ckpt")).strip()
+                   sys.executable, *_train_args(root / "ckpt"), *(("--rejoin",) if fault == "crash-rejoin" else ())
+                   ).strip()
 
         def read() -> str:
             return _cli(address, "logs", job, "--rank", "0")
@@ -198,7 +202,8 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         info = json.loads(_cli(address, "job", job, "--json"))
         result["seconds_in_state"] = info["seconds_in_state"]
         result["incident"] = info["incident"]
-        result["warm"] = "(warm) ---" in read()
+        logs = read()
+        result["warm"] = "(warm) ---" in logs or "rejoining in the same process" in logs
         return result
     finally:
         for record in root.glob("*/state/ranks/*.json"):
