@@ -84,9 +84,9 @@ class AgentConfig:
                                 "replicas (a subdirectory per node name); empty = no snapshots on this node")
     snapshot_budget_mb: int = setting(0, "host memory the node's snapshots may take, its ranks' and peers' replicas "
                                       "together; 0 = a quarter of the node's memory")
-    snapshot_listen: str = setting("", "host:port serving snapshot replicas to peer agents (plain gRPC: with "
-                                   "security.insecure = false no replicas are kept until this is set); empty = the "
-                                   "advertise address, else 127.0.0.1, on a free port")
+    snapshot_listen: str = setting("", "host:port serving snapshot replicas to peer agents, over mutual TLS with "
+                                   "this node's certificate (plain gRPC with security.insecure); empty = every "
+                                   "address (insecure: the advertise address, else 127.0.0.1), on a free port")
     warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
                                "here, or the controller asks a spare for), so a restart skips starting Python and "
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")

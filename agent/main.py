@@ -261,20 +261,44 @@ class Agent:
                                          self.supervisor.slow_factor, self.supervisor.park)
 
     async def _serve_snapshots(self) -> grpc.aio.Server | None:
-        """Serve peers' replicas (before the link starts: the inventory says where). Plain gRPC, so only on a
-        trial cluster (security.insecure) or where the operator chose an address for it (snapshot_listen)."""
-        if self.snapshots is None or not (self.cfg.snapshot_listen or self.cfg.security.insecure):
+        """Serve peers' replicas (before the link starts: the inventory says where). With mutual TLS (this node's
+        certificate, the cluster CA; only nodes may put or get) on `snapshot_listen`, else on all addresses; plain
+        gRPC on a trial cluster (security.insecure), on loopback unless told otherwise."""
+        if self.snapshots is None:
             return None
-        listen = self.cfg.snapshot_listen or f"{self.cfg.advertise_address or '127.0.0.1'}:0"
+        sec = self.cfg.security
+        server_credentials = None
+        if not sec.insecure:
+            try:
+                identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "this node's", logger)
+            except ConfigError as e:
+                self._no_replicas(str(e))
+                return None
+            self.snapshots.replicator.credentials = tls.channel_credentials(identity.ca, identity.cert, identity.key)
+            if not tls.serves_tls(identity.cert):
+                self._no_replicas(f"certificate {sec.cert_file} may not serve TLS (no serverAuth: issued before "
+                                  "replicas used TLS); move the node's old certificate and key aside on the CA host "
+                                  f"and issue it again (`phalanx certs issue {self.name}`)")
+                return None
+            server_credentials = tls.server_credentials(identity)
+        default_host = "0.0.0.0" if server_credentials is not None else self.cfg.advertise_address or "127.0.0.1"
+        listen = self.cfg.snapshot_listen or f"{default_host}:0"
         try:
-            server, address = await snaps.serve(listen, snaps.SnapshotService(self.snapshots.store, self._emit))
+            service = snaps.SnapshotService(self.snapshots.store, self._emit, nodes_only=server_credentials is not None)
+            server, address = await snaps.serve(listen, service, server_credentials)
         except (OSError, RuntimeError) as e:
-            logger.error("snapshot replicas not served; this node's snapshots stay unreplicated", listen=listen,
-                         error=str(e))
+            self._no_replicas(f"cannot serve them at {listen}: {e}")
             return None
-        self._static.snapshot_address = address
-        logger.info("snapshot service serving", address=address, budget_mb=self.snapshots.store.budget // 1_000_000)
+        host, _, port = address.rpartition(":")
+        # On all addresses: the controller tells peers the address it knows this node by.
+        self._static.snapshot_address = f":{port}" if host in ("0.0.0.0", "[::]", "::") else address
+        logger.info("snapshot service serving", address=address, tls=server_credentials is not None,
+                    budget_mb=self.snapshots.store.budget // 1_000_000)
         return server
+
+    def _no_replicas(self, why: str) -> None:
+        logger.error("snapshot replicas not served; this node's snapshots stay unreplicated", reason=why)
+        self._emit("snapshot_replicas_off", f"{self.name} keeps and serves no snapshot replicas: {why}")
 
     async def _watch_ranks(self) -> None:
         """A rank that ends is news for the controller now (a crash to recover from, a stop it waits to see done),

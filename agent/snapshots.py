@@ -36,7 +36,7 @@ from pathlib import Path
 
 import grpc
 
-from phalanx import log
+from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.names import NAME
 from phalanx.request_guard import RequestGuard
@@ -320,10 +320,21 @@ async def _chunks_of(path: Path, key: Key, size: int, crc32: int) -> AsyncIterat
 class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
     """Peers put replicas here and get snapshots back."""
 
-    def __init__(self, store: SnapshotStore, emit: Callable[..., None]) -> None:
+    def __init__(self, store: SnapshotStore, emit: Callable[..., None], nodes_only: bool = False) -> None:
         self._store, self._emit = store, emit
+        self._nodes_only = nodes_only  # served with mutual TLS: only the cluster's nodes may put or get
+
+    async def _refuse_non_nodes(self, context) -> None:
+        if not self._nodes_only:
+            return
+        peer = tls.peer_identity(context)
+        if peer is None or peer[0] != "node":
+            who = f"{peer[0]} {peer[1]!r}" if peer else "a peer without a phalanx certificate"
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"snapshot replicas are for the cluster's nodes only, not {who}")
 
     async def Put(self, request_iterator, context) -> snapshot_pb2.PutReply:
+        await self._refuse_non_nodes(context)
         stream = request_iterator.__aiter__()
         try:
             first = await stream.__anext__()
@@ -349,6 +360,7 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
     async def Get(self, request: snapshot_pb2.SnapshotKey, context):
         """Stream a held snapshot with its recorded CRC-32; the receiver checks it (a corrupt file is refused there,
         so reading it twice here would only halve the throughput)."""
+        await self._refuse_non_nodes(context)
         try:
             held = self._store.find(Key.of(request))
             if held is None:
@@ -364,9 +376,11 @@ class Replicator:
     """Streams each new own snapshot to the job's peer node, newest first: while a transfer runs, a newer
     snapshot of the same rank replaces any waiting one (a replica a step behind is worth more than a queue)."""
 
-    def __init__(self, store: SnapshotStore, emit: Callable[..., None]) -> None:
+    def __init__(self, store: SnapshotStore, emit: Callable[..., None],
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self._store, self._emit = store, emit
-        self.peers: dict[str, str] = {}  # job -> host:port of its peer's SnapshotService
+        self.credentials = credentials  # mutual TLS to peers with this node's certificate; None: plaintext
+        self.peers: dict[str, str] = {}  # job -> [NODE@]HOST:PORT of its peer's SnapshotService
         self._waiting: dict[tuple[str, int], Held] = {}
         self._busy: set[str] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -395,11 +409,17 @@ class Replicator:
         finally:
             self._busy.discard(job)
 
-    def _stub(self, address: str) -> snapshot_pb2_grpc.SnapshotServiceStub:
-        """A stub on the one channel kept per peer address."""
-        channel = self._channels.get(address)
+    def _stub(self, peer: str) -> snapshot_pb2_grpc.SnapshotServiceStub:
+        """A stub on the one channel kept per peer, `NODE@HOST:PORT` (with TLS, the peer's certificate must name
+        NODE) or `HOST:PORT`."""
+        channel = self._channels.get(peer)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            node, _, address = peer.rpartition("@")
+            if self.credentials is None:
+                channel = grpc.aio.insecure_channel(address)
+            else:
+                channel = grpc.aio.secure_channel(address, self.credentials, options=tls.target_name_options(node))
+            self._channels[peer] = channel
         return snapshot_pb2_grpc.SnapshotServiceStub(channel)
 
     async def _send(self, peer: str, held: Held) -> None:
@@ -442,12 +462,14 @@ class Replicator:
             await channel.close()
 
 
-async def serve(listen: str, service: SnapshotService) -> tuple[grpc.aio.Server, str]:
-    """Serve peers at `listen` (host:port, port 0 = any free one); the server and the address it took."""
+async def serve(listen: str, service: SnapshotService,
+                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, str]:
+    """Serve peers at `listen` (host:port, port 0 = any free one; with `credentials`, mutual TLS); the server and
+    the address it took."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
     snapshot_pb2_grpc.add_SnapshotServiceServicer_to_server(service, server)
     host = listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(listen)
+    port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {listen} for snapshot peers")
     await server.start()

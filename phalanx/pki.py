@@ -5,7 +5,8 @@ unit (OU) and the extended key usage:
 
 - ``controller`` — serverAuth, with subject alternative names for every address agents and users
   dial (``--san``); the controller presents it.
-- ``node`` — clientAuth; the common name (CN) is the node name, and the controller only lets that
+- ``node`` — clientAuth, and serverAuth for the agent's snapshot replica service (peer agents dial
+  it by the node name); the common name (CN) is the node name, and the controller only lets that
   node register under that name.
 - ``client`` — clientAuth, for operators and tools on the control API (and torchrun's rendezvous).
 
@@ -144,7 +145,7 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
                                             ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
                          x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    usage = [EKU.SERVER_AUTH, EKU.CLIENT_AUTH] if role == "controller" else [EKU.CLIENT_AUTH]
+    usage = [EKU.SERVER_AUTH, EKU.CLIENT_AUTH] if role in ("controller", "node") else [EKU.CLIENT_AUTH]
     # gRPC checks the name it dials against the SANs; a controller is also reachable by its own name.
     alt_names = list(dict.fromkeys([name, *sans])) if role == "controller" else [name]
     now = _now()

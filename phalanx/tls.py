@@ -106,6 +106,47 @@ def identity_of(cert: bytes) -> tuple[str, str] | None:
     return (str(ous[0].value) if ous else "", str(cns[0].value) if cns else "")
 
 
+def parse_subject(subject: str) -> tuple[str, str] | None:
+    """(role, name) from an RFC 2253 subject such as "CN=node-a,OU=node,O=phalanx": the one OU and the
+    one CN. None for anything else — a subject with escapes (a ',' or '=' inside a value, which
+    `phalanx certs` never issues and which could smuggle in a second OU), or one without exactly one
+    OU and one CN — so such a certificate gets nowhere, whichever CA signed it."""
+    if "\\" in subject or '"' in subject or "+" in subject:
+        return None
+    fields: dict[str, list[str]] = {}
+    for part in subject.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            return None
+        fields.setdefault(key.strip(), []).append(value.strip())
+    ous, cns = fields.get("OU", []), fields.get("CN", [])
+    if len(ous) != 1 or len(cns) != 1 or not ous[0] or not cns[0]:
+        return None
+    return ous[0], cns[0]
+
+
+def peer_identity(context) -> tuple[str, str] | None:
+    """(role, name) of the certificate a gRPC peer presented (mutual TLS); None without one or for a subject
+    `phalanx certs` would not issue."""
+    subject = context.auth_context().get("x509_subject")
+    return parse_subject(subject[0].decode(errors="replace")) if subject else None
+
+
+def serves_tls(cert: bytes) -> bool:
+    """Whether a TLS server may present `cert`: its extended key usage names serverAuth (or it has none).
+    True without the cryptography package (the handshake will tell)."""
+    try:
+        from cryptography import x509
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+    except ImportError:
+        return True
+    try:
+        usage = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return True
+    return ExtendedKeyUsageOID.SERVER_AUTH in usage
+
+
 def load_identity(ca_file: str, cert_file: str, key_file: str, who: str, log) -> Identity:
     """A daemon's identity from its [security] files: ConfigError prefixed "security: ", a warning when the
     certificate runs out within EXPIRY_WARNING."""

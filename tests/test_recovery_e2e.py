@@ -54,12 +54,18 @@ def cluster4(cluster):
     # straggler_ratio 1.2 and straggler_cost 0.2: on a shared 2-core machine the CPU-bound ranks' compute times
     # drift apart by up to ~1.13x on their own (measured under `make test-busy`), which costs up to ~12% of a step;
     # the injected straggler (slow=0.9: 1.9x, ~45%) stands well clear.
-    cluster.start_controller("[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n"
-                             "checkpoint_deadline_s = 20.0\nhang_min_s = 4.0\nstraggler_ratio = 1.2\n"
-                             "straggler_cost = 0.2\n")
-    for name in NODES:
+    return started4(cluster)
+
+
+CONTROLLER = ("[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\ncheckpoint_deadline_s = 20.0\n"
+              "hang_min_s = 4.0\nstraggler_ratio = 1.2\nstraggler_cost = 0.2\n")
+
+
+def started4(cluster, nodes=NODES):
+    cluster.start_controller(CONTROLLER)
+    for name in nodes:
         cluster.start_agent(name, gpus=2)
-    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    cluster.wait_states(dict.fromkeys(nodes, "UP"))
     return cluster
 
 
@@ -287,3 +293,29 @@ def test_a_surviving_rank_run_by_trainlib_run_rejoins_the_next_generation_in_its
     else:  # from the step every rank committed before the eviction: none lost
         committed = next(e for e in events(cluster4, job_id) if e["kind"] == "job.checkpointed")["message"]
         assert resumed_step(logs) == int(committed.split("committed step ")[1].split()[0]), logs[-3000:]
+
+
+def test_a_lost_node_on_a_cluster_with_mutual_tls_resumes_from_a_replica_sent_over_tls(tmp_path, reference):
+    """The same lost node as above, with every daemon on its own certificate: the replicas go agent to agent
+    over mutual TLS (each agent serves them with its node certificate, and dials its peer by node name)."""
+    from phalanx import pki
+    from tests.cluster import Cluster
+    ca = tmp_path / "pki"
+    pki.init_ca(ca)
+    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(tmp_path / "cluster", pki=ca)
+    try:
+        started4(cluster, NODES[:3])
+        job_id, out = start(cluster, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+        victim = job(cluster, job_id)["nodes"][1]
+        cluster.kill(victim, signal.SIGKILL)
+        j = finish(cluster, job_id, out, reference)
+        assert victim in j["evicted"]
+        restore = next(e for e in events(cluster, job_id) if e["kind"] == "job.snapshot_restore")["message"]
+        assert restore.endswith(f"fetched from {j['nodes'][0]}"), restore
+        assert "restored its in-memory snapshot of step" in phalanx(cluster, "logs", job_id, "--rank", "1").stdout
+        served = [line for line in (tmp_path / "cluster" / f"{j['nodes'][0]}.log").read_text().splitlines()
+                  if "snapshot service serving" in line]
+        assert served and '"tls": true' in served[0], served
+    finally:
+        cluster.close()

@@ -255,3 +255,51 @@ def test_a_rank_whose_agent_cannot_be_asked_votes_no_and_every_rank_loads_the_di
                      lambda kind, message: told.append((kind, message)))
     assert loaded is None and votes == [False]
     assert told[0][0] == "snapshot_fallback" and "the agent could not be asked for it: agent socket gone" in told[0][1]
+
+
+def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
+    """A node's certificate serves and dials replicas; the peer is checked by its node name; a user's certificate
+    gets nothing; a node certificate from before serverAuth cannot serve."""
+    from phalanx import pki, tls
+    ca = tmp_path / "pki"
+    pki.init_ca(ca)
+    for name, role in (("node-a", "node"), ("node-b", "node"), ("alice", "client")):
+        pki.issue(ca, name, role)
+
+    def identity(name):
+        return tls.Identity.load(str(ca / "ca.crt"), str(ca / f"{name}.crt"), str(ca / f"{name}.key"))
+
+    assert tls.serves_tls(identity("node-b").cert) and not tls.serves_tls(identity("alice").cert)
+
+    async def scenario():
+        b = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+        server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(b, lambda *x, **k: None,
+                                                                                  nodes_only=True),
+                                            tls.server_credentials(identity("node-b")))
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        held = write(a, key(7), bytes(range(256)) * 8000)
+
+        async def put(who, peer):
+            events = []
+            me = identity(who)
+            replicator = snaps.Replicator(a, lambda *x, **k: events.append(x),
+                                          tls.channel_credentials(me.ca, me.cert, me.key))
+            await replicator._send(peer, held)
+            await replicator.close()
+            return replicator.sent, events
+
+        assert await put("node-a", f"node-b@{address}") == (1, [])
+        assert [(h.kind, h.key) for h in b.held()] == [(snaps.REPLICA, key(7))]
+        sent, events = await put("alice", f"node-b@{address}")
+        assert sent == 0 and "PERMISSION_DENIED" in events[0][1]  # a user's certificate: no replicas for it
+        sent, events = await put("node-a", f"node-c@{address}")
+        assert sent == 0 and "UNAVAILABLE" in events[0][1]  # the server is not node-c: the handshake fails
+        me = identity("node-a")
+        fetcher = snaps.Replicator(snaps.SnapshotStore(tmp_path / "c", budget_bytes=1 << 30), lambda *x, **k: None,
+                                   tls.channel_credentials(me.ca, me.cert, me.key))
+        fetched = await fetcher.fetch(f"node-b@{address}", key(7))
+        assert fetched.path.read_bytes() == held.path.read_bytes()
+        await fetcher.close()
+        await server.stop(None)
+
+    asyncio.run(scenario())

@@ -23,6 +23,7 @@ import grpc
 from controller.errors import PermissionDenied
 from phalanx.errors import ConfigError
 from phalanx.request_guard import handler_parts
+from phalanx.tls import parse_subject
 
 NODE, CLIENT, CONTROLLER = "node", "client", "controller"
 
@@ -80,25 +81,6 @@ def load_tokens(path: str) -> dict[bytes, str]:
                               "least 16 characters (e.g. from `openssl rand -hex 32`)")
         tokens[hashlib.sha256(parts[1].encode()).digest()] = parts[0]
     return tokens
-
-
-def parse_subject(subject: str) -> tuple[str, str] | None:
-    """(role, name) from an RFC 2253 subject such as "CN=node-a,OU=node,O=phalanx": the one OU and the
-    one CN. None for anything else — a subject with escapes (a ',' or '=' inside a value, which
-    `phalanx certs` never issues and which could smuggle in a second OU), or one without exactly one
-    OU and one CN — so such a certificate gets nowhere, whichever CA signed it."""
-    if "\\" in subject or '"' in subject or "+" in subject:
-        return None
-    fields: dict[str, list[str]] = {}
-    for part in subject.split(","):
-        key, sep, value = part.partition("=")
-        if not sep:
-            return None
-        fields.setdefault(key.strip(), []).append(value.strip())
-    ous, cns = fields.get("OU", []), fields.get("CN", [])
-    if len(ous) != 1 or len(cns) != 1 or not ous[0] or not cns[0]:
-        return None
-    return ous[0], cns[0]
 
 
 class Authorizer(grpc.aio.ServerInterceptor):

@@ -274,7 +274,7 @@ class Executor:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
         if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job
             peer = registry.get(job.nodes[(index + 1) % len(job.nodes)])
-            common["PHALANX_SNAPSHOT_PEER"] = peer.inventory().snapshot_address if peer is not None else ""
+            common["PHALANX_SNAPSHOT_PEER"] = _snapshot_peer(peer) if peer is not None else ""
         ranks = []
         for local in range(per):
             rank = index * per + local
@@ -282,7 +282,7 @@ class Executor:
                    "CUDA_VISIBLE_DEVICES": str(local)}
             source = registry.get(restore.sources.get(rank, "")) if restore is not None else None
             if source is not None:  # generation:step:where its snapshot is served from
-                env["PHALANX_RESTORE"] = f"{restore.generation}:{restore.step}:{source.inventory().snapshot_address}"
+                env["PHALANX_RESTORE"] = f"{restore.generation}:{restore.step}:{_snapshot_peer(source)}"
             ranks.append(node_pb2.RankLaunch(rank=rank, local_rank=local, gpu=local, env=env))
         session = _session(self.jobs.registry.get(job.nodes[index]))
         await session.request(node_pb2.Command(launch=node_pb2.LaunchRanks(
@@ -353,6 +353,15 @@ def _after(node, told: tuple) -> bool:
 
 def _bound(entry: JobEntry):
     return log.bound(job=entry.job.id, generation=entry.job.generation)
+
+
+def _snapshot_peer(node: NodeEntry) -> str:
+    """Where a node serves snapshot replicas, as agents dial it: NODE@HOST:PORT (a TLS peer's certificate must name
+    NODE). An agent serving on all its addresses says only ":PORT"; the host is the one the node is known by."""
+    address = node.inventory().snapshot_address
+    if address.startswith(":"):
+        address = f"{node.inventory().address or _peer_host(node.peer)}{address}"
+    return f"{node.record.name}@{address}"
 
 
 def _peer_host(peer: str) -> str:
