@@ -12,8 +12,10 @@ Only a command of the form `python [FLAGS] script.py ARGS` (or `-m MODULE`, `-c 
 anything else (a shell script, `torchrun`) starts cold. So does a job whose environment sets
 PHALANX_WARM_START=0, and every job on an agent with `warm_start = false`.
 
-A standby that dies before it is assigned (its interpreter cannot start, say) makes its recipe cold
-only: the agent says so once, with the end of the standby's output, and does not try again.
+A standby that dies before it is assigned is replaced; after COLD_AFTER such deaths in a row (its
+interpreter cannot start, say) its recipe turns cold: the agent says so once, with the end of the
+last standby's output, and does not try again. One death is not enough: an import can crash once
+on a loaded machine (torch 2.13 on this 2-CPU machine did, with SIGSEGV, once in some hundred).
 
 Standbys start one at a time, not while a launch on this node is younger than QUIET_S, and (where the
 agent may lift it again: as root) under SCHED_IDLE, so that their imports take only CPU time nobody
@@ -39,6 +41,7 @@ logger = log.get("warm")
 WARMSTART = str(Path(__file__).with_name("warmstart.py").resolve())
 HOLD_S = 120.0  # a job's standbys outlive its last launch (or spare request) here by this long
 QUIET_S = 3.0  # no standby starts within this long of a launch on this node
+COLD_AFTER = 3  # standbys of a recipe that died in a row before their rank came, and the recipe turns cold
 DEFAULT_IMPORTS = "torch,torch.distributed,trainlib"
 # Set per launch and per rank (by the controller or this agent): they differ between generations, so they do not
 # take part in a recipe. A standby gets them, with everything else, when it is assigned.
@@ -125,6 +128,7 @@ class WarmPool:
     _wants: dict[Recipe, _Want] = field(default_factory=dict)
     _standbys: dict[Recipe, list[Standby]] = field(default_factory=dict)
     _cold: set[Recipe] = field(default_factory=set)
+    _deaths: dict[Recipe, int] = field(default_factory=dict)  # standbys that died in a row, by recipe
     _last_launch: float = float("-inf")
     _serial: int = 0
     _idle: bool = field(default_factory=lambda: os.geteuid() == 0)  # may set standbys back from SCHED_IDLE
@@ -200,6 +204,8 @@ class WarmPool:
                     self._died(standby)
                 elif not standby.ready:
                     importing = True
+                else:
+                    self._deaths.pop(standby.recipe, None)
         if importing or now - self._last_launch < QUIET_S:
             return
         for recipe, want in self._wants.items():
@@ -249,8 +255,12 @@ class WarmPool:
         except OSError:
             tail = ""
         standby.log.unlink(missing_ok=True)
-        self._turn_cold(standby.recipe, f"a standby exited with status {standby.proc.returncode}"
-                        + (f": {tail}" if tail else ""))
+        why = f"a standby exited with status {standby.proc.returncode}" + (f": {tail}" if tail else "")
+        deaths = self._deaths[standby.recipe] = self._deaths.get(standby.recipe, 0) + 1
+        logger.warning("standby died before its rank came", job=standby.recipe.job, pid=standby.proc.pid,
+                       deaths=deaths, reason=why)
+        if deaths >= COLD_AFTER:
+            self._turn_cold(standby.recipe, f"{deaths} standbys in a row died before their rank came; the last: {why}")
 
     def _turn_cold(self, recipe: Recipe, why: str) -> None:
         if recipe in self._cold:

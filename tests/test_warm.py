@@ -13,7 +13,7 @@ import pytest
 
 from agent import rankwrap
 from agent.supervisor import Supervisor
-from agent.warm import HOLD_S, QUIET_S, WarmPool, recipe, split_command
+from agent.warm import COLD_AFTER, HOLD_S, QUIET_S, WarmPool, recipe, split_command
 from phalanx.clock import FakeClock
 from phalanx.v1 import node_pb2
 
@@ -147,7 +147,7 @@ def test_a_stop_reaches_a_warm_started_rank_and_its_end_is_written_down(tmp_path
         pool.close()
 
 
-def test_a_standby_that_cannot_start_turns_its_recipe_cold_once(tmp_path, job_dir):
+def test_a_recipe_whose_standbys_keep_dying_turns_cold_once(tmp_path, job_dir):
     said = []
     pool = WarmPool(tmp_path / "state", FakeClock(), on_cold=lambda job, why: said.append((job, why)))
     kind = recipe("j", [PY, "train.py"], {**base_env(tmp_path), "PYTHONHOME": "/nonexistent"}, str(job_dir))
@@ -155,7 +155,8 @@ def test_a_standby_that_cannot_start_turns_its_recipe_cold_once(tmp_path, job_di
     wait_until(lambda: pool.tend(set()) or said, "the standby's death to be noticed")
     for _ in range(3):
         pool.tend(set())
-    assert len(said) == 1 and said[0][0] == "j" and "exited with status" in said[0][1]
+    assert len(said) == 1 and said[0][0] == "j" and "3 standbys in a row died" in said[0][1]
+    assert pool._serial == COLD_AFTER  # one death is not enough: it was replaced, twice
     assert pool.counts().get("j", (0, 0)) == (0, 0)  # and no other is tried
     pool.close()
 

@@ -81,10 +81,12 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     if len(message.heartbeat.gpus) > validation.MAX_GPUS:
                         raise InvalidArgument(f"heartbeat carries {len(message.heartbeat.gpus)} GPUs; "
                                               f"the limit is {validation.MAX_GPUS}")
-                    if registry.heartbeat(entry, message.heartbeat) and (settling is None or settling.done()):
-                        # off the reader: a commit waiting for the registry lock must not stop this
-                        # node's heartbeats from being read (which would make it look silent)
-                        settling = asyncio.create_task(registry.settle(entry))
+                    if registry.heartbeat(entry, message.heartbeat):
+                        self._jobs.wake()  # a new health verdict is news for the jobs on the node now
+                        if settling is None or settling.done():
+                            # off the reader: a commit waiting for the registry lock must not stop this
+                            # node's heartbeats from being read (which would make it look silent)
+                            settling = asyncio.create_task(registry.settle(entry))
                     if self._jobs.observe(entry, message.heartbeat) and (fencing is None or fencing.done()):
                         # off the reader too: the stop's answer comes back on this very stream, and the
                         # node's heartbeats must go on being read while it is on its way
@@ -102,6 +104,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     if message.gpu_event.gpu_index >= validation.MAX_GPUS:
                         raise InvalidArgument(f"gpu_event.gpu_index {message.gpu_event.gpu_index} is out of range")
                     await registry.gpu_event(entry, message.gpu_event)
+                    self._jobs.wake()
                 elif body == "checkpoint_ack":
                     self._jobs.checkpoint_ack(message.checkpoint_ack)
                 elif body == "result":
