@@ -181,6 +181,20 @@ def test_drain_with_running_ranks_waits_in_draining():
     run(go())
 
 
+def test_a_drained_node_drained_again_while_it_reports_ranks_keeps_its_state_and_takes_the_reason():
+    """Found by the RPC fuzzer under load: a DRAINED node whose heartbeat reports running ranks (stale ones being
+    fenced) was moved back to DRAINING by a second drain, a transition the state table forbids: INTERNAL."""
+    async def go():
+        w = World()
+        entry, _ = await w.join("n1")
+        await w.registry.drain("n1", "bad fan")
+        assert w.state("n1") is DRAINED
+        await w.beat(entry, ranks=2)
+        await w.registry.drain("n1", "bad fan, and a PSU")
+        assert w.state("n1") is DRAINED and w.registry.get("n1").record.drain_reason == "bad fan, and a PSU"
+    run(go())
+
+
 def test_drain_unknown_node_is_not_found():
     async def go():
         w = World()

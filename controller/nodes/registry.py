@@ -344,7 +344,7 @@ class Registry:
         """The record and events of draining `entry` for `reason` (not yet committed)."""
         record, name = entry.record, entry.record.name
         target = record.state
-        if record.state in (UP, DRAINING, DRAINED):
+        if record.state in (UP, DRAINING):  # a DRAINED node stays so: drained again, it only takes the new reason
             target = resting_state(reason, entry.running_ranks)
         new = record.replace(drain_reason=reason)
         events = [self._event("node.drain", f"node {name} drained: {reason}", name, reason=reason)]
