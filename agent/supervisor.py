@@ -107,16 +107,17 @@ class Supervisor:
             if existing is not None and self._alive(existing):
                 raise ValueError(f"rank {rank.rank} of {request.job} generation {request.generation} already runs")
         env = self._env(base_env, request.env)
-        kind = recipe(request.job, request.command, env, self._workdir(request.workdir)) if self.warm else None
+        warm = self.warm is not None and self.warm.enabled
+        kind = recipe(request.job, request.command, env, self._workdir(request.workdir)) if warm else None
         started = []
         for rank in request.ranks:
             started.append(self._start(request, rank, env, kind))
-        if self.warm is not None:
+        if warm:
             self.warm.launching()
             self.warm.want(kind, len(request.ranks))  # ready for the next generation here
-        warm = sum(1 for r in started if r.warm)
+        started_warm = sum(1 for r in started if r.warm)
         return f"started ranks {', '.join(str(r.rank) for r in started)} of {request.job} (generation " \
-               f"{request.generation}" + (f", {warm} warm" if warm else "") + ")"
+               f"{request.generation}" + (f", {started_warm} warm" if started_warm else "") + ")"
 
     def prepare(self, request: node_pb2.PrepareRanks, base_env: dict[str, str]) -> str:
         """Keep standbys for a job this node may be asked to run (a spare of it)."""
@@ -141,6 +142,10 @@ class Supervisor:
     def _workdir(self, workdir: str) -> str:
         return workdir or str(self._dir.parent)
 
+    def _stamp(self) -> str:
+        """The clock's wall time, local, for a rank log's header."""
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(wall_s(self._clock)))
+
     def _start(self, request: node_pb2.LaunchRanks, rank: node_pb2.RankLaunch, job_env: dict[str, str],
                kind: Recipe | None) -> RankRecord:
         log_dir = self._logs / request.job
@@ -161,11 +166,10 @@ class Supervisor:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(wall_s(self._clock)))
         proc = None
         with open(log_path, "ab") as out:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} "
-                      f"starting at {now}{' (warm)' if standby else ''} ---\n".encode())
+                      f"starting at {self._stamp()}{' (warm)' if standby else ''} ---\n".encode())
             out.flush()
             if standby is not None:
                 try:
@@ -208,10 +212,9 @@ class Supervisor:
         if cpus and old.rank_pid:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(old.rank_pid, cpus)
-        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(wall_s(self._clock)))
         with open(log_path, "ab") as out:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} rejoining in "
-                      f"the same process (pid {old.rank_pid or old.pid}) at {now} ---\n".encode())
+                      f"the same process (pid {old.rank_pid or old.pid}) at {self._stamp()} ---\n".encode())
         record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, old.pid, old.started,
                             str(log_path), old.exit_file, rank_pid=old.rank_pid, warm=True)
         old.exit_file = ""  # the wrapper writes it for the process's last generation: the new record's now

@@ -105,7 +105,6 @@ class Standby:
     proc: subprocess.Popen
     ready_file: Path
     log: Path
-    started_at: float  # the clock's monotonic time
 
     @property
     def ready(self) -> bool:
@@ -221,11 +220,6 @@ class WarmPool:
             out[recipe.job] = (ready + sum(1 for s in standbys if s.ready), total + len(standbys))
         return out
 
-    def forget(self, job: str) -> None:
-        for recipe in [r for r in self._wants if r.job == job]:
-            del self._wants[recipe]
-            self._let_go(recipe)
-
     def close(self) -> None:
         self._wants.clear()
         for recipe in list(self._standbys):
@@ -244,8 +238,7 @@ class WarmPool:
         except OSError as e:
             self._turn_cold(recipe, f"cannot start {recipe.interpreter[0]!r}: {e}")
             return
-        self._standbys.setdefault(recipe, []).append(Standby(recipe, proc, ready_file, log_path,
-                                                             self.clock.monotonic()))
+        self._standbys.setdefault(recipe, []).append(Standby(recipe, proc, ready_file, log_path))
         logger.info("standby starting", job=recipe.job, pid=proc.pid)
 
     def _died(self, standby: Standby) -> None:
@@ -272,7 +265,7 @@ class WarmPool:
     def _let_go(self, recipe: Recipe) -> None:
         for standby in self._standbys.pop(recipe, []):
             if standby.proc.stdin is not None:
-                standby.proc.stdin.close()  # it exits by itself once its imports are done
+                standby.proc.stdin.close()
             try:
                 standby.proc.kill()
             except ProcessLookupError:

@@ -105,7 +105,6 @@ _stale = False  # the agent said a newer generation of the job runs: this proces
 _shared_checked = False  # rank 0 has seen every rank's marker in the checkpoint directory
 _snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is first called under Phalanx
 _slow = 0.0  # a slow=F fault on this rank's GPU, from the agent's replies: each step's compute takes (1 + F)x
-_rejoin = False  # run() drives this rank: the end of a generation ends the training function, not the process
 _ending = False  # a stop came: the training function is unwinding (a second stop changes nothing)
 _parked = False  # waiting for the agent to say whether this process rejoins (a stop now ends it)
 
@@ -415,6 +414,9 @@ def _agent():
 def _flush(at_exit: bool = False) -> None:
     global _tail
     from phalanx.v1 import local_pb2
+    ctx = _ctx
+    if ctx is None:  # between two generations of a rank run by trainlib.run: nobody to report for
+        return
     head = _head
     start = max(_tail, head - RING)  # more than a ring behind: the oldest are overwritten, send the rest
     batch = []
@@ -423,7 +425,7 @@ def _flush(at_exit: bool = False) -> None:
         batch.append(local_pb2.StepSample(step=_ring_step[slot], step_s=_ring_step_s[slot],
                                           compute_s=_ring_compute_s[slot], end_unix_ns=_ring_end_ns[slot]))
     _tail = head
-    reply = _agent().Report(local_pb2.ReportRequest(job=_ctx.job, generation=_ctx.generation, rank=_ctx.rank,
+    reply = _agent().Report(local_pb2.ReportRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank,
                                                     steps=batch, pid=os.getpid(), saving=_saving),
                             timeout=RPC_TIMEOUT_S)
     if not at_exit:
@@ -516,11 +518,10 @@ def run(train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if it is launched here with this rank in it, the environment (RANK, MASTER_PORT, PHALANX_GENERATION, ...) is
     the new generation's and `train_fn` is called again; if not, the process exits (0 if stopped, 1 if it
     raised). Outside Phalanx it is just `train_fn(*args, **kwargs)`."""
-    global _rejoin, _ending
+    global _ending
     ctx = init()
     if not (ctx.active and ctx.agent_socket) or threading.current_thread() is not threading.main_thread():
         return train_fn(*args, **kwargs)
-    _rejoin = True
     signal.signal(signal.SIGTERM, _on_sigterm)
     while True:
         try:
