@@ -26,7 +26,7 @@ from pathlib import Path
 from phalanx.errors import PhalanxError
 from phalanx.names import NAME, RULE
 
-ROLES = ("node", "client", "controller")
+ROLES = ("node", "client", "controller", "etcd")
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest validity browsers still accept; rotate with `issue` under a new name
 
@@ -145,9 +145,9 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
                                             ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
                          x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    usage = [EKU.SERVER_AUTH, EKU.CLIENT_AUTH] if role in ("controller", "node") else [EKU.CLIENT_AUTH]
-    # gRPC checks the name it dials against the SANs; a controller is also reachable by its own name.
-    alt_names = list(dict.fromkeys([name, *sans])) if role == "controller" else [name]
+    usage = [EKU.SERVER_AUTH, EKU.CLIENT_AUTH] if role in ("controller", "node", "etcd") else [EKU.CLIENT_AUTH]
+    # gRPC checks the name it dials against the SANs; a controller (an etcd member) is also reachable by its own name.
+    alt_names = list(dict.fromkeys([name, *sans])) if role in ("controller", "etcd") else [name]
     now = _now()
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())

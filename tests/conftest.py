@@ -20,3 +20,20 @@ def cluster(tmp_path):
     c = Cluster(tmp_path)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory):
+    """One real etcd member on loopback for the whole session (tests keep apart by key prefix)."""
+    from phalanx import etcdlocal
+    try:
+        etcdlocal.etcd_binary()
+    except etcdlocal.EtcdMissing as e:
+        pytest.skip(f"{e}")
+    members = etcdlocal.plan(tmp_path_factory.mktemp("etcd"), 1)
+    etcdlocal.start(members[0], members)
+    try:
+        etcdlocal.wait_healthy(members)
+        yield members[0]
+    finally:
+        etcdlocal.stop(members[0])

@@ -1,20 +1,32 @@
 """One contract, every store: the SQLite store and the in-memory fake must behave the same."""
 
 import asyncio
+import uuid
 
 import pytest
+from aetcd import rpc
 
 from controller.errors import RevisionConflict, StoreError
 from controller.nodes.states import DOWN, DRAINED, UP
 from controller.store import EventRecord, JobRecord, MemoryStore, NodeRecord, SqliteStore
+from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence, NotLeader
+from phalanx.ports import free_port
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "etcd"])
 def make_store(request, tmp_path):
     made = []
+    if request.param == "etcd":
+        member = request.getfixturevalue("etcd_server")
+        prefix = f"/test/{uuid.uuid4().hex}/"  # a fresh keyspace per test, on the session's etcd
 
     def make(max_events=100_000):
-        store = MemoryStore(max_events) if request.param == "memory" else SqliteStore(tmp_path / "s.db", max_events)
+        if request.param == "memory":
+            store = MemoryStore(max_events)
+        elif request.param == "sqlite":
+            store = SqliteStore(tmp_path / "s.db", max_events)
+        else:
+            store = EtcdStore(Etcd([member.endpoint]), prefix, max_events)
         made.append(store)
         return store
 
@@ -158,3 +170,88 @@ def test_sqlite_bad_path_is_a_store_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="cannot open state database"):
         SqliteStore(tmp_path / "file" / "s.db")
+
+
+# -- etcd only ---------------------------------------------------------------------------------------
+
+def _etcd_store(member, **kw):
+    return EtcdStore(Etcd([member.endpoint]), f"/test/{uuid.uuid4().hex}/", **kw)
+
+
+def test_etcd_commit_larger_than_a_transaction_is_split(etcd_server):
+    async def go():
+        store = _etcd_store(etcd_server, max_txn_ops=16)
+        out = await store.commit(nodes=[NodeRecord(f"n{i:03d}", UP) for i in range(50)], events=[ev()])
+        assert len(await store.load_nodes()) == 50 and len(out.events) == 1
+        assert all(n.revision > 0 for n in out.nodes)
+        again = await store.commit(nodes=[n.replace(state=DOWN) for n in out.nodes])
+        assert [n.state for n in await store.load_nodes()] == [DOWN] * 50
+        assert [n.revision for n in await store.load_nodes()] == [n.revision for n in again.nodes]
+        await store.close()
+    run(go())
+
+
+def test_etcd_fenced_store_refuses_once_the_leader_key_changes(etcd_server):
+    async def go():
+        store = _etcd_store(etcd_server)
+        leader = store.key("leader").rstrip(b"/")
+        etcd = store.etcd
+        put = await etcd.call("kv", "Put", rpc.PutRequest(key=leader, value=b"me"))
+        store.fence = Fence(leader, put.header.revision)
+        node = (await store.commit(nodes=[NodeRecord("n1", UP)], events=[ev()])).nodes[0]
+        await etcd.call("kv", "DeleteRange", rpc.DeleteRangeRequest(key=leader))
+        await etcd.call("kv", "Put", rpc.PutRequest(key=leader, value=b"someone else"))
+        with pytest.raises(NotLeader, match="not the leader"):
+            await store.commit(nodes=[node.replace(state=DRAINED)], events=[ev()])
+        assert await store.load_nodes() == [node]  # nothing written
+        assert len(await store.list_events()) == 1
+        await store.close()
+    run(go())
+
+
+def test_etcd_skips_an_unreachable_endpoint_and_survives_reopen(etcd_server):
+    async def go():
+        prefix = f"/test/{uuid.uuid4().hex}/"
+        dead = f"127.0.0.1:{free_port()}"
+        store = EtcdStore(Etcd([dead, etcd_server.endpoint]), prefix)
+        node = (await store.commit(nodes=[NodeRecord("n1", DRAINED, drain_reason="fan")], events=[ev()])).nodes[0]
+        await store.close()
+        again = EtcdStore(Etcd([etcd_server.endpoint]), prefix)
+        assert await again.load_nodes() == [node]
+        assert await again.last_event_seq() == 1
+        out = await again.commit(events=[ev()])
+        assert out.events[0].seq == 2
+        await again.close()
+        nowhere = EtcdStore(Etcd([dead]), prefix)
+        with pytest.raises(StoreError, match="UNAVAILABLE"):
+            await nowhere.load_nodes()
+        await nowhere.close()
+    run(go())
+
+
+def test_etcd_over_mutual_tls(tmp_path):
+    from phalanx import etcdlocal, pki, tls
+    try:
+        etcdlocal.etcd_binary()
+    except etcdlocal.EtcdMissing as e:
+        pytest.skip(str(e))
+    pki.init_ca(tmp_path / "pki")
+    pki.issue(tmp_path / "pki", "etcd", "etcd", ("127.0.0.1",))
+    pki.issue(tmp_path / "pki", "controller", "controller", ("127.0.0.1",))
+    members = etcdlocal.plan(tmp_path, 1)
+    etcdlocal.start(members[0], members, pki=tmp_path / "pki")
+    try:
+        etcdlocal.wait_healthy(members, pki=tmp_path / "pki")
+        ident = tls.Identity.load(*(str(tmp_path / "pki" / f) for f in ("ca.crt", "controller.crt", "controller.key")))
+
+        async def go():
+            store = EtcdStore(Etcd([members[0].endpoint], EtcdTls(ident.ca, ident.cert, ident.key)), "/p/")
+            assert (await store.commit(nodes=[NodeRecord("n1", UP)])).nodes[0].revision > 0
+            await store.close()
+            plain = EtcdStore(Etcd([members[0].endpoint], timeout_s=1), "/p/")  # no certificate: refused
+            with pytest.raises(StoreError):
+                await plain.load_nodes()
+            await plain.close()
+        run(go())
+    finally:
+        etcdlocal.stop(members[0])

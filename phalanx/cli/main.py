@@ -88,8 +88,9 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_issue(args: argparse.Namespace) -> int:
-    if args.san and args.role != "controller":
-        raise CliError("--san is only for --role controller (node and client certificates carry their name)", USAGE)
+    if args.san and args.role not in ("controller", "etcd"):
+        raise CliError("--san is only for --role controller or etcd (node and client certificates carry their name)",
+                       USAGE)
     issued = pki.issue(args.dir, args.name, args.role, tuple(args.san), args.days)
     print(f"{args.role} certificate: {issued.cert} (key {issued.key}, mode 0600), valid until "
           f"{issued.not_after:%Y-%m-%d}")

@@ -1,0 +1,372 @@
+"""The etcd store: the controller's records in an etcd cluster (v3 API), for a highly available control plane.
+
+Layout under a prefix (default ``/phalanx/``)::
+
+    nodes/NAME            one node record (JSON)
+    jobs/ID               one job record (JSON: state, data)
+    events/LAST_SEQ       the events of one commit (JSON list), keyed by the last seq they hold
+    meta/events           {"last_seq": N}: the event counter
+    leader                the elected controller (controller/ha.py), bound to its lease
+
+A record's revision is its key's ``mod_revision``; every write is one etcd transaction comparing the
+revision of each record it writes (``create_revision == 0`` for a new one), the event counter's, and,
+for a fenced store (the elected leader's), the leader key's ``create_revision``: a controller that
+lost its lease cannot commit anything, whatever it still believes.
+
+etcd refuses a transaction of more than ``--max-txn-ops`` operations (128 by default): a commit of more
+records than that is written in several transactions, each all-or-nothing, its events with the last.
+Old events are deleted as new ones arrive (``max_events``) and etcd's history is compacted behind them.
+
+The gRPC messages and stubs are etcd's own API as generated in the ``aetcd`` package (which imports with
+the protobuf major version Phalanx pins); the connection is ours, because it needs mutual TLS and
+several endpoints, which aetcd's client does not do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from aetcd import rpc
+
+from controller.errors import RevisionConflict, StoreError
+from controller.nodes.states import NodeState
+from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
+from phalanx import log
+
+logger = log.get("etcd")
+
+_SEQ_DIGITS = 20
+_ENDPOINT_CODES = (grpc.StatusCode.UNAVAILABLE,)  # the request never reached a member that could serve it
+COMPACT_EVERY = 1000  # commits between history compactions
+HISTORY_KEPT = 10_000  # revisions of history left behind a compaction (watchers that fell behind less resume)
+
+
+class NotLeader(StoreError):
+    """The store is fenced to a leadership that no longer holds: this controller was deposed."""
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with `prefix` (etcd's convention)."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+class Etcd:
+    """A connection to an etcd cluster: one endpoint at a time, the next when one is unreachable."""
+
+    def __init__(self, endpoints: Sequence[str], tls: EtcdTls | None = None, timeout_s: float = 2.0) -> None:
+        if not endpoints:
+            raise StoreError("no etcd endpoints configured")
+        self.endpoints = list(endpoints)
+        self.tls = tls
+        self.timeout_s = timeout_s
+        self._index = 0
+        self._channel: grpc.aio.Channel | None = None
+        self.kv: rpc.KVStub | None = None
+        self.lease: rpc.LeaseStub | None = None
+        self.watch_stub: rpc.WatchStub | None = None
+        self.cluster: rpc.ClusterStub | None = None
+        self.maintenance: rpc.MaintenanceStub | None = None
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._index]
+
+    def _connect(self) -> None:
+        target = self.endpoint
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+                   ("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 2000),
+                   ("grpc.max_receive_message_length", 64 << 20)]
+        if self.tls is None:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(self.tls.ca, self.tls.key, self.tls.cert)
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+        self.kv = rpc.KVStub(self._channel)
+        self.lease = rpc.LeaseStub(self._channel)
+        self.watch_stub = rpc.WatchStub(self._channel)
+        self.cluster = rpc.ClusterStub(self._channel)
+        self.maintenance = rpc.MaintenanceStub(self._channel)
+
+    async def _next_endpoint(self) -> None:
+        old = self._channel
+        self._index = (self._index + 1) % len(self.endpoints)
+        self._connect()
+        if old is not None:
+            await old.close()
+
+    async def call(self, service: str, method: str, request, timeout_s: float | None = None):
+        """One unary call; an unreachable member is skipped for the next one (each endpoint once).
+
+        UNAVAILABLE is the only code retried elsewhere: the member could not serve the request, so it was not
+        applied. Anything else (a timeout above all: the write may have been applied) is a StoreError."""
+        if self._closed:
+            raise StoreError("store is closed")
+        if self._channel is None:
+            self._connect()
+        last: grpc.aio.AioRpcError | None = None
+        for _ in range(len(self.endpoints)):
+            stub = getattr(self, service)
+            try:
+                return await getattr(stub, method)(request, timeout=timeout_s or self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                last = e
+                if e.code() not in _ENDPOINT_CODES:
+                    break
+                if len(self.endpoints) > 1:
+                    logger.info("etcd endpoint unavailable; trying the next", endpoint=self.endpoint,
+                                error=e.details())
+                    await self._next_endpoint()
+        assert last is not None
+        raise StoreError(f"etcd {method} failed ({last.code().name}): {last.details()} "
+                         f"(endpoints {','.join(self.endpoints)})") from None
+
+    async def txn(self, request: rpc.TxnRequest, timeout_s: float | None = None) -> rpc.TxnResponse:
+        return await self.call("kv", "Txn", request, timeout_s)
+
+    async def range(self, key: bytes, range_end: bytes = b"", *, limit: int = 0,
+                    keys_only: bool = False) -> rpc.RangeResponse:
+        return await self.call("kv", "Range", rpc.RangeRequest(key=key, range_end=range_end, limit=limit,
+                                                               keys_only=keys_only))
+
+    async def get_prefix(self, prefix: bytes, page: int = 1000) -> list:
+        """Every key-value under `prefix`, in key order, read in pages at one revision."""
+        out, start, end, revision = [], prefix, prefix_end(prefix), 0
+        while True:
+            reply = await self.call("kv", "Range", rpc.RangeRequest(key=start, range_end=end, limit=page,
+                                                                    revision=revision))
+            revision = revision or reply.header.revision
+            out.extend(reply.kvs)
+            if not reply.more or not reply.kvs:
+                return out
+            start = reply.kvs[-1].key + b"\0"
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Writes are conditioned on `key` having been created at `revision` (the leader's epoch)."""
+
+    key: bytes
+    revision: int
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _node_value(r: NodeRecord) -> bytes:
+    return json.dumps({"state": r.state.value, "drain_reason": r.drain_reason, "incarnation": r.incarnation,
+                       "state_since_ns": r.state_since_ns, "inventory": _b64(r.inventory)}).encode()
+
+
+def _node_record(name: str, kv) -> NodeRecord:
+    d = json.loads(kv.value)
+    return NodeRecord(name, NodeState(d["state"]), d["drain_reason"], d["incarnation"], d["state_since_ns"],
+                      base64.b64decode(d["inventory"]), kv.mod_revision)
+
+
+def _event_json(e: EventRecord) -> dict:
+    return {"seq": e.seq, "kind": e.kind, "message": e.message, "time_ns": e.time_ns, "node": e.node,
+            "job": e.job, "fields": e.fields}
+
+
+class EtcdStore:
+    """The Store protocol on etcd. Commits are serialized (one at a time, in the order issued)."""
+
+    def __init__(self, etcd: Etcd, prefix: str = "/phalanx/", max_events: int = 100_000,
+                 fence: Fence | None = None, max_txn_ops: int = 128, own_client: bool = True) -> None:
+        if not prefix.endswith("/"):
+            prefix += "/"
+        self.etcd = etcd
+        self.prefix = prefix.encode()
+        self._max_events = max_events
+        self.fence = fence
+        self._max_txn_ops = max(8, max_txn_ops)
+        self._own_client = own_client
+        self._lock = asyncio.Lock()
+        self._meta: tuple[int, int] | None = None  # (last seq, mod_revision of meta/events)
+        self._pruned_below = 0
+        self._commits = 0
+        self._closed = False
+
+    def key(self, kind: str, name: str = "") -> bytes:
+        """PREFIX + KIND/NAME; with no name, PREFIX + KIND/ (the prefix of every record of that kind)."""
+        return self.prefix + f"{kind}/{name}".encode()
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def load_nodes(self) -> list[NodeRecord]:
+        self._check_open()
+        base = self.key("nodes", "")
+        return [_node_record(kv.key[len(base):].decode(), kv) for kv in await self.etcd.get_prefix(base)]
+
+    async def load_jobs(self) -> list[JobRecord]:
+        self._check_open()
+        base = self.key("jobs", "")
+        out = []
+        for kv in await self.etcd.get_prefix(base):
+            d = json.loads(kv.value)
+            out.append(JobRecord(kv.key[len(base):].decode(), d["state"], base64.b64decode(d["data"]),
+                                 kv.mod_revision))
+        return out
+
+    async def list_events(self, *, after_seq: int = 0, limit: int = 1000, node: str = "",
+                          job: str = "") -> list[EventRecord]:
+        self._check_open()
+        if after_seq >= 10**_SEQ_DIGITS - 1:
+            return []
+        start = self.key("events", f"{after_seq + 1:0{_SEQ_DIGITS}d}")
+        end = prefix_end(self.key("events", ""))
+        out: list[EventRecord] = []
+        while len(out) < limit:
+            reply = await self.etcd.range(start, end, limit=64)
+            for kv in reply.kvs:
+                for d in json.loads(kv.value):
+                    if d["seq"] <= after_seq or (node and d["node"] != node) or (job and d["job"] != job):
+                        continue
+                    out.append(EventRecord(d["kind"], d["message"], d["time_ns"], d["node"], d["job"],
+                                           d["fields"], d["seq"]))
+                    if len(out) >= limit:
+                        return out
+            if not reply.more or not reply.kvs:
+                break
+            start = reply.kvs[-1].key + b"\0"
+        return out
+
+    async def last_event_seq(self) -> int:
+        self._check_open()
+        return (await self._load_meta())[0]
+
+    async def _load_meta(self) -> tuple[int, int]:
+        if self._meta is None:
+            reply = await self.etcd.range(self.key("meta", "events"))
+            self._meta = ((json.loads(reply.kvs[0].value)["last_seq"], reply.kvs[0].mod_revision) if reply.kvs
+                          else (0, 0))
+        return self._meta
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
+                     jobs: Sequence[JobRecord] = ()) -> Committed:
+        self._check_open()
+        if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs):
+            raise StoreError("one commit names the same record twice")
+        writes = ([(self.key("nodes", r.name), r.revision, _node_value(r), r) for r in nodes]
+                  + [(self.key("jobs", j.id), j.revision,
+                      json.dumps({"state": j.state, "data": _b64(j.data)}).encode(), j) for j in jobs])
+        async with self._lock:
+            revisions: dict[bytes, int] = {}
+            chunk = self._max_txn_ops - 4  # room for the counter, the events, a prune and the fence
+            for start in range(0, max(len(writes), 1), chunk):
+                part = writes[start:start + chunk]
+                last = start + chunk >= len(writes)
+                revision, appended = await self._commit_part(part, events if last else ())
+                revisions.update((key, revision) for key, *_ in part)
+            written_nodes = [r.replace(revision=revisions[self.key("nodes", r.name)]) for r in nodes]
+            written_jobs = [j.replace(revision=revisions[self.key("jobs", j.id)]) for j in jobs]
+        self._commits += 1
+        if self._commits % COMPACT_EVERY == 0:
+            asyncio.get_running_loop().create_task(self._compact(revision))
+        return Committed(written_nodes, appended, written_jobs)
+
+    async def _commit_part(self, writes: list, events: Sequence[EventRecord]) -> tuple[int, list[EventRecord]]:
+        for _attempt in range(3):
+            compares, ops = [], []
+            for key, revision, value, _ in writes:
+                compares.append(rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL,
+                                            mod_revision=revision) if revision else
+                                rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL,
+                                            create_revision=0))
+                ops.append(rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)))
+            appended: list[EventRecord] = []
+            if events:
+                last_seq, meta_revision = await self._load_meta()
+                appended = [EventRecord(**{**e.__dict__, "fields": dict(e.fields), "seq": last_seq + i + 1})
+                            for i, e in enumerate(events)]
+                new_last = appended[-1].seq
+                compares.append(rpc.Compare(key=self.key("meta", "events"), target=rpc.Compare.MOD,
+                                            result=rpc.Compare.EQUAL, mod_revision=meta_revision))
+                ops.append(rpc.RequestOp(request_put=rpc.PutRequest(
+                    key=self.key("meta", "events"), value=json.dumps({"last_seq": new_last}).encode())))
+                ops.append(rpc.RequestOp(request_put=rpc.PutRequest(
+                    key=self.key("events", f"{new_last:0{_SEQ_DIGITS}d}"),
+                    value=json.dumps([_event_json(e) for e in appended]).encode())))
+                cutoff = new_last - self._max_events + 1
+                if cutoff > self._pruned_below + max(1, self._max_events // 100):
+                    # batches whose last seq is below the cutoff: wholly older than the newest max_events
+                    ops.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
+                        key=self.key("events", ""), range_end=self.key("events", f"{cutoff:0{_SEQ_DIGITS}d}"))))
+            if self.fence is not None:
+                compares.append(rpc.Compare(key=self.fence.key, target=rpc.Compare.CREATE,
+                                            result=rpc.Compare.EQUAL, create_revision=self.fence.revision))
+            failure = [rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))
+                       for key, *_ in writes]
+            if self.fence is not None:
+                failure.append(rpc.RequestOp(request_range=rpc.RangeRequest(key=self.fence.key, keys_only=True)))
+            reply = await self.etcd.txn(rpc.TxnRequest(compare=compares, success=ops, failure=failure))
+            if reply.succeeded:
+                if events:
+                    self._meta = (appended[-1].seq, reply.header.revision)
+                    if len(ops) > len(writes) + 2:
+                        self._pruned_below = appended[-1].seq - self._max_events + 1
+                return reply.header.revision, appended
+            self._raise_conflict(writes, reply)
+            # only the event counter moved (another writer appended events): read it again and retry
+            self._meta = None
+        raise StoreError("the event counter keeps changing under this controller: is another controller writing "
+                         "to the same etcd prefix without being elected?")
+
+    def _raise_conflict(self, writes: list, reply: rpc.TxnResponse) -> None:
+        found = [r.response_range.kvs[0] if r.response_range.kvs else None for r in reply.responses]
+        if self.fence is not None:
+            leader = found.pop()
+            if leader is None or leader.create_revision != self.fence.revision:
+                raise NotLeader(f"not the leader any more (elected at revision {self.fence.revision}, "
+                                f"leader key now {'absent' if leader is None else leader.create_revision})")
+        for (key, expected, _, _), kv in zip(writes, found, strict=True):
+            actual = kv.mod_revision if kv is not None else 0
+            if actual != expected:
+                what = key[len(self.prefix):].decode().replace("nodes/", "node ", 1).replace("jobs/", "job ", 1)
+                raise RevisionConflict(what, expected, actual)
+
+    async def _compact(self, revision: int) -> None:
+        if revision <= HISTORY_KEPT:
+            return
+        try:
+            await self.etcd.call("kv", "Compact", rpc.CompactionRequest(revision=revision - HISTORY_KEPT))
+        except StoreError as e:
+            if "compacted" not in str(e):
+                logger.warning("etcd history compaction failed; will try again later", error=str(e))
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._own_client:
+            await self.etcd.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("store is closed")
