@@ -162,6 +162,45 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    backend: str = setting("sqlite", "sqlite: one controller, its state in `state_db`; etcd: a highly available "
+                           "control plane, state in etcd and a leader elected among the controllers",
+                           choices=("sqlite", "etcd"))
+    etcd_endpoints: str = setting("127.0.0.1:2379", "comma-separated host:port of the etcd members (the v3 API)")
+    etcd_prefix: str = setting("/phalanx/", "key prefix of this cluster's records in etcd")
+    etcd_tls: bool = setting(True, "mutual TLS to etcd with security.ca_file, cert_file and key_file (the "
+                             "controller's own certificate); false = plaintext, only for etcd on loopback")
+    etcd_timeout_s: float = setting(2.0, "deadline of one etcd request")
+    etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops: commits with more records are split into "
+                                    "transactions of this size")
+    lease_ttl_s: int = setting(2, "seconds of the leader's etcd lease: a dead leader is replaced this long after "
+                               "its last renewal (etcd's minimum is about 2)")
+    name: str = setting("", "this controller's name among the members (default: the host name)")
+    advertise: str = setting("", "host:port clients and agents reach this controller at, told to them by "
+                             "standbys (default: the host name and the port of `listen`)")
+    takeover_grace_s: float = setting(5.0, "seconds a new leader adds to every node's reconnect window at a "
+                                      "takeover (agents first notice the old leader is gone)")
+
+    def __post_init__(self) -> None:
+        if self.backend == "etcd":
+            require(bool(endpoints(self.etcd_endpoints)), "store.etcd_endpoints is empty")
+            for e in endpoints(self.etcd_endpoints):
+                host_port("store.etcd_endpoints", e, "10.0.0.1:2379")
+            if self.advertise:
+                host_port("store.advertise", self.advertise, "ctl1.example:7370")
+        require(self.lease_ttl_s >= 2, f"store.lease_ttl_s ({self.lease_ttl_s}) must be at least 2 (etcd refuses "
+                "shorter leases)")
+        positive("store.etcd_timeout_s", self.etcd_timeout_s)
+        require(self.etcd_max_txn_ops >= 16, f"store.etcd_max_txn_ops ({self.etcd_max_txn_ops}) must be at least 16")
+        require(self.takeover_grace_s >= 0, "store.takeover_grace_s must not be negative")
+        require(self.etcd_prefix.startswith("/"), f"store.etcd_prefix ({self.etcd_prefix!r}) must start with /")
+
+
+def endpoints(text: str) -> list[str]:
+    return [e.strip() for e in text.split(",") if e.strip()]
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     listen: str = setting("0.0.0.0:7370", "host:port the gRPC server listens on (node and control services)")
     state_db: str = setting("/var/lib/phalanx/controller.db", "SQLite database with nodes, drains and events")
@@ -176,6 +215,7 @@ class ControllerConfig:
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
     recovery: RecoveryConfig = section(RecoveryConfig, "detecting hangs and stragglers; restarting jobs")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS, tokens, and who may call what")
+    store: StoreConfig = section(StoreConfig, "where the controller keeps its state; high availability on etcd")
 
     def __post_init__(self) -> None:
         host_port("listen", self.listen, "0.0.0.0:7370")

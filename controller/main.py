@@ -6,16 +6,22 @@ import argparse
 import asyncio
 import gc
 import signal
+import socket
 import sys
+
+import grpc
 
 from controller import config as controller_config
 from controller.errors import StoreError
+from controller.ha import Elector, Standby, advertise_address
 from controller.jobs.topology import TopologyError
-from controller.server import Controller
+from controller.server import Controller, bind, interceptors, load_security
+from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence
 from controller.store.sqlite import SqliteStore
-from phalanx import __version__, daemon, log, sdnotify
+from phalanx import __version__, daemon, log, sdnotify, tls
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
+from phalanx.rpc import SERVER_OPTIONS
 
 PROG = "phalanx-controller"
 logger = log.get("controller")
@@ -31,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def serve(cfg: controller_config.ControllerConfig, path: str | None = None) -> None:
+    if cfg.store.backend == "etcd":
+        await serve_ha(cfg, path)
+        return
     controller = Controller(cfg, SqliteStore(cfg.state_db, max_events=cfg.max_events))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -53,6 +62,92 @@ async def serve(cfg: controller_config.ControllerConfig, path: str | None = None
         watchdog.cancel()
     await controller.stop()
 
+
+
+def etcd_of(cfg: controller_config.ControllerConfig) -> Etcd:
+    tls_files = None
+    if cfg.store.etcd_tls:
+        sec = cfg.security
+        ident = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's (for etcd)", logger)
+        tls_files = EtcdTls(ident.ca, ident.cert, ident.key)
+    return Etcd(controller_config.endpoints(cfg.store.etcd_endpoints), tls_files, cfg.store.etcd_timeout_s)
+
+
+async def _first(*aws) -> None:
+    """Until the first of `aws` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) -> None:
+    """One member of a highly available control plane: stand by, campaign, lead while the lease holds,
+    stand by again when it lapses (controller/ha.py)."""
+    store_cfg = cfg.store
+    etcd = etcd_of(cfg)
+    name = store_cfg.name or socket.gethostname()
+    elector = Elector(etcd, store_cfg.etcd_prefix, name, advertise_address(cfg.listen, store_cfg.advertise),
+                      store_cfg.lease_ttl_s)
+    _, credentials, tokens = load_security(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    current: list[Controller] = []
+    loop.add_signal_handler(signal.SIGHUP, lambda: current and reload(current[0], path))
+    member = asyncio.create_task(elector.keep_member(stop), name="member")
+    watchdog = asyncio.create_task(sdnotify.watchdog()) if sdnotify.watchdog_interval_s() else None
+    ready = False
+    try:
+        while not stop.is_set():
+            standby = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(cfg, tokens))
+            standby.add_generic_rpc_handlers((Standby(elector).handler(),))
+            port = bind(standby, cfg.listen, credentials)
+            await standby.start()
+            logger.info("standing by", name=name, listen=cfg.listen, port=port, advertise=elector.address,
+                        etcd=store_cfg.etcd_endpoints)
+            if not ready:
+                sdnotify.notify(f"READY=1\nSTATUS=standing by on {cfg.listen}")
+                ready = True
+            await _first(elector.campaign(), stop.wait())
+            await standby.stop(0)
+            term = elector.term
+            if stop.is_set() or term is None:
+                break
+            store = EtcdStore(etcd, store_cfg.etcd_prefix, cfg.max_events, Fence(elector.leader_key, term.epoch),
+                              store_cfg.etcd_max_txn_ops, own_client=False)
+            controller = Controller(cfg, store, elector=elector)
+            holding = asyncio.create_task(elector.hold(), name="lease")
+            try:
+                await controller.start(grace_s=store_cfg.takeover_grace_s)
+            except StoreError as e:
+                logger.error("could not take over: the store failed while loading; standing by again", error=str(e))
+                holding.cancel()
+                await controller.stop(0)
+                await elector.resign(term)
+                continue
+            current[:] = [controller]
+            sdnotify.notify(f"STATUS=leader (epoch {term.epoch}) on {cfg.listen}")
+            await _first(holding, stop.wait())
+            current.clear()
+            if stop.is_set():
+                await controller.stop()
+                await elector.resign(term)
+                break
+            logger.warning("no longer the leader; standing by", reason=holding.result(), epoch=term.epoch)
+            await controller.stop(0)
+    finally:
+        sdnotify.notify("STOPPING=1")
+        if watchdog is not None:
+            watchdog.cancel()
+        member.cancel()
+        await asyncio.gather(member, return_exceptions=True)
+        await etcd.close()
 
 
 def reload(controller: Controller, path: str | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -15,6 +16,7 @@ from controller.api.control_service import ControlService
 from controller.api.node_service import NodeService
 from controller.api.rendezvous_service import RendezvousService
 from controller.config import ControllerConfig
+from controller.ha import Elector
 from controller.jobs.manager import JobManager
 from controller.jobs.slurm_topology import parse_topology_conf
 from controller.jobs.topology import ClusterTopology, TopologyError, flat, from_labels, merged
@@ -26,7 +28,7 @@ from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
-from phalanx.v1 import control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
+from phalanx.v1 import control_pb2, control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
 
 logger = log.get("controller")
 
@@ -72,13 +74,43 @@ async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[obj
         await clock.sleep(delay)
 
 
+def load_security(cfg: ControllerConfig) -> tuple[tls.Identity | None, grpc.ServerCredentials | None, dict]:
+    """Read certificates and tokens before anything binds: a bad file is a ConfigError naming it."""
+    sec = cfg.security
+    tokens = auth.load_tokens(sec.tokens_file)
+    if sec.insecure:
+        logger.warning("security.insecure = true: anyone who can reach the controller can register a node or "
+                       "submit a job; use it only on loopback", listen=cfg.listen)
+        return None, None, tokens
+    identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's", logger)
+    return identity, tls.server_credentials(identity), tokens
+
+
+def interceptors(cfg: ControllerConfig, tokens: dict) -> list[grpc.aio.ServerInterceptor]:
+    # Outermost first: who is calling is settled before a byte of the request is decoded.
+    authorizer = [] if cfg.security.insecure else [auth.Authorizer(tokens)]
+    return [*authorizer, RequestGuard()]
+
+
+def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    port = (server.add_insecure_port(address) if credentials is None
+            else server.add_secure_port(address, credentials))
+    if port == 0:
+        raise OSError(f"cannot listen on {address} (address in use, or not an address of this host)")
+    return port
+
+
 class Controller:
-    def __init__(self, cfg: ControllerConfig, store: Store, clock: Clock | None = None) -> None:
+    def __init__(self, cfg: ControllerConfig, store: Store, clock: Clock | None = None,
+                 elector: Elector | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.clock = clock or RealClock()
         self.hub = EventHub()
+        self.elector = elector  # None: the only controller (SQLite); else the elected leader of this term
         self.registry = Registry(store, self.clock, cfg.liveness, self.hub, cfg.health)
+        if elector is not None and elector.term is not None:
+            self.registry.epoch, self.registry.leading = elector.term.epoch, elector.leading
         self.topology_conf = load_topology_conf(cfg.jobs.topology_conf)
         self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology, cfg.recovery)
         self.health = HealthServicer()
@@ -89,21 +121,22 @@ class Controller:
         self._load_security()
         self.metrics = metrics.server(self.registry, self.jobs, self.hub)
 
-    async def start(self) -> int:
-        """Load state, bind, serve, start the loops. Returns the bound port."""
-        await self.registry.load()
+    async def start(self, grace_s: float = 0.0) -> int:
+        """Load state, bind, serve, start the loops. Returns the bound port. `grace_s`: added to every node's
+        reconnect window (a takeover)."""
+        await self.registry.load(grace_s)
         await self.jobs.load()
         if self.cfg.metrics_listen:
             await self.metrics.serve(self.cfg.metrics_listen)
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
-            ControlService(self.registry, self.store, self.hub, self.jobs), server)
+            ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers), server)
         rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(RendezvousService(self.clock), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = self._bind(server, self.cfg.listen, self._credentials)
+        self.port = bind(server, self.cfg.listen, self._credentials)
         if self.cfg.security.token_listen:
-            self.token_port = self._bind(server, self.cfg.security.token_listen,
+            self.token_port = bind(server, self.cfg.security.token_listen,
                                          tls.token_server_credentials(self._identity))
         await server.start()
         self._server = server
@@ -120,30 +153,19 @@ class Controller:
         return self.port
 
     def _load_security(self) -> None:
-        """Read certificates and tokens before anything binds: a bad file is a ConfigError naming it."""
-        sec = self.cfg.security
-        self._identity: tls.Identity | None = None
-        self._credentials: grpc.ServerCredentials | None = None
-        self._tokens = auth.load_tokens(sec.tokens_file)
-        if sec.insecure:
-            logger.warning("security.insecure = true: anyone who can reach the controller can register a node or "
-                           "submit a job; use it only on loopback", listen=self.cfg.listen)
-            return
-        self._identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's", logger)
-        self._credentials = tls.server_credentials(self._identity)
+        self._identity, self._credentials, self._tokens = load_security(self.cfg)
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        # Outermost first: who is calling is settled before a byte of the request is decoded.
-        authorizer = [] if self.cfg.security.insecure else [auth.Authorizer(self._tokens)]
-        return [*authorizer, RequestGuard()]
+        return interceptors(self.cfg, self._tokens)
 
-    @staticmethod
-    def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-        port = (server.add_insecure_port(address) if credentials is None
-                else server.add_secure_port(address, credentials))
-        if port == 0:
-            raise OSError(f"cannot listen on {address} (address in use, or not an address of this host)")
-        return port
+    async def describe_controllers(self) -> control_pb2.ListControllersResponse:
+        if self.elector is not None:
+            return await self.elector.describe()
+        return control_pb2.ListControllersResponse(
+            members=[control_pb2.ControllerMember(name=socket.gethostname(), address=self.cfg.listen, leader=True)],
+            leader=socket.gethostname(), leader_address=self.cfg.listen, store=self.cfg.store.backend,
+            answered_by=socket.gethostname())
+
 
     # What SIGHUP may change while serving: policies read afresh at every decision, and the tokens file.
     RELOADABLE = ("log_level", "log_format", "health", "recovery", "jobs.schedule_interval_s", "jobs.launch_timeout_s",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc
 import psutil
 
@@ -20,8 +22,10 @@ DEFAULT_CHECKPOINT_DEADLINE_S = 120.0
 
 
 class ControlService(control_pb2_grpc.ControlServiceServicer):
-    def __init__(self, registry: Registry, store: Store, hub: EventHub, jobs: JobManager) -> None:
+    def __init__(self, registry: Registry, store: Store, hub: EventHub, jobs: JobManager,
+                 controllers: Callable[[], Awaitable[control_pb2.ListControllersResponse]] | None = None) -> None:
         self._registry = registry
+        self._controllers = controllers
         self._jobs = jobs
         self._store = store
         self._hub = hub
@@ -160,6 +164,12 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
             raise InvalidArgument(f"deadline_s ({deadline}) must be between 0 and 3600")
         step, seconds = await self._jobs.checkpoint(validation.job_id(request.id), deadline)
         return control_pb2.CheckpointJobReply(step=step, seconds=seconds)
+
+    @unary
+    async def ListControllers(self, request: control_pb2.ListControllersRequest, context):
+        if self._controllers is None:
+            return control_pb2.ListControllersResponse(store="sqlite")
+        return await self._controllers()
 
     @unary
     async def GetStats(self, request: control_pb2.GetStatsRequest, context):

@@ -39,10 +39,11 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             heartbeat_interval_s=self._registry.policy.heartbeat_interval_s,
             state=entry.record.state.to_proto(),
             drain_reason=entry.record.drain_reason,
+            epoch=self._registry.epoch,
         )
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        session = Session(context.peer())
+        session = Session(context.peer(), self._registry.epoch, self._registry.leading)
         try:
             first = await asyncio.wait_for(context.read(), OPEN_TIMEOUT_S)
         except TimeoutError:

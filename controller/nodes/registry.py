@@ -8,7 +8,7 @@ go through one lock, in order; the heartbeat path itself takes no lock and does 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -94,14 +94,17 @@ class Registry:
         self._hub = hub
         self._nodes: dict[str, NodeEntry] = {}
         self._lock = asyncio.Lock()
+        self.epoch = 0  # the leadership epoch (controller/ha.py); 0 without election
+        self.leading: Callable[[], bool] = lambda: True  # whether this controller may act (its lease holds)
         self.lag = LagWindow()
         self.heartbeats_total = 0
         self.lag_seconds = Buckets(LAG_BUCKETS_S)
         self.detection = {kind: Buckets(DETECTION_BUCKETS_S) for kind in DETECTION_KINDS}  # see controller.obs.metrics
 
-    async def load(self) -> None:
-        """Read every node from the store. Nodes get a full liveness window to reconnect."""
-        now = self._clock.monotonic()
+    async def load(self, grace_s: float = 0.0) -> None:
+        """Read every node from the store. Nodes get a full liveness window to reconnect, and `grace_s` more
+        (a takeover: agents first have to notice that the old leader is gone)."""
+        now = self._clock.monotonic() + grace_s
         for record in await self._store.load_nodes():
             self._nodes[record.name] = NodeEntry(record=record, last_seen=now)
         logger.info("registry loaded", nodes=len(self._nodes))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 import grpc
 
@@ -18,9 +19,19 @@ class CommandFailed(FailedPrecondition):
     """The agent answered a command with an error."""
 
 
+def _always() -> bool:
+    return True
+
+
+class NotLeading(FailedPrecondition):
+    """This controller's leadership has lapsed: it sends no command (a deposed leader must not act)."""
+
+
 class Session:
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, epoch: int = 0, leading: Callable[[], bool] = _always) -> None:
         self.peer = peer
+        self.epoch = epoch  # the leader's epoch, stamped on every command
+        self._leading = leading
         self.outbox: asyncio.Queue[node_pb2.ControllerMessage | None] = asyncio.Queue()  # None: closed
         self.closed = asyncio.Event()
         self.close_code = grpc.StatusCode.OK
@@ -34,6 +45,12 @@ class Session:
         return len(self._pending)
 
     def push(self, message: node_pb2.ControllerMessage) -> None:
+        if message.WhichOneof("body") == "command":
+            # Checked here, synchronously, at the last moment: a leader paused past its lease (SIGSTOP, a VM
+            # freeze) runs whatever was ready before it learns it was deposed, and none of it may reach a node.
+            if not self._leading():
+                raise NotLeading("this controller's leadership has lapsed; it sends no commands")
+            message.command.epoch = self.epoch
         self.outbox.put_nowait(message)
 
     def kick(self, code: grpc.StatusCode, message: str) -> None:
@@ -50,9 +67,9 @@ class Session:
         if self.closed.is_set():
             raise FailedPrecondition("the node's session has ended")
         command.id = next(self._ids)
+        self.push(node_pb2.ControllerMessage(command=command))  # raises NotLeading before anything is queued
         future: asyncio.Future[node_pb2.CommandResult] = asyncio.get_running_loop().create_future()
         self._pending[command.id] = future
-        self.push(node_pb2.ControllerMessage(command=command))
         try:
             result = await asyncio.wait_for(future, timeout)
         except TimeoutError:

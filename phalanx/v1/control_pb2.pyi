@@ -230,3 +230,41 @@ class ControllerStats(_message.Message):
     process_rss_bytes: int
     uptime_s: float
     def __init__(self, nodes: _Optional[int] = ..., sessions: _Optional[int] = ..., heartbeats_total: _Optional[int] = ..., heartbeat_lag_p50_ms: _Optional[float] = ..., heartbeat_lag_p99_ms: _Optional[float] = ..., heartbeat_lag_max_ms: _Optional[float] = ..., heartbeat_lag_samples: _Optional[int] = ..., process_cpu_seconds: _Optional[float] = ..., process_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class ListControllersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ControllerMember(_message.Message):
+    __slots__ = ("name", "address", "leader", "epoch", "started_unix_ns", "leader_since_unix_ns")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    leader: bool
+    epoch: int
+    started_unix_ns: int
+    leader_since_unix_ns: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., leader: _Optional[bool] = ..., epoch: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., leader_since_unix_ns: _Optional[int] = ...) -> None: ...
+
+class ListControllersResponse(_message.Message):
+    __slots__ = ("members", "leader", "leader_address", "epoch", "store", "answered_by", "problem")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[ControllerMember]
+    leader: str
+    leader_address: str
+    epoch: int
+    store: str
+    answered_by: str
+    problem: str
+    def __init__(self, members: _Optional[_Iterable[_Union[ControllerMember, _Mapping]]] = ..., leader: _Optional[str] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., store: _Optional[str] = ..., answered_by: _Optional[str] = ..., problem: _Optional[str] = ...) -> None: ...

@@ -115,6 +115,11 @@ class ControlServiceStub:
                 request_serializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobReply.FromString,
                 _registered_method=True)
+        self.ListControllers = channel.unary_unary(
+                '/phalanx.v1.ControlService/ListControllers',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.ListControllersRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.ListControllersResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -219,6 +224,14 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListControllers(self, request, context):
+        """The control plane's members, its leader and epoch. Served by standbys too (every other method of a
+        standby answers UNAVAILABLE with the leader's address in the `phalanx-leader` trailing metadata).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +314,11 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.CheckpointJob,
                     request_deserializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_control__pb2.CheckpointJobReply.SerializeToString,
+            ),
+            'ListControllers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListControllers,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.ListControllersRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.ListControllersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -735,6 +753,33 @@ class ControlService:
             '/phalanx.v1.ControlService/CheckpointJob',
             phalanx_dot_v1_dot_control__pb2.CheckpointJobRequest.SerializeToString,
             phalanx_dot_v1_dot_control__pb2.CheckpointJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListControllers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/ListControllers',
+            phalanx_dot_v1_dot_control__pb2.ListControllersRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.ListControllersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,16 +16,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("incarnation", "heartbeat_interval_s", "state", "drain_reason")
+    __slots__ = ("incarnation", "heartbeat_interval_s", "state", "drain_reason", "epoch")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     heartbeat_interval_s: float
     state: _common_pb2.NodeState
     drain_reason: str
-    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("open", "heartbeat", "inventory", "event", "gpu_event", "result", "checkpoint_ack")
@@ -197,8 +199,9 @@ class ControllerMessage(_message.Message):
     def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare")
+    __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare")
     ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     INJECT_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +211,7 @@ class Command(_message.Message):
     PIN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     id: int
+    epoch: int
     inject: InjectFault
     launch: LaunchRanks
     stop: StopRanks
@@ -216,7 +220,7 @@ class Command(_message.Message):
     checkpoint: RequestCheckpoint
     pin_snapshot: PinSnapshot
     prepare: PrepareRanks
-    def __init__(self, id: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ...) -> None: ...
 
 class PrepareRanks(_message.Message):
     __slots__ = ("job", "command", "env", "workdir", "count", "hold_s")

@@ -1,0 +1,306 @@
+"""A highly available control plane: controllers elect a leader on an etcd lease; the others stand by.
+
+- **Campaign**: a controller grants itself a lease (``store.lease_ttl_s``) and creates the leader key bound
+  to it, in one transaction that succeeds only if the key does not exist. The key's create revision is the
+  leader's **epoch**: it only grows, and the leader's store is fenced on it (controller/store/etcd.py), so a
+  deposed leader cannot commit anything, whatever it believes.
+- **Hold**: the leader renews its lease every third of the TTL. It believes it leads until the time it
+  sent its last answered renewal plus the TTL granted (less a margin): etcd cannot expire the lease
+  earlier, so no one else can have been elected by then. Past that instant it sends no command
+  (controller/nodes/session.py checks at every send) and steps down.
+- **Stand by**: the others watch the leader key and campaign the moment it is deleted (lease expired
+  or revoked by a leader stopping cleanly). Meanwhile they answer ListControllers, and every other call
+  with UNAVAILABLE and the leader's address in the ``phalanx-leader`` trailing metadata.
+- **Members**: every controller keeps ``controllers/NAME`` (its address and start time) on a lease of
+  its own, so ``phalanx controllers`` lists the standbys as well as the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+from dataclasses import dataclass
+
+import grpc
+from aetcd import rpc
+
+from controller.errors import StoreError
+from controller.store.etcd import Etcd, prefix_end
+from phalanx import log
+from phalanx.clock import Clock, RealClock
+from phalanx.v1 import control_pb2
+
+logger = log.get("ha")
+
+LEADER_METADATA = "phalanx-leader"
+MEMBER_TTL_S = 10
+RENEW_MARGIN = 0.1  # of the TTL: clocks drift, and the renewal's answer is not instant
+
+
+@dataclass(frozen=True)
+class Term:
+    epoch: int  # the leader key's create revision
+    lease: int
+    since_ns: int
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    name: str
+    address: str
+    epoch: int
+    since_ns: int
+
+
+def advertise_address(listen: str, advertise: str) -> str:
+    if advertise:
+        return advertise
+    host, _, port = listen.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+class Elector:
+    def __init__(self, etcd: Etcd, prefix: str, name: str, address: str, ttl_s: int,
+                 clock: Clock | None = None) -> None:
+        self.etcd = etcd
+        base = prefix if prefix.endswith("/") else prefix + "/"
+        self.leader_key = f"{base}leader".encode()
+        self.members_prefix = f"{base}controllers/".encode()
+        self.name = name
+        self.address = address
+        self.ttl_s = ttl_s
+        self._clock = clock or RealClock()
+        self.term: Term | None = None
+        self.valid_until = 0.0  # monotonic: this controller leads until then (if it has a term)
+        self.leader: LeaderInfo | None = None  # the last leader seen (ourselves while leading)
+        self.problem = ""  # why the control plane cannot decide (etcd unreachable), for ListControllers
+        self.started_ns = self._clock.wall_ns()
+        self.failovers = 0  # terms this controller won after another leader (for the metrics)
+        self.terms_won = 0
+
+    def leading(self) -> bool:
+        return self.term is not None and self._clock.monotonic() < self.valid_until
+
+    # -- campaign ------------------------------------------------------------------------------
+
+    async def campaign(self) -> Term:
+        """Until this controller is the leader. Waits on the leader key while another one leads."""
+        while True:
+            try:
+                term = await self._try()
+                if term is not None:
+                    self.problem = ""
+                    return term
+                self.problem = ""
+                await self._wait_vacant()
+            except StoreError as e:
+                if self.problem != str(e):
+                    logger.warning("cannot campaign: etcd unavailable; trying again", error=str(e))
+                self.problem = f"etcd unavailable: {e}"
+                await self._clock.sleep(0.2 + random.random() * 0.3)
+
+    async def _try(self) -> Term | None:
+        grant = await self.etcd.call("lease", "LeaseGrant", rpc.LeaseGrantRequest(TTL=self.ttl_s))
+        sent = self._clock.monotonic()
+        since = self._clock.wall_ns()
+        value = json.dumps({"name": self.name, "address": self.address, "since_ns": since}).encode()
+        reply = await self.etcd.txn(rpc.TxnRequest(
+            compare=[rpc.Compare(key=self.leader_key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL,
+                                 create_revision=0)],
+            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=self.leader_key, value=value, lease=grant.ID))],
+            failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self.leader_key))]))
+        if reply.succeeded:
+            self.term = Term(reply.header.revision, grant.ID, since)
+            self.valid_until = sent + grant.TTL * (1 - RENEW_MARGIN)
+            previous = self.leader
+            self.leader = LeaderInfo(self.name, self.address, self.term.epoch, since)
+            self.terms_won += 1
+            if previous is not None and previous.name != self.name:
+                self.failovers += 1
+            logger.info("elected leader", epoch=self.term.epoch, previous=previous.name if previous else None)
+            return self.term
+        await self._revoke(grant.ID)
+        kvs = reply.responses[0].response_range.kvs
+        self.leader = self._parse_leader(kvs[0]) if kvs else None
+        self._seen_revision = kvs[0].mod_revision if kvs else reply.header.revision
+        return None
+
+    @staticmethod
+    def _parse_leader(kv) -> LeaderInfo | None:
+        try:
+            d = json.loads(kv.value)
+            return LeaderInfo(d["name"], d["address"], kv.create_revision, d.get("since_ns", 0))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    async def _wait_vacant(self) -> None:
+        """Until the leader key is deleted (or a while has passed: then look again)."""
+        if self.etcd.watch_stub is None:
+            return
+        call = self.etcd.watch_stub.Watch()
+        try:
+            await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+                key=self.leader_key, start_revision=self._seen_revision + 1)))
+
+            async def deleted() -> None:
+                async for reply in call:
+                    if reply.canceled:
+                        return
+                    if any(ev.type == rpc.Event.DELETE for ev in reply.events):
+                        return
+
+            await asyncio.wait_for(deleted(), 5 * self.ttl_s)
+        except (TimeoutError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            call.cancel()
+
+    # -- hold ----------------------------------------------------------------------------------
+
+    async def hold(self) -> str:
+        """Renew the lease while this controller leads; returns why it stopped leading."""
+        term = self.term
+        assert term is not None
+        stream = None
+        try:
+            while True:
+                now = self._clock.monotonic()
+                if now >= self.valid_until:
+                    return "its lease could not be renewed in time"
+                try:
+                    if stream is None:
+                        stream = self.etcd.lease.LeaseKeepAlive()
+                    sent = self._clock.monotonic()
+                    await stream.write(rpc.LeaseKeepAliveRequest(ID=term.lease))
+                    reply = await asyncio.wait_for(stream.read(), max(0.05, self.valid_until - sent))
+                except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                    logger.warning("lease renewal failed; trying again", error=repr(e),
+                                   lapses_in_s=round(self.valid_until - self._clock.monotonic(), 2))
+                    if stream is not None:
+                        stream.cancel()
+                        stream = None
+                    if isinstance(e, grpc.aio.AioRpcError) and len(self.etcd.endpoints) > 1:
+                        await self.etcd._next_endpoint()
+                    await self._clock.sleep(0.05)
+                    continue
+                if reply is grpc.aio.EOF or reply.TTL <= 0:
+                    return "its lease expired (etcd revoked it)"
+                self.valid_until = sent + reply.TTL * (1 - RENEW_MARGIN)
+                await self._clock.sleep(self.ttl_s / 3)
+        finally:
+            if stream is not None:
+                stream.cancel()
+            self.term = None
+            self.valid_until = 0.0
+
+    async def resign(self, term: Term) -> None:
+        """Give up leadership now (a clean stop): the standbys take over without waiting for the TTL."""
+        self.term = None
+        self.valid_until = 0.0
+        await self._revoke(term.lease)
+
+    async def _revoke(self, lease: int) -> None:
+        try:
+            await self.etcd.call("lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease))
+        except StoreError as e:
+            logger.info("could not revoke a lease (it will expire)", error=str(e))
+
+    # -- members -------------------------------------------------------------------------------
+
+    async def keep_member(self, stop: asyncio.Event) -> None:
+        """Keep `controllers/NAME` in etcd while this process runs."""
+        key = self.members_prefix + self.name.encode()
+        value = json.dumps({"address": self.address, "started_ns": self.started_ns}).encode()
+        lease = 0
+        while not stop.is_set():
+            try:
+                if lease:
+                    reply = await self.etcd.call("lease", "LeaseTimeToLive", rpc.LeaseTimeToLiveRequest(ID=lease))
+                    if reply.TTL <= 0:
+                        lease = 0
+                    else:
+                        async for _ in self.etcd.lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease)]),
+                                                                       timeout=self.etcd.timeout_s):
+                            break
+                if not lease:
+                    lease = (await self.etcd.call("lease", "LeaseGrant", rpc.LeaseGrantRequest(TTL=MEMBER_TTL_S))).ID
+                    await self.etcd.call("kv", "Put", rpc.PutRequest(key=key, value=value, lease=lease))
+            except (StoreError, grpc.aio.AioRpcError) as e:
+                logger.debug("member record not renewed", error=str(e))
+                lease = 0
+            try:
+                await asyncio.wait_for(stop.wait(), MEMBER_TTL_S / 3)
+            except TimeoutError:
+                pass
+        if lease:
+            await self._revoke(lease)
+
+    async def describe(self) -> control_pb2.ListControllersResponse:
+        """The members and the leader as etcd has them (read by leader and standbys alike)."""
+        reply = control_pb2.ListControllersResponse(store="etcd", answered_by=self.name)
+        try:
+            members = await self.etcd.call("kv", "Range", rpc.RangeRequest(
+                key=self.members_prefix, range_end=prefix_end(self.members_prefix)))
+            leader = await self.etcd.call("kv", "Range", rpc.RangeRequest(key=self.leader_key))
+        except StoreError as e:
+            reply.problem = f"etcd unavailable: {e}"
+            reply.members.append(control_pb2.ControllerMember(name=self.name, address=self.address,
+                                                              leader=self.leading(),
+                                                              started_unix_ns=self.started_ns))
+            return reply
+        info = self._parse_leader(leader.kvs[0]) if leader.kvs else None
+        if info is not None:
+            reply.leader, reply.leader_address, reply.epoch = info.name, info.address, info.epoch
+        for kv in members.kvs:
+            name = kv.key[len(self.members_prefix):].decode()
+            try:
+                d = json.loads(kv.value)
+            except ValueError:
+                continue
+            is_leader = info is not None and info.name == name
+            reply.members.append(control_pb2.ControllerMember(
+                name=name, address=d.get("address", ""), leader=is_leader, epoch=info.epoch if is_leader else 0,
+                started_unix_ns=d.get("started_ns", 0), leader_since_unix_ns=info.since_ns if is_leader else 0))
+        reply.problem = self.problem
+        return reply
+
+
+class Standby:
+    """What a controller that does not lead serves on its port: where the leader is, and the members."""
+
+    def __init__(self, elector: Elector) -> None:
+        self.elector = elector
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        elector = self.elector
+
+        async def list_controllers(request, context):
+            return await elector.describe()
+
+        async def refuse(request_iterator, context):
+            leader = elector.leader
+            if leader is not None and leader.name != elector.name:
+                context.set_trailing_metadata(((LEADER_METADATA, leader.address),))
+                where = f"the leader is {leader.name} at {leader.address}"
+            else:
+                where = ("no leader is elected yet" + (f" ({elector.problem})" if elector.problem else "")
+                         + "; try again shortly")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"controller {elector.name} is a standby: {where}")
+
+        listing = grpc.unary_unary_rpc_method_handler(
+            list_controllers, request_deserializer=control_pb2.ListControllersRequest.FromString,
+            response_serializer=control_pb2.ListControllersResponse.SerializeToString)
+        refusal = grpc.stream_stream_rpc_method_handler(refuse)
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, call_details):
+                if call_details.method == "/phalanx.v1.ControlService/ListControllers":
+                    return listing
+                return refusal
+
+        return Handler()
