@@ -62,7 +62,8 @@ class SecurityConfig:
 @dataclass(frozen=True)
 class AgentConfig:
     node_name: str = setting("", "this node's name in the cluster (default: the short hostname)")
-    controller: str = setting("127.0.0.1:7370", "host:port of the controller")
+    controller: str = setting("127.0.0.1:7370", "host:port of the controller; for a highly available control plane, "
+                              "every controller's, comma-separated (the agent follows the leader)")
     state_dir: str = setting("/var/lib/phalanx/agent", "where the agent keeps its own state")
     checkpoint_dir: str = setting("/var/lib/phalanx/checkpoints", "checkpoint directory given to ranks; its "
                                   "free space is reported")
@@ -92,14 +93,19 @@ class AgentConfig:
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
 
+    def controllers(self) -> list[str]:
+        return list(dict.fromkeys(a.strip() for a in self.controller.split(",") if a.strip()))
+
     def __post_init__(self) -> None:
         if self.node_name:
             require(bool(_NODE_NAME.fullmatch(self.node_name)),
                     f"node_name ({self.node_name!r}) must be 1-63 letters, digits, '.', '_' or '-', "
                     "starting with a letter or digit")
-        host, sep, port = self.controller.rpartition(":")
-        require(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
-                f"controller ({self.controller!r}) must be host:port, e.g. 10.0.0.1:7370")
+        require(bool(self.controllers()), "controller is empty; give the controller's host:port, e.g. 10.0.0.1:7370")
+        for address in self.controllers():
+            host, sep, port = address.rpartition(":")
+            require(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                    f"controller ({address!r}) must be host:port, e.g. 10.0.0.1:7370")
         require(len(self.labels) <= 64, f"labels has {len(self.labels)} entries; the limit is 64")
         require(self.stop_grace_s >= 0, f"stop_grace_s ({self.stop_grace_s}) must not be negative")
         if self.metrics_listen:

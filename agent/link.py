@@ -18,11 +18,12 @@ import grpc
 from agent.backoff import Backoff
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock, wait_for
-from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
+from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S, SESSION_KEEPALIVE
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 logger = log.get("link")
 
+LEADER_METADATA = "phalanx-leader"  # a standby's trailing metadata: where the leader is (controller/ha.py)
 MAX_QUEUED = 1000  # messages kept for the controller while disconnected; the oldest go first
 
 
@@ -36,13 +37,14 @@ class LinkState:
     drain_reason: str = ""
     health: common_pb2.NodeHealth | None = None  # the controller's latest verdict on this node
     sessions: int = 0  # sessions opened (reconnects + 1)
+    epoch: int = 0  # the newest leadership epoch seen: a controller with an older one was deposed
 
 
 class Link:
     def __init__(
         self,
         node_name: str,
-        controller: str,
+        controllers: str | list[str],
         inventory: Callable[[], common_pb2.NodeInventory],
         heartbeat: Callable[[float], Awaitable[node_pb2.Heartbeat]],
         backoff: Backoff,
@@ -52,14 +54,19 @@ class Link:
         clock: Clock | None = None,
     ) -> None:
         self.node_name = node_name
-        self.controller = controller
+        # Every controller of the control plane; the session goes to the one that leads (a standby says which).
+        self.controllers = [controllers] if isinstance(controllers, str) else list(controllers)
+        self.controller = self.controllers[0]
+        self._hinted = False  # the next session goes to the leader a standby named: no backoff before it
         self._inventory = inventory
         self._heartbeat = heartbeat  # builds one within the budget of seconds it is given
         self._clock = clock or RealClock()
         self._backoff = backoff
         self._on_command = on_command
         self._credentials = credentials  # None: plaintext (security.insecure)
-        self._options = [*CLIENT_OPTIONS, *tls.target_name_options(server_name)]
+        faster = {key for key, _ in SESSION_KEEPALIVE}
+        self._options = [*(o for o in CLIENT_OPTIONS if o[0] not in faster), *SESSION_KEEPALIVE,
+                         *tls.target_name_options(server_name)]
         self.state = LinkState()
         self._seq = 0
         self._outbox: deque[node_pb2.AgentMessage] = deque(maxlen=MAX_QUEUED)
@@ -92,14 +99,20 @@ class Link:
             except grpc.aio.AioRpcError as e:
                 level = logger.info if e.code() == grpc.StatusCode.UNAVAILABLE else logger.warning
                 level("session ended", controller=self.controller, code=e.code().name, details=e.details())
+                self._move_on(e)
             except (TimeoutError, ConnectionError) as e:
                 logger.warning("session ended", controller=self.controller, error=repr(e))
+                self._move_on(None)
             except Exception:
                 logger.exception("session failed", controller=self.controller)
+                self._move_on(None)
             finally:
                 self.state.connected = False
             if stop.is_set():
                 break
+            if self._hinted:  # a standby named the leader: go there at once
+                self._hinted = False
+                continue
             delay = self._backoff.next()
             logger.debug("reconnecting", delay_s=round(delay, 3))
             try:
@@ -108,13 +121,16 @@ class Link:
                 pass
 
     async def _session(self, stop: asyncio.Event) -> None:
-        channel = (grpc.aio.insecure_channel(self.controller, options=CLIENT_OPTIONS) if self._credentials is None
+        channel = (grpc.aio.insecure_channel(self.controller, options=self._options) if self._credentials is None
                    else grpc.aio.secure_channel(self.controller, self._credentials, options=self._options))
         async with channel:
             stub = node_pb2_grpc.NodeServiceStub(channel)
             reply = await stub.Register(
                 node_pb2.RegisterRequest(node_name=self.node_name, inventory=self._inventory()),
                 timeout=DEFAULT_TIMEOUT_S)
+            if reply.epoch < self.state.epoch:
+                raise ConnectionError(f"controller {self.controller} leads epoch {reply.epoch}, older than epoch "
+                                      f"{self.state.epoch} seen before: a deposed leader; trying another")
             # No deadline on the session: it is meant to live as long as both ends do; keepalive
             # pings (phalanx.rpc) notice a dead peer instead.
             call = stub.Session()
@@ -136,6 +152,20 @@ class Link:
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()
 
+    def _move_on(self, error: grpc.aio.AioRpcError | None) -> None:
+        """After a failed or ended session: the leader a standby named, else the next controller of the list."""
+        if len(self.controllers) == 1 and error is None:
+            return
+        hint = None
+        if error is not None and error.code() == grpc.StatusCode.UNAVAILABLE:
+            hint = dict(error.trailing_metadata() or ()).get(LEADER_METADATA)
+        if hint and hint != self.controller:
+            logger.info("following the leader", standby=self.controller, leader=hint)
+            self.controller, self._hinted = hint, True
+        elif len(self.controllers) > 1:
+            i = self.controllers.index(self.controller) if self.controller in self.controllers else -1
+            self.controller = self.controllers[(i + 1) % len(self.controllers)]
+
     def _accepted(self, reply: node_pb2.RegisterResponse) -> None:
         self._backoff.reset()
         # answers to the previous session's commands mean nothing to this one
@@ -144,6 +174,10 @@ class Link:
         self._outbox.extend(kept)
         s = self.state
         s.connected, s.incarnation = True, reply.incarnation
+        if reply.epoch > s.epoch:
+            if s.epoch:
+                logger.info("a new leader", controller=self.controller, epoch=reply.epoch, previous_epoch=s.epoch)
+            s.epoch = reply.epoch
         s.sessions += 1
         # A new registration is judged afresh, and the controller pushes every verdict but the first
         # HEALTHY: one from before would be stale (a GPU reset since, say).
@@ -209,6 +243,11 @@ class Link:
         """Carry out a command; any failure becomes a refusal with a reason, never a dead session."""
         if self._on_command is None:
             return node_pb2.CommandResult(id=command.id, ok=False, error="this agent takes no commands")
+        if command.epoch < self.state.epoch:
+            logger.warning("command from a deposed leader refused", command=command.WhichOneof("body"),
+                           epoch=command.epoch, current_epoch=self.state.epoch)
+            return node_pb2.CommandResult(id=command.id, ok=False, error=f"refused: epoch {command.epoch} is older "
+                                          f"than the current leader's ({self.state.epoch})")
         try:
             result = self._on_command(command)
         except Exception as e:

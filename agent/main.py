@@ -105,7 +105,7 @@ class Agent:
         self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None
         self._dcgm_seen: set[tuple[int, str]] = set()
-        self.link = Link(self.name, cfg.controller, self.inventory, self.heartbeat,
+        self.link = Link(self.name, cfg.controllers(), self.inventory, self.heartbeat,
                          Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command,
                          credentials=credentials, server_name=cfg.security.server_name, clock=self.clock)
         self.xids = agent_metrics.XidTally()
@@ -405,7 +405,7 @@ def link_credentials(cfg: agent_config.AgentConfig) -> grpc.ChannelCredentials |
     sec = cfg.security
     if sec.insecure:
         logger.warning("security.insecure = true: the session to the controller is plaintext and unauthenticated",
-                       controller=cfg.controller)
+                       controller=",".join(cfg.controllers()))
         return None
     identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "this node's", logger)
     ou_cn = tls.identity_of(identity.cert)
@@ -427,7 +427,8 @@ async def serve(cfg: agent_config.AgentConfig, credentials: grpc.ChannelCredenti
         except OSError as e:
             logger.warning("cannot create directory", path=directory, error=str(e))
     agent = Agent(cfg, backend, credentials)
-    logger.info("agent starting", node=agent.name, controller=cfg.controller, gpu=note, version=__version__)
+    logger.info("agent starting", node=agent.name, controller=",".join(cfg.controllers()), gpu=note,
+                version=__version__)
     agent.link.emit("started", f"agent {__version__} started on {agent.name}: {note}",
                     gpus=str(len(backend.inventory())))
     stop = asyncio.Event()

@@ -33,6 +33,7 @@ from bench import (  # noqa: E402
     checkpoint,
     common,
     detection,
+    failover,
     footprint,
     health,
     hooks,
@@ -44,7 +45,7 @@ from bench import (  # noqa: E402
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery")
+              "recovery", "failover")
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
 QUICK_STEPS = [500, 2000]
@@ -119,6 +120,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = await snapshots.run(quick=args.quick)
             elif name == "recovery":
                 results[name] = recovery.run(quick=args.quick)
+            elif name == "failover":
+                results[name] = failover.run(args.trials)
             elif name == "capacity":
                 budget = max(60.0, args.budget - (time.monotonic() - t_begin))
                 results[name] = await capacity.run(args.steps, args.hold, args.settle, args.generators,
@@ -251,6 +254,17 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"{p['get_gbps']} GB/s" + (f" median of {p['get_gbps_each']}" if "get_gbps_each" in p else "")
                      + f" (replica put {p['put_gbps']} GB/s)"
                      f"{_verdict(p['get_gbps'] >= s['restore_goal_gbps'])}"))
+    f = results.get("failover")
+    if f and "error" not in f:
+        rows.append(("failover", f"kill -9 of the leader -> new leader, all {f['agents']} agents back, median "
+                     f"({f['trials']})", f"<= {f['goal_s']:g} s", f"{f['median_s']:.2f} s"
+                     f"{_verdict(f['median_s'] <= f['goal_s'])}"))
+        rows.append(("failover", "... max", f"<= {f['goal_s']:g} s",
+                     f"{f['max_s']:.2f} s{_verdict(f['max_s'] <= f['goal_s'])}"))
+        rows.append(("failover", "live nodes declared SUSPECT/DOWN", "0",
+                     f"{f['wrongly_down']}{_verdict(f['wrongly_down'] == 0)}"))
+        rows.append(("failover", "drain latency, median: SQLite / etcd (3 members)", "",
+                     f"{f['drain_sqlite_ms']:.1f} / {f['drain_etcd_ms']:.1f} ms"))
     r = results.get("recovery")
     if r and "error" not in r:
         for fault, systems in r["faults"].items():

@@ -77,6 +77,7 @@ class Elector:
         self.term: Term | None = None
         self.valid_until = 0.0  # monotonic: this controller leads until then (if it has a term)
         self.leader: LeaderInfo | None = None  # the last leader seen (ourselves while leading)
+        self.previous: LeaderInfo | None = None  # the leader seen before this controller's last win
         self.problem = ""  # why the control plane cannot decide (etcd unreachable), for ListControllers
         self.started_ns = self._clock.wall_ns()
         self.failovers = 0  # terms this controller won after another leader (for the metrics)
@@ -116,7 +117,7 @@ class Elector:
         if reply.succeeded:
             self.term = Term(reply.header.revision, grant.ID, since)
             self.valid_until = sent + grant.TTL * (1 - RENEW_MARGIN)
-            previous = self.leader
+            previous = self.previous = self.leader
             self.leader = LeaderInfo(self.name, self.address, self.term.epoch, since)
             self.terms_won += 1
             if previous is not None and previous.name != self.name:
@@ -286,7 +287,8 @@ class Standby:
             if leader is not None and leader.name != elector.name:
                 context.set_trailing_metadata(((LEADER_METADATA, leader.address),))
                 where = f"the leader is {leader.name} at {leader.address}"
-            else:
+            else:  # the key with no value: "a standby, and it knows no leader"
+                context.set_trailing_metadata(((LEADER_METADATA, ""),))
                 where = ("no leader is elected yet" + (f" ({elector.problem})" if elector.problem else "")
                          + "; try again shortly")
             await context.abort(grpc.StatusCode.UNAVAILABLE,

@@ -23,7 +23,9 @@ from controller.jobs.topology import ClusterTopology, TopologyError, flat, from_
 from controller.nodes.registry import Registry
 from controller.obs import metrics
 from controller.obs.events import EventHub
-from controller.store.base import Store
+from controller.store.base import EventRecord, Store
+from controller.store.etcd import NotLeader
+from controller.store.timed import TimedStore
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
@@ -64,6 +66,8 @@ async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[obj
             await job()
         except asyncio.CancelledError:
             raise
+        except NotLeader as e:  # the lease lapsed: the election loop is standing this controller down
+            logger.warning("periodic job refused by the store: not the leader", job=name, error=str(e))
         except Exception:
             logger.exception("periodic job failed; will retry", job=name)
         next_at += interval_s
@@ -104,7 +108,7 @@ class Controller:
     def __init__(self, cfg: ControllerConfig, store: Store, clock: Clock | None = None,
                  elector: Elector | None = None) -> None:
         self.cfg = cfg
-        self.store = store
+        self.store = store = TimedStore(store, cfg.store.backend)
         self.clock = clock or RealClock()
         self.hub = EventHub()
         self.elector = elector  # None: the only controller (SQLite); else the elected leader of this term
@@ -119,13 +123,15 @@ class Controller:
         self.port = 0
         self.token_port = 0
         self._load_security()
-        self.metrics = metrics.server(self.registry, self.jobs, self.hub)
+        self.metrics = metrics.server(self.registry, self.jobs, self.hub, store, elector)
 
     async def start(self, grace_s: float = 0.0) -> int:
         """Load state, bind, serve, start the loops. Returns the bound port. `grace_s`: added to every node's
         reconnect window (a takeover)."""
         await self.registry.load(grace_s)
         await self.jobs.load()
+        if self.elector is not None and self.elector.term is not None:
+            await self._log_takeover()
         if self.cfg.metrics_listen:
             await self.metrics.serve(self.cfg.metrics_listen)
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
@@ -151,6 +157,15 @@ class Controller:
                     security="insecure" if self.cfg.security.insecure else "mutual TLS",
                     token_port=self.token_port or None)
         return self.port
+
+    async def _log_takeover(self) -> None:
+        e, term = self.elector, self.elector.term
+        previous = e.previous.name if e.previous is not None else ""
+        event = EventRecord("controller.leader", f"controller {e.name} leads (epoch {term.epoch})"
+                            + (f", taking over from {previous}" if previous and previous != e.name else ""),
+                            self.clock.wall_ns(), fields={"controller": e.name, "epoch": str(term.epoch),
+                                                          "previous": previous})
+        self.hub.publish((await self.store.commit(events=[event])).events)
 
     def _load_security(self) -> None:
         self._identity, self._credentials, self._tokens = load_security(self.cfg)

@@ -24,7 +24,9 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_TRANSPORT_BYTES),
     ("grpc.max_send_message_length", MAX_TRANSPORT_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    # Agents ping their controller every SESSION_KEEPALIVE_MS (below): allow it, with no strikes.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),
 ]
 
@@ -36,4 +38,18 @@ CLIENT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
     ("grpc.enable_retries", 0),
+]
+
+# The agent's session to its controller: a controller that stops answering (paused, partitioned, a
+# leader frozen past its lease) is given up within about 4 s, so the agent finds the new leader well
+# inside the reconnect window a takeover grants, and no live node is declared DOWN.
+SESSION_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    # The controller sends little down a session; without this a client pings again only after data
+    # arrives (gRPC's default: 5 minutes between pings without data).
+    ("grpc.http2.min_time_between_pings_ms", 1_000),
+    # ... and an unanswered ping of any kind (gRPC's own probes included) ends the connection this soon, not
+    # after its default minute.
+    ("grpc.http2.ping_timeout_ms", 2_000),
 ]

@@ -39,6 +39,7 @@ import pytest
 from phalanx.ports import free_port
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import control_pb2
+from tests.ha_cluster import HaCluster
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
 NODES = ["node-a", "node-b", "node-c", "node-d"]
@@ -100,12 +101,18 @@ class Observer:
             return db.execute(sql, args).fetchall()
 
     def stored(self, job_id: str) -> pb.Job:
-        """The job as the store has it: what a restarted controller loads."""
+        """The job as the store has it: what a restarted controller (or a new leader) loads."""
+        if isinstance(self.cluster, HaCluster):
+            data = self.cluster.stored_job(job_id)
+            assert data is not None, f"no {job_id} in etcd"
+            return pb.Job.FromString(data)
         rows = self._query("SELECT data FROM jobs WHERE id = ?", job_id)
         assert rows, f"no {job_id} in the store"
         return pb.Job.FromString(rows[0][0])
 
     def events(self, job_id: str) -> list[tuple[str, str]]:
+        if isinstance(self.cluster, HaCluster):
+            return self.cluster.stored_events(job_id)
         return self._query("SELECT kind, message FROM events WHERE job = ? ORDER BY seq", job_id)
 
     def job(self, job_id: str) -> pb.Job | None:
@@ -398,6 +405,24 @@ def test_the_controller_killed_during_recoveries_loses_nothing_many_times(cluste
     trials = int(os.environ.get("PHALANX_KILL_TRIALS", "24"))
     assert trials >= 20 or "PHALANX_KILL_TRIALS" in os.environ
     kill_loop(cluster, tmp_path, reference, trials, SLOW_STEPS)
+
+
+@pytest.fixture
+def ha_cluster(tmp_path, etcd_server):
+    c = HaCluster(tmp_path, etcd_server.endpoint)
+    yield c
+    c.close()
+
+
+def test_the_leader_killed_during_recoveries_a_standby_carries_on(ha_cluster, tmp_path, reference):
+    """Three controllers on etcd: each kill -9 hits the leader; a standby takes over and carries on."""
+    kill_loop(ha_cluster, tmp_path, reference, 2, FAST_STEPS)
+
+
+@pytest.mark.slow
+def test_the_leader_killed_during_recoveries_many_times(ha_cluster, tmp_path, reference):
+    trials = int(os.environ.get("PHALANX_KILL_TRIALS", "20"))
+    kill_loop(ha_cluster, tmp_path, reference, trials, SLOW_STEPS)
 
 
 # -- a partitioned agent ------------------------------------------------------------------------------------

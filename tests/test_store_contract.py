@@ -140,6 +140,29 @@ def test_old_events_are_pruned(make_store):
     run(go())
 
 
+def test_concurrent_commits_group_and_a_conflict_fails_alone(make_store):
+    """Commits issued together may share a transaction (group commit): each still succeeds or fails on its own,
+    in the order issued, and a record named by two of them is written by the first and conflicts in the second."""
+    async def go():
+        store = make_store()
+        a = (await store.commit(nodes=[NodeRecord("a", UP)])).nodes[0]
+        results = await asyncio.gather(
+            *(store.commit(nodes=[NodeRecord(f"n{i}", UP)], events=[ev(node=f"n{i}")]) for i in range(50)),
+            store.commit(nodes=[a.replace(revision=a.revision + 1000)], events=[ev(node="stale")]),  # stale
+            store.commit(nodes=[a.replace(state=DRAINED)], events=[ev(node="a")]),
+            store.commit(nodes=[a.replace(state=DOWN)], events=[ev(node="late")]),  # `a` just changed: conflicts
+            return_exceptions=True)
+        assert all(not isinstance(r, Exception) for r in results[:50])
+        assert isinstance(results[50], RevisionConflict) and isinstance(results[52], RevisionConflict)
+        assert results[51].nodes[0].state == DRAINED
+        seqs = [r.events[0].seq for r in results[:50]] + [results[51].events[0].seq]
+        assert seqs == sorted(seqs) and len(set(seqs)) == 51
+        events = await store.list_events(limit=1000)
+        assert [e.node for e in events] == [f"n{i}" for i in range(50)] + ["a"]  # nothing of the failed ones
+        assert {n.name: n.state for n in await store.load_nodes()} == {"a": DRAINED, **{f"n{i}": UP for i in range(50)}}
+    run(go())
+
+
 def test_closed_store_refuses(make_store):
     async def go():
         store = make_store()

@@ -3,6 +3,9 @@
     torchrun --rdzv-backend=phalanx --rdzv-endpoint=CONTROLLER:7370 --rdzv-id=JOB --nnodes=2 \\
              --nproc-per-node=8 train.py
 
+With a highly available control plane, give every controller: --rdzv-endpoint=CTL1:7370,CTL2:7370,CTL3:7370;
+each call goes to the leader (phalanx/leader.py), also after a change of leader.
+
 torch finds this module through the `torchrun.handlers` entry point (`handler_creator`). Each torchrun
 agent is one participant: it joins a round at the controller, waits (in bounded server-side waits,
 so no call outlives its deadline), and gets its group rank, the world size and a store.
@@ -58,7 +61,7 @@ MAX_BACKOFF_S = 2.0
 
 @dataclass(frozen=True)
 class PluginConfig:
-    target: str  # the controller, as a gRPC target
+    targets: tuple[str, ...]  # the controllers, as gRPC targets
     run_id: str
     min_nodes: int
     max_nodes: int
@@ -74,7 +77,7 @@ class PluginConfig:
             raise ValueError("--rdzv-id is empty; give the job a name every node shares")
         join = _seconds(params, "join_timeout", None)
         return cls(
-            target=parse_endpoint(params.endpoint),
+            targets=parse_endpoints(params.endpoint),
             run_id=params.run_id,
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
@@ -83,6 +86,11 @@ class PluginConfig:
             read_timeout_s=_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT_S),
             local_addr=params.local_addr or socket.getfqdn(),
         )
+
+    @property
+    def target(self) -> str:
+        """The controllers as the user wrote them, for messages."""
+        return ",".join(self.targets)
 
 
 def _seconds(params: RendezvousParameters, key: str, default: float | None, allow_zero: bool = False) -> Any:
@@ -99,12 +107,25 @@ def _seconds(params: RendezvousParameters, key: str, default: float | None, allo
     return seconds
 
 
+_EMPTY = ("--rdzv-endpoint is empty; give the Phalanx controller's address as HOST:PORT "
+          "(or set PHALANX_CONTROLLER)")
+
+
+def parse_endpoints(endpoint: str) -> tuple[str, ...]:
+    """Every controller of a highly available control plane, comma-separated, each as parse_endpoint takes it
+    (repeats dropped); empty means $PHALANX_CONTROLLER, which may be such a list too."""
+    text = endpoint.strip() or os.environ.get("PHALANX_CONTROLLER", "").strip()
+    items = [item for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(_EMPTY)
+    return tuple(dict.fromkeys(parse_endpoint(item) for item in items))
+
+
 def parse_endpoint(endpoint: str) -> str:
     """HOST:PORT, [IPv6]:PORT or HOST (the controller's default port); empty means $PHALANX_CONTROLLER."""
     text = endpoint.strip() or os.environ.get("PHALANX_CONTROLLER", "").strip()
     if not text:
-        raise ValueError("--rdzv-endpoint is empty; give the Phalanx controller's address as HOST:PORT "
-                         "(or set PHALANX_CONTROLLER)")
+        raise ValueError(_EMPTY)
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
         port = rest[1:] if rest.startswith(":") else ("" if not rest else None)
@@ -131,16 +152,17 @@ class PhalanxRendezvousHandler(RendezvousHandler):
     """One torchrun agent's side of the rendezvous. Every RPC carries a deadline."""
 
     def __init__(self, config: PluginConfig) -> None:
+        from phalanx.leader import Follower
         from phalanx.rpc import CLIENT_OPTIONS
         from phalanx.tls import ClientSecurity
-        from phalanx.v1 import rendezvous_pb2_grpc
 
         self.config = config
         self.participant_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # Mutual TLS (or a token) from PHALANX_CA / PHALANX_CERT / PHALANX_KEY / PHALANX_TOKEN, as for the CLI;
         # plaintext only with PHALANX_INSECURE=1.
-        self._channel = ClientSecurity.from_env().channel(config.target, CLIENT_OPTIONS)
-        self._stub = rendezvous_pb2_grpc.RendezvousServiceStub(self._channel)
+        security = ClientSecurity.from_env()
+        self._controllers = Follower(config.targets, lambda address: security.channel(address, CLIENT_OPTIONS))
+        self._controllers.channel()  # the first one now: a missing certificate is an error here, not at Join
         self._round = 0
         self._attempt = 0  # next_rendezvous calls: lets the controller tell a retried Join from a new one
         self._store: Store | None = None  # this round's: the server on rank 0, a client elsewhere
@@ -252,17 +274,24 @@ class PhalanxRendezvousHandler(RendezvousHandler):
             return False
         finally:
             self._store = None
-            self._channel.close()
+            self._controllers.close()
 
     def _call(self, method: str, request: Any, timeout_s: float, until: float | None = None) -> Any:
-        """One RPC with its deadline. While `until` allows, an unreachable controller is retried with backoff
-        (it may be restarting); other errors become torch's rendezvous errors with the controller's message."""
+        """One RPC with its deadline, on the leading controller. While `until` allows, an unreachable controller
+        is retried with backoff (it may be restarting); other errors become torch's rendezvous errors with the
+        controller's message."""
         import grpc
+
+        from phalanx.v1 import rendezvous_pb2_grpc
+
+        def attempt(channel: grpc.Channel) -> Any:
+            return getattr(rendezvous_pb2_grpc.RendezvousServiceStub(channel), method)(request, timeout=timeout_s)
 
         backoff = 0.2
         while True:
             try:
-                return getattr(self._stub, method)(request, timeout=timeout_s)
+                # With `until`, one pass over the controllers per try (this loop waits); without, the follower's.
+                return self._controllers.call(attempt, follow_s=0.0 if until is not None else None)
             except grpc.RpcError as e:
                 code, details = e.code(), e.details()
                 transient = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

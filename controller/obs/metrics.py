@@ -21,12 +21,14 @@ from prometheus_client.core import (
     Metric,
 )
 
+from controller.ha import Elector
 from controller.jobs.manager import ACTIVE, JobManager, state_name
 from controller.nodes.health import HEALTHY, Health
 from controller.nodes.registry import Registry
 from controller.nodes.states import NodeState
 from controller.obs.events import EventHub
 from controller.obs.stats import Buckets
+from controller.store.timed import TimedStore
 from phalanx import __version__
 from phalanx.metrics_http import MetricsServer, standard_registry
 from phalanx.v1 import common_pb2
@@ -49,13 +51,17 @@ class Snapshot:
     recovery: dict[str, Histogram] = field(default_factory=dict)
     events: dict[str, int] = field(default_factory=dict)
     culprits: list[tuple[str, common_pb2.HangCulprit]] = field(default_factory=list)  # (job, culprit) of active jobs
+    store: str = ""  # sqlite or etcd
+    store_commit: Histogram = ([], 0.0)
+    leadership: tuple[bool, int, int, int] | None = None  # (leading, epoch, terms won, failovers); None: no election
 
 
 def _histogram(buckets: Buckets) -> Histogram:
     return buckets.cumulative(), buckets.sum
 
 
-def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub) -> Snapshot:
+def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub, store: TimedStore | None = None,
+                  elector: Elector | None = None) -> Snapshot:
     """What a scrape shows, copied from the live state. On the event loop only."""
     entries = registry.entries_by_name().values()
     nodes = [(e.record.name, e.record.state, e.verdict.health) for e in entries]  # names looked up in the thread
@@ -74,7 +80,10 @@ def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub) -> Snapsh
         incidents=dict(jobs.incidents), restarts=dict(jobs.restarts_by_cause),
         recovery={cause: _histogram(b) for cause, b in jobs.recovery_s.items()},
         events=dict(hub.published),
-        culprits=[(j.id, j.culprit) for j in jobs.list(set(ACTIVE)) if j.HasField("culprit")])
+        culprits=[(j.id, j.culprit) for j in jobs.list(set(ACTIVE)) if j.HasField("culprit")],
+        store=store.kind if store is not None else "",
+        store_commit=_histogram(store.commit_seconds) if store is not None else ([], 0.0),
+        leadership=(elector.leading(), registry.epoch, elector.terms_won, elector.failovers) if elector else None)
 
 
 def _counter(name: str, doc: str, label: str, counts: dict[str, int], known: Iterable[str] = ()) -> Metric:
@@ -142,13 +151,29 @@ def families(s: Snapshot) -> Iterator[Metric]:
     for job, c in s.culprits:
         culprit.add_metric([job, str(c.rank), c.node, c.op, str(c.seq), c.state], 1)
     yield culprit
+    if s.store:
+        commit = HistogramMetricFamily("phalanx_store_commit_seconds", "Time of one store commit (a transaction of "
+                                       "records and events).", labels=["store"])
+        commit.add_metric([s.store], *s.store_commit)
+        yield commit
+    if s.leadership is not None:
+        leading, epoch, won, failovers = s.leadership
+        yield GaugeMetricFamily("phalanx_controller_leader", "1 while this controller leads the control plane "
+                                "(only the leader serves metrics).", value=int(leading))
+        yield GaugeMetricFamily("phalanx_controller_epoch", "The leadership epoch of this controller's term.",
+                                value=epoch)
+        yield CounterMetricFamily("phalanx_controller_terms", "Elections this controller process has won.",
+                                  value=won)
+        yield CounterMetricFamily("phalanx_controller_failovers", "Elections this controller process won from "
+                                  "another leader (takeovers).", value=failovers)
 
 
 class ControllerCollector:
     """Renders the snapshot taken last (`snapshot()`, on the event loop, before every scrape)."""
 
-    def __init__(self, registry: Registry, jobs: JobManager, hub: EventHub) -> None:
-        self._sources = registry, jobs, hub
+    def __init__(self, registry: Registry, jobs: JobManager, hub: EventHub, store: TimedStore | None = None,
+                 elector: Elector | None = None) -> None:
+        self._sources = registry, jobs, hub, store, elector
         self._snapshot: Snapshot | None = None
 
     def snapshot(self) -> None:
@@ -163,6 +188,7 @@ class ControllerCollector:
         return families(self._snapshot)
 
 
-def server(registry: Registry, jobs: JobManager, hub: EventHub) -> MetricsServer:
-    collector = ControllerCollector(registry, jobs, hub)
+def server(registry: Registry, jobs: JobManager, hub: EventHub, store: TimedStore | None = None,
+           elector: Elector | None = None) -> MetricsServer:
+    collector = ControllerCollector(registry, jobs, hub, store, elector)
     return MetricsServer(standard_registry(collector), collector.snapshot)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -166,6 +167,16 @@ class Etcd:
             self._channel = None
 
 
+@dataclass
+class _Request:
+    """One commit waiting for its transaction: (key, expected revision, value) per record, its events, and
+    the future that gets ({key: revision}, events with their seqs)."""
+
+    writes: list[tuple[bytes, int, bytes]]
+    events: list[EventRecord]
+    future: asyncio.Future
+
+
 @dataclass(frozen=True)
 class Fence:
     """Writes are conditioned on `key` having been created at `revision` (the leader's epoch)."""
@@ -195,7 +206,8 @@ def _event_json(e: EventRecord) -> dict:
 
 
 class EtcdStore:
-    """The Store protocol on etcd. Commits are serialized (one at a time, in the order issued)."""
+    """The Store protocol on etcd. Commits are applied in the order issued; those issued while a transaction is
+    in flight are written together in the next one (group commit)."""
 
     def __init__(self, etcd: Etcd, prefix: str = "/phalanx/", max_events: int = 100_000,
                  fence: Fence | None = None, max_txn_ops: int = 128, own_client: bool = True) -> None:
@@ -207,7 +219,8 @@ class EtcdStore:
         self.fence = fence
         self._max_txn_ops = max(8, max_txn_ops)
         self._own_client = own_client
-        self._lock = asyncio.Lock()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._flusher: asyncio.Task | None = None
         self._meta: tuple[int, int] | None = None  # (last seq, mod_revision of meta/events)
         self._pruned_below = 0
         self._commits = 0
@@ -275,83 +288,136 @@ class EtcdStore:
         self._check_open()
         if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs):
             raise StoreError("one commit names the same record twice")
-        writes = ([(self.key("nodes", r.name), r.revision, _node_value(r), r) for r in nodes]
-                  + [(self.key("jobs", j.id), j.revision,
-                      json.dumps({"state": j.state, "data": _b64(j.data)}).encode(), j) for j in jobs])
-        async with self._lock:
-            revisions: dict[bytes, int] = {}
-            chunk = self._max_txn_ops - 4  # room for the counter, the events, a prune and the fence
-            for start in range(0, max(len(writes), 1), chunk):
-                part = writes[start:start + chunk]
-                last = start + chunk >= len(writes)
-                revision, appended = await self._commit_part(part, events if last else ())
-                revisions.update((key, revision) for key, *_ in part)
-            written_nodes = [r.replace(revision=revisions[self.key("nodes", r.name)]) for r in nodes]
-            written_jobs = [j.replace(revision=revisions[self.key("jobs", j.id)]) for j in jobs]
+        writes = ([(self.key("nodes", r.name), r.revision, _node_value(r)) for r in nodes]
+                  + [(self.key("jobs", j.id), j.revision, json.dumps({"state": j.state, "data": _b64(j.data)}).encode())
+                     for j in jobs])
+        request = _Request(writes, list(events), asyncio.get_running_loop().create_future())
+        self._queue.append(request)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        revisions, appended = await request.future
         self._commits += 1
         if self._commits % COMPACT_EVERY == 0:
-            asyncio.get_running_loop().create_task(self._compact(revision))
-        return Committed(written_nodes, appended, written_jobs)
+            asyncio.get_running_loop().create_task(self._compact(max(revisions.values(), default=0)))
+        return Committed([r.replace(revision=revisions[self.key("nodes", r.name)]) for r in nodes], appended,
+                         [j.replace(revision=revisions[self.key("jobs", j.id)]) for j in jobs])
 
-    async def _commit_part(self, writes: list, events: Sequence[EventRecord]) -> tuple[int, list[EventRecord]]:
-        for _attempt in range(3):
-            compares, ops = [], []
-            for key, revision, value, _ in writes:
-                compares.append(rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL,
-                                            mod_revision=revision) if revision else
-                                rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL,
-                                            create_revision=0))
-                ops.append(rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)))
-            appended: list[EventRecord] = []
-            if events:
-                last_seq, meta_revision = await self._load_meta()
-                appended = [EventRecord(**{**e.__dict__, "fields": dict(e.fields), "seq": last_seq + i + 1})
-                            for i, e in enumerate(events)]
-                new_last = appended[-1].seq
+    async def _flush(self) -> None:
+        """Group commit: the commits that queued up while a transaction was in flight go together in the next
+        one (in the order they were issued), as long as they fit in one transaction and name different records.
+        A burst of registrations after a takeover costs a few transactions, not one round trip each."""
+        room = self._max_txn_ops - 4  # the event counter, the events, a prune and the fence
+        while self._queue:
+            batch = [self._queue.popleft()]
+            keys = {w[0] for w in batch[0].writes}
+            size = len(batch[0].writes)
+            while self._queue and size + len(self._queue[0].writes) <= room and \
+                    keys.isdisjoint(w[0] for w in self._queue[0].writes):
+                nxt = self._queue.popleft()
+                batch.append(nxt)
+                keys.update(w[0] for w in nxt.writes)
+                size += len(nxt.writes)
+            try:
+                if size > room:  # one commit too large for a transaction: in pieces, its events with the last
+                    await self._write_large(batch[0], room)
+                else:
+                    await self._write(batch)
+            except BaseException as e:  # every waiter hears of it, and the flusher goes on
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(e if isinstance(e, Exception) else StoreError(repr(e)))
+                if not isinstance(e, Exception):
+                    raise
+
+    async def _write_large(self, request: _Request, room: int) -> None:
+        revisions: dict[bytes, int] = {}
+        appended: list[EventRecord] = []
+        for start in range(0, len(request.writes), room):
+            last = start + room >= len(request.writes)
+            part = _Request(request.writes[start:start + room], request.events if last else [],
+                            asyncio.get_running_loop().create_future())
+            await self._write([part])
+            part_revisions, part_events = part.future.result()
+            revisions.update(part_revisions)
+            appended = part_events
+        request.future.set_result((revisions, appended))
+
+    async def _write(self, batch: list[_Request]) -> None:
+        """One transaction for every request of `batch`; a request whose records changed under it fails alone
+        (RevisionConflict) and the others are written without it."""
+        for _attempt in range(len(batch) + 3):
+            compares, ops, failure = [], [], []
+            for request in batch:
+                for key, revision, value in request.writes:
+                    compares.append(rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL,
+                                                mod_revision=revision) if revision else
+                                    rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL,
+                                                create_revision=0))
+                    ops.append(rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)))
+                    failure.append(rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True)))
+            last_seq, meta_revision = await self._load_meta()
+            appended: list[list[EventRecord]] = []
+            seq = last_seq
+            for request in batch:
+                appended.append([EventRecord(**{**e.__dict__, "fields": dict(e.fields), "seq": seq + i + 1})
+                                 for i, e in enumerate(request.events)])
+                seq += len(request.events)
+            pruned = False
+            if seq > last_seq:
                 compares.append(rpc.Compare(key=self.key("meta", "events"), target=rpc.Compare.MOD,
                                             result=rpc.Compare.EQUAL, mod_revision=meta_revision))
                 ops.append(rpc.RequestOp(request_put=rpc.PutRequest(
-                    key=self.key("meta", "events"), value=json.dumps({"last_seq": new_last}).encode())))
+                    key=self.key("meta", "events"), value=json.dumps({"last_seq": seq}).encode())))
                 ops.append(rpc.RequestOp(request_put=rpc.PutRequest(
-                    key=self.key("events", f"{new_last:0{_SEQ_DIGITS}d}"),
-                    value=json.dumps([_event_json(e) for e in appended]).encode())))
-                cutoff = new_last - self._max_events + 1
+                    key=self.key("events", f"{seq:0{_SEQ_DIGITS}d}"),
+                    value=json.dumps([_event_json(e) for events in appended for e in events]).encode())))
+                cutoff = seq - self._max_events + 1
                 if cutoff > self._pruned_below + max(1, self._max_events // 100):
                     # batches whose last seq is below the cutoff: wholly older than the newest max_events
                     ops.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
                         key=self.key("events", ""), range_end=self.key("events", f"{cutoff:0{_SEQ_DIGITS}d}"))))
+                    pruned = True
             if self.fence is not None:
                 compares.append(rpc.Compare(key=self.fence.key, target=rpc.Compare.CREATE,
                                             result=rpc.Compare.EQUAL, create_revision=self.fence.revision))
-            failure = [rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))
-                       for key, *_ in writes]
-            if self.fence is not None:
                 failure.append(rpc.RequestOp(request_range=rpc.RangeRequest(key=self.fence.key, keys_only=True)))
             reply = await self.etcd.txn(rpc.TxnRequest(compare=compares, success=ops, failure=failure))
             if reply.succeeded:
-                if events:
-                    self._meta = (appended[-1].seq, reply.header.revision)
-                    if len(ops) > len(writes) + 2:
-                        self._pruned_below = appended[-1].seq - self._max_events + 1
-                return reply.header.revision, appended
-            self._raise_conflict(writes, reply)
-            # only the event counter moved (another writer appended events): read it again and retry
-            self._meta = None
+                if seq > last_seq:
+                    self._meta = (seq, reply.header.revision)
+                    if pruned:
+                        self._pruned_below = seq - self._max_events + 1
+                for request, events in zip(batch, appended, strict=True):
+                    request.future.set_result(({w[0]: reply.header.revision for w in request.writes}, events))
+                return
+            failed = self._conflicts(batch, reply)
+            for request, error in failed:
+                request.future.set_exception(error)
+            batch = [r for r in batch if not r.future.done()]
+            if not batch:
+                return
+            if not failed:  # only the event counter moved (another writer appended events): read it again
+                self._meta = None
         raise StoreError("the event counter keeps changing under this controller: is another controller writing "
                          "to the same etcd prefix without being elected?")
 
-    def _raise_conflict(self, writes: list, reply: rpc.TxnResponse) -> None:
+    def _conflicts(self, batch: list[_Request], reply: rpc.TxnResponse) -> list[tuple[_Request, Exception]]:
         found = [r.response_range.kvs[0] if r.response_range.kvs else None for r in reply.responses]
         if self.fence is not None:
             leader = found.pop()
             if leader is None or leader.create_revision != self.fence.revision:
                 raise NotLeader(f"not the leader any more (elected at revision {self.fence.revision}, "
                                 f"leader key now {'absent' if leader is None else leader.create_revision})")
-        for (key, expected, _, _), kv in zip(writes, found, strict=True):
-            actual = kv.mod_revision if kv is not None else 0
-            if actual != expected:
-                what = key[len(self.prefix):].decode().replace("nodes/", "node ", 1).replace("jobs/", "job ", 1)
-                raise RevisionConflict(what, expected, actual)
+        failed = []
+        kvs = iter(found)
+        for request in batch:
+            for key, expected, _ in request.writes:
+                kv = next(kvs)
+                actual = kv.mod_revision if kv is not None else 0
+                if actual != expected and not any(r is request for r, _ in failed):
+                    what = key[len(self.prefix):].decode().replace("nodes/", "node ", 1).replace("jobs/", "job ", 1)
+                    failed.append((request, RevisionConflict(what, expected, actual)))
+        return failed
 
     async def _compact(self, revision: int) -> None:
         if revision <= HISTORY_KEPT:

@@ -1,13 +1,16 @@
 """SQLite store (WAL, synchronous=FULL): the default, on one controller host.
 
 All database work runs on one dedicated thread, in submission order, so the event loop never
-blocks on fsync and commits apply in the order the controller issued them.
+blocks on fsync and commits apply in the order the controller issued them. Commits issued while a
+transaction is being written are written together in the next one (group commit: one fsync).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import functools
 import json
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -21,6 +24,7 @@ from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1
+MAX_GROUP = 1000  # commits written in one transaction at most
 _MAX_SEQ = 2**63 - 1  # SQLite INTEGER is a signed 64-bit number
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -59,6 +63,8 @@ class SqliteStore:
         self._max_events = max_events
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
         self._db: sqlite3.Connection | None = None
+        self._queue: collections.deque = collections.deque()  # (nodes, events, jobs, future) awaiting a transaction
+        self._flusher: asyncio.Task | None = None
         try:
             self._pool.submit(self._open).result()
         except (sqlite3.Error, OSError) as e:
@@ -114,50 +120,88 @@ class SqliteStore:
                      jobs: Sequence[JobRecord] = ()) -> Committed:
         if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs):
             raise StoreError("one commit names the same record twice")
+        if self._db is None:
+            raise StoreError("store is closed")
+        future: asyncio.Future[Committed] = asyncio.get_running_loop().create_future()
+        self._queue.append((list(nodes), list(events), list(jobs), future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        return await future
 
-        def write(db: sqlite3.Connection) -> Committed:
-            db.execute("BEGIN IMMEDIATE")
+    async def _flush(self) -> None:
+        """Group commit: the commits queued while one transaction was being written go in the next one, each
+        in a savepoint of its own (one that conflicts is rolled back alone), with one fsync for all."""
+        while self._queue:
+            batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_GROUP))]
             try:
-                for record in nodes:
-                    row = db.execute("SELECT revision FROM nodes WHERE name=?", (record.name,)).fetchone()
-                    actual = row[0] if row else 0
-                    if actual != record.revision:
-                        raise RevisionConflict(f"node {record.name}", record.revision, actual)
-                for job in jobs:
-                    row = db.execute("SELECT revision FROM jobs WHERE id=?", (job.id,)).fetchone()
-                    actual = row[0] if row else 0
-                    if actual != job.revision:
-                        raise RevisionConflict(f"job {job.id}", job.revision, actual)
-                revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0] + 1
-                db.execute("UPDATE meta SET value=? WHERE key='revision'", (revision,))
-                written = [r.replace(revision=revision) for r in nodes]
-                db.executemany(
-                    "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (r.name, r.state.value, r.drain_reason, r.incarnation, r.state_since_ns, r.inventory, revision)
-                        for r in written
-                    ],
-                )
-                written_jobs = [j.replace(revision=revision) for j in jobs]
-                db.executemany("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?)",
-                               [(j.id, j.state, j.data, revision) for j in written_jobs])
-                appended = []
-                for e in events:
-                    cur = db.execute(
-                        "INSERT INTO events (time_ns, kind, node, job, message, fields) VALUES (?, ?, ?, ?, ?, ?)",
-                        (e.time_ns, e.kind, e.node, e.job, e.message, json.dumps(e.fields, sort_keys=True)),
-                    )
-                    appended.append(EventRecord(e.kind, e.message, e.time_ns, e.node, e.job, dict(e.fields),
-                                                cur.lastrowid))
-                if appended and appended[-1].seq % 1000 == 0:
-                    db.execute("DELETE FROM events WHERE seq <= ?", (appended[-1].seq - self._max_events,))
-                db.execute("COMMIT")
-                return Committed(written, appended, written_jobs)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+                results = await self._run(functools.partial(self._write, batch=batch))
+            except BaseException as e:  # every waiter hears of it, and the flusher goes on
+                for *_, future in batch:
+                    if not future.done():
+                        future.set_exception(e if isinstance(e, Exception) else StoreError(repr(e)))
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            for (*_, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
-        return await self._run(write)
+    def _write(self, db: sqlite3.Connection, batch: list) -> list[Committed | Exception]:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            results: list[Committed | Exception] = []
+            for nodes, events, jobs, _ in batch:
+                db.execute("SAVEPOINT one")
+                try:
+                    results.append(self._apply(db, nodes, events, jobs))
+                    db.execute("RELEASE one")
+                except RevisionConflict as e:
+                    db.execute("ROLLBACK TO one")
+                    db.execute("RELEASE one")
+                    results.append(e)
+            db.execute("COMMIT")
+            return results
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def _apply(self, db: sqlite3.Connection, nodes: list[NodeRecord], events: list[EventRecord],
+               jobs: list[JobRecord]) -> Committed:
+        for record in nodes:
+            row = db.execute("SELECT revision FROM nodes WHERE name=?", (record.name,)).fetchone()
+            actual = row[0] if row else 0
+            if actual != record.revision:
+                raise RevisionConflict(f"node {record.name}", record.revision, actual)
+        for job in jobs:
+            row = db.execute("SELECT revision FROM jobs WHERE id=?", (job.id,)).fetchone()
+            actual = row[0] if row else 0
+            if actual != job.revision:
+                raise RevisionConflict(f"job {job.id}", job.revision, actual)
+        revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0] + 1
+        db.execute("UPDATE meta SET value=? WHERE key='revision'", (revision,))
+        written = [r.replace(revision=revision) for r in nodes]
+        db.executemany(
+            "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(r.name, r.state.value, r.drain_reason, r.incarnation, r.state_since_ns, r.inventory, revision)
+             for r in written],
+        )
+        written_jobs = [j.replace(revision=revision) for j in jobs]
+        db.executemany("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?)",
+                       [(j.id, j.state, j.data, revision) for j in written_jobs])
+        appended = []
+        for e in events:
+            cur = db.execute(
+                "INSERT INTO events (time_ns, kind, node, job, message, fields) VALUES (?, ?, ?, ?, ?, ?)",
+                (e.time_ns, e.kind, e.node, e.job, e.message, json.dumps(e.fields, sort_keys=True)),
+            )
+            appended.append(EventRecord(e.kind, e.message, e.time_ns, e.node, e.job, dict(e.fields), cur.lastrowid))
+            if cur.lastrowid % 1000 == 0:
+                db.execute("DELETE FROM events WHERE seq <= ?", (cur.lastrowid - self._max_events,))
+        return Committed(written, appended, written_jobs)
 
     async def list_events(
         self, *, after_seq: int = 0, limit: int = 1000, node: str = "", job: str = ""

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from phalanx import etcdlocal
 from phalanx.errors import PhalanxError
 from phalanx.ports import free_port
 from phalanx.rpc import DEFAULT_TIMEOUT_S
@@ -44,13 +45,14 @@ _children: dict[int, subprocess.Popen] = {}  # processes this CLI process starte
 
 @dataclass
 class Proc:
-    role: str  # "controller" or "agent"
+    role: str  # "controller", "agent" or "etcd"
     name: str
     pid: int
-    config: str
+    config: str  # its configuration file (etcd: its data directory, which its command line names)
     log: str
     address: str = ""
     metrics: str = ""  # where it serves Prometheus metrics (http://ADDRESS/metrics)
+    command: list[str] = field(default_factory=list)  # how to start it again (`phalanx local start NAME`)
 
     def alive(self) -> bool:
         """Running, and still the process we started (pids get reused)."""
@@ -142,16 +144,22 @@ def read_cluster() -> list[Proc] | None:
 
 
 def controller_address() -> str | None:
+    """The local cluster's controllers, comma-separated (clients follow the leader among them)."""
     procs = read_cluster()
     if not procs:
         return None
-    return next((p.address for p in procs if p.role == "controller"), None)
+    return ",".join(p.address for p in procs if p.role == "controller") or None
 
 
-def controller_config(address: str, root: Path, metrics: str = "") -> str:
+def controller_config(address: str, root: Path, metrics: str = "", etcd: str = "", name: str = "") -> str:
     # Plaintext on loopback, for trying things out: a fleet runs mutual TLS (`phalanx certs`).
-    return (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\nmetrics_listen = "{metrics}"\n'
+    text = (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\nmetrics_listen = "{metrics}"\n'
             '\n[security]\ninsecure = true\n')
+    if etcd:
+        text += (f'\n[store]\nbackend = "etcd"\netcd_endpoints = "{etcd}"\netcd_prefix = "/phalanx-local/"\n'
+                 f'etcd_tls = false\netcd_max_txn_ops = {etcdlocal.MAX_TXN_OPS}\nname = "{name}"\n'
+                 f'advertise = "{address}"\n')
+    return text
 
 
 def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str],
@@ -199,13 +207,22 @@ def choose_backend(requested: str, nodes: int) -> str:
     return "sim"
 
 
-def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout) -> list[Proc]:
+def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout, ha: int = 0) -> list[Proc]:
+    """Start a controller (with `ha` N: an N-member etcd cluster and N controllers electing a leader) and
+    `nodes` agents."""
+    if ha < 0 or ha > 7:
+        raise LocalError(f"--ha {ha}: give 0 (one controller on SQLite) or 1 to 7 members (3 is the usual)")
+    if ha:
+        try:
+            etcdlocal.etcd_binary()
+        except etcdlocal.EtcdMissing as e:
+            raise LocalError(str(e)) from None
     existing = read_cluster()
     if existing and any(p.live_pid() is not None for p in existing):
         raise LocalError(f"a local cluster is already running (see `phalanx local status`, {cluster_file()}); "
                          "run `phalanx local down` first")
     root = home()
-    for stale in ("controller.db", "controller.db-wal", "controller.db-shm", "nodes", "logs", "checkpoints"):
+    for stale in ("controller.db", "controller.db-wal", "controller.db-shm", "nodes", "logs", "checkpoints", "etcd"):
         path = root / stale
         if path.is_dir():
             shutil.rmtree(path)
@@ -213,15 +230,34 @@ def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout) -> list[Pro
             path.unlink()
     (root / "logs").mkdir(parents=True, exist_ok=True)
     backend = choose_backend(backend, nodes)
-    address = f"127.0.0.1:{free_port()}"
     started: list[Proc] = []
     try:
-        metrics = f"127.0.0.1:{free_port()}"  # every process its own port: several clusters and tests share a host
-        controller = spawn("controller", "controller", "controller.main", controller_config(address, root, metrics),
-                           root, address, metrics)
-        started.append(controller)
-        _wait_serving(controller)
-        print(f"controller serving on {address} (pid {controller.pid})", file=out, flush=True)
+        if ha:
+            members = etcdlocal.plan(root / "etcd", ha, "etcd-")
+            for member in members:
+                member.log_path = root / "logs" / f"{member.name}.log"
+                proc = etcdlocal.start(member, members)
+                _children[proc.pid] = proc
+                started.append(Proc("etcd", member.name, proc.pid, str(member.data_dir), str(member.log_path),
+                                    member.endpoint, command=etcdlocal.command(member, members)))
+            _write(started)
+            etcdlocal.wait_healthy(members, START_TIMEOUT_S)
+            print(f"etcd cluster of {ha} up: {', '.join(m.endpoint for m in members)}", file=out, flush=True)
+            etcd = ",".join(m.endpoint for m in members)
+            names = [f"controller-{i}" for i in range(ha)]
+        else:
+            etcd, names = "", ["controller"]
+        for name in names:
+            address = f"127.0.0.1:{free_port()}"
+            metrics = f"127.0.0.1:{free_port()}"  # every process its own port: several clusters share a host
+            started.append(spawn("controller", name, "controller.main",
+                                 controller_config(address, root, metrics, etcd, name), root, address, metrics))
+        _write(started)
+        controllers = [p for p in started if p.role == "controller"]
+        address = _wait_serving(controllers)
+        print(f"controller serving on {address}" + (f" (the leader of {ha})" if ha else f" (pid {controllers[0].pid})"),
+              file=out, flush=True)
+        address = ",".join(p.address for p in controllers)
         for i in range(nodes):
             name = f"node-{i}"
             metrics = f"127.0.0.1:{free_port()}"
@@ -251,28 +287,35 @@ def _tail(path: str, lines: int = 5) -> str:
         return ""
 
 
-def _wait_serving(controller: Proc) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(controller.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+def _wait_serving(controllers: list[Proc], timeout_s: float = START_TIMEOUT_S) -> str:
+    """Until one of `controllers` serves (the leader, where there are several); returns its address."""
+    deadline = time.monotonic() + timeout_s
+    channels = {c.address: grpc.insecure_channel(c.address) for c in controllers}
+    try:
         while time.monotonic() < deadline:
-            if not controller.alive():
-                raise LocalError(f"the controller exited during start-up; its log ({controller.log}) ends:\n"
-                                 f"{_tail(controller.log)}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+            for controller in controllers:
+                if not controller.alive():
+                    raise LocalError(f"{controller.name} exited during start-up; its log ({controller.log}) ends:\n"
+                                     f"{_tail(controller.log)}")
+                try:
+                    reply = health_pb2_grpc.HealthStub(channels[controller.address]).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return controller.address
+                except grpc.RpcError:
+                    pass  # not up yet, or a standby
             time.sleep(0.1)
-    raise LocalError(f"the controller did not serve within {START_TIMEOUT_S:g}s; see {controller.log}")
+    finally:
+        for channel in channels.values():
+            channel.close()
+    raise LocalError(f"no controller served within {timeout_s:g}s; see {', '.join(c.log for c in controllers)}")
 
 
 def _wait_nodes(address: str, agents: list[Proc], out) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     want = {p.name for p in agents}
     shown = -1
+    address = address.split(",")[0] if "," not in address else _leader_of(address)
     with grpc.insecure_channel(address) as channel:
         stub = control_pb2_grpc.ControlServiceStub(channel)
         while time.monotonic() < deadline:
@@ -290,6 +333,67 @@ def _wait_nodes(address: str, agents: list[Proc], out) -> None:
                 return
             time.sleep(0.2)
     raise LocalError(f"not every node came UP within {START_TIMEOUT_S:g}s; see the logs in {home() / 'logs'}")
+
+
+def _leader_of(addresses: str) -> str:
+    """The address of the leader among comma-separated controllers, as any of them knows it."""
+    for address in addresses.split(","):
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = control_pb2_grpc.ControlServiceStub(channel).ListControllers(
+                    control_pb2.ListControllersRequest(), timeout=DEFAULT_TIMEOUT_S)
+            except grpc.RpcError:
+                continue
+            if reply.leader_address:
+                return reply.leader_address
+    raise LocalError(f"no controller of {addresses} knows a leader; see the logs in {home() / 'logs'}")
+
+
+def _find(name: str) -> tuple[list[Proc], Proc]:
+    procs = read_cluster()
+    if procs is None:
+        raise LocalError("no local cluster; start one with `phalanx local up --nodes N`")
+    for proc in procs:
+        if proc.name == name:
+            return procs, proc
+    raise LocalError(f"no process named {name!r} in the local cluster; `phalanx local status` lists them: "
+                     f"{', '.join(p.name for p in procs)}")
+
+
+def stop_member(name: str, kill: bool = False) -> str:
+    """Stop one process of the local cluster (SIGTERM, or SIGKILL with `kill`), to try a failover by hand."""
+    _, proc = _find(name)
+    pid = proc.live_pid()
+    if pid is None:
+        return f"{name} is not running"
+    try:
+        os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+    except ProcessLookupError:
+        return f"{name} is not running"
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and proc.live_pid() is not None:
+        time.sleep(0.05)
+    if proc.live_pid() is not None:
+        os.kill(pid, signal.SIGKILL)
+    return f"{name} (pid {pid}) {'killed' if kill else 'stopped'}; `phalanx local start {name}` starts it again"
+
+
+def start_member(name: str) -> str:
+    """Start again one process of the local cluster that was stopped, with its configuration as before."""
+    procs, proc = _find(name)
+    if proc.live_pid() is not None:
+        raise LocalError(f"{name} is already running (pid {proc.live_pid()})")
+    if proc.role == "etcd":
+        command = proc.command
+    else:
+        command = [sys.executable, "-m", f"{proc.role}.main", "--config", proc.config]
+    with open(proc.log, "ab") as log:
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True, cwd=home())
+    _children[child.pid] = child
+    proc.pid = child.pid
+    _write(procs)
+    return f"{name} started (pid {child.pid}); its log: {proc.log}"
 
 
 def status() -> list[dict[str, Any]]:
@@ -318,7 +422,8 @@ def _stop(procs: list[Proc]) -> int:
     """SIGTERM agents, then the controller (whatever process plays each part now, see Proc.live_pid); SIGKILL
     whatever is left after the grace period."""
     running: list[tuple[Proc, int]] = []
-    for proc in sorted(procs, key=lambda p: p.role == "controller"):
+    order = {"agent": 0, "controller": 1, "etcd": 2}  # etcd last: the controllers stand down cleanly on it
+    for proc in sorted(procs, key=lambda p: order.get(p.role, 0)):
         pid = proc.live_pid()
         if pid is not None:
             running.append((proc, pid))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
-from phalanx import __version__, faults, pki, tls
+from phalanx import __version__, faults, leader, pki, tls
 from phalanx.cli import local, render
 from phalanx.errors import PhalanxError
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
@@ -24,6 +24,7 @@ from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 PROG = "phalanx"
 WAIT_POLL_S = 0.5
+MAX_LOCAL_HA = 7  # controllers `phalanx local up --ha N` starts at most
 OK, FAILED, USAGE = 0, 1, 2
 
 
@@ -34,42 +35,51 @@ class CliError(PhalanxError):
 
 
 def controller_address(args: argparse.Namespace) -> str:
-    return args.controller or os.environ.get("PHALANX_CONTROLLER") or local.controller_address() or "?"
+    text = args.controller or os.environ.get("PHALANX_CONTROLLER") or local.controller_address() or "?"
+    try:
+        return ",".join(leader.parse_controllers(text))
+    except ValueError:
+        return text
 
 
-def _target(args: argparse.Namespace) -> tuple[str, ClientSecurity]:
-    """The controller's address and how to reach it: the flags, then the environment, then the local cluster
+def _target(args: argparse.Namespace) -> tuple[list[str], ClientSecurity]:
+    """The controllers' addresses and how to reach them: the flags, then the environment, then the local cluster
     (which is plaintext on loopback)."""
-    address = args.controller or os.environ.get("PHALANX_CONTROLLER")
-    if not address:
-        if local_address := local.controller_address():
-            return local_address, ClientSecurity(insecure=True)
+    text = args.controller or os.environ.get("PHALANX_CONTROLLER")
+    if text:
+        security = ClientSecurity.from_env(insecure=args.insecure or None, ca_file=args.ca, cert_file=args.cert,
+                                           key_file=args.key)
+    elif text := local.controller_address():
+        security = ClientSecurity(insecure=True)
+    else:
         raise CliError("no controller: pass --controller HOST:PORT, set PHALANX_CONTROLLER, or start a local "
                        "cluster with `phalanx local up --nodes N`")
-    security = ClientSecurity.from_env(insecure=args.insecure or None, ca_file=args.ca, cert_file=args.cert,
-                                       key_file=args.key)
-    return address, security
+    try:
+        return leader.parse_controllers(text), security
+    except ValueError as e:
+        raise CliError(str(e), USAGE) from None
 
 
-def control_stub(args: argparse.Namespace) -> tuple[grpc.Channel, control_pb2_grpc.ControlServiceStub]:
-    address, security = _target(args)
-    channel = security.channel(address, CLIENT_OPTIONS)
-    return channel, control_pb2_grpc.ControlServiceStub(channel)
+def controllers(args: argparse.Namespace) -> leader.Follower:
+    """The controllers this command talks to, following the leader; made once per command, closed by main()."""
+    if getattr(args, "follower", None) is None:
+        addresses, security = _target(args)
+        args.follower = leader.Follower(addresses, lambda address: security.channel(address, CLIENT_OPTIONS))
+    return args.follower
 
 
 def call(args: argparse.Namespace, fn: Callable[[control_pb2_grpc.ControlServiceStub], object]):
-    """Run one control call; turn gRPC failures into one-line errors with the right exit code."""
-    channel, stub = control_stub(args)
+    """Run one control call on the leader; turn gRPC failures into one-line errors with the right exit code."""
     try:
-        return fn(stub)
+        return controllers(args).call(lambda channel: fn(control_pb2_grpc.ControlServiceStub(channel)))
     except grpc.RpcError as e:
         raise rpc_error(e, args) from None
-    finally:
-        channel.close()
 
 
 def rpc_error(e: grpc.RpcError, args: argparse.Namespace) -> CliError:
     code = e.code()
+    if code == grpc.StatusCode.UNAVAILABLE and leader.from_standby(e):
+        return CliError(f"cannot reach a leading controller at {controller_address(args)}: {e.details()}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -98,7 +108,17 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
 
 
 def cmd_local_up(args: argparse.Namespace) -> int:
-    local.up(args.nodes, args.gpus_per_node, args.gpu_backend)
+    local.up(args.nodes, args.gpus_per_node, args.gpu_backend, ha=args.ha)
+    return OK
+
+
+def cmd_local_stop(args: argparse.Namespace) -> int:
+    print(local.stop_member(args.member, kill=args.kill))
+    return OK
+
+
+def cmd_local_start(args: argparse.Namespace) -> int:
+    print(local.start_member(args.member))
     return OK
 
 
@@ -116,6 +136,13 @@ def cmd_local_status(args: argparse.Namespace) -> int:
 def cmd_local_down(args: argparse.Namespace) -> int:
     local.down()
     return OK
+
+
+def cmd_controllers(args: argparse.Namespace) -> int:
+    # Leader and standbys alike answer ListControllers: the first controller that answers will do.
+    reply = call(args, lambda s: s.ListControllers(control_pb2.ListControllersRequest(), timeout=DEFAULT_TIMEOUT_S))
+    print(render.dumps(render.controllers_dict(reply)) if args.json else render.controllers_text(reply))
+    return OK if reply.leader and not reply.problem else FAILED
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -273,10 +300,12 @@ def cmd_events(args: argparse.Namespace) -> int:
             for event in reply.events:
                 _print_event(event, False)
         return OK
-    # --follow: one JSON object per line; survives controller restarts by resuming after the last seq.
+    # --follow: one JSON object per line; survives controller restarts and a change of leader by resuming
+    # after the last seq.
+    follower = controllers(args)
     last = args.after
     while True:
-        channel, stub = control_stub(args)
+        stub = control_pb2_grpc.ControlServiceStub(follower.channel())
         try:
             # No deadline: a follow runs until the user stops it.
             for event in stub.WatchEvents(control_pb2.WatchEventsRequest(after_seq=last, node=args.node or "",
@@ -286,18 +315,21 @@ def cmd_events(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise rpc_error(e, args) from None
+            if follower.moved(e):  # a standby named the leader: go there (a short pause: hints can be stale)
+                time.sleep(leader.FIRST_PAUSE_S)
+                continue
             print(f"{PROG}: lost the controller ({e.details()}); retrying", file=sys.stderr, flush=True)
             time.sleep(1.0)
-        finally:
-            channel.close()
 
 
 # -- parser --------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Phalanx: keep multi-node GPU training alive.")
-    parser.add_argument("--controller", metavar="HOST:PORT",
-                        help="controller address (default: $PHALANX_CONTROLLER, then the local cluster)")
+    parser.add_argument("--controller", metavar="HOST:PORT[,...]",
+                        help="controller address, or every controller of a highly available control plane, "
+                        "comma-separated: calls go to the leader (default: $PHALANX_CONTROLLER, then the local "
+                        "cluster)")
     parser.add_argument("--ca", metavar="FILE", help="the cluster CA (default: $PHALANX_CA, then "
                         f"{tls.DEFAULT_PKI_DIR}/ca.crt)")
     parser.add_argument("--cert", metavar="FILE", help="client certificate (default: $PHALANX_CERT); a token in "
@@ -335,12 +367,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=_count, default=8, help="simulated GPUs per node (default 8)")
     p.add_argument("--gpu-backend", choices=("auto", "sim", "nvml"), default="auto",
                    help="auto: real GPUs for a one-node cluster on a GPU host, simulated otherwise")
+    p.add_argument("--ha", type=_ha_size, default=0, metavar="N",
+                   help="N controllers on a local etcd, one leading (3 or 5 recommended; default 0: one controller "
+                   "on SQLite)")
     p.set_defaults(func=cmd_local_up)
     p = local_sub.add_parser("status", help="list the local cluster's processes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_local_status)
+    p = local_sub.add_parser("stop", help="stop one process of the local cluster (to try a failure)")
+    p.add_argument("member", metavar="MEMBER", help="its name as `phalanx local status` shows it (controller-1, "
+                   "etcd-0, node-2)")
+    p.add_argument("--kill", action="store_true", help="SIGKILL instead of SIGTERM")
+    p.set_defaults(func=cmd_local_stop)
+    p = local_sub.add_parser("start", help="start again one process of the local cluster that was stopped")
+    p.add_argument("member", metavar="MEMBER", help="its name as `phalanx local status` shows it")
+    p.set_defaults(func=cmd_local_start)
     p = local_sub.add_parser("down", help="stop the local cluster")
     p.set_defaults(func=cmd_local_down)
+
+    p = sub.add_parser("controllers", help="the controllers: which leads, which stand by, the store")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_controllers)
 
     p = sub.add_parser("nodes", help="list nodes")
     p.add_argument("--json", action="store_true")
@@ -444,6 +491,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _ha_size(text: str) -> int:
+    value = _count(text)
+    if value > MAX_LOCAL_HA:
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 0 (one controller) to {MAX_LOCAL_HA}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -468,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         return OK if getattr(args, "follow", False) else FAILED
     except BrokenPipeError:
         return OK
+    finally:
+        if getattr(args, "follower", None) is not None:
+            args.follower.close()
 
 
 if __name__ == "__main__":

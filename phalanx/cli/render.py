@@ -98,6 +98,36 @@ def nodes_table(nodes: Sequence[control_pb2.Node]) -> str:
     return table(("NODE", "STATE", "HEALTH", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"), rows)
 
 
+def controllers_dict(reply: control_pb2.ListControllersResponse) -> dict[str, Any]:
+    return {
+        "leader": reply.leader or None, "leader_address": reply.leader_address or None, "epoch": reply.epoch,
+        "store": reply.store or None, "answered_by": reply.answered_by or None, "problem": reply.problem or None,
+        "members": [{"name": m.name, "address": m.address, "role": "leader" if m.leader else "standby",
+                     "epoch": m.epoch, "started": iso(m.started_unix_ns), "leader_since": iso(m.leader_since_unix_ns)}
+                    for m in reply.members],
+    }
+
+
+def controllers_text(reply: control_pb2.ListControllersResponse) -> str:
+    """A line per controller, then the leader, the store and any problem."""
+    now = time.time_ns()
+    rows = [(m.name, m.address, "leader" if m.leader else "standby", m.epoch or "",
+             f"{age(m.started_unix_ns, now)} ago" if m.started_unix_ns else "") for m in reply.members]
+    lines = [table(("NAME", "ADDRESS", "ROLE", "EPOCH", "STARTED"), rows)]
+    if reply.leader:
+        leading = next((m for m in reply.members if m.leader and m.leader_since_unix_ns), None)
+        lines.append(f"leader: {reply.leader} at {reply.leader_address or '?'}"
+                     + (f", epoch {reply.epoch}" if reply.epoch else "")
+                     + (f" (leading for {age(leading.leader_since_unix_ns, now)})" if leading else ""))
+    else:
+        lines.append("leader: none elected")
+    lines.append(f"store: {reply.store or '?'}" + (f" (answered by {reply.answered_by})" if reply.answered_by
+                                                    else ""))
+    if reply.problem:
+        lines.append(f"problem: {reply.problem}")
+    return "\n".join(lines)
+
+
 def health_dict(node: common_pb2.NodeHealth) -> dict[str, Any]:
     return {"node": node.node, "health": health_name(node.health), "reasons": list(node.reasons),
             "evaluated": iso(node.evaluated_unix_ns),

@@ -1,0 +1,155 @@
+"""Failover of a highly available control plane: kill -9 of the leader -> a new leader serving and every agent
+back in session with it.
+
+A real `phalanx local up --ha 3` (three etcd members, three controllers, real agents) in a directory of its
+own; each trial kills the leader, times until a controller answers GetStats as the leader with every node in
+session, counts node.state events to SUSPECT/DOWN (goal: none: no live node is wrongly declared DOWN), then
+starts the killed controller again and waits for it to stand by. Also: the latency of a drain (a store
+commit) on the etcd store against the same on SQLite.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.common import log
+from phalanx.cli import local
+from phalanx.v1 import control_pb2, control_pb2_grpc
+
+GOAL_S = 3.0
+AGENTS = 4
+
+
+def _stub(address: str):
+    channel = grpc.insecure_channel(address)
+    return channel, control_pb2_grpc.ControlServiceStub(channel)
+
+
+def _leader(addresses: list[str]) -> tuple[str, str, int] | None:
+    for address in addresses:
+        channel, stub = _stub(address)
+        try:
+            r = stub.ListControllers(control_pb2.ListControllersRequest(), timeout=1)
+            if r.leader:
+                return r.leader, r.leader_address, r.epoch
+        except grpc.RpcError:
+            pass
+        finally:
+            channel.close()
+    return None
+
+
+def _serving_with(address: str, nodes: int) -> bool:
+    channel, stub = _stub(address)
+    try:
+        return stub.GetStats(control_pb2.GetStatsRequest(), timeout=1).sessions >= nodes
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
+def _wrongly_down(address: str, after_seq: int) -> int:
+    channel, stub = _stub(address)
+    try:
+        events = stub.ListEvents(control_pb2.ListEventsRequest(after_seq=after_seq, limit=10_000), timeout=5).events
+    finally:
+        channel.close()
+    return sum(1 for e in events if e.kind == "node.state" and ("SUSPECT" in e.message or "DOWN" in e.message))
+
+
+def _last_seq(address: str) -> int:
+    channel, stub = _stub(address)
+    seq = 0
+    try:
+        while events := stub.ListEvents(control_pb2.ListEventsRequest(after_seq=seq, limit=10_000), timeout=5).events:
+            seq = events[-1].seq
+        return seq
+    finally:
+        channel.close()
+
+
+def _drain_latency(address: str, node: str, n: int) -> float:
+    """Median seconds of a drain + undrain pair's drain (one store commit each), n times."""
+    channel, stub = _stub(address)
+    times = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            stub.DrainNode(control_pb2.DrainNodeRequest(name=node, reason="bench"), timeout=10)
+            times.append(time.perf_counter() - t0)
+            stub.UndrainNode(control_pb2.UndrainNodeRequest(name=node), timeout=10)
+    finally:
+        channel.close()
+    return statistics.median(times)
+
+
+def _trial_cluster(home: Path, ha: int):
+    os.environ["PHALANX_HOME"] = str(home)
+    local.up(AGENTS, 1, "sim", out=io.StringIO(), ha=ha)
+    return [p for p in local.read_cluster() if p.role == "controller"]
+
+
+def run(trials: int = 10) -> dict:
+    old_home = os.environ.get("PHALANX_HOME")
+    out: dict = {"trials": trials, "agents": AGENTS, "goal_s": GOAL_S}
+    try:
+        with tempfile.TemporaryDirectory(prefix="phalanx-failover-") as d:
+            controllers = _trial_cluster(Path(d) / "sqlite", 0)
+            out["drain_sqlite_ms"] = round(_drain_latency(controllers[0].address, "node-0", 20) * 1000, 2)
+            local.down(out=io.StringIO())
+
+            controllers = _trial_cluster(Path(d) / "etcd", 3)
+            addresses = [c.address for c in controllers]
+            leader = _leader(addresses)
+            out["drain_etcd_ms"] = round(_drain_latency(leader[1], "node-0", 20) * 1000, 2)
+            times, wrongly_down = [], 0
+            for i in range(trials):
+                name, address, epoch = _leader(addresses)
+                seq = _last_seq(address)
+                t0 = time.monotonic()
+                local.stop_member(name, kill=True)
+                deadline = t0 + 60
+                while time.monotonic() < deadline:
+                    now = _leader([a for a in addresses if a != address])
+                    if now and now[2] > epoch and _serving_with(now[1], AGENTS):
+                        break
+                    time.sleep(0.02)
+                else:
+                    raise RuntimeError(f"trial {i}: no new leader with every agent back within 60 s")
+                elapsed = time.monotonic() - t0
+                times.append(elapsed)
+                down = _wrongly_down(now[1], seq)
+                wrongly_down += down
+                log(f"failover {i + 1}/{trials}: {elapsed:.2f} s ({name} -> {now[0]}, epoch {epoch} -> {now[2]}), "
+                    f"nodes wrongly SUSPECT/DOWN: {down}")
+                local.start_member(name)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    channel, stub = _stub(address)
+                    try:
+                        if len(stub.ListControllers(control_pb2.ListControllersRequest(), timeout=1).members) == 3:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    finally:
+                        channel.close()
+                    time.sleep(0.1)
+            local.down(out=io.StringIO())
+        out.update(median_s=round(statistics.median(times), 3), max_s=round(max(times), 3),
+                   times_s=[round(t, 3) for t in times], wrongly_down=wrongly_down)
+    finally:
+        if local.read_cluster():
+            local.down(out=io.StringIO())
+        if old_home is None:
+            os.environ.pop("PHALANX_HOME", None)
+        else:
+            os.environ["PHALANX_HOME"] = old_home
+    return out

@@ -1,0 +1,139 @@
+"""A highly available control plane on loopback for tests: N controller processes on one etcd, and agents
+that know every controller. The test's own client follows the leader as the CLI does."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+from aetcd import rpc
+
+from controller.store.etcd import prefix_end
+from phalanx.cli.local import free_port
+from phalanx.v1 import control_pb2, control_pb2_grpc
+from tests.cluster import Cluster
+
+LEADER_METADATA = "phalanx-leader"
+
+
+class Following:
+    """A ControlService stub over several controllers: each call goes to the leader, found by trying them."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.channels = {a: grpc.insecure_channel(a) for a in addresses}
+        self.current = addresses[0]
+
+    def __getattr__(self, method: str):
+        def call(request, timeout: float = 5.0):
+            deadline = time.monotonic() + max(timeout, 10.0)
+            while True:
+                for address in [self.current, *self.addresses]:
+                    stub = control_pb2_grpc.ControlServiceStub(self.channels[address])
+                    try:
+                        reply = getattr(stub, method)(request, timeout=min(timeout, 2.0))
+                        self.current = address
+                        return reply
+                    except grpc.RpcError as e:
+                        # DEADLINE_EXCEEDED: a frozen controller (the tests only read through this, or write
+                        # what may be written twice)
+                        moving_on = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                        if e.code() not in moving_on or time.monotonic() > deadline:
+                            raise
+                        hint = dict(e.trailing_metadata() or ()).get(LEADER_METADATA)
+                        if hint in self.channels:
+                            self.current = hint
+                            break
+                else:
+                    time.sleep(0.05)
+        return call
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+
+
+class HaCluster(Cluster):
+    def __init__(self, root: Path, etcd_endpoint: str, controllers: int = 3, lease_ttl_s: int = 2) -> None:
+        super().__init__(root)
+        self._channel.close()
+        self.names = [f"c{i}" for i in range(controllers)]
+        self.addresses = {name: f"127.0.0.1:{free_port()}" for name in self.names}
+        self.address = ",".join(self.addresses.values())  # what agents and the CLI are given
+        self.etcd_endpoint = etcd_endpoint
+        self.prefix = f"/test-ha/{uuid.uuid4().hex}/"
+        self.lease_ttl_s = lease_ttl_s
+        self.control = Following(list(self.addresses.values()))
+        self._channel = self.control  # closed by Cluster.close
+
+    def start_controller(self, extra: str = "", metrics: bool = False, name: str = "") -> subprocess.Popen:
+        """Start one member (`name`), or every member not running; returns the last started."""
+        proc = None
+        for member in [name] if name else self.names:
+            if member in self.procs and self.procs[member].poll() is None:
+                continue
+            address = self.addresses[member]
+            proc = self._spawn(member, "controller.main",
+                               f'listen = "{address}"\n{extra}\n'
+                               f'[store]\nbackend = "etcd"\netcd_endpoints = "{self.etcd_endpoint}"\n'
+                               f'etcd_prefix = "{self.prefix}"\netcd_tls = false\nname = "{member}"\n'
+                               f'advertise = "{address}"\nlease_ttl_s = {self.lease_ttl_s}\n'
+                               "[security]\ninsecure = true\n")
+        self.wait_for(lambda: self.leader() is not None, "a leader elected")
+        return proc
+
+    def controllers(self) -> control_pb2.ListControllersResponse | None:
+        for address in self.addresses.values():
+            try:
+                return control_pb2_grpc.ControlServiceStub(self.control.channels[address]).ListControllers(
+                    control_pb2.ListControllersRequest(), timeout=2)
+            except grpc.RpcError:
+                continue
+        return None
+
+    def leader(self) -> tuple[str, int] | None:
+        """(name, epoch) of the leader that serves, asked of the leader itself."""
+        reply = self.controllers()
+        if reply is None or not reply.leader:
+            return None
+        try:
+            stub = control_pb2_grpc.ControlServiceStub(self.control.channels[reply.leader_address])
+            stub.GetStats(control_pb2.GetStatsRequest(), timeout=2)
+        except (grpc.RpcError, KeyError):
+            return None
+        return reply.leader, reply.epoch
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """`controller`: the leader (the one a single-controller test means); anything else by name."""
+        if name == "controller":
+            leader = self.leader()
+            assert leader is not None, "no leader to kill"
+            name = leader[0]
+        super().kill(name, sig)
+
+    def _kv(self, key: bytes, range_end: bytes = b"") -> list:
+        with grpc.insecure_channel(self.etcd_endpoint) as channel:
+            return list(rpc.KVStub(channel).Range(rpc.RangeRequest(key=key, range_end=range_end), timeout=10).kvs)
+
+    def stored_job(self, job_id: str) -> bytes | None:
+        """A job's serialized record as etcd has it: what a new leader loads."""
+        kvs = self._kv(f"{self.prefix}jobs/{job_id}".encode())
+        return base64.b64decode(json.loads(kvs[0].value)["data"]) if kvs else None
+
+    def stored_events(self, job_id: str) -> list[tuple[str, str]]:
+        base = f"{self.prefix}events/".encode()
+        out = []
+        for kv in self._kv(base, prefix_end(base)):
+            out += [(e["kind"], e["message"]) for e in json.loads(kv.value) if e["job"] == job_id]
+        return out
+
+    def log(self, name: str, lines: int = 20) -> str:
+        if name == "controller":  # Cluster's messages name one controller: show every member's tail
+            return "\n".join(f"--- {n}\n{super(HaCluster, self).log(n, lines)}" for n in self.names)
+        return super().log(name, lines)
