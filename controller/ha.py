@@ -93,13 +93,14 @@ class Elector:
         while True:
             try:
                 term = await self._try()
-                if term is not None:
-                    self.problem = ""
-                    return term
+                if self.problem:
+                    logger.info("etcd reachable again", endpoint=self.etcd.endpoint)
                 self.problem = ""
+                if term is not None:
+                    return term
                 await self._wait_vacant()
             except StoreError as e:
-                if self.problem != str(e):
+                if not self.problem:  # once per outage, not once per try
                     logger.warning("cannot campaign: etcd unavailable; trying again", error=str(e))
                 self.problem = f"etcd unavailable: {e}"
                 await self._clock.sleep(0.2 + random.random() * 0.3)

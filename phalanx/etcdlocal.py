@@ -53,11 +53,14 @@ def plan(root: Path, count: int, name_prefix: str = "etcd") -> list[Member]:
                    root / f"{name_prefix}{i}.log") for i in range(count)]
 
 
-def command(member: Member, members: list[Member], pki: Path | None = None, token: str = "phalanx-local") -> list[str]:
+def command(member: Member, members: list[Member], pki: Path | None = None, token: str = "phalanx-local",
+            also_listen: tuple[str, ...] = ()) -> list[str]:
+    """`also_listen`: more addresses (besides 127.0.0.1) to serve clients on, at the same port."""
     scheme = "https" if pki else "http"
     client_url = f"{scheme}://{member.endpoint}"
+    listen = ",".join([client_url, *(f"{scheme}://{host}:{member.client_port}" for host in also_listen)])
     cmd = [etcd_binary(), "--name", member.name, "--data-dir", str(member.data_dir),
-           "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+           "--listen-client-urls", listen, "--advertise-client-urls", client_url,
            "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
            "--initial-cluster", ",".join(f"{m.name}={m.peer_url}" for m in members),
            "--initial-cluster-token", token, "--initial-cluster-state", "new",
@@ -69,10 +72,12 @@ def command(member: Member, members: list[Member], pki: Path | None = None, toke
     return cmd
 
 
-def start(member: Member, members: list[Member], pki: Path | None = None) -> subprocess.Popen:
+def start(member: Member, members: list[Member], pki: Path | None = None,
+          also_listen: tuple[str, ...] = ()) -> subprocess.Popen:
     member.data_dir.mkdir(parents=True, exist_ok=True)
     with open(member.log_path, "ab") as log:
-        member.proc = subprocess.Popen(command(member, members, pki), stdout=log, stderr=subprocess.STDOUT,
+        member.proc = subprocess.Popen(command(member, members, pki, also_listen=also_listen), stdout=log,
+                                       stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
     return member.proc
 

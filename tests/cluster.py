@@ -46,11 +46,12 @@ class Cluster:
         self.control = control_pb2_grpc.ControlServiceStub(self._channel)
         self.health = health_pb2_grpc.HealthStub(self._channel)
 
-    def _spawn(self, name: str, module: str, config: str) -> subprocess.Popen:
+    def _spawn(self, name: str, module: str, config: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """`prefix`: what the command runs under (e.g. `ip netns exec NS`)."""
         path = self.root / f"{name}.toml"
         path.write_text(config)
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
-        proc = subprocess.Popen([sys.executable, "-m", module, "--config", str(path)], stdout=log,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", module, "--config", str(path)], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.procs[name] = proc

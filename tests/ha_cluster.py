@@ -18,6 +18,7 @@ from controller.store.etcd import prefix_end
 from phalanx.cli.local import free_port
 from phalanx.v1 import control_pb2, control_pb2_grpc
 from tests.cluster import Cluster
+from tests.netns import Netns
 
 LEADER_METADATA = "phalanx-leader"
 
@@ -60,11 +61,16 @@ class Following:
 
 
 class HaCluster(Cluster):
-    def __init__(self, root: Path, etcd_endpoint: str, controllers: int = 3, lease_ttl_s: int = 2) -> None:
+    def __init__(self, root: Path, etcd_endpoint: str, controllers: int = 3, lease_ttl_s: int = 2,
+                 netns: dict[str, Netns] | None = None) -> None:
+        """`netns`: members that run in a network namespace of their own (tests/netns.py), reaching etcd at the
+        namespace's host address on etcd's port (etcd must listen there too)."""
         super().__init__(root)
         self._channel.close()
         self.names = [f"c{i}" for i in range(controllers)]
-        self.addresses = {name: f"127.0.0.1:{free_port()}" for name in self.names}
+        self.netns = netns or {}
+        self.addresses = {name: f"{self.netns[name].ns_ip if name in self.netns else '127.0.0.1'}:{free_port()}"
+                          for name in self.names}
         self.address = ",".join(self.addresses.values())  # what agents and the CLI are given
         self.etcd_endpoint = etcd_endpoint
         self.prefix = f"/test-ha/{uuid.uuid4().hex}/"
@@ -79,12 +85,14 @@ class HaCluster(Cluster):
             if member in self.procs and self.procs[member].poll() is None:
                 continue
             address = self.addresses[member]
+            ns = self.netns.get(member)
+            etcd = self.etcd_endpoint if ns is None else f"{ns.host_ip}:{self.etcd_endpoint.rpartition(':')[2]}"
             proc = self._spawn(member, "controller.main",
                                f'listen = "{address}"\n{extra}\n'
-                               f'[store]\nbackend = "etcd"\netcd_endpoints = "{self.etcd_endpoint}"\n'
+                               f'[store]\nbackend = "etcd"\netcd_endpoints = "{etcd}"\n'
                                f'etcd_prefix = "{self.prefix}"\netcd_tls = false\nname = "{member}"\n'
                                f'advertise = "{address}"\nlease_ttl_s = {self.lease_ttl_s}\n'
-                               "[security]\ninsecure = true\n")
+                               "[security]\ninsecure = true\n", tuple(ns.prefix()) if ns else ())
         self.wait_for(lambda: self.leader() is not None, "a leader elected")
         return proc
 

@@ -156,3 +156,57 @@ def test_etcd_unavailable_nobody_decides_and_the_control_plane_catches_up(tmp_pa
     finally:
         c.close()
         etcdlocal.stop(members[0])
+
+
+def test_a_leader_cut_off_by_a_real_partition_is_replaced_and_fenced(tmp_path):
+    """The leader in a network namespace of its own; its link is cut (every packet dropped, both ways), not its
+    process stopped: it goes on running, finds it cannot renew its lease and stands down, while a standby takes
+    over and both agents follow; healed, it comes back as a standby and the leader stays."""
+    from phalanx import etcdlocal
+    from tests import netns as nets
+    why = nets.available()
+    if why:
+        pytest.skip(why)
+    try:
+        etcdlocal.etcd_binary()
+    except etcdlocal.EtcdMissing as e:
+        pytest.skip(str(e))
+    ns = nets.Netns()
+    members = etcdlocal.plan(tmp_path / "etcd", 1)
+    c = None
+    try:
+        etcdlocal.start(members[0], members, also_listen=(ns.host_ip,))
+        etcdlocal.wait_healthy(members)
+        c = HaCluster(tmp_path, members[0].endpoint, netns={"c0": ns})
+        c.start_controller(name="c0")  # alone: it leads
+        assert c.leader()[0] == "c0"
+        c.start_controller()
+        for name in ("a", "b"):
+            c.start_agent(name)
+        c.wait_states({"a": "UP", "b": "UP"})
+        c.wait_for(lambda: c.control.GetStats(control_pb2.GetStatsRequest()).sessions == 2, "agents at c0")
+        before = events(c)
+        _, epoch = c.leader()
+
+        ns.cut()
+        c.wait_for(lambda: (c.leader() or ("c0",))[0] != "c0", "a new leader on this side of the cut")
+        new, new_epoch = c.leader()
+        assert new_epoch > epoch
+        c.wait_for(lambda: c.control.GetStats(control_pb2.GetStatsRequest()).sessions == 2,
+                   "both agents at the new leader")
+        c.wait_for(lambda: "no longer the leader" in c.log("c0", 400), "c0 to stand down on its side of the cut")
+        assert c.procs["c0"].poll() is None  # cut off, not dead
+        c.control.DrainNode(control_pb2.DrainNodeRequest(name="b", reason="during the partition"))
+        c.wait_states({"b": "DRAINED"})
+
+        ns.heal()
+        c.wait_for(lambda: len(c.controllers().members) == 3, "c0 back among the members")
+        assert c.leader() == (new, new_epoch)
+        later = events(c)[len(before):]
+        assert not [e for e in later if e.kind == "node.state" and ("SUSPECT" in e.message or "DOWN" in e.message)]
+        assert c.node("b").drain_reason == "during the partition"
+    finally:
+        if c is not None:
+            c.close()
+        etcdlocal.stop(members[0])
+        ns.close()
