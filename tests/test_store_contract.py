@@ -278,3 +278,19 @@ def test_etcd_over_mutual_tls(tmp_path):
         run(go())
     finally:
         etcdlocal.stop(members[0])
+
+
+def test_etcd_commits_larger_than_a_request_are_split_by_size(etcd_server):
+    """etcd refuses a request over 1.5 MiB: one commit of 3 MB of records, and 40 concurrent ones of 100 KB, both
+    go through (in several transactions)."""
+    async def go():
+        store = _etcd_store(etcd_server)
+        big = b"\xab" * 100_000
+        out = await store.commit(nodes=[NodeRecord(f"n{i:02d}", UP, inventory=big) for i in range(30)], events=[ev()])
+        assert len(out.nodes) == 30 and out.events[0].seq == 1
+        many = await asyncio.gather(*(store.commit(nodes=[NodeRecord(f"m{i:02d}", UP, inventory=big)])
+                                      for i in range(40)))
+        assert len(many) == 40
+        assert len(await store.load_nodes()) == 70
+        await store.close()
+    run(go())

@@ -43,6 +43,9 @@ logger = log.get("etcd")
 
 _SEQ_DIGITS = 20
 _ENDPOINT_CODES = (grpc.StatusCode.UNAVAILABLE,)  # the request never reached a member that could serve it
+# etcd refuses a request above --max-request-bytes (1.5 MiB by default): a group commit stops short of this, and a
+# commit larger than this alone is written in pieces.
+TXN_BYTES = 1 << 20
 COMPACT_EVERY = 1000  # commits between history compactions
 HISTORY_KEPT = 10_000  # revisions of history left behind a compaction (watchers that fell behind less resume)
 
@@ -175,6 +178,11 @@ class _Request:
     writes: list[tuple[bytes, int, bytes]]
     events: list[EventRecord]
     future: asyncio.Future
+
+    @property
+    def nbytes(self) -> int:
+        """About what it adds to a transaction's size (events at a generous 300 bytes each)."""
+        return sum(len(k) + len(v) for k, _, v in self.writes) + 300 * len(self.events)
 
 
 @dataclass(frozen=True)
@@ -310,15 +318,17 @@ class EtcdStore:
         while self._queue:
             batch = [self._queue.popleft()]
             keys = {w[0] for w in batch[0].writes}
-            size = len(batch[0].writes)
+            size, nbytes = len(batch[0].writes), batch[0].nbytes
             while self._queue and size + len(self._queue[0].writes) <= room and \
+                    nbytes + self._queue[0].nbytes <= TXN_BYTES and \
                     keys.isdisjoint(w[0] for w in self._queue[0].writes):
                 nxt = self._queue.popleft()
                 batch.append(nxt)
                 keys.update(w[0] for w in nxt.writes)
                 size += len(nxt.writes)
+                nbytes += nxt.nbytes
             try:
-                if size > room:  # one commit too large for a transaction: in pieces, its events with the last
+                if size > room or nbytes > TXN_BYTES:  # one commit too large for a transaction: in pieces
                     await self._write_large(batch[0], room)
                 else:
                     await self._write(batch)
@@ -330,12 +340,21 @@ class EtcdStore:
                     raise
 
     async def _write_large(self, request: _Request, room: int) -> None:
+        """Its records in transactions of at most `room` records and TXN_BYTES, its events with the last."""
+        pieces: list[list] = [[]]
+        nbytes = 0
+        for write in request.writes:
+            size = len(write[0]) + len(write[2])
+            if pieces[-1] and (len(pieces[-1]) >= room or nbytes + size > TXN_BYTES):
+                pieces.append([])
+                nbytes = 0
+            pieces[-1].append(write)
+            nbytes += size
         revisions: dict[bytes, int] = {}
         appended: list[EventRecord] = []
-        for start in range(0, len(request.writes), room):
-            last = start + room >= len(request.writes)
-            part = _Request(request.writes[start:start + room], request.events if last else [],
-                            asyncio.get_running_loop().create_future())
+        for i, writes in enumerate(pieces):
+            last = i == len(pieces) - 1
+            part = _Request(writes, request.events if last else [], asyncio.get_running_loop().create_future())
             await self._write([part])
             part_revisions, part_events = part.future.result()
             revisions.update(part_revisions)
