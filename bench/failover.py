@@ -10,6 +10,7 @@ commit) on the etcd store against the same on SQLite.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import statistics
@@ -91,25 +92,43 @@ def _drain_latency(address: str, node: str, n: int) -> float:
     return statistics.median(times)
 
 
-def _trial_cluster(home: Path, ha: int):
+@contextlib.contextmanager
+def _cluster(home: Path, ha: int):
+    """A local cluster in `home`: its controllers; it is taken down on the way out, whatever happens."""
+    old_home = os.environ.get("PHALANX_HOME")
     os.environ["PHALANX_HOME"] = str(home)
-    local.up(AGENTS, 1, "sim", out=io.StringIO(), ha=ha)
-    return [p for p in local.read_cluster() if p.role == "controller"]
+    try:
+        try:
+            local.up(AGENTS, 1, "sim", out=io.StringIO(), ha=ha)
+            yield [p for p in local.read_cluster() if p.role == "controller"]
+        finally:
+            if local.read_cluster():
+                local.down(out=io.StringIO())
+    finally:
+        if old_home is None:
+            os.environ.pop("PHALANX_HOME", None)
+        else:
+            os.environ["PHALANX_HOME"] = old_home
+
+
+def _rejoined(address: str) -> bool:
+    channel, stub = _stub(address)
+    try:
+        return len(stub.ListControllers(control_pb2.ListControllersRequest(), timeout=1).members) == 3
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
 
 
 def run(trials: int = 10) -> dict:
-    old_home = os.environ.get("PHALANX_HOME")
     out: dict = {"trials": trials, "agents": AGENTS, "goal_s": GOAL_S}
-    try:
-        with tempfile.TemporaryDirectory(prefix="phalanx-failover-") as d:
-            controllers = _trial_cluster(Path(d) / "sqlite", 0)
+    with tempfile.TemporaryDirectory(prefix="phalanx-failover-") as d:
+        with _cluster(Path(d) / "sqlite", 0) as controllers:
             out["drain_sqlite_ms"] = round(_drain_latency(controllers[0].address, "node-0", 20) * 1000, 2)
-            local.down(out=io.StringIO())
-
-            controllers = _trial_cluster(Path(d) / "etcd", 3)
+        with _cluster(Path(d) / "etcd", 3) as controllers:
             addresses = [c.address for c in controllers]
-            leader = _leader(addresses)
-            out["drain_etcd_ms"] = round(_drain_latency(leader[1], "node-0", 20) * 1000, 2)
+            out["drain_etcd_ms"] = round(_drain_latency(_leader(addresses)[1], "node-0", 20) * 1000, 2)
             times, wrongly_down = [], 0
             for i in range(trials):
                 name, address, epoch = _leader(addresses)
@@ -132,24 +151,8 @@ def run(trials: int = 10) -> dict:
                     f"nodes wrongly SUSPECT/DOWN: {down}")
                 local.start_member(name)
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    channel, stub = _stub(address)
-                    try:
-                        if len(stub.ListControllers(control_pb2.ListControllersRequest(), timeout=1).members) == 3:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    finally:
-                        channel.close()
+                while time.monotonic() < deadline and not _rejoined(address):
                     time.sleep(0.1)
-            local.down(out=io.StringIO())
-        out.update(median_s=round(statistics.median(times), 3), max_s=round(max(times), 3),
-                   times_s=[round(t, 3) for t in times], wrongly_down=wrongly_down)
-    finally:
-        if local.read_cluster():
-            local.down(out=io.StringIO())
-        if old_home is None:
-            os.environ.pop("PHALANX_HOME", None)
-        else:
-            os.environ["PHALANX_HOME"] = old_home
+    out.update(median_s=round(statistics.median(times), 3), max_s=round(max(times), 3),
+               times_s=[round(t, 3) for t in times], wrongly_down=wrongly_down)
     return out

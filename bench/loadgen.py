@@ -48,7 +48,11 @@ RECONNECT_MAX_S = 5.0
 class Gen:
     def __init__(self, target: str, index: int, stride: int, per_channel: int, concurrency: int,
                  pki: str = "") -> None:
-        self.target = target
+        # Several controllers (a highly available control plane): every node goes to the one this process believes
+        # leads; a standby's answer names the leader (phalanx-leader), and an unreachable one passes the turn on.
+        self.targets = [t for t in target.split(",") if t]
+        self.target = self.targets[0]
+        self._by_target: dict[str, list[tuple[grpc.aio.Channel, node_pb2_grpc.NodeServiceStub]]] = {}
         self.pki = Path(pki) if pki else None  # mutual TLS: each node its own channel and certificate
         self.index = index  # this process is generator `index` of `stride`; it owns global ids index, index+stride, ...
         self.stride = stride
@@ -82,13 +86,28 @@ class Gen:
             self.channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
             return self.channels[-1][1]
         i = local // self.per_channel
-        while len(self.channels) <= i:
+        channels = self._by_target.setdefault(self.target, [])
+        while len(channels) <= i:
             # A local subchannel pool: each channel has its own TCP connection (the global pool would
             # let channels with the same target and options share one).
             options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
             channel = grpc.aio.insecure_channel(self.target, options=options)
-            self.channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
-        return self.channels[i][1]
+            channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
+            self.channels.append(channels[-1])
+        return channels[i][1]
+
+    def _follow(self, tried: str, e: BaseException) -> None:
+        """After a failed open at `tried`: the leader a standby named, else the next controller."""
+        if len(self.targets) < 2 or tried != self.target:
+            return
+        hint = None
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
+            hint = dict(e.trailing_metadata() or ()).get("phalanx-leader")
+        if hint:
+            self.target = hint
+        elif isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
+            self.target = self.targets[(self.targets.index(tried) + 1) % len(self.targets)] \
+                if tried in self.targets else self.targets[0]
 
     def _error(self, what: str, e: BaseException) -> None:
         if len(self.errors) < 20:
@@ -118,7 +137,6 @@ class Gen:
         """One simulated agent: agent/link.py's loop (register, open, heartbeat; on any end, back off, again)."""
         gid = self.index + local * self.stride
         name = f"bench-{gid:05d}"
-        stub = self._stub(local, name)
         sim = SimBackend(GPUS, name, seed=gid)
         inventory = common_pb2.NodeInventory(
             hostname=name, cpu_count=128, memory_total_bytes=2 * 1024**4, gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM,
@@ -137,7 +155,7 @@ class Gen:
         backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
         try:
             while True:
-                call = await self._open(name, stub, inventory, first.done())
+                call = await self._open(name, local, inventory, first.done())
                 if not first.done():
                     first.set_result(call is not None)
                     self.opening.pop(asyncio.current_task(), None)
@@ -156,9 +174,11 @@ class Gen:
             if not first.done():
                 first.set_result(False)
 
-    async def _open(self, name: str, stub, inventory: common_pb2.NodeInventory, again: bool):
+    async def _open(self, name: str, local: int, inventory: common_pb2.NodeInventory, again: bool):
         """Register and open the session; the call once SessionAccepted has come, else None."""
         async with self.sem:
+            target = self.target
+            stub = self._stub(local, name)
             try:
                 t0 = time.monotonic()
                 reply = await stub.Register(node_pb2.RegisterRequest(node_name=name, inventory=inventory), timeout=60)
@@ -180,6 +200,7 @@ class Gen:
                 else:
                     self.open_failures += 1
                 self._error(f"{'reopen' if again else 'open'} {name}", e)
+                self._follow(target, e)
                 return None
 
     async def _beat(self, call, message: node_pb2.AgentMessage, phase: float) -> None:

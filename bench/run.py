@@ -34,6 +34,7 @@ from bench import (  # noqa: E402
     common,
     detection,
     failover,
+    failover_scale,
     footprint,
     health,
     hooks,
@@ -45,7 +46,8 @@ from bench import (  # noqa: E402
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "failover")
+              "recovery", "failover", "failover-scale")
+FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000, 8000, 10000], [2000]
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
 QUICK_STEPS = [500, 2000]
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, help="detection: kill/detect trials (default 10, quick 3)")
     p.add_argument("--steps", help="capacity: comma-separated node counts (default "
                    f"{','.join(map(str, FULL_STEPS))}; quick {','.join(map(str, QUICK_STEPS))})")
+    p.add_argument("--failover-steps", help="failover-scale: comma-separated node counts (default "
+                   f"{','.join(map(str, FAILOVER_STEPS))}; quick {','.join(map(str, QUICK_FAILOVER_STEPS))})")
     p.add_argument("--hold", type=float, help="capacity: seconds each step is measured (default 15, quick 10)")
     p.add_argument("--settle", type=float, default=3.0, help="capacity: seconds after the ramp before measuring")
     p.add_argument("--generators", type=int, default=1, help="capacity: load generator processes (all on CPU 1)")
@@ -89,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
     args.benchmarks = [b for b in BENCHMARKS if b in args.benchmarks] or list(BENCHMARKS)
     args.trials = args.trials or (3 if args.quick else 10)
+    args.failover_steps = ([int(s) for s in args.failover_steps.split(",")] if args.failover_steps
+                           else QUICK_FAILOVER_STEPS if args.quick else FAILOVER_STEPS)
     args.steps = [int(s) for s in args.steps.split(",")] if args.steps else (QUICK_STEPS if args.quick else FULL_STEPS)
     hold_given = args.hold is not None
     args.hold = args.hold or (10.0 if args.quick else 15.0)
@@ -122,6 +128,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = recovery.run(quick=args.quick)
             elif name == "failover":
                 results[name] = failover.run(args.trials)
+            elif name == "failover-scale":
+                results[name] = await failover_scale.run(args.failover_steps)
             elif name == "capacity":
                 budget = max(60.0, args.budget - (time.monotonic() - t_begin))
                 results[name] = await capacity.run(args.steps, args.hold, args.settle, args.generators,
@@ -265,6 +273,15 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"{f['wrongly_down']}{_verdict(f['wrongly_down'] == 0)}"))
         rows.append(("failover", "drain latency, median: SQLite / etcd (3 members)", "",
                      f"{f['drain_sqlite_ms']:.1f} / {f['drain_etcd_ms']:.1f} ms"))
+    fs = results.get("failover-scale")
+    if fs and "error" not in fs:
+        for st in fs["steps"]:
+            rows.append(("failover-scale", f"N={st['nodes']:,}: kill -9 of the leader -> all nodes back", "<= 3 s",
+                         f"{st['all_back_s']:.2f} s{_verdict(st['all_back_s'] <= 3.0)}"))
+            rows.append(("failover-scale", f"N={st['nodes']:,}: live nodes declared SUSPECT/DOWN", "0",
+                         f"{st['wrongly_suspect_or_down']}{_verdict(st['wrongly_suspect_or_down'] == 0)}"))
+            rows.append(("failover-scale", f"N={st['nodes']:,}: heartbeat lag p99 after", "< 100 ms",
+                         f"{st['lag_p99_ms']:.0f} ms{_verdict(st['lag_p99_ms'] < 100)}"))
     r = results.get("recovery")
     if r and "error" not in r:
         for fault, systems in r["faults"].items():

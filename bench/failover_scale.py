@@ -1,0 +1,143 @@
+"""Failover under load: kill -9 of the leader with thousands of simulated agents (bench/loadgen.py) connected.
+
+Three controllers on one etcd member (the controllers pinned to CPU 0, etcd and the load generator to CPU 1:
+a 2-core machine cannot give three etcd members cores of their own). The generator's nodes follow the leader
+as agents do. For each N: grow to N sessions at the leader, let it settle, kill -9 the leader, and time until a
+new leader holds all N sessions again; then wait out the reconnect window and count node.state events to
+SUSPECT or DOWN since the kill (goal 0: no live node declared DOWN because the controller was busy), and read
+the new leader's heartbeat lag (p99 of its window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.capacity import Generator
+from bench.common import Procs, free_port, log, temp_root
+from phalanx import etcdlocal
+from phalanx.v1 import control_pb2, control_pb2_grpc
+
+SETTLE_S = 5.0
+WINDOW_S = 10.0  # after every node is back: longer than takeover_grace_s + down_after_s
+
+
+def controller_toml(address: str, root: Path, name: str, etcd: str) -> str:
+    return (f'listen = "{address}"\nstate_db = "{root / (name + ".db")}"\n[security]\ninsecure = true\n'
+            f'[store]\nbackend = "etcd"\netcd_endpoints = "{etcd}"\netcd_tls = false\n'
+            f'etcd_max_txn_ops = {etcdlocal.MAX_TXN_OPS}\nname = "{name}"\nadvertise = "{address}"\n')
+
+
+async def _ask(address: str, fn, timeout: float = 2.0):
+    options = [("grpc.max_receive_message_length", 1 << 30)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        return await fn(control_pb2_grpc.ControlServiceStub(channel), timeout)
+
+
+async def _leader(addresses: list[str]) -> tuple[str, str, int] | None:
+    for address in addresses:
+        try:
+            r = await _ask(address, lambda s, t: s.ListControllers(control_pb2.ListControllersRequest(), timeout=t))
+        except grpc.aio.AioRpcError:
+            continue
+        if r.leader:
+            return r.leader, r.leader_address, r.epoch
+    return None
+
+
+async def _sessions(address: str) -> int:
+    try:
+        return (await _ask(address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))).sessions
+    except grpc.aio.AioRpcError:
+        return -1
+
+
+async def _suspect_or_down(address: str, after_seq: int) -> tuple[int, int]:
+    """(node.state events to SUSPECT or DOWN after `after_seq`, the last seq)."""
+    count, seq = 0, after_seq
+    while True:
+        reply = await _ask(address, lambda s, t, after=seq: s.ListEvents(
+            control_pb2.ListEventsRequest(after_seq=after, limit=10_000), timeout=t), timeout=10)
+        if not reply.events:
+            return count, seq
+        count += sum(1 for e in reply.events if e.kind == "node.state" and ("SUSPECT" in e.message
+                                                                            or "DOWN" in e.message))
+        seq = reply.events[-1].seq
+
+
+async def _wait(predicate, what: str, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if await predicate():
+            return time.monotonic() - t0
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+async def run(steps: list[int]) -> dict:
+    out: dict = {"steps": [], "window_s": WINDOW_S}
+    with temp_root("phalanx-failover-scale-") as d:
+        root = Path(d)
+        procs = Procs(root)
+        members = etcdlocal.plan(root / "etcd", 1)
+        etcdlocal.start(members[0], members)
+        gen = None
+        try:
+            etcdlocal.wait_healthy(members)
+            addresses = {f"c{i}": f"127.0.0.1:{free_port()}" for i in range(3)}
+            pids = {}
+            for name, address in addresses.items():
+                pids[name] = procs.spawn(name, "controller.main",
+                                         controller_toml(address, root, name, members[0].endpoint), cpu=0).pid
+            await _wait(lambda: _leader(list(addresses.values())), "a leader", 60)
+            proc = await procs.spawn_piped("loadgen", "bench.loadgen", (
+                "--target", ",".join(addresses.values()), "--per-channel", "50", "--concurrency", "256"), cpu=1)
+            gen = Generator("loadgen", proc)
+            hello = await gen.read(60.0)
+            if hello.get("ok") != "ready":
+                raise RuntimeError(f"loadgen said {hello}")
+            gen.start()
+            for n in steps:
+                t0 = time.monotonic()
+                await gen.call({"cmd": "grow", "total": n}, timeout_s=600)
+                _, leader_address, _ = await _leader(list(addresses.values()))
+                await _wait(lambda a=leader_address, n=n: _sessions_at_least(a, n), f"{n} sessions", 600)
+                log(f"failover at scale: {n} nodes in session in {time.monotonic() - t0:.0f} s; settling")
+                await asyncio.sleep(SETTLE_S)
+                name, address, epoch = await _leader(list(addresses.values()))
+                _, seq = await _suspect_or_down(address, 0)
+                procs.kill(pids[name], signal.SIGKILL)
+                t_kill = time.monotonic()
+                others = [a for a in addresses.values() if a != address]
+
+                async def new_leader_with_all(others=others, epoch=epoch, n=n) -> bool:
+                    now = await _leader(others)
+                    return bool(now and now[2] > epoch and await _sessions(now[1]) >= n)
+
+                back_s = await _wait(new_leader_with_all, f"a new leader with all {n} nodes", 300)
+                new_name, new_address, _ = await _leader(others)
+                await asyncio.sleep(WINDOW_S)
+                down, _ = await _suspect_or_down(new_address, seq)
+                stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
+                step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
+                        "lag_p99_ms": round(stats.heartbeat_lag_p99_ms, 1), "leader": f"{name} -> {new_name}",
+                        "since_kill_s": round(time.monotonic() - t_kill, 1)}
+                out["steps"].append(step)
+                log(f"failover at scale: N={n}: every node back at {new_name} {back_s:.2f} s after the kill; "
+                    f"SUSPECT/DOWN events: {down}; heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms")
+                pids[name] = procs.spawn(name, "controller.main",
+                                         controller_toml(address, root, name, members[0].endpoint), cpu=0).pid
+        finally:
+            if gen is not None:
+                await gen.close()
+            procs.close()
+            etcdlocal.stop(members[0])
+    return out
+
+
+async def _sessions_at_least(address: str, n: int) -> bool:
+    return await _sessions(address) >= n
