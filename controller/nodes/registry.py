@@ -8,6 +8,7 @@ go through one lock, in order; the heartbeat path itself takes no lock and does 
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from controller.store.base import EventRecord, NodeRecord, Store
 from phalanx import log
 from phalanx.clock import Clock
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
+
+ADMIT_BATCH = 500  # registrations admitted in one store commit at most
 
 logger = log.get("registry")
 
@@ -94,6 +97,8 @@ class Registry:
         self._hub = hub
         self._nodes: dict[str, NodeEntry] = {}
         self._lock = asyncio.Lock()
+        self._registering: collections.deque = collections.deque()  # (name, inventory, peer, future) to admit
+        self._admitting: asyncio.Task | None = None
         self.epoch = 0  # the leadership epoch (controller/ha.py); 0 without election
         self.leading: Callable[[], bool] = lambda: True  # whether this controller may act (its lease holds)
         self.lag = LagWindow()
@@ -128,10 +133,48 @@ class Registry:
     # -- the agent side ----------------------------------------------------------------------
 
     async def register(self, name: str, inventory: common_pb2.NodeInventory, peer: str) -> NodeEntry:
-        async with self._lock:
-            now_ns = self._clock.wall_ns()
+        """Admit a node (a new one, or one coming back: a new incarnation). Registrations are admitted in batches,
+        one store commit each: after a controller restart or a takeover every agent registers at once, and one
+        commit per node, one at a time, would keep thousands waiting for seconds. A known node's silence counts
+        from the moment its registration arrives, not from when it is admitted."""
+        entry = self._nodes.get(name)
+        if entry is not None:
+            entry.last_seen = max(entry.last_seen, self._clock.monotonic())
+        future: asyncio.Future[NodeEntry] = asyncio.get_running_loop().create_future()
+        self._registering.append((name, inventory, peer, future))
+        if self._admitting is None or self._admitting.done():
+            self._admitting = asyncio.get_running_loop().create_task(self._admit())
+        return await future
+
+    async def _admit(self) -> None:
+        while self._registering:
+            batch, names = [], set()
+            while self._registering and len(batch) < ADMIT_BATCH and self._registering[0][0] not in names:
+                item = self._registering.popleft()
+                if not item[3].done():  # its caller gave up (cancelled)
+                    batch.append(item)
+                    names.add(item[0])
+            if not batch:
+                continue
+            try:
+                async with self._lock:
+                    entries = await self._register_batch(batch)
+            except Exception as e:
+                for *_, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            for (*_, future), entry in zip(batch, entries, strict=True):
+                if not future.done():
+                    future.set_result(entry)
+            await asyncio.sleep(0)  # heartbeats and sessions waiting on the loop go first, then the next batch
+
+    async def _register_batch(self, batch: list) -> list[NodeEntry]:
+        """One commit for a batch of registrations of different nodes. Lock held."""
+        now_ns = self._clock.wall_ns()
+        records, events = [], []
+        for name, inventory, peer, _ in batch:
             entry = self._nodes.get(name)
-            events = []
             if entry is None:
                 record = NodeRecord(name=name, state=UP, state_since_ns=now_ns)
                 events.append(self._event("node.state", f"node {name} joined: UP", name, source="NEW", target="UP"))
@@ -151,18 +194,23 @@ class Registry:
             events.append(self._event("node.registered", f"node {name} registered from {peer} "
                                       f"(incarnation {record.incarnation}, {len(inventory.gpus)} GPUs)", name,
                                       peer=peer, incarnation=str(record.incarnation)))
-            committed = await self._store.commit(nodes=[record], events=events)
+            records.append(record)
+        committed = await self._store.commit(nodes=records, events=events)
+        # silence counts from when the registration was committed, not from before the fsync
+        now = self._clock.monotonic()
+        entries = []
+        for (name, _, peer, _), record in zip(batch, committed.nodes, strict=True):
             old = self._nodes.get(name)
             if old is not None and old.session is not None:
                 old.session.kick(grpc.StatusCode.FAILED_PRECONDITION,
                                  f"superseded by a new registration of {name} from {peer}")
-            # silence counts from when the registration was committed, not from before the fsync
-            entry = NodeEntry(record=committed.nodes[0], last_seen=self._clock.monotonic(), peer=peer)
+            entry = NodeEntry(record=record, last_seen=now, peer=peer)
             self._nodes[name] = entry
-            self._hub.publish(committed.events)
-            logger.info("node registered", node=name, peer=peer, incarnation=entry.record.incarnation,
-                        state=str(entry.record.state))
-            return entry
+            entries.append(entry)
+            logger.info("node registered", node=name, peer=peer, incarnation=record.incarnation,
+                        state=str(record.state))
+        self._hub.publish(committed.events)
+        return entries
 
     def attach(self, name: str, incarnation: int, session: Session) -> NodeEntry:
         entry = self._nodes.get(name)
