@@ -18,12 +18,12 @@ import grpc
 from agent.backoff import Backoff
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock, wait_for
+from phalanx.leader import leader_hint
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S, SESSION_KEEPALIVE
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 logger = log.get("link")
 
-LEADER_METADATA = "phalanx-leader"  # a standby's trailing metadata: where the leader is (controller/ha.py)
 MAX_QUEUED = 1000  # messages kept for the controller while disconnected; the oldest go first
 
 
@@ -158,7 +158,7 @@ class Link:
             return
         hint = None
         if error is not None and error.code() == grpc.StatusCode.UNAVAILABLE:
-            hint = dict(error.trailing_metadata() or ()).get(LEADER_METADATA)
+            hint = leader_hint(error)
         if hint and hint != self.controller:
             logger.info("following the leader", standby=self.controller, leader=hint)
             self.controller, self._hinted = hint, True

@@ -30,11 +30,11 @@ from controller.errors import StoreError
 from controller.store.etcd import Etcd, prefix_end
 from phalanx import log
 from phalanx.clock import Clock, RealClock
+from phalanx.leader import LEADER_METADATA
 from phalanx.v1 import control_pb2
 
 logger = log.get("ha")
 
-LEADER_METADATA = "phalanx-leader"
 MEMBER_TTL_S = 10
 RENEW_MARGIN = 0.1  # of the TTL: clocks drift, and the renewal's answer is not instant
 

@@ -26,7 +26,7 @@ import grpc
 
 T = TypeVar("T")
 
-LEADER_METADATA = "phalanx-leader"  # the same key as controller/ha.py's, which clients must not import
+LEADER_METADATA = "phalanx-leader"  # where a standby names the leader (controller/ha.py sends it)
 
 FOLLOW_S = 10.0       # how long a call looks for a leader while standbys say an election is under way
 FIRST_PAUSE_S = 0.2   # the wait after a pass over every controller: 0.2 s, doubling, at most MAX_PAUSE_S

@@ -2,6 +2,7 @@
 the real daemons scraped while real things happen to them."""
 
 import asyncio
+import dataclasses
 import shutil
 import socket
 import subprocess
@@ -563,3 +564,23 @@ def test_promtool_finds_nothing_wrong_with_either_endpoint(cluster):
     wait_value(cluster, cluster.metrics["n1"], "phalanx_gpu_health", 1, gpu="0", verdict="FAILED")
     for address in cluster.metrics.values():
         promtool_check(scrape(address))
+
+
+def test_leadership_and_store_latency_series_on_an_elected_controller():
+    from controller.obs.stats import LAG_BUCKETS_S, Buckets
+    commits = Buckets(LAG_BUCKETS_S)
+    commits.observe(0.004)
+    clock, store, hub = FakeClock(), MemoryStore(), EventHub()
+    registry = Registry(store, clock, LivenessConfig(), hub, HealthConfig())
+    jobs = JobManager(store, registry, clock, hub, JobsConfig(), lambda: flat({}), RecoveryConfig())
+    solo_snapshot = controller_metrics.take_snapshot(registry, jobs, hub)
+    snapshot = dataclasses.replace(solo_snapshot, store="etcd", store_commit=(commits.cumulative(), commits.sum),
+                                   leadership=(True, 42, 3, 2))
+    found = {s.name: s for family in controller_metrics.families(snapshot) for s in family.samples}
+    assert found["phalanx_controller_leader"].value == 1 and found["phalanx_controller_epoch"].value == 42
+    assert found["phalanx_controller_terms_total"].value == 3
+    assert found["phalanx_controller_failovers_total"].value == 2
+    assert found["phalanx_store_commit_seconds_count"].value == 1
+    assert found["phalanx_store_commit_seconds_count"].labels == {"store": "etcd"}
+    solo = {s.name for family in controller_metrics.families(solo_snapshot) for s in family.samples}
+    assert not {n for n in solo if n.startswith(("phalanx_controller_leader", "phalanx_controller_epoch"))}
