@@ -22,7 +22,7 @@ import grpc
 
 from bench.common import log
 from phalanx.cli import local
-from phalanx.v1 import control_pb2, control_pb2_grpc
+from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 GOAL_S = 3.0
 AGENTS = 4
@@ -92,6 +92,23 @@ def _drain_latency(address: str, node: str, n: int) -> float:
     return statistics.median(times)
 
 
+def _submit_latency(address: str, n: int) -> float:
+    """Median seconds of a SubmitJob (one store commit; the job asks for more nodes than there are, so it waits
+    PENDING and launches nothing), n times; each is cancelled afterwards."""
+    channel, stub = _stub(address)
+    times = []
+    try:
+        for i in range(n):
+            spec = common_pb2.JobSpec(name=f"bench-{i}", command=["true"], nodes=AGENTS + 1, ranks_per_node=1)
+            t0 = time.perf_counter()
+            job = stub.SubmitJob(control_pb2.SubmitJobRequest(spec=spec), timeout=10)
+            times.append(time.perf_counter() - t0)
+            stub.CancelJob(control_pb2.CancelJobRequest(id=job.id), timeout=10)
+    finally:
+        channel.close()
+    return statistics.median(times)
+
+
 @contextlib.contextmanager
 def _cluster(home: Path, ha: int):
     """A local cluster in `home`: its controllers; it is taken down on the way out, whatever happens."""
@@ -126,9 +143,11 @@ def run(trials: int = 10) -> dict:
     with tempfile.TemporaryDirectory(prefix="phalanx-failover-") as d:
         with _cluster(Path(d) / "sqlite", 0) as controllers:
             out["drain_sqlite_ms"] = round(_drain_latency(controllers[0].address, "node-0", 20) * 1000, 2)
+            out["submit_sqlite_ms"] = round(_submit_latency(controllers[0].address, 20) * 1000, 2)
         with _cluster(Path(d) / "etcd", 3) as controllers:
             addresses = [c.address for c in controllers]
             out["drain_etcd_ms"] = round(_drain_latency(_leader(addresses)[1], "node-0", 20) * 1000, 2)
+            out["submit_etcd_ms"] = round(_submit_latency(_leader(addresses)[1], 20) * 1000, 2)
             times, wrongly_down = [], 0
             for i in range(trials):
                 name, address, epoch = _leader(addresses)

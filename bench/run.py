@@ -273,6 +273,8 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"{f['wrongly_down']}{_verdict(f['wrongly_down'] == 0)}"))
         rows.append(("failover", "drain latency, median: SQLite / etcd (3 members)", "",
                      f"{f['drain_sqlite_ms']:.1f} / {f['drain_etcd_ms']:.1f} ms"))
+        rows.append(("failover", "job submission latency, median: SQLite / etcd (3 members)", "",
+                     f"{f['submit_sqlite_ms']:.1f} / {f['submit_etcd_ms']:.1f} ms"))
     fs = results.get("failover-scale")
     if fs and "error" not in fs:
         for st in fs["steps"]:

@@ -220,8 +220,41 @@ def test_restart_gives_every_node_a_full_window_to_reconnect():
         _entry, _ = await w2.join("n1")
         await w2.advance(1.2)
         assert w2.state("n1") is UP
+        # n1 was admitted 1.2 s ago: others may still be waiting their turn; n2 is judged once admissions pause
+        assert w2.state("n2") is DRAINED
+        await w2.advance(1.0)
         assert w2.state("n2") is DOWN
         assert w2.registry.get("n2").record.drain_reason == "bad fan"
+    run(go())
+
+
+def test_nodes_not_back_yet_are_not_declared_while_others_are_still_being_admitted():
+    """A takeover or restart brings every agent back at once; admitting them takes time. A node loaded from the
+    store is not judged while registrations keep being admitted; once they pause, it is."""
+    async def go():
+        store = MemoryStore()
+        w = World(store)
+        for i in range(6):
+            await w.join(f"n{i}")
+        w2 = World(store)
+        await w2.registry.load()
+        back = []
+
+        async def advance(seconds: float) -> None:  # the nodes that are back heartbeat every half second
+            for _ in range(round(seconds / 0.5)):
+                await w2.advance(0.5)
+                for entry in back:
+                    await w2.beat(entry)
+
+        for i in range(5):  # one admission every 1.5 s: 7.5 s in all, far past down_after_s
+            await advance(1.5)
+            back.append((await w2.join(f"n{i}"))[0])
+        assert w2.state("n5") is UP  # still waiting its turn, as far as anyone can tell
+        await advance(2.5)  # admissions paused for suspect_after_s: n5 is judged
+        assert w2.state("n5") in (SUSPECT, DOWN)
+        await advance(1.5)
+        assert w2.state("n5") is DOWN
+        assert all(w2.state(f"n{i}") is UP for i in range(5))
     run(go())
 
 

@@ -41,6 +41,7 @@ class NodeEntry:
     peer: str = ""
     heartbeats: int = 0
     session_lost: bool = False  # had a session with this controller process, and it ended
+    returning: bool = False  # loaded from the store, not heard from by this controller process yet
     previous_seen: float = 0.0  # monotonic time of the heartbeat before the last one
     health_digest: int = 0
     gpu_health: dict[int, health.GpuHistory] = field(default_factory=dict)
@@ -99,6 +100,7 @@ class Registry:
         self._lock = asyncio.Lock()
         self._registering: collections.deque = collections.deque()  # (name, inventory, peer, future) to admit
         self._admitting: asyncio.Task | None = None
+        self._admitted_at = float("-inf")  # monotonic time of the last batch of registrations admitted
         self.epoch = 0  # the leadership epoch (controller/ha.py); 0 without election
         self.leading: Callable[[], bool] = lambda: True  # whether this controller may act (its lease holds)
         self.lag = LagWindow()
@@ -111,7 +113,7 @@ class Registry:
         (a takeover: agents first have to notice that the old leader is gone)."""
         now = self._clock.monotonic() + grace_s
         for record in await self._store.load_nodes():
-            self._nodes[record.name] = NodeEntry(record=record, last_seen=now)
+            self._nodes[record.name] = NodeEntry(record=record, last_seen=now, returning=True)
         logger.info("registry loaded", nodes=len(self._nodes))
 
     def get(self, name: str) -> NodeEntry:
@@ -164,6 +166,7 @@ class Registry:
                     if not future.done():
                         future.set_exception(e)
                 continue
+            self._admitted_at = self._clock.monotonic()
             for (*_, future), entry in zip(batch, entries, strict=True):
                 if not future.done():
                     future.set_result(entry)
@@ -371,9 +374,14 @@ class Registry:
         quiet_since = now - self.policy.suspect_after_s
         # Only nodes that could need a change become `Seen`s: at 10,000 nodes and 10 sweeps a second,
         # building an object per node per sweep is most of the controller's idle cost.
+        # After a restart or a takeover every agent comes back at once, and admitting thousands takes this
+        # controller seconds: while registrations keep being admitted, a node not yet back is waiting its turn,
+        # not dead. Once the admissions pause for suspect_after_s, the silent ones are judged as any other.
+        storm = now - self._admitted_at < self.policy.suspect_after_s
         seen = [liveness.Seen(e.record.name, e.record.state, e.last_seen, e.session_lost)
                 for e in self._nodes.values()
-                if e.last_seen <= quiet_since or e.session_lost or e.record.state is SUSPECT]
+                if (e.last_seen <= quiet_since or e.session_lost or e.record.state is SUSPECT)
+                and not (storm and e.returning)]
         changes = liveness.decide(seen, now, self.policy) if seen else []
         named = {c.name for c in changes}
         changes += [liveness.Change(e.record.name, DRAINED, "no ranks left running")
