@@ -47,7 +47,7 @@ from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
               "recovery", "failover", "failover-scale")
-FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000, 8000, 10000], [2000]
+FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
 QUICK_STEPS = [500, 2000]

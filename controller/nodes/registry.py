@@ -210,8 +210,12 @@ class Registry:
             entry = NodeEntry(record=record, last_seen=now, peer=peer)
             self._nodes[name] = entry
             entries.append(entry)
-            logger.info("node registered", node=name, peer=peer, incarnation=record.incarnation,
-                        state=str(record.state))
+        if len(batch) == 1:
+            logger.info("node registered", node=batch[0][0], peer=batch[0][2],
+                        incarnation=entries[0].record.incarnation, state=str(entries[0].record.state))
+        else:  # a storm of them (a restart, a takeover): one line per batch, each node in the event log
+            logger.info("nodes registered", count=len(batch), first=batch[0][0], last=batch[-1][0],
+                        waiting=len(self._registering))
         self._hub.publish(committed.events)
         return entries
 
