@@ -45,9 +45,21 @@ class Cluster:
             self._channel = grpc.secure_channel(self.address, creds)
         self.control = control_pb2_grpc.ControlServiceStub(self._channel)
         self.health = health_pb2_grpc.HealthStub(self._channel)
+        self.netns: dict = {}  # process name -> tests/netns.Netns it runs in
+
+    def listen_on(self, host: str) -> None:
+        """Serve the controller on `host` instead of 127.0.0.1 (agents in network namespaces reach it there)."""
+        assert self.pki is None, "plaintext only"
+        self._channel.close()
+        self.address = f"{host}:{self.address.rpartition(':')[2]}"
+        self._channel = grpc.insecure_channel(self.address)
+        self.control = control_pb2_grpc.ControlServiceStub(self._channel)
+        self.health = health_pb2_grpc.HealthStub(self._channel)
 
     def _spawn(self, name: str, module: str, config: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-        """`prefix`: what the command runs under (e.g. `ip netns exec NS`)."""
+        """`prefix`: what the command runs under (default: `ip netns exec NS` for a process given a namespace)."""
+        if not prefix and name in self.netns:
+            prefix = tuple(self.netns[name].prefix())
         path = self.root / f"{name}.toml"
         path.write_text(config)
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it

@@ -68,7 +68,7 @@ class HaCluster(Cluster):
         super().__init__(root)
         self._channel.close()
         self.names = [f"c{i}" for i in range(controllers)]
-        self.netns = netns or {}
+        self.netns.update(netns or {})
         self.addresses = {name: f"{self.netns[name].ns_ip if name in self.netns else '127.0.0.1'}:{free_port()}"
                           for name in self.names}
         self.address = ",".join(self.addresses.values())  # what agents and the CLI are given

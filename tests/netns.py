@@ -48,6 +48,11 @@ class Netns:
             raise
         self.is_cut = False
 
+    def route_out(self) -> None:
+        """A default route through the host end: the namespace reaches every address of the host (another
+        namespace's host end included), as a machine on a network reaches the controller."""
+        self.exec_("ip", "route", "add", "default", "via", self.host_ip)
+
     def prefix(self) -> list[str]:
         """Run a command inside: prepend this."""
         return ["ip", "netns", "exec", self.name]

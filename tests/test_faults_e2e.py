@@ -428,10 +428,35 @@ def test_the_leader_killed_during_recoveries_many_times(ha_cluster, tmp_path, re
 # -- a partitioned agent ------------------------------------------------------------------------------------
 
 
-def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_wakes(cluster, tmp_path):
-    """One node x 2 ranks and a spare: the ranks talk to each other only, so while their agent is stopped
+@pytest.fixture
+def namespaces():
+    """Each agent in a network namespace of its own (tests/netns.py), routed to the host."""
+    from tests import netns
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    made: dict[str, netns.Netns] = {}
+    try:
+        for name in NODES[:3]:
+            made[name] = netns.Netns()
+            made[name].route_out()
+        yield made
+    finally:
+        for ns in made.values():
+            ns.close()
+
+
+@pytest.mark.parametrize("partition", ["sigstop", "cut-link"])
+def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_wakes(cluster, tmp_path, partition,
+                                                                                    request):
+    """One node x 2 ranks and a spare: the ranks talk to each other only, so while their agent is cut off
     they train on, unreachable; they checkpoint only when asked (--every 0), so nothing they do is
-    thrown away by the test itself."""
+    thrown away by the test itself. The partition is the agent stopped (SIGSTOP), or, with every agent in a
+    network namespace of its own, the victim's link cut: the agent runs on and finds itself alone."""
+    if partition == "cut-link":
+        namespaces = request.getfixturevalue("namespaces")
+        cluster.netns.update(namespaces)
+        cluster.listen_on(namespaces[NODES[0]].host_ip)  # the host's end of one link: every namespace routes to it
     see = Observer(cluster)
     cluster.start_controller("[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n")
     for name in NODES[:3]:
@@ -455,7 +480,10 @@ def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_w
     assert sorted(set(stale.values())) == [1] and len(stale) == 4  # 2 wrappers, 2 ranks
 
     agent = cluster.procs[victim]
-    os.kill(agent.pid, signal.SIGSTOP)
+    if partition == "cut-link":
+        cluster.netns[victim].cut()
+    else:
+        os.kill(agent.pid, signal.SIGSTOP)
     try:
         cluster.wait_for(lambda: (j := see.job(job_id)) is not None and state_of(j) == "RUNNING"
                          and j.generation == 2, "the job running again", timeout=WAIT_S)
@@ -468,7 +496,10 @@ def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_w
                          "generation 2 resumed", timeout=WAIT_S)
         second = checkpoint(cluster, job_id)
     finally:
-        os.kill(agent.pid, signal.SIGCONT)
+        if partition == "cut-link":
+            cluster.netns[victim].heal()
+        else:
+            os.kill(agent.pid, signal.SIGCONT)
 
     cluster.wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                                      for pid in stale), "the stale ranks stopped", timeout=WAIT_S)
