@@ -170,7 +170,7 @@ class Registry:
             for (*_, future), entry in zip(batch, entries, strict=True):
                 if not future.done():
                     future.set_result(entry)
-            await asyncio.sleep(0)  # heartbeats and sessions waiting on the loop go first, then the next batch
+            await self._clock.sleep(0)  # heartbeats and sessions waiting on the loop go first, then the next batch
 
     async def _register_batch(self, batch: list) -> list[NodeEntry]:
         """One commit for a batch of registrations of different nodes. Lock held."""
