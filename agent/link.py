@@ -100,7 +100,9 @@ class Link:
                 level = logger.info if e.code() == grpc.StatusCode.UNAVAILABLE else logger.warning
                 level("session ended", controller=self.controller, code=e.code().name, details=e.details())
                 self._move_on(e)
-            except (TimeoutError, ConnectionError) as e:
+            except (TimeoutError, ConnectionError, asyncio.InvalidStateError) as e:
+                # InvalidStateError: a write raced the call's end (the controller went away, or a keepalive
+                # ping went unanswered); the reader has the status, and the next session starts the same way
                 logger.warning("session ended", controller=self.controller, error=repr(e))
                 self._move_on(None)
             except Exception:

@@ -76,6 +76,7 @@ class HaCluster(Cluster):
         self.prefix = f"/test-ha/{uuid.uuid4().hex}/"
         self.lease_ttl_s = lease_ttl_s
         self.control = Following(list(self.addresses.values()))
+        self._etcd_channel: grpc.Channel | None = None  # the test's own reads of the store (what a leader loads)
         self._channel = self.control  # closed by Cluster.close
 
     def start_controller(self, extra: str = "", metrics: bool = False, name: str = "") -> subprocess.Popen:
@@ -118,16 +119,28 @@ class HaCluster(Cluster):
         return reply.leader, reply.epoch
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """`controller`: the leader (the one a single-controller test means); anything else by name."""
+        """`controller`: the leader (the one a single-controller test means); anything else by name. The leader is
+        the controller that answered the test's last call, when it still runs (no round trip: a kill aimed at a
+        moment of a recovery must land then); else asked."""
         if name == "controller":
-            leader = self.leader()
-            assert leader is not None, "no leader to kill"
-            name = leader[0]
+            names = {address: member for member, address in self.addresses.items()}
+            name = names.get(self.control.current, "")
+            if not name or self.procs[name].poll() is not None:
+                leader = self.leader()
+                assert leader is not None, "no leader to kill"
+                name = leader[0]
         super().kill(name, sig)
 
     def _kv(self, key: bytes, range_end: bytes = b"") -> list:
-        with grpc.insecure_channel(self.etcd_endpoint) as channel:
-            return list(rpc.KVStub(channel).Range(rpc.RangeRequest(key=key, range_end=range_end), timeout=10).kvs)
+        if self._etcd_channel is None:
+            self._etcd_channel = grpc.insecure_channel(self.etcd_endpoint)
+        return list(rpc.KVStub(self._etcd_channel).Range(rpc.RangeRequest(key=key, range_end=range_end),
+                                                          timeout=10).kvs)
+
+    def close(self) -> None:
+        if self._etcd_channel is not None:
+            self._etcd_channel.close()
+        super().close()
 
     def stored_job(self, job_id: str) -> bytes | None:
         """A job's serialized record as etcd has it: what a new leader loads."""
