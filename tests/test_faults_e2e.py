@@ -392,8 +392,10 @@ def kill_loop(cluster, tmp_path, reference, trials: int, steps: int) -> None:
           f"{len(loop.jobs)} job(s); kills landed in: {dict(sorted(hits.items()))}", flush=True)
     assert len(done) == trials
     # an aimed kill can come too late (RESTARTING lasts tens of milliseconds): it then hits the job just back to
-    # RUNNING, a fine place for a kill too, but most must land in a recovery
-    assert sum(hits[s] for s in RECOVERING) >= trials // 2, f"too few kills landed in a recovery\n{loop.why()}"
+    # RUNNING, a fine place for a kill too, but most must land in a recovery. Aiming through etcd (a round trip
+    # per look at the store, against a read of SQLite's file) is coarser: there, a third must.
+    share = 3 if isinstance(cluster, HaCluster) else 2
+    assert sum(hits[s] for s in RECOVERING) >= trials // share, f"too few kills landed in a recovery\n{loop.why()}"
 
 
 def test_the_controller_killed_during_recoveries_loses_nothing(cluster, tmp_path, reference):
