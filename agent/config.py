@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from phalanx import config
-from phalanx.config import host_port, positive, require, section, setting
+from phalanx.config import comma_list, host_port, positive, require, section, setting
 from phalanx.errors import ConfigError
 from phalanx.log import LEVELS
 from phalanx.names import NAME
@@ -94,7 +94,7 @@ class AgentConfig:
     security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
 
     def controllers(self) -> list[str]:
-        return list(dict.fromkeys(a.strip() for a in self.controller.split(",") if a.strip()))
+        return comma_list(self.controller)
 
     def __post_init__(self) -> None:
         if self.node_name:

@@ -35,6 +35,7 @@ try:  # the agent's digest of the health signals (the controller re-judges healt
     from agent.main import health_digest
 except ImportError:  # an agent without one
     health_digest = None
+from phalanx.leader import leader_hint
 from phalanx.rpc import CLIENT_OPTIONS
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
@@ -100,9 +101,7 @@ class Gen:
         """After a failed open at `tried`: the leader a standby named, else the next controller."""
         if len(self.targets) < 2 or tried != self.target:
             return
-        hint = None
-        if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
-            hint = dict(e.trailing_metadata() or ()).get("phalanx-leader")
+        hint = leader_hint(e) if isinstance(e, grpc.aio.AioRpcError) else None
         if hint:
             self.target = hint
         elif isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:

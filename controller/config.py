@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx import config
-from phalanx.config import host_port, positive, require, section, setting
+from phalanx.config import comma_list, host_port, positive, require, section, setting
 from phalanx.log import LEVELS
 
 
@@ -197,7 +197,7 @@ class StoreConfig:
 
 
 def endpoints(text: str) -> list[str]:
-    return [e.strip() for e in text.split(",") if e.strip()]
+    return comma_list(text)
 
 
 @dataclass(frozen=True)

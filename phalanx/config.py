@@ -30,6 +30,11 @@ def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None) -
     return dataclasses.field(default=default, metadata=meta)
 
 
+def comma_list(text: str) -> list[str]:
+    """'A, B,,A' -> ['A', 'B']: the items of a comma-separated setting, stripped, without blanks or repeats."""
+    return list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+
+
 def section(cls: type[T], doc: str) -> Any:
     return dataclasses.field(default_factory=cls, metadata={"doc": doc, "choices": None})
 

@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import grpc
 
+from phalanx.config import comma_list
+
 T = TypeVar("T")
 
 LEADER_METADATA = "phalanx-leader"  # where a standby names the leader (controller/ha.py sends it)
@@ -38,7 +40,7 @@ _STANDBY = " is a standby: "
 
 def parse_controllers(text: str) -> list[str]:
     """'HOST:PORT, HOST:PORT,...' -> the addresses in order, without blanks or repeats."""
-    addresses = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+    addresses = comma_list(text)
     if not addresses:
         raise ValueError(f"no controller address in {text!r}: give HOST:PORT, or several as HOST:PORT,HOST:PORT")
     return addresses

@@ -16,11 +16,10 @@ from aetcd import rpc
 
 from controller.store.etcd import prefix_end
 from phalanx.cli.local import free_port
+from phalanx.leader import leader_hint
 from phalanx.v1 import control_pb2, control_pb2_grpc
 from tests.cluster import Cluster
 from tests.netns import Netns
-
-LEADER_METADATA = "phalanx-leader"
 
 
 class Following:
@@ -47,7 +46,7 @@ class Following:
                         moving_on = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                         if e.code() not in moving_on or time.monotonic() > deadline:
                             raise
-                        hint = dict(e.trailing_metadata() or ()).get(LEADER_METADATA)
+                        hint = leader_hint(e)
                         if hint in self.channels:
                             self.current = hint
                             break
