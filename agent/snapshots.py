@@ -324,18 +324,25 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
         self._store, self._emit = store, emit
         self._nodes_only = nodes_only  # served with mutual TLS: only the cluster's nodes may put or get
 
-    async def _refuse_non_nodes(self, context) -> None:
+    async def _refuse_non_nodes(self, context, request_stream: AsyncIterator | None = None) -> None:
+        """PERMISSION_DENIED unless the peer presented a node certificate. A refused client stream is read to
+        its end first: grpc.aio reports INTERNAL instead of our status to a client whose write races the
+        status (grpc/grpc#36066), and only a misconfigured peer is ever refused, so the read costs nothing
+        that matters."""
         if not self._nodes_only:
             return
         peer = tls.peer_identity(context)
         if peer is None or peer[0] != "node":
             who = f"{peer[0]} {peer[1]!r}" if peer else "a peer without a phalanx certificate"
+            if request_stream is not None:
+                async for _ in request_stream:
+                    pass
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"snapshot replicas are for the cluster's nodes only, not {who}")
 
     async def Put(self, request_iterator, context) -> snapshot_pb2.PutReply:
-        await self._refuse_non_nodes(context)
         stream = request_iterator.__aiter__()
+        await self._refuse_non_nodes(context, stream)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:

@@ -1,4 +1,7 @@
 import os
+import sys
+import threading
+import time
 
 import pytest
 
@@ -13,6 +16,25 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+EXIT_HANG_S = 60.0
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A gRPC aio server or channel a failed test left behind can hang the interpreter's exit for good (seen on
+    CI: the suite's summary printed, then nothing until the job's time ran out). Past EXIT_HANG_S the process
+    says so and exits with the suite's own status, so a hang costs a minute, not the CI run."""
+    status = int(exitstatus)
+
+    def watchdog() -> None:
+        time.sleep(EXIT_HANG_S)
+        sys.stderr.write(f"conftest: the test process did not exit within {EXIT_HANG_S:.0f} s of the suite's end "
+                         f"(something a test left running); exiting with the suite's status {status}\n")
+        sys.stderr.flush()
+        os._exit(status)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 
 @pytest.fixture

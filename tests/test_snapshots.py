@@ -288,18 +288,20 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
             await replicator.close()
             return replicator.sent, events
 
-        assert await put("node-a", f"node-b@{address}") == (1, [])
-        assert [(h.kind, h.key) for h in b.held()] == [(snaps.REPLICA, key(7))]
-        sent, events = await put("alice", f"node-b@{address}")
-        assert sent == 0 and "PERMISSION_DENIED" in events[0][1]  # a user's certificate: no replicas for it
-        sent, events = await put("node-a", f"node-c@{address}")
-        assert sent == 0 and "UNAVAILABLE" in events[0][1]  # the server is not node-c: the handshake fails
-        me = identity("node-a")
-        fetcher = snaps.Replicator(snaps.SnapshotStore(tmp_path / "c", budget_bytes=1 << 30), lambda *x, **k: None,
-                                   tls.channel_credentials(me.ca, me.cert, me.key))
-        fetched = await fetcher.fetch(f"node-b@{address}", key(7))
-        assert fetched.path.read_bytes() == held.path.read_bytes()
-        await fetcher.close()
-        await server.stop(None)
+        try:
+            assert await put("node-a", f"node-b@{address}") == (1, [])
+            assert [(h.kind, h.key) for h in b.held()] == [(snaps.REPLICA, key(7))]
+            sent, events = await put("alice", f"node-b@{address}")
+            assert sent == 0 and "PERMISSION_DENIED" in events[0][1]  # a user's certificate: no replicas for it
+            sent, events = await put("node-a", f"node-c@{address}")
+            assert sent == 0 and "UNAVAILABLE" in events[0][1]  # the server is not node-c: the handshake fails
+            me = identity("node-a")
+            fetcher = snaps.Replicator(snaps.SnapshotStore(tmp_path / "c", budget_bytes=1 << 30),
+                                       lambda *x, **k: None, tls.channel_credentials(me.ca, me.cert, me.key))
+            fetched = await fetcher.fetch(f"node-b@{address}", key(7))
+            assert fetched.path.read_bytes() == held.path.read_bytes()
+            await fetcher.close()
+        finally:
+            await server.stop(None)
 
     asyncio.run(scenario())
