@@ -74,7 +74,7 @@ async def _wait(predicate, what: str, timeout_s: float) -> float:
     while time.monotonic() - t0 < timeout_s:
         if await predicate():
             return time.monotonic() - t0
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # each poll costs the controllers a ListControllers and a GetStats
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 

@@ -258,6 +258,56 @@ def test_nodes_not_back_yet_are_not_declared_while_others_are_still_being_admitt
     run(go())
 
 
+def test_a_node_registered_but_not_yet_heartbeating_waits_its_turn_while_admissions_go_on():
+    """In a storm, a node whose Register was admitted but whose session (and first heartbeat) is still on its
+    way through a busy controller is not declared; once admissions pause it is judged as any other."""
+    async def go():
+        store = MemoryStore()
+        w = World(store)
+        for i in range(5):
+            await w.join(f"n{i}")
+        w2 = World(store)
+        await w2.registry.load()
+        await w2.registry.register("n4", inventory(), "ipv4:127.0.0.1:1")  # registered; no session, no heartbeat
+        back = []
+        for i in range(4):  # one admission every 1.5 s: 6 s in all, far past down_after_s
+            for _ in range(3):
+                await w2.advance(0.5)
+                for entry in back:
+                    await w2.beat(entry)
+            back.append((await w2.join(f"n{i}"))[0])
+        assert w2.state("n4") is UP
+        for _ in range(5):  # admissions paused for suspect_after_s, and more: n4 is judged
+            await w2.advance(0.5)
+            for entry in back:
+                await w2.beat(entry)
+        assert w2.state("n4") is DOWN
+        assert all(w2.state(f"n{i}") is UP for i in range(4))
+    run(go())
+
+
+def test_the_health_tick_rejudges_a_node_as_each_xid_leaves_the_window():
+    async def go():
+        w = World()
+        entry, _ = await w.join("n1")
+        await w.registry.gpu_event(entry, common_pb2.GpuEvent(gpu_index=0, xid=63))
+        assert entry.verdict.health.name == "DEGRADED"
+        w.clock.advance(30)
+        await w.registry.health_tick()
+        assert entry.verdict.health.name == "DEGRADED"  # XID 63 is still in the 60 s window
+        w.clock.advance(31)
+        await w.registry.health_tick()
+        assert entry.verdict.health.name == "HEALTHY"
+        kinds = [(e.kind, e.fields.get("target")) for e in await w.store.list_events() if e.kind == "node.health"]
+        assert kinds == [("node.health", "DEGRADED"), ("node.health", "HEALTHY")]
+        await w.registry.gpu_event(entry, common_pb2.GpuEvent(gpu_index=1, xid=63))  # a new signal: judged again
+        assert entry.verdict.health.name == "DEGRADED"
+        w.clock.advance(61)
+        await w.registry.health_tick()
+        assert entry.verdict.health.name == "HEALTHY"
+    run(go())
+
+
 def test_a_second_registration_supersedes_the_first_session():
     async def go():
         w = World()
