@@ -83,8 +83,12 @@ class JobsConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    max_restarts: int = setting(3, "restarts of a job before it is declared FAILED")
-    restart_backoff_s: float = setting(1.0, "wait before the first restart, doubled for each later one")
+    max_restarts: int = setting(3, "restarts of a job in a row before it is declared FAILED (restarts with less than "
+                                "restart_window_s of running between them)")
+    restart_backoff_s: float = setting(1.0, "wait before the first restart, doubled for each later one in a row")
+    restart_window_s: float = setting(600.0, "a job that ran this long since its last restart starts counting "
+                                      "restarts (and backoff) from zero again: a months-long job outlives many "
+                                      "hardware faults")
     checkpoint_deadline_s: float = setting(30.0, "seconds ranks have to commit a checkpoint before an eviction")
     checkpoint_lead_s: float = setting(1.0, "how far ahead of a request, in seconds of steps at the ranks' pace, the "
                                        "agreed checkpoint step lies (time for the pushed request to reach every rank)")
@@ -118,8 +122,8 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, f"recovery.max_restarts ({self.max_restarts}) must not be negative")
-        for key in ("restart_backoff_s", "checkpoint_deadline_s", "hang_min_s", "hang_factor", "startup_s",
-                    "checkpoint_lead_s", "pace_wait_s", "evict_margin_s", "silent_s"):
+        for key in ("restart_backoff_s", "restart_window_s", "checkpoint_deadline_s", "hang_min_s", "hang_factor",
+                    "startup_s", "checkpoint_lead_s", "pace_wait_s", "evict_margin_s", "silent_s"):
             positive(f"recovery.{key}", getattr(self, key))
         require(self.straggler_ratio > 1.0, f"recovery.straggler_ratio ({self.straggler_ratio}) must be above 1")
         require(1 <= self.straggler_min_samples <= self.straggler_window,

@@ -354,6 +354,28 @@ def test_a_job_gives_up_after_max_restarts_with_the_reason():
     assert sim.job.reason.startswith("gave up after 1 restarts: rank 0 on a exited with code 7")
 
 
+def test_restarts_count_from_zero_again_once_the_job_ran_for_the_restart_window():
+    """A months-long job outlives many faults: only restarts in a row (less than restart_window_s of running
+    between them) count toward max_restarts and the backoff."""
+    sim = Sim(policy=lifecycle.Policy(RecoveryConfig(max_restarts=1, restart_backoff_s=1.0, restart_window_s=60.0),
+                                      JobsConfig()))
+    start(sim)
+    for crash in range(3):
+        generation = sim.job.generation
+        first = next(r.rank for r in sim.job.ranks if r.node == "a")
+        sim.run_for(61.0)  # a minute of training past the window since the last (re)start
+        sim.nodes["a"].ranks[(generation, first)] = "exited:7"
+        sim.run_until(lambda g=generation: (sim.job.generation > g and running(sim)) or
+                      sim.job.state == pb.JOB_STATE_FAILED)
+        assert sim.job.state == pb.JOB_STATE_RUNNING, f"crash {crash}: {sim.describe()}"
+        assert sim.job.restarts == 1
+        start(sim)
+    first = next(r.rank for r in sim.job.ranks if r.node == "a")
+    sim.nodes["a"].ranks[(sim.job.generation, first)] = "exited:7"  # a crash soon after the restart: in a row
+    sim.run_until(lambda: sim.job.state == pb.JOB_STATE_FAILED)
+    assert sim.job.reason.startswith("gave up after 1 restarts")
+
+
 def test_a_fatal_rank_fails_the_job_at_once():
     sim = Sim()
     start(sim)

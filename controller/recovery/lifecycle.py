@@ -342,7 +342,11 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
 
 def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:
     """Begin a recovery: checkpoint first when the failure is predictable, else evict at once; give up
-    after max_restarts, or at once when a rank said no restart mends it."""
+    after max_restarts in a row, or at once when a rank said no restart mends it. A job that has run for
+    restart_window_s since it last (re)started begins a new row: its restarts count from zero again."""
+    calm_s = now - job.state_since_unix_ns / 1e9
+    if job.restarts and job.state == RUNNING and calm_s >= policy.recovery.restart_window_s:
+        job = copied(job, restarts=0)
     if incident.fatal or job.restarts >= policy.recovery.max_restarts:
         why = incident.reason if incident.fatal else f"gave up after {job.restarts} restarts: {incident.reason}"
         new = finished(job, FAILED, why, incident.exit_code, now)
