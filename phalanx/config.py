@@ -53,9 +53,19 @@ def load(cls: type[T], path: str | Path | None) -> T:
     if path is None:
         return build(cls, {})
     path = Path(path)
+    data = read_toml(path)
+    try:
+        return build(cls, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The table in the TOML file at `path`. Raises ConfigError naming the file and what is wrong with it."""
+    path = Path(path)
     try:
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except PermissionError:
@@ -66,10 +76,6 @@ def load(cls: type[T], path: str | Path | None) -> T:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not valid TOML: not UTF-8 text") from None
-    try:
-        return build(cls, data)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:

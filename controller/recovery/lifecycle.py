@@ -443,14 +443,15 @@ def next_nodes(job: pb.Job, view: JobView) -> tuple[list[str], list[str], str] |
     candidates = {c.name: c for c in view.candidates}
     usable = {n for n, c in candidates.items() if c.schedulable and c.free and c.gpus >= job.spec.ranks_per_node
               and n not in bad}
-    keep = [n for n in job.nodes if n in usable]
+    current = set(job.nodes)  # sets, not the record's lists: a 2,048-node job made this quadratic
+    keep = current & usable
     spares = [n for n in job.spares if n in usable and n not in keep]
     missing = len(job.nodes) - len(keep)
     if missing <= len(spares):
         replacement = iter(spares[:missing])
         nodes = [n if n in usable else next(replacement) for n in job.nodes]
         used = set(nodes)
-        how = "same nodes" if not missing else f"spares {', '.join(n for n in nodes if n not in job.nodes)}"
+        how = "same nodes" if not missing else f"spares {', '.join(n for n in nodes if n not in current)}"
         return nodes, [s for s in job.spares if s not in used and s in usable], how
     request = GangRequest(nodes=job.spec.nodes, ranks_per_node=job.spec.ranks_per_node, spares=0,
                           segment=job.spec.segment or None)

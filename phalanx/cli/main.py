@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ import grpc
 
 from phalanx import __version__, faults, leader, pki, tls
 from phalanx.cli import local, render
-from phalanx.errors import PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
 from phalanx.tls import ClientSecurity
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
@@ -322,6 +323,45 @@ def cmd_events(args: argparse.Namespace) -> int:
             time.sleep(1.0)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """The controller's policies on a simulated fleet (controller.sim): no controller is needed."""
+    from controller.sim import report
+    from controller.sim import scenario as sc
+    try:
+        data = sc.read(args.scenario)
+        runs: list[tuple[str, dict]] = []
+        plans: list[tuple[str, dict]] = []
+        if args.baseline:
+            plans.append(("baseline", sc.BASELINE))
+        if args.sweep:
+            key, values = report.sweep_values(args.sweep)
+            if not values:
+                raise CliError(f"--sweep {args.sweep!r} names no values", USAGE)
+            plans += [(f"{key}={report_value(v)}", {key: v}) for v in values]
+        else:
+            plans.append(("phalanx" if args.baseline else "result", {}))
+        scenarios = [(name, sc.build(sc.with_overrides(data, over), args.scenario or "")) for name, over in plans]
+    except ValueError as e:
+        raise CliError(str(e), USAGE) from None
+    except ConfigError as e:
+        raise CliError(str(e), USAGE) from None
+    for name, scenario in scenarios:
+        if not args.json:
+            print(f"{PROG}: simulating {name}: {scenario.fleet.nodes * scenario.fleet.gpus_per_node:,} GPUs for "
+                  f"{scenario.run.days:g} days ...", file=sys.stderr, flush=True)
+        runs.append((name, report.simulate(scenario)))
+    if args.json:
+        out = {"runs": [{"name": name, **r} for name, r in runs]}
+        print(json.dumps(out if len(runs) > 1 else out["runs"][0], indent=2))
+    else:
+        print(report.table_text(runs))
+    return OK
+
+
+def report_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 # -- parser --------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -474,6 +514,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after", type=_count, default=0, metavar="SEQ", help="only events after this sequence number")
     p.add_argument("--limit", type=_positive, default=1000, help="at most this many (default 1000)")
     p.set_defaults(func=cmd_events)
+
+    p = sub.add_parser("simulate", help="the controller's own policies on a simulated fleet: ETTR, goodput, losses",
+                       description="Run the controller's decision code (lifecycle, placement, health policy) on a "
+                       "simulated fleet in virtual time. Every scenario key has a default (README: The fleet "
+                       "simulator).")
+    p.add_argument("scenario", nargs="?", metavar="SCENARIO.toml", help="the scenario (default: every default, "
+                   "Llama 3's regime at 16,384 GPUs)")
+    p.add_argument("--sweep", metavar="KEY=V1,V2,...", help="run once per value of one key, side by side (e.g. "
+                   "job.spares=0,1,2,4)")
+    p.add_argument("--baseline", action="store_true", help="add a column for the baseline: periodic checkpoints "
+                   "only, no spares, no prediction, no snapshots")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_simulate)
     return parser
 
 

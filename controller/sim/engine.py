@@ -1,0 +1,553 @@
+"""The fleet simulator: the controller's own decisions on a simulated fleet, in virtual time.
+
+Event-driven (a heap of timed events, no fixed tick) and deterministic for a seed. What is real: every job's
+lifecycle is `controller.recovery.lifecycle.step` (detection of the incident, checkpoint before eviction,
+choice of spares, a fresh placement when they run out, restart counting and backoff), placement is
+`controller.jobs.placement.place` on the generated topology, and a fault's verdict is the health policy's
+(`controller.nodes.health`: an XID or a pending row remap judged as the controller judges it). What is
+simulated: the agents, the ranks and the network, by the timings of the scenario. One simulated rank stands
+for a node's GPUs.
+
+Accounting, per job: at every instant the job is training, paused for a durable checkpoint, recovering
+(from the fault to training again), or waiting for nodes. Work done since the state it resumed from is
+counted again when it is recomputed. ETTR = useful work / wall time; the losses by cause add up to the rest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from controller.config import HealthConfig
+from controller.jobs.placement import Candidate
+from controller.jobs.topology import ClusterTopology
+from controller.nodes import health
+from controller.nodes.states import DOWN, UP
+from controller.recovery import lifecycle, table
+from controller.recovery.detectors import NodeView
+from controller.recovery.progress import RankTrack
+from controller.sim.scenario import DAY_S, HOUR_S, Scenario
+from phalanx.v1 import common_pb2 as pb
+
+HEALTH = HealthConfig()
+START = 1_800_000_000.0  # wall-clock seconds of the simulation's start (the lifecycle takes wall time)
+# What each kind of fault looks like to the health policy: the XID the agent reports, or the telemetry it sends.
+GPU_FAULT_XIDS = (48, 79, 94, 95, 119, 64)  # double-bit ECC, off the bus, ECC, GSP, remap failure
+CAUSES = ("recomputed", "recovery", "waiting", "checkpoints", "snapshots", "stragglers")
+
+TRAINING, PAUSED, RECOVERING, WAITING = "training", "checkpoints", "recovery", "waiting"
+
+
+@dataclass
+class SimNode:
+    name: str
+    leaf: str
+    down: bool = False
+    health: health.Health = health.HEALTHY
+    reason: str = ""
+    drained: bool = False
+    holder: str = ""  # the job whose node or spare it is
+    slow: bool = False
+    out_until: float = 0.0  # taken out of service (drained or down) until repaired
+    faults: int = 0
+
+
+def verdict_of_xid(xid: int, now: float) -> health.Verdict:
+    history = health.GpuHistory()
+    history.record_xid(xid, now, HEALTH.window_s)
+    return health.evaluate_gpu(history, now, HEALTH)
+
+
+def verdict_of_warning(now: float) -> health.Verdict:
+    """A row remap pending: the GPU works now and fails at its next reset."""
+    history = health.GpuHistory()
+    history.observe(pb.GpuTelemetry(index=0, remap_pending=True), now, now, HEALTH.window_s)
+    return health.evaluate_gpu(history, now, HEALTH)
+
+
+@dataclass
+class Tally:
+    seconds: dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
+    work_s: float = 0.0  # useful training kept
+    incidents: dict[str, int] = field(default_factory=dict)
+    recoveries_s: list[float] = field(default_factory=list)  # fault -> training again
+    spares_used: int = 0
+    fresh_placements: int = 0
+    evictions_ahead: int = 0  # nodes evicted on a warning before their fault
+    failed: str = ""  # why the job ended FAILED, if it did
+
+
+class SimJob:
+    """One job: its stored record, stepped by the real lifecycle, and what the controller process knows."""
+
+    def __init__(self, sim: Simulation, job_id: str) -> None:
+        self.sim = sim
+        spec = sim.scenario.job
+        self.job = pb.Job(id=job_id, spec=pb.JobSpec(command=["train"], nodes=spec.nodes, ranks_per_node=1,
+                                                     spares=spec.spares),
+                          state=table.PENDING, state_since_unix_ns=int(sim.now * 1e9))
+        self.launch: lifecycle.LaunchView | None = None
+        self.checkpoint: lifecycle.CheckpointView | None = None
+        self.stops: dict[str, tuple[str, float]] = {}
+        self.generation = 0
+        self.members: set[str] = set()
+        self.views: dict[str, NodeView] = {}
+        self.candidates: dict[str, Candidate] = {}
+        self.tally = Tally()
+        # training
+        self.activity = WAITING
+        self.since = sim.now
+        self.work = 0.0  # position of training, in seconds of useful work
+        self.durable = 0.0  # position of the last durable checkpoint
+        self.rate = 1.0
+        self.since_checkpoint = 0.0  # seconds trained since the last durable checkpoint (or the resume)
+        self.token = 0  # invalidates scheduled checkpoint/resume events when training stops or restarts
+        self.broken_at: float | None = None  # a fault stopped training; recovery counts from here
+        self.crashed_rank: int | None = None
+
+    # -- time accounting ---------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        now, dt = self.sim.now, self.sim.now - self.since
+        if dt > 0:
+            if self.activity == TRAINING:
+                gained = dt * self.rate
+                self.work += gained
+                self.since_checkpoint += dt
+                spec = self.sim.scenario.job
+                overhead = spec.snapshot_overhead if spec.snapshots else 0.0
+                self.tally.seconds["snapshots"] += dt * overhead
+                self.tally.seconds["stragglers"] += dt * (1 - overhead) - gained
+            else:
+                self.tally.seconds[self.activity] += dt
+        self.since = now
+
+    def become(self, activity: str) -> None:
+        self._settle()
+        if activity != self.activity:
+            self.token += 1
+        self.activity = activity
+        if activity == TRAINING:
+            self.rate = self._rate()
+            self._schedule_checkpoint()
+
+    def _rate(self) -> float:
+        spec, failures = self.sim.scenario.job, self.sim.scenario.failures
+        rate = 1.0 - (spec.snapshot_overhead if spec.snapshots else 0.0)
+        if any(self.sim.nodes[n].slow for n in self.job.nodes):
+            rate /= 1.0 + failures.straggler_slowdown
+        return rate
+
+    def _schedule_checkpoint(self) -> None:
+        due = self.sim.scenario.job.checkpoint_interval_s - self.since_checkpoint
+        self.sim.at(self.sim.now + max(due, 0.0), self._checkpoint_due, self.token)
+
+    def _checkpoint_due(self, token: int) -> None:
+        if token != self.token or self.activity != TRAINING:
+            return
+        self.become(PAUSED)
+        self.sim.at(self.sim.now + self.sim.scenario.job.checkpoint_cost_s, self._checkpoint_done, self.token,
+                    self.work)
+
+    def _checkpoint_done(self, token: int, position: float) -> None:
+        if token != self.token or self.activity != PAUSED:
+            return  # a fault came first: this checkpoint never became durable
+        self.durable = position
+        self.since_checkpoint = 0.0
+        self.become(TRAINING)
+
+    def speed_changed(self) -> None:
+        if self.activity == TRAINING:
+            self._settle()
+            self.rate = self._rate()
+
+    def broken(self, sudden: bool) -> None:
+        """A fault reached one of the job's nodes: training stops now. A sudden one loses the work since the
+        state the next generation will resume from."""
+        if self.broken_at is not None or self.job.state not in (table.RUNNING, table.CHECKPOINTING):
+            return
+        self.become(RECOVERING)
+        self.broken_at = self.sim.now
+        if sudden:
+            self._rewind()
+
+    def _rewind(self) -> None:
+        spec = self.sim.scenario.job
+        if spec.snapshots:
+            grain = spec.snapshot_every * spec.step_s
+            resume = math.floor(self.work / grain) * grain
+        else:
+            resume = self.durable
+        resume = max(resume, self.durable)
+        self.tally.seconds["recomputed"] += self.work - resume
+        self.work = resume
+
+    # -- the controller: build the view, step, apply -----------------------------------------------
+
+    def node_view(self, name: str) -> NodeView:
+        n = self.sim.nodes[name]
+        how = self.stops.get(name, ("", 0.0))[0]
+        running = name in self.members and self.launch is not None and self.launch.done and self.launch.ok and \
+            how != "taken" and not n.down
+        # A stop is taken reliably here, so a node told once stays told for its generation.
+        return NodeView(name, n.down, n.health, n.reason, connected=not n.down, drained=n.drained,
+                        stop_told=bool(how), stopped=how == "taken", running=running)
+
+    def refresh(self, *names: str) -> None:
+        """Some of the job's nodes changed (a fault, a drain, a stop taken): their views again."""
+        for name in names:
+            if name in self.views:
+                self.views[name] = self.node_view(name)
+                self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
+
+    def rebuild(self) -> None:
+        """The job's nodes or its launch changed: every view again (once a generation, not once a step)."""
+        self.members = set(self.job.nodes)
+        names = [*self.job.nodes, *self.job.spares]
+        self.views = {name: self.node_view(name) for name in names}
+        self.candidates = {name: self.sim.candidate(self.sim.nodes[name], self.job.id) for name in names}
+
+    def view(self, candidates: list[Candidate] | None) -> lifecycle.JobView:
+        """What the controller sees of the job. No progress reports: the simulated ranks step at the scenario's
+        pace, and a checkpoint request is answered after timings.eviction_checkpoint_s (without reports the
+        lifecycle asks at once)."""
+        job = self.job
+        return lifecycle.JobView(nodes=self.views, launch=self.launch if self.launch and
+                                 self.launch.generation == job.generation else None, checkpoint=self.checkpoint,
+                                 candidates=list(self.candidates.values()) if candidates is None else candidates,
+                                 topology=self.sim.topology)
+
+    def decide(self) -> None:
+        for _ in range(64):
+            if self.job.state in table.TERMINAL:
+                return
+            view = self.view(None)
+            if self.job.state == table.PENDING or (self.job.state == table.RENDEZVOUS and
+                                                   isinstance(lifecycle.next_nodes(self.job, view), str)):
+                view = self.view(self.sim.all_candidates(self.job.id))  # the spares do not do: the whole fleet
+            if not self.apply(lifecycle.step(self.job, view, self.sim.now, self.sim.policy)):
+                return
+        raise RuntimeError(f"{self.job.id}: no quiet point after 64 steps in {table.state_name(self.job.state)}")
+
+    def apply(self, actions: list[lifecycle.Action]) -> bool:
+        sim, committed, stops = self.sim, False, []
+        for action in actions:
+            match action:
+                case lifecycle.Commit(job=job, incident=incident, kind=kind, message=message):
+                    before = self.job
+                    self.job = job
+                    committed = True
+                    if incident:
+                        self.tally.incidents[incident] = self.tally.incidents.get(incident, 0) + 1
+                    if job.generation != self.generation:
+                        self.generation, self.stops, self.checkpoint = job.generation, {}, None
+                        self.rebuild()
+                    if kind == "job.restarting":
+                        self.tally.spares_used += sum(1 for n in job.nodes if n in before.spares)
+                        if "a new placement" in message:
+                            self.tally.fresh_placements += 1
+                    sim.hold(self, before, job)
+                    if list(job.nodes) != list(before.nodes) or list(job.spares) != list(before.spares):
+                        self.rebuild()
+                    if job.state != before.state:
+                        self.entered(before.state, job.state)
+                case lifecycle.Launch(generation=generation):
+                    self.launch = lifecycle.LaunchView(generation)
+                    self.rebuild()
+                    sim.at(sim.now + sim.scenario.timings.launch_s, self._launched, generation)
+                case lifecycle.Stop(node=node):
+                    self.stops[node] = ("sending", sim.now)
+                    stops.append(node)
+                case lifecycle.Drain(node=node):
+                    sim.take_out(sim.nodes[node])
+                case lifecycle.RequestCheckpoint(request=request):
+                    self.checkpoint = lifecycle.CheckpointView(request.id, {})
+                    self.become(PAUSED if self.broken_at is None else RECOVERING)
+                    sim.at(sim.now + sim.scenario.timings.eviction_checkpoint_s, self._acked, request.id,
+                           self.generation)
+                case lifecycle.WakeAt(at=at):
+                    sim.at(max(at, sim.now), self.decide)
+                case lifecycle.Event():
+                    pass
+        if stops:  # every node takes its stop in the same time: one event for them all
+            self.refresh(*stops)
+            sim.at(sim.now + sim.scenario.timings.stop_s, self._stopped, stops, self.generation)
+        return committed
+
+    def entered(self, source: int, target: int) -> None:
+        sim = self.sim
+        if target in (table.RUNNING,) and source in table.LAUNCHING:
+            self.crashed_rank = None
+            load = sim.scenario.timings.snapshot_load_s if sim.scenario.job.snapshots and self.work > 0 else \
+                sim.scenario.timings.load_s
+            sim.at(sim.now + load, self._loaded, self.generation)
+        elif target == table.EVICTING and self.broken_at is None:
+            self.broken(sudden=False)  # predictable: the eviction checkpoint just committed
+        elif target == table.FAILED:
+            self.become(WAITING)
+            self.tally.failed = self.job.reason
+        elif target == table.RENDEZVOUS and self.job.reason.startswith("waiting for nodes"):
+            self.become(WAITING)
+
+    def _loaded(self, generation: int) -> None:
+        if generation != self.generation or self.job.state != table.RUNNING:
+            return
+        if self.broken_at is not None:
+            self.tally.recoveries_s.append(self.sim.now - self.broken_at)
+        self.broken_at = None
+        self.since_checkpoint = 0.0
+        self.become(TRAINING)
+        if self.sim.scenario.policy.evict_stragglers:  # a slow node the job (re)started on is found like any
+            for name in self.job.nodes:
+                if self.sim.nodes[name].slow:
+                    self.sim.at(self.sim.now + self.sim.scenario.timings.straggler_detect_s,
+                                self.sim._straggler_found, self.sim.nodes[name], self)
+
+    def _launched(self, generation: int) -> None:
+        if self.launch is None or self.launch.generation != generation:
+            return
+        down = [n for n in self.job.nodes if self.sim.nodes[n].down]
+        self.launch = lifecycle.LaunchView(generation, done=True, ok=not down, error=f"{down} down",
+                                           address="10.0.0.1", port=29500)
+        self.rebuild()
+        self.decide()
+
+    def _stopped(self, nodes: list[str], generation: int) -> None:
+        if generation == self.generation:
+            for node in nodes:
+                if node in self.stops and not self.sim.nodes[node].down:
+                    self.stops[node] = ("taken", self.sim.now)
+            self.refresh(*nodes)
+        self.decide()
+
+    def _acked(self, request_id: int, generation: int) -> None:
+        if self.checkpoint is None or self.checkpoint.request_id != request_id or generation != self.generation:
+            return
+        if any(self.sim.nodes[n].down for n in self.job.nodes):
+            self.decide()  # a node died first: the deadline will pass and the recovery resumes from before
+            return
+        step = int(self.work / self.sim.scenario.job.step_s)
+        self.checkpoint = lifecycle.CheckpointView(request_id, {r.rank: step for r in self.job.ranks})
+        self.durable = max(self.durable, self.work)
+        self.decide()
+
+    def crash(self) -> None:
+        """A rank of the job exits non-zero (software): what JobManager.observe records from the heartbeat."""
+        if self.job.state != table.RUNNING or not self.job.ranks:
+            return
+        rank = self.job.ranks[0]
+        rank.state, rank.exit_code = pb.RANK_STATE_EXITED, 1
+        self.decide()
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, on_progress: Callable[[float], None] | None = None) -> None:
+        self.scenario = scenario
+        self.rng = random.Random(scenario.run.seed)
+        self.policy = lifecycle.Policy(scenario.policy.recovery(), scenario.policy.jobs())
+        self.now = START
+        self.end = START + scenario.run.days * DAY_S
+        self.queue: list = []
+        self.order = itertools.count()
+        self.on_progress = on_progress
+        fleet = scenario.fleet
+        per_leaf = fleet.nodes_per_leaf or fleet.nodes
+        width = len(str(fleet.nodes - 1))
+        self.nodes: dict[str, SimNode] = {}
+        for i in range(fleet.nodes):
+            name = f"node{i:0{width}d}"
+            self.nodes[name] = SimNode(name, f"leaf{i // per_leaf}")
+        leaves = sorted({n.leaf for n in self.nodes.values()})
+        self.topology = ClusterTopology({n.name: n.leaf for n in self.nodes.values()},
+                                        {**{leaf: ("spine",) for leaf in leaves}, "spine": ()})
+        self.jobs = [SimJob(self, f"job-{i + 1}") for i in range(scenario.job.count)]
+        self.node_fault_rate = scenario.failures.per_1000_node_days / 1000.0 / DAY_S
+        self.straggler_rate = scenario.failures.straggler_per_1000_node_days / 1000.0 / DAY_S
+        self.events = 0
+        self.nodes_drained = 0
+
+    # -- the world's clock ---------------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self.queue, (t, next(self.order), fn, args))
+
+    def run(self) -> Simulation:
+        for node in self.nodes.values():
+            self._next_fault(node)
+            self._next_straggle(node)
+        for job in self.jobs:
+            job.decide()
+        report_every = (self.end - self.now) / 20
+        next_report = self.now + report_every
+        while self.queue and self.queue[0][0] <= self.end:
+            t, _, fn, args = heapq.heappop(self.queue)
+            self.now = max(self.now, t)
+            self.events += 1
+            fn(*args)
+            if self.on_progress is not None and self.now >= next_report:
+                self.on_progress((self.now - START) / (self.end - START))
+                next_report += report_every
+        self.now = self.end
+        for job in self.jobs:
+            job.become(job.activity)  # settle the last stretch
+            job.tally.work_s = job.work
+        return self
+
+    # -- the fleet -------------------------------------------------------------------------------
+
+    def candidate(self, node: SimNode, job_id: str) -> Candidate:
+        return Candidate.of(node.name, DOWN if node.down else UP, node.health, node.holder in ("", job_id),
+                            self.scenario.fleet.gpus_per_node, connected=not node.down, drained=node.drained)
+
+    def all_candidates(self, job_id: str) -> list[Candidate]:
+        return [self.candidate(n, job_id) for n in self.nodes.values()]
+
+    def hold(self, job: SimJob, before: pb.Job, after: pb.Job) -> None:
+        """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none."""
+        held = set() if after.state in table.TERMINAL else {*after.nodes, *after.spares}
+        for name in {*before.nodes, *before.spares} - held:
+            if self.nodes[name].holder == job.job.id:
+                self.nodes[name].holder = ""
+        changed = [name for name in held if self.nodes[name].holder != after.id]
+        for name in changed:
+            self.nodes[name].holder = after.id
+        job.refresh(*changed)
+
+    def touched(self, node: SimNode) -> None:
+        """A node's state changed: the job holding it sees it anew."""
+        job = self._job_of(node)
+        if job is not None:
+            job.refresh(node.name)
+
+    def take_out(self, node: SimNode) -> None:
+        """Drained by the controller: out of service until repaired."""
+        if node.drained:
+            return
+        node.drained = True
+        self.touched(node)
+        self.nodes_drained += 1
+        self.at(self.now + self.scenario.failures.repair_h * HOUR_S, self._repaired, node)
+
+    def _repaired(self, node: SimNode) -> None:
+        node.down, node.drained, node.slow = False, False, False
+        node.health, node.reason = health.HEALTHY, ""
+        self.touched(node)
+        self._next_fault(node)
+        self._next_straggle(node)
+        for job in self.jobs:
+            if job.job.state == table.RENDEZVOUS or job.job.state == table.PENDING:
+                job.decide()
+
+    def _job_of(self, node: SimNode) -> SimJob | None:
+        if not node.holder:
+            return None
+        return next((j for j in self.jobs if j.job.id == node.holder), None)
+
+    def _next_fault(self, node: SimNode) -> None:
+        if self.node_fault_rate > 0:
+            self.at(self.now + self.rng.expovariate(self.node_fault_rate), self._fault_arrives, node, node.faults)
+
+    def _next_straggle(self, node: SimNode) -> None:
+        if self.straggler_rate > 0:
+            self.at(self.now + self.rng.expovariate(self.straggler_rate), self._straggle, node, node.faults)
+
+    def _fault_arrives(self, node: SimNode, faults: int) -> None:
+        """A fault is drawn: software, a lost node, or a GPU fault (some with a warning first)."""
+        if faults != node.faults or node.down or node.drained:
+            return  # the node was taken out meanwhile: this fault never happens
+        f = self.scenario.failures
+        r = self.rng.random()
+        if r < f.software_share:
+            job = self._job_of(node)
+            if job is not None and node.name in job.job.nodes:
+                self.at(self.now + self.scenario.timings.crash_detect_s, job.crash)
+                job.broken(sudden=True)
+            self._next_fault(node)
+            return
+        node.faults += 1
+        lost = r < f.software_share + f.node_loss_share
+        if self.rng.random() < f.predictable_share:
+            warning = min(f.warning_s, self.now - START)
+            self.at(self.now + warning, self._hardware_fault, node, lost)  # the fault itself, `warning` later
+            self._warn(node)
+        else:
+            self._hardware_fault(node, lost)
+
+    def _warn(self, node: SimNode) -> None:
+        if not self.scenario.policy.predictive_eviction:
+            return  # no health policy acts on it: the warning goes unseen
+        verdict = verdict_of_warning(self.now)
+        node.health, node.reason = verdict.health, verdict.reasons[0] if verdict.reasons else ""
+        self.touched(node)
+        job = self._job_of(node)
+        if job is not None and node.name in job.job.nodes:
+            self.at(self.now + self.scenario.timings.gpu_fault_detect_s, job.decide)
+        elif job is None or node.name in job.job.spares:
+            self.take_out(node)  # an idle node or a spare that turns FAILING is drained at once
+            if job is not None:
+                job.decide()
+
+    def _hardware_fault(self, node: SimNode, lost: bool) -> None:
+        job = self._job_of(node)
+        if node.drained and not (job and node.name in job.job.nodes):
+            return  # evicted ahead of its fault: it fails on the bench
+        if lost:
+            node.down = True
+            detect = self.scenario.timings.node_loss_detect_s
+        else:
+            verdict = verdict_of_xid(self.rng.choice(GPU_FAULT_XIDS), self.now)
+            node.health, node.reason = verdict.health, verdict.reasons[0] if verdict.reasons else ""
+            if not self.scenario.policy.predictive_eviction and node.health is health.FAILING:
+                node.health = health.FAILED  # no checkpoint before the eviction: the fault ends training now
+            detect = self.scenario.timings.gpu_fault_detect_s
+        self.touched(node)
+        if not node.drained and (job is None or node.name not in job.job.nodes):
+            self.take_out(node)  # an idle node or a spare: drained by the health policy or liveness
+        if job is not None and node.name in job.job.nodes:
+            job.broken(sudden=True)
+            self.at(self.now + detect, job.decide)
+        elif job is not None:
+            self.at(self.now + detect, job.decide)
+
+    def _straggle(self, node: SimNode, faults: int) -> None:
+        if faults != node.faults or node.down or node.drained or node.slow:
+            return
+        node.slow = True
+        job = self._job_of(node)
+        if job is None or node.name not in job.job.nodes:
+            return
+        job.speed_changed()
+        if self.scenario.policy.evict_stragglers:
+            self.at(self.now + self.scenario.timings.straggler_detect_s, self._straggler_found, node, job)
+
+    def _straggler_found(self, node: SimNode, job: SimJob) -> None:
+        """The straggler detector's verdict, as the controller reaches it (controller.recovery.progress): the slow
+        rank's computes against its peers'; the lifecycle then checkpoints and evicts."""
+        if not node.slow or node.name not in job.job.nodes or job.job.state != table.RUNNING:
+            return
+        step = job.sim.scenario.job.step_s
+        slow = step * (1 + self.scenario.failures.straggler_slowdown)
+        rank_of = {r.node: r.rank for r in job.job.ranks}
+        other = next(n for n in job.job.nodes if n != node.name) if len(job.job.nodes) > 1 else None
+        if other is None:
+            return
+        tracks = {}
+        for name, compute in ((node.name, slow), (other, step), *((n, step) for n in job.job.nodes[2:4]
+                                                                  if n != node.name)):
+            track = RankTrack(last_advance=self.now, last_report=self.now)
+            # This generation's reports: two at the job's own pace (the first carries the start-up), then three
+            # of 30 steps since the node turned slow, when every rank waits for the slow one each step.
+            track.observe(30, step, [step] * 30, self.now, 30)
+            track.observe(60, step, [step] * 30, self.now, 30)
+            for k in range(3, 6):
+                track.observe(30 * k, slow, [compute] * 30, self.now, 30)
+            tracks[rank_of[name]] = track
+        view = job.view(None)
+        view = lifecycle.JobView(nodes=view.nodes, tracks=tracks, launch=view.launch, checkpoint=view.checkpoint,
+                                 candidates=view.candidates, topology=view.topology)
+        job.apply(lifecycle.step(job.job, view, self.now, self.policy))
+        job.decide()

@@ -1,0 +1,127 @@
+"""`phalanx simulate`: the controller's own decisions on a simulated fleet, checked against a closed form."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from controller.sim import report
+from controller.sim import scenario as sc
+from phalanx.errors import ConfigError
+
+
+def scenario(**overrides):
+    return sc.build(sc.with_overrides({}, overrides))
+
+
+def daly_ettr(mtbf_s: float, interval_s: float, cost_s: float, restart_s: float) -> float:
+    """Useful work over wall time with periodic checkpoints and exponential failures that may strike at any time,
+    a failure costing a fixed restart (Daly 2006): T = M e^(R/M) (e^((tau+delta)/M) - 1) per interval tau."""
+    return interval_s / (mtbf_s * math.exp(restart_s / mtbf_s) * (math.exp((interval_s + cost_s) / mtbf_s) - 1))
+
+
+def test_one_job_with_exponential_failures_matches_the_closed_form_within_one_percent():
+    """Nodes lost at random (no warning, no snapshots, spares enough): the real lifecycle's recovery costs a fixed
+    detection + stop + backoff + launch + load, and the ETTR is Daly's."""
+    s = scenario(**{"fleet.nodes": 96, "job.nodes": 64, "job.spares": 32, "job.snapshots": False,
+                    "job.checkpoint_interval_s": 3600.0, "job.checkpoint_cost_s": 60.0,
+                    "failures.per_1000_node_days": 10.0, "failures.software_share": 0.0,
+                    "failures.node_loss_share": 1.0, "failures.predictable_share": 0.0,
+                    "failures.straggler_per_1000_node_days": 0.0, "failures.repair_h": 2.0,
+                    "run.days": 1500.0})
+    r = report.simulate(s)
+    t = s.timings
+    restart_s = t.node_loss_detect_s + t.stop_s + s.policy.restart_backoff_s + t.launch_s + t.load_s
+    mtbf_s = sc.DAY_S / (64 * 10.0 / 1000)
+    expected = daly_ettr(mtbf_s, 3600.0, 60.0, restart_s)
+    assert r["recovery_s"]["p50"] == pytest.approx(restart_s)
+    assert r["jobs"][0]["incidents"]["node-lost"] > 800
+    assert r["ettr"] == pytest.approx(expected, rel=0.01), (r["ettr"], expected)
+
+
+def test_the_losses_by_cause_and_the_useful_work_add_up_to_the_wall_time():
+    r = report.simulate(scenario(**{"fleet.nodes": 300, "job.nodes": 256, "run.days": 20.0}))
+    job = r["jobs"][0]
+    assert job["work_h"] + sum(job["lost_h"].values()) == pytest.approx(20 * 24)
+    assert job["recoveries"] > 0 and job["state"] == "RUNNING"
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another():
+    def run(seed):
+        out = report.simulate(scenario(**{"fleet.nodes": 200, "job.nodes": 160, "run.days": 15.0,
+                                          "run.seed": seed}))
+        out.pop("wall_s")
+        return out
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_phalanx_policies_beat_the_baseline_and_each_one_shows_where_it_acts():
+    base = {"fleet.nodes": 300, "job.nodes": 256, "run.days": 30.0}
+    phalanx = report.simulate(scenario(**base))
+    baseline = report.simulate(scenario(**base, **sc.BASELINE))
+    assert phalanx["ettr"] > baseline["ettr"]
+    assert baseline["gpu_hours_lost"]["snapshots"] == 0 and phalanx["gpu_hours_lost"]["snapshots"] > 0
+    assert phalanx["gpu_hours_lost"]["recomputed"] < baseline["gpu_hours_lost"]["recomputed"]
+    incidents = report._incidents(phalanx)
+    assert incidents.get("gpu-failing", 0) > 0 and incidents.get("straggler", 0) > 0  # warnings and slow nodes
+    assert not {"gpu-failing", "straggler"} & set(report._incidents(baseline))  # acted on only with the policy
+    assert sum(j["spares_used"] for j in phalanx["jobs"]) > 0
+    assert sum(j["fresh_placements"] for j in baseline["jobs"]) > 0  # no spares: a new placement each time
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"fleet.nodes": 0}, "fleet.nodes (0) must be at least 1"),
+    ({"job.nodes": 4000}, "job.count (1) x (job.nodes (4000) + job.spares (8)) = 4008 must fit in fleet.nodes "
+                          "(2080)"),
+    ({"failures.predictable_share": 1.5}, "failures.predictable_share (1.5) must be between 0 and 1"),
+    ({"failures.software_share": 0.6, "failures.node_loss_share": 0.6},
+     "failures.software_share (0.6) + failures.node_loss_share (0.6) must not exceed 1"),
+    ({"job.spare": 2}, "unknown key 'job.spare' (known keys: job.nodes, job.spares, job.count, job.step_s, "
+                       "job.checkpoint_interval_s, job.checkpoint_cost_s, job.snapshots, job.snapshot_every, "
+                       "job.snapshot_overhead)"),
+    ({"run.days": "soon"}, "run.days must be a number, not str 'soon'"),
+    ({"policy.max_restarts": -1}, "policy: recovery.max_restarts (-1) must not be negative"),
+])
+def test_bad_scenarios_are_one_line_errors_naming_the_key_and_the_rule(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        scenario(**overrides)
+    assert str(e.value) == message
+
+
+def phalanx(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_the_cli_prints_a_table_json_and_a_sweep_side_by_side(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text("[fleet]\nnodes = 200\n[job]\nnodes = 128\n[run]\ndays = 10\n")
+    table = phalanx("simulate", str(path))
+    assert table.returncode == 0, table.stderr
+    assert "ETTR" in table.stdout and "1,600 GPUs (200 nodes), 1 job(s) of 1,024 GPUs, 10 days" in table.stdout
+    out = phalanx("simulate", str(path), "--json", "--sweep", "job.spares=0,4")
+    assert out.returncode == 0, out.stderr
+    runs = json.loads(out.stdout)["runs"]
+    assert [r["name"] for r in runs] == ["job.spares=0", "job.spares=4"]
+    assert [r["scenario"]["spares"] for r in runs] == [0, 4]
+    assert all(0 < r["ettr"] < 1 for r in runs)
+    both = phalanx("simulate", str(path), "--baseline")
+    assert both.returncode == 0 and "baseline" in both.stdout and "phalanx" in both.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.toml"], "missing.toml: no such file"),
+    (["bad.toml"], "bad.toml: unknown key 'fleet.gpus' (known keys: fleet.nodes, fleet.gpus_per_node, "
+                   "fleet.nodes_per_leaf)"),
+    (["--sweep", "job.spares"], "--sweep 'job.spares': write KEY=V1,V2,... (e.g. job.spares=0,1,2,4)"),
+    (["--sweep", "spares=1,2"], "spares: a key is SECTION.NAME, e.g. job.spares"),
+])
+def test_the_cli_refuses_bad_input_in_one_line_with_exit_code_2(tmp_path, args, message):
+    (tmp_path / "bad.toml").write_text("[fleet]\ngpus = 8\n")
+    out = phalanx("simulate", *args, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"phalanx: error: {message}"]
