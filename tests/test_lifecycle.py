@@ -339,6 +339,20 @@ def test_a_hang_names_the_rank_the_flight_recorder_singles_out():
     assert list(commit.job.incident_nodes) == ["b"]
 
 
+def test_a_spare_used_by_a_restart_is_replaced_by_a_free_node_so_the_next_fault_finds_one_too():
+    sim = Sim(nodes=("a", "b", "c", "d"))
+    start(sim)
+    assert list(sim.job.nodes) == ["a", "b"] and list(sim.job.spares) == ["c"]
+    sim.nodes["b"].health, sim.nodes["b"].reason = FAILED, "GPU 1: XID 79"
+    sim.run_until(lambda: running(sim) and list(sim.job.spares) == ["d"])
+    assert list(sim.job.nodes) == ["a", "c"]
+    assert any(k == "job.spares" and "d now held as spare (1 of 1)" in m for k, m in sim.events), sim.events
+    generation = sim.job.generation
+    sim.nodes["a"].down = True  # the next fault: the new spare takes a's place at once
+    sim.run_until(lambda: running(sim) and sim.job.generation > generation)
+    assert list(sim.job.nodes) == ["d", "c"] and not any("new placement" in m for _, m in sim.events)
+
+
 def test_a_job_gives_up_after_max_restarts_with_the_reason():
     sim = Sim(policy=lifecycle.Policy(RecoveryConfig(max_restarts=1, restart_backoff_s=1.0), JobsConfig()))
     start(sim)
@@ -368,7 +382,7 @@ def test_restarts_count_from_zero_again_once_the_job_ran_for_the_restart_window(
         sim.run_until(lambda g=generation: (sim.job.generation > g and running(sim)) or
                       sim.job.state == pb.JOB_STATE_FAILED)
         assert sim.job.state == pb.JOB_STATE_RUNNING, f"crash {crash}: {sim.describe()}"
-        assert sim.job.restarts == 1
+        assert sim.job.restarts == crash + 1 and sim.job.restarts_in_row == 1
         start(sim)
     first = next(r.rank for r in sim.job.ranks if r.node == "a")
     sim.nodes["a"].ranks[(sim.job.generation, first)] = "exited:7"  # a crash soon after the restart: in a row

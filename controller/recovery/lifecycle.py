@@ -329,7 +329,13 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
              for n in job.nodes}
     incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal)
     if incident is None:
-        return []
+        more = replenish(job, view)
+        if not more:
+            return []
+        new = copied(job)
+        new.spares.extend(more)
+        return [Commit(new, "job.spares", f"{job.id}: {', '.join(more)} now held as spare{'s' * (len(more) > 1)} "
+                       f"({len(new.spares)} of {job.spec.spares}), in place of those used by restarts")]
     if incident.kind == "straggler":
         held = straggler_hold(job, view.tracks, now, policy.recovery)
         if held:
@@ -340,15 +346,31 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     return _incident(job, incident, now, policy, view)
 
 
+def replenish(job: pb.Job, view: JobView) -> list[str]:
+    """Free nodes to hold as spares in place of those restarts used up (a long job would otherwise run out of
+    them, and every later fault would wait for a fresh placement): healthy ones on the job's own leaf switches
+    first, then any. `view.candidates` is empty unless the job is short of spares (the executor's rule)."""
+    short = job.spec.spares - len(job.spares)
+    if short <= 0 or not view.candidates:
+        return []
+    taken = {*job.nodes, *job.spares, *job.incident_nodes}
+    leaf_of = view.topology.node_leaf if view.topology is not None else {}
+    leaves = {leaf_of.get(n) for n in job.nodes}
+    free = [c.name for c in view.candidates if c.schedulable and c.healthy and c.free and
+            c.gpus >= job.spec.ranks_per_node and c.name not in taken]
+    free.sort(key=lambda n: (leaf_of.get(n) not in leaves, n))
+    return free[:short]
+
+
 def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:
     """Begin a recovery: checkpoint first when the failure is predictable, else evict at once; give up
     after max_restarts in a row, or at once when a rank said no restart mends it. A job that has run for
     restart_window_s since it last (re)started begins a new row: its restarts count from zero again."""
     calm_s = now - job.state_since_unix_ns / 1e9
-    if job.restarts and job.state == RUNNING and calm_s >= policy.recovery.restart_window_s:
-        job = copied(job, restarts=0)
-    if incident.fatal or job.restarts >= policy.recovery.max_restarts:
-        why = incident.reason if incident.fatal else f"gave up after {job.restarts} restarts: {incident.reason}"
+    if job.restarts_in_row and job.state == RUNNING and calm_s >= policy.recovery.restart_window_s:
+        job = copied(job, restarts_in_row=0)
+    if incident.fatal or job.restarts_in_row >= policy.recovery.max_restarts:
+        why = incident.reason if incident.fatal else f"gave up after {job.restarts_in_row} restarts: {incident.reason}"
         new = finished(job, FAILED, why, incident.exit_code, now)
         new.job.incident, new.job.incident_kind = incident.reason, incident.kind
         return [Commit(new.job, new.kind, new.message, incident=incident.kind), *_stop_all(job)]
@@ -462,7 +484,7 @@ def next_nodes(job: pb.Job, view: JobView) -> tuple[list[str], list[str], str] |
 
 
 def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
-    delay = backoff(job.restarts, policy.recovery)
+    delay = backoff(job.restarts_in_row, policy.recovery)
     ready_at = job.state_since_unix_ns / 1e9 + delay
     if now < ready_at:
         return [WakeAt(ready_at)]
@@ -474,12 +496,18 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
         return [Commit(copied(job, reason=chosen), "job.waiting", f"{job.id}: {chosen}"), *wait]
     nodes, spares, how = chosen
     generation = job.generation + 1
+    # max_restarts stops a job that keeps failing by itself; a restart that leaves a bad node behind is the
+    # recovery working (the drains it makes bound how often it can happen), and does not count toward it.
+    in_row = job.restarts_in_row if job.incident_nodes else job.restarts_in_row + 1
     new = moved(job, RESTARTING, f"restarting on {', '.join(nodes)}", now, generation=generation,
-                restarts=job.restarts + 1, launched_generation=generation)
+                restarts=job.restarts + 1, restarts_in_row=in_row, launched_generation=generation)
     new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
     with_nodes(new, nodes, spares)
-    return [Commit(new, "job.restarting", f"{job.id} generation {generation} on {', '.join(nodes)} ({how}; restart "
-                   f"{new.restarts} of at most {policy.recovery.max_restarts}, after {delay:g}s)"),
+    counted = (f"restart {new.restarts}; {new.restarts_in_row} of at most {policy.recovery.max_restarts} in a row"
+               if not job.incident_nodes else f"restart {new.restarts}, replacing {', '.join(job.incident_nodes)}: not "
+               "counted toward max_restarts")
+    return [Commit(new, "job.restarting", f"{job.id} generation {generation} on {', '.join(nodes)} ({how}; "
+                   f"{counted}, after {delay:g}s)"),
             Launch(job.id, generation)]
 
 

@@ -52,8 +52,8 @@ class SimNode:
     drained: bool = False
     holder: str = ""  # the job whose node or spare it is
     slow: bool = False
-    out_until: float = 0.0  # taken out of service (drained or down) until repaired
     faults: int = 0
+    candidate: tuple[tuple, Candidate] | None = None  # (the state it was made from, the Candidate)
 
 
 def verdict_of_xid(xid: int, now: float) -> health.Verdict:
@@ -97,6 +97,8 @@ class SimJob:
         self.members: set[str] = set()
         self.views: dict[str, NodeView] = {}
         self.candidates: dict[str, Candidate] = {}
+        self._node_views: dict[str, tuple[tuple, NodeView]] = {}
+        self._stale = False  # the views wait for a rebuild (done once, when next looked at)
         self.tally = Tally()
         # training
         self.activity = WAITING
@@ -138,7 +140,7 @@ class SimJob:
     def _rate(self) -> float:
         spec, failures = self.sim.scenario.job, self.sim.scenario.failures
         rate = 1.0 - (spec.snapshot_overhead if spec.snapshots else 0.0)
-        if any(self.sim.nodes[n].slow for n in self.job.nodes):
+        if any(n in self.members for n in self.sim.slow):
             rate /= 1.0 + failures.straggler_slowdown
         return rate
 
@@ -193,20 +195,31 @@ class SimJob:
         how = self.stops.get(name, ("", 0.0))[0]
         running = name in self.members and self.launch is not None and self.launch.done and self.launch.ok and \
             how != "taken" and not n.down
+        key = (n.down, n.health, n.reason, n.drained, how, running)
+        cached = self._node_views.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]  # views are frozen: the same one serves until something in it changes
         # A stop is taken reliably here, so a node told once stays told for its generation.
-        return NodeView(name, n.down, n.health, n.reason, connected=not n.down, drained=n.drained,
+        view = NodeView(name, n.down, n.health, n.reason, connected=not n.down, drained=n.drained,
                         stop_told=bool(how), stopped=how == "taken", running=running)
+        self._node_views[name] = (key, view)
+        return view
 
     def refresh(self, *names: str) -> None:
         """Some of the job's nodes changed (a fault, a drain, a stop taken): their views again."""
+        if self._stale:
+            return
         for name in names:
             if name in self.views:
                 self.views[name] = self.node_view(name)
                 self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
 
     def rebuild(self) -> None:
-        """The job's nodes or its launch changed: every view again (once a generation, not once a step)."""
-        self.members = set(self.job.nodes)
+        """The job's nodes or its launch changed: every view again, when next looked at."""
+        self._stale = True
+
+    def _rebuild(self) -> None:
+        self._stale = False
         names = [*self.job.nodes, *self.job.spares]
         self.views = {name: self.node_view(name) for name in names}
         self.candidates = {name: self.sim.candidate(self.sim.nodes[name], self.job.id) for name in names}
@@ -216,6 +229,8 @@ class SimJob:
         pace, and a checkpoint request is answered after timings.eviction_checkpoint_s (without reports the
         lifecycle asks at once)."""
         job = self.job
+        if self._stale:
+            self._rebuild()
         return lifecycle.JobView(nodes=self.views, launch=self.launch if self.launch and
                                  self.launch.generation == job.generation else None, checkpoint=self.checkpoint,
                                  candidates=list(self.candidates.values()) if candidates is None else candidates,
@@ -226,8 +241,10 @@ class SimJob:
             if self.job.state in table.TERMINAL:
                 return
             view = self.view(None)
-            if self.job.state == table.PENDING or (self.job.state == table.RENDEZVOUS and
-                                                   isinstance(lifecycle.next_nodes(self.job, view), str)):
+            state = self.job.state
+            if state == table.PENDING or (state == table.RENDEZVOUS and
+                                          isinstance(lifecycle.next_nodes(self.job, view), str)) or \
+                    (state == table.RUNNING and len(self.job.spares) < self.job.spec.spares):
                 view = self.view(self.sim.all_candidates(self.job.id))  # the spares do not do: the whole fleet
             if not self.apply(lifecycle.step(self.job, view, self.sim.now, self.sim.policy)):
                 return
@@ -252,6 +269,7 @@ class SimJob:
                             self.tally.fresh_placements += 1
                     sim.hold(self, before, job)
                     if list(job.nodes) != list(before.nodes) or list(job.spares) != list(before.spares):
+                        self.members = set(job.nodes)
                         self.rebuild()
                     if job.state != before.state:
                         self.entered(before.state, job.state)
@@ -274,7 +292,7 @@ class SimJob:
                 case lifecycle.Event():
                     pass
         if stops:  # every node takes its stop in the same time: one event for them all
-            self.refresh(*stops)
+            self.rebuild()
             sim.at(sim.now + sim.scenario.timings.stop_s, self._stopped, stops, self.generation)
         return committed
 
@@ -321,7 +339,7 @@ class SimJob:
             for node in nodes:
                 if node in self.stops and not self.sim.nodes[node].down:
                     self.stops[node] = ("taken", self.sim.now)
-            self.refresh(*nodes)
+            self.rebuild()
         self.decide()
 
     def _acked(self, request_id: int, generation: int) -> None:
@@ -369,6 +387,9 @@ class Simulation:
         self.straggler_rate = scenario.failures.straggler_per_1000_node_days / 1000.0 / DAY_S
         self.events = 0
         self.nodes_drained = 0
+        self.slow: set[str] = set()  # nodes slow now
+        self.version = 0  # moves with every change of a node that placement sees
+        self._fleet_view: tuple = (-1, "", [])
 
     # -- the world's clock ---------------------------------------------------------------------------
 
@@ -400,11 +421,20 @@ class Simulation:
     # -- the fleet -------------------------------------------------------------------------------
 
     def candidate(self, node: SimNode, job_id: str) -> Candidate:
-        return Candidate.of(node.name, DOWN if node.down else UP, node.health, node.holder in ("", job_id),
-                            self.scenario.fleet.gpus_per_node, connected=not node.down, drained=node.drained)
+        """The node as placement sees it from `job_id` (its own nodes count as free). Cached per node state: the
+        whole fleet is looked at each time a job needs a fresh placement."""
+        free = node.holder in ("", job_id)
+        key = (node.down, node.health, node.drained, free)
+        if node.candidate is None or node.candidate[0] != key:
+            node.candidate = (key, Candidate.of(node.name, DOWN if node.down else UP, node.health, free,
+                                                self.scenario.fleet.gpus_per_node, connected=not node.down,
+                                                drained=node.drained))
+        return node.candidate[1]
 
     def all_candidates(self, job_id: str) -> list[Candidate]:
-        return [self.candidate(n, job_id) for n in self.nodes.values()]
+        if self._fleet_view[:2] != (self.version, job_id):  # unchanged since the last look: the same list
+            self._fleet_view = (self.version, job_id, [self.candidate(n, job_id) for n in self.nodes.values()])
+        return self._fleet_view[2]
 
     def hold(self, job: SimJob, before: pb.Job, after: pb.Job) -> None:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none."""
@@ -413,12 +443,14 @@ class Simulation:
             if self.nodes[name].holder == job.job.id:
                 self.nodes[name].holder = ""
         changed = [name for name in held if self.nodes[name].holder != after.id]
+        self.version += 1
         for name in changed:
             self.nodes[name].holder = after.id
         job.refresh(*changed)
 
     def touched(self, node: SimNode) -> None:
         """A node's state changed: the job holding it sees it anew."""
+        self.version += 1
         job = self._job_of(node)
         if job is not None:
             job.refresh(node.name)
@@ -434,6 +466,7 @@ class Simulation:
 
     def _repaired(self, node: SimNode) -> None:
         node.down, node.drained, node.slow = False, False, False
+        self.slow.discard(node.name)
         node.health, node.reason = health.HEALTHY, ""
         self.touched(node)
         self._next_fault(node)
@@ -517,6 +550,7 @@ class Simulation:
         if faults != node.faults or node.down or node.drained or node.slow:
             return
         node.slow = True
+        self.slow.add(node.name)
         job = self._job_of(node)
         if job is None or node.name not in job.job.nodes:
             return
