@@ -40,13 +40,14 @@ from bench import (  # noqa: E402
     hooks,
     placement,
     recovery,
+    simulate,
     snapshots,
     tls,
 )
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "failover", "failover-scale")
+              "recovery", "failover", "failover-scale", "simulate")
 FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
@@ -130,6 +131,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = failover.run(args.trials)
             elif name == "failover-scale":
                 results[name] = await failover_scale.run(args.failover_steps)
+            elif name == "simulate":
+                results[name] = simulate.run(quick=args.quick)
             elif name == "capacity":
                 budget = max(60.0, args.budget - (time.monotonic() - t_begin))
                 results[name] = await capacity.run(args.steps, args.hold, args.settle, args.generators,
@@ -284,6 +287,17 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                          f"{st['wrongly_suspect_or_down']}{_verdict(st['wrongly_suspect_or_down'] == 0)}"))
             rows.append(("failover-scale", f"N={st['nodes']:,}: heartbeat lag p99 after", "< 100 ms",
                          f"{st['lag_p99_ms']:.0f} ms{_verdict(st['lag_p99_ms'] < 100)}"))
+    sim = results.get("simulate")
+    if sim and "error" not in sim:
+        sc_ = sim["scale"]
+        rows.append(("simulate", f"100,000 GPUs for {sc_['days']:g} days, one core", f"<= {sim['goal_s']:g} s",
+                     f"{sc_['wall_s']:.1f} s ({sc_['events']:,} events){_verdict(sc_['wall_s'] <= sim['goal_s'])}"))
+        for name, regime in sim["regimes"].items():
+            p, b = regime["phalanx"], regime["baseline"]
+            rows.append(("simulate", f"{name}, {regime['days']:g} days: ETTR Phalanx / baseline", "",
+                         f"{p['ettr'] * 100:.1f} % / {b['ettr'] * 100:.1f} %"
+                         + (f" (baseline job failed: {b['failed'][0][:60]})" if b["failed"] else "")
+                         + (f" (Phalanx job failed: {p['failed'][0][:60]})" if p["failed"] else "")))
     r = results.get("recovery")
     if r and "error" not in r:
         for fault, systems in r["faults"].items():

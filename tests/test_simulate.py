@@ -66,9 +66,9 @@ def test_phalanx_policies_beat_the_baseline_and_each_one_shows_where_it_acts():
     assert phalanx["ettr"] > baseline["ettr"]
     assert baseline["gpu_hours_lost"]["snapshots"] == 0 and phalanx["gpu_hours_lost"]["snapshots"] > 0
     assert phalanx["gpu_hours_lost"]["recomputed"] < baseline["gpu_hours_lost"]["recomputed"]
-    incidents = report._incidents(phalanx)
+    incidents = report.incidents(phalanx)
     assert incidents.get("gpu-failing", 0) > 0 and incidents.get("straggler", 0) > 0  # warnings and slow nodes
-    assert not {"gpu-failing", "straggler"} & set(report._incidents(baseline))  # acted on only with the policy
+    assert not {"gpu-failing", "straggler"} & set(report.incidents(baseline))  # acted on only with the policy
     assert sum(j["spares_used"] for j in phalanx["jobs"]) > 0
     assert sum(j["fresh_placements"] for j in baseline["jobs"]) > 0  # no spares: a new placement each time
 
@@ -109,8 +109,20 @@ def test_the_cli_prints_a_table_json_and_a_sweep_side_by_side(tmp_path):
     assert [r["name"] for r in runs] == ["job.spares=0", "job.spares=4"]
     assert [r["scenario"]["spares"] for r in runs] == [0, 4]
     assert all(0 < r["ettr"] < 1 for r in runs)
-    both = phalanx("simulate", str(path), "--baseline")
+    both = phalanx("simulate", str(path), "--baseline", "--plot", str(tmp_path / "plots"))
     assert both.returncode == 0 and "baseline" in both.stdout and "phalanx" in both.stdout
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert written == ["ettr_over_time.png", "losses_by_cause.png", "sweep.png"]
+    assert all((tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG\r\n") for name in written)
+    (tmp_path / "a-file").write_text("")
+    refused = phalanx("simulate", str(path), "--plot", str(tmp_path / "a-file"))
+    assert refused.returncode == 1 and "--plot" in refused.stderr and "cannot create the directory" in refused.stderr
+
+
+def test_the_timeline_ends_at_the_runs_ettr():
+    r = report.simulate(scenario(**{"fleet.nodes": 200, "job.nodes": 128, "run.days": 10.0}))
+    assert len(r["timeline"]) == 60 and r["timeline"][-1][0] == pytest.approx(10.0)
+    assert r["timeline"][-1][1] == pytest.approx(r["ettr"])
 
 
 @pytest.mark.parametrize("args, message", [

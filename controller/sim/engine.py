@@ -37,6 +37,7 @@ HEALTH = HealthConfig()
 START = 1_800_000_000.0  # wall-clock seconds of the simulation's start (the lifecycle takes wall time)
 # What each kind of fault looks like to the health policy: the XID the agent reports, or the telemetry it sends.
 GPU_FAULT_XIDS = (48, 79, 94, 95, 119, 64)  # double-bit ECC, off the bus, ECC, GSP, remap failure
+TIMELINE_POINTS = 60
 CAUSES = ("recomputed", "recovery", "waiting", "checkpoints", "snapshots", "stragglers")
 
 TRAINING, PAUSED, RECOVERING, WAITING = "training", "checkpoints", "recovery", "waiting"
@@ -264,7 +265,8 @@ class SimJob:
                         self.generation, self.stops, self.checkpoint = job.generation, {}, None
                         self.rebuild()
                     if kind == "job.restarting":
-                        self.tally.spares_used += sum(1 for n in job.nodes if n in before.spares)
+                        spares = set(before.spares)
+                        self.tally.spares_used += sum(1 for n in job.nodes if n in spares)
                         if "a new placement" in message:
                             self.tally.fresh_placements += 1
                     sim.hold(self, before, job)
@@ -386,6 +388,7 @@ class Simulation:
         self.node_fault_rate = scenario.failures.per_1000_node_days / 1000.0 / DAY_S
         self.straggler_rate = scenario.failures.straggler_per_1000_node_days / 1000.0 / DAY_S
         self.events = 0
+        self.timeline: list[tuple[float, float]] = []  # (day, ETTR so far)
         self.nodes_drained = 0
         self.slow: set[str] = set()  # nodes slow now
         self.version = 0  # moves with every change of a node that placement sees
@@ -404,6 +407,8 @@ class Simulation:
             job.decide()
         report_every = (self.end - self.now) / 20
         next_report = self.now + report_every
+        for k in range(1, TIMELINE_POINTS + 1):
+            self.at(START + (self.end - START) * k / TIMELINE_POINTS, self._sample)
         while self.queue and self.queue[0][0] <= self.end:
             t, _, fn, args = heapq.heappop(self.queue)
             self.now = max(self.now, t)
@@ -417,6 +422,13 @@ class Simulation:
             job.become(job.activity)  # settle the last stretch
             job.tally.work_s = job.work
         return self
+
+    def _sample(self) -> None:
+        """A point of the ETTR-over-time curve: useful work so far over the time so far, over every job."""
+        for job in self.jobs:
+            job.become(job.activity)  # settle the stretch up to now
+        elapsed = (self.now - START) * len(self.jobs)
+        self.timeline.append(((self.now - START) / DAY_S, sum(j.work for j in self.jobs) / elapsed))
 
     # -- the fleet -------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ def results(sim: Simulation, wall_s: float = 0.0) -> dict[str, Any]:
         "recovery_s": _distribution(recoveries),
         "nodes_drained": sim.nodes_drained,
         "jobs": jobs,
+        "timeline": [[round(day, 4), ettr] for day, ettr in sim.timeline],
         "events": sim.events,
         "wall_s": round(wall_s, 3),
     }
@@ -69,7 +70,7 @@ ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("ETTR", lambda r: f"{r['ettr'] * 100:.2f} %"),
     ("goodput (of the fleet's GPU-hours)", lambda r: f"{r['goodput'] * 100:.2f} %"),
     *[(f"GPU-hours lost: {cause}", lambda r, c=cause: f"{r['gpu_hours_lost'][c]:,.0f}") for cause in CAUSES],
-    *[(f"incidents: {kind}", lambda r, k=kind: f"{_incidents(r).get(k, 0):,}") for kind in KINDS],
+    *[(f"incidents: {kind}", lambda r, k=kind: f"{incidents(r).get(k, 0):,}") for kind in KINDS],
     ("recovery, fault to training: p50 / p90 / max", lambda r: _recovery(r["recovery_s"])),
     ("spares used / fresh placements", lambda r: f"{sum(j['spares_used'] for j in r['jobs'])} / "
                                                  f"{sum(j['fresh_placements'] for j in r['jobs'])}"),
@@ -79,7 +80,7 @@ ROWS: list[tuple[str, Callable[[dict], str]]] = [
 ]
 
 
-def _incidents(r: dict) -> dict[str, int]:
+def incidents(r: dict) -> dict[str, int]:
     out: dict[str, int] = {}
     for job in r["jobs"]:
         for kind, n in job["incidents"].items():

@@ -350,6 +350,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"{PROG}: simulating {name}: {scenario.fleet.nodes * scenario.fleet.gpus_per_node:,} GPUs for "
                   f"{scenario.run.days:g} days ...", file=sys.stderr, flush=True)
         runs.append((name, report.simulate(scenario)))
+    if args.plot:
+        from controller.sim import plot
+        try:
+            for path in plot.write(runs, args.plot):
+                print(f"{PROG}: wrote {path}", file=sys.stderr)
+        except ConfigError as e:
+            raise CliError(str(e)) from None
     if args.json:
         out = {"runs": [{"name": name, **r} for name, r in runs]}
         print(json.dumps(out if len(runs) > 1 else out["runs"][0], indent=2))
@@ -525,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "job.spares=0,1,2,4)")
     p.add_argument("--baseline", action="store_true", help="add a column for the baseline: periodic checkpoints "
                    "only, no spares, no prediction, no snapshots")
+    p.add_argument("--plot", metavar="DIR", help="also write PNG plots there: ETTR over time, losses by cause, and "
+                   "with several runs their ETTR side by side (needs matplotlib)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
     return parser
