@@ -100,6 +100,8 @@ class SimJob:
         self.candidates: dict[str, Candidate] = {}
         self._node_views: dict[str, tuple[tuple, NodeView]] = {}
         self._stale = False  # the views wait for a rebuild (done once, when next looked at)
+        self.fleet: dict[str, Candidate] | None = None  # every node, as placement sees it from this job
+        self.synced = 0  # how much of the simulation's change log `fleet` has taken in
         self.tally = Tally()
         # training
         self.activity = WAITING
@@ -222,8 +224,21 @@ class SimJob:
     def _rebuild(self) -> None:
         self._stale = False
         names = [*self.job.nodes, *self.job.spares]
-        self.views = {name: self.node_view(name) for name in names}
-        self.candidates = {name: self.sim.candidate(self.sim.nodes[name], self.job.id) for name in names}
+        node_view, candidate, nodes, job_id = self.node_view, self.sim.candidate, self.sim.nodes, self.job.id
+        self.views = {name: node_view(name) for name in names}
+        self.candidates = {name: candidate(nodes[name], job_id) for name in names}
+
+    def respare(self, before: pb.Job) -> None:
+        """Only the spares changed (held again, or released): their views alone."""
+        if self._stale:
+            return
+        for name in set(before.spares) - set(self.job.spares) - self.members:
+            self.views.pop(name, None)
+            self.candidates.pop(name, None)
+        for name in self.job.spares:
+            if name not in self.views:
+                self.views[name] = self.node_view(name)
+                self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
 
     def view(self, candidates: list[Candidate] | None) -> lifecycle.JobView:
         """What the controller sees of the job. No progress reports: the simulated ranks step at the scenario's
@@ -246,7 +261,7 @@ class SimJob:
             if state == table.PENDING or (state == table.RENDEZVOUS and
                                           isinstance(lifecycle.next_nodes(self.job, view), str)) or \
                     (state == table.RUNNING and len(self.job.spares) < self.job.spec.spares):
-                view = self.view(self.sim.all_candidates(self.job.id))  # the spares do not do: the whole fleet
+                view = self.view(self.sim.all_candidates(self))  # the spares do not do: the whole fleet
             if not self.apply(lifecycle.step(self.job, view, self.sim.now, self.sim.policy)):
                 return
         raise RuntimeError(f"{self.job.id}: no quiet point after 64 steps in {table.state_name(self.job.state)}")
@@ -270,9 +285,11 @@ class SimJob:
                         if "a new placement" in message:
                             self.tally.fresh_placements += 1
                     sim.hold(self, before, job)
-                    if list(job.nodes) != list(before.nodes) or list(job.spares) != list(before.spares):
+                    if list(job.nodes) != list(before.nodes):
                         self.members = set(job.nodes)
                         self.rebuild()
+                    elif list(job.spares) != list(before.spares):
+                        self.respare(before)
                     if job.state != before.state:
                         self.entered(before.state, job.state)
                 case lifecycle.Launch(generation=generation):
@@ -391,8 +408,7 @@ class Simulation:
         self.timeline: list[tuple[float, float]] = []  # (day, ETTR so far)
         self.nodes_drained = 0
         self.slow: set[str] = set()  # nodes slow now
-        self.version = 0  # moves with every change of a node that placement sees
-        self._fleet_view: tuple = (-1, "", [])
+        self.changes: list[str] = []  # every node whose state placement sees changed, in order (a log)
 
     # -- the world's clock ---------------------------------------------------------------------------
 
@@ -443,26 +459,33 @@ class Simulation:
                                                 drained=node.drained))
         return node.candidate[1]
 
-    def all_candidates(self, job_id: str) -> list[Candidate]:
-        if self._fleet_view[:2] != (self.version, job_id):  # unchanged since the last look: the same list
-            self._fleet_view = (self.version, job_id, [self.candidate(n, job_id) for n in self.nodes.values()])
-        return self._fleet_view[2]
+    def all_candidates(self, job: SimJob) -> list[Candidate]:
+        """Every node as placement sees it from `job`: kept per job, brought up to date from the change log (a
+        whole-fleet look each time a job needs nodes would cost more than the rest of the simulation)."""
+        if job.fleet is None:
+            job.fleet, job.synced = {n.name: self.candidate(n, job.job.id) for n in self.nodes.values()}, \
+                len(self.changes)
+        for name in self.changes[job.synced:]:
+            job.fleet[name] = self.candidate(self.nodes[name], job.job.id)
+        job.synced = len(self.changes)
+        return list(job.fleet.values())
 
     def hold(self, job: SimJob, before: pb.Job, after: pb.Job) -> None:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none."""
         held = set() if after.state in table.TERMINAL else {*after.nodes, *after.spares}
-        for name in {*before.nodes, *before.spares} - held:
-            if self.nodes[name].holder == job.job.id:
-                self.nodes[name].holder = ""
+        released = [name for name in {*before.nodes, *before.spares} - held if self.nodes[name].holder == job.job.id]
+        for name in released:
+            self.nodes[name].holder = ""
         changed = [name for name in held if self.nodes[name].holder != after.id]
-        self.version += 1
+        self.changes += released
+        self.changes += changed
         for name in changed:
             self.nodes[name].holder = after.id
         job.refresh(*changed)
 
     def touched(self, node: SimNode) -> None:
         """A node's state changed: the job holding it sees it anew."""
-        self.version += 1
+        self.changes.append(node.name)
         job = self._job_of(node)
         if job is not None:
             job.refresh(node.name)
