@@ -72,6 +72,8 @@ class JobsConfig:
     missing_reports_lost: int = setting(5, "heartbeats in a row from a rank's node without news of the rank before "
                                         "the rank counts as lost")
     stop_grace_s: float = setting(30.0, "seconds between SIGTERM and SIGKILL when a job's ranks are stopped")
+    keep_spares: bool = setting(True, "a running job short of spares (restarts used them) holds free healthy nodes "
+                                "again, on its own leaf switches first")
 
     def __post_init__(self) -> None:
         positive("jobs.schedule_interval_s", self.schedule_interval_s)

@@ -57,8 +57,11 @@ def cluster4(cluster):
     return started4(cluster)
 
 
-CONTROLLER = ("[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\ncheckpoint_deadline_s = 20.0\n"
-              "hang_min_s = 4.0\nstraggler_ratio = 1.2\nstraggler_cost = 0.2\n")
+# keep_spares = false: here every "node" shares the same two cores, so a spare held again mid-run starts its
+# standbys (torch imports) beside the training ranks and can make a healthy rank look like a straggler; on a
+# fleet a spare is a machine of its own. Holding spares again is tested in tests/test_lifecycle.py.
+CONTROLLER = ("[jobs]\nstop_grace_s = 3.0\nkeep_spares = false\n[recovery]\nrestart_backoff_s = 0.2\n"
+              "checkpoint_deadline_s = 20.0\nhang_min_s = 4.0\nstraggler_ratio = 1.2\nstraggler_cost = 0.2\n")
 
 
 def started4(cluster, nodes=NODES):

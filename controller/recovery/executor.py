@@ -114,8 +114,8 @@ class Executor:
         nodes = self.jobs.registry.entries_by_name()
         names = dict.fromkeys([*job.nodes, *job.spares, *job.incident_nodes])
         views = {n: self._node_view(entry, nodes[n]) for n in names if n in nodes}
-        placing = job.state in (PENDING, lifecycle.RENDEZVOUS) or (job.state == RUNNING and
-                                                                  len(job.spares) < job.spec.spares)
+        placing = job.state in (PENDING, lifecycle.RENDEZVOUS) or (
+            job.state == RUNNING and len(job.spares) < job.spec.spares and self.jobs.policy().jobs.keep_spares)
         since_ns = job.state_since_unix_ns if job.state == RUNNING else 0
         return lifecycle.JobView(
             nodes=views, tracks=entry.tracks, fatal=dict(entry.fatal),

@@ -329,7 +329,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
              for n in job.nodes}
     incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal)
     if incident is None:
-        more = replenish(job, view)
+        more = replenish(job, view) if policy.jobs.keep_spares else []
         if not more:
             return []
         new = copied(job)

@@ -98,8 +98,9 @@ class SimJob:
         self.members: set[str] = set()
         self.views: dict[str, NodeView] = {}
         self.candidates: dict[str, Candidate] = {}
-        self._node_views: dict[str, tuple[tuple, NodeView]] = {}
+        self._node_views: dict[tuple, NodeView] = {}
         self._stale = False  # the views wait for a rebuild (done once, when next looked at)
+        self._members_changed = False  # ... and the candidates too
         self.fleet: dict[str, Candidate] | None = None  # every node, as placement sees it from this job
         self.synced = 0  # how much of the simulation's change log `fleet` has taken in
         self.tally = Tally()
@@ -194,51 +195,51 @@ class SimJob:
     # -- the controller: build the view, step, apply -----------------------------------------------
 
     def node_view(self, name: str) -> NodeView:
+        """A stop is taken reliably here, within timings.stop_s: a node told once stays told for its generation,
+        and `running` (a node still showing the generation after a stop, past the eviction's deadline) never
+        arises, so it is left False rather than rebuilt for every node at each launch."""
         n = self.sim.nodes[name]
         how = self.stops.get(name, ("", 0.0))[0]
-        running = name in self.members and self.launch is not None and self.launch.done and self.launch.ok and \
-            how != "taken" and not n.down
-        key = (n.down, n.health, n.reason, n.drained, how, running)
-        cached = self._node_views.get(name)
-        if cached is not None and cached[0] == key:
-            return cached[1]  # views are frozen: the same one serves until something in it changes
-        # A stop is taken reliably here, so a node told once stays told for its generation.
-        view = NodeView(name, n.down, n.health, n.reason, connected=not n.down, drained=n.drained,
-                        stop_told=bool(how), stopped=how == "taken", running=running)
-        self._node_views[name] = (key, view)
+        key = (name, n.down, n.health, n.reason, n.drained, how)
+        view = self._node_views.get(key)
+        if view is None:  # views are frozen: one per state a node is seen in serves every generation
+            view = self._node_views[key] = NodeView(name, n.down, n.health, n.reason, connected=not n.down,
+                                                    drained=n.drained, stop_told=bool(how), stopped=how == "taken")
         return view
 
     def refresh(self, *names: str) -> None:
         """Some of the job's nodes changed (a fault, a drain, a stop taken): their views again."""
-        if self._stale:
-            return
         for name in names:
-            if name in self.views:
-                self.views[name] = self.node_view(name)
+            if name in self.candidates:
                 self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
+            if name in self.views and not self._stale:
+                self.views[name] = self.node_view(name)
 
-    def rebuild(self) -> None:
-        """The job's nodes or its launch changed: every view again, when next looked at."""
+    def rebuild(self, members: bool = False) -> None:
+        """The job's stops (or, with `members`, its nodes) changed: every view again, when next looked at."""
         self._stale = True
+        self._members_changed = self._members_changed or members
 
     def _rebuild(self) -> None:
         self._stale = False
         names = [*self.job.nodes, *self.job.spares]
-        node_view, candidate, nodes, job_id = self.node_view, self.sim.candidate, self.sim.nodes, self.job.id
+        node_view = self.node_view
         self.views = {name: node_view(name) for name in names}
-        self.candidates = {name: candidate(nodes[name], job_id) for name in names}
+        if self._members_changed:
+            self._members_changed = False
+            candidate, nodes, job_id = self.sim.candidate, self.sim.nodes, self.job.id
+            self.candidates = {name: candidate(nodes[name], job_id) for name in names}
 
     def respare(self, before: pb.Job) -> None:
         """Only the spares changed (held again, or released): their views alone."""
-        if self._stale:
-            return
         for name in set(before.spares) - set(self.job.spares) - self.members:
             self.views.pop(name, None)
             self.candidates.pop(name, None)
         for name in self.job.spares:
-            if name not in self.views:
-                self.views[name] = self.node_view(name)
+            if name not in self.candidates:
                 self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
+            if name not in self.views and not self._stale:
+                self.views[name] = self.node_view(name)
 
     def view(self, candidates: list[Candidate] | None) -> lifecycle.JobView:
         """What the controller sees of the job. No progress reports: the simulated ranks step at the scenario's
@@ -260,7 +261,8 @@ class SimJob:
             state = self.job.state
             if state == table.PENDING or (state == table.RENDEZVOUS and
                                           isinstance(lifecycle.next_nodes(self.job, view), str)) or \
-                    (state == table.RUNNING and len(self.job.spares) < self.job.spec.spares):
+                    (state == table.RUNNING and len(self.job.spares) < self.job.spec.spares and
+                     self.sim.policy.jobs.keep_spares):
                 view = self.view(self.sim.all_candidates(self))  # the spares do not do: the whole fleet
             if not self.apply(lifecycle.step(self.job, view, self.sim.now, self.sim.policy)):
                 return
@@ -287,14 +289,13 @@ class SimJob:
                     sim.hold(self, before, job)
                     if list(job.nodes) != list(before.nodes):
                         self.members = set(job.nodes)
-                        self.rebuild()
+                        self.rebuild(members=True)
                     elif list(job.spares) != list(before.spares):
                         self.respare(before)
                     if job.state != before.state:
                         self.entered(before.state, job.state)
                 case lifecycle.Launch(generation=generation):
                     self.launch = lifecycle.LaunchView(generation)
-                    self.rebuild()
                     sim.at(sim.now + sim.scenario.timings.launch_s, self._launched, generation)
                 case lifecycle.Stop(node=node):
                     self.stops[node] = ("sending", sim.now)
@@ -350,7 +351,6 @@ class SimJob:
         down = [n for n in self.job.nodes if self.sim.nodes[n].down]
         self.launch = lifecycle.LaunchView(generation, done=True, ok=not down, error=f"{down} down",
                                            address="10.0.0.1", port=29500)
-        self.rebuild()
         self.decide()
 
     def _stopped(self, nodes: list[str], generation: int) -> None:

@@ -129,13 +129,14 @@ class PolicyConfig:
                                       "controller")
     restart_backoff_s: float = setting(RecoveryConfig().restart_backoff_s, "recovery.restart_backoff_s of the "
                                        "controller")
+    keep_spares: bool = setting(JobsConfig().keep_spares, "jobs.keep_spares of the controller")
 
     def recovery(self) -> RecoveryConfig:
         return RecoveryConfig(max_restarts=self.max_restarts, restart_window_s=self.restart_window_s,
                               restart_backoff_s=self.restart_backoff_s)
 
     def jobs(self) -> JobsConfig:
-        return JobsConfig()
+        return JobsConfig(keep_spares=self.keep_spares)
 
     def __post_init__(self) -> None:
         try:
