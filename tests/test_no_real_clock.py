@@ -16,6 +16,7 @@ DECISIONS = [
     "controller/recovery/table.py", "controller/nodes/liveness.py", "controller/nodes/health.py",
     "controller/nodes/states.py", "controller/jobs/placement.py", "controller/jobs/topology.py",
     "controller/rendezvous/book.py", "controller/recovery/snapshots.py",
+    "controller/sim/engine.py",  # the fleet simulator runs in virtual time only
 ]
 # Loops and executors: they wait and read time through the injected clock.
 LOOPS = [
