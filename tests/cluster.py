@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from phalanx.cli.local import free_port
@@ -22,6 +23,15 @@ from phalanx.v1 import control_pb2, control_pb2_grpc
 
 TIMEOUT_S = 60.0  # generous: CI machines are shared and slow; tests never assert on these timings
 
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (not exited, not a zombie). A process that exits between two looks is not alive: no
+    check-then-inspect race (psutil.Process raises NoSuchProcess for a pid gone since pid_exists said yes)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 class Cluster:
     """Plaintext by default (`insecure = true` in every config); with `pki`, a directory holding a cluster CA,

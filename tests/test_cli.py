@@ -9,10 +9,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
 from phalanx.cli import local
+from tests.cluster import alive
 
 
 def phalanx(*args, env=None, timeout=120):
@@ -119,8 +119,7 @@ def test_local_status_and_down_find_a_controller_restarted_by_hand(home):
     before = json.loads(phalanx("local", "status", "--json", env=home).stdout)[0]
     assert before["role"] == "controller" and before["running"]
     os.kill(before["pid"], signal.SIGKILL)
-    wait_until(lambda: not psutil.pid_exists(before["pid"]) or
-               psutil.Process(before["pid"]).status() == psutil.STATUS_ZOMBIE, "the controller gone")
+    wait_until(lambda: not alive(before["pid"]), "the controller gone")
     assert json.loads(phalanx("local", "status", "--json", env=home).stdout)[0]["running"] is False
 
     # what an operator does: start it again by hand, with the same configuration

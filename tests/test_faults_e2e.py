@@ -39,6 +39,7 @@ import pytest
 from phalanx.ports import free_port
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import control_pb2
+from tests.cluster import alive
 from tests.ha_cluster import HaCluster
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
@@ -503,8 +504,7 @@ def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_w
         else:
             os.kill(agent.pid, signal.SIGCONT)
 
-    cluster.wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                                     for pid in stale), "the stale ranks stopped", timeout=WAIT_S)
+    cluster.wait_for(lambda: not any(alive(pid) for pid in stale), "the stale ranks stopped", timeout=WAIT_S)
     events = see.events(job_id)
     fenced = [m for k, m in events if k == "job.fenced"]
     assert fenced and all(f"generation 1 on {victim}" in m for m in fenced), events

@@ -9,6 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.cluster import alive
+
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_gloo.py")
 NODES = ["node-a", "node-b", "node-c", "node-d"]
 
@@ -86,8 +88,7 @@ def test_cancel_stops_every_rank_on_every_node(four):
     assert result.returncode == 0, result.stderr
     assert phalanx(four, "wait", job_id).returncode == 1
     assert job(four, job_id)["state"] == "CANCELLED"
-    four.wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                  for p in pids), "every rank process gone")
+    four.wait_for(lambda: not any(alive(p) for p in pids), "every rank process gone")
     assert phalanx(four, "cancel", job_id).returncode == 1  # already ended
 
 
@@ -109,8 +110,7 @@ def test_an_agent_restart_leaves_ranks_running_and_readopts_them(four):
     # the re-adopted rank can still be stopped, and how it ended is known
     assert phalanx(four, "cancel", job_id).returncode == 0
     assert phalanx(four, "wait", job_id).returncode == 1
-    four.wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
-                  "re-adopted rank stopped")
+    four.wait_for(lambda: not alive(pid), "re-adopted rank stopped")
 
 
 def test_a_job_larger_than_the_cluster_waits_with_a_reason(four):

@@ -22,6 +22,7 @@ from agent.main import Agent
 from agent.supervisor import Supervisor
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, local_pb2, node_pb2
+from tests.cluster import alive
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 # The wrapper's own main(), with a Popen that is hit by a SIGTERM as it returns: the agent's stop landing
@@ -50,7 +51,7 @@ def test_a_stop_that_comes_while_the_rank_starts_still_reaches_the_rank(tmp_path
         assert exit_file.read_text().strip() == str(-signal.SIGTERM)  # the rank itself died of it
         rank = int(pid_file.read_text())
         deadline = time.monotonic() + 60
-        while psutil.pid_exists(rank) and psutil.Process(rank).status() != psutil.STATUS_ZOMBIE:
+        while alive(rank):
             assert time.monotonic() < deadline, "the rank outlived its wrapper"
             time.sleep(0.05)
     finally:
