@@ -293,7 +293,7 @@ class KillLoop:
         job = self.see.job(trial.job)
         trial.before = job.generation
         victim = self.fault(trial, job)
-        trial.delay_s = self.delay(trial.aim, job.restarts)
+        trial.delay_s = self.delay(trial.aim, job.restarts_in_row)  # what the backoff counts
         # Aim: watch the store (what a restart loads) until the job is in the aimed state, then wait the delay.
         deadline = time.monotonic() + WAIT_S
         while True:
@@ -342,11 +342,11 @@ class KillLoop:
                                          timeout=10)
         return node
 
-    def delay(self, aim: str, restarts: int) -> float:
+    def delay(self, aim: str, restarts_in_row: int) -> float:
         """A random delay into the aimed state, within about how long the job stays there."""
         spans = {"CHECKPOINTING": 4.0,  # the agreed step is ~5 s of steps ahead
                  "EVICTING": 0.8,  # until every node's next heartbeat says its ranks are gone
-                 "RENDEZVOUS": 0.8 * 0.001 * 2 ** min(restarts, 10),  # the restart backoff
+                 "RENDEZVOUS": 0.8 * 0.001 * 2 ** min(restarts_in_row, 10),  # the restart backoff
                  "RESTARTING": 0.02}  # a port, and the launches: tens of milliseconds
         return round(self.rng.uniform(0.0, spans[aim]), 3)
 

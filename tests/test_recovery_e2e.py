@@ -64,8 +64,8 @@ CONTROLLER = ("[jobs]\nstop_grace_s = 3.0\nkeep_spares = false\n[recovery]\nrest
               "checkpoint_deadline_s = 20.0\nhang_min_s = 4.0\nstraggler_ratio = 1.2\nstraggler_cost = 0.2\n")
 
 
-def started4(cluster, nodes=NODES):
-    cluster.start_controller(CONTROLLER)
+def started4(cluster, nodes=NODES, controller=CONTROLLER):
+    cluster.start_controller(controller)
     for name in nodes:
         cluster.start_agent(name, gpus=2)
     cluster.wait_states(dict.fromkeys(nodes, "UP"))
@@ -127,7 +127,11 @@ def test_an_xid_79_resumes_from_the_last_periodic_checkpoint(cluster4, tmp_path,
     assert "resumed from step" in phalanx(cluster4, "logs", job_id).stdout
 
 
-def test_a_straggler_is_found_checkpointed_and_replaced(cluster4, tmp_path, reference):
+def test_a_straggler_is_found_checkpointed_and_replaced(cluster, tmp_path, reference):
+    # One straggler eviction an hour at most: on this shared 2-core machine the restarted ranks' computes can
+    # drift past straggler_ratio on their own (seen twice in a row after the restart); the bound holds such a
+    # second verdict back, as it is there to.
+    cluster4 = started4(cluster, controller=CONTROLLER + "straggler_max_evictions = 1\n")
     job_id, out = start(cluster4, tmp_path, "--work", "400")  # real compute before compute_done(), to stretch
     victim = job(cluster4, job_id)["nodes"][1]
     assert phalanx(cluster4, "inject", victim, "--gpu", "0", "slow=0.9").returncode == 0  # its compute 1.9x
