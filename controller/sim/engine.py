@@ -78,7 +78,6 @@ class Tally:
     recoveries_s: list[float] = field(default_factory=list)  # fault -> training again
     spares_used: int = 0
     fresh_placements: int = 0
-    evictions_ahead: int = 0  # nodes evicted on a warning before their fault
     failed: str = ""  # why the job ended FAILED, if it did
 
 
@@ -113,7 +112,6 @@ class SimJob:
         self.since_checkpoint = 0.0  # seconds trained since the last durable checkpoint (or the resume)
         self.token = 0  # invalidates scheduled checkpoint/resume events when training stops or restarts
         self.broken_at: float | None = None  # a fault stopped training; recovery counts from here
-        self.crashed_rank: int | None = None
 
     # -- time accounting ---------------------------------------------------------------------------
 
@@ -318,8 +316,7 @@ class SimJob:
 
     def entered(self, source: int, target: int) -> None:
         sim = self.sim
-        if target in (table.RUNNING,) and source in table.LAUNCHING:
-            self.crashed_rank = None
+        if target == table.RUNNING and source in table.LAUNCHING:
             load = sim.scenario.timings.snapshot_load_s if sim.scenario.job.snapshots and self.work > 0 else \
                 sim.scenario.timings.load_s
             sim.at(sim.now + load, self._loaded, self.generation)

@@ -349,7 +349,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"{PROG}: simulating {name}: {scenario.fleet.nodes * scenario.fleet.gpus_per_node:,} GPUs for "
                   f"{scenario.run.days:g} days ...", file=sys.stderr, flush=True)
-        runs.append((name, report.simulate(scenario)))
+        def progress(done: float, name: str = name) -> None:
+            if not args.json:
+                print(f"{PROG}: {name}: {done * 100:.0f} % simulated", file=sys.stderr, flush=True)
+
+        runs.append((name, report.simulate(scenario, progress)))
     if args.plot:
         from controller.sim import plot
         try:
