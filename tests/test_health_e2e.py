@@ -77,6 +77,21 @@ def test_injected_faults_drive_verdicts_drains_and_nvrx(cluster):
     table = phalanx(cluster, "health").stdout.splitlines()
     assert table[0].split() == ["NODE", "HEALTH", "GPUS-NOT-HEALTHY", "FIRST-REASON"]
 
+    # this controller's event log, replayed by the simulator as a failure trace: its three faults, each once
+    log = cluster.root / "events.json"
+    listed = phalanx(cluster, "events", "--json")
+    assert listed.returncode == 0, listed.stderr
+    log.write_text(listed.stdout)
+    scenario = cluster.root / "fleet.toml"
+    scenario.write_text("[fleet]\nnodes = 4\n[job]\nnodes = 4\nspares = 0\n[run]\ndays = 1\n")
+    replayed = phalanx(cluster, "simulate", str(scenario), "--replay", str(log), "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    trace = json.loads(replayed.stdout)["replay"]
+    # XIDs 79 and 63 (the remap's own event, only watched); the lost GPU after the undrain; the pending remap
+    assert trace["log_faults"] == {"node-lost": 0, "xid": 2, "warning": 1, "gpu-failed": 1, "crash": 0,
+                                   "straggler": 0}, trace
+    assert trace["watched"] == 1, trace
+
 
 def test_inject_refusals(cluster):
     cluster.start_controller()

@@ -353,6 +353,34 @@ def test_a_spare_used_by_a_restart_is_replaced_by_a_free_node_so_the_next_fault_
     assert list(sim.job.nodes) == ["d", "c"] and not any("new placement" in m for _, m in sim.events)
 
 
+def test_a_node_of_the_incident_undrained_while_the_job_waits_is_taken_when_nothing_else_will_do():
+    """Found by `phalanx simulate --replay`: a job with no spare left waited for ever for a node other than the one
+    it evicted, though that one was repaired and undrained meanwhile."""
+    sim = Sim(nodes=("a", "b"), spares=0)
+    start(sim)
+    generation = sim.job.generation
+    sim.nodes["b"].health, sim.nodes["b"].reason = FAILED, "GPU 1: XID 79"
+    sim.run_until(lambda: "waiting for nodes" in sim.job.reason)
+    assert sim.nodes["b"].drained and sim.job.state == pb.JOB_STATE_RENDEZVOUS
+    sim.run_for(30)
+    assert sim.job.state == pb.JOB_STATE_RENDEZVOUS  # b is still drained: nothing to run on
+    b = sim.nodes["b"]
+    b.health, b.reason, b.drained = HEALTHY, "", False  # repaired; `phalanx undrain b`
+    sim.run_until(lambda: running(sim) and sim.job.generation > generation)
+    assert list(sim.job.nodes) == ["a", "b"]
+
+
+def test_a_node_of_the_incident_is_passed_over_while_another_will_do():
+    sim = Sim(nodes=("a", "b", "c"), spares=0)
+    start(sim)
+    generation = sim.job.generation
+    sim.nodes["b"].health, sim.nodes["b"].reason = FAILED, "GPU 1: XID 79"
+    sim.on_state["RENDEZVOUS"] = lambda: (setattr(sim.nodes["b"], "health", HEALTHY),
+                                          setattr(sim.nodes["b"], "drained", False))  # back at once: still avoided
+    sim.run_until(lambda: running(sim) and sim.job.generation > generation)
+    assert sorted(sim.job.nodes) == ["a", "c"]
+
+
 def test_a_job_gives_up_after_max_restarts_with_the_reason():
     sim = Sim(policy=lifecycle.Policy(RecoveryConfig(max_restarts=1, restart_backoff_s=1.0), JobsConfig()))
     start(sim)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from controller.sim import report
+from controller.sim import replay, report
 from controller.sim import scenario as sc
 from phalanx.errors import ConfigError
 
@@ -131,9 +131,91 @@ def test_the_timeline_ends_at_the_runs_ettr():
                    "fleet.nodes_per_leaf)"),
     (["--sweep", "job.spares"], "--sweep 'job.spares': write KEY=V1,V2,... (e.g. job.spares=0,1,2,4)"),
     (["--sweep", "spares=1,2"], "spares: a key is SECTION.NAME, e.g. job.spares"),
+    (["--replay", "none.json"], "replay.events: {tmp}/none.json: no such file"),
+    (["--replay", "notes.txt"], "replay.events: {tmp}/notes.txt: line 1: not valid JSON: Expecting value"),
+    (["--replay", "lines.json"], "replay.events: {tmp}/lines.json: line 2: needs \"time\", an ISO 8601 time such "
+                                 "as \"2026-12-01T10:00:00.000Z\""),
+    (["--replay", "array.json"], "replay.events: {tmp}/array.json: event 1: an event is a JSON object (as "
+                                 "`phalanx events --json` prints), not list"),
+    (["small.toml", "--replay", "wide.json"], "replay.events: {tmp}/wide.json has faults on 3 nodes; fleet.nodes "
+                                               "(2) must be at least that"),
 ])
 def test_the_cli_refuses_bad_input_in_one_line_with_exit_code_2(tmp_path, args, message):
     (tmp_path / "bad.toml").write_text("[fleet]\ngpus = 8\n")
+    (tmp_path / "lines.json").write_text(json.dumps(event(0, "gpu.xid", node="a")) + "\n{\"kind\": \"x\"}\n")
+    (tmp_path / "array.json").write_text("[[]]")
+    (tmp_path / "wide.json").write_text(json.dumps([event(i, "gpu.xid", node=n, xid="79")
+                                                    for i, n in enumerate("abc")]))
+    (tmp_path / "small.toml").write_text("[fleet]\nnodes = 2\n[job]\nnodes = 1\nspares = 0\n")
+    (tmp_path / "notes.txt").write_text("node a died\n")
     out = phalanx("simulate", *args, cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"phalanx: error: {message}"]
+    assert out.stderr.strip().splitlines()[-1:] == [f"phalanx: error: {message.format(tmp=tmp_path)}"]
+
+
+# -- a real controller's event log as the failure trace ------------------------------------------------------
+
+def event(t_s: float, kind: str, node: str = "", job: str = "", **fields: str) -> dict:
+    """One event as `phalanx events --json` prints it, t_s seconds after 10:00."""
+    when = f"2026-12-01T10:{int(t_s) // 60:02d}:{t_s % 60:06.3f}Z"
+    return {"seq": 0, "time": when, "kind": kind, "node": node or None, "job": job or None, "message": "",
+            "fields": fields}
+
+
+LOG = [
+    event(0, "node.registered", node="gpu-a"),
+    event(60, "gpu.xid", node="gpu-a", gpu="1", xid="79"),
+    event(60.2, "node.health", node="gpu-a", source="HEALTHY", target="FAILED", reason="GPU 1: XID 79: off the bus"),
+    event(60.3, "node.drain", node="gpu-a", reason="health FAILED: GPU 1: XID 79: off the bus"),
+    event(61, "job.incident", job="job-3", incident="gpu-failed"),  # the controller's reaction: not a fault
+    event(600, "node.state", node="gpu-b", source="SUSPECT", target="DOWN", reason="no heartbeat"),
+    event(601, "node.state", node="gpu-b", source="DOWN", target="DOWN", reason="again"),  # not a second loss
+    event(1200, "job.incident", job="job-3", incident="crash"),
+    event(1500, "job.incident", job="job-9", incident="hang"),
+    event(1800, "node.health", node="gpu-c", source="HEALTHY", target="FAILING", reason="GPU 0: row remap pending"),
+    event(2400, "node.health", node="gpu-d", source="HEALTHY", target="FAILED", reason="GPU 2: GPU is lost"),
+    event(2700, "gpu.xid", node="gpu-e", gpu="0", xid="13"),
+    event(3000, "job.incident", job="job-3", incident="straggler"),
+    event(3599, "node.undrain", node="gpu-a"),
+]
+
+
+def test_an_event_log_gives_each_fault_once_and_not_the_controllers_reactions():
+    trace = replay.parse(json.dumps(LOG))
+    assert [(f.t, f.kind, f.node or f.job) for f in trace.faults] == [
+        (60, "xid", "gpu-a"), (600, "node-lost", "gpu-b"), (1200, "crash", "job-3"), (1500, "crash", "job-9"),
+        (1800, "warning", "gpu-c"), (2400, "gpu-failed", "gpu-d"), (2700, "xid", "gpu-e"),
+        (3000, "straggler", "job-3")]
+    assert trace.faults[0].xid == 79 and trace.span_s == pytest.approx(3599)
+    assert trace.nodes == ("gpu-a", "gpu-b", "gpu-c", "gpu-d", "gpu-e") and trace.jobs == ("job-3", "job-9")
+    as_lines = replay.parse("\n".join(json.dumps(e) for e in LOG) + "\n")  # `phalanx events --follow --json`
+    assert as_lines.faults == trace.faults
+
+
+def test_replayed_faults_hit_the_simulated_job_as_the_policies_decide(tmp_path):
+    """A job on every node of the fleet: each fault of the log lands on it, and the lifecycle answers each as it
+    would the real one (XID 13 alone is only watched)."""
+    (tmp_path / "log.json").write_text(json.dumps(LOG))
+    r = report.simulate(scenario(**{"fleet.nodes": 6, "job.nodes": 6, "job.spares": 0, "failures.repair_h": 0.01,
+                                    "run.days": 0.1, "replay.events": str(tmp_path / "log.json")}))
+    assert r["replay"]["faults"] == 7 and r["replay"]["watched"] == 1
+    assert r["replay"]["out_of_service"] == 0 and r["replay"]["no_job"] == 0
+    assert r["jobs"][0]["incidents"] == {"crash": 2, "gpu-failed": 2, "gpu-failing": 1, "node-lost": 1,
+                                         "straggler": 1}
+
+
+def test_a_repeated_log_plays_again_until_the_run_ends(tmp_path):
+    (tmp_path / "log.json").write_text(json.dumps([event(0, "node.registered", node="a"),
+                                                   event(1800, "job.incident", job="job-1", incident="crash"),
+                                                   event(3599, "node.registered", node="b")]))
+    path = tmp_path / "fleet.toml"
+    path.write_text("[fleet]\nnodes = 4\n[job]\nnodes = 4\nspares = 0\n[run]\ndays = 1\n"
+                    "[replay]\nevents = \"log.json\"\nrepeat = true\n")  # relative to the scenario file
+    once = report.simulate(sc.build(sc.with_overrides(sc.read(path), {"replay.repeat": False})))
+    again = report.simulate(sc.build(sc.read(path)))
+    assert once["jobs"][0]["incidents"] == {"crash": 1}
+    assert again["jobs"][0]["incidents"] == {"crash": 24}  # at 1,800 s of each 3,600 s pass, 24 passes in a day
+    out = phalanx("simulate", str(path), cwd=tmp_path / "..")
+    assert out.returncode == 0, out.stderr
+    assert f"failures replayed from {tmp_path / 'log.json'} (3 events over 1.00 h: 1 crash; repeated)" in out.stdout
+

@@ -460,9 +460,24 @@ def _evicting(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Ac
 
 def next_nodes(job: pb.Job, view: JobView) -> tuple[list[str], list[str], str] | str:
     """The next generation's nodes: the good ones kept in rank order, bad ones replaced by the job's
-    spares; failing that, a fresh placement. Returns (nodes, spares, how), or why it must wait."""
-    bad = set(job.incident_nodes)
+    spares; failing that, a fresh placement. Returns (nodes, spares, how), or why it must wait.
+
+    The nodes of the incident are left out while anything else will do. Each was drained on the way here,
+    so one that is schedulable again was undrained since (repaired): when the job can go on only with it,
+    it is taken rather than waited past for ever (`phalanx simulate --replay` found that wait)."""
     candidates = {c.name: c for c in view.candidates}
+    bad = set(job.incident_nodes)
+    chosen = _next_nodes(job, view, candidates, bad)
+    back = {n for n in bad if n in candidates and candidates[n].schedulable}
+    if isinstance(chosen, str) and back:
+        again = _next_nodes(job, view, candidates, bad - back)
+        if not isinstance(again, str):
+            return again
+    return chosen
+
+
+def _next_nodes(job: pb.Job, view: JobView, candidates: dict[str, Candidate],
+                bad: set[str]) -> tuple[list[str], list[str], str] | str:
     usable = {n for n, c in candidates.items() if c.schedulable and c.free and c.gpus >= job.spec.ranks_per_node
               and n not in bad}
     current = set(job.nodes)  # sets, not the record's lists: a 2,048-node job made this quadratic

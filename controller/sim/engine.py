@@ -30,6 +30,7 @@ from controller.nodes.states import DOWN, UP
 from controller.recovery import lifecycle, table
 from controller.recovery.detectors import NodeView
 from controller.recovery.progress import RankTrack
+from controller.sim import replay
 from controller.sim.scenario import DAY_S, HOUR_S, Scenario
 from phalanx.v1 import common_pb2 as pb
 
@@ -54,6 +55,7 @@ class SimNode:
     holder: str = ""  # the job whose node or spare it is
     slow: bool = False
     faults: int = 0
+    repairs: int = 0
     candidate: tuple[tuple, Candidate] | None = None  # (the state it was made from, the Candidate)
 
 
@@ -257,14 +259,20 @@ class SimJob:
                 return
             view = self.view(None)
             state = self.job.state
-            if state == table.PENDING or (state == table.RENDEZVOUS and
-                                          isinstance(lifecycle.next_nodes(self.job, view), str)) or \
+            if state == table.PENDING or (state == table.RENDEZVOUS and self._needs_the_fleet(view)) or \
                     (state == table.RUNNING and len(self.job.spares) < self.job.spec.spares and
                      self.sim.policy.jobs.keep_spares):
                 view = self.view(self.sim.all_candidates(self))  # the spares do not do: the whole fleet
             if not self.apply(lifecycle.step(self.job, view, self.sim.now, self.sim.policy)):
                 return
         raise RuntimeError(f"{self.job.id}: no quiet point after 64 steps in {table.state_name(self.job.state)}")
+
+    def _needs_the_fleet(self, view: lifecycle.JobView) -> bool:
+        """Whether the next generation's nodes must be chosen from the whole fleet, as the controller does: its
+        own nodes and spares do not do, or would only with a node of the incident (taken only when nothing else
+        in the fleet will do)."""
+        chosen = lifecycle.next_nodes(self.job, view)
+        return isinstance(chosen, str) or not set(chosen[0]).isdisjoint(self.job.incident_nodes)
 
     def apply(self, actions: list[lifecycle.Action]) -> bool:
         sim, committed, stops = self.sim, False, []
@@ -379,7 +387,8 @@ class SimJob:
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, on_progress: Callable[[float], None] | None = None) -> None:
+    def __init__(self, scenario: Scenario, on_progress: Callable[[float], None] | None = None,
+                 trace: replay.Trace | None = None) -> None:
         self.scenario = scenario
         self.rng = random.Random(scenario.run.seed)
         self.policy = lifecycle.Policy(scenario.policy.recovery(), scenario.policy.jobs())
@@ -406,6 +415,17 @@ class Simulation:
         self.nodes_drained = 0
         self.slow: set[str] = set()  # nodes slow now
         self.changes: list[str] = []  # every node whose state placement sees changed, in order (a log)
+        self.trace = trace
+        # the trace's faults: those that hit, and those that did not and why
+        self.replayed = {"faults": 0, "watched": 0, "out_of_service": 0, "no_job": 0}
+        self.trace_nodes: dict[str, SimNode] = {}
+        if trace is not None:
+            if len(trace.nodes) > fleet.nodes:
+                raise ValueError(f"replay.events: {trace.source} has faults on {len(trace.nodes)} nodes; "
+                                 f"fleet.nodes ({fleet.nodes}) must be at least that")
+            shuffled = list(self.nodes.values())
+            self.rng.shuffle(shuffled)
+            self.trace_nodes = dict(zip(trace.nodes, shuffled, strict=False))
 
     # -- the world's clock ---------------------------------------------------------------------------
 
@@ -413,9 +433,12 @@ class Simulation:
         heapq.heappush(self.queue, (t, next(self.order), fn, args))
 
     def run(self) -> Simulation:
-        for node in self.nodes.values():
-            self._next_fault(node)
-            self._next_straggle(node)
+        if self.trace is None:
+            for node in self.nodes.values():
+                self._next_fault(node)
+                self._next_straggle(node)
+        elif self.trace.faults:
+            self.at(START + self.trace.faults[0].t, self._replay, 0, 0)
         for job in self.jobs:
             job.decide()
         report_every = (self.end - self.now) / 20
@@ -498,11 +521,13 @@ class Simulation:
 
     def _repaired(self, node: SimNode) -> None:
         node.down, node.drained, node.slow = False, False, False
+        node.repairs += 1
         self.slow.discard(node.name)
         node.health, node.reason = health.HEALTHY, ""
         self.touched(node)
-        self._next_fault(node)
-        self._next_straggle(node)
+        if self.trace is None:
+            self._next_fault(node)
+            self._next_straggle(node)
         for job in self.jobs:
             if job.job.state == table.RENDEZVOUS or job.job.state == table.PENDING:
                 job.decide()
@@ -529,18 +554,75 @@ class Simulation:
         if r < f.software_share:
             job = self._job_of(node)
             if job is not None and node.name in job.job.nodes:
-                self.at(self.now + self.scenario.timings.crash_detect_s, job.crash)
-                job.broken(sudden=True)
+                self._crash(job)
             self._next_fault(node)
             return
         node.faults += 1
         lost = r < f.software_share + f.node_loss_share
         if self.rng.random() < f.predictable_share:
-            warning = min(f.warning_s, self.now - START)
-            self.at(self.now + warning, self._hardware_fault, node, lost)  # the fault itself, `warning` later
-            self._warn(node)
+            self._foretold(node, lost)
         else:
             self._hardware_fault(node, lost)
+
+    def _crash(self, job: SimJob) -> None:
+        self.at(self.now + self.scenario.timings.crash_detect_s, job.crash)
+        job.broken(sudden=True)
+
+    def _foretold(self, node: SimNode, lost: bool) -> None:
+        """A fault that warns first: the warning now, the fault itself failures.warning_s later."""
+        warning = min(self.scenario.failures.warning_s, self.now - START)
+        self.at(self.now + warning, self._foretold_fault, node, lost, node.repairs)
+        self._warn(node)
+
+    def _foretold_fault(self, node: SimNode, lost: bool, repairs: int) -> None:
+        if node.repairs == repairs:  # a node repaired after its warning does not fail of it
+            self._hardware_fault(node, lost)
+
+    # -- a real event log as the failure trace (controller.sim.replay) -----------------------------------
+
+    def _replay(self, index: int, cycle: int) -> None:
+        """The trace's fault `index` of pass `cycle`, then the next one scheduled (one pending at a time: a short
+        log repeated over months would be millions of events up front)."""
+        trace = self.trace
+        assert trace is not None
+        self._apply(trace.faults[index])
+        index += 1
+        if index == len(trace.faults):
+            if not self.scenario.replay.repeat:
+                return
+            index, cycle = 0, cycle + 1
+        period = max(trace.span_s, trace.faults[-1].t) + 1.0  # a log of one instant still moves on
+        self.at(START + cycle * period + trace.faults[index].t, self._replay, index, cycle)
+
+    def _apply(self, fault: replay.Fault) -> None:
+        if fault.job:
+            job = self.jobs[self.trace.jobs.index(fault.job) % len(self.jobs)]
+            if job.job.state != table.RUNNING or not job.job.nodes:
+                self.replayed["no_job"] += 1  # the job is not training now: nothing for the fault to hit
+                return
+            self.replayed["faults"] += 1
+            if fault.kind == replay.CRASH:
+                self._crash(job)
+            else:  # a straggler: one of its nodes turns slow
+                node = self.nodes[self.rng.choice(job.job.nodes)]
+                self._straggle(node, node.faults)
+            return
+        node = self.trace_nodes[fault.node]
+        if node.down or node.drained:
+            self.replayed["out_of_service"] += 1  # taken out here already (repair_h may be longer than the log's)
+            return
+        verdict = verdict_of_xid(fault.xid, self.now) if fault.kind == replay.XID else None
+        if verdict is not None and verdict.health < health.FAILING:
+            self.replayed["watched"] += 1  # an XID the health policy only watches: nothing stops
+            return
+        self.replayed["faults"] += 1
+        node.faults += 1
+        if fault.kind == replay.WARNING:
+            self._foretold(node, lost=False)
+        elif verdict is not None:
+            self._hardware_fault(node, lost=False, verdict=verdict)
+        else:
+            self._hardware_fault(node, lost=fault.kind == replay.LOST)
 
     def _warn(self, node: SimNode) -> None:
         if not self.scenario.policy.predictive_eviction:
@@ -556,7 +638,7 @@ class Simulation:
             if job is not None:
                 job.decide()
 
-    def _hardware_fault(self, node: SimNode, lost: bool) -> None:
+    def _hardware_fault(self, node: SimNode, lost: bool, verdict: health.Verdict | None = None) -> None:
         job = self._job_of(node)
         if node.drained and not (job and node.name in job.job.nodes):
             return  # evicted ahead of its fault: it fails on the bench
@@ -564,7 +646,9 @@ class Simulation:
             node.down = True
             detect = self.scenario.timings.node_loss_detect_s
         else:
-            verdict = verdict_of_xid(self.rng.choice(GPU_FAULT_XIDS), self.now)
+            verdict = verdict or verdict_of_xid(self.rng.choice(GPU_FAULT_XIDS), self.now)
+            if verdict.health < health.FAILING:
+                return  # an XID the health policy only watches (13 alone, 63): training goes on
             node.health, node.reason = verdict.health, verdict.reasons[0] if verdict.reasons else ""
             if not self.scenario.policy.predictive_eviction and node.health is health.FAILING:
                 node.health = health.FAILED  # no checkpoint before the eviction: the fault ends training now

@@ -9,8 +9,10 @@ from typing import Any
 
 from controller.recovery import table
 from controller.recovery.detectors import KINDS
+from controller.sim import replay
 from controller.sim import scenario as sc
 from controller.sim.engine import CAUSES, Simulation
+from phalanx.errors import ConfigError
 
 
 def results(sim: Simulation, wall_s: float = 0.0) -> dict[str, Any]:
@@ -45,6 +47,9 @@ def results(sim: Simulation, wall_s: float = 0.0) -> dict[str, Any]:
         "timeline": [[round(day, 4), ettr] for day, ettr in sim.timeline],
         "events": sim.events,
         "wall_s": round(wall_s, 3),
+        "replay": None if sim.trace is None else {
+            "source": sim.trace.source, "span_s": sim.trace.span_s, "log_events": sim.trace.events,
+            "log_faults": sim.trace.counts(), "repeat": s.replay.repeat, **sim.replayed},
     }
 
 
@@ -60,9 +65,18 @@ def _distribution(values: list[float]) -> dict[str, float]:
             "max": ordered[-1]}
 
 
-def simulate(scenario: sc.Scenario, on_progress: Callable[[float], None] | None = None) -> dict[str, Any]:
+def simulate(scenario: sc.Scenario, on_progress: Callable[[float], None] | None = None,
+             trace: replay.Trace | None = None) -> dict[str, Any]:
+    """Run `scenario`; its replay.events is read here unless `trace` is that log, read already. Raises ConfigError
+    for a bad event log or one that does not fit the fleet."""
+    if trace is None and scenario.replay.events:
+        trace = replay.load(scenario.replay.events)
     t0 = time.perf_counter()
-    sim = Simulation(scenario, on_progress).run()
+    try:
+        sim = Simulation(scenario, on_progress, trace)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    sim.run()
     return results(sim, time.perf_counter() - t0)
 
 
@@ -77,6 +91,11 @@ ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("nodes drained", lambda r: f"{r['nodes_drained']:,}"),
     ("jobs failed", lambda r: ", ".join(f"{j['id']}: {j['failed']}" for j in r["jobs"] if j["failed"]) or "none"),
     ("simulated in", lambda r: f"{r['wall_s']:.1f} s ({r['events']:,} events)"),
+]
+REPLAY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
+    ("replayed faults: hit / watched only", lambda r: f"{r['replay']['faults']:,} / {r['replay']['watched']:,}"),
+    ("replayed faults missed: node out of service / no job training",
+     lambda r: f"{r['replay']['out_of_service']:,} / {r['replay']['no_job']:,}"),
 ]
 
 
@@ -99,11 +118,18 @@ def table_text(runs: list[tuple[str, dict]]) -> str:
     s = runs[0][1]["scenario"]
     head = (f"{s['gpus']:,} GPUs ({s['nodes']:,} nodes), {s['jobs']} job(s) of {s['job_gpus']:,} GPUs, "
             f"{s['days']:g} days, seed {s['seed']}")
-    labels = [label for label, _ in ROWS]
-    columns = [[name] + [fmt(r) for _, fmt in ROWS] for name, r in runs]
+    rows = ROWS + (REPLAY_ROWS if runs[0][1].get("replay") else [])
+    labels = [label for label, _ in rows]
+    columns = [[name] + [fmt(r) for _, fmt in rows] for name, r in runs]
     width = max(len(x) for x in ["", *labels])
     widths = [max(len(x) for x in col) for col in columns]
     lines = [head, ""]
+    trace = runs[0][1].get("replay")
+    if trace:
+        found = ", ".join(f"{n} {kind}" for kind, n in trace["log_faults"].items() if n) or "no faults"
+        lines[1:1] = [f"failures replayed from {trace['source']} ({trace['log_events']:,} events over "
+                      f"{trace['span_s'] / sc.HOUR_S:,.2f} h: {found}"
+                      f"{'; repeated' if trace['repeat'] else ''})"]
     for i, label in enumerate(["", *labels]):
         cells = [col[i].rjust(w) for col, w in zip(columns, widths, strict=True)]
         lines.append(f"{label.ljust(width)}  " + "  ".join(cells))

@@ -155,6 +155,14 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class ReplayConfig:
+    events: str = setting("", "a real controller's event log (`phalanx events --json`) whose faults replace the "
+                          "drawn ones: XIDs, verdicts, lost nodes, crashes, hangs and stragglers at their times; a "
+                          "path relative to the scenario file")
+    repeat: bool = setting(False, "play the log again from the start each time it ends, until run.days")
+
+
+@dataclass(frozen=True)
 class Scenario:
     fleet: FleetConfig = section(FleetConfig, "the nodes and their network")
     failures: FailureConfig = section(FailureConfig, "how the fleet fails")
@@ -162,6 +170,7 @@ class Scenario:
     timings: TimingConfig = section(TimingConfig, "recovery timings")
     policy: PolicyConfig = section(PolicyConfig, "Phalanx's policy knobs")
     run: RunConfig = section(RunConfig, "the run")
+    replay: ReplayConfig = section(ReplayConfig, "a failure trace from a real event log")
 
     def __post_init__(self) -> None:
         need = (self.job.nodes + self.job.spares) * self.job.count
@@ -197,8 +206,15 @@ def with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
 
 
 def read(path: str | Path | None) -> dict[str, Any]:
-    """The scenario file's table (empty for None: every default). Raises ConfigError."""
-    return {} if path is None else config.read_toml(path)
+    """The scenario file's table (empty for None: every default), with replay.events made relative to the file.
+    Raises ConfigError."""
+    if path is None:
+        return {}
+    data = config.read_toml(path)
+    replay = data.get("replay")
+    if isinstance(replay, dict) and isinstance(replay.get("events"), str) and replay["events"]:
+        replay["events"] = str(Path(path).parent / Path(replay["events"]).expanduser())
+    return data
 
 
 def build(data: dict[str, Any], source: str = "") -> Scenario:

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -325,10 +326,12 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """The controller's policies on a simulated fleet (controller.sim): no controller is needed."""
-    from controller.sim import report
+    from controller.sim import replay, report
     from controller.sim import scenario as sc
     try:
         data = sc.read(args.scenario)
+        if args.replay:
+            data = sc.with_overrides(data, {"replay.events": str(Path(args.replay).expanduser().absolute())})
         runs: list[tuple[str, dict]] = []
         plans: list[tuple[str, dict]] = []
         if args.baseline:
@@ -341,6 +344,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             plans.append(("phalanx" if args.baseline else "result", {}))
         scenarios = [(name, sc.build(sc.with_overrides(data, over), args.scenario or "")) for name, over in plans]
+        traces = {s.replay.events: replay.load(s.replay.events) for _, s in scenarios if s.replay.events}
     except ValueError as e:
         raise CliError(str(e), USAGE) from None
     except ConfigError as e:
@@ -353,7 +357,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"{PROG}: {name}: {done * 100:.0f} % simulated", file=sys.stderr, flush=True)
 
-        runs.append((name, report.simulate(scenario, progress)))
+        try:
+            runs.append((name, report.simulate(scenario, progress, traces.get(scenario.replay.events))))
+        except ConfigError as e:
+            raise CliError(str(e), USAGE) from None
     if args.plot:
         from controller.sim import plot
         try:
@@ -538,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "only, no spares, no prediction, no snapshots")
     p.add_argument("--plot", metavar="DIR", help="also write PNG plots there: ETTR over time, losses by cause, and "
                    "with several runs their ETTR side by side (needs matplotlib)")
+    p.add_argument("--replay", metavar="EVENTS.json", help="a real controller's event log (`phalanx events --json "
+                   "--limit N > EVENTS.json`) as the failure trace: its XIDs, verdicts, lost nodes, crashes, hangs and "
+                   "stragglers at their times, instead of drawn faults (replay.events)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
     return parser
