@@ -80,9 +80,9 @@ def test_phalanx_policies_beat_the_baseline_and_each_one_shows_where_it_acts():
     ({"failures.predictable_share": 1.5}, "failures.predictable_share (1.5) must be between 0 and 1"),
     ({"failures.software_share": 0.6, "failures.node_loss_share": 0.6},
      "failures.software_share (0.6) + failures.node_loss_share (0.6) must not exceed 1"),
-    ({"job.spare": 2}, "unknown key 'job.spare' (known keys: job.nodes, job.spares, job.count, job.step_s, "
-                       "job.checkpoint_interval_s, job.checkpoint_cost_s, job.snapshots, job.snapshot_every, "
-                       "job.snapshot_overhead)"),
+    ({"job.spare": 2}, "unknown key 'job.spare' (known keys: job.name, job.nodes, job.spares, job.segment, "
+                       "job.count, job.step_s, job.checkpoint_interval_s, job.checkpoint_cost_s, job.snapshots, "
+                       "job.snapshot_every, job.snapshot_overhead, job.length_h)"),
     ({"run.days": "soon"}, "run.days must be a number, not str 'soon'"),
     ({"policy.max_restarts": -1}, "policy: recovery.max_restarts (-1) must not be negative"),
 ])
@@ -128,7 +128,7 @@ def test_the_timeline_ends_at_the_runs_ettr():
 @pytest.mark.parametrize("args, message", [
     (["missing.toml"], "missing.toml: no such file"),
     (["bad.toml"], "bad.toml: unknown key 'fleet.gpus' (known keys: fleet.nodes, fleet.gpus_per_node, "
-                   "fleet.nodes_per_leaf)"),
+                   "fleet.nodes_per_leaf, fleet.nodes_per_block, fleet.topology_conf)"),
     (["--sweep", "job.spares"], "--sweep 'job.spares': write KEY=V1,V2,... (e.g. job.spares=0,1,2,4)"),
     (["--sweep", "spares=1,2"], "spares: a key is SECTION.NAME, e.g. job.spares"),
     (["--replay", "none.json"], "replay.events: {tmp}/none.json: no such file"),
@@ -219,3 +219,82 @@ def test_a_repeated_log_plays_again_until_the_run_ends(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"failures replayed from {tmp_path / 'log.json'} (3 events over 1.00 h: 1 crash; repeated)" in out.stdout
 
+
+
+# -- the fleet's shape: several jobs, lengths, blocks, a topology.conf ----------------------------------------
+
+QUIET = {"failures.per_1000_node_days": 0.0, "failures.straggler_per_1000_node_days": 0.0}
+
+
+def test_several_job_shapes_share_the_fleet_each_on_top_of_job(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text("[fleet]\nnodes = 300\n[job]\nspares = 2\n[run]\ndays = 20\n"
+                    "[[jobs]]\nname = \"pretrain\"\nnodes = 128\n"
+                    "[[jobs]]\nname = \"finetune\"\nnodes = 16\ncount = 3\nspares = 0\n")
+    s = sc.build(sc.read(path))
+    assert [(j.name, j.nodes, j.count, j.spares) for j in s.shapes] == [("pretrain", 128, 1, 2),
+                                                                         ("finetune", 16, 3, 0)]
+    r = report.simulate(s)
+    assert [(j["id"], j["gpus"]) for j in r["jobs"]] == [("pretrain-1", 1024), ("finetune-1", 128),
+                                                        ("finetune-2", 128), ("finetune-3", 128)]
+    assert r["scenario"]["jobs"] == 4 and all(j["state"] == "RUNNING" for j in r["jobs"])
+    gpu_weighted = sum(j["ettr"] * j["gpus"] for j in r["jobs"]) / sum(j["gpus"] for j in r["jobs"])
+    assert r["ettr"] == pytest.approx(gpu_weighted)
+    out = phalanx("simulate", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "4 jobs: 1 x pretrain of 1,024 GPUs, 3 x finetune of 128 GPUs" in out.stdout
+
+
+def test_a_job_with_a_length_ends_and_counts_only_the_time_it_existed():
+    r = report.simulate(scenario(**{**QUIET, "fleet.nodes": 40, "job.nodes": 32, "job.snapshots": False,
+                                    "job.length_h": 10.0, "run.days": 2.0}))
+    job = r["jobs"][0]
+    assert job["state"] == "SUCCEEDED" and job["work_h"] == pytest.approx(10.0)
+    t = sc.TimingConfig()
+    wall_s = job["finished_day"] * sc.DAY_S
+    # the first start (launch, load), ten hours of training, a 30 s checkpoint every 30 minutes of it
+    assert t.launch_s + t.load_s + 36_000 + 19 * 30 <= wall_s <= t.launch_s + t.load_s + 36_000 + 20 * 30 + 1
+    assert job["ettr"] == pytest.approx(36_000 / wall_s) and r["ettr"] == pytest.approx(job["ettr"])
+
+
+def test_generated_blocks_and_a_topology_conf_shape_the_placement(tmp_path):
+    from controller.sim.engine import Simulation
+    sim = Simulation(scenario(**{**QUIET, "fleet.nodes": 72, "fleet.nodes_per_block": 18, "job.nodes": 36,
+                                 "job.segment": 18, "job.spares": 0, "run.days": 0.01})).run()
+    blocks = {sim.topology.block(n) for n in sim.jobs[0].job.nodes}
+    assert len(blocks) == 2, blocks  # 36 nodes in two whole NVLink blocks
+    conf = tmp_path / "topology.conf"
+    conf.write_text("SwitchName=spine Switches=leaf[1-2]\nSwitchName=leaf1 Nodes=gpu[01-04]\n"
+                    "SwitchName=leaf2 Nodes=gpu[05-12]\n")
+    (tmp_path / "fleet.toml").write_text("[fleet]\ntopology_conf = \"topology.conf\"\n[job]\nnodes = 6\n"
+                                         "spares = 1\n[run]\ndays = 0.01\n")
+    s = sc.build(sc.read(tmp_path / "fleet.toml"))
+    sim = Simulation(s).run()
+    assert len(sim.nodes) == 12
+    assert sorted(sim.jobs[0].job.nodes) == [f"gpu{i:02d}" for i in range(5, 11)]  # the one leaf they fit under
+    assert report.results(sim)["scenario"]["gpus"] == 96
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[jobs]]\nnodes = 0\n", "jobs[1].nodes (0) must be at least 1"),
+    ("jobs = 3\n", "jobs must be an array of tables ([[jobs]]), each a job shape"),
+    ("[[jobs]]\nname = \"a\"\n[[jobs]]\nname = \"a\"\n", "jobs[2].name ('a') is the name of jobs[1] too"),
+    ("[[jobs]]\nnodes = 2000\n[[jobs]]\nnodes = 100\n", "the [[jobs]] need 2116 nodes with their spares; the fleet "
+                                                         "has 2080"),
+    ("[[jobs]]\nsparez = 1\n", "unknown key 'jobs[1].sparez' (known keys: jobs[1].name, jobs[1].nodes, "),
+    ("[fleet]\nnodes = 100\nnodes_per_block = 18\n[job]\nnodes = 18\n", "fleet.nodes (100) must be a multiple of "
+                                                                         "fleet.nodes_per_block (18)"),
+    ("[fleet]\ntopology_conf = \"none.conf\"\n", "fleet.topology_conf: none.conf: No such file or directory"),
+    ("[fleet]\ntopology_conf = \"bad.conf\"\n", "fleet.topology_conf: bad.conf:1: "),
+    ("[fleet]\ntopology_conf = \"small.conf\"\n", "job.count (1) x (job.nodes (2048) + job.spares (8)) = 2056 must "
+                                                  "fit in fleet.nodes (2)"),
+])
+def test_bad_shapes_and_topologies_are_one_line_errors(tmp_path, text, message):
+    (tmp_path / "bad.conf").write_text("SwitchName=x Bogus=1\n")
+    (tmp_path / "small.conf").write_text("SwitchName=x Nodes=a,b\n")
+    (tmp_path / "fleet.toml").write_text(text)
+    out = phalanx("simulate", "fleet.toml", cwd=tmp_path)
+    assert out.returncode == 2, out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"phalanx: error: {'' if 'topology_conf' in text else 'fleet.toml: '}{message}"), lines

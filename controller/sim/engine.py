@@ -21,17 +21,20 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from controller.config import HealthConfig
 from controller.jobs.placement import Candidate
-from controller.jobs.topology import ClusterTopology
+from controller.jobs.slurm_topology import parse_topology_conf
+from controller.jobs.topology import ClusterTopology, TopologyError
 from controller.nodes import health
 from controller.nodes.states import DOWN, UP
 from controller.recovery import lifecycle, table
 from controller.recovery.detectors import NodeView
 from controller.recovery.progress import RankTrack
 from controller.sim import replay
-from controller.sim.scenario import DAY_S, HOUR_S, Scenario
+from controller.sim.scenario import DAY_S, HOUR_S, FleetConfig, JobConfig, Scenario
+from phalanx.errors import ConfigError
 from phalanx.v1 import common_pb2 as pb
 
 HEALTH = HealthConfig()
@@ -42,12 +45,33 @@ TIMELINE_POINTS = 60
 CAUSES = ("recomputed", "recovery", "waiting", "checkpoints", "snapshots", "stragglers")
 
 TRAINING, PAUSED, RECOVERING, WAITING = "training", "checkpoints", "recovery", "waiting"
+DONE = "done"  # the job trained for its length and ended: its time stops counting
+
+
+def topology_of(fleet: FleetConfig) -> ClusterTopology:
+    """The fleet's network: its topology.conf, or leaves under one spine (and NVLink blocks) as generated.
+    Raises ConfigError for a topology.conf that cannot be read or parsed."""
+    if fleet.topology_conf:
+        path = Path(fleet.topology_conf)
+        try:
+            return parse_topology_conf(path.read_text(encoding="utf-8"), str(path))
+        except OSError as e:
+            raise ConfigError(f"fleet.topology_conf: {path}: {e.strerror or e}") from None
+        except TopologyError as e:
+            raise ConfigError(f"fleet.topology_conf: {e}") from None
+    per_leaf = fleet.nodes_per_leaf or fleet.nodes
+    width = len(str(fleet.nodes - 1))
+    names = [f"node{i:0{width}d}" for i in range(fleet.nodes)]
+    leaf = {name: f"leaf{i // per_leaf}" for i, name in enumerate(names)}
+    blocks = {name: f"block{i // fleet.nodes_per_block}" for i, name in enumerate(names)} \
+        if fleet.nodes_per_block else {}
+    return ClusterTopology(leaf, {**{s: ("spine",) for s in dict.fromkeys(leaf.values())}, "spine": ()},
+                           node_block=blocks)  # Slurm's default BlockSizes: 1, 2, 4 and 8 blocks together
 
 
 @dataclass
 class SimNode:
     name: str
-    leaf: str
     down: bool = False
     health: health.Health = health.HEALTHY
     reason: str = ""
@@ -57,6 +81,12 @@ class SimNode:
     faults: int = 0
     repairs: int = 0
     candidate: tuple[tuple, Candidate] | None = None  # (the state it was made from, the Candidate)
+
+
+def ettr(jobs: list[SimJob]) -> float:
+    """Useful GPU-time over the GPU-time the jobs have existed (each job weighed by its GPUs)."""
+    wall = sum(j.wall_s() * j.gpus for j in jobs)
+    return sum(j.work * j.gpus for j in jobs) / wall if wall > 0 else 0.0
 
 
 def verdict_of_xid(xid: int, now: float) -> health.Verdict:
@@ -86,11 +116,14 @@ class Tally:
 class SimJob:
     """One job: its stored record, stepped by the real lifecycle, and what the controller process knows."""
 
-    def __init__(self, sim: Simulation, job_id: str) -> None:
+    def __init__(self, sim: Simulation, job_id: str, shape: JobConfig) -> None:
         self.sim = sim
-        spec = sim.scenario.job
+        self.shape = spec = shape
+        self.gpus = spec.nodes * sim.scenario.fleet.gpus_per_node
+        self.length_s = spec.length_h * HOUR_S or math.inf
+        self.ended_at: float | None = None  # when it finished its length
         self.job = pb.Job(id=job_id, spec=pb.JobSpec(command=["train"], nodes=spec.nodes, ranks_per_node=1,
-                                                     spares=spec.spares),
+                                                     spares=spec.spares, segment=spec.segment),
                           state=table.PENDING, state_since_unix_ns=int(sim.now * 1e9))
         self.launch: lifecycle.LaunchView | None = None
         self.checkpoint: lifecycle.CheckpointView | None = None
@@ -113,18 +146,19 @@ class SimJob:
         self.rate = 1.0
         self.since_checkpoint = 0.0  # seconds trained since the last durable checkpoint (or the resume)
         self.token = 0  # invalidates scheduled checkpoint/resume events when training stops or restarts
+        self.pace = 0  # invalidates a scheduled end of training when the rate changes
         self.broken_at: float | None = None  # a fault stopped training; recovery counts from here
 
     # -- time accounting ---------------------------------------------------------------------------
 
     def _settle(self) -> None:
         now, dt = self.sim.now, self.sim.now - self.since
-        if dt > 0:
+        if dt > 0 and self.activity != DONE:
             if self.activity == TRAINING:
                 gained = dt * self.rate
                 self.work += gained
                 self.since_checkpoint += dt
-                spec = self.sim.scenario.job
+                spec = self.shape
                 overhead = spec.snapshot_overhead if spec.snapshots else 0.0
                 self.tally.seconds["snapshots"] += dt * overhead
                 self.tally.seconds["stragglers"] += dt * (1 - overhead) - gained
@@ -140,23 +174,43 @@ class SimJob:
         if activity == TRAINING:
             self.rate = self._rate()
             self._schedule_checkpoint()
+            self._schedule_end()
+
+    def wall_s(self) -> float:
+        """Seconds the job has existed: from the start to now, or to its end."""
+        return (self.ended_at if self.ended_at is not None else self.sim.now) - START
+
+    def _schedule_end(self) -> None:
+        if self.length_s < math.inf:
+            self.pace += 1
+            self.sim.at(self.sim.now + max(self.length_s - self.work, 0.0) / self.rate, self._trained, self.token,
+                        self.pace)
+
+    def _trained(self, token: int, pace: int) -> None:
+        """The job has trained for its length: its ranks exit 0, and the lifecycle ends it."""
+        if token != self.token or pace != self.pace or self.activity != TRAINING or self.job.state != table.RUNNING:
+            return
+        self._settle()
+        for rank in self.job.ranks:
+            rank.state, rank.exit_code = pb.RANK_STATE_EXITED, 0
+        self.decide()
 
     def _rate(self) -> float:
-        spec, failures = self.sim.scenario.job, self.sim.scenario.failures
+        spec, failures = self.shape, self.sim.scenario.failures
         rate = 1.0 - (spec.snapshot_overhead if spec.snapshots else 0.0)
         if any(n in self.members for n in self.sim.slow):
             rate /= 1.0 + failures.straggler_slowdown
         return rate
 
     def _schedule_checkpoint(self) -> None:
-        due = self.sim.scenario.job.checkpoint_interval_s - self.since_checkpoint
+        due = self.shape.checkpoint_interval_s - self.since_checkpoint
         self.sim.at(self.sim.now + max(due, 0.0), self._checkpoint_due, self.token)
 
     def _checkpoint_due(self, token: int) -> None:
         if token != self.token or self.activity != TRAINING:
             return
         self.become(PAUSED)
-        self.sim.at(self.sim.now + self.sim.scenario.job.checkpoint_cost_s, self._checkpoint_done, self.token,
+        self.sim.at(self.sim.now + self.shape.checkpoint_cost_s, self._checkpoint_done, self.token,
                     self.work)
 
     def _checkpoint_done(self, token: int, position: float) -> None:
@@ -170,6 +224,7 @@ class SimJob:
         if self.activity == TRAINING:
             self._settle()
             self.rate = self._rate()
+            self._schedule_end()
 
     def broken(self, sudden: bool) -> None:
         """A fault reached one of the job's nodes: training stops now. A sudden one loses the work since the
@@ -182,7 +237,7 @@ class SimJob:
             self._rewind()
 
     def _rewind(self) -> None:
-        spec = self.sim.scenario.job
+        spec = self.shape
         if spec.snapshots:
             grain = spec.snapshot_every * spec.step_s
             resume = math.floor(self.work / grain) * grain
@@ -325,7 +380,7 @@ class SimJob:
     def entered(self, source: int, target: int) -> None:
         sim = self.sim
         if target == table.RUNNING and source in table.LAUNCHING:
-            load = sim.scenario.timings.snapshot_load_s if sim.scenario.job.snapshots and self.work > 0 else \
+            load = sim.scenario.timings.snapshot_load_s if self.shape.snapshots and self.work > 0 else \
                 sim.scenario.timings.load_s
             sim.at(sim.now + load, self._loaded, self.generation)
         elif target == table.EVICTING and self.broken_at is None:
@@ -333,6 +388,9 @@ class SimJob:
         elif target == table.FAILED:
             self.become(WAITING)
             self.tally.failed = self.job.reason
+        elif target == table.SUCCEEDED:
+            self.become(DONE)
+            self.ended_at = sim.now
         elif target == table.RENDEZVOUS and self.job.reason.startswith("waiting for nodes"):
             self.become(WAITING)
 
@@ -372,7 +430,7 @@ class SimJob:
         if any(self.sim.nodes[n].down for n in self.job.nodes):
             self.decide()  # a node died first: the deadline will pass and the recovery resumes from before
             return
-        step = int(self.work / self.sim.scenario.job.step_s)
+        step = int(self.work / self.shape.step_s)
         self.checkpoint = lifecycle.CheckpointView(request_id, {r.rank: step for r in self.job.ranks})
         self.durable = max(self.durable, self.work)
         self.decide()
@@ -398,16 +456,14 @@ class Simulation:
         self.order = itertools.count()
         self.on_progress = on_progress
         fleet = scenario.fleet
-        per_leaf = fleet.nodes_per_leaf or fleet.nodes
-        width = len(str(fleet.nodes - 1))
-        self.nodes: dict[str, SimNode] = {}
-        for i in range(fleet.nodes):
-            name = f"node{i:0{width}d}"
-            self.nodes[name] = SimNode(name, f"leaf{i // per_leaf}")
-        leaves = sorted({n.leaf for n in self.nodes.values()})
-        self.topology = ClusterTopology({n.name: n.leaf for n in self.nodes.values()},
-                                        {**{leaf: ("spine",) for leaf in leaves}, "spine": ()})
-        self.jobs = [SimJob(self, f"job-{i + 1}") for i in range(scenario.job.count)]
+        self.topology = topology_of(fleet)
+        self.nodes: dict[str, SimNode] = {name: SimNode(name) for name in self.topology.nodes}
+        scenario.check_fit(len(self.nodes))
+        self.jobs: list[SimJob] = []
+        for shape in scenario.shapes:
+            for k in range(shape.count):
+                name = f"{shape.name}-{k + 1}" if shape.name else f"job-{len(self.jobs) + 1}"
+                self.jobs.append(SimJob(self, name, shape))
         self.node_fault_rate = scenario.failures.per_1000_node_days / 1000.0 / DAY_S
         self.straggler_rate = scenario.failures.straggler_per_1000_node_days / 1000.0 / DAY_S
         self.events = 0
@@ -421,7 +477,7 @@ class Simulation:
         self.trace_nodes: dict[str, SimNode] = {}
         if trace is not None:
             if len(trace.nodes) > fleet.nodes:
-                raise ValueError(f"replay.events: {trace.source} has faults on {len(trace.nodes)} nodes; "
+                raise ConfigError(f"replay.events: {trace.source} has faults on {len(trace.nodes)} nodes; "
                                  f"fleet.nodes ({fleet.nodes}) must be at least that")
             shuffled = list(self.nodes.values())
             self.rng.shuffle(shuffled)
@@ -463,8 +519,7 @@ class Simulation:
         """A point of the ETTR-over-time curve: useful work so far over the time so far, over every job."""
         for job in self.jobs:
             job.become(job.activity)  # settle the stretch up to now
-        elapsed = (self.now - START) * len(self.jobs)
-        self.timeline.append(((self.now - START) / DAY_S, sum(j.work for j in self.jobs) / elapsed))
+        self.timeline.append(((self.now - START) / DAY_S, ettr(self.jobs)))
 
     # -- the fleet -------------------------------------------------------------------------------
 
@@ -679,7 +734,7 @@ class Simulation:
         rank's computes against its peers'; the lifecycle then checkpoints and evicts."""
         if not node.slow or node.name not in job.job.nodes or job.job.state != table.RUNNING:
             return
-        step = job.sim.scenario.job.step_s
+        step = job.shape.step_s
         slow = step * (1 + self.scenario.failures.straggler_slowdown)
         rank_of = {r.node: r.rank for r in job.job.ranks}
         other = next(n for n in job.job.nodes if n != node.name) if len(job.job.nodes) > 1 else None

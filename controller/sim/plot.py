@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from controller.sim import report
 from controller.sim.engine import CAUSES
 from phalanx.errors import ConfigError
 
@@ -24,7 +25,7 @@ def write(runs: list[tuple[str, dict[str, Any]]], directory: str | Path) -> list
     except OSError as e:
         raise ConfigError(f"--plot {directory}: cannot create the directory: {e.strerror}") from None
     s = runs[0][1]["scenario"]
-    title = f"{s['gpus']:,} GPUs, {s['jobs']} job(s) of {s['job_gpus']:,} GPUs, {s['days']:g} days"
+    title = f"{s['gpus']:,} GPUs, {report.shapes_text(s)}, {s['days']:g} days"
     paths = []
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)

@@ -11,40 +11,41 @@ from controller.recovery import table
 from controller.recovery.detectors import KINDS
 from controller.sim import replay
 from controller.sim import scenario as sc
-from controller.sim.engine import CAUSES, Simulation
-from phalanx.errors import ConfigError
+from controller.sim.engine import CAUSES, START, Simulation, ettr
 
 
 def results(sim: Simulation, wall_s: float = 0.0) -> dict[str, Any]:
     """The figures of a finished run, as plain data (what --json prints)."""
     s = sim.scenario
-    span = s.run.days * sc.DAY_S
-    gpus_per_job = s.job.nodes * s.fleet.gpus_per_node
     jobs, recoveries = [], []
     for job in sim.jobs:
         t = job.tally
         recoveries += t.recoveries_s
         jobs.append({
-            "id": job.job.id, "state": table.state_name(job.job.state), "failed": t.failed,
-            "ettr": t.work_s / span, "work_h": t.work_s / sc.HOUR_S,
+            "id": job.job.id, "state": table.state_name(job.job.state), "failed": t.failed, "gpus": job.gpus,
+            "ettr": t.work_s / job.wall_s(), "work_h": t.work_s / sc.HOUR_S,
+            "finished_day": None if job.ended_at is None else (job.ended_at - START) / sc.DAY_S,
             "lost_h": {cause: t.seconds[cause] / sc.HOUR_S for cause in CAUSES},
             "incidents": dict(sorted(t.incidents.items())), "recoveries": len(t.recoveries_s),
             "spares_used": t.spares_used, "fresh_placements": t.fresh_placements})
-    work = sum(j.tally.work_s for j in sim.jobs)
-    lost = {cause: sum(j.tally.seconds[cause] for j in sim.jobs) * gpus_per_job / sc.HOUR_S for cause in CAUSES}
-    fleet_gpu_h = s.fleet.nodes * s.fleet.gpus_per_node * span / sc.HOUR_S
+    lost = {cause: sum(j.tally.seconds[cause] * j.gpus for j in sim.jobs) / sc.HOUR_S for cause in CAUSES}
+    gpus = len(sim.nodes) * s.fleet.gpus_per_node
+    fleet_gpu_h = gpus * s.run.days * sc.DAY_S / sc.HOUR_S
+    first = s.shapes[0]
     return {
-        "scenario": {"gpus": s.fleet.nodes * s.fleet.gpus_per_node, "nodes": s.fleet.nodes, "days": s.run.days,
-                     "jobs": s.job.count, "job_gpus": gpus_per_job, "spares": s.job.spares, "seed": s.run.seed,
-                     "snapshots": s.job.snapshots, "predictive_eviction": s.policy.predictive_eviction,
-                     "checkpoint_interval_s": s.job.checkpoint_interval_s},
-        "ettr": work / (span * len(sim.jobs)),
-        "goodput": work * gpus_per_job / sc.HOUR_S / fleet_gpu_h,  # useful GPU-hours / the fleet's GPU-hours
+        "scenario": {"gpus": gpus, "nodes": len(sim.nodes), "days": s.run.days, "jobs": len(sim.jobs),
+                     "job_gpus": first.nodes * s.fleet.gpus_per_node, "spares": first.spares, "seed": s.run.seed,
+                     "snapshots": first.snapshots, "predictive_eviction": s.policy.predictive_eviction,
+                     "checkpoint_interval_s": first.checkpoint_interval_s,
+                     "shapes": [{"name": j.name or "job", "count": j.count, "gpus": j.nodes * s.fleet.gpus_per_node,
+                                 "spares": j.spares, "length_h": j.length_h} for j in s.shapes]},
+        "ettr": ettr(sim.jobs),
+        "goodput": sum(j.tally.work_s * j.gpus for j in sim.jobs) / sc.HOUR_S / fleet_gpu_h,
         "gpu_hours_lost": lost,
         "recovery_s": _distribution(recoveries),
         "nodes_drained": sim.nodes_drained,
         "jobs": jobs,
-        "timeline": [[round(day, 4), ettr] for day, ettr in sim.timeline],
+        "timeline": [[round(day, 4), value] for day, value in sim.timeline],
         "events": sim.events,
         "wall_s": round(wall_s, 3),
         "replay": None if sim.trace is None else {
@@ -72,11 +73,7 @@ def simulate(scenario: sc.Scenario, on_progress: Callable[[float], None] | None 
     if trace is None and scenario.replay.events:
         trace = replay.load(scenario.replay.events)
     t0 = time.perf_counter()
-    try:
-        sim = Simulation(scenario, on_progress, trace)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    sim.run()
+    sim = Simulation(scenario, on_progress, trace).run()
     return results(sim, time.perf_counter() - t0)
 
 
@@ -116,8 +113,7 @@ def _recovery(d: dict) -> str:
 def table_text(runs: list[tuple[str, dict]]) -> str:
     """One column per run (a sweep's values), one row per figure."""
     s = runs[0][1]["scenario"]
-    head = (f"{s['gpus']:,} GPUs ({s['nodes']:,} nodes), {s['jobs']} job(s) of {s['job_gpus']:,} GPUs, "
-            f"{s['days']:g} days, seed {s['seed']}")
+    head = f"{s['gpus']:,} GPUs ({s['nodes']:,} nodes), {shapes_text(s)}, {s['days']:g} days, seed {s['seed']}"
     rows = ROWS + (REPLAY_ROWS if runs[0][1].get("replay") else [])
     labels = [label for label, _ in rows]
     columns = [[name] + [fmt(r) for _, fmt in rows] for name, r in runs]
@@ -136,6 +132,14 @@ def table_text(runs: list[tuple[str, dict]]) -> str:
         if i == 0:
             lines.append("-" * (width + 2 + sum(widths) + 2 * (len(widths) - 1)))
     return "\n".join(lines)
+
+
+def shapes_text(s: dict[str, Any]) -> str:
+    """The jobs in a line: "1 job(s) of 16,384 GPUs", or "3 jobs: 2 x pretrain of 1,024 GPUs, 1 x ..."."""
+    shapes = s.get("shapes") or []
+    if len(shapes) <= 1:
+        return f"{s['jobs']} job(s) of {s['job_gpus']:,} GPUs"
+    return f"{s['jobs']} jobs: " + ", ".join(f"{j['count']} x {j['name']} of {j['gpus']:,} GPUs" for j in shapes)
 
 
 def sweep_values(text: str) -> tuple[str, list[Any]]:

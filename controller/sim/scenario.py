@@ -32,11 +32,20 @@ class FleetConfig:
     gpus_per_node: int = setting(8, "GPUs per node")
     nodes_per_leaf: int = setting(32, "nodes under one leaf switch (the generated tree topology); 0 = one flat "
                                   "network")
+    nodes_per_block: int = setting(0, "nodes in one NVLink block (NVL72: 18), generated as Slurm's topology/block "
+                                   "would describe them; 0 = no blocks")
+    topology_conf: str = setting("", "a Slurm topology.conf (tree or block syntax) whose nodes and switches are "
+                                 "the fleet, instead of the generated one (fleet.nodes, nodes_per_leaf and "
+                                 "nodes_per_block are then unused); a path relative to the scenario file")
 
     def __post_init__(self) -> None:
         require(self.nodes >= 1, f"fleet.nodes ({self.nodes}) must be at least 1")
         require(self.gpus_per_node >= 1, f"fleet.gpus_per_node ({self.gpus_per_node}) must be at least 1")
         require(self.nodes_per_leaf >= 0, f"fleet.nodes_per_leaf ({self.nodes_per_leaf}) must not be negative")
+        require(self.nodes_per_block >= 0, f"fleet.nodes_per_block ({self.nodes_per_block}) must not be negative")
+        if self.nodes_per_block and not self.topology_conf:
+            require(self.nodes % self.nodes_per_block == 0, f"fleet.nodes ({self.nodes}) must be a multiple of "
+                    f"fleet.nodes_per_block ({self.nodes_per_block})")
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,12 @@ class FailureConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
+    name: str = setting("", "what to call jobs of this shape: NAME-1, NAME-2, ... (default job-1, job-2, ... over "
+                        "every shape)")
     nodes: int = setting(2_048, "nodes the job trains on (one simulated rank per node stands for its GPUs)")
     spares: int = setting(8, "hot spares held beside it, in its topology domain")
+    segment: int = setting(0, "nodes per segment, each inside one block (`phalanx submit --segment`, Slurm's "
+                           "--segment); 0 = the job and its spares in one block, where the fleet has blocks")
     count: int = setting(1, "jobs of this shape on the fleet")
     step_s: float = setting(5.0, "seconds of one training step")
     checkpoint_interval_s: float = setting(1_800.0, "seconds of training between durable checkpoints")
@@ -85,10 +98,16 @@ class JobConfig:
                               "at most snapshot_every steps")
     snapshot_every: int = setting(1, "steps between snapshots")
     snapshot_overhead: float = setting(0.02, "share of step time snapshots cost (bench: 1.5-2 %)")
+    length_h: float = setting(0.0, "hours of training the job needs; then it ends and frees its nodes (0: it "
+                              "trains for the whole run)")
 
     def __post_init__(self) -> None:
         require(self.nodes >= 1, f"job.nodes ({self.nodes}) must be at least 1")
+        require(self.length_h >= 0, f"job.length_h ({self.length_h}) must not be negative")
         require(self.spares >= 0, f"job.spares ({self.spares}) must not be negative")
+        require(self.segment >= 0, f"job.segment ({self.segment}) must not be negative")
+        require(not self.segment or self.nodes % self.segment == 0, f"job.nodes ({self.nodes}) must be a multiple "
+                f"of job.segment ({self.segment})")
         require(self.count >= 1, f"job.count ({self.count}) must be at least 1")
         for key in ("step_s", "checkpoint_interval_s"):
             positive(f"job.{key}", getattr(self, key))
@@ -171,11 +190,23 @@ class Scenario:
     policy: PolicyConfig = section(PolicyConfig, "Phalanx's policy knobs")
     run: RunConfig = section(RunConfig, "the run")
     replay: ReplayConfig = section(ReplayConfig, "a failure trace from a real event log")
+    jobs: tuple[JobConfig, ...] = dataclasses.field(default=(), metadata={
+        "doc": "several job shapes ([[jobs]] tables, each with [job]'s keys; what one leaves out comes from [job]); "
+               "none: [job] alone"})
 
-    def __post_init__(self) -> None:
-        need = (self.job.nodes + self.job.spares) * self.job.count
-        require(need <= self.fleet.nodes, f"job.count ({self.job.count}) x (job.nodes ({self.job.nodes}) + "
-                f"job.spares ({self.job.spares})) = {need} must fit in fleet.nodes ({self.fleet.nodes})")
+    @property
+    def shapes(self) -> tuple[JobConfig, ...]:
+        return self.jobs or (self.job,)
+
+    def check_fit(self, fleet_nodes: int) -> None:
+        """Every job with its spares fits in the fleet at once. Raises ConfigError naming the keys."""
+        need = sum((j.nodes + j.spares) * j.count for j in self.shapes)
+        if self.jobs:
+            require(need <= fleet_nodes, f"the [[jobs]] need {need} nodes with their spares; the fleet has "
+                    f"{fleet_nodes}")
+        else:
+            require(need <= fleet_nodes, f"job.count ({self.job.count}) x (job.nodes ({self.job.nodes}) + "
+                    f"job.spares ({self.job.spares})) = {need} must fit in fleet.nodes ({fleet_nodes})")
 
 
 # The baseline the README compares with: periodic durable checkpoints only, no spares, no prediction.
@@ -211,14 +242,40 @@ def read(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     data = config.read_toml(path)
-    replay = data.get("replay")
-    if isinstance(replay, dict) and isinstance(replay.get("events"), str) and replay["events"]:
-        replay["events"] = str(Path(path).parent / Path(replay["events"]).expanduser())
+    for table, key in (("replay", "events"), ("fleet", "topology_conf")):
+        part = data.get(table)
+        if isinstance(part, dict) and isinstance(part.get(key), str) and part[key]:
+            part[key] = str(Path(path).parent / Path(part[key]).expanduser())
     return data
 
 
 def build(data: dict[str, Any], source: str = "") -> Scenario:
     try:
-        return config.build(Scenario, data)
+        data = dict(data)
+        shapes = data.pop("jobs", None)
+        scenario = config.build(Scenario, data)
+        if shapes is not None:
+            scenario = dataclasses.replace(scenario, jobs=_shapes(shapes, data.get("job", {})))
+        if not scenario.fleet.topology_conf:  # else the simulation checks it, once it has read the file
+            scenario.check_fit(scenario.fleet.nodes)
+        return scenario
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}" if source else str(e)) from None
+
+
+def _shapes(tables: Any, defaults: Any) -> tuple[JobConfig, ...]:
+    """[[jobs]] tables as JobConfigs, each on top of [job]."""
+    if not isinstance(tables, list) or not tables:
+        raise ConfigError("jobs must be an array of tables ([[jobs]]), each a job shape")
+    shapes: list[JobConfig] = []
+    for i, table in enumerate(tables, 1):
+        if not isinstance(table, dict):
+            raise ConfigError(f"jobs[{i}] must be a table ([[jobs]]), not {type(table).__name__}")
+        try:
+            shape = config.build(JobConfig, {**defaults, **table}, prefix=f"jobs[{i}].")
+        except ConfigError as e:  # the checks of JobConfig name [job]'s keys
+            raise ConfigError(str(e).replace("job.", f"jobs[{i}].")) from None
+        taken = next((k for k, other in enumerate(shapes, 1) if shape.name and other.name == shape.name), None)
+        require(taken is None, f"jobs[{i}].name ({shape.name!r}) is the name of jobs[{taken}] too")
+        shapes.append(shape)
+    return tuple(shapes)

@@ -326,7 +326,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """The controller's policies on a simulated fleet (controller.sim): no controller is needed."""
-    from controller.sim import replay, report
+    from controller.sim import engine, replay, report
     from controller.sim import scenario as sc
     try:
         data = sc.read(args.scenario)
@@ -345,14 +345,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             plans.append(("phalanx" if args.baseline else "result", {}))
         scenarios = [(name, sc.build(sc.with_overrides(data, over), args.scenario or "")) for name, over in plans]
         traces = {s.replay.events: replay.load(s.replay.events) for _, s in scenarios if s.replay.events}
+        for _, s in scenarios:  # a topology.conf's faults, and a fleet too small for it, before any run
+            if s.fleet.topology_conf:
+                s.check_fit(len(engine.topology_of(s.fleet).nodes))
     except ValueError as e:
         raise CliError(str(e), USAGE) from None
     except ConfigError as e:
         raise CliError(str(e), USAGE) from None
     for name, scenario in scenarios:
         if not args.json:
-            print(f"{PROG}: simulating {name}: {scenario.fleet.nodes * scenario.fleet.gpus_per_node:,} GPUs for "
-                  f"{scenario.run.days:g} days ...", file=sys.stderr, flush=True)
+            fleet = scenario.fleet.topology_conf or f"{scenario.fleet.nodes * scenario.fleet.gpus_per_node:,} GPUs"
+            print(f"{PROG}: simulating {name}: {fleet} for {scenario.run.days:g} days ...", file=sys.stderr,
+                  flush=True)
         def progress(done: float, name: str = name) -> None:
             if not args.json:
                 print(f"{PROG}: {name}: {done * 100:.0f} % simulated", file=sys.stderr, flush=True)
