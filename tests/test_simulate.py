@@ -33,7 +33,9 @@ def test_one_job_with_exponential_failures_matches_the_closed_form_within_one_pe
                     "run.days": 1500.0})
     r = report.simulate(s)
     t = s.timings
-    restart_s = t.node_loss_detect_s + t.stop_s + s.policy.restart_backoff_s + t.launch_s + t.load_s
+    # every restart is on the job's own nodes and a spare: warm (standbys were waiting there)
+    restart_s = t.node_loss_detect_s + t.stop_s + s.policy.restart_backoff_s + t.warm_launch_s + t.load_s
+    assert r["jobs"][0]["warm_launches"] == r["jobs"][0]["launches"] - 1  # all but the first start
     mtbf_s = sc.DAY_S / (64 * 10.0 / 1000)
     expected = daly_ettr(mtbf_s, 3600.0, 60.0, restart_s)
     assert r["recovery_s"]["p50"] == pytest.approx(restart_s)
@@ -298,3 +300,29 @@ def test_bad_shapes_and_topologies_are_one_line_errors(tmp_path, text, message):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"phalanx: error: {'' if 'topology_conf' in text else 'fleet.toml: '}{message}"), lines
+
+
+def test_hangs_are_found_by_the_hang_detector_and_restart_in_place():
+    s = scenario(**{"fleet.nodes": 40, "job.nodes": 32, "failures.software_share": 1.0, "failures.hang_share": 1.0,
+                    "failures.node_loss_share": 0.0, "failures.straggler_per_1000_node_days": 0.0,
+                    "failures.per_1000_node_days": 20.0, "run.days": 20.0})
+    r = report.simulate(s)
+    job = r["jobs"][0]
+    assert set(job["incidents"]) == {"hang"} and job["incidents"]["hang"] > 5
+    t, rec = s.timings, s.policy.recovery()
+    found = max(rec.hang_min_s, rec.hang_factor * s.job.step_s) + t.crash_detect_s
+    # found, stopped, backed off, relaunched warm on the same nodes, restored from the snapshots
+    assert r["recovery_s"]["p50"] == pytest.approx(found + t.stop_s + rec.restart_backoff_s + t.warm_launch_s
+                                                   + t.snapshot_load_s)
+    assert r["nodes_drained"] == 0 and job["fresh_placements"] == 0
+
+
+def test_a_leaf_switch_failing_takes_its_nodes_and_a_fresh_placement_launches_cold():
+    s = scenario(**{**QUIET, "fleet.nodes": 64, "fleet.nodes_per_leaf": 16, "job.nodes": 16, "job.spares": 2,
+                    "failures.leaf_per_1000_leaf_days": 50.0, "failures.repair_h": 4.0, "run.days": 60.0})
+    r = report.simulate(s)
+    job = r["jobs"][0]
+    assert r["leaf_failures"] > 3 and r["nodes_drained"] >= 16
+    assert job["incidents"].get("node-lost", 0) > 0
+    # the job's leaf goes, its spares with it: every restart is a fresh placement, launched cold like the first
+    assert job["fresh_placements"] > 0 and job["launches"] - job["warm_launches"] == job["fresh_placements"] + 1

@@ -110,6 +110,8 @@ class Tally:
     recoveries_s: list[float] = field(default_factory=list)  # fault -> training again
     spares_used: int = 0
     fresh_placements: int = 0
+    launches: int = 0
+    warm_launches: int = 0  # of them, on nodes the job held (standbys ready)
     failed: str = ""  # why the job ended FAILED, if it did
 
 
@@ -147,6 +149,7 @@ class SimJob:
         self.since_checkpoint = 0.0  # seconds trained since the last durable checkpoint (or the resume)
         self.token = 0  # invalidates scheduled checkpoint/resume events when training stops or restarts
         self.pace = 0  # invalidates a scheduled end of training when the rate changes
+        self.warm: set[str] = set()  # nodes with a standby of the job started ahead (none before the first start)
         self.broken_at: float | None = None  # a fault stopped training; recovery counts from here
 
     # -- time accounting ---------------------------------------------------------------------------
@@ -287,6 +290,8 @@ class SimJob:
 
     def respare(self, before: pb.Job) -> None:
         """Only the spares changed (held again, or released): their views alone."""
+        if self.job.state == table.RUNNING:
+            self.warm.update(self.job.spares)  # a spare held while training gets its standby
         for name in set(before.spares) - set(self.job.spares) - self.members:
             self.views.pop(name, None)
             self.candidates.pop(name, None)
@@ -357,7 +362,12 @@ class SimJob:
                         self.entered(before.state, job.state)
                 case lifecycle.Launch(generation=generation):
                     self.launch = lifecycle.LaunchView(generation)
-                    sim.at(sim.now + sim.scenario.timings.launch_s, self._launched, generation)
+                    warm = self.warm.issuperset(self.job.nodes)
+                    self.tally.launches += 1
+                    self.tally.warm_launches += warm
+                    timings = sim.scenario.timings
+                    sim.at(sim.now + (timings.warm_launch_s if warm else timings.launch_s), self._launched,
+                           generation)
                 case lifecycle.Stop(node=node):
                     self.stops[node] = ("sending", sim.now)
                     stops.append(node)
@@ -401,6 +411,7 @@ class SimJob:
             self.tally.recoveries_s.append(self.sim.now - self.broken_at)
         self.broken_at = None
         self.since_checkpoint = 0.0
+        self.warm = {*self.job.nodes, *self.job.spares}  # standbys wait on these for the next restart
         self.become(TRAINING)
         if self.sim.scenario.policy.evict_stragglers:  # a slow node the job (re)started on is found like any
             for name in self.job.nodes:
@@ -465,10 +476,12 @@ class Simulation:
                 name = f"{shape.name}-{k + 1}" if shape.name else f"job-{len(self.jobs) + 1}"
                 self.jobs.append(SimJob(self, name, shape))
         self.node_fault_rate = scenario.failures.per_1000_node_days / 1000.0 / DAY_S
+        self.leaf_fault_rate = scenario.failures.leaf_per_1000_leaf_days / 1000.0 / DAY_S
         self.straggler_rate = scenario.failures.straggler_per_1000_node_days / 1000.0 / DAY_S
         self.events = 0
         self.timeline: list[tuple[float, float]] = []  # (day, ETTR so far)
         self.nodes_drained = 0
+        self.leaf_failures = 0
         self.slow: set[str] = set()  # nodes slow now
         self.changes: list[str] = []  # every node whose state placement sees changed, in order (a log)
         self.trace = trace
@@ -493,6 +506,8 @@ class Simulation:
             for node in self.nodes.values():
                 self._next_fault(node)
                 self._next_straggle(node)
+            for leaf in self.topology.leaves if self.leaf_fault_rate > 0 else ():
+                self.at(self.now + self.rng.expovariate(self.leaf_fault_rate), self._leaf_fails, leaf)
         elif self.trace.faults:
             self.at(START + self.trace.faults[0].t, self._replay, 0, 0)
         for job in self.jobs:
@@ -609,7 +624,10 @@ class Simulation:
         if r < f.software_share:
             job = self._job_of(node)
             if job is not None and node.name in job.job.nodes:
-                self._crash(job)
+                if self.rng.random() < f.hang_share:
+                    self._hang(job)
+                else:
+                    self._crash(job)
             self._next_fault(node)
             return
         node.faults += 1
@@ -622,6 +640,34 @@ class Simulation:
     def _crash(self, job: SimJob) -> None:
         self.at(self.now + self.scenario.timings.crash_detect_s, job.crash)
         job.broken(sudden=True)
+
+    def _hang(self, job: SimJob) -> None:
+        """Every rank stops in a collective: no rank exits, and the controller's hang detector finds it once the
+        ranks have made no progress for max(hang_min_s, hang_factor x the step), at the next report."""
+        if job.job.state != table.RUNNING or job.broken_at is not None:
+            return
+        job.broken(sudden=True)
+        recovery = self.scenario.policy.recovery()
+        limit = max(recovery.hang_min_s, recovery.hang_factor * job.shape.step_s)
+        self.at(self.now + limit + self.scenario.timings.crash_detect_s, self._hang_found, job, job.generation,
+                self.now)
+
+    def _hang_found(self, job: SimJob, generation: int, since: float) -> None:
+        if job.generation != generation or job.job.state != table.RUNNING:
+            return
+        step = job.shape.step_s
+        tracks = {}
+        for rank in list(job.job.ranks)[:4]:  # what the detector reads: reports that go on, steps that do not
+            track = RankTrack(last_advance=since, last_report=since)
+            for k in range(1, 6):
+                track.observe(30 * k, step, [step] * 30, since, 30)
+            track.last_report = self.now
+            tracks[rank.rank] = track
+        view = job.view(None)
+        view = lifecycle.JobView(nodes=view.nodes, tracks=tracks, launch=view.launch, checkpoint=view.checkpoint,
+                                 candidates=view.candidates, topology=view.topology)
+        job.apply(lifecycle.step(job.job, view, self.now, self.policy))
+        job.decide()
 
     def _foretold(self, node: SimNode, lost: bool) -> None:
         """A fault that warns first: the warning now, the fault itself failures.warning_s later."""
@@ -678,6 +724,17 @@ class Simulation:
             self._hardware_fault(node, lost=False, verdict=verdict)
         else:
             self._hardware_fault(node, lost=fault.kind == replay.LOST)
+
+    def _leaf_fails(self, leaf: str) -> None:
+        """A leaf switch fails: every node under it is lost at once, and comes back with the switch's repair."""
+        self.leaf_failures += 1
+        for name in self.topology.nodes_under(leaf):
+            node = self.nodes[name]
+            if not node.down and not node.drained:
+                node.faults += 1
+                self._hardware_fault(node, lost=True)
+        self.at(self.now + self.scenario.failures.repair_h * HOUR_S + self.rng.expovariate(self.leaf_fault_rate),
+                self._leaf_fails, leaf)
 
     def _warn(self, node: SimNode) -> None:
         if not self.scenario.policy.predictive_eviction:

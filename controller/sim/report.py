@@ -27,7 +27,8 @@ def results(sim: Simulation, wall_s: float = 0.0) -> dict[str, Any]:
             "finished_day": None if job.ended_at is None else (job.ended_at - START) / sc.DAY_S,
             "lost_h": {cause: t.seconds[cause] / sc.HOUR_S for cause in CAUSES},
             "incidents": dict(sorted(t.incidents.items())), "recoveries": len(t.recoveries_s),
-            "spares_used": t.spares_used, "fresh_placements": t.fresh_placements})
+            "spares_used": t.spares_used, "fresh_placements": t.fresh_placements, "launches": t.launches,
+            "warm_launches": t.warm_launches})
     lost = {cause: sum(j.tally.seconds[cause] * j.gpus for j in sim.jobs) / sc.HOUR_S for cause in CAUSES}
     gpus = len(sim.nodes) * s.fleet.gpus_per_node
     fleet_gpu_h = gpus * s.run.days * sc.DAY_S / sc.HOUR_S
@@ -44,6 +45,7 @@ def results(sim: Simulation, wall_s: float = 0.0) -> dict[str, Any]:
         "gpu_hours_lost": lost,
         "recovery_s": _distribution(recoveries),
         "nodes_drained": sim.nodes_drained,
+        "leaf_failures": sim.leaf_failures,
         "jobs": jobs,
         "timeline": [[round(day, 4), value] for day, value in sim.timeline],
         "events": sim.events,
@@ -85,7 +87,9 @@ ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("recovery, fault to training: p50 / p90 / max", lambda r: _recovery(r["recovery_s"])),
     ("spares used / fresh placements", lambda r: f"{sum(j['spares_used'] for j in r['jobs'])} / "
                                                  f"{sum(j['fresh_placements'] for j in r['jobs'])}"),
-    ("nodes drained", lambda r: f"{r['nodes_drained']:,}"),
+    ("launches: warm (standbys on held nodes) / cold", lambda r: f"{sum(j['warm_launches'] for j in r['jobs']):,} / "
+     f"{sum(j['launches'] - j['warm_launches'] for j in r['jobs']):,}"),
+    ("nodes drained / leaf switches failed", lambda r: f"{r['nodes_drained']:,} / {r['leaf_failures']:,}"),
     ("jobs failed", lambda r: ", ".join(f"{j['id']}: {j['failed']}" for j in r["jobs"] if j["failed"]) or "none"),
     ("simulated in", lambda r: f"{r['wall_s']:.1f} s ({r['events']:,} events)"),
 ]
