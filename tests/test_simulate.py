@@ -326,3 +326,19 @@ def test_a_leaf_switch_failing_takes_its_nodes_and_a_fresh_placement_launches_co
     assert job["incidents"].get("node-lost", 0) > 0
     # the job's leaf goes, its spares with it: every restart is a fresh placement, launched cold like the first
     assert job["fresh_placements"] > 0 and job["launches"] - job["warm_launches"] == job["fresh_placements"] + 1
+
+
+def test_a_predictable_fault_costs_its_checkpoint_then_a_recovery_each_counted_as_such():
+    s = scenario(**{"fleet.nodes": 40, "job.nodes": 32, "failures.software_share": 0.0, "failures.node_loss_share": 0.0,
+                    "failures.predictable_share": 1.0, "failures.straggler_per_1000_node_days": 0.0,
+                    "failures.per_1000_node_days": 10.0, "run.days": 30.0})
+    r = report.simulate(s)
+    job, t = r["jobs"][0], s.timings
+    assert set(job["incidents"]) == {"gpu-failing"} and job["recoveries"] == job["incidents"]["gpu-failing"] > 5
+    # from the eviction (the checkpoint is in): stop, back off, relaunch warm on a spare, restore the snapshots
+    assert r["recovery_s"]["p50"] == pytest.approx(t.stop_s + s.policy.restart_backoff_s + t.warm_launch_s
+                                                   + t.snapshot_load_s, abs=1.0)
+    durable = job["work_h"] * 3600 / s.job.checkpoint_interval_s
+    assert job["lost_h"]["checkpoints"] * 3600 == pytest.approx(
+        durable * s.job.checkpoint_cost_s + job["recoveries"] * t.eviction_checkpoint_s, rel=0.05)
+    assert job["lost_h"]["recomputed"] == 0

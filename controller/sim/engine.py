@@ -232,8 +232,8 @@ class SimJob:
     def broken(self, sudden: bool) -> None:
         """A fault reached one of the job's nodes: training stops now. A sudden one loses the work since the
         state the next generation will resume from."""
-        if self.broken_at is not None or self.job.state not in (table.RUNNING, table.CHECKPOINTING):
-            return
+        if self.broken_at is not None or self.job.state not in (table.RUNNING, table.CHECKPOINTING, table.EVICTING):
+            return  # (EVICTING: a predictable incident's checkpoint is in, and training stops only now)
         self.become(RECOVERING)
         self.broken_at = self.sim.now
         if sudden:
@@ -362,7 +362,7 @@ class SimJob:
                         self.entered(before.state, job.state)
                 case lifecycle.Launch(generation=generation):
                     self.launch = lifecycle.LaunchView(generation)
-                    warm = self.warm.issuperset(self.job.nodes)
+                    warm = sim.scenario.policy.warm_starts and self.warm.issuperset(self.job.nodes)
                     self.tally.launches += 1
                     self.tally.warm_launches += warm
                     timings = sim.scenario.timings
@@ -375,6 +375,7 @@ class SimJob:
                     sim.take_out(sim.nodes[node])
                 case lifecycle.RequestCheckpoint(request=request):
                     self.checkpoint = lifecycle.CheckpointView(request.id, {})
+                    self.token += 1  # a durable checkpoint under way gives way to this one (training stays paused)
                     self.become(PAUSED if self.broken_at is None else RECOVERING)
                     sim.at(sim.now + sim.scenario.timings.eviction_checkpoint_s, self._acked, request.id,
                            self.generation)

@@ -156,6 +156,8 @@ class PolicyConfig:
     predictive_eviction: bool = setting(True, "act on warnings (health FAILING): checkpoint, then evict, before "
                                         "the fault")
     evict_stragglers: bool = setting(True, "act on straggler verdicts (checkpoint, then evict)")
+    warm_starts: bool = setting(True, "standbys started and imported ahead on the job's nodes and spares "
+                                "(timings.warm_launch_s); false: every launch costs timings.launch_s")
     max_restarts: int = setting(RecoveryConfig().max_restarts, "recovery.max_restarts of the controller")
     restart_window_s: float = setting(RecoveryConfig().restart_window_s, "recovery.restart_window_s of the "
                                       "controller")
@@ -224,7 +226,7 @@ class Scenario:
 
 # The baseline the README compares with: periodic durable checkpoints only, no spares, no prediction.
 BASELINE = {"job.spares": 0, "job.snapshots": False, "policy.predictive_eviction": False,
-            "policy.evict_stragglers": False}
+            "policy.evict_stragglers": False, "policy.warm_starts": False}
 
 
 def parse_value(text: str) -> Any:
