@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-busy test-slow lint demo bench proto proto-check clean
+.PHONY: test test-busy test-slow lint demo bench proto proto-check dist deb clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,16 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 
+# The wheel and sdist (dist/), and from the wheel a Debian package with its own environment in /opt/phalanx.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
+deb: dist
+	tools/build-deb dist/phalanx-*-py3-none-any.whl dist
+
 proto: $(STAMP)
 	$(PY) tools/genproto.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -153,7 +153,8 @@ class SecurityConfig:
                            "client certificate must be signed by it")
     cert_file: str = setting("/etc/phalanx/pki/controller.crt", "the controller's certificate (`phalanx certs "
                              "issue controller --role controller --san HOST`)")
-    key_file: str = setting("/etc/phalanx/pki/controller.key", "the controller's private key (mode 0600)")
+    key_file: str = setting("/etc/phalanx/pki/controller.key", "the controller's private key (mode 0600; 0640 "
+                            "with group phalanx for the unit, which runs as that user)")
     tokens_file: str = setting("", "file of 'NAME TOKEN' lines; a token may stand in for a client certificate on "
                                "the control API and rendezvous, on token_listen; empty = no tokens")
     token_listen: str = setting("", "host:port of a second, TLS-only port (no client certificate asked) for "
@@ -210,7 +211,8 @@ def endpoints(text: str) -> list[str]:
 @dataclass(frozen=True)
 class ControllerConfig:
     listen: str = setting("0.0.0.0:7370", "host:port the gRPC server listens on (node and control services)")
-    state_db: str = setting("/var/lib/phalanx/controller.db", "SQLite database with nodes, drains and events")
+    state_db: str = setting("/var/lib/phalanx/controller/controller.db", "SQLite database with nodes, drains and "
+                            "events (the unit's StateDirectory=phalanx/controller)")
     max_events: int = setting(100_000, "events kept in the log; older ones are pruned")
     log_level: str = setting("info", "debug, info, warning or error", choices=LEVELS)
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))

@@ -75,11 +75,11 @@ def test_daemons_say_ready_ping_the_watchdog_and_say_stopping(tmp_path, module):
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_units_verify_clean(tmp_path):
-    bin_dir = Path(sys.executable).parent  # the console scripts of this environment stand in for /usr/local/bin
+    bin_dir = Path(sys.executable).parent  # the console scripts of this environment stand in for /opt/phalanx/bin
     units = []
     for unit in sorted((ROOT / "systemd").glob("*.service")):
         copy = tmp_path / unit.name
-        copy.write_text(unit.read_text().replace("/usr/local/bin/", f"{bin_dir}/"))
+        copy.write_text(unit.read_text().replace("/opt/phalanx/bin/", f"{bin_dir}/"))
         units.append(str(copy))
     assert len(units) == 3  # agent, controller, and the controller as a member of a highly available control plane
     result = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=120,
