@@ -3,75 +3,18 @@ syntax (BlockName=, BlockSizes=), with Slurm hostlist expressions. Errors name t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from controller.jobs.topology import ClusterTopology, TopologyConfError, TopologyError, check_block_sizes, find_cycle
-
-MAX_HOSTLIST = 1 << 20  # names one hostlist expression may expand to
-
-
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+from phalanx import hostlist
 
 
 def expand_hostlist(expr: str) -> list[str]:
-    """Slurm hostlist expression to names: `tux[0-3,12]`, `node[01-18]` (zero padding kept),
-    `rack[1-2]-node[01-04]` (the first bracket varies slowest), comma lists at the top level.
-    Raises TopologyError saying what is malformed."""
-    names: list[str] = []
-    for part in _split_top_level(expr):
-        if not part:
-            raise TopologyError("empty name")
-        out = [""]
-        i = 0
-        while i < len(part):
-            opening, closing = part.find("[", i), part.find("]", i)
-            if closing != -1 and (opening == -1 or closing < opening):
-                raise TopologyError("']' without '['")
-            if opening == -1:
-                out = [o + part[i:] for o in out]
-                break
-            closing = part.find("]", opening)
-            if closing == -1:
-                raise TopologyError("'[' without ']'")
-            values = _range_values(part[opening + 1:closing])
-            if len(out) * len(values) + len(names) > MAX_HOSTLIST:
-                raise TopologyError(f"expands to more than {MAX_HOSTLIST} names")
-            out = [o + part[i:opening] + v for o in out for v in values]
-            i = closing + 1
-        names.extend(out)
-    return names
-
-
-def _split_top_level(expr: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(expr):
-        if ch == "[":
-            depth += 1
-            if depth > 1:
-                raise TopologyError("nested '['")
-        elif ch == "]":
-            depth = max(0, depth - 1)
-        elif ch == "," and depth == 0:
-            parts.append(expr[start:i])
-            start = i + 1
-    parts.append(expr[start:])
-    return parts
-
-
-def _range_values(inner: str) -> list[str]:
-    values: list[str] = []
-    for item in inner.split(","):
-        m = _RANGE.fullmatch(item)
-        if not m:
-            raise TopologyError(f"{item!r} in brackets is not a number or a range like 01-18")
-        lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
-        if hi < lo:
-            raise TopologyError(f"range {item} goes down")
-        if hi - lo + len(values) >= MAX_HOSTLIST:
-            raise TopologyError(f"expands to more than {MAX_HOSTLIST} names")
-        values.extend(str(v).zfill(len(m[1])) for v in range(lo, hi + 1))
-    return values
+    """Slurm hostlist expression to names (phalanx.hostlist). Raises TopologyError saying what is malformed."""
+    try:
+        return hostlist.expand(expr)
+    except hostlist.HostlistError as e:
+        raise TopologyError(str(e)) from None
 
 
 # --- topology.conf ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from phalanx import __version__, faults, leader, pki, tls
+from phalanx import __version__, faults, hostlist, leader, pki, tls
 from phalanx.cli import local, render
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
@@ -31,9 +31,10 @@ OK, FAILED, USAGE = 0, 1, 2
 
 
 class CliError(PhalanxError):
-    def __init__(self, message: str, code: int = FAILED) -> None:
+    def __init__(self, message: str, code: int = FAILED, transient: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.transient = transient  # the controller could not be reached: trying again later may do
 
 
 def controller_address(args: argparse.Namespace) -> str:
@@ -81,13 +82,88 @@ def call(args: argparse.Namespace, fn: Callable[[control_pb2_grpc.ControlService
 def rpc_error(e: grpc.RpcError, args: argparse.Namespace) -> CliError:
     code = e.code()
     if code == grpc.StatusCode.UNAVAILABLE and leader.from_standby(e):
-        return CliError(f"cannot reach a leading controller at {controller_address(args)}: {e.details()}")
+        return CliError(f"cannot reach a leading controller at {controller_address(args)}: {e.details()}",
+                        transient=True)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}")
+        return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}",
+                        transient=True)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return CliError(f"the controller at {controller_address(args)} does not know you: {e.details()}")
     exit_code = USAGE if code == grpc.StatusCode.INVALID_ARGUMENT else FAILED
     return CliError(f"{e.details()} ({code.name})", exit_code)
+
+
+# -- what operators type: hostlists, output formats, --watch ------------------------------------
+
+def node_names(expr: str) -> list[str]:
+    """The nodes a hostlist expression names (`gpu[001-512]`, `a,b`), each once. Raises CliError (usage)."""
+    try:
+        names = hostlist.expand(expr)
+    except hostlist.HostlistError as e:
+        raise CliError(f"{expr!r} is not a node name or a hostlist such as gpu[001-512]: {e}", USAGE) from None
+    return list(dict.fromkeys(names))
+
+
+def for_each_node(names: list[str], fn: Callable[[str], None]) -> int:
+    """fn(name) for every node. One node: its error is the command's. Several: each error is said and the rest
+    go on, then the command fails naming the nodes it failed for; a controller out of reach stops it at once."""
+    if len(names) == 1:
+        fn(names[0])
+        return OK
+    failed: list[tuple[str, CliError]] = []
+    for name in names:
+        try:
+            fn(name)
+        except CliError as e:
+            if e.transient:
+                raise
+            failed.append((name, e))
+            print(f"{PROG}: {name}: {e}", file=sys.stderr, flush=True)
+    if failed:
+        raise CliError(f"failed for {len(failed)} of {len(names)} nodes: {hostlist.compress(n for n, _ in failed)}",
+                       max(e.code for _, e in failed))
+    return OK
+
+
+def add_output(p: argparse.ArgumentParser, *choices: str) -> None:
+    """-o/--output CHOICE (the first is the default), and --json for -o json."""
+    what = {"table": "a table", "text": "for people", "wide": "a table with more columns", "json": "JSON",
+            "name": "one name a line (for scripts: xargs)", "hostlist": "one hostlist expression, gpu[001-004]"}
+    p.add_argument("-o", "--output", choices=choices, default=choices[0],
+                   help="; ".join(f"{c}: {what[c]}" for c in choices) + f" (default {choices[0]})")
+    p.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
+
+
+def add_watch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--watch", "-w", nargs="?", type=_seconds, const=2.0, metavar="SECONDS",
+                   help="show it again every SECONDS (default 2) until interrupted, as watch(1) would")
+
+
+def watched(args: argparse.Namespace, show: Callable[[], tuple[str, bool]]) -> int:
+    """Print show()'s text once, or with --watch again every args.watch seconds until it says it is done (or
+    Ctrl-C). A controller out of reach while watching is said and tried again; with -o json every refresh is
+    one line."""
+    if not args.watch:
+        print(show()[0])
+        return OK
+    tty = sys.stdout.isatty()
+    while True:
+        try:
+            text, done = show()
+        except CliError as e:
+            if not e.transient:
+                raise
+            text, done = f"{PROG}: {e} (trying again in {args.watch:g}s)", False
+        if args.output == "json":
+            print(json.dumps(json.loads(text)) if text.startswith(("[", "{")) else text, flush=True)
+        else:
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[2J")  # home, clear: the screen shows the latest only
+            print(f"Every {args.watch:g}s: {PROG} {args.command}    {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            print(text + ("" if tty else "\n"), flush=True)
+        if done:
+            return OK
+        time.sleep(args.watch)
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -100,6 +176,13 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_issue(args: argparse.Namespace) -> int:
+    names = node_names(args.name)
+    if len(names) > 1:
+        return for_each_node(names, lambda name: _issue(argparse.Namespace(**{**vars(args), "name": name})))
+    return _issue(args)
+
+
+def _issue(args: argparse.Namespace) -> int:
     if args.san and args.role not in ("controller", "etcd"):
         raise CliError("--san is only for --role controller or etcd (node and client certificates carry their name)",
                        USAGE)
@@ -126,7 +209,7 @@ def cmd_local_start(args: argparse.Namespace) -> int:
 
 def cmd_local_status(args: argparse.Namespace) -> int:
     procs = local.status()
-    if args.json:
+    if args.output == "json":
         print(render.dumps(procs))
     else:
         rows = [(p["role"], p["name"], p["pid"], "running" if p["running"] else "exited", p["address"],
@@ -143,41 +226,62 @@ def cmd_local_down(args: argparse.Namespace) -> int:
 def cmd_controllers(args: argparse.Namespace) -> int:
     # Leader and standbys alike answer ListControllers: the first controller that answers will do.
     reply = call(args, lambda s: s.ListControllers(control_pb2.ListControllersRequest(), timeout=DEFAULT_TIMEOUT_S))
-    print(render.dumps(render.controllers_dict(reply)) if args.json else render.controllers_text(reply))
+    print(render.dumps(render.controllers_dict(reply)) if args.output == "json" else render.controllers_text(reply))
     return OK if reply.leader and not reply.problem else FAILED
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     states = [common_pb2.NodeState.Value(f"NODE_STATE_{s}") for s in args.state or []]
-    reply = call(args, lambda s: s.ListNodes(control_pb2.ListNodesRequest(states=states), timeout=DEFAULT_TIMEOUT_S))
-    if args.json:
-        print(render.dumps([render.node_dict(n) for n in reply.nodes]))
-    else:
-        print(render.nodes_table(reply.nodes))
-    return OK
+    only = set(node_names(args.nodes)) if args.nodes else None
+
+    def show() -> tuple[str, bool]:
+        reply = call(args, lambda s: s.ListNodes(control_pb2.ListNodesRequest(states=states),
+                                                 timeout=DEFAULT_TIMEOUT_S))
+        nodes = [n for n in reply.nodes if only is None or n.name in only]
+        if args.output == "json":
+            return render.dumps([render.node_dict(n) for n in nodes]), False
+        if args.output == "name":
+            return "\n".join(n.name for n in nodes), False
+        if args.output == "hostlist":
+            return hostlist.compress(n.name for n in nodes), False
+        return render.nodes_table(nodes, wide=args.output == "wide"), False
+
+    return watched(args, show)
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    node = call(args, lambda s: s.DrainNode(control_pb2.DrainNodeRequest(name=args.node, reason=args.reason),
-                                            timeout=DEFAULT_TIMEOUT_S))
-    print(f"{node.name}: {render.state_name(node.state)} (drain reason: {node.drain_reason})")
-    return OK
+    def drain(name: str) -> None:
+        node = call(args, lambda s: s.DrainNode(control_pb2.DrainNodeRequest(name=name, reason=args.reason),
+                                                timeout=DEFAULT_TIMEOUT_S))
+        print(f"{node.name}: {render.state_name(node.state)} (drain reason: {node.drain_reason})", flush=True)
+
+    return for_each_node(node_names(args.node), drain)
 
 
 def cmd_undrain(args: argparse.Namespace) -> int:
-    node = call(args, lambda s: s.UndrainNode(control_pb2.UndrainNodeRequest(name=args.node),
-                                              timeout=DEFAULT_TIMEOUT_S))
-    print(f"{node.name}: {render.state_name(node.state)}")
-    return OK
+    def undrain(name: str) -> None:
+        node = call(args, lambda s: s.UndrainNode(control_pb2.UndrainNodeRequest(name=name),
+                                                  timeout=DEFAULT_TIMEOUT_S))
+        print(f"{node.name}: {render.state_name(node.state)}", flush=True)
+
+    return for_each_node(node_names(args.node), undrain)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    reply = call(args, lambda s: s.GetHealth(control_pb2.GetHealthRequest(node=args.node or ""),
-                                             timeout=DEFAULT_TIMEOUT_S))
-    if args.json:
-        print(render.dumps([render.health_dict(n) for n in reply.nodes]))
+    names = node_names(args.node) if args.node else []
+    one = names[0] if len(names) == 1 else ""
+    reply = call(args, lambda s: s.GetHealth(control_pb2.GetHealthRequest(node=one), timeout=DEFAULT_TIMEOUT_S))
+    nodes = list(reply.nodes)
+    if len(names) > 1:
+        known = {n.node for n in nodes}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise CliError(f"no node named {hostlist.compress(missing)}")
+        nodes = [n for n in nodes if n.node in set(names)]
+    if args.output == "json":
+        print(render.dumps([render.health_dict(n) for n in nodes]))
     else:
-        print(render.health_text(reply.nodes, detail=bool(args.node)))
+        print(render.health_text(nodes, detail=bool(one)))
     return OK
 
 
@@ -185,7 +289,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
     from phalanx.cli.topo import render_topology, topology_dict
     topology = call(args, lambda s: s.GetTopology(control_pb2.GetTopologyRequest(node=args.node),
                                                   timeout=DEFAULT_TIMEOUT_S))
-    print(render.dumps(topology_dict(topology)) if args.json else render_topology(topology))
+    print(render.dumps(topology_dict(topology)) if args.output == "json" else render_topology(topology))
     return OK
 
 
@@ -194,10 +298,12 @@ def cmd_inject(args: argparse.Namespace) -> int:
         fault = faults.parse(args.fault)
     except ValueError as e:
         raise CliError(str(e), USAGE) from None
-    reply = call(args, lambda s: s.InjectFault(control_pb2.InjectFaultRequest(
-        node=args.node, gpu_index=args.gpu, fault=str(fault)), timeout=DEFAULT_TIMEOUT_S))
-    print(reply.message)
-    return OK
+    def inject(name: str) -> None:
+        reply = call(args, lambda s: s.InjectFault(control_pb2.InjectFaultRequest(
+            node=name, gpu_index=args.gpu, fault=str(fault)), timeout=DEFAULT_TIMEOUT_S))
+        print(reply.message, flush=True)
+
+    return for_each_node(node_names(args.node), inject)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -216,15 +322,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    reply = call(args, lambda s: s.ListJobs(control_pb2.ListJobsRequest(), timeout=DEFAULT_TIMEOUT_S))
-    print(render.dumps([render.job_dict(j) for j in reply.jobs]) if args.json else render.jobs_table(reply.jobs))
-    return OK
+    def show() -> tuple[str, bool]:
+        reply = call(args, lambda s: s.ListJobs(control_pb2.ListJobsRequest(), timeout=DEFAULT_TIMEOUT_S))
+        if args.output == "json":
+            return render.dumps([render.job_dict(j) for j in reply.jobs]), False
+        if args.output == "name":
+            return "\n".join(j.id for j in reply.jobs), False
+        return render.jobs_table(reply.jobs, wide=args.output == "wide"), False
+
+    return watched(args, show)
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
-    print(render.dumps(render.job_dict(job)) if args.json else render.job_text(job))
-    return OK
+    def show() -> tuple[str, bool]:  # --watch ends with the job
+        job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
+        text = render.dumps(render.job_dict(job)) if args.output == "json" else render.job_text(job)
+        return text, job.state in TERMINAL
+
+    return watched(args, show)
 
 
 TERMINAL = {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
@@ -296,7 +411,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         reply = call(args, lambda s: s.ListEvents(control_pb2.ListEventsRequest(
             after_seq=args.after, limit=args.limit, node=args.node or "", job=args.job or ""),
             timeout=DEFAULT_TIMEOUT_S))
-        if args.json:
+        if args.output == "json":
             print(render.dumps([render.event_dict(e) for e in reply.events]))
         else:
             for event in reply.events:
@@ -312,7 +427,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             # No deadline: a follow runs until the user stops it.
             for event in stub.WatchEvents(control_pb2.WatchEventsRequest(after_seq=last, node=args.node or "",
                                                                           job=args.job or "")):
-                _print_event(event, args.json)
+                _print_event(event, args.output == "json")
                 last = event.seq
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -353,12 +468,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise CliError(str(e), USAGE) from None
     for name, scenario in scenarios:
-        if not args.json:
+        if args.output != "json":
             fleet = scenario.fleet.topology_conf or f"{scenario.fleet.nodes * scenario.fleet.gpus_per_node:,} GPUs"
             print(f"{PROG}: simulating {name}: {fleet} for {scenario.run.days:g} days ...", file=sys.stderr,
                   flush=True)
         def progress(done: float, name: str = name) -> None:
-            if not args.json:
+            if args.output != "json":
                 print(f"{PROG}: {name}: {done * 100:.0f} % simulated", file=sys.stderr, flush=True)
 
         try:
@@ -372,11 +487,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 print(f"{PROG}: wrote {path}", file=sys.stderr)
         except ConfigError as e:
             raise CliError(str(e)) from None
-    if args.json:
+    if args.output == "json":
         out = {"runs": [{"name": name, **r} for name, r in runs]}
         print(json.dumps(out if len(runs) > 1 else out["runs"][0], indent=2))
     else:
         print(report.table_text(runs))
+    return OK
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from phalanx.cli import completion
+    print(getattr(completion, args.shell)(build_parser(), PROG), end="")
     return OK
 
 
@@ -386,24 +507,49 @@ def report_value(value: object) -> str:
 
 # -- parser --------------------------------------------------------------------------------------
 
+GLOBAL_DEFAULTS = {"controller": None, "ca": None, "cert": None, "key": None, "insecure": False}
+
+
+def _global_options() -> argparse.ArgumentParser:
+    """The options every command takes, before or after its name (`phalanx nodes --controller X` as well as
+    `phalanx --controller X nodes`). Their defaults are suppressed so that a subcommand's parser, which knows
+    them too, never overwrites what was given before its name; main() fills in what was given nowhere."""
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    group = common.add_argument_group("global options (before or after the command)")
+    group.add_argument("--controller", metavar="HOST:PORT[,...]",
+                       help="controller address, or every controller of a highly available control plane, "
+                       "comma-separated: calls go to the leader (default: $PHALANX_CONTROLLER, then the local "
+                       "cluster)")
+    group.add_argument("--ca", metavar="FILE", help="the cluster CA (default: $PHALANX_CA, then "
+                       f"{tls.DEFAULT_PKI_DIR}/ca.crt)")
+    group.add_argument("--cert", metavar="FILE", help="client certificate (default: $PHALANX_CERT); a token in "
+                       "$PHALANX_TOKEN or $PHALANX_TOKEN_FILE may stand in for it on the controller's token port")
+    group.add_argument("--key", metavar="FILE", help="the client certificate's key (default: $PHALANX_KEY)")
+    group.add_argument("--insecure", action="store_true", help="plaintext, no TLS (a controller with "
+                       "insecure = true; default: $PHALANX_INSECURE)")
+    return common
+
+
+class _Commands:
+    """A subparsers action whose every parser also takes the global options."""
+
+    def __init__(self, action: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+        self.action, self.common = action, common
+        self.choices = action.choices
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        return self.action.add_parser(name, parents=[self.common], **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Phalanx: keep multi-node GPU training alive.")
-    parser.add_argument("--controller", metavar="HOST:PORT[,...]",
-                        help="controller address, or every controller of a highly available control plane, "
-                        "comma-separated: calls go to the leader (default: $PHALANX_CONTROLLER, then the local "
-                        "cluster)")
-    parser.add_argument("--ca", metavar="FILE", help="the cluster CA (default: $PHALANX_CA, then "
-                        f"{tls.DEFAULT_PKI_DIR}/ca.crt)")
-    parser.add_argument("--cert", metavar="FILE", help="client certificate (default: $PHALANX_CERT); a token in "
-                        "$PHALANX_TOKEN or $PHALANX_TOKEN_FILE may stand in for it on the controller's token port")
-    parser.add_argument("--key", metavar="FILE", help="the client certificate's key (default: $PHALANX_KEY)")
-    parser.add_argument("--insecure", action="store_true", help="plaintext, no TLS (a controller with "
-                        "insecure = true; default: $PHALANX_INSECURE)")
+    common = _global_options()
+    parser = argparse.ArgumentParser(prog=PROG, description="Phalanx: keep multi-node GPU training alive.",
+                                     parents=[common])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = _Commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True), common)
 
     p_certs = sub.add_parser("certs", help="the cluster CA and certificates for mutual TLS")
-    certs_sub = p_certs.add_subparsers(dest="certs_command", metavar="ACTION", required=True)
+    certs_sub = _Commands(p_certs.add_subparsers(dest="certs_command", metavar="ACTION", required=True), common)
     p = certs_sub.add_parser("init", help="create the cluster CA (ca.crt, ca.key) in DIR")
     p.add_argument("--dir", default=os.environ.get("PHALANX_PKI", tls.DEFAULT_PKI_DIR),
                    help="where certificates live (default: $PHALANX_PKI, then %(default)s)")
@@ -413,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = certs_sub.add_parser("issue", help="issue NAME.crt and NAME.key signed by the cluster CA",
                              description="Roles: node (an agent; NAME must be the node's name), client (the CLI "
                              "and tools), controller (the server; give every address agents dial with --san).")
-    p.add_argument("name", help="node name, user or tool name, or the controller's name")
+    p.add_argument("name", help="node name, user or tool name, or the controller's name; a hostlist "
+                   "(gpu[001-512]) issues one certificate for each")
     p.add_argument("--role", choices=pki.ROLES, default="node", help="what the certificate is for (default node)")
     p.add_argument("--san", action="append", default=[], metavar="HOST",
                    help="controller only: a DNS name or IP address agents and users dial (repeatable)")
@@ -423,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_certs_issue)
 
     p_local = sub.add_parser("local", help="a whole cluster on loopback")
-    local_sub = p_local.add_subparsers(dest="local_command", metavar="ACTION", required=True)
+    local_sub = _Commands(p_local.add_subparsers(dest="local_command", metavar="ACTION", required=True), common)
     p = local_sub.add_parser("up", help="start a controller and N agents on this machine")
     p.add_argument("--nodes", type=_positive, required=True, help="number of agents (nodes)")
     p.add_argument("--gpus-per-node", type=_count, default=8, help="simulated GPUs per node (default 8)")
@@ -434,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "on SQLite)")
     p.set_defaults(func=cmd_local_up)
     p = local_sub.add_parser("status", help="list the local cluster's processes")
-    p.add_argument("--json", action="store_true")
+    add_output(p, "table", "json")
     p.set_defaults(func=cmd_local_status)
     p = local_sub.add_parser("stop", help="stop one process of the local cluster (to try a failure)")
     p.add_argument("member", metavar="MEMBER", help="its name as `phalanx local status` shows it (controller-1, "
@@ -448,39 +595,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_local_down)
 
     p = sub.add_parser("controllers", help="the controllers: which leads, which stand by, the store")
-    p.add_argument("--json", action="store_true")
+    add_output(p, "table", "json")
     p.set_defaults(func=cmd_controllers)
 
     p = sub.add_parser("nodes", help="list nodes")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("nodes", nargs="?", metavar="NODES", help="only these: a name or a hostlist, gpu[001-016]")
+    add_output(p, "table", "wide", "json", "name", "hostlist")
+    add_watch(p)
     p.add_argument("--state", action="append", type=str.upper, choices=[s for s in ("UP", "SUSPECT", "DOWN",
                    "DRAINING", "DRAINED")], help="only nodes in this state (repeatable)")
     p.set_defaults(func=cmd_nodes)
 
-    p = sub.add_parser("drain", help="take a node out of service, with a reason")
-    p.add_argument("node")
+    p = sub.add_parser("drain", help="take nodes out of service, with a reason")
+    p.add_argument("node", metavar="NODES", help="a node, or a hostlist: gpu[001-512], a,b")
     p.add_argument("--reason", required=True, help="why (kept, and shown in `phalanx nodes`)")
     p.set_defaults(func=cmd_drain)
 
-    p = sub.add_parser("undrain", help="return a drained node to service")
-    p.add_argument("node")
+    p = sub.add_parser("undrain", help="return drained nodes to service")
+    p.add_argument("node", metavar="NODES", help="a node, or a hostlist: gpu[001-512], a,b")
     p.set_defaults(func=cmd_undrain)
 
     p = sub.add_parser("health", help="GPU and node health verdicts, with reasons")
-    p.add_argument("node", nargs="?", help="one node, GPU by GPU (default: every node, a line each)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("node", nargs="?", metavar="NODES", help="one node, GPU by GPU; a hostlist, a line each "
+                   "(default: every node, a line each)")
+    add_output(p, "table", "json")
     p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("topo", help="a node's NUMA and PCIe topology, as `nvidia-smi topo -m` shows it")
     p.add_argument("node")
-    p.add_argument("--json", action="store_true")
+    add_output(p, "table", "json")
     p.set_defaults(func=cmd_topo)
 
     fault_help = "; ".join(f"{name}{'=N' if kind is int else '=R' if kind is float else ''}: {doc}"
                            for name, (kind, doc) in {**faults.GPU_FAULTS, **faults.RANK_FAULTS}.items())
     p = sub.add_parser("inject", help="inject a fault into a simulated GPU (refused on real ones)",
                        description=f"Faults: {fault_help}.")
-    p.add_argument("node")
+    p.add_argument("node", metavar="NODES", help="a node, or a hostlist: gpu[001-004]")
     p.add_argument("--gpu", type=_count, required=True, help="GPU index on the node")
     p.add_argument("fault", help="e.g. xid=79, ecc-dbe, ecc-sbe-rate=5, remap-pending, thermal, slow=0.3, hang")
     p.set_defaults(func=cmd_inject)
@@ -500,12 +650,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("jobs", help="list jobs")
-    p.add_argument("--json", action="store_true")
+    add_output(p, "table", "wide", "json", "name")
+    add_watch(p)
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("job", help="one job: state, reason, placement, ranks")
     p.add_argument("job")
-    p.add_argument("--json", action="store_true")
+    add_output(p, "text", "json")
+    add_watch(p)
     p.set_defaults(func=cmd_job)
 
     p = sub.add_parser("wait", help="wait for a job to end; the exit code is the job's result")
@@ -530,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("events", help="the controller's event log")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
-    p.add_argument("--json", action="store_true")
+    add_output(p, "table", "json")
     p.add_argument("--node", help="only events of this node")
     p.add_argument("--job", help="only events of this job")
     p.add_argument("--after", type=_count, default=0, metavar="SEQ", help="only events after this sequence number")
@@ -552,8 +704,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", metavar="EVENTS.json", help="a real controller's event log (`phalanx events --json "
                    "--limit N > EVENTS.json`) as the failure trace: its XIDs, verdicts, lost nodes, crashes, hangs and "
                    "stragglers at their times, instead of drawn faults (replay.events)")
-    p.add_argument("--json", action="store_true")
+    add_output(p, "table", "json")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("completion", help="a bash or zsh completion script: source <(phalanx completion bash)")
+    p.add_argument("shell", choices=("bash", "zsh"))
+    p.set_defaults(func=cmd_completion)
     return parser
 
 
@@ -562,6 +718,16 @@ def _env_pair(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
     return key, value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -590,6 +756,9 @@ def _count(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for key, value in GLOBAL_DEFAULTS.items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
     try:
         return args.func(args)
     except CliError as e:
@@ -599,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return FAILED
     except KeyboardInterrupt:
-        return OK if getattr(args, "follow", False) else FAILED
+        return OK if getattr(args, "follow", False) or getattr(args, "watch", None) else FAILED
     except BrokenPipeError:
         return OK
     finally:

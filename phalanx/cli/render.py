@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from phalanx import hostlist
 from phalanx.v1 import common_pb2, control_pb2
 
 
@@ -87,15 +88,23 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
-def nodes_table(nodes: Sequence[control_pb2.Node]) -> str:
+def nodes_table(nodes: Sequence[control_pb2.Node], wide: bool = False) -> str:
+    """A line per node; `wide` adds the GPU model, ranks running, the topology labels, the agent's
+    incarnation and since when the node is in its state."""
     now = time.time_ns()
-    rows = [
-        (n.name, state_name(n.state), health_name(n.health), len(n.inventory.gpus), f"{n.host.cpu_percent:.0f}%",
-         f"{n.host.load1:.2f}", age(n.last_heartbeat_unix_ns, now), n.peer.removeprefix("ipv4:"),
-         n.drain_reason)
-        for n in nodes
-    ]
-    return table(("NODE", "STATE", "HEALTH", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER", "DRAIN-REASON"), rows)
+    rows = []
+    for n in nodes:
+        row = [n.name, state_name(n.state), health_name(n.health), len(n.inventory.gpus), f"{n.host.cpu_percent:.0f}%",
+               f"{n.host.load1:.2f}", age(n.last_heartbeat_unix_ns, now), n.peer.removeprefix("ipv4:")]
+        if wide:
+            models = sorted({g.name for g in n.inventory.gpus})
+            labels = ",".join(f"{k}={v}" for k, v in sorted(n.inventory.labels.items()))
+            row += [", ".join(models), n.running_ranks, labels, n.incarnation, age(n.state_since_unix_ns, now)]
+        rows.append([*row, n.drain_reason])
+    headers = ["NODE", "STATE", "HEALTH", "GPUS", "CPU", "LOAD", "LAST-HB", "PEER"]
+    if wide:
+        headers += ["GPU-MODEL", "RANKS", "LABELS", "INCARNATION", "IN-STATE"]
+    return table([*headers, "DRAIN-REASON"], rows)
 
 
 def controllers_dict(reply: control_pb2.ListControllersResponse) -> dict[str, Any]:
@@ -193,10 +202,20 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
     }
 
 
-def jobs_table(jobs: Sequence[common_pb2.Job]) -> str:
-    rows = [(j.id, j.spec.name, job_state(j.state), f"{j.spec.nodes}x{j.spec.ranks_per_node}", j.spec.priority,
-             ",".join(j.nodes), j.reason) for j in jobs]
-    return table(("JOB", "NAME", "STATE", "SIZE", "PRIO", "NODES", "REASON"), rows)
+def jobs_table(jobs: Sequence[common_pb2.Job], wide: bool = False) -> str:
+    """A line per job, its nodes as a hostlist (gpu[001-004]); `wide` adds the user, spares, generation,
+    restarts and the last incident."""
+    rows = []
+    for j in jobs:
+        row = [j.id, j.spec.name, job_state(j.state), f"{j.spec.nodes}x{j.spec.ranks_per_node}", j.spec.priority,
+               hostlist.compress(j.nodes)]
+        if wide:
+            row += [j.user, hostlist.compress(j.spares), j.generation, j.restarts, j.incident_kind]
+        rows.append([*row, j.reason])
+    headers = ["JOB", "NAME", "STATE", "SIZE", "PRIO", "NODES"]
+    if wide:
+        headers += ["USER", "SPARES", "GEN", "RESTARTS", "INCIDENT"]
+    return table([*headers, "REASON"], rows)
 
 
 def job_text(job: common_pb2.Job) -> str:
@@ -207,13 +226,13 @@ def job_text(job: common_pb2.Job) -> str:
              f"  size:        {job.spec.nodes} nodes x {job.spec.ranks_per_node} ranks"
              + (f" + {job.spec.spares} spares" if job.spec.spares else "") + f", priority {job.spec.priority}",
              f"  generation:  {job.generation} (restarts: {job.restarts})",
-             f"  incident:    {job.incident or '-'}" + (f" (evicted: {', '.join(job.evicted)})" if job.evicted
-                                                         else ""),
+             f"  incident:    {job.incident or '-'}" + (f" (evicted: {hostlist.compress(job.evicted)})"
+                                                         if job.evicted else ""),
              *([f"  culprit:     rank {job.culprit.rank} on {job.culprit.node}: stuck at collective {job.culprit.seq} "
                 f"({job.culprit.op or '?'}, {job.culprit.state or '?'}) while its peers reached "
                 f"{job.culprit.peers_seq} (NCCL flight recorder)"] if job.HasField("culprit") else []),
-             f"  nodes:       {', '.join(job.nodes) or '-'}" + (f" (spares: {', '.join(job.spares)})" if job.spares
-                                                                 else ""),
+             f"  nodes:       {hostlist.compress(job.nodes) or '-'}"
+             + (f" (spares: {hostlist.compress(job.spares)})" if job.spares else ""),
              f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",
              *(["  warm:        " + ", ".join(f"{node} {n}" for node, n in sorted(job.standbys.items()))
                 + " (standbys ready: a restart there skips starting Python and importing torch)"]
