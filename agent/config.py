@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from phalanx import config
-from phalanx.config import comma_list, host_port, positive, require, section, setting
+from phalanx.config import MetricsAccessConfig, comma_list, host_port, positive, require, section, setting
 from phalanx.errors import ConfigError
 from phalanx.log import LEVELS
 from phalanx.names import NAME
@@ -78,8 +78,8 @@ class AgentConfig:
     nvrx_socket: str = setting("/run/phalanx/nvhcd.sock", "Unix socket serving NVRx's node health check "
                                "(nvhcd.HealthCheckService); empty = off")
     metrics_listen: str = setting("", "host:port serving Prometheus metrics (this node's GPUs under dcgm-exporter's "
-                                  "names) at /metrics over plain HTTP, e.g. 0.0.0.0:7372; empty = off, the default, "
-                                  "as for the controller")
+                                  "names) at /metrics, e.g. 0.0.0.0:7372 (plain HTTP and no authentication unless "
+                                  "[metrics] says otherwise); empty = off, the default, as for the controller")
     labels: dict[str, str] = setting({}, "free-form labels reported to the controller (rack, switch, block)")
     snapshot_dir: str = setting("/dev/shm/phalanx", "tmpfs directory holding ranks' in-memory snapshots and peers' "
                                 "replicas (a subdirectory per node name); empty = no snapshots on this node")
@@ -92,6 +92,7 @@ class AgentConfig:
                                "here, or the controller asks a spare for), so a restart skips starting Python and "
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
+    metrics: MetricsAccessConfig = section(MetricsAccessConfig, "who may scrape metrics_listen, and over what")
 
     def controllers(self) -> list[str]:
         return comma_list(self.controller)

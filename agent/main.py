@@ -32,7 +32,7 @@ from agent.link import Link
 from agent.local_server import LocalState
 from agent.supervisor import Supervisor
 from agent.warm import WarmPool
-from phalanx import __version__, daemon, faults, log, sdnotify, tls
+from phalanx import __version__, daemon, faults, log, metrics_http, sdnotify, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
@@ -365,7 +365,11 @@ class Agent:
         peers = await self._serve_snapshots()
         metrics = agent_metrics.server(agent_metrics.view(self))
         if self.cfg.metrics_listen:
-            await metrics.serve(self.cfg.metrics_listen)
+            sec = self.cfg.security
+            if not sec.insecure:
+                metrics.registry.register(metrics_http.CertificateExpiry([sec.ca_file, sec.cert_file]))
+            await metrics.serve(self.cfg.metrics_listen, lambda: metrics_http.access(
+                self.cfg.metrics, sec.ca_file, sec.cert_file, sec.key_file))
         sdnotify.notify(f"READY=1\nSTATUS=node {self.name}, controller {self.cfg.controller}")
         interval = sdnotify.watchdog_interval_s()
         watchdog = asyncio.create_task(self._watchdog(interval)) if interval else None

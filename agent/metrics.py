@@ -6,7 +6,9 @@ thread, which the next scrape shows), the XIDs seen, the controller's verdict on
 session and the ranks; it renders them in a thread.
 
 GPU series carry dcgm-exporter's labels `gpu`, `UUID`, `pci_bus_id`, `device` and `Hostname` (the
-node name), so dashboards and alerts written for dcgm-exporter work. Three differences, all for
+node name), so dashboards and alerts written for dcgm-exporter work, and `hpc_job` and `rank`: the job
+running on the GPU and its rank(s) there (empty when idle), so "which job is on the failing GPU" needs
+no join. Three differences, all for
 `promtool check metrics`: DCGM's counters (`DCGM_FI_DEV_ECC_SBE_VOL_TOTAL`, ...) are typed gauge
 (the lint wants a counter's name to end in `_total`; rate() works the same); PCIe replays are
 `phalanx_gpu_pcie_replays_total` (the lint refuses `..._COUNTER`, a type in the name); and the model
@@ -29,7 +31,9 @@ from phalanx.v1 import common_pb2, node_pb2
 if TYPE_CHECKING:
     from agent.main import Agent
 
-GPU_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "Hostname"]
+# dcgm-exporter's labels, then the job on the GPU as dcgm-exporter's HPC job mapping names it (`hpc_job`; not
+# `job`, which Prometheus keeps for the scrape job) and its ranks there: empty while the GPU is idle.
+GPU_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "Hostname", "hpc_job", "rank"]
 MIB = 1024 * 1024
 
 # (metric, help, GpuTelemetry field, scale). Optional fields NVML does not support are left out.
@@ -136,15 +140,27 @@ class Snapshot:
     sessions: int
     heartbeats: int
     ranks: dict[str, int]  # by state
+    on_gpu: dict[int, tuple[str, str]] = field(default_factory=dict)  # GPU -> (job, its ranks there) running now
 
 
 def take_snapshot(v: AgentView) -> Snapshot:
     """On the event loop only. The protos it keeps are never changed in place (each reading is new)."""
+    statuses = list(v.ranks())
     return Snapshot(
         node=v.node, gpu_backend=v.gpu_backend, inventory=list(v.inventory()), telemetry=list(v.telemetry()),
         host=v.host(), xid_last=dict(v.xids.last), xid_counts=dict(v.xids.counts), verdict=v.verdict(),
         connected=v.connected(), node_state=v.node_state(), sessions=v.sessions(), heartbeats=v.heartbeats(),
-        ranks=dict(Counter(common_pb2.RankState.Name(r.state).removeprefix("RANK_STATE_") for r in v.ranks())))
+        ranks=dict(Counter(common_pb2.RankState.Name(r.state).removeprefix("RANK_STATE_") for r in statuses)),
+        on_gpu=_on_gpu(statuses))
+
+
+def _on_gpu(statuses: list[node_pb2.RankStatus]) -> dict[int, tuple[str, str]]:
+    running: dict[int, dict[str, list[int]]] = {}
+    for r in statuses:
+        if r.state == common_pb2.RANK_STATE_RUNNING:
+            running.setdefault(r.gpu, {}).setdefault(r.job, []).append(r.rank)
+    return {gpu: (",".join(sorted(jobs)), ",".join(str(n) for job in sorted(jobs) for n in sorted(jobs[job])))
+            for gpu, jobs in running.items()}
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -181,7 +197,8 @@ def _gpus(s: Snapshot) -> Iterator[Metric]:
 
     def labels(index: int) -> list[str]:
         g = inventory.get(index)
-        return [str(index), g.uuid if g else "", g.pci_bus_id if g else "", f"nvidia{index}", s.node]
+        job, ranks = s.on_gpu.get(index, ("", ""))
+        return [str(index), g.uuid if g else "", g.pci_bus_id if g else "", f"nvidia{index}", s.node, job, ranks]
 
     info = _gauge("phalanx_gpu_info", "A GPU's identity (value 1).", [*GPU_LABELS, "model_name", "serial"])
     for index, g in sorted(inventory.items()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx import config
-from phalanx.config import comma_list, host_port, positive, require, section, setting
+from phalanx.config import MetricsAccessConfig, comma_list, host_port, positive, require, section, setting
 from phalanx.log import LEVELS
 
 
@@ -216,9 +216,11 @@ class ControllerConfig:
     max_events: int = setting(100_000, "events kept in the log; older ones are pruned")
     log_level: str = setting("info", "debug, info, warning or error", choices=LEVELS)
     log_format: str = setting("json", "json (one object per line) or console", choices=("json", "console"))
-    metrics_listen: str = setting("", "host:port serving Prometheus metrics at /metrics over plain HTTP, e.g. "
-                                  "0.0.0.0:7371; empty = off, the default: the endpoint has no authentication, so "
-                                  "the operator picks the interface, and no fixed port collides with another daemon")
+    metrics_listen: str = setting("", "host:port serving Prometheus metrics at /metrics, e.g. 0.0.0.0:7371 (plain "
+                                  "HTTP and no authentication unless [metrics] says otherwise); empty = off, the "
+                                  "default: the operator picks the interface, and no fixed port collides with "
+                                  "another daemon")
+    metrics: MetricsAccessConfig = section(MetricsAccessConfig, "who may scrape metrics_listen, and over what")
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")

@@ -26,7 +26,7 @@ from controller.obs.events import EventHub
 from controller.store.base import EventRecord, Store
 from controller.store.etcd import NotLeader
 from controller.store.timed import TimedStore
-from phalanx import log, tls
+from phalanx import log, metrics_http, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
@@ -133,7 +133,11 @@ class Controller:
         if self.elector is not None and self.elector.term is not None:
             await self._log_takeover()
         if self.cfg.metrics_listen:
-            await self.metrics.serve(self.cfg.metrics_listen)
+            sec = self.cfg.security
+            if not sec.insecure:
+                self.metrics.registry.register(metrics_http.CertificateExpiry([sec.ca_file, sec.cert_file]))
+            await self.metrics.serve(self.cfg.metrics_listen, lambda: metrics_http.access(
+                self.cfg.metrics, sec.ca_file, sec.cert_file, sec.key_file))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(

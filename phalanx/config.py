@@ -194,3 +194,23 @@ def host_port(key: str, value: str, example: str) -> tuple[str, int]:
     require(bool(sep) and bool(host) and port.isdigit() and int(port) < 65536 and not any(c in host for c in " /[]"),
             f"{key} ({value!r}) must be host:port, e.g. {example}")
     return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsAccessConfig:
+    """`[metrics]`: who may scrape /metrics, and over what."""
+
+    tls: bool = setting(False, "serve /metrics over HTTPS with this daemon's certificate and key ([security] "
+                        "cert_file, key_file)")
+    client_cert: bool = setting(False, "with tls: a scrape must present a client certificate signed by the "
+                                "cluster CA ([security] ca_file), e.g. `phalanx certs issue prometheus --role "
+                                "client`")
+    basic_auth_file: str = setting("", "file of 'USER SHA256' lines, SHA256 the hex digest of the user's password "
+                                   "(`printf %s PASSWORD | sha256sum`; make it a long random one); a scrape must "
+                                   "authenticate as one of them (HTTP basic auth). Needs tls: a password over plain "
+                                   "HTTP is anyone's on the path")
+
+    def __post_init__(self) -> None:
+        require(self.tls or not self.client_cert, "metrics.client_cert needs metrics.tls = true")
+        require(self.tls or not self.basic_auth_file, "metrics.basic_auth_file needs metrics.tls = true: a password "
+                "over plain HTTP is anyone's on the path")

@@ -508,10 +508,14 @@ def test_scrapes_follow_a_jobs_states_and_its_recovery(cluster):
     assert value(text, "phalanx_recovery_duration_seconds_sum", cause="crash") > 0
     assert value(text, "phalanx_events_total", kind="job.incident") == 1
     wait_value(cluster, agent, "phalanx_agent_ranks", 1, "with generation 2 running", state="RUNNING")
+    # the GPU's series say which job and rank run on it: no join needed to find the job on a failing GPU
+    assert value(scrape(agent), "DCGM_FI_DEV_GPU_TEMP", gpu="0", hpc_job=job, rank="0") is not None
 
     assert cluster.cli("cancel", job).returncode == 0
     wait_value(cluster, controller, "phalanx_jobs", 1, "after the cancel", state="CANCELLED")
     assert value(scrape(controller), "phalanx_jobs", state="RUNNING") == 0
+    wait_value(cluster, agent, "phalanx_agent_ranks", 0, "after the cancel", state="RUNNING")
+    assert labels_of(scrape(agent), "DCGM_FI_DEV_GPU_TEMP", gpu="0")["hpc_job"] == ""  # idle again
 
 
 JUNK = [b"\x00" * 10_000, b"GET /metrics HTTP/1.1\r\n" + b"X: " + b"y" * 100_000 + b"\r\n\r\n",
@@ -584,3 +588,108 @@ def test_leadership_and_store_latency_series_on_an_elected_controller():
     assert found["phalanx_store_commit_seconds_count"].labels == {"store": "etcd"}
     solo = {s.name for family in controller_metrics.families(solo_snapshot) for s in family.samples}
     assert not {n for n in solo if n.startswith(("phalanx_controller_leader", "phalanx_controller_epoch"))}
+
+
+# -- who may scrape: TLS, client certificates, basic auth ----------------------------------------------------
+
+def https_get(port: int, context, auth: tuple[str, str] | None = None) -> tuple[int, bytes, str]:
+    """(status, body, WWW-Authenticate) of GET /metrics over TLS."""
+    import base64
+    import http.client
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+    headers = {"Authorization": "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()} if auth else {}
+    try:
+        conn.request("GET", "/metrics", headers=headers)
+        reply = conn.getresponse()
+        return reply.status, reply.read(), reply.headers.get("WWW-Authenticate", "")
+    finally:
+        conn.close()
+
+
+def test_metrics_over_tls_with_a_client_certificate_and_basic_auth(tmp_path):
+    import hashlib
+    import ssl
+
+    from phalanx import pki
+    from phalanx.config import MetricsAccessConfig
+    from phalanx.metrics_http import access
+    pki.init_ca(tmp_path)
+    server = pki.issue(tmp_path, "controller", "controller", ("127.0.0.1",))
+    scraper = pki.issue(tmp_path, "prometheus", "client")
+    other_ca = tmp_path / "other"
+    pki.init_ca(other_ca, "elsewhere")
+    stranger = pki.issue(other_ca, "prometheus", "client")
+    users = tmp_path / "metrics-users"
+    users.write_text("# scrapers\nprometheus " + hashlib.sha256(b"s3cret-long-random").hexdigest() + "\n")
+    cfg = MetricsAccessConfig(tls=True, client_cert=True, basic_auth_file=str(users))
+
+    def client(cert=None) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+        if cert is not None:
+            context.load_cert_chain(str(cert.cert), str(cert.key))
+        return context
+
+    async def main():
+        metrics = metrics_http.MetricsServer(metrics_http.standard_registry())
+        port = await metrics.start("127.0.0.1:0", access(cfg, str(tmp_path / "ca.crt"), str(server.cert),
+                                                         str(server.key)))
+        try:
+            ok = await asyncio.to_thread(https_get, port, client(scraper), ("prometheus", "s3cret-long-random"))
+            assert ok[0] == 200 and b"process_cpu_seconds_total" in ok[1]
+            wrong = await asyncio.to_thread(https_get, port, client(scraper), ("prometheus", "guess"))
+            assert wrong[0] == 401 and wrong[2] == 'Basic realm="phalanx metrics"'
+            assert (await asyncio.to_thread(https_get, port, client(scraper)))[0] == 401  # no credentials
+            for refused in (client(), client(stranger)):  # no certificate; one from another CA
+                with pytest.raises((ssl.SSLError, ConnectionError)):
+                    await asyncio.to_thread(https_get, port, refused, ("prometheus", "s3cret-long-random"))
+            plain = await asyncio.to_thread(raw, f"127.0.0.1:{port}", b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert b"process_cpu_seconds_total" not in plain  # never in clear
+            again = await asyncio.to_thread(https_get, port, client(scraper), ("prometheus", "s3cret-long-random"))
+            assert again[0] == 200  # nothing of that hurt the server
+        finally:
+            await metrics.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[metrics]\nclient_cert = true\n", "metrics.client_cert needs metrics.tls = true"),
+    ("[metrics]\nbasic_auth_file = \"/etc/phalanx/metrics-users\"\n", "metrics.basic_auth_file needs metrics.tls "
+                                                                      "= true: a password over plain HTTP is "
+                                                                      "anyone's on the path"),
+])
+def test_metrics_protection_that_cannot_hold_is_refused(tmp_path, text, message):
+    from controller.config import load
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(str(path))
+    assert message in str(e.value)
+
+
+def test_bad_basic_auth_files_are_named_with_the_line(tmp_path):
+    from phalanx.config import MetricsAccessConfig
+    from phalanx.metrics_http import access
+    bad = tmp_path / "users"
+    bad.write_text("# who may scrape\nprometheus hunter2\n")
+    with pytest.raises(ConfigError) as e:
+        access(_no_tls(basic_auth_file=str(bad)), "", "", "")
+    assert str(e.value) == (f"metrics.basic_auth_file: {bad}:2: write 'USER SHA256', the SHA-256 of the password "
+                            "in hex (printf %s PASSWORD | sha256sum)")
+    with pytest.raises(ConfigError) as e:
+        access(_no_tls(basic_auth_file=str(tmp_path / "none")), "", "", "")
+    assert str(e.value) == f"metrics.basic_auth_file: cannot read {tmp_path / 'none'}: No such file or directory"
+    with pytest.raises(ConfigError) as e:
+        access(MetricsAccessConfig(tls=True), str(tmp_path / "ca.crt"), str(tmp_path / "x.crt"),
+               str(tmp_path / "x.key"))
+    assert str(e.value).startswith(f"metrics.tls: cannot use [security] cert_file {tmp_path / 'x.crt'}")
+
+
+def _no_tls(**values):
+    """A [metrics] table past its own checks: what `access` reads of the users file is checked apart."""
+    from phalanx.config import MetricsAccessConfig
+    cfg = MetricsAccessConfig(tls=True)
+    for key, value in values.items():
+        object.__setattr__(cfg, key, value)
+    object.__setattr__(cfg, "tls", False)
+    return cfg

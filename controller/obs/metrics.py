@@ -51,6 +51,7 @@ class Snapshot:
     recovery: dict[str, Histogram] = field(default_factory=dict)
     events: dict[str, int] = field(default_factory=dict)
     culprits: list[tuple[str, common_pb2.HangCulprit]] = field(default_factory=list)  # (job, culprit) of active jobs
+    active: list[tuple[str, str, int, int]] = field(default_factory=list)  # (job, state, restarts in a row, total)
     store: str = ""  # sqlite or etcd
     store_commit: Histogram = ([], 0.0)
     leadership: tuple[bool, int, int, int] | None = None  # (leading, epoch, terms won, failovers); None: no election
@@ -81,6 +82,7 @@ def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub, store: Ti
         recovery={cause: _histogram(b) for cause, b in jobs.recovery_s.items()},
         events=dict(hub.published),
         culprits=[(j.id, j.culprit) for j in jobs.list(set(ACTIVE)) if j.HasField("culprit")],
+        active=[(j.id, state_name(j.state), j.restarts_in_row, j.restarts) for j in jobs.list(set(ACTIVE))],
         store=store.kind if store is not None else "",
         store_commit=_histogram(store.commit_seconds) if store is not None else ([], 0.0),
         leadership=(elector.leading(), registry.epoch, elector.terms_won, elector.failovers) if elector else None)
@@ -151,6 +153,19 @@ def families(s: Snapshot) -> Iterator[Metric]:
     for job, c in s.culprits:
         culprit.add_metric([job, str(c.rank), c.node, c.op, str(c.seq), c.state], 1)
     yield culprit
+    in_row = GaugeMetricFamily("phalanx_job_restarts_in_row", "An active job's restarts in place since it last ran "
+                               "for recovery.restart_window_s (what recovery.max_restarts counts).", labels=["job"])
+    total = CounterMetricFamily("phalanx_job_generation_restarts", "An active job's restarts, every cause.",
+                                labels=["job"])
+    state = GaugeMetricFamily("phalanx_job_state", "Each active job's state (1 for the current one).",
+                              labels=["job", "state"])
+    for job, job_state, row, restarts in s.active:
+        in_row.add_metric([job], row)
+        total.add_metric([job], restarts)
+        state.add_metric([job, job_state], 1)
+    yield in_row
+    yield total
+    yield state
     if s.store:
         commit = HistogramMetricFamily("phalanx_store_commit_seconds", "Time of one store commit (a transaction of "
                                        "records and events).", labels=["store"])
