@@ -158,11 +158,18 @@ class SecurityConfig:
     tokens_file: str = setting("", "file of 'NAME TOKEN' lines; a token may stand in for a client certificate on "
                                "the control API and rendezvous, on token_listen; empty = no tokens")
     token_listen: str = setting("", "host:port of a second, TLS-only port (no client certificate asked) for "
-                                "clients with a token; empty = off. Agents can never register there")
+                                "clients with a token and for nodes that enrol themselves; empty = off. Agents "
+                                "can never register there")
+    ca_key_file: str = setting("", "the cluster CA's private key (`phalanx certs init`'s ca.key): lets the "
+                               "controller sign certificates for nodes that enrol themselves with a bootstrap "
+                               "token (`phalanx certs token create`, on token_listen); empty = no enrolment")
+    enrol_days: int = setting(365, "validity of the certificates nodes get by enrolling")
 
     def __post_init__(self) -> None:
-        require(not self.token_listen or bool(self.tokens_file),
-                "security.token_listen is set but security.tokens_file is empty: a token port needs tokens")
+        require(not self.token_listen or bool(self.tokens_file) or bool(self.ca_key_file),
+                "security.token_listen is set but neither security.tokens_file nor security.ca_key_file: a token "
+                "port serves tokens or enrolment")
+        require(1 <= self.enrol_days <= 825, f"security.enrol_days ({self.enrol_days}) must be from 1 to 825")
         require(not (self.token_listen and self.insecure),
                 "security.token_listen needs TLS; it cannot be used with security.insecure = true")
         if self.token_listen:

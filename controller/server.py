@@ -13,9 +13,11 @@ from grpc_health.v1._async import HealthServicer
 
 from controller.api import auth
 from controller.api.control_service import ControlService
+from controller.api.enrol_service import EnrolService
 from controller.api.node_service import NodeService
 from controller.api.rendezvous_service import RendezvousService
 from controller.config import ControllerConfig
+from controller.credentials import Credentials
 from controller.ha import Elector
 from controller.jobs.manager import JobManager
 from controller.jobs.slurm_topology import parse_topology_conf
@@ -30,7 +32,7 @@ from phalanx import log, metrics_http, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
-from phalanx.v1 import control_pb2, control_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
+from phalanx.v1 import control_pb2, control_pb2_grpc, enrol_pb2_grpc, node_pb2_grpc, rendezvous_pb2_grpc
 
 logger = log.get("controller")
 
@@ -90,9 +92,9 @@ def load_security(cfg: ControllerConfig) -> tuple[tls.Identity | None, grpc.Serv
     return identity, tls.server_credentials(identity), tokens
 
 
-def interceptors(cfg: ControllerConfig, tokens: dict) -> list[grpc.aio.ServerInterceptor]:
+def interceptors(cfg: ControllerConfig, tokens: dict, revocation=None) -> list[grpc.aio.ServerInterceptor]:
     # Outermost first: who is calling is settled before a byte of the request is decoded.
-    authorizer = [] if cfg.security.insecure else [auth.Authorizer(tokens)]
+    authorizer = [] if cfg.security.insecure else [auth.Authorizer(tokens, revocation)]
     return [*authorizer, RequestGuard()]
 
 
@@ -117,6 +119,9 @@ class Controller:
             self.registry.epoch, self.registry.leading = elector.term.epoch, elector.leading
         self.topology_conf = load_topology_conf(cfg.jobs.topology_conf)
         self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology, cfg.recovery)
+        sec = cfg.security
+        self.credentials = Credentials(store, self.clock, sec.ca_file, sec.ca_key_file, sec.enrol_days,
+                                       self.hub.publish)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
@@ -130,6 +135,7 @@ class Controller:
         reconnect window (a takeover)."""
         await self.registry.load(grace_s)
         await self.jobs.load()
+        await self.credentials.load()
         if self.elector is not None and self.elector.term is not None:
             await self._log_takeover()
         if self.cfg.metrics_listen:
@@ -141,7 +147,9 @@ class Controller:
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
-            ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers), server)
+            ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
+                           self.credentials), server)
+        enrol_pb2_grpc.add_EnrolServiceServicer_to_server(EnrolService(self.credentials), server)
         rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(RendezvousService(self.clock), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = bind(server, self.cfg.listen, self._credentials)
@@ -175,7 +183,7 @@ class Controller:
         self._identity, self._credentials, self._tokens = load_security(self.cfg)
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return interceptors(self.cfg, self._tokens)
+        return interceptors(self.cfg, self._tokens, self.credentials.revocation)
 
     async def describe_controllers(self) -> control_pb2.ListControllersResponse:
         if self.elector is not None:

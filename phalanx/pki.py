@@ -135,12 +135,26 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
         raise PkiError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     if not NAME.fullmatch(name):
         raise PkiError(f"bad certificate name {name!r}: {RULE} (a node's name, or a user's)")
-    x509, hashes, serialization, ec, EKU, NameOID = _x509()
+    _, _, serialization, ec, _, _ = _x509()
     d = Path(directory)
     ca_cert, ca_key = _load_ca(d)
     cert_path, key_path = d / f"{name}.crt", d / f"{name}.key"
     _refuse_existing(cert_path, key_path)
     key = ec.generate_private_key(ec.SECP256R1())
+    cert = sign(ca_cert, ca_key, key.public_key(), name, role, sans, days)
+    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()), 0o600)
+    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return Issued(cert_path, key_path, cert.not_valid_after_utc)
+
+
+BACKDATE = datetime.timedelta(minutes=5)  # a certificate is valid from 5 minutes before it is made (clock skew)
+
+
+def sign(ca_cert, ca_key, public_key, name: str, role: str, sans: tuple[str, ...] = (), days: int = LEAF_DAYS):
+    """A certificate for `public_key` as `name` in `role`, signed by the CA: what `issue` writes and what the
+    controller gives an enrolling node (whose key never left it)."""
+    x509, hashes, _, _, EKU, NameOID = _x509()
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME,
                                             ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
@@ -150,8 +164,8 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
     alt_names = list(dict.fromkeys([name, *sans])) if role in ("controller", "etcd") else [name]
     now = _now()
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .public_key(public_key).serial_number(x509.random_serial_number())
+               .not_valid_before(now - BACKDATE)
                .not_valid_after(min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc))
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
@@ -162,8 +176,44 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
                .add_extension(x509.SubjectAlternativeName(_san_entries(x509, alt_names)), critical=False)
                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
                               critical=False))
-    cert = builder.sign(ca_key, hashes.SHA256())
-    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()), 0o600)
-    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    return Issued(cert_path, key_path, cert.not_valid_after_utc)
+    return builder.sign(ca_key, hashes.SHA256())
+
+
+def ca_hash(ca_pem: bytes) -> str:
+    """sha256:HEX of a CA certificate's DER, the pin a node checks before it trusts a CA (as kubeadm's)."""
+    import hashlib
+    x509, _, serialization, _, _, _ = _x509()
+    der = x509.load_pem_x509_certificate(ca_pem).public_bytes(serialization.Encoding.DER)
+    return "sha256:" + hashlib.sha256(der).hexdigest()
+
+
+def new_key_and_csr(name: str) -> tuple[bytes, bytes]:
+    """(key PEM, CSR PEM) for a node that enrols: a fresh P-256 key and a request naming the node (CN)."""
+    x509, hashes, serialization, ec, _, NameOID = _x509()
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])).sign(key, hashes.SHA256()))
+    return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()), csr.public_bytes(serialization.Encoding.PEM))
+
+
+def refuse_existing(directory: str | Path, stem: str) -> None:
+    """Raise PkiError if STEM.key or STEM.crt is in directory already."""
+    _refuse_existing(Path(directory) / f"{stem}.key", Path(directory) / f"{stem}.crt")
+
+
+def write_identity(directory: str | Path, name: str, key_pem: bytes, cert_pem: bytes, ca_pem: bytes) -> Issued:
+    """NAME.key (0600), NAME.crt and ca.crt in directory, as an enrolled node keeps them; refuses to overwrite."""
+    x509, _, _, _, _, _ = _x509()
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = (d / f"{name}.key", d / f"{name}.crt")
+    _refuse_existing(*paths)
+    ca_path = d / "ca.crt"
+    if ca_path.exists() and ca_path.read_bytes() != ca_pem:
+        raise PkiError(f"{ca_path} holds another CA; refusing to overwrite it (move it away first)")
+    _write_new(paths[0], key_pem, 0o600)
+    _write_new(paths[1], cert_pem, 0o644)
+    if not ca_path.exists():
+        _write_new(ca_path, ca_pem, 0o644)
+    return Issued(paths[1], paths[0], x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc)

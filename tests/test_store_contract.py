@@ -9,6 +9,7 @@ from aetcd import rpc
 from controller.errors import RevisionConflict, StoreError
 from controller.nodes.states import DOWN, DRAINED, UP
 from controller.store import EventRecord, JobRecord, MemoryStore, NodeRecord, SqliteStore
+from controller.store.base import CredentialRecord
 from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence, NotLeader
 from phalanx.ports import free_port
 
@@ -89,6 +90,33 @@ def test_jobs_compare_and_set_with_nodes_in_one_transaction(make_store):
         assert await store.load_jobs() == [both.jobs[0]]
         with pytest.raises(RevisionConflict):
             await store.commit(jobs=[first.replace(state="FAILED")])
+    run(go())
+
+
+def test_credentials_compare_and_set_with_jobs_and_events(make_store):
+    async def go():
+        store = make_store()
+        token = CredentialRecord("token/abc123", b'{"uses_left": 2}')
+        out = await store.commit(credentials=[token], events=[ev(kind="cert.token", node="")])
+        first = out.credentials[0]
+        assert first.revision > 0 and first.key == "token/abc123"
+        used = first.replace(data=b'{"uses_left": 1}')
+        enrolled = CredentialRecord("node/gpu001", b'{"spki": "ab"}')
+        job = (await store.commit(jobs=[JobRecord("job-1", "PENDING", b"x")])).jobs[0]
+        with pytest.raises(RevisionConflict) as info:  # a stale job sinks the credentials with it
+            await store.commit(jobs=[job.replace(revision=job.revision - 1)], credentials=[used, enrolled])
+        assert "credential" not in str(info.value)
+        assert await store.load_credentials() == [first]
+        both = (await store.commit(credentials=[used, enrolled])).credentials
+        assert [c.key for c in await store.load_credentials()] == ["node/gpu001", "token/abc123"]
+        with pytest.raises(RevisionConflict) as info:  # two controllers spending the last use of a token
+            await store.commit(credentials=[first.replace(data=b'{"uses_left": 0}')])
+        assert "credential token/abc123" in str(info.value)
+        with pytest.raises(RevisionConflict):
+            await store.commit(credentials=[CredentialRecord("node/gpu001", b"taken")])  # must not exist yet
+        assert sorted(await store.load_credentials(), key=lambda c: c.key) == sorted(both, key=lambda c: c.key)
+        with pytest.raises(StoreError):
+            await store.commit(credentials=[used, used])
     run(go())
 
 

@@ -12,6 +12,7 @@ Without TLS (``insecure = true``) no interceptor is installed and every peer is 
 from __future__ import annotations
 
 import contextvars
+import datetime
 import hashlib
 import hmac
 import inspect
@@ -34,7 +35,8 @@ SERVICE_ROLES: dict[str, frozenset[str]] = {
     # torchrun's handler runs beside the ranks on a node, or wherever a user starts it.
     "phalanx.v1.RendezvousService": frozenset({CLIENT, NODE}),
 }
-OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+# EnrolService: a node that has no certificate yet proves itself with the bootstrap token in its request.
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "phalanx.v1.EnrolService"})
 
 
 @dataclass(frozen=True)
@@ -83,16 +85,35 @@ def load_tokens(path: str) -> dict[bytes, str]:
     return tokens
 
 
+class Revoked(Exception):
+    def __init__(self, peer: Peer, why: str) -> None:
+        super().__init__(why)
+        self.peer = peer
+
+
 class Authorizer(grpc.aio.ServerInterceptor):
-    def __init__(self, tokens: dict[bytes, str]) -> None:
+    def __init__(self, tokens: dict[bytes, str], revocation=None) -> None:
         self._tokens = tokens
+        self._revocation = revocation  # (role, name, certificate PEM) -> a Revocation, or None
 
     def identify(self, context: grpc.aio.ServicerContext, metadata: tuple) -> Peer | None:
+        """The caller, from its certificate or its token; raises Revoked for a certificate that was revoked."""
         auth = context.auth_context()
         subject = auth.get("x509_subject")
         if subject:
             parsed = parse_subject(subject[0].decode(errors="replace"))
-            return Peer(*parsed, "certificate") if parsed else None
+            if not parsed:
+                return None
+            peer = Peer(*parsed, "certificate")
+            pem = auth.get("x509_pem_cert")
+            if self._revocation is not None and pem:
+                revoked = self._revocation(peer.role, peer.name, pem[0])
+                if revoked is not None:
+                    when = datetime.datetime.fromtimestamp(revoked.revoked_ns / 1e9, datetime.UTC)
+                    raise Revoked(peer, f"the certificate of {peer} was revoked at {when:%Y-%m-%d %H:%M:%S} UTC"
+                                  + (f" ({revoked.reason})" if revoked.reason else "")
+                                  + "; an operator can issue a new one (or the node enrol again)")
+            return peer
         for key, value in metadata or ():
             if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 name = self._lookup(value[len("Bearer "):].strip())
@@ -119,7 +140,10 @@ class Authorizer(grpc.aio.ServerInterceptor):
 
 async def _admit(authorizer: Authorizer, roles: frozenset[str], metadata, service: str,
                  context: grpc.aio.ServicerContext) -> None:
-    peer = authorizer.identify(context, metadata)
+    try:
+        peer = authorizer.identify(context, metadata)
+    except Revoked as e:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
     if peer is None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                             f"{service} needs a client certificate from the cluster CA or a valid token "

@@ -8,7 +8,9 @@ import grpc
 import psutil
 
 from controller.api import validation
+from controller.api.auth import current_peer
 from controller.api.rpc import unary
+from controller.credentials import Credentials
 from controller.errors import FailedPrecondition, InvalidArgument
 from controller.jobs.manager import JobManager
 from controller.nodes.registry import Registry
@@ -24,8 +26,10 @@ LAG_REFRESH_S = 1.0  # GetStats recomputes the heartbeat lag percentiles at most
 
 class ControlService(control_pb2_grpc.ControlServiceServicer):
     def __init__(self, registry: Registry, store: Store, hub: EventHub, jobs: JobManager,
-                 controllers: Callable[[], Awaitable[control_pb2.ListControllersResponse]] | None = None) -> None:
+                 controllers: Callable[[], Awaitable[control_pb2.ListControllersResponse]] | None = None,
+                 credentials: Credentials | None = None) -> None:
         self._registry = registry
+        self._credentials = credentials
         self._controllers = controllers
         self._jobs = jobs
         self._store = store
@@ -193,3 +197,31 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
             process_rss_bytes=self._process.memory_info().rss,
             uptime_s=self._clock.monotonic() - self._started,
         )
+
+    # -- certificates ---------------------------------------------------------------------------------
+
+    def _credentials_or_fail(self) -> Credentials:
+        if self._credentials is None:
+            raise FailedPrecondition("this controller keeps no credentials")
+        return self._credentials
+
+    @unary
+    async def CreateEnrolToken(self, request: control_pb2.CreateEnrolTokenRequest, context):
+        token, expires_ns, ca_hash = await self._credentials_or_fail().create_token(
+            request.ttl_s, request.uses, request.description, _caller())
+        return control_pb2.CreateEnrolTokenResponse(token=token, expires_unix_ns=expires_ns, ca_hash=ca_hash)
+
+    @unary
+    async def RevokeCertificate(self, request: control_pb2.RevokeCertificateRequest, context):
+        message = await self._credentials_or_fail().revoke(request.name, request.role, request.serial,
+                                                           request.reason, _caller())
+        cut = 0
+        if request.name and request.role in ("", "node") and self._registry.kick(
+                request.name, grpc.StatusCode.UNAUTHENTICATED, f"the certificate of node {request.name!r} was revoked"):
+            cut = 1
+        return control_pb2.RevokeCertificateResponse(message=message, sessions_cut=cut)
+
+
+def _caller() -> str:
+    peer = current_peer()
+    return peer.name if peer is not None else "anonymous (insecure controller)"

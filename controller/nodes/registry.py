@@ -128,6 +128,14 @@ class Registry:
     def entries_by_name(self) -> dict[str, NodeEntry]:
         return dict(self._nodes)
 
+    def kick(self, name: str, code: grpc.StatusCode, message: str) -> bool:
+        """End node `name`'s session now, if it has one (its agent sees `code` and `message`)."""
+        entry = self._nodes.get(name)
+        if entry is None or entry.session is None:
+            return False
+        entry.session.kick(code, message)
+        return True
+
     def entries(self) -> list[NodeEntry]:
         return [self._nodes[name] for name in sorted(self._nodes)]
 

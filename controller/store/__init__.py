@@ -7,8 +7,9 @@ The interface is shaped for a later etcd implementation (highly available contro
 - events get increasing sequence numbers and are read back by `after_seq`, the shape of a watch.
 """
 
-from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord, Store
+from controller.store.base import Committed, CredentialRecord, EventRecord, JobRecord, NodeRecord, Store
 from controller.store.memory import MemoryStore
 from controller.store.sqlite import SqliteStore
 
-__all__ = ["Committed", "EventRecord", "JobRecord", "MemoryStore", "NodeRecord", "SqliteStore", "Store"]
+__all__ = ["Committed", "CredentialRecord", "EventRecord", "JobRecord", "MemoryStore", "NodeRecord", "SqliteStore",
+           "Store"]

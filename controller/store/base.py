@@ -41,6 +41,19 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class CredentialRecord:
+    """Enrolment tokens, enrolled node keys and revocations (controller/credentials.py): a key such as
+    ``token/ID``, ``node/NAME`` or ``revoked/name/ROLE/NAME``, and its JSON."""
+
+    key: str
+    data: bytes
+    revision: int = 0
+
+    def replace(self, **changes: object) -> CredentialRecord:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
 class EventRecord:
     kind: str
     message: str
@@ -60,6 +73,7 @@ class Committed:
     nodes: list[NodeRecord]
     events: list[EventRecord]
     jobs: list[JobRecord] = field(default_factory=list)
+    credentials: list[CredentialRecord] = field(default_factory=list)
 
 
 class Store(Protocol):
@@ -71,9 +85,13 @@ class Store(Protocol):
         """Every job record, at its current revision."""
         ...
 
+    async def load_credentials(self) -> list[CredentialRecord]:
+        """Every credential record, at its current revision, by key."""
+        ...
+
     async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
-                     jobs: Sequence[JobRecord] = ()) -> Committed:
-        """Atomically write `nodes` and `jobs` and append `events`.
+                     jobs: Sequence[JobRecord] = (), credentials: Sequence[CredentialRecord] = ()) -> Committed:
+        """Atomically write `nodes`, `jobs` and `credentials` and append `events`.
 
         Each record is compared on its `revision` (0 = must not exist yet); if any differs from the
         store's, nothing is written and RevisionConflict is raised. Returns the records with their

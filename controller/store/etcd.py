@@ -4,6 +4,7 @@ Layout under a prefix (default ``/phalanx/``)::
 
     nodes/NAME            one node record (JSON)
     jobs/ID               one job record (JSON: state, data)
+    credentials/KEY       one credential record (its JSON as it is): tokens, enrolled keys, revocations
     events/LAST_SEQ       the events of one commit (JSON list), keyed by the last seq they hold
     meta/events           {"last_seq": N}: the event counter
     leader                the elected controller (controller/ha.py), bound to its lease
@@ -36,7 +37,7 @@ from aetcd import rpc
 
 from controller.errors import RevisionConflict, StoreError
 from controller.nodes.states import NodeState
-from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
+from controller.store.base import Committed, CredentialRecord, EventRecord, JobRecord, NodeRecord
 from phalanx import log
 
 logger = log.get("etcd")
@@ -255,6 +256,12 @@ class EtcdStore:
                                  kv.mod_revision))
         return out
 
+    async def load_credentials(self) -> list[CredentialRecord]:
+        self._check_open()
+        base = self.key("credentials", "")
+        return [CredentialRecord(kv.key[len(base):].decode(), bytes(kv.value), kv.mod_revision)
+                for kv in await self.etcd.get_prefix(base)]
+
     async def list_events(self, *, after_seq: int = 0, limit: int = 1000, node: str = "",
                           job: str = "") -> list[EventRecord]:
         self._check_open()
@@ -292,13 +299,15 @@ class EtcdStore:
     # -- writes ---------------------------------------------------------------------------------
 
     async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
-                     jobs: Sequence[JobRecord] = ()) -> Committed:
+                     jobs: Sequence[JobRecord] = (), credentials: Sequence[CredentialRecord] = ()) -> Committed:
         self._check_open()
-        if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs):
+        if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs) or \
+                len({c.key for c in credentials}) != len(credentials):
             raise StoreError("one commit names the same record twice")
         writes = ([(self.key("nodes", r.name), r.revision, _node_value(r)) for r in nodes]
                   + [(self.key("jobs", j.id), j.revision, json.dumps({"state": j.state, "data": _b64(j.data)}).encode())
-                     for j in jobs])
+                     for j in jobs]
+                  + [(self.key("credentials", c.key), c.revision, c.data) for c in credentials])
         request = _Request(writes, list(events), asyncio.get_running_loop().create_future())
         self._queue.append(request)
         if self._flusher is None or self._flusher.done():
@@ -308,7 +317,8 @@ class EtcdStore:
         if self._commits % COMPACT_EVERY == 0:
             asyncio.get_running_loop().create_task(self._compact(max(revisions.values(), default=0)))
         return Committed([r.replace(revision=revisions[self.key("nodes", r.name)]) for r in nodes], appended,
-                         [j.replace(revision=revisions[self.key("jobs", j.id)]) for j in jobs])
+                         [j.replace(revision=revisions[self.key("jobs", j.id)]) for j in jobs],
+                         [c.replace(revision=revisions[self.key("credentials", c.key)]) for c in credentials])
 
     async def _flush(self) -> None:
         """Group commit: the commits that queued up while a transaction was in flight go together in the next
@@ -434,7 +444,8 @@ class EtcdStore:
                 kv = next(kvs)
                 actual = kv.mod_revision if kv is not None else 0
                 if actual != expected and not any(r is request for r, _ in failed):
-                    what = key[len(self.prefix):].decode().replace("nodes/", "node ", 1).replace("jobs/", "job ", 1)
+                    what = key[len(self.prefix):].decode().replace("nodes/", "node ", 1).replace("jobs/", "job ", 1) \
+                        .replace("credentials/", "credential ", 1)
                     failed.append((request, RevisionConflict(what, expected, actual)))
         return failed
 

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from controller.errors import RevisionConflict, StoreError
 from controller.nodes.states import NodeState
-from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord
+from controller.store.base import Committed, CredentialRecord, EventRecord, JobRecord, NodeRecord
 
 T = TypeVar("T")
 
@@ -49,6 +49,11 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
     state TEXT NOT NULL,
+    data BLOB NOT NULL,
+    revision INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS credentials (
+    key TEXT PRIMARY KEY,
     data BLOB NOT NULL,
     revision INTEGER NOT NULL
 );
@@ -116,14 +121,22 @@ class SqliteStore:
 
         return await self._run(read)
 
+    async def load_credentials(self) -> list[CredentialRecord]:
+        def read(db: sqlite3.Connection) -> list[CredentialRecord]:
+            rows = db.execute("SELECT key, data, revision FROM credentials ORDER BY key").fetchall()
+            return [CredentialRecord(key, bytes(data), rev) for key, data, rev in rows]
+
+        return await self._run(read)
+
     async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
-                     jobs: Sequence[JobRecord] = ()) -> Committed:
-        if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs):
+                     jobs: Sequence[JobRecord] = (), credentials: Sequence[CredentialRecord] = ()) -> Committed:
+        if len({r.name for r in nodes}) != len(nodes) or len({j.id for j in jobs}) != len(jobs) or \
+                len({c.key for c in credentials}) != len(credentials):
             raise StoreError("one commit names the same record twice")
         if self._db is None:
             raise StoreError("store is closed")
         future: asyncio.Future[Committed] = asyncio.get_running_loop().create_future()
-        self._queue.append((list(nodes), list(events), list(jobs), future))
+        self._queue.append((list(nodes), list(events), list(jobs), list(credentials), future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
         return await future
@@ -154,10 +167,10 @@ class SqliteStore:
         db.execute("BEGIN IMMEDIATE")
         try:
             results: list[Committed | Exception] = []
-            for nodes, events, jobs, _ in batch:
+            for nodes, events, jobs, credentials, _ in batch:
                 db.execute("SAVEPOINT one")
                 try:
-                    results.append(self._apply(db, nodes, events, jobs))
+                    results.append(self._apply(db, nodes, events, jobs, credentials))
                     db.execute("RELEASE one")
                 except RevisionConflict as e:
                     db.execute("ROLLBACK TO one")
@@ -170,7 +183,12 @@ class SqliteStore:
             raise
 
     def _apply(self, db: sqlite3.Connection, nodes: list[NodeRecord], events: list[EventRecord],
-               jobs: list[JobRecord]) -> Committed:
+               jobs: list[JobRecord], credentials: list[CredentialRecord]) -> Committed:
+        for cred in credentials:
+            row = db.execute("SELECT revision FROM credentials WHERE key=?", (cred.key,)).fetchone()
+            actual = row[0] if row else 0
+            if actual != cred.revision:
+                raise RevisionConflict(f"credential {cred.key}", cred.revision, actual)
         for record in nodes:
             row = db.execute("SELECT revision FROM nodes WHERE name=?", (record.name,)).fetchone()
             actual = row[0] if row else 0
@@ -192,6 +210,9 @@ class SqliteStore:
         written_jobs = [j.replace(revision=revision) for j in jobs]
         db.executemany("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?)",
                        [(j.id, j.state, j.data, revision) for j in written_jobs])
+        written_credentials = [c.replace(revision=revision) for c in credentials]
+        db.executemany("INSERT OR REPLACE INTO credentials VALUES (?, ?, ?)",
+                       [(c.key, c.data, revision) for c in written_credentials])
         appended = []
         for e in events:
             cur = db.execute(
@@ -201,7 +222,7 @@ class SqliteStore:
             appended.append(EventRecord(e.kind, e.message, e.time_ns, e.node, e.job, dict(e.fields), cur.lastrowid))
             if cur.lastrowid % 1000 == 0:
                 db.execute("DELETE FROM events WHERE seq <= ?", (cur.lastrowid - self._max_events,))
-        return Committed(written, appended, written_jobs)
+        return Committed(written, appended, written_jobs, written_credentials)
 
     async def list_events(
         self, *, after_seq: int = 0, limit: int = 1000, node: str = "", job: str = ""

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 
 from controller.obs.stats import LAG_BUCKETS_S, Buckets
-from controller.store.base import Committed, EventRecord, JobRecord, NodeRecord, Store
+from controller.store.base import Committed, CredentialRecord, EventRecord, JobRecord, NodeRecord, Store
 
 
 class TimedStore:
@@ -18,10 +18,10 @@ class TimedStore:
         self.commit_seconds = Buckets(LAG_BUCKETS_S)
 
     async def commit(self, *, nodes: Sequence[NodeRecord] = (), events: Sequence[EventRecord] = (),
-                     jobs: Sequence[JobRecord] = ()) -> Committed:
+                     jobs: Sequence[JobRecord] = (), credentials: Sequence[CredentialRecord] = ()) -> Committed:
         t0 = time.perf_counter()
         try:
-            return await self.inner.commit(nodes=nodes, events=events, jobs=jobs)
+            return await self.inner.commit(nodes=nodes, events=events, jobs=jobs, credentials=credentials)
         finally:
             self.commit_seconds.observe(time.perf_counter() - t0)
 

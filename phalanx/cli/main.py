@@ -192,6 +192,55 @@ def _issue(args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_certs_token(args: argparse.Namespace) -> int:
+    reply = call(args, lambda s: s.CreateEnrolToken(control_pb2.CreateEnrolTokenRequest(
+        ttl_s=args.ttl, uses=args.uses, description=args.description or ""), timeout=DEFAULT_TIMEOUT_S))
+    if args.output == "json":
+        print(render.dumps({"token": reply.token, "expires": render.iso(reply.expires_unix_ns),
+                            "ca_hash": reply.ca_hash}))
+        return OK
+    print(f"token:   {reply.token}")
+    print(f"expires: {render.iso(reply.expires_unix_ns)}" + (f" (or after {args.uses} node(s))" if args.uses else ""))
+    print(f"CA hash: {reply.ca_hash}")
+    print(f"on each new node: phalanx certs enrol --controller CONTROLLER:TOKEN_PORT --token {reply.token} "
+          f"--ca-hash {reply.ca_hash}")
+    return OK
+
+
+def cmd_certs_enrol(args: argparse.Namespace) -> int:
+    from phalanx.cli import enrol
+    address = args.controller or os.environ.get("PHALANX_CONTROLLER", "")
+    if not address:
+        raise CliError("no controller: pass --controller HOST:PORT, the controller's token port (token_listen)", USAGE)
+    token = args.token or os.environ.get("PHALANX_ENROL_TOKEN", "")
+    if not token:
+        raise CliError("no token: pass --token ID.SECRET (`phalanx certs token create` makes one) or set "
+                       "PHALANX_ENROL_TOKEN", USAGE)
+    name = args.name or default_node_name()
+    try:
+        issued = enrol.enrol(address.split(",")[0], token, args.ca_hash, name, args.dir)
+    except enrol.EnrolError as e:
+        raise CliError(str(e), USAGE if "must be" in str(e) else FAILED) from None
+    print(f"node {name} enrolled: {issued.cert} (key {issued.key}, made here, mode 0600), valid until "
+          f"{issued.not_after:%Y-%m-%d}; the CA is {Path(args.dir) / 'ca.crt'}")
+    return OK
+
+
+def cmd_certs_revoke(args: argparse.Namespace) -> int:
+    if bool(args.name) == bool(args.serial):
+        raise CliError("give NAME or --serial HEX (one of them)", USAGE)
+    reply = call(args, lambda s: s.RevokeCertificate(control_pb2.RevokeCertificateRequest(
+        name=args.name or "", role=args.role, serial=args.serial or "", reason=args.reason or ""),
+        timeout=DEFAULT_TIMEOUT_S))
+    print(reply.message + ("; its agent's session was cut" if reply.sessions_cut else ""))
+    return OK
+
+
+def default_node_name() -> str:
+    from agent.config import default_node_name as name
+    return name()
+
+
 def cmd_local_up(args: argparse.Namespace) -> int:
     local.up(args.nodes, args.gpus_per_node, args.gpu_backend, ha=args.ha)
     return OK
@@ -568,6 +617,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the CA is and the files go (default: $PHALANX_PKI, then %(default)s)")
     p.add_argument("--days", type=_positive, default=pki.LEAF_DAYS, help="validity (default %(default)s)")
     p.set_defaults(func=cmd_certs_issue)
+    p = certs_sub.add_parser("token", help="bootstrap tokens for nodes to enrol themselves")
+    token_sub = _Commands(p.add_subparsers(dest="token_command", metavar="ACTION", required=True), common)
+    p = token_sub.add_parser("create", help="make a bootstrap token; prints it with the CA's hash")
+    p.add_argument("--ttl", type=_duration, default=86_400.0, metavar="DURATION",
+                   help="how long it is good for: 30m, 24h, 7d or seconds (default 24h, at most 7d)")
+    p.add_argument("--uses", type=_count, default=0, help="nodes it may enrol (default 0: any number until it expires)")
+    p.add_argument("--description", help="kept with it, in the event log")
+    add_output(p, "text", "json")
+    p.set_defaults(func=cmd_certs_token)
+    p = certs_sub.add_parser("enrol", help="on a new node: make its key and get it a certificate with a token",
+                             description="Dial the controller's token port, check its CA against --ca-hash, then "
+                             "send a request for this node's certificate with the token; the key is made here and "
+                             "never leaves the node.")
+    p.add_argument("--token", help="ID.SECRET from `phalanx certs token create` (default: $PHALANX_ENROL_TOKEN)")
+    p.add_argument("--ca-hash", required=True, metavar="sha256:HEX", help="the cluster CA's hash, as printed with "
+                   "the token")
+    p.add_argument("--name", help="this node's name (default: the short host name, as the agent's)")
+    p.add_argument("--dir", default=os.environ.get("PHALANX_PKI", tls.DEFAULT_PKI_DIR),
+                   help="where node.key, node.crt and ca.crt go (default: $PHALANX_PKI, then %(default)s)")
+    p.set_defaults(func=cmd_certs_enrol)
+    p = certs_sub.add_parser("revoke", help="refuse a certificate from now on and cut its sessions",
+                             description="NAME: every certificate of that role and name issued until now (a new "
+                             "one issued later is accepted); --serial: one certificate. Kept with the controller's "
+                             "state; the node's agent is cut off at once.")
+    p.add_argument("name", nargs="?", help="the certificate's name (a node's, a user's, a tool's)")
+    p.add_argument("--role", choices=("node", "client", "controller"), default="node",
+                   help="the certificate's role (default node)")
+    p.add_argument("--serial", metavar="HEX", help="one certificate, by serial (`openssl x509 -serial -noout -in F`)")
+    p.add_argument("--reason", help="why (kept, and in the event log)")
+    p.set_defaults(func=cmd_certs_revoke)
 
     p_local = sub.add_parser("local", help="a whole cluster on loopback")
     local_sub = _Commands(p_local.add_subparsers(dest="local_command", metavar="ACTION", required=True), common)
@@ -718,6 +797,18 @@ def _env_pair(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
     return key, value
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30m, 24h or 7d") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return value
 
 
 def _seconds(text: str) -> float:

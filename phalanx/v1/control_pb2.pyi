@@ -7,6 +7,46 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CreateEnrolTokenRequest(_message.Message):
+    __slots__ = ("ttl_s", "uses", "description")
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    USES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    uses: int
+    description: str
+    def __init__(self, ttl_s: _Optional[float] = ..., uses: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+
+class CreateEnrolTokenResponse(_message.Message):
+    __slots__ = ("token", "expires_unix_ns", "ca_hash")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    CA_HASH_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_unix_ns: int
+    ca_hash: str
+    def __init__(self, token: _Optional[str] = ..., expires_unix_ns: _Optional[int] = ..., ca_hash: _Optional[str] = ...) -> None: ...
+
+class RevokeCertificateRequest(_message.Message):
+    __slots__ = ("name", "role", "serial", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    serial: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., serial: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RevokeCertificateResponse(_message.Message):
+    __slots__ = ("message", "sessions_cut")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_CUT_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    sessions_cut: int
+    def __init__(self, message: _Optional[str] = ..., sessions_cut: _Optional[int] = ...) -> None: ...
+
 class CheckpointJobRequest(_message.Message):
     __slots__ = ("id", "deadline_s")
     ID_FIELD_NUMBER: _ClassVar[int]

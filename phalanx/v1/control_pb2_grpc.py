@@ -120,6 +120,16 @@ class ControlServiceStub:
                 request_serializer=phalanx_dot_v1_dot_control__pb2.ListControllersRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_control__pb2.ListControllersResponse.FromString,
                 _registered_method=True)
+        self.CreateEnrolToken = channel.unary_unary(
+                '/phalanx.v1.ControlService/CreateEnrolToken',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.CreateEnrolTokenRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.CreateEnrolTokenResponse.FromString,
+                _registered_method=True)
+        self.RevokeCertificate = channel.unary_unary(
+                '/phalanx.v1.ControlService/RevokeCertificate',
+                request_serializer=phalanx_dot_v1_dot_control__pb2.RevokeCertificateRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_control__pb2.RevokeCertificateResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -232,6 +242,21 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateEnrolToken(self, request, context):
+        """A bootstrap token for nodes to enrol themselves (EnrolService.Enrol); needs [security] ca_key_file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeCertificate(self, request, context):
+        """Refuse an identity from now on (every certificate of that role and name issued before now, or one
+        certificate by its serial) and cut its open sessions; kept with the controller's state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +344,16 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.ListControllers,
                     request_deserializer=phalanx_dot_v1_dot_control__pb2.ListControllersRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_control__pb2.ListControllersResponse.SerializeToString,
+            ),
+            'CreateEnrolToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateEnrolToken,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.CreateEnrolTokenRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.CreateEnrolTokenResponse.SerializeToString,
+            ),
+            'RevokeCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeCertificate,
+                    request_deserializer=phalanx_dot_v1_dot_control__pb2.RevokeCertificateRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_control__pb2.RevokeCertificateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -780,6 +815,60 @@ class ControlService:
             '/phalanx.v1.ControlService/ListControllers',
             phalanx_dot_v1_dot_control__pb2.ListControllersRequest.SerializeToString,
             phalanx_dot_v1_dot_control__pb2.ListControllersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateEnrolToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/CreateEnrolToken',
+            phalanx_dot_v1_dot_control__pb2.CreateEnrolTokenRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.CreateEnrolTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.ControlService/RevokeCertificate',
+            phalanx_dot_v1_dot_control__pb2.RevokeCertificateRequest.SerializeToString,
+            phalanx_dot_v1_dot_control__pb2.RevokeCertificateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,239 @@
+"""Certificates the controller keeps track of: bootstrap tokens, nodes that enrolled themselves, revocations.
+
+Everything lives in the store as credential records (so a standby that takes over knows it, and nothing is lost
+with the leader's memory), cached here:
+
+    token/ID                   {"secret_sha256", "expires_ns", "uses_left" (-1: any number), "description", "by"}
+    node/NAME                  {"spki_sha256", "serial", "not_after_ns", "enrolled_ns", "token"}: NAME's key
+    revoked/name/ROLE/NAME     {"revoked_ns", "reason", "by"}: every certificate of ROLE NAME issued before revoked_ns
+    revoked/serial/HEX         {"revoked_ns", "reason", "by"}: one certificate
+
+A node enrols with a token and a CSR (EnrolService): the token must exist, match, be unexpired and have a use
+left; the CSR's CN must be a valid node name not enrolled with another key (the same key may enrol again: a
+re-install keeping its key, or a renewal); the controller signs it with the cluster CA key
+([security] ca_key_file). A revoked identity is refused at every call (controller/api/auth.py), its agent's
+session is cut at once, and a certificate issued for that name after the revocation is accepted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import hmac
+import json
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from controller.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from controller.store.base import CredentialRecord, EventRecord, Store
+from phalanx import log, pki
+from phalanx.clock import Clock
+from phalanx.names import NAME, RULE
+
+logger = log.get("credentials")
+
+_ALPHABET = string.ascii_lowercase + string.digits
+MAX_TTL_S = 7 * 86_400.0  # a bootstrap token lives a week at most (kubeadm's default is a day)
+
+
+@dataclass(frozen=True)
+class Revocation:
+    revoked_ns: int
+    reason: str
+
+
+@lru_cache(maxsize=4096)
+def certificate_facts(pem: bytes) -> tuple[str, int]:
+    """(serial in hex, not-before in Unix ns) of a PEM certificate; cached: every RPC's peer is looked up."""
+    from cryptography import x509
+    cert = x509.load_pem_x509_certificate(pem)
+    return format(cert.serial_number, "x"), int(cert.not_valid_before_utc.timestamp() * 1e9)
+
+
+class Credentials:
+    def __init__(self, store: Store, clock: Clock, ca_file: str, ca_key_file: str, enrol_days: int,
+                 publish: Callable[[list[EventRecord]], None]) -> None:
+        self.store, self.clock = store, clock
+        self.ca_file, self.ca_key_file, self.enrol_days = ca_file, ca_key_file, enrol_days
+        self.publish = publish
+        self.records: dict[str, CredentialRecord] = {}
+        self._revocations = 0  # revoked/... records: none, and a call's certificate is not even parsed
+        self._lock = asyncio.Lock()  # one change at a time: each reads the record it replaces
+
+    async def load(self) -> None:
+        self.records = {r.key: r for r in await self.store.load_credentials()}
+        self._revocations = sum(key.startswith("revoked/") for key in self.records)
+
+    def _data(self, key: str) -> dict | None:
+        record = self.records.get(key)
+        return json.loads(record.data) if record is not None else None
+
+    async def _commit(self, changes: dict[str, dict], event: EventRecord) -> None:
+        records = [CredentialRecord(key, json.dumps(data, sort_keys=True).encode(),
+                                    self.records[key].revision if key in self.records else 0)
+                   for key, data in changes.items()]
+        committed = await self.store.commit(credentials=records, events=[event])
+        for record in committed.credentials:
+            self.records[record.key] = record
+        self._revocations = sum(key.startswith("revoked/") for key in self.records)
+        self.publish(committed.events)
+
+    def _event(self, kind: str, message: str, node: str = "", **fields: str) -> EventRecord:
+        return EventRecord(kind=kind, message=message, time_ns=self.clock.wall_ns(), node=node, fields=fields)
+
+    # -- the CA -----------------------------------------------------------------------------------
+
+    def ca_pem(self) -> bytes:
+        try:
+            return Path(self.ca_file).read_bytes()
+        except OSError as e:
+            raise FailedPrecondition(f"cannot read the cluster CA {self.ca_file}: {e.strerror}") from None
+
+    def _ca(self):
+        if not self.ca_key_file:
+            raise FailedPrecondition("enrolment is off: the controller needs the cluster CA's key to sign certificates "
+                                     "([security] ca_key_file), and a token port ([security] token_listen)")
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        try:
+            cert = x509.load_pem_x509_certificate(self.ca_pem())
+            key = serialization.load_pem_private_key(Path(self.ca_key_file).read_bytes(), password=None)
+        except OSError as e:
+            raise FailedPrecondition(f"cannot read [security] ca_key_file {self.ca_key_file}: {e.strerror}") from None
+        except (ValueError, TypeError) as e:
+            raise FailedPrecondition(f"cannot use [security] ca_key_file {self.ca_key_file}: {e}") from None
+        return cert, key
+
+    # -- bootstrap tokens ---------------------------------------------------------------------------
+
+    async def create_token(self, ttl_s: float, uses: int, description: str, by: str) -> tuple[str, int, str]:
+        """(ID.SECRET, expiry in Unix ns, the CA's hash). Raises InvalidArgument, FailedPrecondition."""
+        if not 0 < ttl_s <= MAX_TTL_S:
+            raise InvalidArgument(f"ttl_s ({ttl_s:g}) must be more than 0 and at most {MAX_TTL_S:g} (a week)")
+        if len(description) > 200:
+            raise InvalidArgument(f"description is {len(description)} characters; the limit is 200")
+        self._ca()  # refuse a token nobody could enrol with
+        token_id = "".join(secrets.choice(_ALPHABET) for _ in range(6))
+        secret = "".join(secrets.choice(_ALPHABET) for _ in range(16))
+        expires_ns = self.clock.wall_ns() + int(ttl_s * 1e9)
+        async with self._lock:
+            await self._commit({f"token/{token_id}": {
+                "secret_sha256": hashlib.sha256(secret.encode()).hexdigest(), "expires_ns": expires_ns,
+                "uses_left": uses or -1, "description": description, "by": by}},
+                self._event("cert.token", f"bootstrap token {token_id} created by {by}, good for "
+                            f"{'any number of nodes' if not uses else f'{uses} node(s)'} until "
+                            f"{_iso(expires_ns)}" + (f": {description}" if description else ""),
+                            token=token_id, by=by))
+        return f"{token_id}.{secret}", expires_ns, pki.ca_hash(self.ca_pem())
+
+    def _spend(self, token: str) -> tuple[str, dict]:
+        """(token id, its record after this use). Raises PermissionDenied saying why the token does not do."""
+        token_id, dot, secret = token.strip().partition(".")
+        data = self._data(f"token/{token_id}") if dot and len(token_id) == 6 else None
+        if data is None or not hmac.compare_digest(hashlib.sha256(secret.encode()).hexdigest(),
+                                                   data["secret_sha256"]):
+            raise PermissionDenied("unknown bootstrap token: ask an operator for one (`phalanx certs token create`)")
+        if data["expires_ns"] <= self.clock.wall_ns():
+            raise PermissionDenied(f"bootstrap token {token_id} expired at {_iso(data['expires_ns'])}: ask for a new "
+                                   "one")
+        if data["uses_left"] == 0:
+            raise PermissionDenied(f"bootstrap token {token_id} is used up: ask for a new one")
+        if data["uses_left"] > 0:
+            data = {**data, "uses_left": data["uses_left"] - 1}
+        return token_id, data
+
+    # -- enrolment ---------------------------------------------------------------------------------
+
+    async def enrol(self, token: str, csr_pem: bytes, peer: str) -> tuple[bytes, bytes, int]:
+        """(certificate PEM, CA PEM, not-after in Unix ns) for the node the CSR names. Raises PermissionDenied,
+        InvalidArgument, FailedPrecondition; nothing is recorded unless a certificate is given."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.x509.oid import NameOID
+        try:
+            csr = x509.load_pem_x509_csr(csr_pem)
+        except ValueError:
+            raise InvalidArgument("csr_pem is not a PEM certificate signing request") from None
+        if not csr.is_signature_valid:
+            raise InvalidArgument("the certificate signing request's signature does not verify")
+        names = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        name = str(names[0].value) if names else ""
+        if not NAME.fullmatch(name):
+            raise InvalidArgument(f"the request's common name {name!r} is not a node name: {RULE}")
+        public = csr.public_key()
+        spki = hashlib.sha256(public.public_bytes(serialization.Encoding.DER,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
+        ca_cert, ca_key = self._ca()
+        async with self._lock:
+            token_id, token_data = self._spend(token)
+            enrolled = self._data(f"node/{name}")
+            revoked = self._data(f"revoked/name/node/{name}")
+            if enrolled is not None and enrolled["spki_sha256"] != spki and \
+                    not (revoked and revoked["revoked_ns"] > enrolled["enrolled_ns"]):
+                raise PermissionDenied(f"node name {name!r} is enrolled with another key (since "
+                                       f"{_iso(enrolled['enrolled_ns'])}); if that node is gone, revoke it first "
+                                       f"(`phalanx certs revoke {name}`)")
+            cert = pki.sign(ca_cert, ca_key, public, name, "node", (), self.enrol_days)
+            serial = format(cert.serial_number, "x")
+            not_after_ns = int(cert.not_valid_after_utc.timestamp() * 1e9)
+            now = self.clock.wall_ns()
+            await self._commit({
+                f"token/{token_id}": token_data,
+                f"node/{name}": {"spki_sha256": spki, "serial": serial, "not_after_ns": not_after_ns,
+                                 "enrolled_ns": now, "token": token_id}},
+                self._event("cert.enrolled", f"node {name} enrolled from {peer} with token {token_id}: certificate "
+                            f"{serial} until {_iso(not_after_ns)}" + (" (its key as before)" if enrolled and
+                                                                       enrolled["spki_sha256"] == spki else ""),
+                            node=name, token=token_id, serial=serial, peer=peer))
+        logger.info("node enrolled", node=name, token=token_id, serial=serial, peer=peer)
+        return cert.public_bytes(serialization.Encoding.PEM), self.ca_pem(), not_after_ns
+
+    # -- revocation --------------------------------------------------------------------------------
+
+    async def revoke(self, name: str, role: str, serial: str, reason: str, by: str) -> str:
+        """Record a revocation; returns what it covers. Raises InvalidArgument."""
+        role = role or "node"
+        if role not in ("node", "client", "controller"):
+            raise InvalidArgument(f"role {role!r} must be node, client or controller")
+        if len(reason) > 500:
+            raise InvalidArgument(f"reason is {len(reason)} characters; the limit is 500")
+        now = self.clock.wall_ns()
+        if serial:
+            serial = serial.lower().removeprefix("0x").replace(":", "")
+            if not serial or any(c not in "0123456789abcdef" for c in serial) or name:
+                raise InvalidArgument("give a name, or a serial in hex (as `openssl x509 -serial` prints it), not both")
+            key, what = f"revoked/serial/{serial}", f"certificate {serial}"
+        else:
+            if not NAME.fullmatch(name):
+                raise InvalidArgument(f"name {name!r}: {RULE}")
+            key, what = f"revoked/name/{role}/{name}", f"every {role} certificate of {name!r} issued until now"
+        async with self._lock:
+            await self._commit({key: {"revoked_ns": now, "reason": reason, "by": by}},
+                               self._event("cert.revoked", f"{what} revoked by {by}" + (f": {reason}" if reason
+                                                                                        else ""),
+                                           node=name if role == "node" else "", serial=serial, role=role,
+                                           name=name, by=by))
+        return f"revoked {what}"
+
+    def revocation(self, role: str, name: str, pem: bytes) -> Revocation | None:
+        """Why the certificate `pem` of ROLE NAME may not be used, or None. Cheap: two dictionary looks."""
+        if not self._revocations:
+            return None
+        serial, not_before_ns = certificate_facts(pem)
+        by_serial = self._data(f"revoked/serial/{serial}")
+        if by_serial is not None:
+            return Revocation(by_serial["revoked_ns"], by_serial["reason"])
+        by_name = self._data(f"revoked/name/{role}/{name}")
+        # phalanx certs backdates a certificate's start by pki.BACKDATE: it was made that much later
+        if by_name is not None and not_before_ns + int(pki.BACKDATE.total_seconds() * 1e9) <= by_name["revoked_ns"]:
+            return Revocation(by_name["revoked_ns"], by_name["reason"])
+        return None
+
+
+def _iso(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -1,0 +1,78 @@
+"""`phalanx certs enrol`: a node gets its own certificate with a bootstrap token, its key never leaving it.
+
+1. The controller's token port is dialled trusting whatever certificate it shows, for one thing only: the
+   cluster CA (EnrolService.GetClusterCa). Its hash must be the one the operator gave (`--ca-hash`, printed by
+   `phalanx certs token create`), or nothing else happens: a wrong controller, or someone in between, learns
+   nothing and gets nothing.
+2. With that CA trusted, the node makes its key and a request naming itself and sends it with the token
+   (EnrolService.Enrol); the controller checks the token and the name and signs.
+3. The key (0600), the certificate and the CA go where the agent's config looks (`/etc/phalanx/pki/node.*`).
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import grpc
+
+from phalanx import pki
+from phalanx.rpc import CLIENT_OPTIONS
+from phalanx.v1 import enrol_pb2, enrol_pb2_grpc
+
+TIMEOUT_S = 10.0
+
+
+class EnrolError(Exception):
+    """Enrolment failed; the message says why and what to do. Nothing was written."""
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise EnrolError(f"--controller {address!r} must be HOST:PORT, the controller's token port (token_listen)")
+    return host.strip("[]"), int(port)
+
+
+def _call(address: str, root: bytes, fn):
+    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root), CLIENT_OPTIONS)
+    try:
+        return fn(enrol_pb2_grpc.EnrolServiceStub(channel))
+    except grpc.RpcError as e:
+        code = e.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise EnrolError(f"cannot reach the controller's token port at {address}: {e.details()}") from None
+        raise EnrolError(f"the controller refused: {e.details()} ({code.name})") from None
+    finally:
+        channel.close()
+
+
+def fetch_ca(address: str, ca_hash: str) -> bytes:
+    """The cluster CA from the controller at `address`, once its hash is `ca_hash`. Raises EnrolError."""
+    host, port = _split(address)
+    try:
+        shown = ssl.get_server_certificate((host, port), timeout=TIMEOUT_S).encode()
+    except (OSError, ssl.SSLError) as e:
+        raise EnrolError(f"cannot reach the controller's token port at {address}: {e}") from None
+    ca = _call(address, shown, lambda s: s.GetClusterCa(enrol_pb2.GetClusterCaRequest(), timeout=TIMEOUT_S)).ca_pem
+    try:
+        actual = pki.ca_hash(ca)
+    except ValueError:
+        raise EnrolError(f"the controller at {address} sent no CA certificate") from None
+    if actual != ca_hash.strip().lower():
+        raise EnrolError(f"the controller at {address} has a CA with hash {actual}, not the {ca_hash} you were "
+                         "given: refusing it (a wrong address, another cluster, or someone in between); nothing "
+                         "was sent or written")
+    return ca
+
+
+def enrol(address: str, token: str, ca_hash: str, name: str, directory: str, stem: str = "node") -> pki.Issued:
+    """Enrol node `name`; writes STEM.key, STEM.crt and ca.crt in `directory`. Raises EnrolError, pki.PkiError."""
+    if not ca_hash.lower().startswith("sha256:") or len(ca_hash) != len("sha256:") + 64:
+        raise EnrolError(f"--ca-hash {ca_hash!r} must be sha256: and 64 hex digits, as `phalanx certs token create` "
+                         "prints it")
+    pki.refuse_existing(directory, stem)  # before anything is asked: a node already enrolled keeps its files
+    ca = fetch_ca(address, ca_hash)
+    key_pem, csr_pem = pki.new_key_and_csr(name)
+    reply = _call(address, ca, lambda s: s.Enrol(enrol_pb2.EnrolRequest(token=token, csr_pem=csr_pem),
+                                                 timeout=TIMEOUT_S))
+    return pki.write_identity(directory, stem, key_pem, reply.cert_pem, reply.ca_pem or ca)
