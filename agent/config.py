@@ -49,6 +49,9 @@ class SecurityConfig:
                                "in `controller` (e.g. dialling by IP address)")
     socket_group: str = setting("", "group allowed to use the trainlib and NVRx sockets (mode 0660), e.g. the "
                                 "group the ranks run as; empty = the agent's own group")
+    renew: bool = setting(True, "renew this node's certificate two thirds into its validity, from the controller "
+                          "(which needs [security] ca_key_file), writing cert_file and key_file anew; false: "
+                          "renewal is someone else's business (an external CA's agent)")
 
     def __post_init__(self) -> None:
         if self.socket_group:

@@ -49,7 +49,7 @@ class Link:
         heartbeat: Callable[[float], Awaitable[node_pb2.Heartbeat]],
         backoff: Backoff,
         on_command: Callable[[node_pb2.Command], node_pb2.CommandResult] | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: grpc.ChannelCredentials | Callable[[], grpc.ChannelCredentials] | None = None,
         server_name: str = "",
         clock: Clock | None = None,
     ) -> None:
@@ -123,8 +123,10 @@ class Link:
                 pass
 
     async def _session(self, stop: asyncio.Event) -> None:
-        channel = (grpc.aio.insecure_channel(self.controller, options=self._options) if self._credentials is None
-                   else grpc.aio.secure_channel(self.controller, self._credentials, options=self._options))
+        # A callable is asked at each session: certificate files renewed meanwhile are taken up (tls.ReloadingIdentity)
+        credentials = self._credentials() if callable(self._credentials) else self._credentials
+        channel = (grpc.aio.insecure_channel(self.controller, options=self._options) if credentials is None
+                   else grpc.aio.secure_channel(self.controller, credentials, options=self._options))
         async with channel:
             stub = node_pb2_grpc.NodeServiceStub(channel)
             reply = await stub.Register(

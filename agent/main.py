@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from agent import config as agent_config
-from agent import local_server
+from agent import local_server, renewal
 from agent import metrics as agent_metrics
 from agent import nvrx as nvrx_service
 from agent import snapshots as snaps
@@ -70,8 +70,9 @@ class Agent:
     worker thread (agent.guarded), so that no collector can hold back a heartbeat."""
 
     def __init__(self, cfg: agent_config.AgentConfig, backend: gpu.GpuBackend,
-                 credentials: grpc.ChannelCredentials | None = None, clock: Clock | None = None) -> None:
+                 identity: tls.ReloadingIdentity | None = None, clock: Clock | None = None) -> None:
         self.cfg = cfg
+        self.identity = identity  # None: plaintext (security.insecure)
         self.name = cfg.name
         self.backend = backend
         self.clock = clock or RealClock()
@@ -107,7 +108,8 @@ class Agent:
         self._dcgm_seen: set[tuple[int, str]] = set()
         self.link = Link(self.name, cfg.controllers(), self.inventory, self.heartbeat,
                          Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command,
-                         credentials=credentials, server_name=cfg.security.server_name, clock=self.clock)
+                         credentials=identity.channel_credentials if identity is not None else None,
+                         server_name=cfg.security.server_name, clock=self.clock)
         self.xids = agent_metrics.XidTally()
 
         def emit(kind: str, message: str, collector: str) -> None:
@@ -374,11 +376,16 @@ class Agent:
         interval = sdnotify.watchdog_interval_s()
         watchdog = asyncio.create_task(self._watchdog(interval)) if interval else None
         ranks = asyncio.create_task(self._watch_ranks())
+        renew = asyncio.create_task(renewal.run(self.identity, self.name, self.cfg.controllers(),
+                                                self.cfg.security.server_name, stop)) \
+            if self.identity is not None and self.cfg.security.renew else None
         try:
             await self.link.run(stop)
         finally:
             sdnotify.notify("STOPPING=1")
             ranks.cancel()
+            if renew is not None:
+                renew.cancel()
             if watchdog is not None:
                 watchdog.cancel()
             if local is not None:
@@ -404,22 +411,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def link_credentials(cfg: agent_config.AgentConfig) -> grpc.ChannelCredentials | None:
-    """Mutual TLS credentials from the configured files; None when security.insecure. Raises ConfigError."""
+def link_credentials(cfg: agent_config.AgentConfig) -> tls.ReloadingIdentity | None:
+    """This node's identity from the configured files, read again when they change; None when security.insecure.
+    Raises ConfigError."""
     sec = cfg.security
     if sec.insecure:
         logger.warning("security.insecure = true: the session to the controller is plaintext and unauthenticated",
                        controller=",".join(cfg.controllers()))
         return None
-    identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "this node's", logger)
-    ou_cn = tls.identity_of(identity.cert)
+    identity = tls.ReloadingIdentity(sec.ca_file, sec.cert_file, sec.key_file, "this node's", logger)
+    ou_cn = tls.identity_of(identity.identity.cert)
     if ou_cn is not None and ou_cn != ("node", cfg.name):
         raise ConfigError(f"security: certificate {sec.cert_file} is for {ou_cn[0] or 'no role'} {ou_cn[1]!r}, not "
                           f"node {cfg.name!r}: the controller would refuse it (`phalanx certs issue {cfg.name}`)")
-    return tls.channel_credentials(identity.ca, identity.cert, identity.key)
+    return identity
 
 
-async def serve(cfg: agent_config.AgentConfig, credentials: grpc.ChannelCredentials | None = None) -> int:
+async def serve(cfg: agent_config.AgentConfig, identity: tls.ReloadingIdentity | None = None) -> int:
     try:
         backend, note = gpu.select(cfg.gpu.backend, cfg.gpu.sim_count, cfg.name)
     except gpu.GpuBackendError as e:
@@ -430,7 +438,7 @@ async def serve(cfg: agent_config.AgentConfig, credentials: grpc.ChannelCredenti
             Path(directory).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             logger.warning("cannot create directory", path=directory, error=str(e))
-    agent = Agent(cfg, backend, credentials)
+    agent = Agent(cfg, backend, identity)
     logger.info("agent starting", node=agent.name, controller=",".join(cfg.controllers()), gpu=note,
                 version=__version__)
     agent.link.emit("started", f"agent {__version__} started on {agent.name}: {note}",

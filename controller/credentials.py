@@ -152,22 +152,9 @@ class Credentials:
     async def enrol(self, token: str, csr_pem: bytes, peer: str) -> tuple[bytes, bytes, int]:
         """(certificate PEM, CA PEM, not-after in Unix ns) for the node the CSR names. Raises PermissionDenied,
         InvalidArgument, FailedPrecondition; nothing is recorded unless a certificate is given."""
-        from cryptography import x509
         from cryptography.hazmat.primitives import serialization
-        from cryptography.x509.oid import NameOID
-        try:
-            csr = x509.load_pem_x509_csr(csr_pem)
-        except ValueError:
-            raise InvalidArgument("csr_pem is not a PEM certificate signing request") from None
-        if not csr.is_signature_valid:
-            raise InvalidArgument("the certificate signing request's signature does not verify")
-        names = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-        name = str(names[0].value) if names else ""
-        if not NAME.fullmatch(name):
-            raise InvalidArgument(f"the request's common name {name!r} is not a node name: {RULE}")
+        csr, name, spki = _read_csr(csr_pem)
         public = csr.public_key()
-        spki = hashlib.sha256(public.public_bytes(serialization.Encoding.DER,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
         ca_cert, ca_key = self._ca()
         async with self._lock:
             token_id, token_data = self._spend(token)
@@ -192,6 +179,27 @@ class Credentials:
                             node=name, token=token_id, serial=serial, peer=peer))
         logger.info("node enrolled", node=name, token=token_id, serial=serial, peer=peer)
         return cert.public_bytes(serialization.Encoding.PEM), self.ca_pem(), not_after_ns
+
+    async def renew(self, node: str, csr_pem: bytes, peer: str) -> tuple[bytes, int]:
+        """(certificate PEM, not-after) for node `node`, the caller, whose current certificate got it here: the
+        request must name that node. Raises InvalidArgument, PermissionDenied, FailedPrecondition."""
+        from cryptography.hazmat.primitives import serialization
+        csr, name, spki = _read_csr(csr_pem)
+        if name != node:
+            raise PermissionDenied(f"the request names {name!r}; node {node!r} can renew only its own certificate")
+        ca_cert, ca_key = self._ca()
+        async with self._lock:
+            cert = pki.sign(ca_cert, ca_key, csr.public_key(), name, "node", (), self.enrol_days)
+            serial = format(cert.serial_number, "x")
+            not_after_ns = int(cert.not_valid_after_utc.timestamp() * 1e9)
+            before = self._data(f"node/{name}") or {}
+            await self._commit({f"node/{name}": {**before, "spki_sha256": spki, "serial": serial,
+                                                 "not_after_ns": not_after_ns, "renewed_ns": self.clock.wall_ns(),
+                                                 "enrolled_ns": before.get("enrolled_ns", self.clock.wall_ns())}},
+                               self._event("cert.renewed", f"node {name} renewed its certificate from {peer}: "
+                                           f"{serial} until {_iso(not_after_ns)}", node=name, serial=serial))
+        logger.info("certificate renewed", node=name, serial=serial)
+        return cert.public_bytes(serialization.Encoding.PEM), not_after_ns
 
     # -- revocation --------------------------------------------------------------------------------
 
@@ -233,6 +241,26 @@ class Credentials:
         if by_name is not None and not_before_ns + int(pki.BACKDATE.total_seconds() * 1e9) <= by_name["revoked_ns"]:
             return Revocation(by_name["revoked_ns"], by_name["reason"])
         return None
+
+
+def _read_csr(csr_pem: bytes):
+    """(the request, the node it names, its key's SHA-256) of a PEM CSR. Raises InvalidArgument."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509.oid import NameOID
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError:
+        raise InvalidArgument("csr_pem is not a PEM certificate signing request") from None
+    if not csr.is_signature_valid:
+        raise InvalidArgument("the certificate signing request's signature does not verify")
+    names = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    name = str(names[0].value) if names else ""
+    if not NAME.fullmatch(name):
+        raise InvalidArgument(f"the request's common name {name!r} is not a node name: {RULE}")
+    spki = hashlib.sha256(csr.public_key().public_bytes(serialization.Encoding.DER,
+                                                        serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
+    return csr, name, spki
 
 
 def _iso(ns: int) -> str:

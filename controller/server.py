@@ -80,7 +80,8 @@ async def periodic(name: str, interval_s: float, job: Callable[[], Awaitable[obj
         await clock.sleep(delay)
 
 
-def load_security(cfg: ControllerConfig) -> tuple[tls.Identity | None, grpc.ServerCredentials | None, dict]:
+def load_security(cfg: ControllerConfig) -> tuple[tls.ReloadingIdentity | None, grpc.ServerCredentials | None,
+                                                  dict]:
     """Read certificates and tokens before anything binds: a bad file is a ConfigError naming it."""
     sec = cfg.security
     tokens = auth.load_tokens(sec.tokens_file)
@@ -88,8 +89,8 @@ def load_security(cfg: ControllerConfig) -> tuple[tls.Identity | None, grpc.Serv
         logger.warning("security.insecure = true: anyone who can reach the controller can register a node or "
                        "submit a job; use it only on loopback", listen=cfg.listen)
         return None, None, tokens
-    identity = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's", logger)
-    return identity, tls.server_credentials(identity), tokens
+    identity = tls.ReloadingIdentity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's", logger)
+    return identity, tls.reloading_server_credentials(identity), tokens
 
 
 def interceptors(cfg: ControllerConfig, tokens: dict, revocation=None) -> list[grpc.aio.ServerInterceptor]:
@@ -145,7 +146,8 @@ class Controller:
             await self.metrics.serve(self.cfg.metrics_listen, lambda: metrics_http.access(
                 self.cfg.metrics, sec.ca_file, sec.cert_file, sec.key_file))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
-        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs), server)
+        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs, self.credentials),
+                                                        server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
                            self.credentials), server)
@@ -155,7 +157,7 @@ class Controller:
         self.port = bind(server, self.cfg.listen, self._credentials)
         if self.cfg.security.token_listen:
             self.token_port = bind(server, self.cfg.security.token_listen,
-                                         tls.token_server_credentials(self._identity))
+                                         tls.reloading_server_credentials(self._identity, client_auth=False))
         await server.start()
         self._server = server
         for service in ("", *SERVICES):

@@ -151,9 +151,10 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
 BACKDATE = datetime.timedelta(minutes=5)  # a certificate is valid from 5 minutes before it is made (clock skew)
 
 
-def sign(ca_cert, ca_key, public_key, name: str, role: str, sans: tuple[str, ...] = (), days: int = LEAF_DAYS):
+def sign(ca_cert, ca_key, public_key, name: str, role: str, sans: tuple[str, ...] = (), days: int = LEAF_DAYS,
+         lifetime: datetime.timedelta | None = None):
     """A certificate for `public_key` as `name` in `role`, signed by the CA: what `issue` writes and what the
-    controller gives an enrolling node (whose key never left it)."""
+    controller gives an enrolling node (whose key never left it). `lifetime` instead of `days`: tests."""
     x509, hashes, _, _, EKU, NameOID = _x509()
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME,
                                             ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value),
@@ -166,7 +167,7 @@ def sign(ca_cert, ca_key, public_key, name: str, role: str, sans: tuple[str, ...
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
                .public_key(public_key).serial_number(x509.random_serial_number())
                .not_valid_before(now - BACKDATE)
-               .not_valid_after(min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc))
+               .not_valid_after(min(now + (lifetime or datetime.timedelta(days=days)), ca_cert.not_valid_after_utc))
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
                                             crl_sign=False, content_commitment=False, data_encipherment=False,

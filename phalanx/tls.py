@@ -159,6 +159,68 @@ def load_identity(ca_file: str, cert_file: str, key_file: str, who: str, log) ->
     return identity
 
 
+class ReloadingIdentity:
+    """A daemon's [security] files, read again whenever they change (a renewal, a certificate put in place by
+    hand): `current()` compares the files' modification times and sizes, a stat each, and loads a changed set;
+    one that does not load (a half-copied file, a key that does not match) is logged and the last good identity
+    kept, so a daemon never drops to no certificate."""
+
+    def __init__(self, ca_file: str, cert_file: str, key_file: str, who: str, log) -> None:
+        self.files = (ca_file, cert_file, key_file)
+        self.who, self.log = who, log
+        self.identity = load_identity(ca_file, cert_file, key_file, who, log)
+        self._stamp = self._stamps()
+        self.reloads = 0
+
+    def _stamps(self) -> tuple:
+        out = []
+        for path in self.files:
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def current(self) -> Identity:
+        stamp = self._stamps()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self.identity = load_identity(*self.files, self.who, self.log)
+                self.reloads += 1
+                self.log.info(f"{self.who} certificate read again", cert=self.files[1],
+                              not_after=str(self.identity.not_after))
+            except ConfigError as e:
+                self.log.error(f"{self.who} changed certificate files do not load; the ones before stay in use",
+                               error=str(e))
+        return self.identity
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        identity = self.current()
+        return channel_credentials(identity.ca, identity.cert, identity.key)
+
+
+def reloading_server_credentials(reloading: ReloadingIdentity, client_auth: bool = True) -> grpc.ServerCredentials:
+    """Server credentials that take up renewed files at the next handshake, without a restart: gRPC asks before
+    each handshake, and gets a new configuration only when the files changed."""
+    def configuration(identity: Identity):
+        return grpc.ssl_server_certificate_configuration([(identity.key, identity.cert)],
+                                                         root_certificates=identity.ca if client_auth else None)
+
+    served = [reloading.identity]
+
+    def fetch():
+        identity = reloading.current()
+        if identity is served[0]:
+            return None  # unchanged: gRPC keeps the configuration it has
+        served[0] = identity
+        return configuration(identity)
+
+    return grpc.dynamic_ssl_server_credentials(configuration(reloading.identity), fetch,
+                                               require_client_authentication=client_auth)
+
+
 def target_name_options(server_name: str) -> list[tuple[str, object]]:
     """Channel options to expect `server_name` in the server's certificate (when not the host dialled)."""
     return [("grpc.ssl_target_name_override", server_name)] if server_name else []

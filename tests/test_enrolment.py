@@ -178,3 +178,59 @@ def test_a_certificate_issued_by_hand_is_revoked_by_serial_and_bad_revocations_a
                           (("certs", "revoke", "bad name"), "name 'bad name'")):
         out = c.cli(*args)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+
+
+def short_lived(ca: Path, name: str, directory: Path, minutes: float = 3.0) -> x509.Certificate:
+    """A node certificate two thirds gone already (it starts 5 minutes back, as every one does)."""
+    import datetime
+
+    from cryptography.hazmat.primitives import serialization
+    ca_cert = x509.load_pem_x509_certificate((ca / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), password=None)
+    key_pem, _ = pki.new_key_and_csr(name)
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    cert = pki.sign(ca_cert, ca_key, key.public_key(), name, "node", lifetime=datetime.timedelta(minutes=minutes))
+    pki.write_identity(directory, "node", key_pem, cert.public_bytes(serialization.Encoding.PEM),
+                       (ca / "ca.crt").read_bytes())
+    return cert
+
+
+def test_a_node_renews_its_certificate_while_its_job_runs_and_the_controller_takes_a_new_one_in_place(
+        enrolling, tmp_path):
+    import ssl
+    import sys
+    c = enrolling
+    node_dir = tmp_path / "gpu401"
+    old = short_lived(c.pki, "gpu401", node_dir)
+    start_enrolled(c, "gpu401", node_dir)
+    c.wait_states({"gpu401": "UP"})
+    job = c.cli("submit", "--nodes", "1", "--", sys.executable, "-c", "import time; time.sleep(600)").stdout.strip()
+    c.wait_for(lambda: json.loads(c.cli("job", job, "-o", "json").stdout)["state"] == "RUNNING", "the job running")
+
+    def current() -> x509.Certificate:
+        return x509.load_pem_x509_certificate((node_dir / "node.crt").read_bytes())
+
+    c.wait_for(lambda: current().serial_number != old.serial_number, "the certificate renewed")
+    new = current()
+    assert new.not_valid_after_utc - old.not_valid_after_utc > __import__("datetime").timedelta(days=300)
+    assert stat.S_IMODE((node_dir / "node.key").stat().st_mode) == 0o600
+    [renewed] = events(c, "cert.renewed")
+    assert renewed.node == "gpu401" and renewed.fields["serial"] == format(new.serial_number, "x")
+    # nothing noticed: the session never dropped, the job runs on in its first generation
+    assert len([e for e in events(c, "node.registered") if e.node == "gpu401"]) == 1
+    assert c.node("gpu401").connected
+    j = json.loads(c.cli("job", job, "-o", "json").stdout)
+    assert (j["state"], j["generation"]) == ("RUNNING", 1)
+    # the controller's own certificate replaced in place is what its next handshake shows, without a restart
+    served = x509.load_pem_x509_certificate(ssl.get_server_certificate(("127.0.0.1", int(
+        c.token_address.rsplit(":", 1)[1]))).encode())
+    (c.pki / "controller.crt").unlink()
+    (c.pki / "controller.key").unlink()
+    replaced = x509.load_pem_x509_certificate(pki.issue(c.pki, "controller", "controller",
+                                                        ("127.0.0.1", "localhost")).cert.read_bytes())
+    c.wait_for(lambda: x509.load_pem_x509_certificate(ssl.get_server_certificate(("127.0.0.1", int(
+        c.token_address.rsplit(":", 1)[1]))).encode()).serial_number == replaced.serial_number,
+        "the controller serving its new certificate")
+    assert served.serial_number != replaced.serial_number
+    assert c.cli("nodes").returncode == 0  # clients go on verifying it against the same CA
+    assert c.cli("cancel", job).returncode == 0

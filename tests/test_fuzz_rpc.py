@@ -60,6 +60,7 @@ WHERE = {
     "phalanx.v1.NodeService": "controller",
     "phalanx.v1.RendezvousService": "controller",
     "grpc.health.v1.Health": "controller",
+    "phalanx.v1.EnrolService": "controller",
     "phalanx.v1.LocalService": "local",
     "phalanx.v1.SnapshotService": "snapshot",
     "nvhcd.HealthCheckService": "nvrx",

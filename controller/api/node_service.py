@@ -8,7 +8,8 @@ import grpc
 
 from controller.api import auth, validation
 from controller.api.rpc import status_for, unary
-from controller.errors import ControllerError, InvalidArgument
+from controller.credentials import Credentials
+from controller.errors import ControllerError, FailedPrecondition, InvalidArgument
 from controller.jobs.manager import JobManager
 from controller.nodes.registry import NodeEntry, Registry
 from controller.nodes.session import Session
@@ -22,7 +23,8 @@ OPEN_TIMEOUT_S = 10.0  # an agent that connects must say who it is within this t
 
 
 class NodeService(node_pb2_grpc.NodeServiceServicer):
-    def __init__(self, registry: Registry, jobs: JobManager) -> None:
+    def __init__(self, registry: Registry, jobs: JobManager, credentials: Credentials | None = None) -> None:
+        self._credentials = credentials
         self._registry = registry
         self._jobs = jobs
 
@@ -125,3 +127,13 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         except Exception as e:
             logger.exception("session failed", node=entry.record.name, peer=session.peer)
             session.kick(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    @unary
+    async def RenewCertificate(self, request: node_pb2.RenewCertificateRequest, context):
+        peer = auth.current_peer()
+        if self._credentials is None or peer is None or peer.via != "certificate":
+            raise FailedPrecondition("renewal is for a node's certificate on mutual TLS")
+        if not request.csr_pem or len(request.csr_pem) > 16 * 1024:
+            raise InvalidArgument("csr_pem must be a certificate signing request of at most 16384 bytes")
+        cert, not_after_ns = await self._credentials.renew(peer.name, request.csr_pem, context.peer())
+        return node_pb2.RenewCertificateResponse(cert_pem=cert, not_after_unix_ns=not_after_ns)

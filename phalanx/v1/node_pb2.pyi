@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RenewCertificateRequest(_message.Message):
+    __slots__ = ("csr_pem",)
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    csr_pem: bytes
+    def __init__(self, csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class RenewCertificateResponse(_message.Message):
+    __slots__ = ("cert_pem", "not_after_unix_ns")
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    cert_pem: bytes
+    not_after_unix_ns: int
+    def __init__(self, cert_pem: _Optional[bytes] = ..., not_after_unix_ns: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("node_name", "inventory")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class NodeServiceStub:
                 request_serializer=phalanx_dot_v1_dot_node__pb2.AgentMessage.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_node__pb2.ControllerMessage.FromString,
                 _registered_method=True)
+        self.RenewCertificate = channel.unary_unary(
+                '/phalanx.v1.NodeService/RenewCertificate',
+                request_serializer=phalanx_dot_v1_dot_node__pb2.RenewCertificateRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_node__pb2.RenewCertificateResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -65,6 +70,14 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewCertificate(self, request, context):
+        """A new certificate for the calling node (its certificate's name), for a key it made: the agent renews
+        its certificate this way well before it expires. Needs [security] ca_key_file on the controller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=phalanx_dot_v1_dot_node__pb2.AgentMessage.FromString,
                     response_serializer=phalanx_dot_v1_dot_node__pb2.ControllerMessage.SerializeToString,
+            ),
+            'RenewCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewCertificate,
+                    request_deserializer=phalanx_dot_v1_dot_node__pb2.RenewCertificateRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_node__pb2.RenewCertificateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +151,33 @@ class NodeService:
             '/phalanx.v1.NodeService/Session',
             phalanx_dot_v1_dot_node__pb2.AgentMessage.SerializeToString,
             phalanx_dot_v1_dot_node__pb2.ControllerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.NodeService/RenewCertificate',
+            phalanx_dot_v1_dot_node__pb2.RenewCertificateRequest.SerializeToString,
+            phalanx_dot_v1_dot_node__pb2.RenewCertificateResponse.FromString,
             options,
             channel_credentials,
             insecure,
