@@ -32,6 +32,7 @@ from bench import (  # noqa: E402
     capacity,
     checkpoint,
     common,
+    credentials,
     detection,
     failover,
     failover_scale,
@@ -47,7 +48,7 @@ from bench import (  # noqa: E402
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "failover", "failover-scale", "simulate")
+              "recovery", "failover", "failover-scale", "simulate", "credentials")
 FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
@@ -133,6 +134,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = await failover_scale.run(args.failover_steps)
             elif name == "simulate":
                 results[name] = simulate.run(quick=args.quick)
+            elif name == "credentials":
+                results[name] = await asyncio.to_thread(credentials.run, 3 if args.quick else args.trials)
             elif name == "capacity":
                 budget = max(60.0, args.budget - (time.monotonic() - t_begin))
                 results[name] = await capacity.run(args.steps, args.hold, args.settle, args.generators,
@@ -196,6 +199,16 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("capacity", "limited by", "", c["limited_by"]))
     elif c:
         rows.append(("capacity", "error", "", _first_line(c["error"])))
+    cr = results.get("credentials")
+    if cr and "error" not in cr:
+        met = " [meets goal]" if cr["revoke_cut_max_s"] <= cr["goal_s"] else " [MISSES goal]"
+        rows.append(("credentials", f"revocation -> live agent cut off, median / max of {cr['trials']}",
+                     f"<= {cr['goal_s']:g} s", f"{cr['revoke_cut_median_s'] * 1000:.0f} / "
+                     f"{cr['revoke_cut_max_s'] * 1000:.0f} ms{met}"))
+        rows.append(("credentials", "a node enrolling (CA by hash, key, CSR, signed), median / max", "",
+                     f"{cr['enrol_median_s'] * 1000:.0f} / {cr['enrol_max_s'] * 1000:.0f} ms"))
+    elif cr:
+        rows.append(("credentials", "error", "", _first_line(cr["error"])))
     t = results.get("tls")
     if t and "error" not in t:
         rows.append(("tls", f"controller CPU per heartbeat, mTLS vs plaintext (N={t['nodes']:,})", "",
