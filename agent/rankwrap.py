@@ -1,10 +1,12 @@
-"""`python -I .../agent/rankwrap.py EXIT_FILE -- COMMAND...`: run one rank and write down how it ended.
+"""`python -I .../agent/rankwrap.py EXIT_FILE [--as UID:GID:G1,G2] -- COMMAND...`: run one rank, write how it ended.
 
 The agent starts every rank through this wrapper, in a session of its own. The wrapper runs the
 command in the same process group, passes SIGTERM/SIGINT on, writes the rank's pid to
 `pid_path(EXIT_FILE)` as soon as it has started it, and writes the exit status to EXIT_FILE
 (atomically) when the rank ends. An agent that restarted meanwhile — and so is no longer the
-rank's parent and cannot wait() for it — still learns the rank's pid and how it ended.
+rank's parent and cannot wait() for it — still learns the rank's pid and how it ended. With `--as`,
+the rank runs with that uid, gid and supplementary groups, while the wrapper keeps the agent's (it
+writes the agent's files).
 
 The agent runs this file by its path in isolated mode (`-I`): nothing in the job's working
 directory or PYTHONPATH (a user's `agent.py`, say) can stand in for it. So it imports the standard
@@ -34,8 +36,14 @@ def write_status(path: str, code: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    identity: dict = {}
+    if len(argv) >= 3 and argv[1] == "--as":
+        uid, gid, groups = argv[2].split(":")
+        identity = {"user": int(uid), "group": int(gid),
+                    "extra_groups": [int(g) for g in groups.split(",") if g]}
+        argv = [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -I rankwrap.py EXIT_FILE -- COMMAND...", file=sys.stderr)
+        print("usage: python -I rankwrap.py EXIT_FILE [--as UID:GID:GROUPS] -- COMMAND...", file=sys.stderr)
         return 2
     exit_file, command = argv[0], argv[2:]
     child: subprocess.Popen | None = None
@@ -56,7 +64,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     try:
-        child = subprocess.Popen(command)  # exec resets the handlers: the rank gets the default ones
+        child = subprocess.Popen(command, **identity)  # exec resets the handlers: the rank gets the default ones
     except OSError as e:
         print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
         write_status(exit_file, 127)

@@ -43,6 +43,53 @@ AGENT_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "L
                             "LISTEN_FDNAMES"})
 
 
+# What a rank running as its own account keeps of the agent's environment: nothing of the agent's own (its
+# sockets, watchdog, credentials), only what Phalanx gives every rank and a login's basics.
+KEPT_ENV = frozenset({"PATH", "LANG", "LC_ALL", "TZ"})
+
+
+@dataclass(frozen=True)
+class Account:
+    """A local account ranks run as: looked up on this node by name (as the controller's access file allows)."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+    shell: str
+
+    def spec(self) -> str:
+        return f"{self.uid}:{self.gid}:{','.join(map(str, self.groups))}"
+
+    def env(self, base_env: dict[str, str], job_env) -> dict[str, str]:
+        env = {k: v for k, v in base_env.items() if k in KEPT_ENV or k.startswith("PHALANX_")}
+        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        env.update(HOME=self.home, USER=self.name, LOGNAME=self.name, SHELL=self.shell)
+        env.update(job_env)
+        return env
+
+    def own(self, *paths: Path | None) -> None:
+        """Make the job's checkpoint directory and log directory this account's (created if missing)."""
+        for path in paths:
+            if path is not None:
+                path.mkdir(parents=True, exist_ok=True)
+                os.chown(path, self.uid, self.gid)
+
+
+def resolve_account(name: str) -> Account:
+    """The account `name` on this node. Raises ValueError saying it is missing (or is root: the controller
+    allows root only where its access file says so, and says so in the request)."""
+    import pwd
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise ValueError(f"account {name!r} does not exist on this node (the job runs as it): create it, or "
+                         "map the identity to an account that does") from None
+    groups = tuple(g for g in os.getgrouplist(name, entry.pw_gid) if g != entry.pw_gid)
+    return Account(name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir, entry.pw_shell)
+
+
 @dataclass
 class RankRecord:
     job: str
@@ -106,12 +153,17 @@ class Supervisor:
             existing = self._ranks.get(f"{request.job}.g{request.generation}.r{rank.rank}")
             if existing is not None and self._alive(existing):
                 raise ValueError(f"rank {rank.rank} of {request.job} generation {request.generation} already runs")
-        env = self._env(base_env, request.env)
-        warm = self.warm is not None and self.warm.enabled
+        account = resolve_account(request.run_as) if request.run_as else None
+        env = self._env(base_env, request.env) if account is None else account.env(base_env, request.env)
+        # standbys are started ahead as the agent's user: a job that runs as its own starts cold
+        warm = self.warm is not None and self.warm.enabled and account is None
         kind = recipe(request.job, request.command, env, self._workdir(request.workdir)) if warm else None
         started = []
+        if account is not None:
+            account.own(Path(env["PHALANX_CHECKPOINT_DIR"]) if env.get("PHALANX_CHECKPOINT_DIR") else None,
+                        self._logs / request.job)
         for rank in request.ranks:
-            started.append(self._start(request, rank, env, kind))
+            started.append(self._start(request, rank, env, kind, account))
         if warm:
             self.warm.launching()
             self.warm.want(kind, len(request.ranks))  # ready for the next generation here
@@ -147,7 +199,7 @@ class Supervisor:
         return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(wall_s(self._clock)))
 
     def _start(self, request: node_pb2.LaunchRanks, rank: node_pb2.RankLaunch, job_env: dict[str, str],
-               kind: Recipe | None) -> RankRecord:
+               kind: Recipe | None, account: Account | None = None) -> RankRecord:
         log_dir = self._logs / request.job
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"rank-{rank.rank}.log"
@@ -179,9 +231,12 @@ class Supervisor:
                 except OSError as e:
                     out.write(f"--- phalanx: {e}; starting cold ---\n".encode())
                     out.flush()
+            if account is not None:
+                os.chown(log_path, account.uid, account.gid)
             if proc is None:
+                run_as = ["--as", account.spec()] if account is not None else []
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", WRAPPER, str(exit_file), "--", *request.command],
+                    [sys.executable, "-I", WRAPPER, str(exit_file), *run_as, "--", *request.command],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                     start_new_session=True, preexec_fn=pin if cpus else None)
         try:

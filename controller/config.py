@@ -164,6 +164,10 @@ class SecurityConfig:
                                "controller sign certificates for nodes that enrol themselves with a bootstrap "
                                "token (`phalanx certs token create`, on token_listen); empty = no enrolment")
     enrol_days: int = setting(365, "validity of the certificates nodes get by enrolling")
+    access_file: str = setting("", "who may do what and run jobs as whom: [identities.NAME] tables with role "
+                               "(admin, user, viewer), accounts and allow_root (README, \"Users, roles and "
+                               "accounts\"); empty = every authenticated client is an admin and ranks run as the "
+                               "agent's user")
 
     def __post_init__(self) -> None:
         require(not self.token_listen or bool(self.tokens_file) or bool(self.ca_key_file),

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from controller import access
 from controller.api import auth
 from controller.api.control_service import ControlService
 from controller.api.enrol_service import EnrolService
@@ -93,9 +94,10 @@ def load_security(cfg: ControllerConfig) -> tuple[tls.ReloadingIdentity | None, 
     return identity, tls.reloading_server_credentials(identity), tokens
 
 
-def interceptors(cfg: ControllerConfig, tokens: dict, revocation=None) -> list[grpc.aio.ServerInterceptor]:
+def interceptors(cfg: ControllerConfig, tokens: dict, revocation=None,
+                 policy: access.Policy | None = None) -> list[grpc.aio.ServerInterceptor]:
     # Outermost first: who is calling is settled before a byte of the request is decoded.
-    authorizer = [] if cfg.security.insecure else [auth.Authorizer(tokens, revocation)]
+    authorizer = [] if cfg.security.insecure else [auth.Authorizer(tokens, revocation, policy)]
     return [*authorizer, RequestGuard()]
 
 
@@ -150,7 +152,7 @@ class Controller:
                                                         server)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
-                           self.credentials), server)
+                           self.credentials, self.policy), server)
         enrol_pb2_grpc.add_EnrolServiceServicer_to_server(EnrolService(self.credentials), server)
         rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(RendezvousService(self.clock), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -183,9 +185,13 @@ class Controller:
 
     def _load_security(self) -> None:
         self._identity, self._credentials, self._tokens = load_security(self.cfg)
+        self.policy = access.load(self.cfg.security.access_file)
+        if self.policy is None and not self.cfg.security.insecure:
+            logger.warning("no security.access_file: every authenticated client is an admin and ranks run as the "
+                           "agent's user")
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return interceptors(self.cfg, self._tokens, self.credentials.revocation)
+        return interceptors(self.cfg, self._tokens, self.credentials.revocation, self.policy)
 
     async def describe_controllers(self) -> control_pb2.ListControllersResponse:
         if self.elector is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from controller import access
 from controller.errors import PermissionDenied
 from phalanx.errors import ConfigError
 from phalanx.request_guard import handler_parts
@@ -92,8 +93,9 @@ class Revoked(Exception):
 
 
 class Authorizer(grpc.aio.ServerInterceptor):
-    def __init__(self, tokens: dict[bytes, str], revocation=None) -> None:
+    def __init__(self, tokens: dict[bytes, str], revocation=None, policy: access.Policy | None = None) -> None:
         self._tokens = tokens
+        self.policy = policy  # the access file: roles on the control API (None: every client an admin)
         self._revocation = revocation  # (role, name, certificate PEM) -> a Revocation, or None
 
     def identify(self, context: grpc.aio.ServicerContext, metadata: tuple) -> Peer | None:
@@ -135,11 +137,11 @@ class Authorizer(grpc.aio.ServerInterceptor):
         if service in OPEN_SERVICES:
             return handler
         roles = SERVICE_ROLES.get(service, frozenset())
-        return _guarded(handler, self, roles, details.invocation_metadata, service)
+        return _guarded(handler, self, roles, details.invocation_metadata, service, details.method)
 
 
 async def _admit(authorizer: Authorizer, roles: frozenset[str], metadata, service: str,
-                 context: grpc.aio.ServicerContext) -> None:
+                 context: grpc.aio.ServicerContext, method: str = "") -> None:
     try:
         peer = authorizer.identify(context, metadata)
     except Revoked as e:
@@ -152,21 +154,26 @@ async def _admit(authorizer: Authorizer, roles: frozenset[str], metadata, servic
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                             f"{peer} may not call {service} (allowed: {', '.join(sorted(roles)) or 'nobody'})")
     _peer.set(peer)
+    if authorizer.policy is not None and service == "phalanx.v1.ControlService" and peer.role == CLIENT:
+        try:
+            access.set_caller(authorizer.policy.admit(peer.name, method.rsplit("/", 1)[-1]))
+        except PermissionDenied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
 
 
 def _guarded(handler: grpc.RpcMethodHandler, authorizer: Authorizer, roles: frozenset[str], metadata,
-             service: str) -> grpc.RpcMethodHandler:
+             service: str, method: str = "") -> grpc.RpcMethodHandler:
     """The same handler with `_admit` run first, in the RPC's own task (so `current_peer` sees it)."""
     _, inner, factory = handler_parts(handler)
 
     if inspect.isasyncgenfunction(inner):
         async def behaviour(request, context):
-            await _admit(authorizer, roles, metadata, service, context)
+            await _admit(authorizer, roles, metadata, service, context, method)
             async for reply in inner(request, context):
                 yield reply
     else:
         async def behaviour(request, context):
-            await _admit(authorizer, roles, metadata, service, context)
+            await _admit(authorizer, roles, metadata, service, context, method)
             return await inner(request, context)
 
     return factory(behaviour, request_deserializer=handler.request_deserializer,

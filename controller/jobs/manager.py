@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from controller import access
 from controller.api import validation
 from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -426,4 +427,4 @@ class JobManager:
         self.hub.publish(committed.events)
 
     def event(self, kind: str, message: str, job: str) -> EventRecord:
-        return EventRecord(kind=kind, message=message, time_ns=self.clock.wall_ns(), job=job)
+        return EventRecord(kind=kind, message=message, time_ns=self.clock.wall_ns(), job=job, fields=access.by(kind))

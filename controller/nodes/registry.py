@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from controller import access
 from controller.config import HealthConfig, LivenessConfig
 from controller.errors import FailedPrecondition, NotFound
 from controller.nodes import health, liveness
@@ -485,7 +486,8 @@ class Registry:
         self._hub.publish(committed.events)
 
     def _event(self, kind: str, message: str, node: str, **fields: str) -> EventRecord:
-        return EventRecord(kind=kind, message=message, time_ns=self._clock.wall_ns(), node=node, fields=fields)
+        return EventRecord(kind=kind, message=message, time_ns=self._clock.wall_ns(), node=node,
+                           fields={**fields, **access.by(kind)})
 
     def _state_event(self, node: str, source: NodeState, target: NodeState, reason: str) -> EventRecord:
         return self._event("node.state", f"node {node}: {source} -> {target}: {reason}", node,

@@ -363,7 +363,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     spec = common_pb2.JobSpec(name=args.name or "", command=command, nodes=args.nodes,
                               ranks_per_node=args.ranks_per_node, spares=args.spares,
                               checkpoint_dir=args.checkpoint_dir or "", priority=args.priority,
-                              workdir=os.getcwd(), segment=args.segment, env=dict(args.env or []))
+                              workdir=os.getcwd(), segment=args.segment, env=dict(args.env or []),
+                              run_as=args.run_as or "")
     job = call(args, lambda s: s.SubmitJob(control_pb2.SubmitJobRequest(spec=spec, user=getpass.getuser()),
                                            timeout=DEFAULT_TIMEOUT_S))
     print(job.id)
@@ -458,7 +459,7 @@ def _print_event(event: common_pb2.Event, as_json: bool) -> None:
 def cmd_events(args: argparse.Namespace) -> int:
     if not args.follow:
         reply = call(args, lambda s: s.ListEvents(control_pb2.ListEventsRequest(
-            after_seq=args.after, limit=args.limit, node=args.node or "", job=args.job or ""),
+            after_seq=args.after, limit=args.limit, node=args.node or "", job=args.job or "", by=args.by or ""),
             timeout=DEFAULT_TIMEOUT_S))
         if args.output == "json":
             print(render.dumps([render.event_dict(e) for e in reply.events]))
@@ -475,7 +476,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         try:
             # No deadline: a follow runs until the user stops it.
             for event in stub.WatchEvents(control_pb2.WatchEventsRequest(after_seq=last, node=args.node or "",
-                                                                          job=args.job or "")):
+                                                                          job=args.job or "", by=args.by or "")):
                 _print_event(event, args.output == "json")
                 last = event.seq
         except grpc.RpcError as e:
@@ -716,7 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a gang job; prints its id",
                        usage="%(prog)s [--nodes N] [--ranks-per-node R] [--spares S] [--checkpoint-dir DIR] "
-                             "[--name NAME] [--priority P] [--env K=V] -- COMMAND ...")
+                             "[--name NAME] [--priority P] [--env K=V] [--as ACCOUNT] -- COMMAND ...")
     p.add_argument("--nodes", type=_positive, default=1, help="nodes in the gang (default 1)")
     p.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per node (default 1)")
     p.add_argument("--spares", type=_count, default=0, help="hot spare nodes reserved in the job's topology domain")
@@ -724,6 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="a name to know the job by")
     p.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
     p.add_argument("--segment", type=_count, default=0, help="block topologies: nodes per segment")
+    p.add_argument("--as", dest="run_as", metavar="ACCOUNT", help="the local account the ranks run as, among those "
+                   "the controller's access file allows you (default: the first of them)")
     p.add_argument("--env", action="append", type=_env_pair, metavar="K=V", help="environment for every rank")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the program and its arguments")
     p.set_defaults(func=cmd_submit)
@@ -764,6 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_output(p, "table", "json")
     p.add_argument("--node", help="only events of this node")
     p.add_argument("--job", help="only events of this job")
+    p.add_argument("--by", metavar="IDENTITY", help="only what this person (certificate or token name) did: drains, "
+                   "submissions, cancels, checkpoints, injections, certificates")
     p.add_argument("--after", type=_count, default=0, metavar="SEQ", help="only events after this sequence number")
     p.add_argument("--limit", type=_positive, default=1000, help="at most this many (default 1000)")
     p.set_defaults(func=cmd_events)

@@ -163,7 +163,8 @@ def health_text(nodes: Sequence[common_pb2.NodeHealth], detail: bool) -> str:
 
 def event_line(event: common_pb2.Event) -> str:
     stamp = iso(event.time_unix_ns) or "-"
-    return f"{event.seq:>6}  {stamp}  {event.kind:<16}  {event.message}"
+    by = event.fields.get("by")
+    return f"{event.seq:>6}  {stamp}  {event.kind:<16}  {event.message}" + (f"  [by {by}]" if by else "")
 
 
 def dumps(value: Any) -> str:

@@ -412,7 +412,7 @@ class PhaseTime(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment")
+    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment", "run_as")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +430,7 @@ class JobSpec(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     WORKDIR_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    RUN_AS_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     nodes: int
@@ -440,7 +441,8 @@ class JobSpec(_message.Message):
     env: _containers.ScalarMap[str, str]
     workdir: str
     segment: int
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ...) -> None: ...
+    run_as: str
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ..., run_as: _Optional[str] = ...) -> None: ...
 
 class RankInfo(_message.Message):
     __slots__ = ("rank", "node", "local_rank", "gpu", "state", "pid", "exit_code", "generation", "wrapper_pid")

@@ -216,16 +216,18 @@ class UndrainNodeRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListEventsRequest(_message.Message):
-    __slots__ = ("after_seq", "limit", "node", "job")
+    __slots__ = ("after_seq", "limit", "node", "job", "by")
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
     after_seq: int
     limit: int
     node: str
     job: str
-    def __init__(self, after_seq: _Optional[int] = ..., limit: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+    by: str
+    def __init__(self, after_seq: _Optional[int] = ..., limit: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
 
 class ListEventsResponse(_message.Message):
     __slots__ = ("events",)
@@ -234,14 +236,16 @@ class ListEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.Event, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("after_seq", "node", "job")
+    __slots__ = ("after_seq", "node", "job", "by")
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
     after_seq: int
     node: str
     job: str
-    def __init__(self, after_seq: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+    by: str
+    def __init__(self, after_seq: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -288,7 +288,7 @@ class RequestCheckpoint(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., request_id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ...) -> None: ...
 
 class LaunchRanks(_message.Message):
-    __slots__ = ("job", "generation", "command", "env", "workdir", "ranks")
+    __slots__ = ("job", "generation", "command", "env", "workdir", "ranks", "run_as")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -302,13 +302,15 @@ class LaunchRanks(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     WORKDIR_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    RUN_AS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     command: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.ScalarMap[str, str]
     workdir: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankLaunch]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankLaunch, _Mapping]]] = ...) -> None: ...
+    run_as: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankLaunch, _Mapping]]] = ..., run_as: _Optional[str] = ...) -> None: ...
 
 class RankLaunch(_message.Message):
     __slots__ = ("rank", "local_rank", "gpu", "env")
