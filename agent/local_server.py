@@ -13,6 +13,7 @@ status, which every heartbeat carries.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         self._emit = emit  # (kind, message, **labels) -> the controller's event log
         self._slow_factor = slow_factor  # (job, generation, rank) -> the slow=F injected on its GPU, or 0.0
         self._park = park  # Supervisor.park: (request, deliver) -> "" or why the rank cannot wait here
+        self.own_sockets: set[str] = set()  # jobs served on a socket of their own (serve_job_socket)
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
@@ -211,6 +213,61 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
 async def serve(path: Path, service: LocalService, group: str = "") -> grpc.aio.Server:
     """Listen on the Unix socket `path` (mode 0660). Raises OSError if it cannot."""
     server = await unix_socket.serve(
-        path, lambda s: local_pb2_grpc.add_LocalServiceServicer_to_server(service, s), group)
+        path, lambda s: local_pb2_grpc.add_LocalServiceServicer_to_server(shared(service), s), group)
     logger.info("local service for trainlib serving", socket=str(path))
+    return server
+
+
+# -- a job's own socket: only its account may speak for it -----------------------------------------------
+
+class Scoped:
+    """LocalService answering only the requests whose job `allows` admits; the others PERMISSION_DENIED, `why`."""
+
+    def __init__(self, inner: LocalService, allows: Callable[[str], bool], why: Callable[[str], str]) -> None:
+        self._inner, self._allows, self._why = inner, allows, why
+
+    def __getattr__(self, name: str):
+        method = getattr(self._inner, name)
+        allows, why = self._allows, self._why
+        if name == "Watch":
+            async def stream(request, context):
+                if not allows(request.job):
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, why(request.job))
+                async for reply in method(request, context):
+                    yield reply
+            return stream
+
+        async def unary(request, context):
+            if not allows(request.job):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why(request.job))
+            return await method(request, context)
+        return unary
+
+
+def shared(service: LocalService) -> Scoped:
+    """The shared socket's service: every job but those with a socket of their own (they run as an account)."""
+    return Scoped(service, lambda job: job not in service.own_sockets,
+                  lambda job: f"{job} runs as its own account: its ranks speak through its own socket "
+                              "($PHALANX_AGENT_SOCKET), which only that account can open")
+
+
+def serve_job_socket(path: Path, service: LocalService, job: str, uid: int, gid: int) -> grpc.aio.Server:
+    """A job's own socket: only its account may speak for it. Owned by the job's account and mode 0600, the
+    kernel lets only that account's processes (and root) connect, so another user's process cannot report
+    progress, acknowledge a checkpoint or read requests for this job; every request on it must name the job.
+    Bound now, served from the loop's next turn: a rank that connects before waits in the listen queue.
+    Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_socket():
+        path.unlink()
+    server = grpc.aio.server(options=unix_socket.SERVER_OPTIONS, interceptors=[unix_socket.RequestGuard()])
+    scoped = Scoped(service, lambda asked: asked == job, lambda asked: f"this socket is {job}'s only, not {asked}'s")
+    local_pb2_grpc.add_LocalServiceServicer_to_server(scoped, server)
+    if server.add_insecure_port(f"unix://{path}") == 0:
+        raise OSError(f"cannot listen on unix socket {path}")
+    os.chmod(path, 0o600)
+    os.chown(path, uid, gid)
+    asyncio.get_running_loop().create_task(server.start())
+    service.own_sockets.add(job)
+    logger.info("job socket for trainlib serving", job=job, socket=str(path), uid=uid)
     return server

@@ -30,7 +30,7 @@ from agent.collectors.topology import parse_cpulist, read_topology
 from agent.guarded import Guarded
 from agent.link import Link
 from agent.local_server import LocalState
-from agent.supervisor import Supervisor
+from agent.supervisor import Supervisor, resolve_account
 from agent.warm import WarmPool
 from phalanx import __version__, daemon, faults, log, metrics_http, sdnotify, tls
 from phalanx.clock import Clock, RealClock
@@ -73,6 +73,8 @@ class Agent:
                  identity: tls.ReloadingIdentity | None = None, clock: Clock | None = None) -> None:
         self.cfg = cfg
         self.identity = identity  # None: plaintext (security.insecure)
+        self._local_service: local_server.LocalService | None = None
+        self._job_sockets: dict[str, grpc.aio.Server] = {}  # jobs running as an account: their own socket
         self.name = cfg.name
         self.backend = backend
         self.clock = clock or RealClock()
@@ -201,7 +203,10 @@ class Agent:
             if body == "inject":
                 return node_pb2.CommandResult(ok=True, message=self._inject(command.inject))
             if body == "launch":
-                message = self.supervisor.launch(command.launch, self._rank_env(command.launch.job))
+                env = self._rank_env(command.launch.job)
+                if command.launch.run_as:
+                    env["PHALANX_AGENT_SOCKET"] = self._job_socket(command.launch.job, command.launch.run_as)
+                message = self.supervisor.launch(command.launch, env)
                 if self.snapshots is not None:  # and where this node's ranks' snapshots are replicated to
                     self.snapshots.launched(command.launch.job, command.launch.generation,
                                             command.launch.env.get("PHALANX_SNAPSHOT_PEER", ""))
@@ -304,11 +309,29 @@ class Agent:
 
     async def _watch_ranks(self) -> None:
         """A rank that ends is news for the controller now (a crash to recover from, a stop it waits to see done),
-        not at the next heartbeat."""
+        not at the next heartbeat. A job's own socket closes once none of its ranks runs here."""
         while True:
             await self.clock.sleep(RANK_POLL_S)
             if self.supervisor.poll():
                 self.link.beat_now()
+            if self._job_sockets:
+                running = {r.job for r in self.supervisor.statuses() if r.state == common_pb2.RANK_STATE_RUNNING}
+                for job in [j for j in self._job_sockets if j not in running]:
+                    server = self._job_sockets.pop(job)
+                    if self._local_service is not None:
+                        self._local_service.own_sockets.discard(job)
+                    await server.stop(None)
+
+    def _job_socket(self, job: str, account_name: str) -> str:
+        """The socket of a job that runs as an account: made for it (once) and only that account may open it."""
+        path = Path(self.cfg.state_dir) / "jobs" / job / "agent.sock"
+        if job not in self._job_sockets:
+            if self._local_service is None:
+                raise OSError("the local service for trainlib is not served on this node")
+            account = resolve_account(account_name)
+            self._job_sockets[job] = local_server.serve_job_socket(path, self._local_service, job, account.uid,
+                                                                   account.gid)
+        return str(path)
 
     async def _watchdog(self, interval_s: float) -> None:
         """Ping systemd's watchdog from the event loop itself: a stuck loop stops the pings and gets restarted."""
@@ -351,7 +374,8 @@ class Agent:
             self.link.emit("adopted", f"agent on {self.name} re-adopted {len(adopted)} running ranks",
                            ranks=",".join(r.key for r in adopted))
         try:
-            local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", self.local_service(),
+            self._local_service = self.local_service()
+            local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", self._local_service,
                                              group=self.cfg.security.socket_group)
         except OSError as e:
             local = None

@@ -67,6 +67,10 @@ def fleet(tmp_path, accounts):
     (tmp_path / "access.toml").write_text(ACCESS)
     c = Cluster(tmp_path / "cluster", pki=ca)
     c.root.mkdir()
+    for d in [c.root, *c.root.parents]:  # the accounts traverse to the agent's state (pytest's tmp is 0700)
+        if d == Path("/"):
+            break
+        d.chmod(d.stat().st_mode | 0o011)
     c.start_controller(f'[security]\nca_file = "{ca / "ca.crt"}"\ncert_file = "{ca / "controller.crt"}"\n'
                        f'key_file = "{ca / "controller.key"}"\naccess_file = "{tmp_path / "access.toml"}"\n')
     c.start_agent("node-a", gpus=2)
@@ -108,6 +112,18 @@ def test_ranks_run_as_their_users_account_and_only_owners_and_admins_act_on_a_jo
     env = Path(f"/proc/{j['ranks'][0]['pid']}/environ").read_bytes().split(b"\0")
     assert b"USER=phx-alice" in env and not any(e.startswith((b"NOTIFY_SOCKET=", b"PHALANX_KEY=")) for e in env)
     c.wait_for(lambda: f"uid={alice.pw_uid}" in as_(c, "alice", "logs", job_id).stdout, "the rank's `id` in its log")
+    # its trainlib socket is its own: alice's processes may open it, bob's may not, and the shared one refuses it
+    sock = next(e for e in env if e.startswith(b"PHALANX_AGENT_SOCKET=")).split(b"=", 1)[1].decode()
+    assert sock.endswith(f"/jobs/{job_id}/agent.sock") and Path(sock).stat().st_uid == alice.pw_uid
+    probe = ["/usr/bin/python3", "-c", "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])", sock]
+    assert subprocess.run(probe, user=alice.pw_uid, capture_output=True, timeout=30).returncode == 0
+    refused = subprocess.run(probe, user=accounts["phx-bob"].pw_uid, capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "Permission denied" in refused.stderr
+    from phalanx.v1 import local_pb2, local_pb2_grpc
+    shared = f"unix://{c.root / 'node-a' / 'state' / 'agent.sock'}"
+    with grpc.insecure_channel(shared) as channel, pytest.raises(grpc.RpcError) as e:
+        local_pb2_grpc.LocalServiceStub(channel).Report(local_pb2.ReportRequest(job=job_id, generation=1), timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "its own socket" in e.value.details()
     log_dir = c.root / "node-a" / "state"
     assert any(p.stat().st_uid == alice.pw_uid for p in log_dir.rglob("rank-0.log"))
     # bob may not touch alice's job; the viewer may look, not act; an unknown identity gets nothing
