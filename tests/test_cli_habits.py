@@ -158,7 +158,7 @@ def test_bash_completion_offers_commands_options_and_the_controllers_nodes(four,
     assert complete("phalanx drain gpu00") == NODES
     assert complete("phalanx nodes -o ") == ["hostlist", "json", "name", "table", "wide"]
     assert complete("phalanx --controller x:1 cert") == ["certs"]
-    assert complete("phalanx certs ") == ["init", "issue"]
+    assert complete("phalanx certs ") == ["enrol", "init", "issue", "revoke", "token"]
     assert "--watch" in complete("phalanx jobs --")
     zsh = bare("completion", "zsh").stdout
     assert zsh.startswith("#compdef phalanx\n") and "bashcompinit" in zsh
