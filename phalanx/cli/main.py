@@ -135,7 +135,7 @@ def add_output(p: argparse.ArgumentParser, *choices: str) -> None:
 
 
 def add_watch(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--watch", "-w", nargs="?", type=_seconds, const=2.0, metavar="SECONDS",
+    p.add_argument("--watch", "-w", nargs="?", type=_duration, const=2.0, metavar="SECONDS",
                    help="show it again every SECONDS (default 2) until interrupted, as watch(1) would")
 
 
@@ -811,16 +811,6 @@ def _duration(text: str) -> float:
         value = float(number) * units[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30m, 24h or 7d") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
     return value
