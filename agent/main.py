@@ -309,21 +309,16 @@ class Agent:
 
     async def _watch_ranks(self) -> None:
         """A rank that ends is news for the controller now (a crash to recover from, a stop it waits to see done),
-        not at the next heartbeat. A job's own socket closes once none of its ranks runs here."""
+        not at the next heartbeat."""
         while True:
             await self.clock.sleep(RANK_POLL_S)
             if self.supervisor.poll():
                 self.link.beat_now()
-            if self._job_sockets:
-                running = {r.job for r in self.supervisor.statuses() if r.state == common_pb2.RANK_STATE_RUNNING}
-                for job in [j for j in self._job_sockets if j not in running]:
-                    server = self._job_sockets.pop(job)
-                    if self._local_service is not None:
-                        self._local_service.own_sockets.discard(job)
-                    await server.stop(None)
 
     def _job_socket(self, job: str, account_name: str) -> str:
-        """The socket of a job that runs as an account: made for it (once) and only that account may open it."""
+        """The socket of a job that runs as an account: made for it once, only that account may open it, and it
+        stays while the agent runs (a rank between generations, parked to rejoin, still needs it; the shared socket
+        goes on refusing the job). An agent that restarts makes it again for the ranks it re-adopts."""
         path = Path(self.cfg.state_dir) / "jobs" / job / "agent.sock"
         if job not in self._job_sockets:
             if self._local_service is None:
@@ -377,6 +372,12 @@ class Agent:
             self._local_service = self.local_service()
             local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", self._local_service,
                                              group=self.cfg.security.socket_group)
+            for record in adopted:
+                if record.run_as:
+                    try:
+                        self._job_socket(record.job, record.run_as)
+                    except (OSError, ValueError) as e:
+                        logger.error("job socket not served again", job=record.job, error=str(e))
         except OSError as e:
             local = None
             logger.error("local service for trainlib not served; ranks run without it", error=str(e))

@@ -1,12 +1,13 @@
-"""`python -I .../agent/rankwrap.py EXIT_FILE [--as UID:GID:G1,G2] -- COMMAND...`: run one rank, write how it ended.
+"""`python -I .../agent/rankwrap.py EXIT_FILE [--as UID:GID:G1,G2 ENV] -- COMMAND...`: run a rank, record its end.
 
 The agent starts every rank through this wrapper, in a session of its own. The wrapper runs the
 command in the same process group, passes SIGTERM/SIGINT on, writes the rank's pid to
 `pid_path(EXIT_FILE)` as soon as it has started it, and writes the exit status to EXIT_FILE
 (atomically) when the rank ends. An agent that restarted meanwhile — and so is no longer the
-rank's parent and cannot wait() for it — still learns the rank's pid and how it ended. With `--as`,
-the rank runs with that uid, gid and supplementary groups, while the wrapper keeps the agent's (it
-writes the agent's files).
+rank's parent and cannot wait() for it — still learns the rank's pid and how it ended. With
+`--as UID:GID:GROUPS ENV_FILE`, the rank runs with that uid, gid and supplementary groups and the
+environment in ENV_FILE (read, then removed), while the wrapper keeps the agent's rights and a
+minimal environment of the agent's making.
 
 The agent runs this file by its path in isolated mode (`-I`): nothing in the job's working
 directory or PYTHONPATH (a user's `agent.py`, say) can stand in for it. So it imports the standard
@@ -15,6 +16,7 @@ library only.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,13 +39,19 @@ def write_status(path: str, code: int) -> None:
 
 def main(argv: list[str]) -> int:
     identity: dict = {}
-    if len(argv) >= 3 and argv[1] == "--as":
+    if len(argv) >= 4 and argv[1] == "--as":
+        # the rank's environment comes in a file the agent wrote (root's, 0600), not in ours: the wrapper keeps
+        # the agent's rights and must not run with what a job put in its environment (LD_PRELOAD, ...)
         uid, gid, groups = argv[2].split(":")
-        identity = {"user": int(uid), "group": int(gid),
-                    "extra_groups": [int(g) for g in groups.split(",") if g]}
-        argv = [argv[0], *argv[3:]]
+        with open(argv[3]) as f:
+            env = json.load(f)
+        os.unlink(argv[3])
+        identity = {"user": int(uid), "group": int(gid), "extra_groups": [int(g) for g in groups.split(",") if g],
+                    "env": env}
+        argv = [argv[0], *argv[4:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -I rankwrap.py EXIT_FILE [--as UID:GID:GROUPS] -- COMMAND...", file=sys.stderr)
+        print("usage: python -I rankwrap.py EXIT_FILE [--as UID:GID:GROUPS ENV_FILE] -- COMMAND...",
+              file=sys.stderr)
         return 2
     exit_file, command = argv[0], argv[2:]
     child: subprocess.Popen | None = None

@@ -60,8 +60,14 @@ async def renew_once(identity: tls.ReloadingIdentity, node: str, controller: str
         reply = await node_pb2_grpc.NodeServiceStub(channel).RenewCertificate(
             node_pb2.RenewCertificateRequest(csr_pem=csr_pem), timeout=TIMEOUT_S)
     _, cert_file, key_file = identity.files
-    # the key first: a certificate without its key would not load, a key without its certificate neither, and
-    # ReloadingIdentity keeps the old pair until both are in place
+    # what came back must be a certificate for the new key from our CA before anything is replaced
+    from phalanx.errors import ConfigError
+    try:
+        tls._check(current.ca, reply.cert_pem, key_pem, "the renewed certificate", "its new key")
+    except ConfigError as e:
+        raise OSError(f"the controller's answer does not do: {e}") from None
+    # both written beside, then renamed one after the other: ReloadingIdentity keeps the old pair until the
+    # pair in place loads
     _replace(key_file, key_pem, 0o600)
     _replace(cert_file, reply.cert_pem, 0o644)
     renewed = identity.current()

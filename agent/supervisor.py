@@ -69,12 +69,11 @@ class Account:
         env.update(job_env)
         return env
 
-    def own(self, *paths: Path | None) -> None:
-        """Make the job's checkpoint directory and log directory this account's (created if missing)."""
-        for path in paths:
-            if path is not None:
-                path.mkdir(parents=True, exist_ok=True)
-                os.chown(path, self.uid, self.gid)
+    def own(self, path: Path) -> None:
+        """Make `path` (the job's directory under the agent's own checkpoint_dir, whose parent only root may
+        change) this account's, created if missing; a symlink there is not followed."""
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, self.uid, self.gid, follow_symlinks=False)
 
 
 def resolve_account(name: str) -> Account:
@@ -86,6 +85,9 @@ def resolve_account(name: str) -> Account:
     except KeyError:
         raise ValueError(f"account {name!r} does not exist on this node (the job runs as it): create it, or "
                          "map the identity to an account that does") from None
+    if entry.pw_uid == 0 and name != "root":
+        raise ValueError(f"account {name!r} has uid 0 on this node: root under another name is refused (the access "
+                         "file allows root only by its name, with allow_root)")
     groups = tuple(g for g in os.getgrouplist(name, entry.pw_gid) if g != entry.pw_gid)
     return Account(name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir, entry.pw_shell)
 
@@ -107,6 +109,7 @@ class RankRecord:
     rank_pid: int = 0  # the rank's own process (the wrapper's child); 0 until the wrapper has said
     fatal: str = ""  # what the rank's trainlib said made it stop for good
     warm: bool = False  # started from a standby (agent.warm), not a new process
+    run_as: str = ""  # the account it runs as ("" = the agent's user)
 
     @property
     def key(self) -> str:
@@ -159,9 +162,9 @@ class Supervisor:
         warm = self.warm is not None and self.warm.enabled and account is None
         kind = recipe(request.job, request.command, env, self._workdir(request.workdir)) if warm else None
         started = []
-        if account is not None:
-            account.own(Path(env["PHALANX_CHECKPOINT_DIR"]) if env.get("PHALANX_CHECKPOINT_DIR") else None,
-                        self._logs / request.job)
+        own = base_env.get("PHALANX_CHECKPOINT_DIR")  # the agent's checkpoint_dir/JOB, not one the job names
+        if account is not None and own and env.get("PHALANX_CHECKPOINT_DIR") == own:
+            account.own(Path(own))
         for rank in request.ranks:
             started.append(self._start(request, rank, env, kind, account))
         if warm:
@@ -219,7 +222,11 @@ class Supervisor:
                 os.sched_setaffinity(0, cpus)
 
         proc = None
-        with open(log_path, "ab") as out:
+        # O_NOFOLLOW: the log directory is the agent's, but no link is ever followed to a file written as root
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+        if account is not None:
+            os.fchown(fd, account.uid, account.gid)
+        with open(fd, "ab") as out:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} "
                       f"starting at {self._stamp()}{' (warm)' if standby else ''} ---\n".encode())
             out.flush()
@@ -231,20 +238,26 @@ class Supervisor:
                 except OSError as e:
                     out.write(f"--- phalanx: {e}; starting cold ---\n".encode())
                     out.flush()
-            if account is not None:
-                os.chown(log_path, account.uid, account.gid)
             if proc is None:
-                run_as = ["--as", account.spec()] if account is not None else []
+                run_as, wrapper_env = [], env
+                if account is not None:
+                    env_file = exit_file.with_suffix(".env")
+                    env_fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                    with open(env_fd, "w") as f:
+                        json.dump(env, f)
+                    run_as = ["--as", account.spec(), str(env_file)]
+                    wrapper_env = {"PATH": "/usr/bin:/bin"}  # the wrapper runs with the agent's rights
                 proc = subprocess.Popen(
                     [sys.executable, "-I", WRAPPER, str(exit_file), *run_as, "--", *request.command],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env, cwd=workdir,
                     start_new_session=True, preexec_fn=pin if cpus else None)
         try:
             created = psutil.Process(proc.pid).create_time()
         except psutil.Error:
             created = 0.0
         record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, proc.pid, created,
-                            str(log_path), str(exit_file), warm=standby is not None and proc is standby.proc)
+                            str(log_path), str(exit_file), warm=standby is not None and proc is standby.proc,
+                            run_as=account.name if account is not None else "")
         with self._lock:
             self._ranks[record.key] = record
             self._children[proc.pid] = proc
@@ -271,7 +284,7 @@ class Supervisor:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} rejoining in "
                       f"the same process (pid {old.rank_pid or old.pid}) at {self._stamp()} ---\n".encode())
         record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, old.pid, old.started,
-                            str(log_path), old.exit_file, rank_pid=old.rank_pid, warm=True)
+                            str(log_path), old.exit_file, rank_pid=old.rank_pid, warm=True, run_as=old.run_as)
         old.exit_file = ""  # the wrapper writes it for the process's last generation: the new record's now
         self._save(old)
         with self._lock:

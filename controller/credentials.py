@@ -180,7 +180,7 @@ class Credentials:
         logger.info("node enrolled", node=name, token=token_id, serial=serial, peer=peer)
         return cert.public_bytes(serialization.Encoding.PEM), self.ca_pem(), not_after_ns
 
-    async def renew(self, node: str, csr_pem: bytes, peer: str) -> tuple[bytes, int]:
+    async def renew(self, node: str, csr_pem: bytes, peer: str, cert_pem: bytes = b"") -> tuple[bytes, int]:
         """(certificate PEM, not-after) for node `node`, the caller, whose current certificate got it here: the
         request must name that node. Raises InvalidArgument, PermissionDenied, FailedPrecondition."""
         from cryptography.hazmat.primitives import serialization
@@ -189,6 +189,8 @@ class Credentials:
             raise PermissionDenied(f"the request names {name!r}; node {node!r} can renew only its own certificate")
         ca_cert, ca_key = self._ca()
         async with self._lock:
+            if cert_pem and self.revocation("node", node, cert_pem) is not None:  # revoked while it waited
+                raise PermissionDenied(f"the certificate of node {node!r} was revoked; it renews nothing")
             cert = pki.sign(ca_cert, ca_key, csr.public_key(), name, "node", (), self.enrol_days)
             serial = format(cert.serial_number, "x")
             not_after_ns = int(cert.not_valid_after_utc.timestamp() * 1e9)
@@ -212,9 +214,10 @@ class Credentials:
             raise InvalidArgument(f"reason is {len(reason)} characters; the limit is 500")
         now = self.clock.wall_ns()
         if serial:
-            serial = serial.lower().removeprefix("0x").replace(":", "")
-            if not serial or any(c not in "0123456789abcdef" for c in serial) or name:
+            digits = serial.lower().removeprefix("0x").replace(":", "")
+            if not digits or any(c not in "0123456789abcdef" for c in digits) or name:
                 raise InvalidArgument("give a name, or a serial in hex (as `openssl x509 -serial` prints it), not both")
+            serial = format(int(digits, 16), "x")  # openssl pads to whole bytes: 0A1B is a1b
             key, what = f"revoked/serial/{serial}", f"certificate {serial}"
         else:
             if not NAME.fullmatch(name):

@@ -96,7 +96,8 @@ def job(c, who: str, job_id: str) -> dict:
 @needs_root
 def test_ranks_run_as_their_users_account_and_only_owners_and_admins_act_on_a_job(fleet, accounts):
     c = fleet
-    submitted = as_(c, "alice", "submit", "--", "/bin/sh", "-c", "id; sleep 300")
+    submitted = as_(c, "alice", "submit", "--env", "LD_PRELOAD=/nonexistent.so", "--", "/bin/sh", "-c",
+                    "id; sleep 300")
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     c.wait_for(lambda: job(c, "alice", job_id)["state"] == "RUNNING" and job(c, "alice", job_id)["ranks"][0]["pid"],
@@ -111,6 +112,9 @@ def test_ranks_run_as_their_users_account_and_only_owners_and_admins_act_on_a_jo
     assert str(grp.getgrnam("phx-data").gr_gid) in fields["Groups"]
     env = Path(f"/proc/{j['ranks'][0]['pid']}/environ").read_bytes().split(b"\0")
     assert b"USER=phx-alice" in env and not any(e.startswith((b"NOTIFY_SOCKET=", b"PHALANX_KEY=")) for e in env)
+    # the wrapper, which keeps the agent's rights, never ran with what the job put in its environment
+    wrapper = Path(f"/proc/{j['ranks'][0]['wrapper_pid']}/environ").read_bytes().split(b"\0")
+    assert b"LD_PRELOAD=/nonexistent.so" in env and not any(e.startswith(b"LD_PRELOAD") for e in wrapper)
     c.wait_for(lambda: f"uid={alice.pw_uid}" in as_(c, "alice", "logs", job_id).stdout, "the rank's `id` in its log")
     # its trainlib socket is its own: alice's processes may open it, bob's may not, and the shared one refuses it
     sock = next(e for e in env if e.startswith(b"PHALANX_AGENT_SOCKET=")).split(b"=", 1)[1].decode()

@@ -135,5 +135,6 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             raise FailedPrecondition("renewal is for a node's certificate on mutual TLS")
         if not request.csr_pem or len(request.csr_pem) > 16 * 1024:
             raise InvalidArgument("csr_pem must be a certificate signing request of at most 16384 bytes")
-        cert, not_after_ns = await self._credentials.renew(peer.name, request.csr_pem, context.peer())
+        pem = context.auth_context().get("x509_pem_cert") or [b""]
+        cert, not_after_ns = await self._credentials.renew(peer.name, request.csr_pem, context.peer(), pem[0])
         return node_pb2.RenewCertificateResponse(cert_pem=cert, not_after_unix_ns=not_after_ns)

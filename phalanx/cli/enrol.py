@@ -75,4 +75,4 @@ def enrol(address: str, token: str, ca_hash: str, name: str, directory: str, ste
     key_pem, csr_pem = pki.new_key_and_csr(name)
     reply = _call(address, ca, lambda s: s.Enrol(enrol_pb2.EnrolRequest(token=token, csr_pem=csr_pem),
                                                  timeout=TIMEOUT_S))
-    return pki.write_identity(directory, stem, key_pem, reply.cert_pem, reply.ca_pem or ca)
+    return pki.write_identity(directory, stem, key_pem, reply.cert_pem, ca)  # the CA checked by its hash
