@@ -344,8 +344,8 @@ class KillLoop:
 
     def delay(self, aim: str, restarts_in_row: int) -> float:
         """A random delay into the aimed state, within about how long the job stays there."""
-        spans = {"CHECKPOINTING": 4.0,  # the agreed step is ~5 s of steps ahead
-                 "EVICTING": 0.8,  # until every node's next heartbeat says its ranks are gone
+        spans = {"CHECKPOINTING": 1.0,  # the agreed step is recovery.checkpoint_lead_s (1 s) of steps ahead
+                 "EVICTING": 0.2,  # until every node says its ranks are gone (agents beat at once on a rank's end)
                  "RENDEZVOUS": 0.8 * 0.001 * 2 ** min(restarts_in_row, 10),  # the restart backoff
                  "RESTARTING": 0.02}  # a port, and the launches: tens of milliseconds
         return round(self.rng.uniform(0.0, spans[aim]), 3)
