@@ -163,15 +163,12 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         spec.CopyFrom(request.spec)
         who = access.caller()
         if who is not None:
-            spec.run_as = self._policy_account(who, spec.run_as)
+            spec.run_as = self._policy.account(who, spec.run_as)
         elif spec.run_as:
             raise FailedPrecondition("--as (run_as) needs an access file on the controller (security.access_file): "
                                      "without one, ranks run as the agent's user")
         with access.acting(_caller()):
             return await self._jobs.submit(spec, user)
-
-    def _policy_account(self, who, asked: str) -> str:
-        return self._policy.account(who, asked)
 
     @unary
     async def ListJobs(self, request: control_pb2.ListJobsRequest, context):

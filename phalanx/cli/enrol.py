@@ -23,13 +23,19 @@ TIMEOUT_S = 10.0
 
 
 class EnrolError(Exception):
-    """Enrolment failed; the message says why and what to do. Nothing was written."""
+    """Enrolment failed; the message says why and what to do. Nothing was written. `usage`: the arguments were
+    wrong (exit 2), not the controller's answer or the network (exit 1)."""
+
+    def __init__(self, message: str, usage: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 def _split(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise EnrolError(f"--controller {address!r} must be HOST:PORT, the controller's token port (token_listen)")
+        raise EnrolError(f"--controller {address!r} must be HOST:PORT, the controller's token port (token_listen)",
+                         usage=True)
     return host.strip("[]"), int(port)
 
 
@@ -69,7 +75,7 @@ def enrol(address: str, token: str, ca_hash: str, name: str, directory: str, ste
     """Enrol node `name`; writes STEM.key, STEM.crt and ca.crt in `directory`. Raises EnrolError, pki.PkiError."""
     if not ca_hash.lower().startswith("sha256:") or len(ca_hash) != len("sha256:") + 64:
         raise EnrolError(f"--ca-hash {ca_hash!r} must be sha256: and 64 hex digits, as `phalanx certs token create` "
-                         "prints it")
+                         "prints it", usage=True)
     pki.refuse_existing(directory, stem)  # before anything is asked: a node already enrolled keeps its files
     ca = fetch_ca(address, ca_hash)
     key_pem, csr_pem = pki.new_key_and_csr(name)

@@ -220,7 +220,7 @@ def cmd_certs_enrol(args: argparse.Namespace) -> int:
     try:
         issued = enrol.enrol(address.split(",")[0], token, args.ca_hash, name, args.dir)
     except enrol.EnrolError as e:
-        raise CliError(str(e), USAGE if "must be" in str(e) else FAILED) from None
+        raise CliError(str(e), USAGE if e.usage else FAILED) from None
     print(f"node {name} enrolled: {issued.cert} (key {issued.key}, made here, mode 0600), valid until "
           f"{issued.not_after:%Y-%m-%d}; the CA is {Path(args.dir) / 'ca.crt'}")
     return OK
