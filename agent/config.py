@@ -94,6 +94,11 @@ class AgentConfig:
     warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
                                "here, or the controller asks a spare for), so a restart skips starting Python and "
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")
+    cgroup_parent: str = setting("phalanx", "the cgroup under which every rank gets one of its own (in the v2 "
+                                 "hierarchy with the memory and pids controllers, else in v1's memory and pids): "
+                                 "it enforces a job's --memory and --tasks, and lets the agent kill all a rank "
+                                 "started; empty = off (jobs with those limits are then refused here)")
+    cgroup_root: str = setting("/sys/fs/cgroup", "where the cgroup hierarchies are mounted")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS to the controller; access to the node's sockets")
     metrics: MetricsAccessConfig = section(MetricsAccessConfig, "who may scrape metrics_listen, and over what")
 
@@ -116,6 +121,10 @@ class AgentConfig:
             host_port("metrics_listen", self.metrics_listen, "0.0.0.0:7372")
         if self.snapshot_listen:
             host_port("snapshot_listen", self.snapshot_listen, "10.0.0.5:7373")
+        if self.cgroup_parent:
+            require(bool(_NODE_NAME.fullmatch(self.cgroup_parent.strip("/").replace("/", "-"))),
+                    f"cgroup_parent ({self.cgroup_parent!r}) must be a relative cgroup path of letters, digits, "
+                    "'.', '_', '-' and '/', e.g. phalanx")
         require(self.snapshot_budget_mb >= 0, f"snapshot_budget_mb ({self.snapshot_budget_mb}) must not be negative")
 
     @property

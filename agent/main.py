@@ -20,6 +20,7 @@ from agent import metrics as agent_metrics
 from agent import nvrx as nvrx_service
 from agent import snapshots as snaps
 from agent.backoff import Backoff
+from agent.cgroups import Cgroups
 from agent.collectors import gpu
 from agent.collectors.dcgm import DcgmHealth
 from agent.collectors.host import HostCollector, inventory_basics
@@ -96,7 +97,8 @@ class Agent:
         warm = WarmPool(Path(cfg.state_dir), self.clock, cfg.warm_start,
                         lambda job, why: self._emit("warm_start_off", f"ranks of {job} on {self.name} start cold: "
                                                     f"{why}", job=job))
-        self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock, warm=warm)
+        self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock, warm=warm,
+                                     cgroups=Cgroups(cfg.cgroup_root, cfg.cgroup_parent, self.name))
         self.local = LocalState()
         self.snapshots: snaps.Snapshots | None = None
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)

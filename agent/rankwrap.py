@@ -7,7 +7,8 @@ command in the same process group, passes SIGTERM/SIGINT on, writes the rank's p
 rank's parent and cannot wait() for it — still learns the rank's pid and how it ended. With
 `--as UID:GID:GROUPS ENV_FILE`, the rank runs with that uid, gid and supplementary groups and the
 environment in ENV_FILE (read, then removed), while the wrapper keeps the agent's rights and a
-minimal environment of the agent's making.
+minimal environment of the agent's making. With `--cgroup DIR` (once per hierarchy) the wrapper
+moves into the rank's cgroup before starting it; with `--nofile N` the rank may open N files.
 
 The agent runs this file by its path in isolated mode (`-I`): nothing in the job's working
 directory or PYTHONPATH (a user's `agent.py`, say) can stand in for it. So it imports the standard
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -37,22 +39,43 @@ def write_status(path: str, code: int) -> None:
     os.replace(tmp, path)
 
 
+USAGE = "usage: python -I rankwrap.py EXIT_FILE [--as UID:GID:GROUPS ENV_FILE] [--cgroup DIR]... " \
+        "[--nofile N] -- COMMAND..."
+
+
 def main(argv: list[str]) -> int:
     identity: dict = {}
-    if len(argv) >= 4 and argv[1] == "--as":
-        # the rank's environment comes in a file the agent wrote (root's, 0600), not in ours: the wrapper keeps
-        # the agent's rights and must not run with what a job put in its environment (LD_PRELOAD, ...)
-        uid, gid, groups = argv[2].split(":")
-        with open(argv[3]) as f:
-            env = json.load(f)
-        os.unlink(argv[3])
-        identity = {"user": int(uid), "group": int(gid), "extra_groups": [int(g) for g in groups.split(",") if g],
-                    "env": env}
-        argv = [argv[0], *argv[4:]]
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -I rankwrap.py EXIT_FILE [--as UID:GID:GROUPS ENV_FILE] -- COMMAND...",
-              file=sys.stderr)
+    cgroups: list[str] = []
+    nofile = 0
+    rest = argv[1:]
+    try:
+        while rest and rest[0] != "--":
+            option, rest = rest[0], rest[1:]
+            if option == "--as":
+                # the rank's environment comes in a file the agent wrote (root's, 0600), not in ours: the wrapper
+                # keeps the agent's rights and must not run with what a job put in its environment (LD_PRELOAD)
+                uid, gid, groups = rest[0].split(":")
+                with open(rest[1]) as f:
+                    env = json.load(f)
+                os.unlink(rest[1])
+                identity = {"user": int(uid), "group": int(gid),
+                            "extra_groups": [int(g) for g in groups.split(",") if g], "env": env}
+                rest = rest[2:]
+            elif option == "--cgroup":
+                cgroups.append(rest[0])
+                rest = rest[1:]
+            elif option == "--nofile":
+                nofile = int(rest[0])
+                rest = rest[1:]
+            else:
+                raise ValueError(option)
+    except (IndexError, ValueError):
+        print(USAGE, file=sys.stderr)
         return 2
+    if not argv or len(rest) < 2:
+        print(USAGE, file=sys.stderr)
+        return 2
+    argv = [argv[0], *rest]
     exit_file, command = argv[0], argv[2:]
     child: subprocess.Popen | None = None
     early: list[int] = []
@@ -72,6 +95,12 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     try:
+        # into the rank's cgroup before the rank starts, so it and all it starts are there from the first fork
+        for d in cgroups:
+            with open(os.path.join(d, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        if nofile:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))  # inherited by the rank
         child = subprocess.Popen(command, **identity)  # exec resets the handlers: the rank gets the default ones
     except OSError as e:
         print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)

@@ -13,18 +13,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
 from agent import rankwrap
+from agent.cgroups import Cgroups, CgroupError, RankCgroup
 from agent.warm import HOLD_S, Recipe, WarmPool, recipe
 from phalanx import log
 from phalanx.clock import Clock, RealClock, Timer, wall_s
@@ -45,7 +48,9 @@ AGENT_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "L
 
 # What a rank running as its own account keeps of the agent's environment: nothing of the agent's own (its
 # sockets, watchdog, credentials), only what Phalanx gives every rank and a login's basics.
-KEPT_ENV = frozenset({"PATH", "LANG", "LC_ALL", "TZ"})
+KEPT_ENV = frozenset({"PATH", "LANG", "LC_ALL", "TZ",
+                      # where the agent has the rank's NCCL flight recorder dump (agent.collectors.nccl.rank_env)
+                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"})
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,23 @@ class Account:
         change) this account's, created if missing; a symlink there is not followed."""
         path.mkdir(parents=True, exist_ok=True)
         os.chown(path, self.uid, self.gid, follow_symlinks=False)
+
+    def claim(self, path: Path) -> None:
+        """Make `path` a directory of this account's, mode 0700, in a directory others may write to (the snapshot
+        directory is sticky, as /tmp): whatever another account put there first, a link or a directory of its
+        own, is removed, so that the job's files go nowhere but here."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, self.uid)):
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)  # never follows the links in it
+            else:
+                path.unlink()
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chown(path, self.uid, self.gid, follow_symlinks=False)
+        os.chmod(path, 0o700, follow_symlinks=False)
 
 
 def resolve_account(name: str) -> Account:
@@ -110,6 +132,7 @@ class RankRecord:
     fatal: str = ""  # what the rank's trainlib said made it stop for good
     warm: bool = False  # started from a standby (agent.warm), not a new process
     run_as: str = ""  # the account it runs as ("" = the agent's user)
+    cgroup: list[str] = field(default_factory=list)  # its cgroup's directories (agent.cgroups); [] = none
 
     @property
     def key(self) -> str:
@@ -126,8 +149,9 @@ class _Parked:
 
 class Supervisor:
     def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None,
-                 clock: Clock | None = None, warm: WarmPool | None = None) -> None:
+                 clock: Clock | None = None, warm: WarmPool | None = None, cgroups: Cgroups | None = None) -> None:
         self._clock = clock or RealClock()
+        self._cgroups = cgroups
         self.warm = warm
         self._dir = state_dir / "ranks"
         self._logs = state_dir / "logs"
@@ -157,14 +181,25 @@ class Supervisor:
             if existing is not None and self._alive(existing):
                 raise ValueError(f"rank {rank.rank} of {request.job} generation {request.generation} already runs")
         account = resolve_account(request.run_as) if request.run_as else None
+        limits = request.limits
+        if (limits.memory_bytes or limits.tasks) and (self._cgroups is None or not self._cgroups.enabled):
+            raise ValueError(f"{request.job} limits its ranks' memory or tasks, but this node cannot give ranks a "
+                             f"cgroup: {self._cgroups.why_not if self._cgroups is not None else 'cgroups are off'}")
         env = self._env(base_env, request.env) if account is None else account.env(base_env, request.env)
-        # standbys are started ahead as the agent's user: a job that runs as its own starts cold
-        warm = self.warm is not None and self.warm.enabled and account is None
+        # standbys are started ahead as the agent's user, in no cgroup of their own: a job that runs as its own
+        # account or has limits starts cold
+        warm = self.warm is not None and self.warm.enabled and account is None and not (
+            limits.memory_bytes or limits.tasks or limits.open_files)
         kind = recipe(request.job, request.command, env, self._workdir(request.workdir)) if warm else None
         started = []
         own = base_env.get("PHALANX_CHECKPOINT_DIR")  # the agent's checkpoint_dir/JOB, not one the job names
         if account is not None and own and env.get("PHALANX_CHECKPOINT_DIR") == own:
             account.own(Path(own))
+        if account is not None:  # where its NCCL flight-recorder dumps and its in-memory snapshots go: the agent's
+            if base_env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+                account.claim(Path(base_env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent)
+            if base_env.get("PHALANX_SNAPSHOT_DIR"):
+                account.claim(Path(base_env["PHALANX_SNAPSHOT_DIR"]) / request.job)
         for rank in request.ranks:
             started.append(self._start(request, rank, env, kind, account))
         if warm:
@@ -238,17 +273,26 @@ class Supervisor:
                 except OSError as e:
                     out.write(f"--- phalanx: {e}; starting cold ---\n".encode())
                     out.flush()
+            cgroup = None
             if proc is None:
-                run_as, wrapper_env = [], env
+                try:
+                    cgroup = self._cgroups.make(exit_file.stem, request.limits) if self._cgroups else None
+                except CgroupError as e:
+                    raise ValueError(str(e)) from None
+                options, wrapper_env = [], env
+                for d in cgroup.dirs if cgroup is not None else ():
+                    options += ["--cgroup", d]
+                if request.limits.open_files:
+                    options += ["--nofile", str(request.limits.open_files)]
                 if account is not None:
                     env_file = exit_file.with_suffix(".env")
                     env_fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
                     with open(env_fd, "w") as f:
                         json.dump(env, f)
-                    run_as = ["--as", account.spec(), str(env_file)]
+                    options += ["--as", account.spec(), str(env_file)]
                     wrapper_env = {"PATH": "/usr/bin:/bin"}  # the wrapper runs with the agent's rights
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", WRAPPER, str(exit_file), *run_as, "--", *request.command],
+                    [sys.executable, "-I", WRAPPER, str(exit_file), *options, "--", *request.command],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env, cwd=workdir,
                     start_new_session=True, preexec_fn=pin if cpus else None)
         try:
@@ -257,7 +301,8 @@ class Supervisor:
             created = 0.0
         record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, proc.pid, created,
                             str(log_path), str(exit_file), warm=standby is not None and proc is standby.proc,
-                            run_as=account.name if account is not None else "")
+                            run_as=account.name if account is not None else "",
+                            cgroup=list(cgroup.dirs) if cgroup is not None else [])
         with self._lock:
             self._ranks[record.key] = record
             self._children[proc.pid] = proc
@@ -284,7 +329,8 @@ class Supervisor:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} rejoining in "
                       f"the same process (pid {old.rank_pid or old.pid}) at {self._stamp()} ---\n".encode())
         record = RankRecord(request.job, request.generation, rank.rank, rank.local_rank, rank.gpu, old.pid, old.started,
-                            str(log_path), old.exit_file, rank_pid=old.rank_pid, warm=True, run_as=old.run_as)
+                            str(log_path), old.exit_file, rank_pid=old.rank_pid, warm=True, run_as=old.run_as,
+                            cgroup=old.cgroup)
         old.exit_file = ""  # the wrapper writes it for the process's last generation: the new record's now
         self._save(old)
         with self._lock:
@@ -348,6 +394,8 @@ class Supervisor:
             if record.exit_code is not None or record.lost:
                 if now - record.exited_at > KEEP_EXITED_S:
                     self._drop(record)
+                elif record.cgroup:  # what it left was killed as it ended, and leaves the cgroup a moment later
+                    self._clear_cgroup(record)
                 continue
             self._learn_rank_pid(record)
             if self._alive(record):
@@ -362,6 +410,7 @@ class Supervisor:
             else:
                 record.exit_code = code
             self._end_slowness(record.key)
+            self._clear_cgroup(record)  # what the rank left running (a daemon it started) ends with it
             self._save(record)
             ended.append(record)
             logger.info("rank ended", job=record.job, generation=record.generation, rank=record.rank,
@@ -372,6 +421,19 @@ class Supervisor:
             if pid not in live and child.poll() is not None:
                 self._children.pop(pid, None)
         return ended
+
+    def _clear_cgroup(self, record: RankRecord) -> None:
+        """Kill what is left in the rank's cgroup and remove it, once the rank's own process is gone (a parked
+        rank's process lives on into its next generation, with the same cgroup)."""
+        if not record.cgroup or self._running(record):
+            return
+        cgroup = RankCgroup(tuple(record.cgroup))
+        left = cgroup.kill()
+        if left:
+            logger.info("killed what the rank left running", job=record.job, rank=record.rank, processes=left)
+        if cgroup.remove():
+            record.cgroup = []
+            self._save(record)
 
     def _learn_rank_pid(self, record: RankRecord) -> None:
         if record.rank_pid:
@@ -453,6 +515,8 @@ class Supervisor:
             if record is not None and self._alive(record):
                 logger.warning("rank did not stop within its grace period; SIGKILL", job=record.job, rank=record.rank)
                 self._signal(record, signal.SIGKILL, group=True)
+                if record.cgroup:  # and whatever left its process group (setsid)
+                    RankCgroup(tuple(record.cgroup)).kill()
 
     def _signal(self, record: RankRecord, sig: int, group: bool) -> None:
         try:
@@ -539,6 +603,7 @@ class Supervisor:
         os.replace(tmp, path)
 
     def _drop(self, record: RankRecord) -> None:
+        self._clear_cgroup(record)  # a parked rank's, once its process has gone
         with self._lock:
             self._ranks.pop(record.key, None)
         exit_file = record.exit_file

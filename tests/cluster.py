@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +42,8 @@ class Cluster:
     def __init__(self, root: Path, pki: Path | None = None) -> None:
         self.root = root
         self.address = f"127.0.0.1:{free_port()}"
+        # each test cluster's ranks' cgroups apart from every other's (and from a real agent's `phalanx`)
+        self.cgroup_parent = f"phalanx-test/{os.getpid()}-{zlib.crc32(str(root).encode()):08x}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.metrics: dict[str, str] = {}  # process name -> its metrics address, for those started with metrics
         self.pki = pki
@@ -106,7 +110,8 @@ class Cluster:
         return self._spawn(name, "agent.main", self._metrics_listen(name, metrics) + (
             f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
             f'checkpoint_dir = "{node / "ckpt"}"\nsnapshot_dir = "{node / "snapshots"}"\n'
-            f'nvrx_socket = "{node / "nvhcd.sock"}"\n{extra}\n'
+            f'nvrx_socket = "{node / "nvhcd.sock"}"\n'
+            + ("" if "cgroup_parent" in extra else f'cgroup_parent = "{self.cgroup_parent}"\n') + f'{extra}\n'
             f'[gpu]\nbackend = "sim"\nsim_count = {gpus}\n'
             "[reconnect]\nmax_backoff_s = 1.0\n" + self._security(extra, name)))
 
@@ -183,3 +188,26 @@ class Cluster:
                 except ProcessLookupError:
                     pass
                 proc.wait(timeout=TIMEOUT_S)
+        remove_cgroups(self.cgroup_parent)
+
+
+def remove_cgroups(parent: str, root: Path = Path("/sys/fs/cgroup")) -> None:
+    """Kill what is left in a test cluster's rank cgroups and remove them, deepest first."""
+    for top in (root / "memory" / parent, root / "pids" / parent, root / "unified" / parent, root / parent):
+        if not top.is_dir():
+            continue
+        dirs = sorted((d for d in top.rglob("*") if d.is_dir()), key=lambda d: len(d.parts), reverse=True)
+        for d in [*dirs, top]:
+            for pid in (d / "cgroup.procs").read_text().split() if (d / "cgroup.procs").exists() else ():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
+            for _ in range(100):  # a killed process leaves its cgroup as it is reaped, a moment later
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            top.parent.rmdir()  # phalanx-test, once no other test process's clusters are in it

@@ -96,8 +96,11 @@ def job(c, who: str, job_id: str) -> dict:
 @needs_root
 def test_ranks_run_as_their_users_account_and_only_owners_and_admins_act_on_a_job(fleet, accounts):
     c = fleet
+    # its NCCL dumps and in-memory snapshots go to directories of its own, which its ranks may write
+    probe = 'touch "$PHALANX_SNAPSHOT_DIR/$PHALANX_JOB/probe" "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")/probe" ' \
+            '&& echo wrote-both; '
     submitted = as_(c, "alice", "submit", "--env", "LD_PRELOAD=/nonexistent.so", "--", "/bin/sh", "-c",
-                    "id; sleep 300")
+                    probe + "id; sleep 300")
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     c.wait_for(lambda: job(c, "alice", job_id)["state"] == "RUNNING" and job(c, "alice", job_id)["ranks"][0]["pid"],
@@ -116,6 +119,9 @@ def test_ranks_run_as_their_users_account_and_only_owners_and_admins_act_on_a_jo
     wrapper = Path(f"/proc/{j['ranks'][0]['wrapper_pid']}/environ").read_bytes().split(b"\0")
     assert b"LD_PRELOAD=/nonexistent.so" in env and not any(e.startswith(b"LD_PRELOAD") for e in wrapper)
     c.wait_for(lambda: f"uid={alice.pw_uid}" in as_(c, "alice", "logs", job_id).stdout, "the rank's `id` in its log")
+    log_text = as_(c, "alice", "logs", job_id).stdout
+    assert "wrote-both" in log_text, log_text
+    assert (c.root / "node-a" / "state" / "nccl" / job_id).stat().st_uid == alice.pw_uid
     # its trainlib socket is its own: alice's processes may open it, bob's may not, and the shared one refuses it
     sock = next(e for e in env if e.startswith(b"PHALANX_AGENT_SOCKET=")).split(b"=", 1)[1].decode()
     assert sock.endswith(f"/jobs/{job_id}/agent.sock") and Path(sock).stat().st_uid == alice.pw_uid

@@ -123,6 +123,21 @@ def job_spec(spec: common_pb2.JobSpec) -> None:
             raise InvalidArgument(f"environment variable name {key[:80]!r} is not valid")
     if not -1000 <= spec.priority <= 1000:
         raise InvalidArgument(f"priority ({spec.priority}) must be between -1000 and 1000")
+    limits = spec.limits
+    if limits.memory_bytes and limits.memory_bytes < MIN_MEMORY:
+        raise InvalidArgument(f"limits.memory_bytes ({limits.memory_bytes}) is less than {MIN_MEMORY >> 20} MiB: "
+                              "a rank's Python alone needs more")
+    if limits.tasks and limits.tasks < MIN_TASKS:
+        raise InvalidArgument(f"limits.tasks ({limits.tasks}) is less than {MIN_TASKS}: a rank and its wrapper "
+                              "need that many processes and threads")
+    if limits.open_files and not MIN_OPEN_FILES <= limits.open_files <= MAX_OPEN_FILES:
+        raise InvalidArgument(f"limits.open_files ({limits.open_files}) must be between {MIN_OPEN_FILES} and "
+                              f"{MAX_OPEN_FILES}")
+
+
+MIN_MEMORY = 64 << 20
+MIN_TASKS = 8
+MIN_OPEN_FILES, MAX_OPEN_FILES = 64, 1 << 20  # 2**20: Linux's default fs.nr_open
 
 
 MAX_LOG_CHUNK = 1 << 20

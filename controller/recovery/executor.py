@@ -288,7 +288,7 @@ class Executor:
         session = _session(self.jobs.registry.get(job.nodes[index]))
         await session.request(node_pb2.Command(launch=node_pb2.LaunchRanks(
             job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,
-            ranks=ranks, run_as=spec.run_as)), timeout=self.jobs.cfg.launch_timeout_s)
+            ranks=ranks, run_as=spec.run_as, limits=spec.limits)), timeout=self.jobs.cfg.launch_timeout_s)
 
     async def _stop(self, entry: JobEntry, node: str, generation: int, before: tuple | None = None) -> None:
         """Tell one node to stop a generation; once its agent took the command, the session, heartbeat count and

@@ -364,7 +364,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
                               ranks_per_node=args.ranks_per_node, spares=args.spares,
                               checkpoint_dir=args.checkpoint_dir or "", priority=args.priority,
                               workdir=os.getcwd(), segment=args.segment, env=dict(args.env or []),
-                              run_as=args.run_as or "")
+                              run_as=args.run_as or "",
+                              limits=common_pb2.ResourceLimits(memory_bytes=args.memory, tasks=args.tasks,
+                                                               open_files=args.open_files))
     job = call(args, lambda s: s.SubmitJob(control_pb2.SubmitJobRequest(spec=spec, user=getpass.getuser()),
                                            timeout=DEFAULT_TIMEOUT_S))
     print(job.id)
@@ -717,7 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a gang job; prints its id",
                        usage="%(prog)s [--nodes N] [--ranks-per-node R] [--spares S] [--checkpoint-dir DIR] "
-                             "[--name NAME] [--priority P] [--env K=V] [--as ACCOUNT] -- COMMAND ...")
+                             "[--name NAME] [--priority P] [--env K=V] [--as ACCOUNT] [--memory SIZE] [--tasks N] "
+                             "[--open-files N] -- COMMAND ...")
     p.add_argument("--nodes", type=_positive, default=1, help="nodes in the gang (default 1)")
     p.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per node (default 1)")
     p.add_argument("--spares", type=_count, default=0, help="hot spare nodes reserved in the job's topology domain")
@@ -728,6 +731,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--as", dest="run_as", metavar="ACCOUNT", help="the local account the ranks run as, among those "
                    "the controller's access file allows you (default: the first of them)")
     p.add_argument("--env", action="append", type=_env_pair, metavar="K=V", help="environment for every rank")
+    p.add_argument("--memory", type=_size, default=0, metavar="SIZE", help="each rank's memory, with all it starts, "
+                   "e.g. 64G (in a cgroup of the rank's own; the OOM killer ends a rank beyond it; default none)")
+    p.add_argument("--tasks", type=_count, default=0, metavar="N", help="each rank's processes and threads "
+                   "together (cgroup pids.max; default none)")
+    p.add_argument("--open-files", type=_count, default=0, metavar="N", help="each rank's open files "
+                   "(RLIMIT_NOFILE; default the agent's)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the program and its arguments")
     p.set_defaults(func=cmd_submit)
 
@@ -814,6 +823,20 @@ def _duration(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
     return value
+
+
+def _size(text: str) -> int:
+    """`512M`, `64G`, `1T` or bytes: binary units (K = 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    number, unit = (text[:-1], text[-1].lower()) if text[-1:].lower() in units else (text, "")
+    try:
+        value = float(number) * units.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes or a number with K, M, G or T, "
+                                         "e.g. 64G") from None
+    if value < 0 or value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range")
+    return int(value)
 
 
 def _positive(text: str) -> int:

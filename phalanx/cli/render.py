@@ -186,6 +186,9 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "generation": job.generation, "nodes": list(job.nodes), "spares": list(job.spares),
         "ranks_per_node": spec.ranks_per_node, "world_size": len(job.ranks), "priority": spec.priority,
         "command": list(spec.command), "checkpoint_dir": spec.checkpoint_dir or None, "user": job.user or None,
+        "run_as": spec.run_as or None,
+        "limits": {"memory_bytes": spec.limits.memory_bytes or None, "tasks": spec.limits.tasks or None,
+                   "open_files": spec.limits.open_files or None},
         "master_addr": job.master_addr or None, "master_port": job.master_port or None,
         "submitted": iso(job.submitted_unix_ns), "started": iso(job.started_unix_ns),
         "finished": iso(job.finished_unix_ns), "exit_code": job.exit_code,
@@ -219,6 +222,18 @@ def jobs_table(jobs: Sequence[common_pb2.Job], wide: bool = False) -> str:
     return table([*headers, "REASON"], rows)
 
 
+def limits_text(limits: common_pb2.ResourceLimits) -> str:
+    """`memory 8 GiB, 512 tasks, 65536 open files`, or '' for none."""
+    parts = []
+    if limits.memory_bytes:
+        parts.append(f"memory {limits.memory_bytes / (1 << 30):.3g} GiB")
+    if limits.tasks:
+        parts.append(f"{limits.tasks} tasks")
+    if limits.open_files:
+        parts.append(f"{limits.open_files} open files")
+    return ", ".join(parts)
+
+
 def job_text(job: common_pb2.Job) -> str:
     d = job_dict(job)
     lines = [f"{job.id}{' (' + job.spec.name + ')' if job.spec.name else ''}: {d['state']}",
@@ -226,6 +241,8 @@ def job_text(job: common_pb2.Job) -> str:
              f"  command:     {' '.join(job.spec.command)}",
              f"  size:        {job.spec.nodes} nodes x {job.spec.ranks_per_node} ranks"
              + (f" + {job.spec.spares} spares" if job.spec.spares else "") + f", priority {job.spec.priority}",
+             *([f"  limits:      {limits_text(job.spec.limits)} per rank"] if limits_text(job.spec.limits) else []),
+             *([f"  runs as:     {job.spec.run_as}"] if job.spec.run_as else []),
              f"  generation:  {job.generation} (restarts: {job.restarts})",
              f"  incident:    {job.incident or '-'}" + (f" (evicted: {hostlist.compress(job.evicted)})"
                                                          if job.evicted else ""),

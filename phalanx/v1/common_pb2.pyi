@@ -412,7 +412,7 @@ class PhaseTime(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment", "run_as")
+    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment", "run_as", "limits")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +431,7 @@ class JobSpec(_message.Message):
     WORKDIR_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     RUN_AS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     nodes: int
@@ -442,7 +443,18 @@ class JobSpec(_message.Message):
     workdir: str
     segment: int
     run_as: str
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ..., run_as: _Optional[str] = ...) -> None: ...
+    limits: ResourceLimits
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ..., run_as: _Optional[str] = ..., limits: _Optional[_Union[ResourceLimits, _Mapping]] = ...) -> None: ...
+
+class ResourceLimits(_message.Message):
+    __slots__ = ("memory_bytes", "tasks", "open_files")
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FILES_FIELD_NUMBER: _ClassVar[int]
+    memory_bytes: int
+    tasks: int
+    open_files: int
+    def __init__(self, memory_bytes: _Optional[int] = ..., tasks: _Optional[int] = ..., open_files: _Optional[int] = ...) -> None: ...
 
 class RankInfo(_message.Message):
     __slots__ = ("rank", "node", "local_rank", "gpu", "state", "pid", "exit_code", "generation", "wrapper_pid")

@@ -288,7 +288,7 @@ class RequestCheckpoint(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., request_id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ...) -> None: ...
 
 class LaunchRanks(_message.Message):
-    __slots__ = ("job", "generation", "command", "env", "workdir", "ranks", "run_as")
+    __slots__ = ("job", "generation", "command", "env", "workdir", "ranks", "run_as", "limits")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,7 @@ class LaunchRanks(_message.Message):
     WORKDIR_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     RUN_AS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -310,7 +311,8 @@ class LaunchRanks(_message.Message):
     workdir: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankLaunch]
     run_as: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankLaunch, _Mapping]]] = ..., run_as: _Optional[str] = ...) -> None: ...
+    limits: _common_pb2.ResourceLimits
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankLaunch, _Mapping]]] = ..., run_as: _Optional[str] = ..., limits: _Optional[_Union[_common_pb2.ResourceLimits, _Mapping]] = ...) -> None: ...
 
 class RankLaunch(_message.Message):
     __slots__ = ("rank", "local_rank", "gpu", "env")
