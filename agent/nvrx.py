@@ -25,7 +25,10 @@ logger = log.get("nvrx")
 def answer(verdict: common_pb2.NodeHealth | None, connected: bool) -> nvhcd_pb2.HealthCheckResponse:
     """The NVRx answer for a verdict: success unless FAILING or FAILED; JSON details in `output`."""
     if verdict is None or verdict.health == common_pb2.HEALTH_UNSPECIFIED:
-        body = {"fail_count": 0, "health": "UNKNOWN", "reasons": [], "controller_connected": connected}
+        # the controller pushes every verdict but a session's first HEALTHY (agent.link): connected and told
+        # nothing is healthy; not connected, nobody knows
+        body = {"fail_count": 0, "health": "HEALTHY" if connected else "UNKNOWN", "reasons": [],
+                "controller_connected": connected}
         return nvhcd_pb2.HealthCheckResponse(success=True, exit_code=0, output=json.dumps(body))
     failing = [g for g in verdict.gpus if g.health >= common_pb2.HEALTH_FAILING]
     ok = verdict.health < common_pb2.HEALTH_FAILING

@@ -74,6 +74,11 @@ class JobsConfig:
     stop_grace_s: float = setting(30.0, "seconds between SIGTERM and SIGKILL when a job's ranks are stopped")
     keep_spares: bool = setting(True, "a running job short of spares (restarts used them) holds free healthy nodes "
                                 "again, on its own leaf switches first")
+    slurm_drain: bool = setting(True, "a node evicted from a job that runs in a Slurm allocation (`phalanx run`) is "
+                                "drained in Slurm too (`scontrol update ... State=DRAIN Reason=\"phalanx: ...\"`), "
+                                "so Slurm schedules nothing more on it")
+    scontrol: str = setting("scontrol", "the scontrol command the controller drains nodes with (its host needs "
+                            "Slurm's config and munge key, as an admin host has)")
 
     def __post_init__(self) -> None:
         positive("jobs.schedule_interval_s", self.schedule_interval_s)

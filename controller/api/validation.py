@@ -123,6 +123,16 @@ def job_spec(spec: common_pb2.JobSpec) -> None:
             raise InvalidArgument(f"environment variable name {key[:80]!r} is not valid")
     if not -1000 <= spec.priority <= 1000:
         raise InvalidArgument(f"priority ({spec.priority}) must be between -1000 and 1000")
+    if spec.within and len(spec.within) < spec.nodes + spec.spares:
+        raise InvalidArgument(f"within names {len(spec.within)} nodes; the job needs {spec.nodes} and {spec.spares} "
+                              "spares")
+    for name in spec.within:
+        if not _NODE_NAME.fullmatch(name):
+            raise InvalidArgument(f"within: {name[:80]!r} is not a node name")
+    if len(spec.within) > 2 * MAX_JOB_NODES:
+        raise InvalidArgument(f"within names {len(spec.within)} nodes; the limit is {2 * MAX_JOB_NODES}")
+    if spec.slurm_job_id and (len(spec.slurm_job_id) > 64 or not spec.slurm_job_id.replace("_", "").isalnum()):
+        raise InvalidArgument(f"slurm_job_id {spec.slurm_job_id[:80]!r} is not a Slurm job id")
     limits = spec.limits
     if limits.memory_bytes and limits.memory_bytes < MIN_MEMORY:
         raise InvalidArgument(f"limits.memory_bytes ({limits.memory_bytes}) is less than {MIN_MEMORY >> 20} MiB: "

@@ -20,9 +20,9 @@ from controller.nodes.states import DOWN
 from controller.recovery import lifecycle
 from controller.recovery import snapshots as snapshot_plan
 from controller.recovery.detectors import NodeView
-from controller.recovery.table import ACTIVE, LAUNCHING, PENDING, RANK_RUNNING, RESTARTING, RUNNING, TERMINAL
+from controller.recovery.table import ACTIVE, EVICTING, LAUNCHING, PENDING, RANK_RUNNING, RESTARTING, RUNNING, TERMINAL
 from phalanx import clock as clocks
-from phalanx import log
+from phalanx import log, slurm
 from phalanx.v1 import node_pb2
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class Executor:
             nccl={r: s for r, s in entry.nccl.items() if s.dump_time_unix_ns >= since_ns},
             launch=entry.launch if entry.launch is not None and entry.launch.generation == job.generation else None,
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
-            candidates=self.candidates(exclude=job.id) if placing else (),
+            candidates=self.candidates(exclude=job.id, within=job.spec.within) if placing else (),
             topology=self.jobs.topology() if placing else None)
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
@@ -140,14 +140,16 @@ class Executor:
                         quiet=self.jobs.clock.monotonic() - node.last_seen >
                         1.5 * self.jobs.registry.policy.heartbeat_interval_s)
 
-    def candidates(self, exclude: str = "") -> list[Candidate]:
-        """Every node as placement sees it; nodes held by job `exclude` count as free (it is being re-placed)."""
+    def candidates(self, exclude: str = "", within=()) -> list[Candidate]:
+        """Every node as placement sees it (only those `within`, when given: a Slurm allocation); nodes held by
+        job `exclude` count as free (it is being re-placed)."""
         busy = {n for e in self.jobs.entries.values() if e.job.state in ACTIVE and e.job.id != exclude
                 for n in [*e.job.nodes, *e.job.spares]}
+        allowed = set(within)
         return [Candidate.of(e.record.name, e.record.state, e.verdict.health, e.record.name not in busy,
                              len(e.inventory().gpus), connected=e.session is not None,
                              drained=bool(e.record.drain_reason))
-                for e in self.jobs.registry.entries()]
+                for e in self.jobs.registry.entries() if not allowed or e.record.name in allowed]
 
     # -- the actions ----------------------------------------------------------------------------
 
@@ -190,6 +192,10 @@ class Executor:
             self.jobs.incidents[commit.incident] += 1
             if entry.incident_at is None:  # a restart that fails is the same recovery going on
                 entry.incident_at, entry.incident_kind = self.jobs.clock.monotonic(), commit.incident
+        if job.state == EVICTING and before != EVICTING and job.spec.slurm_job_id and self.jobs.cfg.slurm_drain:
+            for node in job.incident_nodes:  # Slurm must not schedule on it either (already drained here or not)
+                self._spawn(self._slurm_drain(job, node, f"evicted from {job.id}: {job.incident}"),
+                            f"slurm-drain-{node}")
         if job.state == RESTARTING and before != RESTARTING:
             self.jobs.restarts_by_cause[entry.incident_kind or job.incident_kind or "resumed"] += 1
         if job.state == RUNNING and before in LAUNCHING and entry.incident_at is not None:
@@ -199,6 +205,16 @@ class Executor:
             entry.incident_at = None  # a recovery that ends the job is no recovery
             if entry.launch_task is not None:
                 entry.launch_task.cancel()
+
+    async def _slurm_drain(self, job, node: str, reason: str) -> None:
+        """Drain an evicted node in Slurm as well, so that Slurm schedules nothing more on it; an event says
+        whether it worked (a controller host without Slurm's config cannot)."""
+        why = await slurm.adrain(self.jobs.cfg.scontrol, node, f"{slurm.EVICTED} {reason}")
+        message = (f"node {node} drained in Slurm (job {job.spec.slurm_job_id}): {reason}" if not why else
+                   f"node {node} could not be drained in Slurm (job {job.spec.slurm_job_id}): {why}")
+        (logger.info if not why else logger.warning)("slurm drain", node=node, job=job.id, detail=message)
+        await self.jobs.log(lifecycle.Event("job.slurm_drain" if not why else "job.slurm_drain_failed", message),
+                            job.id)
 
     def _wake_at(self, at: float, now: float) -> None:
         if self._timer_at is not None and self._timer_at <= at and self._timer_at > now:

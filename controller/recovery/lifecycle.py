@@ -39,6 +39,7 @@ from controller.recovery.table import (
     check,
     state_name,
 )
+from phalanx import slurm
 from phalanx.v1 import common_pb2 as pb
 
 # -- the view ------------------------------------------------------------------------------------
@@ -504,6 +505,11 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     if now < ready_at:
         return [WakeAt(ready_at)]
     chosen = next_nodes(job, view)
+    if isinstance(chosen, str) and job.spec.within:
+        # a job in a Slurm allocation cannot wait for nodes: it has no others, and its time limit runs
+        why = (f"{slurm.EXHAUSTED} to replace {', '.join(job.incident_nodes) or 'its nodes'} in Slurm job "
+               f"{job.spec.slurm_job_id or '?'}'s allocation ({chosen}); requeue the Slurm job for a new one")
+        return [finished(job, FAILED, why, 1, now)]
     if isinstance(chosen, str):
         wait = [WakeAt(now + RENDEZVOUS_RETRY_S)]
         if job.reason == chosen:

@@ -740,6 +740,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the program and its arguments")
     p.set_defaults(func=cmd_submit)
 
+    from phalanx.cli import slurm_cmds  # here, not at the top: it imports this module's helpers
+    slurm_cmds.add_parsers(sub, _count, _positive, _env_pair)
+
     p = sub.add_parser("jobs", help="list jobs")
     add_output(p, "table", "wide", "json", "name")
     add_watch(p)
@@ -886,4 +889,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from phalanx.cli.main import main as _main  # one copy of this module, the one phalanx.cli.slurm_cmds imports
+    sys.exit(_main())

@@ -412,7 +412,7 @@ class PhaseTime(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment", "run_as", "limits")
+    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment", "run_as", "limits", "within", "slurm_job_id")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -432,6 +432,8 @@ class JobSpec(_message.Message):
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     RUN_AS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
+    SLURM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     nodes: int
@@ -444,7 +446,9 @@ class JobSpec(_message.Message):
     segment: int
     run_as: str
     limits: ResourceLimits
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ..., run_as: _Optional[str] = ..., limits: _Optional[_Union[ResourceLimits, _Mapping]] = ...) -> None: ...
+    within: _containers.RepeatedScalarFieldContainer[str]
+    slurm_job_id: str
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ..., run_as: _Optional[str] = ..., limits: _Optional[_Union[ResourceLimits, _Mapping]] = ..., within: _Optional[_Iterable[str]] = ..., slurm_job_id: _Optional[str] = ...) -> None: ...
 
 class ResourceLimits(_message.Message):
     __slots__ = ("memory_bytes", "tasks", "open_files")

@@ -1,0 +1,117 @@
+"""Slurm, through its own commands (`scontrol`), for the controller, `phalanx run` and the health check.
+
+Phalanx never edits Slurm's state behind its back: a node it takes out of service is drained with
+`scontrol update NodeName=N State=DRAIN Reason="phalanx: ..."`, as NHC drains with "NHC: ...", and the
+reason's prefix says who drained it, so that the health check resumes only the nodes it drained itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import subprocess
+import time
+
+from phalanx import hostlist
+
+EVICTED = "phalanx:"  # the controller drained it: evicted from a job (an operator resumes it once repaired)
+UNHEALTHY = "phalanx-health:"  # the health check drained it: it resumes it when the node is healthy again
+EXHAUSTED = "no healthy node left"  # how the reason of a job whose allocation ran out of nodes begins
+REASON_MAX = 256  # Slurm keeps reasons short; ours say enough within this
+
+
+class SlurmError(Exception):
+    """A Slurm command failed; the message has its output."""
+
+
+def drain_argv(scontrol: str, node: str, reason: str) -> list[str]:
+    return [*shlex.split(scontrol), "update", f"NodeName={node}", "State=DRAIN",
+            f"Reason={reason[:REASON_MAX]}"]
+
+
+def resume_argv(scontrol: str, node: str) -> list[str]:
+    return [*shlex.split(scontrol), "update", f"NodeName={node}", "State=RESUME"]
+
+
+async def adrain(scontrol: str, node: str, reason: str, timeout_s: float = 15.0, tries: int = 3) -> str:
+    """Drain `node` in Slurm (on the event loop); '' on success, else why not. A try that dies of a signal (Debian's
+    scontrol 22.05 has been seen to crash now and then) or times out is tried again, up to `tries`."""
+    argv = drain_argv(scontrol, node, reason)
+    why = ""
+    for attempt in range(tries):
+        if attempt:
+            await asyncio.sleep(0.5 * attempt)
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT)
+        except OSError as e:
+            return f"cannot run {argv[0]!r}: {e}"
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            why = f"{argv[0]} did not answer within {timeout_s:g}s"
+            continue
+        if proc.returncode == 0:
+            return ""
+        why = f"{' '.join(argv[:3])} failed ({proc.returncode}): {out.decode(errors='replace').strip()[:500]}"
+        if proc.returncode > 0:  # Slurm said no (unknown node, not allowed): asking again will not help
+            return why
+    return why
+
+
+def run(argv: list[str], timeout_s: float = 30.0, tries: int = 3) -> str:
+    """Run a Slurm command; its stdout. One that dies of a signal is tried again, up to `tries`. Raises
+    SlurmError."""
+    for attempt in range(tries):
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SlurmError(f"cannot run {' '.join(argv[:2])}: {e}") from None
+        if done.returncode >= 0:
+            break
+        time.sleep(0.5 * (attempt + 1))
+    if done.returncode:
+        raise SlurmError(f"{' '.join(argv[:3])} failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
+    return done.stdout
+
+
+def parse_record(line: str) -> dict[str, str]:
+    """One `scontrol show ... -o` line: KEY=VALUE pairs; a value may hold spaces (Reason=...) up to the next KEY=."""
+    out: dict[str, str] = {}
+    key = None
+    for word in line.strip().split(" "):
+        name, sep, value = word.partition("=")
+        if sep and name and name.replace("_", "").replace(":", "").isalnum() and (name[0].isupper() or key is None):
+            key = name
+            out[key] = value
+        elif key is not None:
+            out[key] += " " + word
+    return out
+
+
+def node_record(scontrol: str, node: str) -> dict[str, str]:
+    """`scontrol show node NODE -o` as a dict (State, Reason, ...). Raises SlurmError."""
+    return parse_record(run([*shlex.split(scontrol), "show", "node", node, "-o"]).strip().splitlines()[0])
+
+
+class Allocation:
+    """The Slurm allocation `phalanx run` runs in, from the environment Slurm gives a batch script or step."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        self.job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or ""
+        if not nodelist or not self.job_id:
+            raise SlurmError("phalanx run runs inside a Slurm allocation (an sbatch script, salloc or srun): "
+                             "SLURM_JOB_NODELIST and SLURM_JOB_ID are not set here; outside Slurm, use "
+                             "`phalanx submit`")
+        try:
+            self.nodes = hostlist.expand(nodelist)
+        except ValueError as e:
+            raise SlurmError(f"SLURM_JOB_NODELIST ({nodelist!r}) is not a hostlist: {e}") from None
+        self.nodelist = nodelist
+        self.name = env.get("SLURM_JOB_NAME", "")

@@ -1,0 +1,247 @@
+"""Beside Slurm: `phalanx run` in an sbatch job protects it as a submitted job is protected, an evicted node is
+drained in Slurm, and `phalanx slurm-healthcheck` drains and resumes nodes as NHC does. Against a real Slurm
+(Debian's slurm-wlm, its own munged) whose slurmd, Phalanx agent and ranks run per node in a network namespace
+of their own (tests/slurm_cluster.py); the controller and slurmctld share the hub namespace."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import remove_cgroups
+from tests.slurm_cluster import TERMINAL, SlurmCluster, available
+from tests.test_recovery_e2e import CONTROLLER, STEPS, TRAIN, reference  # noqa: F401  (reference: a fixture)
+
+needs_slurm = pytest.mark.skipif(bool(available()), reason=available() or "Slurm can run here")
+PORT = 7370  # the hub namespace is the test's own: nothing else listens there
+
+
+class Fleet:
+    """A real Slurm cluster with a Phalanx controller in its hub and an agent on every node."""
+
+    def __init__(self, sc: SlurmCluster, root: Path) -> None:
+        self.sc, self.root = sc, root
+        self.address = f"{sc.hub_ip}:{PORT}"
+        self.cgroup_parent = f"phalanx-test/slurm-{sc.hub_ns}"
+        self.env = {**sc.env, "PHALANX_CONTROLLER": self.address, "PHALANX_INSECURE": "1"}
+        root.mkdir(parents=True, exist_ok=True)
+        config = root / "controller.toml"
+        config.write_text(f'listen = "{self.address}"\nstate_db = "{root / "controller.db"}"\n'
+                          f'log_format = "console"\n[security]\ninsecure = true\n' + CONTROLLER)
+        self.logs = {"controller": root / "controller.log"}
+        sc.popen_in("hub", [sys.executable, "-m", "controller.main", "--config", str(config)],
+                    stdout=self.logs["controller"].open("w"), stderr=subprocess.STDOUT)
+        for node in sc.node_names:
+            self.start_agent(node)
+        self.wait_for(lambda: all(n.get("state") == "UP" for n in self.nodes().values())
+                      and len(self.nodes()) == len(sc.node_names), "every agent UP")
+
+    def agent_config(self, node: str) -> Path:
+        return self.root / node / "agent.toml"
+
+    def start_agent(self, node: str) -> None:
+        d = self.root / node
+        d.mkdir(exist_ok=True)
+        self.agent_config(node).write_text(
+            f'node_name = "{node}"\ncontroller = "{self.address}"\nadvertise_address = "{self.sc.ip(node)}"\n'
+            f'state_dir = "{d / "state"}"\ncheckpoint_dir = "{d / "ckpt"}"\nsnapshot_dir = "{d / "snapshots"}"\n'
+            f'nvrx_socket = "{d / "nvhcd.sock"}"\ncgroup_parent = "{self.cgroup_parent}"\nlog_format = "console"\n'
+            '[gpu]\nbackend = "sim"\nsim_count = 2\n[reconnect]\nmax_backoff_s = 1.0\n[security]\ninsecure = true\n')
+        self.logs[node] = d / "agent.log"
+        self.sc.popen_in(node, [sys.executable, "-m", "agent.main", "--config", str(self.agent_config(node))],
+                         stdout=self.logs[node].open("w"), stderr=subprocess.STDOUT)
+
+    def cli(self, *args: str, where: str = "hub", timeout: float = 120):
+        return self.sc.run_in(where, [sys.executable, "-m", "phalanx.cli.main", *args], env=self.env, check=False,
+                              timeout=timeout)
+
+    def json(self, *args: str):
+        out = self.cli(*args, "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def nodes(self) -> dict:
+        out = self.cli("nodes", "-o", "json")
+        return {n["name"]: n for n in json.loads(out.stdout)} if out.returncode == 0 else {}
+
+    def wait_for(self, predicate, what: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.5)
+        tails = "\n".join(f"--- {name}:\n{path.read_text()[-3000:]}" for name, path in self.logs.items()
+                          if path.exists())
+        raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{tails}")
+
+    def close(self) -> None:
+        remove_cgroups(self.cgroup_parent)
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    if available():
+        pytest.skip(available())
+    with SlurmCluster(nodes=3, conf_extra="KillWait=30") as sc:  # Slurm's default: SIGTERM, 30 s, SIGKILL
+        f = Fleet(sc, tmp_path / "fleet")  # not "phalanx": the batch script runs python -m phalanx... in tmp_path
+        try:
+            yield f
+        finally:
+            f.close()
+
+
+def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resumed_on_its_spare(fleet, tmp_path,
+                                                                                              reference):
+    sc = fleet.sc
+    out = tmp_path / "checksum.txt"
+    script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
+              f"exec {sys.executable} -m phalanx.cli.main run --spares 1 --env GLOO_SOCKET_IFNAME=eth0 --checkpoint-dir {tmp_path / 'ckpt'} -- "
+              f"{sys.executable} {TRAIN} --steps {STEPS} --step-time 0.05 --every 20 --out {out}\n")
+    slurm_job = sc.sbatch(script, "-N", "3", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
+    fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
+    name = f"slurm-{slurm_job}"
+
+    def ours() -> dict | None:
+        return next((j for j in fleet.json("jobs") if j["name"] == name), None)
+    fleet.wait_for(lambda: (ours() or {}).get("state") == "RUNNING" or sc.job_state(slurm_job) in TERMINAL,
+                   "phalanx run's job running")
+    job = ours()
+    assert job and job["state"] == "RUNNING", fleet.logs["the batch script"].read_text()
+    assert sorted(job["nodes"] + job["spares"]) == sc.node_names and len(job["spares"]) == 1
+    fleet.wait_for(lambda: "step 20 loss" in fleet.cli("logs", job["id"]).stdout, "training under way")
+
+    victim = job["nodes"][1]
+    assert fleet.cli("inject", victim, "--gpu", "0", "remap-pending").returncode == 0
+    assert sc.wait_job(slurm_job, timeout=300) == "COMPLETED", (tmp_path / f"slurm-{slurm_job}.out").read_text()
+
+    j = fleet.json("job", job["id"])
+    story = "\n".join(f"{e['kind']}: {e['message']}" for e in fleet.json("events", "--job", job["id"]))
+    assert (j["state"], j["generation"], j["restarts"]) == ("SUCCEEDED", 2, 1), story
+    assert victim in j["evicted"] and sorted(j["nodes"]) == sorted(set(sc.node_names) - {victim}), story
+    assert out.read_text().strip() == reference  # the model of an uninterrupted run
+    kinds = [e["kind"] for e in fleet.json("events", "--job", job["id"])]
+    assert kinds.index("job.checkpointed") < kinds.index("job.evicting") < kinds.index("job.restarting"), story
+    info = sc.node_info(victim)
+    assert "DRAIN" in info["State"] and info["Reason"].startswith("phalanx:"), f"{info}\n{story}"
+    assert "job.slurm_drain" in kinds, story
+    said = (tmp_path / f"slurm-{slurm_job}.out").read_text()
+    assert f"{job['id']} runs Slurm job {slurm_job} on 2 of {sc.nodelist}, 1 kept as spares" in said, said
+    assert f"{job['id']}: SUCCEEDED" in said, said
+
+
+def test_scancel_reaches_the_ranks_as_a_checkpoint_first(fleet, tmp_path):
+    sc = fleet.sc
+    script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
+              f"exec {sys.executable} -m phalanx.cli.main run --grace 20 --env GLOO_SOCKET_IFNAME=eth0 --checkpoint-dir {tmp_path / 'ckpt'} -- "
+              f"{sys.executable} {TRAIN} --steps 100000 --step-time 0.05 --every 100000 --out {tmp_path / 'x'}\n")
+    slurm_job = sc.sbatch(script, "-N", "2", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
+    fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
+    name = f"slurm-{slurm_job}"
+
+    def ours() -> dict:
+        return next((j for j in fleet.json("jobs") if j["name"] == name), {})
+    fleet.wait_for(lambda: ours().get("state") == "RUNNING" or sc.job_state(slurm_job) in TERMINAL,
+                   "phalanx run's job running")
+    job_id = ours()["id"]
+    fleet.wait_for(lambda: "step 20 loss" in fleet.cli("logs", job_id).stdout, "training under way")
+    sc.scancel(str(slurm_job))  # SIGTERM to the batch script, as the time limit and preemption send it too
+    fleet.wait_for(lambda: ours().get("state") == "CANCELLED", "the job cancelled")
+    kinds = [e["kind"] for e in fleet.json("events", "--job", job_id)]
+    assert kinds.index("job.checkpointed") < kinds.index("job.cancelling"), kinds
+    said = (tmp_path / f"slurm-{slurm_job}.out").read_text()
+    assert "Slurm sent SIGTERM: asking every rank" in said and "every rank committed step" in said, said
+
+
+def test_the_health_check_drains_a_failing_node_and_resumes_only_what_it_drained(fleet):
+    sc = fleet.sc
+
+    def check(node: str) -> str:
+        done = fleet.cli("slurm-healthcheck", "--agent-config", str(fleet.agent_config(node)), where=node)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout.strip()
+
+    fleet.wait_for(lambda: check("n2") == "n2: HEALTHY", "the controller's first verdict on n2, pushed to its agent")
+    assert fleet.cli("inject", "n2", "--gpu", "1", "remap-pending").returncode == 0
+    fleet.wait_for(lambda: "FAILING" in check("n2"), "the agent's verdict on n2 FAILING")
+    said = check("n2")
+    assert said.startswith("n2: FAILING (") and said.endswith("drained in Slurm") or "already drained" in said, said
+    info = sc.node_info("n2")
+    assert "DRAIN" in info["State"] and info["Reason"].startswith("phalanx-health: FAILING"), info
+    assert "already drained in Slurm" in check("n2")  # drained once, not again
+
+    # an operator's drain is theirs: the check leaves it, healthy or not
+    sc.scontrol("update", "NodeName=n3", "State=DRAIN", "Reason=maintenance")
+    fleet.wait_for(lambda: check("n3") != "n3: UNKNOWN", "a verdict on n3")
+    said = check("n3")  # Slurm adds who and when to a reason: "maintenance [root@2026-12-01T15:20:03]"
+    assert said.startswith("n3: HEALTHY; drained in Slurm by someone else (maintenance") and "left so" in said, said
+    assert "DRAIN" in sc.node_info("n3")["State"]
+
+    assert fleet.cli("inject", "n2", "--gpu", "1", "clear").returncode == 0
+    fleet.wait_for(lambda: "resumed in Slurm" in check("n2") or "DRAIN" not in sc.node_info("n2")["State"],
+                   "n2 healthy again and resumed")
+    assert "DRAIN" not in sc.node_info("n2")["State"]
+
+
+def test_phalanx_run_outside_slurm_says_what_to_do():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "run", "--", "true"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "runs inside a Slurm allocation" in done.stderr and "phalanx submit" in done.stderr
+
+
+def test_when_the_allocation_has_no_spare_left_the_job_ends_saying_so_and_requeues_if_asked(fleet, tmp_path):
+    sc = fleet.sc
+    script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
+              f"exec {sys.executable} -m phalanx.cli.main run --requeue --env GLOO_SOCKET_IFNAME=eth0 "
+              f"--checkpoint-dir {tmp_path / 'ckpt'} -- {sys.executable} {TRAIN} --steps 100000 --step-time 0.05 "
+              f"--every 100000 --out {tmp_path / 'x'}\n")
+    slurm_job = sc.sbatch(script, "-N", "2", "--requeue", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
+    fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
+
+    def ours() -> dict:
+        return next((j for j in fleet.json("jobs") if j["name"] == f"slurm-{slurm_job}"), {})
+    fleet.wait_for(lambda: ours().get("state") == "RUNNING" or sc.job_state(slurm_job) in TERMINAL,
+                   "phalanx run's job running")
+    job = ours()
+    fleet.wait_for(lambda: "step 20 loss" in fleet.cli("logs", job["id"]).stdout, "training under way")
+    victim = job["nodes"][0]
+    assert fleet.cli("inject", victim, "--gpu", "0", "remap-pending").returncode == 0
+    fleet.wait_for(lambda: fleet.json("job", job["id"])["state"] == "FAILED", "the job ended")
+    j = fleet.json("job", job["id"])
+    assert j["reason"].startswith(f"no healthy node left to replace {victim} in Slurm job {slurm_job}'s allocation")
+    kinds = [e["kind"] for e in fleet.json("events", "--job", job["id"])]
+    assert kinds.index("job.checkpointed") < kinds.index("job.failed"), kinds  # its work saved before it ended
+    # requeued: Slurm runs the script again, on a new allocation that leaves the drained node out
+    fleet.wait_for(lambda: int(sc.job_info(slurm_job).get("Restarts", "0")) >= 1, "the Slurm job requeued")
+    assert "DRAIN" in sc.node_info(victim)["State"]
+
+
+def test_the_allocation_comes_from_slurms_environment():
+    from phalanx import slurm
+    a = slurm.Allocation({"SLURM_JOB_NODELIST": "gpu[001-003],spare7", "SLURM_JOB_ID": "4242"})
+    assert (a.nodes, a.job_id) == (["gpu001", "gpu002", "gpu003", "spare7"], "4242")
+    with pytest.raises(slurm.SlurmError, match="is not a hostlist"):
+        slurm.Allocation({"SLURM_JOB_NODELIST": "gpu[3-1]", "SLURM_JOB_ID": "1"})
+    assert slurm.parse_record("NodeName=n2 State=IDLE+DRAIN Reason=phalanx: evicted from job-1 [root@2026] "
+                              "Partitions=main")["Reason"] == "phalanx: evicted from job-1 [root@2026]"
+
+
+def test_a_job_bound_to_an_allocation_is_checked(cluster):
+    import grpc
+
+    from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
+    cluster.start_controller()
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = control_pb2_grpc.ControlServiceStub(channel)
+        for spec, says in ((common_pb2.JobSpec(command=["true"], nodes=2, spares=1, within=["a", "b"]),
+                            "within names 2 nodes; the job needs 2 and 1 spares"),
+                           (common_pb2.JobSpec(command=["true"], nodes=1, within=["a b"]), "is not a node name"),
+                           (common_pb2.JobSpec(command=["true"], nodes=1, within=["a"], slurm_job_id="1;rm"),
+                            "is not a Slurm job id")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.SubmitJob(control_pb2.SubmitJobRequest(spec=spec), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.value.details()
