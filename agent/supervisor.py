@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from agent import rankwrap
-from agent.cgroups import Cgroups, CgroupError, RankCgroup
+from agent.cgroups import CgroupError, Cgroups, RankCgroup
 from agent.warm import HOLD_S, Recipe, WarmPool, recipe
 from phalanx import log
 from phalanx.clock import Clock, RealClock, Timer, wall_s

@@ -50,7 +50,7 @@ async def adrain(scontrol: str, node: str, reason: str, timeout_s: float = 15.0,
             return f"cannot run {argv[0]!r}: {e}"
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
             why = f"{argv[0]} did not answer within {timeout_s:g}s"

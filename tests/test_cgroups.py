@@ -64,7 +64,7 @@ def test_without_cgroups_a_limited_job_is_refused_and_others_run_without_one(tmp
     off = Cgroups(str(tmp_path), "", "n1")
     assert not off.enabled and "cgroup_parent is empty" in off.why_not
     assert off.make("job-1.g1.r0", common_pb2.ResourceLimits(open_files=1000)) is None
-    with pytest.raises(CgroupError, match="limits memory or tasks.*cgroup_parent is empty"):
+    with pytest.raises(CgroupError, match=r"limits memory or tasks.*cgroup_parent is empty"):
         off.make("job-1.g1.r0", common_pb2.ResourceLimits(memory_bytes=1 << 30))
     bare = Cgroups(str(tmp_path), "phalanx", "n1")  # nothing mounted there
     assert "no v1 memory, pids hierarchy" in bare.why_not

@@ -94,12 +94,13 @@ def fleet(tmp_path):
             f.close()
 
 
-def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resumed_on_its_spare(fleet, tmp_path,
-                                                                                              reference):
+def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resumed_on_its_spare(
+        fleet, tmp_path, reference):  # noqa: F811  (the fixture imported above)
     sc = fleet.sc
     out = tmp_path / "checksum.txt"
     script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
-              f"exec {sys.executable} -m phalanx.cli.main run --spares 1 --env GLOO_SOCKET_IFNAME=eth0 --checkpoint-dir {tmp_path / 'ckpt'} -- "
+              f"exec {sys.executable} -m phalanx.cli.main run --spares 1 --env GLOO_SOCKET_IFNAME=eth0 "
+              f"--checkpoint-dir {tmp_path / 'ckpt'} -- "
               f"{sys.executable} {TRAIN} --steps {STEPS} --step-time 0.05 --every 20 --out {out}\n")
     slurm_job = sc.sbatch(script, "-N", "3", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
     fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
@@ -136,7 +137,8 @@ def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resum
 def test_scancel_reaches_the_ranks_as_a_checkpoint_first(fleet, tmp_path):
     sc = fleet.sc
     script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
-              f"exec {sys.executable} -m phalanx.cli.main run --grace 20 --env GLOO_SOCKET_IFNAME=eth0 --checkpoint-dir {tmp_path / 'ckpt'} -- "
+              f"exec {sys.executable} -m phalanx.cli.main run --grace 20 --env GLOO_SOCKET_IFNAME=eth0 "
+              f"--checkpoint-dir {tmp_path / 'ckpt'} -- "
               f"{sys.executable} {TRAIN} --steps 100000 --step-time 0.05 --every 100000 --out {tmp_path / 'x'}\n")
     slurm_job = sc.sbatch(script, "-N", "2", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
     fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
@@ -168,7 +170,7 @@ def test_the_health_check_drains_a_failing_node_and_resumes_only_what_it_drained
     assert fleet.cli("inject", "n2", "--gpu", "1", "remap-pending").returncode == 0
     fleet.wait_for(lambda: "FAILING" in check("n2"), "the agent's verdict on n2 FAILING")
     said = check("n2")
-    assert said.startswith("n2: FAILING (") and said.endswith("drained in Slurm") or "already drained" in said, said
+    assert (said.startswith("n2: FAILING (") and said.endswith("drained in Slurm")) or "already drained" in said, said
     info = sc.node_info("n2")
     assert "DRAIN" in info["State"] and info["Reason"].startswith("phalanx-health: FAILING"), info
     assert "already drained in Slurm" in check("n2")  # drained once, not again
