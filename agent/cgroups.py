@@ -60,6 +60,12 @@ class RankCgroup:
                 pass
         return len(pids)
 
+    def adopt(self, pid: int) -> None:
+        """Move a running process (a warm standby becoming the rank) in; what it starts from now on is in too.
+        Raises OSError."""
+        for d in self.dirs:
+            Path(d, "cgroup.procs").write_text(str(pid))
+
     def remove(self) -> bool:
         """Remove the cgroup once empty (kill() first); False if something is still in it."""
         removed = True
@@ -89,13 +95,49 @@ class Cgroups:
             return "the agent's cgroup_parent is empty (cgroups are off)"
         if not os.access(self._root, os.W_OK) and not all(os.access(p, os.W_OK) for p in self._v1_roots()):
             return f"{self._root} is not writable by the agent (uid {os.geteuid()})"
-        if self._unified() is not None:
-            return ""
-        missing = [c for c in V1_CONTROLLERS if not (self._root / c / "cgroup.procs").exists()]
-        if missing:
-            return f"no cgroup v2 with the memory and pids controllers, and no v1 {', '.join(missing)} hierarchy " \
-                   f"under {self._root}"
+        if self._unified() is None:
+            missing = [c for c in V1_CONTROLLERS if not (self._root / c / "cgroup.procs").exists()]
+            if missing:
+                return f"no cgroup v2 with the memory and pids controllers, and no v1 {', '.join(missing)} " \
+                       f"hierarchy under {self._root}"
+        try:  # the node's own level made now, so that a hierarchy that looks usable and is not says so at start
+            self._bases()
+        except OSError as e:
+            return f"cannot make the ranks' parent cgroup: {e}"
         return ""
+
+    def _bases(self) -> list[Path]:
+        """The node's level in each hierarchy (PARENT/NODE), made if missing; in v2 each level gives the memory
+        and pids controllers to its children (a level with processes of its own cannot: the agent must then
+        run in a leaf of its own, as under systemd with Delegate=yes). Raises OSError."""
+        unified = self._unified()
+        if unified is not None:
+            d = unified
+            for part in self._parent.split("/"):
+                _enable(d, V1_CONTROLLERS)
+                d = d / part
+                d.mkdir(exist_ok=True)
+            _enable(d, V1_CONTROLLERS)
+            return [d]
+        bases = [self._root / c / self._parent for c in V1_CONTROLLERS]
+        for d in bases:
+            d.mkdir(parents=True, exist_ok=True)
+        return bases
+
+    def sweep(self, keep: set[str]) -> int:
+        """Remove the ranks' cgroups here that no record names (killing what is in them); how many."""
+        if self.why_not:
+            return 0
+        removed = 0
+        for base in self._bases():
+            for d in base.iterdir():
+                if d.is_dir() and str(d) not in keep:
+                    cgroup = RankCgroup((str(d),))
+                    cgroup.kill()
+                    removed += cgroup.remove()
+        if removed:
+            logger.info("removed cgroups of ranks no record knows", count=removed)
+        return removed
 
     def _v1_roots(self) -> list[Path]:
         return [self._root / c for c in V1_CONTROLLERS]
@@ -125,14 +167,13 @@ class Cgroups:
                 raise CgroupError(f"this job limits memory or tasks, but ranks cannot get a cgroup here: "
                                   f"{self.why_not}")
             return None
-        unified = self._unified()
+        made: list[str] = []
         try:
-            if unified is not None:
-                d = unified
-                for part in [*self._parent.split("/"), key]:  # each level gives its children the controllers
-                    _enable(d, V1_CONTROLLERS)
-                    d = d / part
-                    d.mkdir(exist_ok=True)
+            bases = self._bases()
+            if len(bases) == 1:  # v2
+                d = bases[0] / key
+                d.mkdir(exist_ok=True)
+                made.append(str(d))
                 if limits.memory_bytes:
                     (d / "memory.max").write_text(str(limits.memory_bytes))
                     if (d / "memory.swap.max").exists():  # the limit is on memory, not memory the rank swapped out
@@ -140,11 +181,11 @@ class Cgroups:
                 if limits.tasks:
                     (d / "pids.max").write_text(str(limits.tasks))
                 return RankCgroup((str(d),))
-            dirs = []
-            for controller in V1_CONTROLLERS:
-                d = self._root / controller / self._parent / key
-                d.mkdir(parents=True, exist_ok=True)
-                dirs.append(str(d))
+            for base in bases:
+                d = base / key
+                d.mkdir(exist_ok=True)
+                made.append(str(d))
+            dirs = made
             if limits.memory_bytes:
                 Path(dirs[0], "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
                 memsw = Path(dirs[0], "memory.memsw.limit_in_bytes")  # swap too, where the kernel accounts it
@@ -154,6 +195,7 @@ class Cgroups:
                 Path(dirs[1], "pids.max").write_text(str(limits.tasks))
             return RankCgroup(tuple(dirs))
         except OSError as e:
+            RankCgroup(tuple(made)).remove()
             if wants:
                 raise CgroupError(f"cannot make the rank's cgroup to enforce its limits: {e}") from e
             logger.warning("rank runs without a cgroup of its own", rank=key, error=str(e))

@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
         if nofile:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))  # inherited by the rank
         child = subprocess.Popen(command, **identity)  # exec resets the handlers: the rank gets the default ones
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: an open-files limit above what this host allows (nr_open)
         print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
         write_status(exit_file, 127)
         return 127

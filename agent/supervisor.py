@@ -273,12 +273,18 @@ class Supervisor:
                 except OSError as e:
                     out.write(f"--- phalanx: {e}; starting cold ---\n".encode())
                     out.flush()
-            cgroup = None
-            if proc is None:
+            try:
+                cgroup = self._cgroups.make(exit_file.stem, request.limits) if self._cgroups else None
+            except CgroupError as e:
+                raise ValueError(str(e)) from None
+            if proc is not None and cgroup is not None:  # a standby (no limits: those start cold) joins it now
                 try:
-                    cgroup = self._cgroups.make(exit_file.stem, request.limits) if self._cgroups else None
-                except CgroupError as e:
-                    raise ValueError(str(e)) from None
+                    cgroup.adopt(proc.pid)
+                except OSError as e:
+                    logger.warning("a warm rank runs without its cgroup", job=request.job, rank=rank.rank, error=str(e))
+                    cgroup.remove()
+                    cgroup = None
+            if proc is None:
                 options, wrapper_env = [], env
                 for d in cgroup.dirs if cgroup is not None else ():
                     options += ["--cgroup", d]
@@ -291,10 +297,15 @@ class Supervisor:
                         json.dump(env, f)
                     options += ["--as", account.spec(), str(env_file)]
                     wrapper_env = {"PATH": "/usr/bin:/bin"}  # the wrapper runs with the agent's rights
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", WRAPPER, str(exit_file), *options, "--", *request.command],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env, cwd=workdir,
-                    start_new_session=True, preexec_fn=pin if cpus else None)
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-I", WRAPPER, str(exit_file), *options, "--", *request.command],
+                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env, cwd=workdir,
+                        start_new_session=True, preexec_fn=pin if cpus else None)
+                except BaseException:
+                    if cgroup is not None:
+                        cgroup.remove()
+                    raise
         try:
             created = psutil.Process(proc.pid).create_time()
         except psutil.Error:
@@ -606,8 +617,10 @@ class Supervisor:
         self._clear_cgroup(record)  # a parked rank's, once its process has gone
         with self._lock:
             self._ranks.pop(record.key, None)
-        exit_file = record.exit_file
-        for path in (self._dir / f"{record.key}.json", Path(exit_file), Path(rankwrap.pid_path(exit_file))):
+        paths = [self._dir / f"{record.key}.json"]
+        if record.exit_file:  # "" for a generation whose process rejoined the next (the next record has it)
+            paths += [Path(record.exit_file), Path(rankwrap.pid_path(record.exit_file))]
+        for path in paths:
             path.unlink(missing_ok=True)
 
     def adopt(self) -> list[RankRecord]:
@@ -627,4 +640,8 @@ class Supervisor:
             logger.info("rank re-adopted", job=record.job, generation=record.generation, rank=record.rank,
                         pid=record.pid)
         self.poll()  # the ones that ended while no agent watched: their exit files say how
+        if self._cgroups is not None:  # and the cgroups of ranks no record knows (an agent killed mid-launch)
+            with self._lock:
+                known = {d for r in self._ranks.values() for d in r.cgroup}
+            self._cgroups.sweep(known)
         return adopted

@@ -16,7 +16,7 @@ from controller.api import auth
 from controller.api.control_service import ControlService
 from controller.api.enrol_service import EnrolService
 from controller.api.node_service import NodeService
-from controller.api.rendezvous_service import RendezvousService
+from controller.api.rendezvous_service import RendezvousService, job_name
 from controller.config import ControllerConfig
 from controller.credentials import Credentials
 from controller.ha import Elector
@@ -150,11 +150,12 @@ class Controller:
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs, self.credentials),
                                                         server)
+        rendezvous = RendezvousService(self.clock, self.registry, self._log_rendezvous)
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
-                           self.credentials, self.policy), server)
+                           self.credentials, self.policy, rendezvous.jobs), server)
         enrol_pb2_grpc.add_EnrolServiceServicer_to_server(EnrolService(self.credentials), server)
-        rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(RendezvousService(self.clock), server)
+        rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(rendezvous, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = bind(server, self.cfg.listen, self._credentials)
         if self.cfg.security.token_listen:
@@ -182,6 +183,14 @@ class Controller:
                             self.clock.wall_ns(), fields={"controller": e.name, "epoch": str(term.epoch),
                                                           "previous": previous})
         self.hub.publish((await self.store.commit(events=[event])).events)
+
+    async def _log_rendezvous(self, kind: str, message: str, run_id: str) -> None:
+        """A torchrun run's event (a round formed, a node left out, a restart), logged under its job name."""
+        event = EventRecord(kind, message, self.clock.wall_ns(), job=job_name(run_id), fields={"rendezvous": run_id})
+        try:
+            self.hub.publish((await self.store.commit(events=[event])).events)
+        except Exception as e:  # the store is unavailable (etcd down): the rendezvous goes on regardless
+            logger.warning("could not log a rendezvous event", kind=kind, error=str(e))
 
     def _load_security(self) -> None:
         self._identity, self._credentials, self._tokens = load_security(self.cfg)

@@ -8,6 +8,7 @@ reason's prefix says who drained it, so that the health check resumes only the n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import subprocess
@@ -26,8 +27,10 @@ class SlurmError(Exception):
 
 
 def drain_argv(scontrol: str, node: str, reason: str) -> list[str]:
-    return [*shlex.split(scontrol), "update", f"NodeName={node}", "State=DRAIN",
-            f"Reason={reason[:REASON_MAX]}"]
+    """One argument each (no shell): a reason from an incident's text cannot add arguments; control characters
+    (a newline would break `scontrol show node -o`) become spaces."""
+    clean = "".join(c if c.isprintable() else " " for c in reason)[:REASON_MAX]
+    return [*shlex.split(scontrol), "update", f"NodeName={node}", "State=DRAIN", f"Reason={clean}"]
 
 
 def resume_argv(scontrol: str, node: str) -> list[str]:
@@ -51,7 +54,8 @@ async def adrain(scontrol: str, node: str, reason: str, timeout_s: float = 15.0,
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
         except TimeoutError:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
             await proc.wait()
             why = f"{argv[0]} did not answer within {timeout_s:g}s"
             continue
@@ -85,7 +89,8 @@ def parse_record(line: str) -> dict[str, str]:
     key = None
     for word in line.strip().split(" "):
         name, sep, value = word.partition("=")
-        if sep and name and name.replace("_", "").replace(":", "").isalnum() and (name[0].isupper() or key is None):
+        # a KEY= already seen is text of the value it is in (Reason="NHC: ib port State=Down" keeps State)
+        if sep and name.isascii() and name.replace("_", "").isalnum() and name[0].isupper() and name not in out:
             key = name
             out[key] = value
         elif key is not None:
@@ -95,7 +100,10 @@ def parse_record(line: str) -> dict[str, str]:
 
 def node_record(scontrol: str, node: str) -> dict[str, str]:
     """`scontrol show node NODE -o` as a dict (State, Reason, ...). Raises SlurmError."""
-    return parse_record(run([*shlex.split(scontrol), "show", "node", node, "-o"]).strip().splitlines()[0])
+    lines = run([*shlex.split(scontrol), "show", "node", node, "-o"]).strip().splitlines()
+    if not lines:
+        raise SlurmError(f"scontrol show node {node} said nothing")
+    return parse_record(lines[0])
 
 
 class Allocation:
@@ -115,3 +123,6 @@ class Allocation:
             raise SlurmError(f"SLURM_JOB_NODELIST ({nodelist!r}) is not a hostlist: {e}") from None
         self.nodelist = nodelist
         self.name = env.get("SLURM_JOB_NAME", "")
+        restarts = env.get("SLURM_RESTART_COUNT", "0")
+        # the Phalanx job's name: slurm-JOBID, and .N for the Nth requeue of it (the same Slurm job id)
+        self.job_name = f"slurm-{self.job_id}" + (f".{restarts}" if restarts.isdigit() and int(restarts) else "")

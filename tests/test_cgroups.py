@@ -28,8 +28,6 @@ def _v2_tree(root: Path) -> None:
 
 def test_v2_a_rank_gets_its_limits_and_each_level_gives_the_controllers(tmp_path, monkeypatch):
     _v2_tree(tmp_path)
-    cgroups = Cgroups(str(tmp_path), "phalanx", "node-a")
-    assert cgroups.enabled, cgroups.why_not
     # the fake tree has no kernel to make each new directory's control files: the test makes them as it goes
     orig_mkdir = Path.mkdir
 
@@ -39,6 +37,8 @@ def test_v2_a_rank_gets_its_limits_and_each_level_gives_the_controllers(tmp_path
             if not (self / name).exists():
                 (self / name).write_text("")
     monkeypatch.setattr(Path, "mkdir", mkdir)
+    cgroups = Cgroups(str(tmp_path), "phalanx", "node-a")
+    assert cgroups.enabled, cgroups.why_not
     made = cgroups.make("job-1.g1.r0", common_pb2.ResourceLimits(memory_bytes=1 << 30, tasks=100))
     d = tmp_path / "phalanx" / "node-a" / "job-1.g1.r0"
     assert made is not None and made.dirs == (str(d),)

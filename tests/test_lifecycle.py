@@ -588,3 +588,36 @@ def test_no_hang_is_blamed_while_a_node_of_the_job_is_quiet():
     assert detect(ranks, heard, t, 10.0, POLICY.recovery).kind == "hang"
     down = {"b": NodeView("b", True, HEALTHY, "", quiet=True)}
     assert detect(ranks, down, t, 10.0, POLICY.recovery).kind == "node-lost"
+
+
+def allocation_sim(**kw) -> Sim:
+    """A job bound to a Slurm allocation of nodes a, b, c (spec.within), as `phalanx run` submits it."""
+    sim = Sim(**kw)
+    sim.job.spec.within.extend(sim.nodes)
+    sim.job.spec.slurm_job_id = "17"
+    return sim
+
+
+def test_a_job_in_an_allocation_waits_for_a_disconnected_node_but_ends_when_too_few_usable_nodes_are_left():
+    sim = allocation_sim(nodes=("a", "b"), spares=0)
+    sim.nodes["b"].drained = True  # will not come back by itself: the allocation cannot run the job
+    sim.run_for(5)
+    assert sim.job.state == pb.JOB_STATE_FAILED
+    assert sim.job.reason.startswith("no healthy node left to run on in Slurm job 17's allocation: 1 of its 2 nodes "
+                                     "usable, 2 needed (b down, drained"), sim.job.reason
+
+    sim = allocation_sim(nodes=("a", "b", "c"), spares=1)
+    start(sim)
+    victim = sim.job.nodes[1]
+    sim.nodes[victim].health, sim.nodes[victim].reason = FAILED, "GPU 0: XID 79"
+    sim.nodes[victim].drained = True
+    spare = sim.job.spares[0]
+    sim.run_until(lambda: sim.job.state == pb.JOB_STATE_RUNNING and sim.job.generation == 2)
+    assert spare in sim.job.nodes  # the allocation's spare took its place
+    other = next(n for n in sim.job.nodes if n != spare)
+    sim.nodes[other].health, sim.nodes[other].reason = FAILED, "GPU 1: XID 79"
+    sim.nodes[other].drained = True
+    sim.run_until(lambda: sim.job.state in table.TERMINAL)
+    assert sim.job.state == pb.JOB_STATE_FAILED and sim.job.reason.startswith(
+        f"no healthy node left to replace {other} in Slurm job 17's allocation: 1 of its 3 nodes usable"), \
+        sim.job.reason

@@ -283,3 +283,62 @@ def test_the_wire_protocol_is_versioned_and_its_enum_starts_unspecified():
     first = rendezvous_pb2.RoundOutcome.DESCRIPTOR.values[0]
     assert (first.name, first.number) == ("ROUND_OUTCOME_UNSPECIFIED", 0)
     assert {o.value for o in Outcome} == {1, 2, 3, 4}
+
+
+# --- health: a node the controller finds wanting is left out, and a round that has one restarts ----------------
+
+class Fleet:
+    """Participants A, B, C on nodes node-a, node-b, node-c, with the controller's verdicts in `unfit`."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.unfit: dict[str, str] = {}
+        self.events: list[tuple[str, str]] = []
+        self.book = RendezvousBook(fit=lambda node: self.unfit.get(node, ""),
+                                   on_event=lambda kind, message, run: self.events.append((kind, message)))
+        self.attempts: dict[str, int] = {}
+
+    def join(self, pid, settings=TWO):
+        self.attempts[pid] = self.attempts.get(pid, 0) + 1
+        return self.book.join(RUN, pid, self.attempts[pid], settings, 600.0, store(pid), self.clock.monotonic(),
+                              node=f"node-{pid.lower()}")
+
+    def poll(self, pid, number):
+        return self.book.poll(RUN, pid, number, self.clock.monotonic())
+
+
+def test_a_failing_node_does_not_count_toward_a_round_and_is_left_out_when_it_forms():
+    f = Fleet()
+    f.unfit["node-a"] = "it is FAILING: GPU 0: row remap pending"
+    first = f.join("A")
+    assert first.outcome is Outcome.WAITING and "node node-a is left out of rounds while it is FAILING" in first.message
+    assert f.join("B").outcome is Outcome.WAITING  # A does not make up the two nodes
+    formed = f.join("C")
+    assert formed.outcome is Outcome.FORMED and formed.world_size == 2
+    told = f.poll("A", formed.round)
+    assert told.outcome is Outcome.TIMED_OUT and "A on node node-a was left out of round 1" in told.message \
+        and "FAILING: GPU 0: row remap pending" in told.message
+    assert [k for k, _ in f.events] == ["rendezvous.left_out", "rendezvous.formed"]
+    assert "2 nodes (node-b, node-c)" in f.events[-1][1]
+
+
+def test_a_member_turning_failing_restarts_the_round_and_the_waiting_spare_takes_its_place():
+    f = Fleet()
+    f.join("A")
+    formed = f.join("B")
+    assert formed.outcome is Outcome.FORMED
+    spare = f.join("C")  # beyond --nnodes's MAX: waits
+    assert spare.outcome is Outcome.WAITING
+    assert f.book.num_waiting(RUN, "A", formed.round, f.clock.monotonic()) == 0  # a spare alone restarts nothing
+    f.unfit["node-b"] = "it is FAILING: GPU 1: row remap pending"
+    assert f.book.num_waiting(RUN, "A", formed.round, f.clock.monotonic()) >= 1  # torchrun restarts its workers
+    assert f.events[-1][0] == "rendezvous.restart" and "without node node-b (it is FAILING" in f.events[-1][1]
+    f.book.num_waiting(RUN, "B", formed.round, f.clock.monotonic())
+    assert sum(k == "rendezvous.restart" for k, _ in f.events) == 1  # said once per round
+    # A joins again and the round forms with the spare in B's place, A keeping rank 0; B, joining again, waits
+    # in the next round and is told why (its torchrun agent times out there: the node is out until repaired)
+    assert f.join("A").outcome is Outcome.FORMED
+    again = f.poll("C", spare.round)
+    assert again.outcome is Outcome.FORMED and again.world_size == 2 and f.poll("A", spare.round).rank == 0
+    held = f.join("B")
+    assert held.outcome is Outcome.WAITING and "node node-b is left out of rounds while it is FAILING" in held.message

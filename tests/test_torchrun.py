@@ -281,3 +281,82 @@ def test_a_failed_worker_restarts_both_nodes_in_a_fresh_round(controller, tmp_pa
     ports = {r["master_port"] for r in done.values()}
     assert len(ports) == 1 and ports != {failed[0].read_text()}  # the second round has a fresh store
     assert any("round 2 formed" in log for log in logs)
+
+
+LOOPER = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+
+out = os.environ["OUT_DIR"]
+dist.init_process_group("gloo")
+me = {"node": os.environ["PHALANX_NODE"], "world": dist.get_world_size(), "rank": dist.get_rank(),
+      "run_id": os.environ["TORCHELASTIC_RUN_ID"]}
+nodes = [None] * dist.get_world_size()
+dist.all_gather_object(nodes, me["node"])
+me["nodes"] = sorted(set(nodes))
+with open(os.path.join(out, f"world-{'+'.join(me['nodes'])}-{me['rank']}"), "w") as f:
+    json.dump(me, f)
+value = torch.tensor([1.0])
+for _ in range(3000):  # at most ~5 minutes: until the test says stop
+    stop = torch.tensor([float(os.path.exists(os.path.join(out, "stop")))])
+    dist.all_reduce(stop)  # every rank stops at the same step, or a peer would wait for ever
+    if stop.item():
+        break
+    time.sleep(0.1)
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place(cluster, tmp_path):
+    """Three torchrun agents for --nnodes=2 (one waits as a spare), each on a node with a Phalanx agent: node-b
+    turns FAILING, the round restarts without it, the spare joins, and `phalanx jobs` and the events say so."""
+    cluster.start_controller()
+    names = ["node-a", "node-b", "node-c"]
+    for name in names:
+        cluster.start_agent(name, gpus=1)
+    cluster.wait_states(dict.fromkeys(names, "UP"))
+    (tmp_path / "train.py").write_text(LOOPER)
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = {}
+    for name in names:
+        env = {**os.environ, "OUT_DIR": str(out), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+               "PHALANX_INSECURE": "1", "PHALANX_NODE": name}
+        command = [*torchrun(), "--rdzv-backend=phalanx", f"--rdzv-endpoint={cluster.address}", "--rdzv-id=spare",
+                   "--nnodes=2", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.5",
+                   "--rdzv-conf=join_timeout=120", "train.py"]
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            procs[name] = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+        if name == "node-b":  # a and b form the first round; c starts once it has, and waits as the spare
+            cluster.wait_for(lambda: len(list(out.glob("world-*"))) == 2, "the first round's workers running")
+    try:
+        first = {p.name.split("-", 1)[1].rsplit("-", 1)[0] for p in out.glob("world-*")}
+        assert first == {"node-a+node-b"}
+        listed = json.loads(cluster.cli("jobs", "-o", "json").stdout)
+        run = next(j for j in listed if j["id"] == "torchrun-spare")
+        assert (run["state"], sorted(run["nodes"])) == ("RUNNING", ["node-a", "node-b"]), run
+        assert json.loads(cluster.cli("job", "torchrun-spare", "-o", "json").stdout)["generation"] == 1
+        refused = cluster.cli("cancel", "torchrun-spare")
+        assert refused.returncode == 1 and "is a torchrun run" in refused.stderr, refused.stderr
+        cluster.wait_for(lambda: next(j for j in json.loads(cluster.cli("jobs", "-o", "json").stdout)
+                                      if j["id"] == "torchrun-spare")["spares"] == ["node-c"], "the spare waiting")
+
+        assert cluster.cli("inject", "node-b", "--gpu", "0", "remap-pending").returncode == 0
+        cluster.wait_for(lambda: any(p.name.startswith("world-node-a+node-c") for p in out.glob("world-*")),
+                         "a round of node-a and the spare node-c")
+        (out / "stop").write_text("")
+        for name in ("node-a", "node-c"):
+            assert procs[name].wait(timeout=TORCHRUN_TIMEOUT_S) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        events = json.loads(cluster.cli("events", "--job", "torchrun-spare", "-o", "json").stdout)
+        said = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+        assert "rendezvous.restart: round 1 of rendezvous 'spare' restarts without node node-b (it is FAILING" in said
+        assert "(node-a, node-c)" in said, said
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

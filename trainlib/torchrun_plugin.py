@@ -17,6 +17,11 @@ the previous one wrote; reusing one store across restarts is what broke torchrun
 The previous round's store stays up until the next round forms, so workers of other nodes that hang
 on it are restarted by their agent (which sees `num_nodes_waiting`) rather than failing.
 
+Health: each join names the Phalanx node it runs on ($PHALANX_NODE, else the short hostname). The
+controller leaves a node that is FAILING, FAILED, drained or DOWN out of rounds (its torchrun agent
+is told the round timed out, with the reason), and restarts a running round that has such a node,
+so a spare torchrun node waiting beyond --nnodes's MAX takes its place.
+
 --rdzv-conf keys: `last_call_timeout` (seconds to wait for more than min nodes, default 2),
 `join_timeout` (default: torchrun's `timeout`, else 600), `read_timeout` (store operations, 60).
 """
@@ -69,6 +74,7 @@ class PluginConfig:
     join_timeout_s: float
     read_timeout_s: float
     local_addr: str  # what other nodes reach this node's store at
+    node: str = ""  # the Phalanx node this agent runs on: the controller leaves it out of rounds while unfit
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> PluginConfig:
@@ -85,6 +91,7 @@ class PluginConfig:
             join_timeout_s=join if join is not None else _seconds(params, "timeout", DEFAULT_JOIN_TIMEOUT_S),
             read_timeout_s=_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT_S),
             local_addr=params.local_addr or socket.getfqdn(),
+            node=os.environ.get("PHALANX_NODE") or socket.gethostname().split(".")[0],
         )
 
     @property
@@ -223,7 +230,7 @@ class PhalanxRendezvousHandler(RendezvousHandler):
         request = pb.JoinRequest(
             run_id=cfg.run_id, participant_id=self.participant_id, store=store, attempt=self._attempt,
             settings=pb.RoundSettings(min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, last_call_s=cfg.last_call_s),
-            join_timeout_s=max(0.001, until - time.monotonic()))
+            join_timeout_s=max(0.001, until - time.monotonic()), node=cfg.node)
         try:
             return self._call("Join", request, _default_timeout(), until)
         except _Forgotten as e:  # Join creates what it names; NOT_FOUND here is a bug, not a restart

@@ -10,6 +10,7 @@ import psutil
 from controller import access
 from controller.api import validation
 from controller.api.auth import current_peer
+from controller.api.rendezvous_service import TORCHRUN_PREFIX
 from controller.api.rpc import unary
 from controller.credentials import Credentials
 from controller.errors import FailedPrecondition, InvalidArgument
@@ -28,8 +29,10 @@ LAG_REFRESH_S = 1.0  # GetStats recomputes the heartbeat lag percentiles at most
 class ControlService(control_pb2_grpc.ControlServiceServicer):
     def __init__(self, registry: Registry, store: Store, hub: EventHub, jobs: JobManager,
                  controllers: Callable[[], Awaitable[control_pb2.ListControllersResponse]] | None = None,
-                 credentials: Credentials | None = None, policy: access.Policy | None = None) -> None:
+                 credentials: Credentials | None = None, policy: access.Policy | None = None,
+                 torchrun_jobs: Callable[[], list[common_pb2.Job]] = list) -> None:
         self._registry = registry
+        self._torchrun_jobs = torchrun_jobs  # torchrun runs (the rendezvous), listed beside Phalanx's own jobs
         self._policy = policy
         self._credentials = credentials
         self._controllers = controllers
@@ -176,14 +179,25 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         unknown = [s for s in states if s not in common_pb2.JobState.values() or s == 0]
         if unknown:
             raise InvalidArgument(f"states: {unknown[0]} is not a job state")
-        return control_pb2.ListJobsResponse(jobs=self._jobs.list(states))
+        torchrun = [j for j in self._torchrun_jobs() if not states or j.state in states]
+        return control_pb2.ListJobsResponse(jobs=[*self._jobs.list(states), *torchrun])
 
     @unary
     async def GetJob(self, request: control_pb2.GetJobRequest, context):
-        return self._jobs.get(validation.job_id(request.id))
+        torchrun = self._torchrun_job(request.id)
+        return torchrun if torchrun is not None else self._jobs.get(validation.job_id(request.id))
+
+    def _torchrun_job(self, job_id: str) -> common_pb2.Job | None:
+        """The torchrun run `job_id` names (torchrun-RUN_ID), or None if it names none."""
+        if not job_id.startswith(TORCHRUN_PREFIX):
+            return None
+        return next((j for j in self._torchrun_jobs() if j.id == job_id), None)
 
     @unary
     async def CancelJob(self, request: control_pb2.CancelJobRequest, context):
+        if self._torchrun_job(request.id) is not None:
+            raise FailedPrecondition(f"{request.id} is a torchrun run: its workers are torchrun's, not Phalanx's; "
+                                     "stop its torchrun agents (scancel, or kill them) to end it")
         job = self._jobs.get(validation.job_id(request.id))
         access.require_owner(job.user, job.id)
         with access.acting(_caller()):

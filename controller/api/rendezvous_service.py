@@ -7,21 +7,38 @@ repeats, so no call outlives its deadline. The decisions are `controller.rendezv
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from controller.api.rpc import unary
 from controller.errors import InvalidArgument, NotFound
+from controller.nodes.health import Health
+from controller.nodes.states import DOWN
 from controller.rendezvous.book import (
     MAX_ID_CHARS,
     MAX_NODES,
     MAX_WAIT_S,
     Outcome,
     RendezvousBook,
+    Run,
     Settings,
     StoreAddress,
 )
 from phalanx import clock as clocks
 from phalanx.clock import Clock
-from phalanx.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+from phalanx.names import NAME
+from phalanx.v1 import common_pb2, rendezvous_pb2, rendezvous_pb2_grpc
+
+if TYPE_CHECKING:
+    from controller.nodes.registry import Registry
+
+TORCHRUN_PREFIX = "torchrun-"  # how `phalanx jobs` and the event log name a torchrun run: torchrun-RUN_ID
+
+
+def job_name(run_id: str) -> str:
+    """The run's name as a job, for `phalanx jobs` and `phalanx events --job`; '' if the run id cannot be one."""
+    name = f"{TORCHRUN_PREFIX}{run_id}"
+    return name if NAME.fullmatch(name) else ""
 
 
 def _text(value: str, field_name: str, hint: str) -> str:
@@ -56,11 +73,62 @@ def _store(s: rendezvous_pb2.StoreAddress) -> StoreAddress:
     return StoreAddress(host, s.port)
 
 
+def run_job(run: Run) -> common_pb2.Job:
+    formed, waiting = run.formed, list(run.open.waiting.values()) if run.open else []
+    if run.closed:
+        state, reason = common_pb2.JOB_STATE_SUCCEEDED, "torchrun rendezvous closed (a node finished or shut down)"
+    elif formed is not None:
+        state = common_pb2.JOB_STATE_RUNNING
+        reason = f"torchrun round {formed.number}: {len(formed.ranks)} nodes" + (
+            f", {len(waiting)} waiting (round {run.open.number})" if waiting else "")
+    else:
+        state = common_pb2.JOB_STATE_PENDING
+        reason = f"torchrun round {run.open.number if run.open else 0} forming: {len(waiting)} joined"
+    ranks = formed.ranks if formed is not None else []
+    settings = (formed or run.open).settings if (formed or run.open) else None
+    job = common_pb2.Job(id=job_name(run.id) or f"{TORCHRUN_PREFIX}{run.id[:40]}", state=state, reason=reason,
+                         generation=formed.number if formed else 0,
+                         nodes=[p.node or p.id for p in ranks], spares=[p.node or p.id for p in waiting])
+    job.spec.name = run.id[:63]
+    job.spec.command.append("torchrun")
+    job.spec.nodes = settings.max_nodes if settings else 0
+    return job
+
+
 class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, registry: Registry | None = None,
+                 log: Callable[[str, str, str], Awaitable[None]] | None = None) -> None:
         self._clock = clock
         self._events: dict[str, asyncio.Event] = {}
-        self.book = RendezvousBook(on_change=self._wake)
+        self._registry = registry
+        self._log = log  # (kind, message, run id) -> committed to the event log
+        self._logging: set[asyncio.Task] = set()
+        self.book = RendezvousBook(on_change=self._wake, fit=self._fit, on_event=self._event)
+
+    def _fit(self, node: str) -> str:
+        """'' if `node` may take part in a round; else why not, from the controller's view of it. A node the
+        controller does not know (no Phalanx agent there) is not judged."""
+        entry = self._registry.entries_by_name().get(node) if self._registry is not None else None
+        if entry is None:
+            return ""
+        if entry.record.state is DOWN:
+            return "it is DOWN (its agent is not heard from)"
+        if entry.verdict.health >= Health.FAILING:
+            return f"it is {entry.verdict.health.name}: {'; '.join(entry.verdict.reasons[:2]) or 'no reason given'}"
+        if entry.record.drain_reason:
+            return f"it is drained: {entry.record.drain_reason}"
+        return ""
+
+    def _event(self, kind: str, message: str, run_id: str) -> None:
+        if self._log is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._log(kind, message, run_id))
+        self._logging.add(task)
+        task.add_done_callback(self._logging.discard)
+
+    def jobs(self) -> list[common_pb2.Job]:
+        """The torchrun runs, as `phalanx jobs` lists them: the running round's nodes, the waiting ones as spares."""
+        return [run_job(run) for run in self.book.runs()]
 
     def _wake(self, run_id: str) -> None:
         event = self._events.pop(run_id, None)
@@ -74,7 +142,9 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         settings = _settings(request.settings)
         join_timeout = _seconds(request.join_timeout_s, "join_timeout_s", 0.001, 7 * 86400)
         store = _store(request.store)
-        reply = self.book.join(run_id, pid, request.attempt, settings, join_timeout, store, self._clock.monotonic())
+        node = request.node if not request.node or NAME.fullmatch(request.node) else ""
+        reply = self.book.join(run_id, pid, request.attempt, settings, join_timeout, store, self._clock.monotonic(),
+                               node)
         return reply.to_proto()
 
     @unary

@@ -129,9 +129,14 @@ def job_spec(spec: common_pb2.JobSpec) -> None:
     for name in spec.within:
         if not _NODE_NAME.fullmatch(name):
             raise InvalidArgument(f"within: {name[:80]!r} is not a node name")
+    if len(set(spec.within)) != len(spec.within):
+        raise InvalidArgument("within names a node twice")
+    if spec.slurm_job_id and not spec.within:
+        raise InvalidArgument("slurm_job_id needs within (the allocation's nodes): `phalanx run` sets both")
     if len(spec.within) > 2 * MAX_JOB_NODES:
         raise InvalidArgument(f"within names {len(spec.within)} nodes; the limit is {2 * MAX_JOB_NODES}")
-    if spec.slurm_job_id and (len(spec.slurm_job_id) > 64 or not spec.slurm_job_id.replace("_", "").isalnum()):
+    if spec.slurm_job_id and (len(spec.slurm_job_id) > 64 or not spec.slurm_job_id.isascii()
+                              or not spec.slurm_job_id.replace("_", "").isalnum()):
         raise InvalidArgument(f"slurm_job_id {spec.slurm_job_id[:80]!r} is not a Slurm job id")
     limits = spec.limits
     if limits.memory_bytes and limits.memory_bytes < MIN_MEMORY:

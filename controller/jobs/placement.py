@@ -50,6 +50,7 @@ class Candidate:
     healthy: bool
     free: bool
     gpus: int
+    lost: bool = False  # DOWN, drained or FAILING/FAILED: it will not be schedulable again by itself
 
     @classmethod
     def of(cls, name: str, state: NodeState, health: Health, free: bool, gpus: int, connected: bool = True,
@@ -57,7 +58,8 @@ class Candidate:
         """The one definition of schedulable: UP, not drained, its agent connected, and not FAILING/FAILED."""
         schedulable = state is NodeState.UP and not drained and connected and health in (Health.HEALTHY,
                                                                                           Health.DEGRADED)
-        return cls(name, schedulable, health is Health.HEALTHY, free, gpus)
+        lost = state is NodeState.DOWN or drained or health in (Health.FAILING, Health.FAILED)
+        return cls(name, schedulable, health is Health.HEALTHY, free, gpus, lost)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from controller.recovery.table import (
     check,
     state_name,
 )
-from phalanx import slurm
+from phalanx import hostlist, slurm
 from phalanx.v1 import common_pb2 as pb
 
 # -- the view ------------------------------------------------------------------------------------
@@ -273,11 +273,28 @@ def step(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]
     return decide(job, view, now, policy) if decide is not None else []  # a final state: nothing to do
 
 
+def allocation_short(job: pb.Job, view: JobView, what: str) -> str:
+    """Why a job bound to a Slurm allocation (spec.within) can never get enough nodes there, or '' while it may: a
+    node that is only disconnected or busy for now may come back, one DOWN, drained or FAILING will not by itself
+    (and the allocation's time limit runs: such a job ends rather than waits)."""
+    if not job.spec.within:
+        return ""
+    usable = {c.name for c in view.candidates if not c.lost}
+    if len(usable) >= job.spec.nodes:
+        return ""
+    out = [n for n in job.spec.within if n not in usable]
+    return (f"{slurm.EXHAUSTED} {what} in Slurm job {job.spec.slurm_job_id or '?'}'s allocation: {len(usable)} of its "
+            f"{len(job.spec.within)} nodes usable, {job.spec.nodes} needed ({hostlist.compress(out)} down, drained, "
+            "failing or without a Phalanx agent); requeue the Slurm job for a new allocation")
+
+
 def _pending(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     spec = job.spec
     request = GangRequest(nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, spares=spec.spares,
                           segment=spec.segment or None)
     decision = place(list(view.candidates), request, view.topology)
+    if isinstance(decision, Unplaceable) and (why := allocation_short(job, view, "to run on")):
+        return [finished(job, FAILED, why, 1, now)]
     if isinstance(decision, Unplaceable):
         if job.reason == decision.reason:
             return []
@@ -505,10 +522,8 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     if now < ready_at:
         return [WakeAt(ready_at)]
     chosen = next_nodes(job, view)
-    if isinstance(chosen, str) and job.spec.within:
-        # a job in a Slurm allocation cannot wait for nodes: it has no others, and its time limit runs
-        why = (f"{slurm.EXHAUSTED} to replace {', '.join(job.incident_nodes) or 'its nodes'} in Slurm job "
-               f"{job.spec.slurm_job_id or '?'}'s allocation ({chosen}); requeue the Slurm job for a new one")
+    if isinstance(chosen, str) and (why := allocation_short(
+            job, view, f"to replace {', '.join(job.incident_nodes) or 'its nodes'}")):
         return [finished(job, FAILED, why, 1, now)]
     if isinstance(chosen, str):
         wait = [WakeAt(now + RENDEZVOUS_RETRY_S)]

@@ -1,6 +1,7 @@
 """The job and rank state tables: the single place where a job's or a rank's state may change.
 
     PENDING -> STARTING        placed; its launch goes to the agents
+    PENDING -> FAILED          bound to a Slurm allocation too short of usable nodes to run it
     STARTING -> RUNNING        every node started its ranks
     RUNNING -> CHECKPOINTING   a predictable failure: a FAILING GPU, a straggler (with a deadline)
     RUNNING -> EVICTING        a sudden one: a lost node, a FAILED GPU, a crashed or hung rank
@@ -24,7 +25,7 @@ CANCELLING, CANCELLED = pb.JOB_STATE_CANCELLING, pb.JOB_STATE_CANCELLED
 SUCCEEDED, FAILED = pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED
 
 TRANSITIONS: dict[int, frozenset[int]] = {
-    PENDING: frozenset({STARTING, CANCELLED}),
+    PENDING: frozenset({STARTING, CANCELLED, FAILED}),
     STARTING: frozenset({RUNNING, EVICTING, FAILED, CANCELLING}),
     RUNNING: frozenset({CHECKPOINTING, EVICTING, SUCCEEDED, FAILED, CANCELLING}),
     CHECKPOINTING: frozenset({EVICTING, CANCELLING, SUCCEEDED, FAILED}),

@@ -5,6 +5,13 @@ when `max_nodes` have joined, or when `min_nodes` have joined and the last call 
 follow a stable order: members of the previous round keep their relative order (so rank 0, which
 serves the round's store, stays put when it can), newcomers follow in join order.
 
+Health decides too (`fit(node)`, the controller's verdict on the participant's Phalanx node): a
+participant on a node that is FAILING, FAILED, drained or DOWN does not count toward a round and is
+left out when it forms (told TIMED_OUT, with the reason, so its torchrun agent stops); and when a
+member of the running round is on such a node, every member is told that nodes are waiting, so
+torchrun restarts its workers and the next round forms without that node, with a spare that was
+waiting (a node beyond --nnodes's MAX) in its place.
+
 Each participant brings a fresh TCPStore of its own to every join, and the formed round hands out
 rank 0's. So no round ever sees keys of an earlier one (torchrun's relaunch broke on exactly that
 when a store was reused) and no step is needed after forming: a rank 0 that dies cannot leave the
@@ -67,6 +74,7 @@ class Participant:
     attempt: int      # the participant's count of joins: tells a retried Join from a new one
     deadline: float   # the round must form by then (join timeout)
     last_seen: float
+    node: str = ""    # the Phalanx node it runs on ("" = not known: always fit)
 
 
 @dataclass
@@ -115,6 +123,7 @@ class Run:
     next_seq: int = 0
     left: set[str] = field(default_factory=set)        # formed members that shut down
     gone: dict[str, Drop] = field(default_factory=dict)  # dropped from the open round; told on their next poll
+    restart_told: int = 0  # the formed round whose members were told to restart for an unfit member
 
     def present(self) -> set[str]:
         waiting = set(self.open.waiting) if self.open else set()
@@ -132,32 +141,40 @@ class Drop:
 @dataclass(frozen=True)
 class Form:
     round: int
+    left_out: tuple[tuple[str, str], ...] = ()  # (participant, why): waiting on unfit nodes, dropped as it forms
 
 
 Action = Drop | Form
 
 
-def decide(run: Run, now: float) -> list[Action]:
+def decide(run: Run, now: float, fit: Callable[[str], str] = lambda node: "") -> list[Action]:
     """What time alone changes in `run` at `now`: participants past their join timeout or lease leave
-    the open round, then the round forms if it is full, or has its quorum and the last call is over."""
+    the open round, then the round forms if it is full, or has its quorum and the last call is over.
+    Participants on nodes `fit` finds wanting do not count, and are left out when it forms."""
     rnd = run.open
     if rnd is None or run.closed:
         return []
     actions: list[Action] = []
-    staying = 0
+    staying, left_out = 0, []
     for p in rnd.waiting.values():
         if now >= p.deadline:
             actions.append(Drop(p.id, rnd.number, _timeout_message(run.id, rnd), timed_out=True))
         elif now >= p.last_seen + LEASE_S:
             actions.append(Drop(p.id, rnd.number, f"{p.id} was dropped from round {rnd.number} of rendezvous "
                                 f"{run.id!r}: not heard from for {LEASE_S:g}s; join again", timed_out=False))
+        elif why := _unfit(p, fit):
+            left_out.append((p.id, why))
         else:
             staying += 1
     s = rnd.settings
     last_call_over = rnd.quorum_at is not None and now >= rnd.quorum_at + s.last_call_s
     if staying >= s.max_nodes or (staying >= s.min_nodes and last_call_over):
-        actions.append(Form(rnd.number))
+        actions.append(Form(rnd.number, tuple(left_out)))
     return actions
+
+
+def _unfit(p: Participant, fit: Callable[[str], str]) -> str:
+    return fit(p.node) if p.node else ""
 
 
 def _timeout_message(run_id: str, rnd: Round) -> str:
@@ -176,13 +193,20 @@ def rank_order(members: list[Participant], previous: Round | None) -> list[Parti
 class RendezvousBook:
     """Every run id's rounds. Methods take `now`; `on_change(run_id)` wakes whoever waits on a run."""
 
-    def __init__(self, on_change: Callable[[str], None] = lambda run_id: None) -> None:
+    def __init__(self, on_change: Callable[[str], None] = lambda run_id: None,
+                 fit: Callable[[str], str] = lambda node: "",
+                 on_event: Callable[[str, str, str], None] = lambda kind, message, run_id: None) -> None:
         self._runs: dict[str, Run] = {}
         self._on_change = on_change
+        self._fit = fit  # node -> "" if it may take part, else why not (the controller's verdict)
+        self._event = on_event  # (kind, message, run id) -> the controller's event log
         self._last_sweep = float("-inf")
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
+
+    def runs(self) -> list[Run]:
+        return list(self._runs.values())
 
     def _run(self, run_id: str, now: float, create: bool = False) -> Run:
         self.sweep(now)
@@ -199,7 +223,7 @@ class RendezvousBook:
 
     def advance(self, run: Run, now: float) -> list[Action]:
         """Apply what `decide` says; one log line per decision."""
-        actions = decide(run, now)
+        actions = decide(run, now, self._fit)
         rnd = run.open
         for action in actions:
             assert rnd is not None
@@ -211,20 +235,30 @@ class RendezvousBook:
                 logger.info("rendezvous participant dropped", run=run.id, round=rnd.number,
                             participant=action.participant, why="join timeout" if action.timed_out else "no keep-alive")
             else:
-                rnd.ranks = rank_order(list(rnd.waiting.values()), run.formed)
+                out = dict(action.left_out)
+                rnd.ranks = rank_order([p for p in rnd.waiting.values() if p.id not in out], run.formed)
+                for pid, why in out.items():
+                    node = rnd.waiting[pid].node
+                    message = (f"{pid} on node {node} was left out of round {rnd.number} of rendezvous {run.id!r}: "
+                               f"{why}")
+                    run.gone[pid] = Drop(pid, rnd.number, message, timed_out=True)
+                    self._event("rendezvous.left_out", message, run.id)
                 rnd.waiting.clear()
                 run.formed, run.open = rnd, None
                 run.left.clear()
+                nodes = ", ".join(p.node or p.id for p in rnd.ranks)
+                self._event("rendezvous.formed", f"round {rnd.number} of rendezvous {run.id!r} formed: "
+                            f"{len(rnd.ranks)} nodes ({nodes})", run.id)
                 logger.info("rendezvous round formed", run=run.id, round=rnd.number, world_size=len(rnd.ranks),
                             rank0=rnd.ranks[0].id, store=f"{rnd.ranks[0].store.host}:{rnd.ranks[0].store.port}")
         if rnd is not None and run.open is rnd:
-            _update_quorum(rnd, now)
+            _update_quorum(rnd, now, self._fit)
         if actions:
             self._on_change(run.id)
         return actions
 
     def join(self, run_id: str, pid: str, attempt: int, settings: Settings, join_timeout_s: float,
-             store: StoreAddress, now: float) -> Reply:
+             store: StoreAddress, now: float, node: str = "") -> Reply:
         run = self._run(run_id, now, create=True)
         if run.closed:
             return _closed(run)
@@ -248,13 +282,13 @@ class RendezvousBook:
                 f"and {want.last_call_s:g}s; give every node the same --nnodes and --rdzv-conf")
         if pid in rnd.waiting:  # a retried Join: keep its place, take the newest store
             p = rnd.waiting[pid]
-            p.store, p.attempt, p.last_seen = store, attempt, now
+            p.store, p.attempt, p.last_seen, p.node = store, attempt, now, node
         else:
-            rnd.waiting[pid] = Participant(pid, store, run.next_seq, attempt, now + join_timeout_s, now)
+            rnd.waiting[pid] = Participant(pid, store, run.next_seq, attempt, now + join_timeout_s, now, node)
             run.next_seq += 1
             logger.info("rendezvous participant joined", run=run_id, round=rnd.number, participant=pid,
-                        joined=len(rnd.waiting))
-        _update_quorum(rnd, now)
+                        joined=len(rnd.waiting), node=node or None)
+        _update_quorum(rnd, now, self._fit)
         self._on_change(run_id)
         return self.poll(run_id, pid, rnd.number, now)
 
@@ -279,8 +313,11 @@ class RendezvousBook:
             raise StaleParticipant(dropped.reason)
         rnd = run.open
         if rnd is not None and rnd.number == number and pid in rnd.waiting:
-            rnd.waiting[pid].last_seen = now
-            return Reply(Outcome.WAITING, number, joined=len(rnd.waiting))
+            p = rnd.waiting[pid]
+            p.last_seen = now
+            why = _unfit(p, self._fit)
+            return Reply(Outcome.WAITING, number, joined=len(rnd.waiting),
+                         message=f"node {p.node} is left out of rounds while {why}" if why else "")
         if number == 0 or number > run.last_number:
             raise NotFound(f"rendezvous {run_id!r} has no round {number} (the controller may have restarted); "
                            "join again")
@@ -303,6 +340,14 @@ class RendezvousBook:
         if formed is None or number > formed.number:
             return 0
         if number < formed.number:
+            return max(1, len(waiting))
+        unfit = [(p.node, why) for p in formed.ranks if p.id not in run.left and (why := _unfit(p, self._fit))]
+        if unfit:  # restart without it: the next round forms from the fit nodes and a waiting spare
+            if run.restart_told != formed.number:
+                run.restart_told = formed.number
+                self._event("rendezvous.restart", f"round {formed.number} of rendezvous {run.id!r} restarts without "
+                            + "; ".join(f"node {node} ({why})" for node, why in unfit)
+                            + (f"; {len(waiting)} node(s) waiting to take part" if waiting else ""), run.id)
             return max(1, len(waiting))
         members = formed.member_ids()
         if any(w in members for w in waiting) or len(members) < formed.settings.max_nodes:
@@ -328,7 +373,7 @@ class RendezvousBook:
         if close:
             self._close(run, now, by=pid)
         if run.open is not None and run.open.number == number and run.open.waiting.pop(pid, None):
-            _update_quorum(run.open, now)
+            _update_quorum(run.open, now, self._fit)
         if run.formed is not None and run.formed.number == number and pid in run.formed.member_ids():
             run.left.add(pid)
         logger.info("rendezvous participant left", run=run_id, round=number, participant=pid, closed=run.closed)
@@ -368,8 +413,8 @@ class RendezvousBook:
             self._on_change(run.id)
 
 
-def _update_quorum(rnd: Round, now: float) -> None:
-    if len(rnd.waiting) < rnd.settings.min_nodes:
+def _update_quorum(rnd: Round, now: float, fit: Callable[[str], str] = lambda node: "") -> None:
+    if sum(1 for p in rnd.waiting.values() if not _unfit(p, fit)) < rnd.settings.min_nodes:
         rnd.quorum_at = None
     elif rnd.quorum_at is None:
         rnd.quorum_at = now

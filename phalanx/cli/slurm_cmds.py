@@ -52,9 +52,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"the allocation has {len(allocation.nodes)} nodes ({allocation.nodelist}); --spares "
                        f"{args.spares} leaves none to run on", USAGE)
     if os.environ.get("SLURM_PROCID", "0") != "0":  # `srun phalanx run`: task 0 runs the job, the others follow it
-        return _follow_task(args, f"slurm-{allocation.job_id}")
+        return _follow_task(args, allocation.job_name)
     spec = common_pb2.JobSpec(
-        name=f"slurm-{allocation.job_id}", command=command, nodes=nodes, ranks_per_node=args.ranks_per_node,
+        name=allocation.job_name, command=command, nodes=nodes, ranks_per_node=args.ranks_per_node,
         spares=args.spares, checkpoint_dir=args.checkpoint_dir or "", workdir=os.getcwd(), env=dict(args.env or []),
         within=allocation.nodes, slurm_job_id=allocation.job_id)
     pending: list[int] = []
@@ -71,40 +71,60 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _follow(args: argparse.Namespace, job_id: str, allocation: slurm.Allocation, pending: list[int]) -> int:
-    """Report the job's changes until it ends; Slurm's signals become a checkpoint (and a stop). Its exit code."""
-    shown, stopping = None, 0
+    """Report the job's changes until it ends; Slurm's signals become a checkpoint (and a stop). Its exit code.
+    A controller out of reach (a failover, a restart) is waited for: ending here would end the Slurm job and free
+    its nodes while the ranks still run on them."""
+    shown = None
     while True:
         while pending:
             signum = pending.pop(0)
             name = signal.Signals(signum).name
-            if signum in STOP_SIGNALS and stopping:
-                continue
             _say(f"Slurm sent {name}: asking every rank of {job_id} to checkpoint" +
                  (", then stopping it" if signum in STOP_SIGNALS else ""))
             _checkpoint(args, job_id)
             if signum in STOP_SIGNALS:
-                stopping = signum
-                call(args, lambda s: s.CancelJob(control_pb2.CancelJobRequest(id=job_id), timeout=DEFAULT_TIMEOUT_S))
-        job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=job_id), timeout=DEFAULT_TIMEOUT_S))
+                # the stop is the controller's now (its ranks get SIGTERM, then SIGKILL): exiting at once keeps
+                # within Slurm's KillWait, which would otherwise SIGKILL this process and lose the exit code
+                job = _steady(args, lambda s: s.CancelJob(control_pb2.CancelJobRequest(id=job_id),
+                                                          timeout=DEFAULT_TIMEOUT_S))
+                _say(f"{job_id}: {render.job_state(job.state)}")
+                return OK if job.state == common_pb2.JOB_STATE_SUCCEEDED else 128 + signum
+        job = _steady(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=job_id), timeout=DEFAULT_TIMEOUT_S))
         state = render.job_state(job.state)
         if (state, job.reason) != shown:
             _say(f"{job.id}: {state}: {job.reason}")
             shown = (state, job.reason)
         if job.state in TERMINAL:
-            if stopping:
-                return 128 + stopping
             if job.state == common_pb2.JOB_STATE_FAILED and job.reason.startswith(slurm.EXHAUSTED) and args.requeue:
                 _requeue(args, allocation)
             return job_exit_code(job)
         time.sleep(WAIT_POLL_S)
 
 
+def _steady(args: argparse.Namespace, fn):
+    """call(), waiting out a controller that cannot be reached (saying so once) instead of failing."""
+    said = False
+    while True:
+        try:
+            return call(args, fn)
+        except CliError as e:
+            if not e.transient:
+                raise
+            if not said:
+                _say(f"{e}; waiting for the controller (the job's ranks run on meanwhile)")
+                said = True
+            time.sleep(1.0)
+
+
 def _follow_task(args: argparse.Namespace, name: str) -> int:
     """Another task of `srun ... phalanx run`: wait for task 0's job to end (Slurm's signals are task 0's to
-    handle); its exit code."""
+    handle); its exit code. The name has the Slurm job's restart count, so a requeued run never finds the job of
+    the run before it."""
+    for sig in (*WARN_SIGNALS, *STOP_SIGNALS):
+        signal.signal(sig, signal.SIG_IGN)  # task 0 turns them into a checkpoint; this one just waits
     deadline = time.monotonic() + FIND_JOB_S
     while True:
-        jobs = call(args, lambda s: s.ListJobs(control_pb2.ListJobsRequest(), timeout=DEFAULT_TIMEOUT_S)).jobs
+        jobs = _steady(args, lambda s: s.ListJobs(control_pb2.ListJobsRequest(), timeout=DEFAULT_TIMEOUT_S)).jobs
         job = max((j for j in jobs if j.spec.name == name), key=lambda j: j.submitted_unix_ns, default=None)
         if job is not None and job.state in TERMINAL:
             return job_exit_code(job)
@@ -179,6 +199,9 @@ def cmd_slurm_healthcheck(args: argparse.Namespace) -> int:
                 slurm.run(slurm.drain_argv(args.scontrol, node, f"{slurm.UNHEALTHY} {health}: {why}"))
             print(f"{node}: {health} ({why}); drained in Slurm" + (" (dry run)" if args.dry_run else ""), flush=True)
             return OK
+        if drained and ours and (health != "HEALTHY" or not verdict.get("controller_connected")):
+            print(f"{node}: {health}; left drained in Slurm until the controller says HEALTHY ({reason})", flush=True)
+            return OK
         if drained and ours:
             if not args.dry_run:
                 slurm.run(slurm.resume_argv(args.scontrol, node))
@@ -199,8 +222,8 @@ def add_parsers(sub, count, positive, env_pair) -> None:
                        usage="%(prog)s [--spares S] [--ranks-per-node R] [--checkpoint-dir DIR] [--env K=V] "
                              "[--grace SECONDS] [--requeue] -- COMMAND ...")
     p.add_argument("--spares", type=count, default=0, help="nodes of the allocation kept as hot spares (default 0)")
-    p.add_argument("--ranks-per-node", type=positive, default=int(os.environ.get("SLURM_GPUS_ON_NODE") or 1)
-                   if (os.environ.get("SLURM_GPUS_ON_NODE") or "1").isdigit() else 1,
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
+    p.add_argument("--ranks-per-node", type=positive, default=int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1,
                    help="ranks (GPUs) per node (default: SLURM_GPUS_ON_NODE, else 1)")
     p.add_argument("--checkpoint-dir", help="where ranks checkpoint (default: each agent's checkpoint_dir/JOB)")
     p.add_argument("--env", action="append", type=env_pair, metavar="K=V", help="environment for every rank")

@@ -38,20 +38,22 @@ class RoundSettings(_message.Message):
     def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_call_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "participant_id", "settings", "join_timeout_s", "store", "attempt")
+    __slots__ = ("run_id", "participant_id", "settings", "join_timeout_s", "store", "attempt", "node")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANT_ID_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     participant_id: str
     settings: RoundSettings
     join_timeout_s: float
     store: StoreAddress
     attempt: int
-    def __init__(self, run_id: _Optional[str] = ..., participant_id: _Optional[str] = ..., settings: _Optional[_Union[RoundSettings, _Mapping]] = ..., join_timeout_s: _Optional[float] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, run_id: _Optional[str] = ..., participant_id: _Optional[str] = ..., settings: _Optional[_Union[RoundSettings, _Mapping]] = ..., join_timeout_s: _Optional[float] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class AwaitRoundRequest(_message.Message):
     __slots__ = ("run_id", "participant_id", "round", "wait_s")
