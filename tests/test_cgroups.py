@@ -70,6 +70,14 @@ def test_without_cgroups_a_limited_job_is_refused_and_others_run_without_one(tmp
     assert "no v1 memory, pids hierarchy" in bare.why_not
 
 
+def one_node(cluster, agent_extra: str = ""):
+    """A controller and one agent, node-a, UP."""
+    cluster.start_controller()
+    cluster.start_agent("node-a", gpus=1, extra=agent_extra)
+    cluster.wait_states({"node-a": "UP"})
+    return cluster
+
+
 RANK = """
 import os, subprocess, sys, time
 # a daemon that leaves the rank's process group and session: only the cgroup still knows it is the rank's
@@ -81,10 +89,7 @@ time.sleep(600)
 
 @needs_cgroups
 def test_a_ranks_limits_hold_and_what_it_started_ends_with_it(cluster, tmp_path):
-    c = cluster
-    c.start_controller()
-    c.start_agent("node-a", gpus=1)
-    c.wait_states({"node-a": "UP"})
+    c = one_node(cluster)
     out = tmp_path / "pids.txt"
     script = tmp_path / "rank.py"
     script.write_text(RANK)
@@ -114,10 +119,7 @@ def test_a_ranks_limits_hold_and_what_it_started_ends_with_it(cluster, tmp_path)
 
 @needs_cgroups
 def test_a_rank_beyond_its_memory_is_killed_and_the_job_says_so(cluster, tmp_path):
-    c = cluster
-    c.start_controller()
-    c.start_agent("node-a", gpus=1)
-    c.wait_states({"node-a": "UP"})
+    c = one_node(cluster)
     grab = "b = bytearray(400 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('survived')\n"
     submitted = c.cli("submit", "--memory", "128M", "--", "python3", "-c", grab)
     job = submitted.stdout.strip()
@@ -130,10 +132,7 @@ def test_a_rank_beyond_its_memory_is_killed_and_the_job_says_so(cluster, tmp_pat
 
 @needs_cgroups
 def test_an_agent_without_cgroups_refuses_a_limited_job_with_the_reason(cluster, tmp_path):
-    c = cluster
-    c.start_controller()
-    c.start_agent("node-a", gpus=1, extra='cgroup_parent = ""')
-    c.wait_states({"node-a": "UP"})
+    c = one_node(cluster, 'cgroup_parent = ""')
     job = c.cli("submit", "--tasks", "100", "--", "true").stdout.strip()
     c.wait_for(lambda: "cgroup" in (json.loads(c.cli("job", job, "-o", "json").stdout)["reason"] or "")
                or "cgroup" in c.cli("events").stdout, "the launch refused for want of a cgroup")

@@ -78,6 +78,25 @@ class Fleet:
                           if path.exists())
         raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{tails}")
 
+    def sbatch_run(self, tmp_path: Path, run_args: str, train_args: str, *sbatch_args: str) -> tuple[int, dict]:
+        """Submit an sbatch script that `exec`s `phalanx run RUN_ARGS -- python TRAIN TRAIN_ARGS`; wait for its
+        Phalanx job to run and train. The Slurm job id and the Phalanx job."""
+        script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={self.address} PHALANX_INSECURE=1\n"
+                  f"exec {sys.executable} -m phalanx.cli.main run {run_args} --env GLOO_SOCKET_IFNAME=eth0 "
+                  f"--checkpoint-dir {tmp_path / 'ckpt'} -- {sys.executable} {TRAIN} {train_args}\n")
+        slurm_job = self.sc.sbatch(script, *sbatch_args, "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
+        self.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
+        self.wait_for(lambda: self.ours(slurm_job).get("state") == "RUNNING"
+                      or self.sc.job_state(slurm_job) in TERMINAL, "phalanx run's job running")
+        job = self.ours(slurm_job)
+        assert job.get("state") == "RUNNING", self.logs["the batch script"].read_text()
+        self.wait_for(lambda: "step 20 loss" in self.cli("logs", job["id"]).stdout, "training under way")
+        return slurm_job, job
+
+    def ours(self, slurm_job: int) -> dict:
+        """The Phalanx job `phalanx run` submitted for Slurm job `slurm_job` ({} until it has)."""
+        return next((j for j in self.json("jobs") if j["name"] == f"slurm-{slurm_job}"), {})
+
     def close(self) -> None:
         remove_cgroups(self.cgroup_parent)
 
@@ -98,22 +117,9 @@ def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resum
         fleet, tmp_path, reference):  # noqa: F811  (the fixture imported above)
     sc = fleet.sc
     out = tmp_path / "checksum.txt"
-    script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
-              f"exec {sys.executable} -m phalanx.cli.main run --spares 1 --env GLOO_SOCKET_IFNAME=eth0 "
-              f"--checkpoint-dir {tmp_path / 'ckpt'} -- "
-              f"{sys.executable} {TRAIN} --steps {STEPS} --step-time 0.05 --every 20 --out {out}\n")
-    slurm_job = sc.sbatch(script, "-N", "3", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
-    fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
-    name = f"slurm-{slurm_job}"
-
-    def ours() -> dict | None:
-        return next((j for j in fleet.json("jobs") if j["name"] == name), None)
-    fleet.wait_for(lambda: (ours() or {}).get("state") == "RUNNING" or sc.job_state(slurm_job) in TERMINAL,
-                   "phalanx run's job running")
-    job = ours()
-    assert job and job["state"] == "RUNNING", fleet.logs["the batch script"].read_text()
+    slurm_job, job = fleet.sbatch_run(tmp_path, "--spares 1", f"--steps {STEPS} --step-time 0.05 --every 20 "
+                                      f"--out {out}", "-N", "3")
     assert sorted(job["nodes"] + job["spares"]) == sc.node_names and len(job["spares"]) == 1
-    fleet.wait_for(lambda: "step 20 loss" in fleet.cli("logs", job["id"]).stdout, "training under way")
 
     victim = job["nodes"][1]
     assert fleet.cli("inject", victim, "--gpu", "0", "remap-pending").returncode == 0
@@ -136,22 +142,11 @@ def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resum
 
 def test_scancel_reaches_the_ranks_as_a_checkpoint_first(fleet, tmp_path):
     sc = fleet.sc
-    script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
-              f"exec {sys.executable} -m phalanx.cli.main run --grace 20 --env GLOO_SOCKET_IFNAME=eth0 "
-              f"--checkpoint-dir {tmp_path / 'ckpt'} -- "
-              f"{sys.executable} {TRAIN} --steps 100000 --step-time 0.05 --every 100000 --out {tmp_path / 'x'}\n")
-    slurm_job = sc.sbatch(script, "-N", "2", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
-    fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
-    name = f"slurm-{slurm_job}"
-
-    def ours() -> dict:
-        return next((j for j in fleet.json("jobs") if j["name"] == name), {})
-    fleet.wait_for(lambda: ours().get("state") == "RUNNING" or sc.job_state(slurm_job) in TERMINAL,
-                   "phalanx run's job running")
-    job_id = ours()["id"]
-    fleet.wait_for(lambda: "step 20 loss" in fleet.cli("logs", job_id).stdout, "training under way")
+    slurm_job, job = fleet.sbatch_run(tmp_path, "--grace 20", f"--steps 100000 --step-time 0.05 --every 100000 "
+                                      f"--out {tmp_path / 'x'}", "-N", "2")
+    job_id = job["id"]
     sc.scancel(str(slurm_job))  # SIGTERM to the batch script, as the time limit and preemption send it too
-    fleet.wait_for(lambda: ours().get("state") == "CANCELLED", "the job cancelled")
+    fleet.wait_for(lambda: fleet.ours(slurm_job).get("state") == "CANCELLED", "the job cancelled")
     kinds = [e["kind"] for e in fleet.json("events", "--job", job_id)]
     assert kinds.index("job.checkpointed") < kinds.index("job.cancelling"), kinds
     said = (tmp_path / f"slurm-{slurm_job}.out").read_text()
@@ -197,19 +192,8 @@ def test_phalanx_run_outside_slurm_says_what_to_do():
 
 def test_when_the_allocation_has_no_spare_left_the_job_ends_saying_so_and_requeues_if_asked(fleet, tmp_path):
     sc = fleet.sc
-    script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={fleet.address} PHALANX_INSECURE=1\n"
-              f"exec {sys.executable} -m phalanx.cli.main run --requeue --env GLOO_SOCKET_IFNAME=eth0 "
-              f"--checkpoint-dir {tmp_path / 'ckpt'} -- {sys.executable} {TRAIN} --steps 100000 --step-time 0.05 "
-              f"--every 100000 --out {tmp_path / 'x'}\n")
-    slurm_job = sc.sbatch(script, "-N", "2", "--requeue", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
-    fleet.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
-
-    def ours() -> dict:
-        return next((j for j in fleet.json("jobs") if j["name"] == f"slurm-{slurm_job}"), {})
-    fleet.wait_for(lambda: ours().get("state") == "RUNNING" or sc.job_state(slurm_job) in TERMINAL,
-                   "phalanx run's job running")
-    job = ours()
-    fleet.wait_for(lambda: "step 20 loss" in fleet.cli("logs", job["id"]).stdout, "training under way")
+    slurm_job, job = fleet.sbatch_run(tmp_path, "--requeue", f"--steps 100000 --step-time 0.05 --every 100000 "
+                                      f"--out {tmp_path / 'x'}", "-N", "2", "--requeue")
     victim = job["nodes"][0]
     assert fleet.cli("inject", victim, "--gpu", "0", "remap-pending").returncode == 0
     fleet.wait_for(lambda: fleet.json("job", job["id"])["state"] == "FAILED", "the job ended")
