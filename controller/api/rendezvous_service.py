@@ -108,8 +108,11 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     def _fit(self, node: str) -> str:
         """'' if `node` may take part in a round; else why not, from the controller's view of it. A node the
         controller does not know (no Phalanx agent there) is not judged."""
-        entry = self._registry.entries_by_name().get(node) if self._registry is not None else None
-        if entry is None:
+        if self._registry is None:
+            return ""
+        try:
+            entry = self._registry.get(node)  # not entries_by_name(): every torchrun agent asks each second
+        except NotFound:
             return ""
         if entry.record.state is DOWN:
             return "it is DOWN (its agent is not heard from)"

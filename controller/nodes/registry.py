@@ -452,6 +452,9 @@ class Registry:
             # Undrain says "fixed": forget past XIDs and counter movements. A fault still there drains it again.
             for history in entry.gpu_health.values():
                 history.forget()
+            # and what is found next is news, logged as such: a fault still there is a node.health event again
+            # (without this, whether the log said so hung on which heartbeat the next verdict came from)
+            entry.verdict_logged = health.HEALTHY
             self._judging.add(name)
             self._evaluate(entry, self._clock.monotonic())
             await self._act_on_health(entry)
