@@ -277,10 +277,13 @@ def test_a_node_lost_with_the_node_holding_its_replicas_falls_back_to_the_disk_c
 
 
 @pytest.mark.parametrize("fault", ["kill", "remap-pending"])
-def test_a_surviving_rank_run_by_trainlib_run_rejoins_the_next_generation_in_its_own_process(cluster4, tmp_path,
+def test_a_surviving_rank_run_by_trainlib_run_rejoins_the_next_generation_in_its_own_process(cluster, tmp_path,
                                                                                             reference, fault):
-    """kill: the survivor's collective fails and it waits; remap-pending: it is stopped (SIGTERM) after the
-    checkpoint, and waits. Either way it trains on in generation 2 in the same process."""
+    """kill: the survivor's collective fails and it waits (or, on a loaded machine, the stop reaches it first);
+    remap-pending: it is stopped (SIGTERM) after the checkpoint, and waits. Either way it trains on in generation 2
+    in the same process. The stop's grace is longer here than elsewhere: a survivor SIGKILLed before it could park
+    (a loaded 2-core machine) would start again as a new process, which is the fallback, not what is tested."""
+    cluster4 = started4(cluster, controller=CONTROLLER.replace("stop_grace_s = 3.0", "stop_grace_s = 15.0"))
     job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", "--rejoin", every="100000")
     ranks = {r["rank"]: r for r in job(cluster4, job_id)["ranks"]}
     if fault == "kill":
@@ -294,7 +297,8 @@ def test_a_surviving_rank_run_by_trainlib_run_rejoins_the_next_generation_in_its
     logs = phalanx(cluster4, "logs", job_id, "--rank", "0").stdout
     assert "generation 2 rank 0 rejoining in the same process" in logs, logs[-3000:]
     assert "rank 0 rejoins " + job_id + " in generation 2 (same process)" in logs
-    assert ("(stopped); waiting to rejoin" in logs) == (fault == "remap-pending")
+    if fault == "remap-pending":
+        assert "(stopped); waiting to rejoin" in logs
     if fault == "kill":
         assert 0 <= last_step_before_restart(logs) - resumed_step(logs) <= 2, logs[-3000:]
     else:  # from the step every rank committed before the eviction: none lost
