@@ -147,3 +147,17 @@ def test_submit_checks_sizes_and_limits(cluster):
     assert small.returncode != 0 and "less than 64 MiB" in small.stderr
     few = cluster.cli("submit", "--tasks", "2", "--", "true")
     assert few.returncode != 0 and "limits.tasks (2) is less than 8" in few.stderr
+
+
+def test_an_agent_that_restarts_removes_the_cgroups_no_rank_record_names(tmp_path):
+    for c in ("memory", "pids"):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "cgroup.procs").write_text("")
+    cgroups = Cgroups(str(tmp_path), "phalanx", "n1")
+    kept = cgroups.make("job-1.g1.r0", common_pb2.ResourceLimits())
+    cgroups.make("job-1.g1.r1", common_pb2.ResourceLimits())  # its record was never written (killed mid-launch)
+    for d in (tmp_path / "memory/phalanx/n1/job-1.g1.r1", tmp_path / "pids/phalanx/n1/job-1.g1.r1"):
+        assert d.is_dir()
+    assert cgroups.sweep(set(kept.dirs)) == 2
+    assert [p.name for p in (tmp_path / "memory/phalanx/n1").iterdir()] == ["job-1.g1.r0"]
+    assert [p.name for p in (tmp_path / "pids/phalanx/n1").iterdir()] == ["job-1.g1.r0"]
