@@ -122,7 +122,6 @@ class Allocation:
         except ValueError as e:
             raise SlurmError(f"SLURM_JOB_NODELIST ({nodelist!r}) is not a hostlist: {e}") from None
         self.nodelist = nodelist
-        self.name = env.get("SLURM_JOB_NAME", "")
         restarts = env.get("SLURM_RESTART_COUNT", "0")
         # the Phalanx job's name: slurm-JOBID, and .N for the Nth requeue of it (the same Slurm job id)
         self.job_name = f"slurm-{self.job_id}" + (f".{restarts}" if restarts.isdigit() and int(restarts) else "")
