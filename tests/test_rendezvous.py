@@ -4,6 +4,7 @@ import pytest
 
 from controller.errors import FailedPrecondition, NotFound
 from controller.rendezvous.book import (
+    CHECKPOINT_WAIT_S,
     CLOSED_RUN_TTL_S,
     IDLE_RUN_TTL_S,
     LEASE_S,
@@ -15,6 +16,8 @@ from controller.rendezvous.book import (
     Settings,
     StaleParticipant,
     StoreAddress,
+    Worker,
+    agreed_step,
     decide,
 )
 from phalanx.clock import FakeClock
@@ -342,3 +345,88 @@ def test_a_member_turning_failing_restarts_the_round_and_the_waiting_spare_takes
     assert again.outcome is Outcome.FORMED and again.world_size == 2 and f.poll("A", spare.round).rank == 0
     held = f.join("B")
     assert held.outcome is Outcome.WAITING and "node node-b is left out of rounds while it is FAILING" in held.message
+
+
+# --- checkpoint first: a round's trainlib workers save the same step before it restarts for an unfit node --------
+
+def formed_with_spare(f):
+    f.join("A")
+    formed = f.join("B")
+    f.join("C")
+    return formed.round
+
+
+def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1):
+    return f.book.report_worker(RUN, number, Worker(rank, world, step, step_s, f.clock.monotonic(), *done),
+                                f.clock.monotonic())
+
+
+def test_a_round_whose_workers_report_checkpoints_the_same_step_before_it_restarts():
+    f = Fleet()
+    number = formed_with_spare(f)
+    assert report(f, number, 0, 40) is None and report(f, number, 1, 41) is None  # nothing asked while all is well
+    f.unfit["node-b"] = "it is FAILING: GPU 1: row remap pending"
+    now = f.clock.monotonic()
+    assert f.book.num_waiting(RUN, "A", number, now) == 0  # not yet: the workers checkpoint first
+    kind, message = f.events[-1]
+    ask = report(f, number, 0, 42)
+    assert kind == "rendezvous.checkpoint" and f"after step {ask.at_step} before the round restarts without node " \
+        "node-b (it is FAILING" in message
+    # a second ahead at 0.1 s a step, plus the request's way down (a report interval), plus two
+    assert ask.at_step == 41 + 15 + 2 and ask.world_size == 2
+    assert report(f, number, 1, 43).id == ask.id  # every worker gets the same request
+    assert f.book.num_waiting(RUN, "B", number, now) == 0
+    f.clock.advance(1.0)
+    report(f, number, 0, ask.at_step, done=(ask.id, ask.at_step))
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0  # one of two committed
+    report(f, number, 1, ask.at_step, done=(ask.id, ask.at_step))
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1  # both: torchrun restarts the round
+    kinds = [k for k, _ in f.events]
+    assert kinds[-2:] == ["rendezvous.checkpointed", "rendezvous.restart"], f.events
+    assert f"every worker (2) committed the checkpoint of step {ask.at_step}" in f.events[-1][1]
+    assert f.book.num_waiting(RUN, "B", number, f.clock.monotonic()) >= 1  # the other member restarts too
+    f.unfit.clear()  # the node recovering now does not call the restart off: the workers stopped stepping
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+
+
+def test_a_round_without_reporting_workers_restarts_at_once_and_a_stuck_checkpoint_is_not_waited_for_ever():
+    f = Fleet()
+    number = formed_with_spare(f)
+    f.unfit["node-b"] = "it is FAILING"
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1  # no trainlib: as before
+    assert "rendezvous.checkpoint" not in [k for k, _ in f.events]
+
+    g = Fleet()
+    number = formed_with_spare(g)
+    report(g, number, 0, 5)
+    report(g, number, 1, 5)
+    g.unfit["node-b"] = "it is FAILING"
+    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
+    for _ in range(int(CHECKPOINT_WAIT_S)):  # the workers keep reporting, but one never commits
+        g.clock.advance(1.0)
+        ask = report(g, number, 0, 6)
+        report(g, number, 1, ask.at_step, done=(ask.id, ask.at_step))
+        if g.book.num_waiting(RUN, "A", number, g.clock.monotonic()):
+            break
+    assert g.clock.monotonic() >= CHECKPOINT_WAIT_S
+    assert g.events[-2][0] == "rendezvous.checkpoint_failed" and "only 1 of 2 workers committed" in g.events[-2][1]
+
+    h = Fleet()
+    number = formed_with_spare(h)
+    report(h, number, 0, 5)
+    h.unfit["node-b"] = "it is FAILING"
+    assert h.book.num_waiting(RUN, "A", number, h.clock.monotonic()) == 0
+    h.clock.advance(10.0)  # the workers died (a sudden fault besides): nobody to wait for
+    assert h.book.num_waiting(RUN, "A", number, h.clock.monotonic()) >= 1
+    assert "the workers stopped reporting" in h.events[-2][1]
+
+
+def test_a_report_for_another_round_gets_no_request_and_the_agreed_step_reckons_with_time():
+    f = Fleet()
+    number = formed_with_spare(f)
+    assert report(f, number + 1, 0, 5) is None and f.book.report_worker("other", 1, Worker(0, 1, 0, 0.1, 0.0),
+                                                                        0.0) is None
+    now = 100.0
+    # 2 s since a report of step 10 at 0.1 s a step: the worker is at step 30 by now
+    assert agreed_step([Worker(0, 2, 10, 0.1, now - 2.0), Worker(1, 2, 29, 0.1, now)], now) == 30 + 15 + 2
+    assert agreed_step([Worker(0, 1, 7, 0.0, now)], now) == 17  # no pace known yet: ten steps ahead

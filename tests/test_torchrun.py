@@ -137,6 +137,22 @@ def test_fencing_and_unknown_runs_have_their_own_codes(controller):
     assert code == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.parametrize("fields,message", [
+    ({"run_id": ""}, "run_id is empty; the worker's $PHALANX_RDZV_RUN (its torchrun --rdzv-id)"),
+    ({"world_size": 0}, "world_size (0) must be between 1 and 1048576"),
+    ({"rank": 2}, "rank (2) must be below world_size (2)"),
+    ({"step": -2}, "step (-2) and done_step (-1) must be -1 (none) or more"),
+    ({"step_s": float("inf")}, "step_s (infs) must be between 0s and 3600s"),
+])
+def test_bad_worker_reports_are_refused_and_a_report_for_no_formed_round_asks_nothing(controller, fields, message):
+    _, stub = controller
+    request = {"run_id": "workers", "round": 1, "rank": 0, "world_size": 2, "step": 3, "done_step": -1, **fields}
+    assert status_of(lambda: stub.ReportWorker(pb.WorkerReport(**request), timeout=5)) == (INVALID, message)
+    fine = {**request, **{k: v for k, v in {"run_id": "workers", "world_size": 2, "rank": 0, "step": 3,
+                                            "step_s": 0.1}.items() if k in fields}}
+    assert stub.ReportWorker(pb.WorkerReport(**fine), timeout=5).checkpoint_id == 0  # no such run: nothing asked
+
+
 # --- the handler, in this process -----------------------------------------------------------------------------
 
 def params(address, run_id, min_nodes=1, max_nodes=1, **config):
@@ -310,29 +326,38 @@ os._exit(0)
 """
 
 
-def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place(cluster, tmp_path):
-    """Three torchrun agents for --nnodes=2 (one waits as a spare), each on a node with a Phalanx agent: node-b
-    turns FAILING, the round restarts without it, the spare joins, and `phalanx jobs` and the events say so."""
+NAMES = ["node-a", "node-b", "node-c"]
+
+
+def start_three(cluster, tmp_path: Path, run_id: str, script: list[str], first_round_up) -> dict:
+    """A controller, Phalanx agents node-a..c, and a torchrun agent on each for --nnodes=2 of one worker each:
+    a and b form the first round; c starts once `first_round_up()` and waits as the spare. Returns the Popens."""
     cluster.start_controller()
-    names = ["node-a", "node-b", "node-c"]
-    for name in names:
+    for name in NAMES:
         cluster.start_agent(name, gpus=1)
-    cluster.wait_states(dict.fromkeys(names, "UP"))
-    (tmp_path / "train.py").write_text(LOOPER)
-    out = tmp_path / "out"
-    out.mkdir()
+    cluster.wait_states(dict.fromkeys(NAMES, "UP"))
     procs = {}
-    for name in names:
-        env = {**os.environ, "OUT_DIR": str(out), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+    for name in NAMES:
+        env = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
                "PHALANX_INSECURE": "1", "PHALANX_NODE": name}
-        command = [*torchrun(), "--rdzv-backend=phalanx", f"--rdzv-endpoint={cluster.address}", "--rdzv-id=spare",
+        command = [*torchrun(), "--rdzv-backend=phalanx", f"--rdzv-endpoint={cluster.address}", f"--rdzv-id={run_id}",
                    "--nnodes=2", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.5",
-                   "--rdzv-conf=join_timeout=120", "train.py"]
+                   "--rdzv-conf=join_timeout=120", *script]
         with open(tmp_path / f"{name}.log", "wb") as log:
             procs[name] = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
-        if name == "node-b":  # a and b form the first round; c starts once it has, and waits as the spare
-            cluster.wait_for(lambda: len(list(out.glob("world-*"))) == 2, "the first round's workers running")
+        if name == "node-b":
+            cluster.wait_for(first_round_up, "the first round's workers running")
+    return procs
+
+
+def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place(cluster, tmp_path):
+    """Three torchrun agents for --nnodes=2 (one waits as a spare), each on a node with a Phalanx agent: node-b
+    turns FAILING, the round restarts without it, the spare joins, and `phalanx jobs` and the events say so."""
+    (tmp_path / "train.py").write_text(LOOPER)
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = start_three(cluster, tmp_path, "spare", ["train.py"], lambda: len(list(out.glob("world-*"))) == 2)
     try:
         first = {p.name.split("-", 1)[1].rsplit("-", 1)[0] for p in out.glob("world-*")}
         assert first == {"node-a+node-b"}
@@ -360,3 +385,66 @@ def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def test_a_failing_nodes_round_checkpoints_through_trainlib_then_resumes_on_the_spare_with_the_same_model(
+        cluster, tmp_path):
+    """The trainlib training script under torchrun: node-b turns FAILING, every worker saves the same agreed step
+    and stops stepping, the round restarts with the spare, resumes from that step (none computed twice), and
+    ends with the model of an uninterrupted run."""
+    from tests.test_recovery_e2e import TRAIN
+    out = tmp_path / "out"
+    out.mkdir()
+    script = [TRAIN, "--steps", "100000", "--steps-after-resume", "40", "--step-time", "0.02", "--no-snapshots",
+              "--out", str(out / "checksum"), "--out-steps", str(out / "steps"), "--print-every", "1"]
+    logs = {name: tmp_path / f"{name}.log" for name in NAMES}
+    procs = start_three(cluster, tmp_path, "ckpt", script,
+                        lambda: any("step 5 loss" in logs[n].read_text(errors="replace") for n in ("node-a", "node-b")))
+    try:
+        cluster.wait_for(lambda: next((j for j in json.loads(cluster.cli("jobs", "-o", "json").stdout)
+                                       if j["id"] == "torchrun-ckpt"), {}).get("spares") == ["node-c"],
+                         "the spare waiting")
+        assert cluster.cli("inject", "node-b", "--gpu", "0", "remap-pending").returncode == 0
+        for name in ("node-a", "node-c"):
+            assert procs[name].wait(timeout=TORCHRUN_TIMEOUT_S * 2) == 0, logs[name].read_text()[-3000:]
+        events = json.loads(cluster.cli("events", "--job", "torchrun-ckpt", "-o", "json").stdout)
+        said = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+        asked = next(e["message"] for e in events if e["kind"] == "rendezvous.checkpoint")
+        at_step = int(asked.split("after step ")[1].split()[0])
+        assert "2 workers asked to checkpoint" in asked and "without node node-b (it is FAILING" in asked, said
+        assert f"rendezvous.checkpointed: round 1 of rendezvous 'ckpt': every worker (2) committed the checkpoint " \
+               f"of step {at_step}" in said, said
+        assert "rendezvous.restart: round 1 of rendezvous 'ckpt' restarts without node node-b" in said, said
+        text = {name: logs[name].read_text(errors="replace") for name in NAMES}
+        for name in ("node-a", "node-b"):  # the first round's two workers committed the agreed step, and no later one
+            assert f"trainlib: step {at_step} committed; waiting to be stopped" in text[name], text[name][-3000:]
+        first_round = text["node-a"].split(f"resumed from step {at_step}")[0] + text["node-b"]
+        assert f"step {at_step + 1} loss" not in first_round  # paused after the agreed step: no step thrown away
+        resumed = {name: f"resumed from step {at_step}" in text[name] for name in ("node-a", "node-c")}
+        assert resumed == {"node-a": True, "node-c": True}, "the second round did not resume from the agreed step"
+        steps = int((out / "steps").read_text())
+        assert steps == at_step + 1 + 40
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert (out / "checksum").read_text().strip() == uninterrupted(tmp_path, steps)
+
+
+def uninterrupted(tmp_path: Path, steps: int) -> str:
+    """The checksum of the same training for `steps` steps, as 2 ranks on loopback without torchrun or Phalanx."""
+    from phalanx.cli.local import free_port
+    from tests.test_recovery_e2e import TRAIN
+    out = tmp_path / "reference.txt"
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCHELASTIC_"))}
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, TRAIN, "--steps", str(steps), "--no-snapshots", "--out",
+                                       str(out)], env=env, cwd=tmp_path / "out", stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+    return out.read_text().strip()

@@ -14,7 +14,9 @@
             trainlib.save(state, step)     # durable, atomic; tells Phalanx which step is safe
 
 Outside Phalanx (no PHALANX_JOB in the environment) every hook is a no-op, with one warning, and
-`save`/`load_latest` use ./checkpoints, so the same script still runs alone.
+`save`/`load_latest` use ./checkpoints, so the same script still runs alone. Under torchrun with
+`--rdzv-backend=phalanx` the hooks report to the controller's rendezvous instead, which asks the
+workers to checkpoint one agreed step before it restarts their round without an unfit node.
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ _snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is f
 _slow = 0.0  # a slow=F fault on this rank's GPU, from the agent's replies: each step's compute takes (1 + F)x
 _ending = False  # a stop came: the training function is unwinding (a second stop changes nothing)
 _parked = False  # waiting for the agent to say whether this process rejoins (a stop now ends it)
+_rdzv: Any = None  # trainlib._rdzv_worker.Reporter: a torchrun worker's reports to the controller's rendezvous
 
 
 class GenerationEnded(BaseException):
@@ -116,7 +117,7 @@ class GenerationEnded(BaseException):
 
 def init() -> Context:
     """Read the environment the agent gave this rank; start the reporter. Idempotent."""
-    global _ctx, _reporter
+    global _ctx, _reporter, _rdzv
     if _ctx is not None:
         return _ctx
     env = os.environ
@@ -134,6 +135,11 @@ def init() -> Context:
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
     )
     if not active:
+        from trainlib import _rdzv_worker
+        if _rdzv is None:  # started by torchrun with Phalanx's rendezvous: checkpoint requests come from there
+            _rdzv = _rdzv_worker.start(env, progress=_progress, heed=_heed_request)
+        if _rdzv is not None:
+            return _ctx
         warnings.warn("trainlib: not running under Phalanx (no PHALANX_JOB); step hooks are no-ops and checkpoints "
                       f"go to {_ctx.checkpoint_dir}", stacklevel=2)
         return _ctx
@@ -234,6 +240,22 @@ def _request(request_id: int, pause: bool = False, at_step: int = 0) -> None:
     _requested, _request_id, _pause_after, _at_step = True, request_id, pause, at_step
     if _callback is not None:
         _callback(request_id)
+
+
+def _heed_request(request_id: int, at_step: int, pause: bool) -> None:
+    """A checkpoint request from the controller (pushed, reported or polled): taken once."""
+    if request_id and request_id not in _handled and (not _requested or _request_id != request_id):
+        _request(request_id, pause, at_step)
+
+
+PACE_SAMPLES = 32  # the recent step times a torchrun worker's pace is the median of
+
+
+def _progress() -> tuple[int, float]:
+    """The last step done (-1: none yet) and the median of the recent step times (0: none yet)."""
+    head = _head
+    times = sorted(_ring_step_s[i % RING] for i in range(max(0, head - PACE_SAMPLES), head))
+    return _last_step, times[len(times) // 2] if times else 0.0
 
 
 def _on_sigusr1(signum: int, frame: object) -> None:
@@ -438,9 +460,7 @@ def _heed(reply: Any) -> None:
     if reply.stale:
         _end_stale()
     _slow = reply.slow_factor
-    request = reply.checkpoint
-    if request.id and request.id not in _handled and (not _requested or _request_id != request.id):
-        _request(request.id, request.pause, request.at_step)
+    _heed_request(reply.checkpoint.id, reply.checkpoint.at_step, reply.checkpoint.pause)
 
 
 def _watch_loop(ctx: Context) -> None:
@@ -495,6 +515,9 @@ def _report_loop() -> None:
 
 
 def _send_done(request_id: int, step_number: int) -> None:
+    if _rdzv is not None:
+        _rdzv.done(request_id, step_number)
+        return
     if not (_ctx and _ctx.active and _ctx.agent_socket):
         return
     from phalanx.v1 import local_pb2

@@ -20,7 +20,9 @@ on it are restarted by their agent (which sees `num_nodes_waiting`) rather than 
 Health: each join names the Phalanx node it runs on ($PHALANX_NODE, else the short hostname). The
 controller leaves a node that is FAILING, FAILED, drained or DOWN out of rounds (its torchrun agent
 is told the round timed out, with the reason), and restarts a running round that has such a node,
-so a spare torchrun node waiting beyond --nnodes's MAX takes its place.
+so a spare torchrun node waiting beyond --nnodes's MAX takes its place. Before that restart, workers whose
+script uses trainlib are asked to checkpoint (trainlib._rdzv_worker): the plugin leaves the round it formed in
+the environment torchrun gives them (PHALANX_RDZV_RUN, PHALANX_RDZV_ROUND, PHALANX_RDZV_ENDPOINT, PHALANX_NODE).
 
 --rdzv-conf keys: `last_call_timeout` (seconds to wait for more than min nodes, default 2),
 `join_timeout` (default: torchrun's `timeout`, else 600), `read_timeout` (store operations, 60).
@@ -218,6 +220,10 @@ class PhalanxRendezvousHandler(RendezvousHandler):
         store: Store = server if (host, port) == (ours.host, ours.port) else TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=cfg.read_timeout_s))
         self._round, self._store = reply.round, store  # the previous round's store goes now, not earlier
+        # torchrun starts the workers after this returns, with this process's environment: trainlib in them reports
+        # to the controller for this round, which asks them to checkpoint before restarting it for an unfit node.
+        os.environ.update({"PHALANX_RDZV_RUN": cfg.run_id, "PHALANX_RDZV_ROUND": str(reply.round),
+                           "PHALANX_RDZV_ENDPOINT": ",".join(cfg.targets), "PHALANX_NODE": cfg.node})
         self._waiting = (float("-inf"), 0)  # an answer about the old round would restart the new one at once
         logger.info("rendezvous %r: round %d formed; group rank %d of %d, store %s:%d", cfg.run_id, reply.round,
                     reply.rank, reply.world_size, host, port)

@@ -18,11 +18,13 @@ from controller.rendezvous.book import (
     MAX_ID_CHARS,
     MAX_NODES,
     MAX_WAIT_S,
+    MAX_WORKERS,
     Outcome,
     RendezvousBook,
     Run,
     Settings,
     StoreAddress,
+    Worker,
 )
 from phalanx import clock as clocks
 from phalanx.clock import Clock
@@ -202,3 +204,23 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
         self.book.leave(run_id, pid, request.round, request.close_run, self._clock.monotonic())
         return rendezvous_pb2.LeaveReply()
+
+    @unary
+    async def ReportWorker(self, request: rendezvous_pb2.WorkerReport, context) -> rendezvous_pb2.WorkerReply:
+        run_id = _text(request.run_id, "run_id", "the worker's $PHALANX_RDZV_RUN (its torchrun --rdzv-id)")
+        if not 1 <= request.world_size <= MAX_WORKERS:
+            raise InvalidArgument(f"world_size ({request.world_size}) must be between 1 and {MAX_WORKERS}")
+        if request.rank >= request.world_size:
+            raise InvalidArgument(f"rank ({request.rank}) must be below world_size ({request.world_size})")
+        if request.step < -1 or request.done_step < -1:
+            raise InvalidArgument(f"step ({request.step}) and done_step ({request.done_step}) must be -1 (none) "
+                                  "or more")
+        step_s = _seconds(request.step_s, "step_s", 0, 3600)
+        node = request.node if NAME.fullmatch(request.node) else ""
+        worker = Worker(request.rank, request.world_size, request.step, step_s, self._clock.monotonic(),
+                        request.done_id, request.done_step, node)
+        ask = self.book.report_worker(run_id, request.round, worker, worker.heard)
+        if ask is None:
+            return rendezvous_pb2.WorkerReply()
+        return rendezvous_pb2.WorkerReply(checkpoint_id=ask.id, at_step=ask.at_step, pause=True,
+                                          reason=f"round {ask.round} restarts without {ask.why or 'an unfit node'}")

@@ -12,6 +12,13 @@ member of the running round is on such a node, every member is told that nodes a
 torchrun restarts its workers and the next round forms without that node, with a spare that was
 waiting (a node beyond --nnodes's MAX) in its place.
 
+Checkpoint first: the workers of a formed round whose scripts use trainlib report their progress here
+(`report_worker`, twice a second). When the round must restart for an unfit member and its workers
+report, they are first asked to checkpoint after a step every one of them can still reach (about a
+second ahead at their pace), and to take no step after it; the members hear that nodes are waiting
+only once every worker has committed that step, or the wait is over (CHECKPOINT_WAIT_S), or the workers
+have stopped reporting. A round with no reporting workers restarts at once, as before.
+
 Each participant brings a fresh TCPStore of its own to every join, and the formed round hands out
 rank 0's. So no round ever sees keys of an earlier one (torchrun's relaunch broke on exactly that
 when a store was reused) and no step is needed after forming: a rank 0 that dies cannot leave the
@@ -26,6 +33,8 @@ agents re-join (their AwaitRound answers NOT_FOUND) and running groups carry on.
 from __future__ import annotations
 
 import enum
+import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +53,12 @@ MAX_NODES = 100_000
 MAX_ID_CHARS = 256
 MAX_GONE = 1000         # remembered reasons for dropped participants, per run
 SWEEP_EVERY_S = 5.0
+MAX_WORKERS = 1 << 20    # WORLD_SIZE's bound in worker reports
+WORKER_REPORT_S = 0.5   # trainlib's report interval under torchrun: the request's way down takes up to this
+CHECKPOINT_LEAD_S = 1.0  # the agreed step is this far ahead (at the workers' pace) of where they are now
+CHECKPOINT_WAIT_S = 60.0  # the longest a restart for an unfit node waits for the workers' checkpoint
+WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for
+UNKNOWN_PACE_STEPS = 10  # the lead in steps when no worker has reported a step time yet
 
 
 class StaleParticipant(FailedPrecondition):
@@ -78,12 +93,38 @@ class Participant:
 
 
 @dataclass
+class Worker:
+    """One training process of a formed round, as its trainlib last reported."""
+    rank: int
+    world_size: int
+    step: int        # the last step done; -1 = none yet
+    step_s: float    # its recent median step time; 0 = not known
+    heard: float     # when the report came (the book's clock)
+    done_id: int = 0  # the checkpoint request it has committed
+    done_step: int = -1
+    node: str = ""
+
+
+@dataclass
+class CheckpointAsk:
+    """The checkpoint a formed round's workers are asked for before the round restarts without an unfit node."""
+    id: int
+    round: int
+    at_step: int
+    world_size: int
+    asked_at: float
+    why: str = ""      # the unfit nodes the restart leaves out, and why
+    outcome: str = ""  # once decided, how it ended (every worker committed, or why the restart goes on without)
+
+
+@dataclass
 class Round:
     number: int
     settings: Settings
     waiting: dict[str, Participant] = field(default_factory=dict)
     quorum_at: float | None = None  # when min_nodes was reached: the last call runs from here
     ranks: list[Participant] = field(default_factory=list)  # by rank, once formed
+    workers: dict[int, Worker] = field(default_factory=dict)  # by global rank, once formed: trainlib's reports
 
     def member_ids(self) -> set[str]:
         return {p.id for p in self.ranks}
@@ -124,6 +165,8 @@ class Run:
     left: set[str] = field(default_factory=set)        # formed members that shut down
     gone: dict[str, Drop] = field(default_factory=dict)  # dropped from the open round; told on their next poll
     restart_told: int = 0  # the formed round whose members were told to restart for an unfit member
+    ask: CheckpointAsk | None = None  # the formed round's checkpoint before its restart
+    last_ask_id: int = 0
 
     def present(self) -> set[str]:
         waiting = set(self.open.waiting) if self.open else set()
@@ -342,17 +385,69 @@ class RendezvousBook:
         if number < formed.number:
             return max(1, len(waiting))
         unfit = [(p.node, why) for p in formed.ranks if p.id not in run.left and (why := _unfit(p, self._fit))]
-        if unfit:  # restart without it: the next round forms from the fit nodes and a waiting spare
+        ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
+        if unfit or ask is not None:  # restart without it: the next round forms from the fit nodes and a spare
+            without = "; ".join(f"node {node} ({why})" for node, why in unfit)
+            if self._checkpoint_first(run, formed, without, now):
+                return 0
             if run.restart_told != formed.number:
                 run.restart_told = formed.number
+                ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
                 self._event("rendezvous.restart", f"round {formed.number} of rendezvous {run.id!r} restarts without "
-                            + "; ".join(f"node {node} ({why})" for node, why in unfit)
-                            + (f"; {len(waiting)} node(s) waiting to take part" if waiting else ""), run.id)
+                            + (without or "its unfit node")
+                            + (f"; {len(waiting)} node(s) waiting to take part" if waiting else "")
+                            + (f"; {ask.outcome}" if ask is not None else ""), run.id)
             return max(1, len(waiting))
         members = formed.member_ids()
         if any(w in members for w in waiting) or len(members) < formed.settings.max_nodes:
             return len(waiting)
         return 0
+
+    def _checkpoint_first(self, run: Run, formed: Round, without: str, now: float) -> bool:
+        """True while `formed` must not restart yet: its workers are checkpointing (asked now if not yet)."""
+        live = [w for w in formed.workers.values() if now - w.heard < WORKER_SILENT_S]
+        ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
+        if ask is None:
+            if not live:
+                return False  # no worker reports (its script does not use trainlib): restart at once
+            run.last_ask_id += 1
+            ask = run.ask = CheckpointAsk(run.last_ask_id, formed.number, agreed_step(live, now),
+                                          max(w.world_size for w in live), now, without)
+            self._event("rendezvous.checkpoint", f"round {formed.number} of rendezvous {run.id!r}: {ask.world_size} "
+                        f"workers asked to checkpoint after step {ask.at_step} before the round restarts without "
+                        f"{without}", run.id)
+            return True
+        if ask.outcome:
+            return False
+        done = sum(1 for w in formed.workers.values() if w.done_id == ask.id)
+        if done >= ask.world_size:
+            ask.outcome = f"every worker ({done}) committed the checkpoint of step {ask.at_step}"
+        elif now >= ask.asked_at + CHECKPOINT_WAIT_S:
+            ask.outcome = (f"only {done} of {ask.world_size} workers committed the checkpoint of step {ask.at_step} "
+                           f"within {CHECKPOINT_WAIT_S:g}s")
+        elif not live:
+            ask.outcome = (f"the workers stopped reporting before the checkpoint of step {ask.at_step} "
+                           f"({done} of {ask.world_size} committed it)")
+        else:
+            return True
+        self._event("rendezvous.checkpointed" if done >= ask.world_size else "rendezvous.checkpoint_failed",
+                    f"round {formed.number} of rendezvous {run.id!r}: {ask.outcome} "
+                    f"({now - ask.asked_at:.1f}s after the request)", run.id)
+        return False
+
+    def report_worker(self, run_id: str, number: int, worker: Worker, now: float) -> CheckpointAsk | None:
+        """A worker of round `number` says where it is; the checkpoint it is asked for, if any. A report for a
+        round that is not the formed one (a worker torchrun has not stopped yet, a controller that restarted)
+        is ignored: its agent hears of the restart through num_waiting."""
+        run = self._runs.get(run_id)
+        formed = run.formed if run is not None else None
+        if run is None or formed is None or formed.number != number:
+            return None
+        run.last_activity = now
+        if worker.rank in formed.workers or len(formed.workers) < MAX_WORKERS:
+            formed.workers[worker.rank] = worker
+        ask = run.ask
+        return ask if ask is not None and ask.round == number else None
 
     def close(self, run_id: str, now: float) -> None:
         self._close(self._run(run_id, now, create=True), now, by="SetClosed")
@@ -411,6 +506,17 @@ class RendezvousBook:
             del self._runs[run.id]
             logger.info("rendezvous forgotten", run=run.id, idle_s=round(idle, 1), closed=run.closed)
             self._on_change(run.id)
+
+
+def agreed_step(workers: list[Worker], now: float) -> int:
+    """The step after which every worker should save: where the furthest is now, reckoned at the workers' pace
+    from its last report, plus the request's way down (a report interval) and CHECKPOINT_LEAD_S."""
+    paces = [w.step_s for w in workers if w.step_s > 0]
+    if not paces:
+        return max(0, *(w.step for w in workers)) + UNKNOWN_PACE_STEPS
+    pace = max(statistics.median(paces), 1e-3)
+    latest = max(w.step + math.floor(max(0.0, now - w.heard) / pace) for w in workers)
+    return max(latest, 0) + math.ceil((CHECKPOINT_LEAD_S + WORKER_REPORT_S) / pace) + 2
 
 
 def _update_quorum(rnd: Round, now: float, fit: Callable[[str], str] = lambda node: "") -> None:

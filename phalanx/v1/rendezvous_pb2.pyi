@@ -148,3 +148,37 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("run_id", "round", "rank", "world_size", "step", "step_s", "done_id", "done_step", "node")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    DONE_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    rank: int
+    world_size: int
+    step: int
+    step_s: float
+    done_id: int
+    done_step: int
+    node: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., done_id: _Optional[int] = ..., done_step: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
+
+class WorkerReply(_message.Message):
+    __slots__ = ("checkpoint_id", "at_step", "pause", "reason")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: int
+    at_step: int
+    pause: bool
+    reason: str
+    def __init__(self, checkpoint_id: _Optional[int] = ..., at_step: _Optional[int] = ..., pause: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

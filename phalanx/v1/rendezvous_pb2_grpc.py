@@ -64,6 +64,11 @@ class RendezvousServiceStub:
                 request_serializer=phalanx_dot_v1_dot_rendezvous__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_rendezvous__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.ReportWorker = channel.unary_unary(
+                '/phalanx.v1.RendezvousService/ReportWorker',
+                request_serializer=phalanx_dot_v1_dot_rendezvous__pb2.WorkerReport.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_rendezvous__pb2.WorkerReply.FromString,
+                _registered_method=True)
 
 
 class RendezvousServiceServicer:
@@ -112,6 +117,15 @@ class RendezvousServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWorker(self, request, context):
+        """A worker of a formed round (one training process torchrun started; trainlib calls this twice a second)
+        reports its progress. The reply asks it to checkpoint before its round restarts for an unfit node: every
+        worker saves the same step, and the round restarts once all have (or the wait is over).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +158,11 @@ def add_RendezvousServiceServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=phalanx_dot_v1_dot_rendezvous__pb2.LeaveRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_rendezvous__pb2.LeaveReply.SerializeToString,
+            ),
+            'ReportWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWorker,
+                    request_deserializer=phalanx_dot_v1_dot_rendezvous__pb2.WorkerReport.FromString,
+                    response_serializer=phalanx_dot_v1_dot_rendezvous__pb2.WorkerReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +327,33 @@ class RendezvousService:
             '/phalanx.v1.RendezvousService/Leave',
             phalanx_dot_v1_dot_rendezvous__pb2.LeaveRequest.SerializeToString,
             phalanx_dot_v1_dot_rendezvous__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.RendezvousService/ReportWorker',
+            phalanx_dot_v1_dot_rendezvous__pb2.WorkerReport.SerializeToString,
+            phalanx_dot_v1_dot_rendezvous__pb2.WorkerReply.FromString,
             options,
             channel_credentials,
             insecure,
