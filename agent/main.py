@@ -220,6 +220,9 @@ class Agent:
             if body == "stop":
                 stop = command.stop
                 message = self.supervisor.stop(stop.job, stop.generation, stop.grace_s or self.cfg.stop_grace_s)
+                warm = self.supervisor.warm
+                if stop.final and warm is not None and (ended := warm.release(stop.job)):
+                    message += f"; {ended} warm standbys of {stop.job} ended"
                 self.link.beat_now()  # the controller waits for a heartbeat after the stop to go on
                 return node_pb2.CommandResult(ok=True, message=message)
             if body == "reserve_port":

@@ -153,6 +153,16 @@ class WarmPool:
         else:
             want.count, want.until = count, max(want.until, until)
 
+    def release(self, job: str) -> int:
+        """The job is over: stop holding its standbys and end them now, rather than HOLD_S after its last launch.
+        How many there were."""
+        recipes = {r for r in (*self._wants, *self._standbys) if r.job == job}
+        ended = sum(len(self._standbys.get(r, [])) for r in recipes)
+        for r in recipes:
+            self._wants.pop(r, None)
+            self._let_go(r)
+        return ended
+
     def launching(self) -> None:
         """A launch on this node: standbys wait QUIET_S before starting."""
         self._last_launch = self.clock.monotonic()

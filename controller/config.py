@@ -79,6 +79,12 @@ class JobsConfig:
                                 "so Slurm schedules nothing more on it")
     scontrol: str = setting("scontrol", "the scontrol command the controller drains nodes with (its host needs "
                             "Slurm's config and munge key, as an admin host has)")
+    slurm_watch_s: float = setting(15.0, "seconds between checks (`scontrol show job`) that the Slurm job of each "
+                                   "running `phalanx run` job still holds its allocation; 0 = no checks")
+    slurm_orphan_s: float = setting(60.0, "a job whose Slurm job has ended for this long (its `phalanx run` was "
+                                    "killed, say) is cancelled: its ranks must not run on nodes Slurm gave back; "
+                                    "longer than Slurm's KillWait, so a `phalanx run` ending the job itself is "
+                                    "not cut short")
 
     def __post_init__(self) -> None:
         positive("jobs.schedule_interval_s", self.schedule_interval_s)
@@ -86,6 +92,8 @@ class JobsConfig:
         require(self.missing_reports_lost >= 1,
                 f"jobs.missing_reports_lost ({self.missing_reports_lost}) must be at least 1")
         require(self.stop_grace_s >= 0, f"jobs.stop_grace_s ({self.stop_grace_s}) must not be negative")
+        require(self.slurm_watch_s >= 0, f"jobs.slurm_watch_s ({self.slurm_watch_s}) must not be negative (0 = off)")
+        require(self.slurm_orphan_s >= 0, f"jobs.slurm_orphan_s ({self.slurm_orphan_s}) must not be negative")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from controller.credentials import Credentials
 from controller.ha import Elector
 from controller.jobs.manager import JobManager
 from controller.jobs.slurm_topology import parse_topology_conf
+from controller.jobs.slurm_watch import SlurmWatch
 from controller.jobs.topology import ClusterTopology, TopologyError, flat, from_labels, merged
 from controller.nodes.registry import Registry
 from controller.obs import metrics
@@ -170,6 +171,10 @@ class Controller:
         self._tasks.append(asyncio.create_task(
             periodic("health", HEALTH_TICK_S, self.registry.health_tick, self.clock), name="health"))
         self._tasks.append(asyncio.create_task(self.jobs.run(), name="scheduler"))
+        if self.cfg.jobs.slurm_watch_s:
+            watch = SlurmWatch(self.jobs, self.cfg.jobs)
+            self._tasks.append(asyncio.create_task(
+                periodic("slurm-watch", self.cfg.jobs.slurm_watch_s, watch.tick, self.clock), name="slurm-watch"))
         logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()),
                     security="insecure" if self.cfg.security.insecure else "mutual TLS",
                     token_port=self.token_port or None)

@@ -38,9 +38,41 @@ def resume_argv(scontrol: str, node: str) -> list[str]:
 
 
 async def adrain(scontrol: str, node: str, reason: str, timeout_s: float = 15.0, tries: int = 3) -> str:
-    """Drain `node` in Slurm (on the event loop); '' on success, else why not. A try that dies of a signal (Debian's
-    scontrol 22.05 has been seen to crash now and then) or times out is tried again, up to `tries`."""
-    argv = drain_argv(scontrol, node, reason)
+    """Drain `node` in Slurm (on the event loop); '' on success, else why not."""
+    try:
+        await arun(drain_argv(scontrol, node, reason), timeout_s, tries)
+    except SlurmError as e:
+        return str(e)
+    return ""
+
+
+# A Slurm job in one of these states still holds its allocation (scontrol's JobState names); any other state
+# (COMPLETING, COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, PREEMPTED, OUT_OF_MEMORY, PENDING after a
+# requeue, ...) means the allocation is gone or going.
+HOLDS_ALLOCATION = frozenset({"RUNNING", "CONFIGURING", "SUSPENDED", "RESIZING", "SIGNALING"})
+GONE = "no longer known to Slurm"  # ajob_state's answer for an id scontrol does not know (past MinJobAge)
+
+
+async def ajob_state(scontrol: str, job_id: int, timeout_s: float = 15.0) -> str:
+    """The Slurm job's JobState (RUNNING, CANCELLED, ...), or GONE when scontrol says the id is invalid (a job
+    that ended longer than MinJobAge ago). Raises SlurmError when Slurm cannot be asked (no config, slurmctld
+    down): that says nothing about the job."""
+    try:
+        out = await arun([*shlex.split(scontrol), "-o", "show", "job", str(job_id)], timeout_s)
+    except SlurmError as e:
+        if "invalid job id" in str(e).lower():
+            return GONE
+        raise
+    lines = out.strip().splitlines()
+    state = parse_record(lines[0]).get("JobState", "") if lines else ""
+    if not state:
+        raise SlurmError(f"scontrol show job {job_id} gave no JobState: {out.strip()[:200]!r}")
+    return state.split()[0]
+
+
+async def arun(argv: list[str], timeout_s: float = 15.0, tries: int = 3) -> str:
+    """Run a Slurm command on the event loop; its output. A try that dies of a signal (Debian's scontrol 22.05
+    has been seen to crash now and then) or times out is tried again, up to `tries`. Raises SlurmError."""
     why = ""
     for attempt in range(tries):
         if attempt:
@@ -50,7 +82,7 @@ async def adrain(scontrol: str, node: str, reason: str, timeout_s: float = 15.0,
                                                         stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.STDOUT)
         except OSError as e:
-            return f"cannot run {argv[0]!r}: {e}"
+            raise SlurmError(f"cannot run {argv[0]!r}: {e}") from None
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
         except TimeoutError:
@@ -59,12 +91,13 @@ async def adrain(scontrol: str, node: str, reason: str, timeout_s: float = 15.0,
             await proc.wait()
             why = f"{argv[0]} did not answer within {timeout_s:g}s"
             continue
+        text = out.decode(errors="replace")
         if proc.returncode == 0:
-            return ""
-        why = f"{' '.join(argv[:3])} failed ({proc.returncode}): {out.decode(errors='replace').strip()[:500]}"
+            return text
+        why = f"{' '.join(argv[:3])} failed ({proc.returncode}): {text.strip()[:500]}"
         if proc.returncode > 0:  # Slurm said no (unknown node, not allowed): asking again will not help
-            return why
-    return why
+            break
+    raise SlurmError(why)
 
 
 def run(argv: list[str], timeout_s: float = 30.0, tries: int = 3) -> str:

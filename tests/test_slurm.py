@@ -23,7 +23,7 @@ PORT = 7370  # the hub namespace is the test's own: nothing else listens there
 class Fleet:
     """A real Slurm cluster with a Phalanx controller in its hub and an agent on every node."""
 
-    def __init__(self, sc: SlurmCluster, root: Path) -> None:
+    def __init__(self, sc: SlurmCluster, root: Path, controller: str = CONTROLLER) -> None:
         self.sc, self.root = sc, root
         self.address = f"{sc.hub_ip}:{PORT}"
         self.cgroup_parent = f"phalanx-test/slurm-{sc.hub_ns}"
@@ -31,7 +31,7 @@ class Fleet:
         root.mkdir(parents=True, exist_ok=True)
         config = root / "controller.toml"
         config.write_text(f'listen = "{self.address}"\nstate_db = "{root / "controller.db"}"\n'
-                          f'log_format = "console"\n[security]\ninsecure = true\n' + CONTROLLER)
+                          f'log_format = "console"\n[security]\ninsecure = true\n' + controller)
         self.logs = {"controller": root / "controller.log"}
         sc.popen_in("hub", [sys.executable, "-m", "controller.main", "--config", str(config)],
                     stdout=self.logs["controller"].open("w"), stderr=subprocess.STDOUT)
@@ -101,16 +101,27 @@ class Fleet:
         remove_cgroups(self.cgroup_parent)
 
 
-@pytest.fixture
-def fleet(tmp_path):
+def started_fleet(tmp_path: Path, controller: str = CONTROLLER):
     if available():
         pytest.skip(available())
     with SlurmCluster(nodes=3, conf_extra="KillWait=30") as sc:  # Slurm's default: SIGTERM, 30 s, SIGKILL
-        f = Fleet(sc, tmp_path / "fleet")  # not "phalanx": the batch script runs python -m phalanx... in tmp_path
+        f = Fleet(sc, tmp_path / "fleet", controller)  # not "phalanx": the batch script runs python -m phalanx...
         try:
             yield f
         finally:
             f.close()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    yield from started_fleet(tmp_path)
+
+
+@pytest.fixture
+def watching_fleet(tmp_path):
+    """A fleet whose controller checks the Slurm jobs every second and gives up on an ended one after 2 s."""
+    yield from started_fleet(tmp_path, CONTROLLER.replace("[jobs]\n", "[jobs]\nslurm_watch_s = 1.0\n"
+                                                                      "slurm_orphan_s = 2.0\n"))
 
 
 def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resumed_on_its_spare(
@@ -151,6 +162,25 @@ def test_scancel_reaches_the_ranks_as_a_checkpoint_first(fleet, tmp_path):
     assert kinds.index("job.checkpointed") < kinds.index("job.cancelling"), kinds
     said = (tmp_path / f"slurm-{slurm_job}.out").read_text()
     assert "Slurm sent SIGTERM: asking every rank" in said and "every rank committed step" in said, said
+
+
+def test_a_job_whose_phalanx_run_was_killed_is_cancelled_once_its_slurm_job_has_ended(watching_fleet, tmp_path):
+    fleet, sc = watching_fleet, watching_fleet.sc
+    slurm_job, job = fleet.sbatch_run(tmp_path, "", f"--steps 100000 --step-time 0.05 --every 100000 "
+                                      f"--out {tmp_path / 'x'}", "-N", "2")
+    found = subprocess.run(["pgrep", "-f", f"phalanx.cli.main run .*{tmp_path / 'ckpt'}"], capture_output=True,
+                           text=True, check=False)
+    pids = [int(pid) for pid in found.stdout.split()]
+    assert len(pids) == 1, found
+    os.kill(pids[0], 9)  # no checkpoint, no cancel: the batch script ends and Slurm frees the allocation
+    assert sc.wait_job(slurm_job) in TERMINAL
+    fleet.wait_for(lambda: fleet.ours(slurm_job).get("state") == "CANCELLED", "the orphaned job cancelled")
+    j = fleet.json("job", job["id"])
+    assert j["reason"].startswith(f"cancelled: its Slurm job {slurm_job} ended (") and "phalanx run" in j["reason"], j
+    assert j["ranks"] and all(r["state"] != "RUNNING" for r in j["ranks"]), j["ranks"]
+    ranks = ["pgrep", "-f", f"{TRAIN} .*--out {tmp_path / 'x'}"]  # nor a warm standby of the job: it is over
+    fleet.wait_for(lambda: subprocess.run(ranks, capture_output=True, check=False).returncode == 1,
+                   "no rank process left", timeout=30)
 
 
 def test_the_health_check_drains_a_failing_node_and_resumes_only_what_it_drained(fleet):
@@ -231,3 +261,66 @@ def test_a_job_bound_to_an_allocation_is_checked(cluster):
             with pytest.raises(grpc.RpcError) as e:
                 stub.SubmitJob(control_pb2.SubmitJobRequest(spec=spec), timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.value.details()
+
+
+FAKE_SCONTROL = """#!/bin/sh
+# scontrol -o show job ID, as the test's state file says
+case "$(cat "$0.state")" in
+  gone) echo "slurm_load_jobs error: Invalid job id specified"; exit 1 ;;
+  down) echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)"; exit 1 ;;
+  *) echo "JobId=$4 JobName=x UserId=root(0) JobState=$(cat "$0.state") Reason=None Dependency=(null)" ;;
+esac
+"""
+
+
+def test_the_controller_cancels_a_job_only_once_slurm_says_its_allocation_has_been_gone_long_enough(tmp_path):
+    """controller.jobs.slurm_watch against a stand-in scontrol: Slurm unreachable cancels nothing; an ended Slurm
+    job cancels its Phalanx job only after jobs.slurm_orphan_s, and a job back to RUNNING (requeued and started
+    again within the wait) is not cancelled."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from controller.config import JobsConfig
+    from controller.jobs.slurm_watch import SlurmWatch
+    from phalanx.clock import FakeClock
+    from phalanx.v1 import common_pb2
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    state = Path(f"{scontrol}.state")
+    cancelled: list[tuple[str, str]] = []
+
+    async def cancel(job_id: str, why: str) -> None:
+        cancelled.append((job_id, why))
+
+    job = common_pb2.Job(id="job-7", state=common_pb2.JOB_STATE_RUNNING)
+    job.spec.slurm_job_id = "4242"
+    plain = common_pb2.Job(id="job-8", state=common_pb2.JOB_STATE_RUNNING)  # not in Slurm: never asked about
+    clock = FakeClock()
+    jobs = SimpleNamespace(entries={j.id: SimpleNamespace(job=j) for j in (job, plain)}, clock=clock, cancel=cancel)
+    watch = SlurmWatch(jobs, JobsConfig(scontrol=str(scontrol), slurm_orphan_s=60.0))
+
+    async def story() -> None:
+        for said in ("RUNNING", "down", "down"):
+            state.write_text(said)
+            await watch.tick()
+            clock.advance(100.0)
+        assert cancelled == []  # a Slurm that cannot be asked says nothing about the job
+        state.write_text("COMPLETED")
+        await watch.tick()  # first seen ended
+        clock.advance(30.0)
+        state.write_text("RUNNING")  # requeued and running again within the wait: the clock starts over
+        await watch.tick()
+        state.write_text("CANCELLED")
+        await watch.tick()
+        clock.advance(59.0)
+        await watch.tick()
+        assert cancelled == []
+        state.write_text("gone")
+        clock.advance(1.0)
+        await watch.tick()
+
+    asyncio.run(story())
+    assert [j for j, _ in cancelled] == ["job-7"], cancelled
+    assert cancelled[0][1].startswith("its Slurm job 4242 ended (no longer known to Slurm) 60s ago or more"), cancelled

@@ -182,6 +182,23 @@ def test_standbys_wait_for_a_launch_to_settle_and_go_when_no_longer_wanted(tmp_p
     assert pool.counts() == {} and standby.proc.poll() is not None
 
 
+def test_a_job_that_ends_lets_its_standbys_go_at_once(tmp_path, job_dir):
+    clock = FakeClock()
+    pool = WarmPool(tmp_path / "state", clock)
+    ours, other = (recipe(job, [PY, "train.py"], base_env(tmp_path), str(job_dir)) for job in ("j", "k"))
+    pool.want(ours, 1)
+    pool.want(other, 1)
+    warm_ready(pool, "j")
+    warm_ready(pool, "k")
+    [standby] = pool._standbys[ours]
+    assert pool.release("j") == 1  # a final stop (the job cancelled): not HOLD_S later
+    assert standby.proc.poll() is not None and set(pool.counts()) == {"k"}
+    pool.tend(set())
+    assert set(pool.counts()) == {"k"}  # not wanted any more: no new standby of j starts
+    assert pool.release("j") == 0
+    pool.close()
+
+
 def launch(job_dir: Path, generation: int, env: dict[str, str]) -> node_pb2.LaunchRanks:
     return node_pb2.LaunchRanks(job="j", generation=generation, command=[PY, "train.py"], env=env,
                                 workdir=str(job_dir), ranks=[node_pb2.RankLaunch(rank=0, env={"RANK": "0"})])

@@ -164,12 +164,13 @@ class JobManager:
         self.wake()
         return entry.job
 
-    async def cancel(self, job_id: str) -> pb.Job:
+    async def cancel(self, job_id: str, why: str = "") -> pb.Job:
+        """Stop the job's ranks and end it CANCELLED; `why`: the reason when the controller itself cancels."""
         async with self.lock:
             entry = self.entry(job_id)
             if entry.job.state in TERMINAL:
                 raise FailedPrecondition(f"{job_id} already ended ({state_name(entry.job.state)})")
-            await self.executor.apply(entry, lifecycle.cancel(entry.job, self.now()), self.now())
+            await self.executor.apply(entry, lifecycle.cancel(entry.job, self.now(), why), self.now())
             if entry.launch_task is not None:
                 entry.launch_task.cancel()
         await self.executor.advance(entry)  # the stops go out before the answer

@@ -20,7 +20,17 @@ from controller.nodes.states import DOWN
 from controller.recovery import lifecycle
 from controller.recovery import snapshots as snapshot_plan
 from controller.recovery.detectors import NodeView
-from controller.recovery.table import ACTIVE, EVICTING, LAUNCHING, PENDING, RANK_RUNNING, RESTARTING, RUNNING, TERMINAL
+from controller.recovery.table import (
+    ACTIVE,
+    CANCELLING,
+    EVICTING,
+    LAUNCHING,
+    PENDING,
+    RANK_RUNNING,
+    RESTARTING,
+    RUNNING,
+    TERMINAL,
+)
 from phalanx import clock as clocks
 from phalanx import log, slurm
 from phalanx.v1 import node_pb2
@@ -318,7 +328,8 @@ class Executor:
         if session is not None:
             try:
                 command = node_pb2.Command(stop=node_pb2.StopRanks(
-                    job=entry.job.id, generation=generation, grace_s=self.jobs.cfg.stop_grace_s))
+                    job=entry.job.id, generation=generation, grace_s=self.jobs.cfg.stop_grace_s,
+                    final=entry.job.state == CANCELLING))
                 await session.request(command)  # which gives it its id
                 first = before if before and before[0] is session else (session, target.heartbeats, 0.0, command.id)
                 taken = (session, first[1], self.jobs.clock.monotonic(), first[3])

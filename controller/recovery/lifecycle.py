@@ -553,17 +553,23 @@ def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     running = [r for r in job.ranks if r.state == RANK_RUNNING and r.node not in down and r.node in view.nodes]
     if running:
         return out
-    return [*out, finished(job, CANCELLED, "cancelled", 1, now)]
+    why = "" if job.reason == CANCEL_REQUESTED else f": {job.reason}"
+    return [*out, finished(job, CANCELLED, f"cancelled{why}", 1, now)]
 
 
-def cancel(job: pb.Job, now: float) -> list[Action]:
-    """What a cancel request does to a job in any state (raises IllegalTransition from a final one)."""
+CANCEL_REQUESTED = "cancel requested"
+
+
+def cancel(job: pb.Job, now: float, why: str = "") -> list[Action]:
+    """What a cancel request does to a job in any state (raises IllegalTransition from a final one); `why`, when
+    the controller itself cancels, is the reason the job keeps."""
     if job.state == PENDING:
-        return [finished(job, CANCELLED, "cancelled while pending", 1, now)]
+        return [finished(job, CANCELLED, f"cancelled while pending: {why}" if why else "cancelled while pending", 1,
+                         now)]
     if job.state == CANCELLING:
         return []
-    new = moved(job, CANCELLING, "cancel requested", now)
-    return [Commit(new, "job.cancelling", f"{job.id}: cancel requested; stopping {len(job.ranks)} ranks")]
+    new = moved(job, CANCELLING, why or CANCEL_REQUESTED, now)
+    return [Commit(new, "job.cancelling", f"{job.id}: {why or CANCEL_REQUESTED}; stopping {len(job.ranks)} ranks")]
 
 
 _BY_STATE = {PENDING: _pending, STARTING: _launching, RESTARTING: _launching, RUNNING: _running,

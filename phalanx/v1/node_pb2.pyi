@@ -334,14 +334,16 @@ class RankLaunch(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., gpu: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StopRanks(_message.Message):
-    __slots__ = ("job", "generation", "grace_s")
+    __slots__ = ("job", "generation", "grace_s", "final")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     grace_s: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_s: _Optional[float] = ...) -> None: ...
+    final: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_s: _Optional[float] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class ReservePort(_message.Message):
     __slots__ = ()
