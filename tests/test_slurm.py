@@ -324,3 +324,53 @@ def test_the_controller_cancels_a_job_only_once_slurm_says_its_allocation_has_be
     asyncio.run(story())
     assert [j for j, _ in cancelled] == ["job-7"], cancelled
     assert cancelled[0][1].startswith("its Slurm job 4242 ended (no longer known to Slurm) 60s ago or more"), cancelled
+
+
+def test_torchrun_elastic_in_an_sbatch_job_checkpoints_is_drained_and_resumes_on_the_spare_node(fleet, tmp_path):
+    """torchrun --rdzv-backend=phalanx on each of three Slurm nodes (srun) for a job of two: the third waits as
+    the spare. A GPU fault on a member: its trainlib workers checkpoint one agreed step, the health check drains
+    the node in Slurm, the round restarts with the spare and ends with the model of an uninterrupted run."""
+    from tests.test_torchrun import torchrun, uninterrupted
+    sc = fleet.sc
+    out = tmp_path / "out"
+    out.mkdir()
+    train = (f"{TRAIN} --steps 100000 --steps-after-resume 40 --step-time 0.02 --no-snapshots "
+             f"--out {out / 'checksum'} --out-steps {out / 'steps'} --print-every 1")
+    task = (f'PHALANX_NODE=$SLURMD_NODENAME exec {" ".join(torchrun())} --nnodes=2 --nproc-per-node=1 '
+            f'--rdzv-backend=phalanx --rdzv-endpoint={fleet.address} --rdzv-id=slurm-$SLURM_JOB_ID '
+            '--local-addr=$(hostname -I | cut -d" " -f1) --max-restarts=3 --monitor-interval=0.5 '
+            f'--rdzv-conf=join_timeout=120 {train}')
+    script = (f"#!/bin/sh\nexport PHALANX_INSECURE=1 GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 "
+              f"PHALANX_CHECKPOINT_DIR={tmp_path / 'ckpt'}\nsrun --ntasks-per-node=1 sh -c '{task}'\n")
+    slurm_job = sc.sbatch(script, "-N", "3", "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
+    said = tmp_path / f"slurm-{slurm_job}.out"
+    fleet.logs["the batch script"] = said
+    run_id = f"torchrun-slurm-{slurm_job}"
+
+    def run() -> dict:
+        return next((j for j in fleet.json("jobs") if j["id"] == run_id), {})
+
+    fleet.wait_for(lambda: len(run().get("spares", [])) == 1 and said.exists() and "step 5 loss" in said.read_text(),
+                   "a round of two training, the third node waiting as the spare")
+    first = run()
+    victim, spare = first["nodes"][1], first["spares"][0]
+    assert fleet.cli("inject", victim, "--gpu", "0", "remap-pending").returncode == 0
+
+    def check() -> str:  # what Slurm's HealthCheckProgram would run on the node
+        done = fleet.cli("slurm-healthcheck", "--agent-config", str(fleet.agent_config(victim)), where=victim)
+        return done.stdout.strip()
+
+    fleet.wait_for(lambda: "FAILING" in check(), f"the health check on {victim} finding it FAILING")
+    assert "DRAIN" in sc.node_info(victim)["State"] and sc.node_info(victim)["Reason"].startswith("phalanx-health:")
+    fleet.wait_for(lambda: (out / "steps").exists(), "the training to end on the new round", timeout=300)
+    sc.wait_job(slurm_job, timeout=180)
+    story = "\n".join(f"{e['kind']}: {e['message']}" for e in fleet.json("events", "--job", run_id))
+    asked = next(line for line in story.splitlines() if line.startswith("rendezvous.checkpoint:"))
+    at_step = int(asked.split("after step ")[1].split()[0])
+    assert f"without node {victim} (it is FAILING" in asked, story
+    assert f"every worker (2) committed the checkpoint of step {at_step}" in story, story
+    formed = [line for line in story.splitlines() if line.startswith("rendezvous.formed:")]
+    assert len(formed) == 2 and spare in formed[1] and victim not in formed[1], story
+    steps = int((out / "steps").read_text())
+    assert steps == at_step + 1 + 40, story  # resumed after the agreed step: none computed twice
+    assert (out / "checksum").read_text().strip() == uninterrupted(tmp_path, steps)
