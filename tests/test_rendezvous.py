@@ -402,9 +402,9 @@ def test_a_round_without_reporting_workers_restarts_at_once_and_a_stuck_checkpoi
     report(g, number, 1, 5)
     g.unfit["node-b"] = "it is FAILING"
     assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
-    for _ in range(int(CHECKPOINT_WAIT_S)):  # the workers keep reporting, but one never commits
-        g.clock.advance(1.0)
-        ask = report(g, number, 0, 6)
+    for i in range(int(CHECKPOINT_WAIT_S)):  # the workers keep stepping, but one never commits (its script
+        g.clock.advance(1.0)                 # does not save when asked)
+        ask = report(g, number, 0, 6 + i)
         report(g, number, 1, ask.at_step, done=(ask.id, ask.at_step))
         if g.book.num_waiting(RUN, "A", number, g.clock.monotonic()):
             break
@@ -414,11 +414,43 @@ def test_a_round_without_reporting_workers_restarts_at_once_and_a_stuck_checkpoi
     h = Fleet()
     number = formed_with_spare(h)
     report(h, number, 0, 5)
+    report(h, number, 1, 5)
     h.unfit["node-b"] = "it is FAILING"
     assert h.book.num_waiting(RUN, "A", number, h.clock.monotonic()) == 0
-    h.clock.advance(10.0)  # the workers died (a sudden fault besides): nobody to wait for
+    h.clock.advance(3.0)
+    report(h, number, 0, 6)
+    h.clock.advance(3.0)  # worker 1 died (a sudden fault besides): its peer can never reach the step
     assert h.book.num_waiting(RUN, "A", number, h.clock.monotonic()) >= 1
-    assert "the workers stopped reporting" in h.events[-2][1]
+    assert "1 of 2 workers stopped reporting before the checkpoint" in h.events[-2][1]
+
+
+def test_a_round_that_lost_a_worker_or_hangs_is_not_held_for_a_checkpoint():
+    f = Fleet()
+    number = formed_with_spare(f)
+    report(f, number, 0, 5)
+    report(f, number, 1, 5)
+    f.clock.advance(6.0)
+    report(f, number, 0, 5)  # worker 1 is silent: its node is lost (DOWN), a collective can never complete
+    f.unfit["node-b"] = "it is DOWN (its agent is not heard from)"
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+    assert "rendezvous.checkpoint" not in [k for k, _ in f.events]
+
+    g = Fleet()
+    number = formed_with_spare(g)
+    report(g, number, 0, 5)
+    report(g, number, 1, 5)
+    g.unfit["node-b"] = "it is FAILING"
+    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
+    for _ in range(9):  # both report, at the same step: hung in a collective
+        g.clock.advance(1.0)
+        report(g, number, 0, 5)
+        report(g, number, 1, 5)
+        assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
+    g.clock.advance(1.0)
+    report(g, number, 0, 5)
+    report(g, number, 1, 5)
+    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) >= 1
+    assert "the workers made no progress for 10s (at step 5)" in g.events[-2][1]
 
 
 def test_a_report_for_another_round_gets_no_request_and_the_agreed_step_reckons_with_time():

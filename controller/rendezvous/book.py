@@ -16,8 +16,9 @@ Checkpoint first: the workers of a formed round whose scripts use trainlib repor
 (`report_worker`, twice a second). When the round must restart for an unfit member and its workers
 report, they are first asked to checkpoint after a step every one of them can still reach (about a
 second ahead at their pace), and to take no step after it; the members hear that nodes are waiting
-only once every worker has committed that step, or the wait is over (CHECKPOINT_WAIT_S), or the workers
-have stopped reporting. A round with no reporting workers restarts at once, as before.
+only once every worker has committed that step, or the wait is over (CHECKPOINT_WAIT_S), or a worker
+has stopped reporting, or none has taken a step for CHECKPOINT_STALL_S (hung). A round with no
+reporting workers, or with one already silent (a node lost), restarts at once, as before.
 
 Each participant brings a fresh TCPStore of its own to every join, and the formed round hands out
 rank 0's. So no round ever sees keys of an earlier one (torchrun's relaunch broke on exactly that
@@ -58,6 +59,7 @@ WORKER_REPORT_S = 0.5   # trainlib's report interval under torchrun: the request
 CHECKPOINT_LEAD_S = 1.0  # the agreed step is this far ahead (at the workers' pace) of where they are now
 CHECKPOINT_WAIT_S = 60.0  # the longest a restart for an unfit node waits for the workers' checkpoint
 WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for
+CHECKPOINT_STALL_S = 10.0  # workers that take no step for this long while asked (hung) are not waited for
 UNKNOWN_PACE_STEPS = 10  # the lead in steps when no worker has reported a step time yet
 
 
@@ -115,6 +117,8 @@ class CheckpointAsk:
     asked_at: float
     why: str = ""      # the unfit nodes the restart leaves out, and why
     outcome: str = ""  # once decided, how it ended (every worker committed, or why the restart goes on without)
+    furthest: int = -1  # the furthest step a worker has reported
+    moved_at: float = 0.0  # when a worker last reported a step beyond its previous one
 
 
 @dataclass
@@ -408,11 +412,14 @@ class RendezvousBook:
         live = [w for w in formed.workers.values() if now - w.heard < WORKER_SILENT_S]
         ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
         if ask is None:
-            if not live:
-                return False  # no worker reports (its script does not use trainlib): restart at once
+            world = max((w.world_size for w in formed.workers.values()), default=0)
+            if not live or len(live) < world:
+                # No worker reports (its script does not use trainlib), or one has gone silent (its node lost, its
+                # process dead): the round's collectives cannot complete, so neither could a checkpoint. At once.
+                return False
             run.last_ask_id += 1
-            ask = run.ask = CheckpointAsk(run.last_ask_id, formed.number, agreed_step(live, now),
-                                          max(w.world_size for w in live), now, without)
+            ask = run.ask = CheckpointAsk(run.last_ask_id, formed.number, agreed_step(live, now), world, now, without,
+                                          furthest=max(w.step for w in live), moved_at=now)
             self._event("rendezvous.checkpoint", f"round {formed.number} of rendezvous {run.id!r}: {ask.world_size} "
                         f"workers asked to checkpoint after step {ask.at_step} before the round restarts without "
                         f"{without}", run.id)
@@ -425,9 +432,12 @@ class RendezvousBook:
         elif now >= ask.asked_at + CHECKPOINT_WAIT_S:
             ask.outcome = (f"only {done} of {ask.world_size} workers committed the checkpoint of step {ask.at_step} "
                            f"within {CHECKPOINT_WAIT_S:g}s")
-        elif not live:
-            ask.outcome = (f"the workers stopped reporting before the checkpoint of step {ask.at_step} "
-                           f"({done} of {ask.world_size} committed it)")
+        elif len(live) < ask.world_size:
+            ask.outcome = (f"{ask.world_size - len(live)} of {ask.world_size} workers stopped reporting before the "
+                           f"checkpoint of step {ask.at_step} ({done} committed it)")
+        elif now >= ask.moved_at + CHECKPOINT_STALL_S:
+            ask.outcome = (f"the workers made no progress for {CHECKPOINT_STALL_S:g}s (at step {ask.furthest}) before "
+                           f"the checkpoint of step {ask.at_step}; {done} of {ask.world_size} committed it")
         else:
             return True
         self._event("rendezvous.checkpointed" if done >= ask.world_size else "rendezvous.checkpoint_failed",
@@ -444,10 +454,16 @@ class RendezvousBook:
         if run is None or formed is None or formed.number != number:
             return None
         run.last_activity = now
-        if worker.rank in formed.workers or len(formed.workers) < MAX_WORKERS:
+        before = formed.workers.get(worker.rank)
+        if before is not None or len(formed.workers) < MAX_WORKERS:
             formed.workers[worker.rank] = worker
         ask = run.ask
-        return ask if ask is not None and ask.round == number else None
+        if ask is None or ask.round != number:
+            return None
+        if before is None or worker.step > before.step:  # some worker is stepping: the round is not hung
+            ask.moved_at = now
+        ask.furthest = max(ask.furthest, worker.step)
+        return ask
 
     def close(self, run_id: str, now: float) -> None:
         self._close(self._run(run_id, now, create=True), now, by="SetClosed")
