@@ -11,6 +11,7 @@ from controller.rendezvous.book import (
     SWEEP_EVERY_S,
     Drop,
     Form,
+    Member,
     Outcome,
     RendezvousBook,
     Settings,
@@ -462,3 +463,50 @@ def test_a_report_for_another_round_gets_no_request_and_the_agreed_step_reckons_
     # 2 s since a report of step 10 at 0.1 s a step: the worker is at step 30 by now
     assert agreed_step([Worker(0, 2, 10, 0.1, now - 2.0), Worker(1, 2, 29, 0.1, now)], now) == 30 + 15 + 2
     assert agreed_step([Worker(0, 1, 7, 0.0, now)], now) == 17  # no pace known yet: ten steps ahead
+
+
+# --- a controller that restarted (or took over) re-learns running rounds from their members --------------------
+
+def member(f, pid, rank, world=2):
+    return Member(rank, world, store(pid), TWO, f"node-{pid.lower()}", f.attempts.get(pid, 1))
+
+
+def test_a_restarted_controller_relearns_a_running_round_from_its_members_and_still_restarts_it_for_health():
+    f = Fleet()
+    f.join("A")
+    first = f.join("B")
+    ranks = {pid: f.poll(pid, first.round).rank for pid in "AB"}
+    spare = f.join("C")
+    assert spare.outcome is Outcome.WAITING
+    f.book = RendezvousBook(fit=lambda node: f.unfit.get(node, ""),  # the controller restarts: nothing known
+                            on_event=lambda kind, message, run: f.events.append((kind, message)))
+    with pytest.raises(NotFound):
+        f.poll("C", spare.round)
+    again = f.join("C")  # the spare re-joins before any member has asked: round 1 opens in the new book
+    assert (again.outcome, again.round) == (Outcome.WAITING, 1)
+    now = f.clock.monotonic()
+    assert f.book.num_waiting(RUN, "A", first.round, now, member(f, "A", ranks["A"])) == 0  # a full group
+    assert f.events[-1][0] == "rendezvous.relearned" and "round 1 of rendezvous 'job' re-learned" in f.events[-1][1]
+    assert f.book.num_waiting(RUN, "B", first.round, now, member(f, "B", ranks["B"])) == 0
+    run = f.book.get(RUN)
+    assert [p.id for p in run.formed.ranks] == sorted("AB", key=ranks.get) and run.open.number == 2
+    waiting = f.poll("C", again.round)  # its round was renumbered past the re-learned one: still its place
+    assert (waiting.outcome, waiting.round) == (Outcome.WAITING, 2)
+    f.unfit["node-b"] = "it is FAILING"
+    assert f.book.num_waiting(RUN, "A", first.round, now, member(f, "A", ranks["A"])) >= 1
+    assert f.events[-1][0] == "rendezvous.restart" and "without node node-b" in f.events[-1][1]
+    formed = f.join("A")
+    assert formed.outcome is Outcome.FORMED and formed.round == 2 and formed.world_size == 2
+    assert f.poll("C", 2).outcome is Outcome.FORMED
+
+
+def test_a_member_of_a_round_this_book_formed_or_superseded_cannot_rewrite_it():
+    f = Fleet()
+    f.join("A")
+    formed = f.join("B")
+    now = f.clock.monotonic()
+    assert f.book.num_waiting(RUN, "X", formed.round, now, member(f, "X", 0)) == 0  # not a member: ignored
+    assert [p.id for p in f.book.get(RUN).formed.ranks] == ["A", "B"]
+    f.join("A")  # A restarts: round 2 opens, the group restarts
+    assert f.book.num_waiting(RUN, "B", formed.round, now, member(f, "B", 1)) >= 1
+    assert f.book.get(RUN).formed.number == 1 and "rendezvous.relearned" not in [k for k, _ in f.events]

@@ -448,3 +448,41 @@ def uninterrupted(tmp_path: Path, steps: int) -> str:
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()
     return out.read_text().strip()
+
+
+def test_a_controller_restart_mid_run_relearns_the_round_so_a_failing_node_still_hands_over_to_the_spare(
+        cluster, tmp_path):
+    """kill -9 of the controller while a round of node-a and node-b runs and node-c waits: the new controller
+    re-learns the round from its members, the spare re-joins, and node-b turning FAILING still restarts the
+    round with node-c."""
+    (tmp_path / "train.py").write_text(LOOPER)
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = start_three(cluster, tmp_path, "relearn", ["train.py"], lambda: len(list(out.glob("world-*"))) == 2)
+
+    def run() -> dict:
+        listed = cluster.cli("jobs", "-o", "json")
+        return next((j for j in json.loads(listed.stdout) if j["id"] == "torchrun-relearn"), {}) \
+            if listed.returncode == 0 else {}
+
+    try:
+        cluster.wait_for(lambda: run().get("spares") == ["node-c"], "the spare waiting")
+        cluster.kill("controller")
+        cluster.start_controller()
+        cluster.wait_for(lambda: sorted(run().get("nodes", [])) == ["node-a", "node-b"]
+                         and run().get("spares") == ["node-c"], "the round re-learned and the spare back")
+        assert cluster.cli("inject", "node-b", "--gpu", "0", "remap-pending").returncode == 0
+        cluster.wait_for(lambda: any(p.name.startswith("world-node-a+node-c") for p in out.glob("world-*")),
+                         "a round of node-a and the spare node-c")
+        (out / "stop").write_text("")
+        for name in ("node-a", "node-c"):
+            assert procs[name].wait(timeout=TORCHRUN_TIMEOUT_S) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        said = "\n".join(f"{e['kind']}: {e['message']}"
+                         for e in json.loads(cluster.cli("events", "--job", "torchrun-relearn", "-o", "json").stdout))
+        assert "rendezvous.relearned: round 1 of rendezvous 'relearn' re-learned from its members" in said, said
+        assert "restarts without node node-b (it is FAILING" in said, said
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -175,6 +175,7 @@ class PhalanxRendezvousHandler(RendezvousHandler):
         self._round = 0
         self._attempt = 0  # next_rendezvous calls: lets the controller tell a retried Join from a new one
         self._store: Store | None = None  # this round's: the server on rank 0, a client elsewhere
+        self._member: Any = None  # our place in the formed round (a RoundMember), for a controller that lost it
         self._waiting = (float("-inf"), 0)  # (asked at, answer): num_nodes_waiting's cache
 
     def get_backend(self) -> str:
@@ -220,6 +221,10 @@ class PhalanxRendezvousHandler(RendezvousHandler):
         store: Store = server if (host, port) == (ours.host, ours.port) else TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=cfg.read_timeout_s))
         self._round, self._store = reply.round, store  # the previous round's store goes now, not earlier
+        self._member = pb.RoundMember(rank=reply.rank, world_size=reply.world_size, store=ours, node=cfg.node,
+                                      attempt=self._attempt, settings=pb.RoundSettings(
+                                          min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
+                                          last_call_s=cfg.last_call_s))
         # torchrun starts the workers after this returns, with this process's environment: trainlib in them reports
         # to the controller for this round, which asks them to checkpoint before restarting it for an unfit node.
         os.environ.update({"PHALANX_RDZV_RUN": cfg.run_id, "PHALANX_RDZV_ROUND": str(reply.round),
@@ -250,7 +255,7 @@ class PhalanxRendezvousHandler(RendezvousHandler):
         if now - asked < NUM_WAITING_CACHE_S or self._round == 0:
             return answer
         request = pb.NumNodesWaitingRequest(run_id=self.config.run_id, participant_id=self.participant_id,
-                                            round=self._round)
+                                            round=self._round, member=self._member)
         try:
             answer = self._call("NumNodesWaiting", request, _default_timeout()).waiting
         except (RendezvousError, _Forgotten) as e:  # a controller blip must not stop a healthy group

@@ -19,6 +19,7 @@ from controller.rendezvous.book import (
     MAX_NODES,
     MAX_WAIT_S,
     MAX_WORKERS,
+    Member,
     Outcome,
     RendezvousBook,
     Run,
@@ -178,7 +179,14 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
                               context) -> rendezvous_pb2.NumNodesWaitingReply:
         run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
         pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
-        waiting = self.book.num_waiting(run_id, pid, request.round, self._clock.monotonic())
+        member = None
+        if request.HasField("member"):
+            m = request.member
+            if m.rank >= m.world_size:
+                raise InvalidArgument(f"member.rank ({m.rank}) must be below member.world_size ({m.world_size})")
+            node = m.node if not m.node or NAME.fullmatch(m.node) else ""
+            member = Member(m.rank, m.world_size, _store(m.store), _settings(m.settings), node, m.attempt)
+        waiting = self.book.num_waiting(run_id, pid, request.round, self._clock.monotonic(), member)
         return rendezvous_pb2.NumNodesWaitingReply(waiting=waiting)
 
     @unary

@@ -27,8 +27,11 @@ others waiting for an address it never published.
 
 `RendezvousBook` is the state: it reads no clock, does no I/O, and `decide(run, now)` says what
 time alone changes (timeouts, dropped participants, the last call). The servicer is
-`controller.api.rendezvous_service`. The state is in memory: after a controller restart waiting
-agents re-join (their AwaitRound answers NOT_FOUND) and running groups carry on.
+`controller.api.rendezvous_service`. The state is in memory, a cache of what the torchrun agents
+know: after a controller restart (or a takeover) waiting agents re-join (their AwaitRound answers
+NOT_FOUND), and the members of a running round, which ask NumNodesWaiting every second and say
+where they stand in it, bring the round back (`num_waiting(..., member)`), so that its health
+protection goes on; an open round a spare re-opened first is renumbered past it.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ class Round:
     quorum_at: float | None = None  # when min_nodes was reached: the last call runs from here
     ranks: list[Participant] = field(default_factory=list)  # by rank, once formed
     workers: dict[int, Worker] = field(default_factory=dict)  # by global rank, once formed: trainlib's reports
+    adopted: dict[str, int] = field(default_factory=dict)  # re-learned from its members' asks: participant -> rank
+    declared: int = 0  # re-learned: the world size its members say it has (not all of them may have asked yet)
 
     def member_ids(self) -> set[str]:
         return {p.id for p in self.ranks}
@@ -171,10 +176,23 @@ class Run:
     restart_told: int = 0  # the formed round whose members were told to restart for an unfit member
     ask: CheckpointAsk | None = None  # the formed round's checkpoint before its restart
     last_ask_id: int = 0
+    aliases: dict[int, int] = field(default_factory=dict)  # an open round renumbered past a re-learned one: old -> new
 
     def present(self) -> set[str]:
         waiting = set(self.open.waiting) if self.open else set()
         return waiting | ((self.formed.member_ids() if self.formed else set()) - self.left)
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a member of a formed round says of its place in it (NumNodesWaiting), so that a controller that lost
+    the round (a restart, a takeover) can re-learn it."""
+    rank: int
+    world_size: int
+    store: StoreAddress
+    settings: Settings
+    node: str = ""
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -343,6 +361,7 @@ class RendezvousBook:
         """Where `pid` stands in round `number`; a poll is also the participant's keep-alive."""
         run = self._run(run_id, now)
         run.last_activity = now
+        number = run.aliases.get(number, number)
         self.advance(run, now)
         if run.closed:
             return _closed(run)
@@ -373,11 +392,15 @@ class RendezvousBook:
                                f"{rnd.number if rnd else 'none'} open); a participant of an older round cannot take "
                                "part in a newer one without joining again")
 
-    def num_waiting(self, run_id: str, pid: str, number: int, now: float) -> int:
+    def num_waiting(self, run_id: str, pid: str, number: int, now: float, member: Member | None = None) -> int:
         """Nodes the caller's running group should restart for: everyone waiting in the next round when a
         member of the running round re-joined (it restarted) or there is room to grow; 0 for spares
-        waiting on a full group. A caller from a superseded round gets at least 1, so it re-joins."""
+        waiting on a full group. A caller from a superseded round gets at least 1, so it re-joins.
+        A round this book does not know, asked about by a member that says where it stands in it (`member`),
+        is re-learned: the controller restarted or took over while the group ran."""
         run = self._runs.get(run_id)
+        if member is not None and number and not (run is not None and run.closed):
+            run = self._relearn(run_id, run, pid, number, member, now)
         if run is None:
             return 0  # forgotten, e.g. across a controller restart: nothing to say, keep running
         run.last_activity = now
@@ -403,9 +426,41 @@ class RendezvousBook:
                             + (f"; {ask.outcome}" if ask is not None else ""), run.id)
             return max(1, len(waiting))
         members = formed.member_ids()
-        if any(w in members for w in waiting) or len(members) < formed.settings.max_nodes:
+        if any(w in members for w in waiting) or max(len(members), formed.declared) < formed.settings.max_nodes:
             return len(waiting)
         return 0
+
+    def _relearn(self, run_id: str, run: Run | None, pid: str, number: int, member: Member, now: float) -> Run | None:
+        """Take `pid`'s word for its place in round `number` when this book has no such round formed: the first
+        member to ask brings the round back, the others join it as they ask."""
+        formed = run.formed if run is not None else None
+        if formed is not None and formed.number > number:
+            return run  # a member of a superseded round: num_waiting tells it to re-join
+        if formed is None or formed.number < number:
+            if run is None:
+                if len(self._runs) >= MAX_RUNS:
+                    return None
+                run = self._runs[run_id] = Run(run_id, last_activity=now)
+            formed = run.formed = Round(number, member.settings, declared=member.world_size)
+            run.left.clear()
+            run.restart_told, run.ask = 0, None
+            if run.open is not None and run.open.number <= number:  # opened by a spare that re-joined first
+                run.aliases[run.open.number] = number + 1
+                run.open.number = number + 1
+            run.last_number = max(run.last_number, run.open.number if run.open else number)
+            logger.info("rendezvous round re-learned", run=run_id, round=number, participant=pid)
+            self._event("rendezvous.relearned", f"round {number} of rendezvous {run_id!r} re-learned from its "
+                        f"members (this controller did not know it: it restarted or took over); "
+                        f"{member.world_size} nodes", run_id)
+        if not formed.adopted and formed.ranks:
+            return run  # a round this book formed itself: its members are known
+        if pid not in formed.adopted:
+            formed.adopted[pid] = member.rank
+            p = Participant(pid, member.store, run.next_seq, member.attempt, float("inf"), now, member.node)
+            run.next_seq += 1
+            formed.ranks = sorted([*formed.ranks, p], key=lambda q: formed.adopted[q.id])
+        run.last_activity = now
+        return run
 
     def _checkpoint_first(self, run: Run, formed: Round, without: str, now: float) -> bool:
         """True while `formed` must not restart yet: its workers are checkpointing (asked now if not yet)."""
@@ -481,6 +536,7 @@ class RendezvousBook:
         if run is None:
             return
         run.last_activity = now
+        number = run.aliases.get(number, number)
         if close:
             self._close(run, now, by=pid)
         if run.open is not None and run.open.number == number and run.open.waiting.pop(pid, None):

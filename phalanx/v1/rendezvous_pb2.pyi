@@ -86,14 +86,32 @@ class RoundReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[RoundOutcome, str]] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., joined: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class NumNodesWaitingRequest(_message.Message):
-    __slots__ = ("run_id", "participant_id", "round")
+    __slots__ = ("run_id", "participant_id", "round", "member")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     participant_id: str
     round: int
-    def __init__(self, run_id: _Optional[str] = ..., participant_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    member: RoundMember
+    def __init__(self, run_id: _Optional[str] = ..., participant_id: _Optional[str] = ..., round: _Optional[int] = ..., member: _Optional[_Union[RoundMember, _Mapping]] = ...) -> None: ...
+
+class RoundMember(_message.Message):
+    __slots__ = ("rank", "world_size", "store", "settings", "node", "attempt")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    store: StoreAddress
+    settings: RoundSettings
+    node: str
+    attempt: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., settings: _Optional[_Union[RoundSettings, _Mapping]] = ..., node: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class NumNodesWaitingReply(_message.Message):
     __slots__ = ("waiting",)
