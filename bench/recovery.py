@@ -17,6 +17,10 @@ step with its wall time. The faults:
 Phalanx's faults come once the job's nodes and spare hold their warm standbys (as they do a few seconds
 into any job), except crash-cold's.
 
+A third system (issue 16): the same script under torchrun with `--rdzv-backend=phalanx`, three torchrun
+agents on three Phalanx nodes for --nnodes=2 (the third waits as the spare); the faults hit a member node,
+and for predictable ones its trainlib workers checkpoint one agreed step before the round restarts.
+
 Measured per fault: seconds from the fault to the first training step after it, and steps computed twice
 (the last step done before the fault minus the step training resumed from). "never" means no step
 within the observation window. Phalanx runs each fault REPEATS times (median and max); torchrun once.
@@ -145,6 +149,113 @@ def torchrun_trial(fault: str, root: Path) -> dict:
             p.wait()
 
 
+# -- torchrun with Phalanx's rendezvous (issue 16) ----------------------------------------------------
+
+TORCHRUN_FAULTS = ("crash", "xid-79", "node-loss", "remap-pending")  # hangs are not detected for torchrun's workers
+
+
+def _measure_round(read_log, fault_at: float) -> dict:
+    """torchrun's workers print their steps (with wall times) and "resumed from step S" when a new round starts
+    from a checkpoint: the new round's first step is the first line of step S + 1 (or 0: no checkpoint yet) after
+    the fault."""
+    deadline = time.time() + WINDOW_S
+    while time.time() < deadline:
+        text = read_log()
+        resumed = [int(x) for x in RESUMED.findall(text)]
+        steps = _steps(text)
+        before = [s for s, t in steps if t <= fault_at]
+        if before:
+            start = resumed[-1] + 1 if resumed else 0
+            after = [t for s, t in steps if s == start and t > fault_at]
+            if after:
+                return {"resumed_s": round(min(after) - fault_at, 2), "steps_lost": max(0, max(before) + 1 - start),
+                        "last_step_before": max(before), "resumed_at_step": start}
+        time.sleep(0.5)
+    return {"resumed_s": None, "steps_lost": None}
+
+
+def torchrun_phalanx_trial(fault: str, root: Path) -> dict:
+    """Three torchrun agents (--rdzv-backend=phalanx) for --nnodes=2, the third a spare, on three Phalanx nodes."""
+    import json
+    if fault not in TORCHRUN_FAULTS:
+        return {"resumed_s": None, "steps_lost": None,
+                "skipped": "hangs are not detected for torchrun's workers" if fault == "hang" else
+                "the same as crash for torchrun"}
+    address = f"127.0.0.1:{free_port()}"
+    procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(name: str, argv: list[str], env: dict | None = None) -> None:
+        with open(root / f"{name}.log", "ab") as out:
+            procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                           cwd=root, env=env)
+
+    def daemon(name: str, module: str, text: str) -> None:
+        (root / f"{name}.toml").write_text(text)
+        spawn(name, [sys.executable, "-m", module, "--config", str(root / f"{name}.toml")])
+
+    daemon("controller", "controller.main", controller_toml(address, root))
+    time.sleep(1.5)
+    nodes = [f"node-{i}" for i in range(3)]
+    for name in nodes:
+        daemon(name, "agent.main", 'nvrx_socket = ""\n' + agent_toml(name, address, root, gpus=1))
+    logs = [root / f"torchrun-{name}.log" for name in nodes]
+
+    def read() -> str:
+        return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+
+    def torchrun(name: str) -> None:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}, "PHALANX_NODE": name,
+               "PHALANX_INSECURE": "1", "PHALANX_CHECKPOINT_DIR": str(root / "ckpt"), "OMP_NUM_THREADS": "1"}
+        spawn(f"torchrun-{name}", [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                                   "--rdzv-backend=phalanx", f"--rdzv-endpoint={address}", "--rdzv-id=bench",
+                                   "--max-restarts=3", "--monitor-interval=0.5", "--rdzv-conf=join_timeout=120",
+                                   *_train_args(root / "ckpt")], env)
+    try:
+        deadline = time.time() + 60
+        while len(json.loads(_cli(address, "nodes", "--json") or "[]")) < 3 and time.time() < deadline:
+            time.sleep(0.3)
+        torchrun("node-0")
+        torchrun("node-1")
+        _wait_steps(read, 40)
+        torchrun("node-2")  # the spare: joins once the round of node-0 and node-1 runs
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            run = next((j for j in json.loads(_cli(address, "jobs", "--json") or "[]") if j["id"] == "torchrun-bench"),
+                       {})
+            if run.get("spares") == ["node-2"]:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("the spare torchrun did not wait in the rendezvous")
+        victim = "node-1"
+        workers = [c for c in psutil.Process(procs[f"torchrun-{victim}"].pid).children(recursive=True)
+                   if "train_phalanx" in " ".join(c.cmdline())]
+        fault_at = time.time()
+        if fault in GPU_FAULTS:
+            _cli(address, "inject", victim, "--gpu", "0", GPU_FAULTS[fault])
+        elif fault == "crash":
+            workers[0].send_signal(signal.SIGKILL)
+        else:  # the whole node: its Phalanx agent, its torchrun agent and its worker
+            procs[victim].send_signal(signal.SIGKILL)
+            _kill_tree(procs[f"torchrun-{victim}"].pid, signal.SIGKILL)
+            for w in workers:
+                with contextlib.suppress(psutil.Error):
+                    w.kill()
+        result = _measure_round(read, fault_at)
+        events = json.loads(_cli(address, "events", "--job", "torchrun-bench", "--json") or "[]")
+        result["events"] = [e["kind"] for e in events if e["kind"].startswith("rendezvous.")]
+        return result
+    finally:
+        for name, p in procs.items():
+            if name.startswith("torchrun-"):
+                with contextlib.suppress(psutil.Error):
+                    for c in psutil.Process(p.pid).children(recursive=True):
+                        c.kill()
+        for p in procs.values():
+            _kill_tree(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 # -- Phalanx -------------------------------------------------------------------------------------
 
 def _cli(address: str, *args: str) -> str:
@@ -252,7 +363,8 @@ def run(quick: bool = False) -> dict:
     repeats = 1 if quick else REPEATS
     for fault in FAULTS:
         results[fault] = {"phalanx": _summary([_trial("phalanx", phalanx_trial, fault) for _ in range(repeats)]),
-                          "torchrun": _trial("torchrun", torchrun_trial, fault)}
+                          "torchrun": _trial("torchrun", torchrun_trial, fault),
+                          "torchrun + phalanx rendezvous": _trial("torchrun-phalanx", torchrun_phalanx_trial, fault)}
     return {"faults": results, "window_s": WINDOW_S, "repeats": repeats,
             "job": "2 nodes x 1 rank, gloo on CPU, 0.05 s steps, a durable checkpoint every 500 steps, "
                    "Phalanx: an in-memory snapshot every step"}
