@@ -151,7 +151,8 @@ class Controller:
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs, self.credentials),
                                                         server)
-        rendezvous = RendezvousService(self.clock, self.registry, self._log_rendezvous)
+        rendezvous = RendezvousService(self.clock, self.registry, self._log_rendezvous,
+                                       restarted=bool(self.registry.entries()))
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
                            self.credentials, self.policy, rendezvous.jobs), server)

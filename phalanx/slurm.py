@@ -50,24 +50,24 @@ async def adrain(scontrol: str, node: str, reason: str, timeout_s: float = 15.0,
 # (COMPLETING, COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, PREEMPTED, OUT_OF_MEMORY, PENDING after a
 # requeue, ...) means the allocation is gone or going.
 HOLDS_ALLOCATION = frozenset({"RUNNING", "CONFIGURING", "SUSPENDED", "RESIZING", "SIGNALING"})
-GONE = "no longer known to Slurm"  # ajob_state's answer for an id scontrol does not know (past MinJobAge)
+GONE = "no longer known to Slurm"  # a Slurm job id scontrol does not know (it ended past MinJobAge)
 
 
-async def ajob_state(scontrol: str, job_id: int, timeout_s: float = 15.0) -> str:
-    """The Slurm job's JobState (RUNNING, CANCELLED, ...), or GONE when scontrol says the id is invalid (a job
-    that ended longer than MinJobAge ago). Raises SlurmError when Slurm cannot be asked (no config, slurmctld
-    down): that says nothing about the job."""
+async def ajob_record(scontrol: str, job_id: int | str, timeout_s: float = 15.0) -> dict[str, str]:
+    """`scontrol -o show job ID` as a dict (JobState, Restarts, StartTime, ...), or {} when scontrol says the id is
+    invalid (a job that ended longer than MinJobAge ago). Raises SlurmError when Slurm cannot be asked (no config,
+    slurmctld down): that says nothing about the job."""
     try:
         out = await arun([*shlex.split(scontrol), "-o", "show", "job", str(job_id)], timeout_s)
     except SlurmError as e:
         if "invalid job id" in str(e).lower():
-            return GONE
+            return {}
         raise
     lines = out.strip().splitlines()
-    state = parse_record(lines[0]).get("JobState", "") if lines else ""
-    if not state:
+    record = parse_record(lines[0]) if lines else {}
+    if not record.get("JobState"):
         raise SlurmError(f"scontrol show job {job_id} gave no JobState: {out.strip()[:200]!r}")
-    return state.split()[0]
+    return record
 
 
 async def arun(argv: list[str], timeout_s: float = 15.0, tries: int = 3) -> str:

@@ -8,6 +8,7 @@ from controller.rendezvous.book import (
     CLOSED_RUN_TTL_S,
     IDLE_RUN_TTL_S,
     LEASE_S,
+    RELEARN_GRACE_S,
     SWEEP_EVERY_S,
     Drop,
     Form,
@@ -403,14 +404,14 @@ def test_a_round_without_reporting_workers_restarts_at_once_and_a_stuck_checkpoi
     report(g, number, 1, 5)
     g.unfit["node-b"] = "it is FAILING"
     assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
-    for i in range(int(CHECKPOINT_WAIT_S)):  # the workers keep stepping, but one never commits (its script
-        g.clock.advance(1.0)                 # does not save when asked)
-        ask = report(g, number, 0, 6 + i)
-        report(g, number, 1, ask.at_step, done=(ask.id, ask.at_step))
+    for i in range(int(CHECKPOINT_WAIT_S) + 1):  # the workers keep stepping, far slower than their pace said:
+        g.clock.advance(1.0)                     # the agreed step is not reached within the wait
+        report(g, number, 0, 6 + i // 5)
+        report(g, number, 1, 6 + i // 5)
         if g.book.num_waiting(RUN, "A", number, g.clock.monotonic()):
             break
     assert g.clock.monotonic() >= CHECKPOINT_WAIT_S
-    assert g.events[-2][0] == "rendezvous.checkpoint_failed" and "only 1 of 2 workers committed" in g.events[-2][1]
+    assert g.events[-2][0] == "rendezvous.checkpoint_failed" and "only 0 of 2 workers committed" in g.events[-2][1]
 
     h = Fleet()
     number = formed_with_spare(h)
@@ -462,7 +463,6 @@ def test_a_report_for_another_round_gets_no_request_and_the_agreed_step_reckons_
     now = 100.0
     # 2 s since a report of step 10 at 0.1 s a step: the worker is at step 30 by now
     assert agreed_step([Worker(0, 2, 10, 0.1, now - 2.0), Worker(1, 2, 29, 0.1, now)], now) == 30 + 15 + 2
-    assert agreed_step([Worker(0, 1, 7, 0.0, now)], now) == 17  # no pace known yet: ten steps ahead
 
 
 # --- a controller that restarted (or took over) re-learns running rounds from their members --------------------
@@ -488,6 +488,8 @@ def test_a_restarted_controller_relearns_a_running_round_from_its_members_and_st
     assert f.book.num_waiting(RUN, "A", first.round, now, member(f, "A", ranks["A"])) == 0  # a full group
     assert f.events[-1][0] == "rendezvous.relearned" and "round 1 of rendezvous 'job' re-learned" in f.events[-1][1]
     assert f.book.num_waiting(RUN, "B", first.round, now, member(f, "B", ranks["B"])) == 0
+    f.clock.advance(RELEARN_GRACE_S)
+    now = f.clock.monotonic()
     run = f.book.get(RUN)
     assert [p.id for p in run.formed.ranks] == sorted("AB", key=ranks.get) and run.open.number == 2
     waiting = f.poll("C", again.round)  # its round was renumbered past the re-learned one: still its place
@@ -510,3 +512,64 @@ def test_a_member_of_a_round_this_book_formed_or_superseded_cannot_rewrite_it():
     f.join("A")  # A restarts: round 2 opens, the group restarts
     assert f.book.num_waiting(RUN, "B", formed.round, now, member(f, "B", 1)) >= 1
     assert f.book.get(RUN).formed.number == 1 and "rendezvous.relearned" not in [k for k, _ in f.events]
+
+
+def test_a_relearned_round_with_a_member_that_never_asks_restarts_after_the_grace():
+    f = Fleet()
+    f.join("A")
+    first = f.join("B")
+    f.join("C")
+    f.book = RendezvousBook(fit=lambda node: f.unfit.get(node, ""),
+                            on_event=lambda kind, message, run: f.events.append((kind, message)))
+    f.join("C")  # the spare re-joins; B's node died while the controller was away: it never asks
+    assert f.book.num_waiting(RUN, "A", first.round, f.clock.monotonic(), member(f, "A", 0)) == 0
+    f.clock.advance(RELEARN_GRACE_S)
+    assert f.book.num_waiting(RUN, "A", first.round, f.clock.monotonic(), member(f, "A", 0)) >= 1
+    assert "1 of its 2 nodes did not ask after the controller restarted" in f.events[-1][1]
+    # the renumbered round's participant and the re-learned round's member both keep their own round 1
+    f.book.leave(RUN, "A", first.round, False, f.clock.monotonic())
+    assert "A" in f.book.get(RUN).left
+
+
+def test_a_fresh_controller_forms_no_round_before_running_rounds_had_time_to_re_teach_theirs():
+    clock = FakeClock()
+    book = RendezvousBook(hold_until=clock.monotonic() + RELEARN_GRACE_S)
+    book.join(RUN, "A", 1, TWO, 600.0, store("A"), clock.monotonic())
+    assert book.join(RUN, "B", 1, TWO, 600.0, store("B"), clock.monotonic()).outcome is Outcome.WAITING
+    assert book.next_wakeup(RUN) == clock.monotonic() + RELEARN_GRACE_S
+    clock.advance(RELEARN_GRACE_S)
+    assert book.poll(RUN, "A", 1, clock.monotonic()).outcome is Outcome.FORMED
+
+
+def test_a_worker_past_the_agreed_step_or_one_that_saved_another_step_is_no_consistent_checkpoint():
+    f = Fleet()
+    number = formed_with_spare(f)
+    report(f, number, 0, 40)
+    report(f, number, 1, 40)
+    f.unfit["node-b"] = "it is FAILING"
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    ask = report(f, number, 0, 41)
+    report(f, number, 1, ask.at_step + 3, done=(ask.id, ask.at_step + 3))  # the request came too late for it
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+    assert f.events[-2][0] == "rendezvous.checkpoint_failed" and f"went past step {ask.at_step}" in f.events[-2][1]
+    with pytest.raises(FailedPrecondition, match="says the round has 3 workers; its first report said 2"):
+        report(f, number, 1, 50, world=3)
+
+
+def test_a_round_that_has_not_stepped_yet_restarts_at_once_and_request_ids_start_where_the_book_is_told():
+    f = Fleet()
+    f.book = RendezvousBook(fit=lambda node: f.unfit.get(node, ""), first_ask_id=1_000_000)
+    number = formed_with_spare(f)
+    report(f, number, 0, -1, step_s=0.0)  # just started: no step, no pace
+    report(f, number, 1, 3)
+    f.unfit["node-b"] = "it is FAILING"
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+
+    g = Fleet()
+    g.book = RendezvousBook(fit=lambda node: g.unfit.get(node, ""), first_ask_id=1_000_000)
+    number = formed_with_spare(g)
+    report(g, number, 0, 3)
+    report(g, number, 1, 3)
+    g.unfit["node-b"] = "it is FAILING"
+    g.book.num_waiting(RUN, "A", number, g.clock.monotonic())
+    assert report(g, number, 0, 3).id == 1_000_001

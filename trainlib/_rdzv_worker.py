@@ -91,15 +91,14 @@ class Reporter:
                 reply = controllers.call(lambda channel: rendezvous_pb2_grpc.RendezvousServiceStub(channel)
                                          .ReportWorker(self._request(), timeout=RPC_TIMEOUT_S), follow_s=0.0)
                 warned = False
+                if reply.checkpoint_id:  # in the try: a script's on_checkpoint_request callback may raise
+                    self._heed(reply.checkpoint_id, reply.at_step, reply.pause)
             except Exception as e:  # a controller restarting or changing leader: keep training, try again
                 if not warned:
                     detail = e.details() if callable(getattr(e, "details", None)) else e
                     print(f"trainlib: cannot report to the Phalanx controller at {','.join(rnd.targets)}: {detail}",
                           file=sys.stderr, flush=True)
                     warned = True
-                continue
-            if reply.checkpoint_id:
-                self._heed(reply.checkpoint_id, reply.at_step, reply.pause)
 
     def _request(self) -> Any:
         from phalanx.v1 import rendezvous_pb2

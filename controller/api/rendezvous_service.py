@@ -19,6 +19,7 @@ from controller.rendezvous.book import (
     MAX_NODES,
     MAX_WAIT_S,
     MAX_WORKERS,
+    RELEARN_GRACE_S,
     Member,
     Outcome,
     RendezvousBook,
@@ -100,13 +101,18 @@ def run_job(run: Run) -> common_pb2.Job:
 
 class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     def __init__(self, clock: Clock, registry: Registry | None = None,
-                 log: Callable[[str, str, str], Awaitable[None]] | None = None) -> None:
+                 log: Callable[[str, str, str], Awaitable[None]] | None = None, restarted: bool = False) -> None:
+        """`restarted`: this controller took over a fleet (its store knew nodes), so torchrun groups may be running:
+        no round forms in its first RELEARN_GRACE_S, while their members re-teach it theirs."""
         self._clock = clock
         self._events: dict[str, asyncio.Event] = {}
         self._registry = registry
         self._log = log  # (kind, message, run id) -> committed to the event log
         self._logging: set[asyncio.Task] = set()
-        self.book = RendezvousBook(on_change=self._wake, fit=self._fit, on_event=self._event)
+        # Request ids from the wall clock (ms): a restarted controller never reuses one a worker already answered.
+        self.book = RendezvousBook(on_change=self._wake, fit=self._fit, on_event=self._event,
+                                   first_ask_id=clock.wall_ns() // 1_000_000,
+                                   hold_until=clock.monotonic() + RELEARN_GRACE_S if restarted else float("-inf"))
 
     def _fit(self, node: str) -> str:
         """'' if `node` may take part in a round; else why not, from the controller's view of it. A node the
@@ -182,10 +188,14 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         member = None
         if request.HasField("member"):
             m = request.member
+            settings = _settings(m.settings)
+            if not 1 <= m.world_size <= settings.max_nodes:
+                raise InvalidArgument(f"member.world_size ({m.world_size}) must be between 1 and its settings' "
+                                      f"max_nodes ({settings.max_nodes})")
             if m.rank >= m.world_size:
                 raise InvalidArgument(f"member.rank ({m.rank}) must be below member.world_size ({m.world_size})")
             node = m.node if not m.node or NAME.fullmatch(m.node) else ""
-            member = Member(m.rank, m.world_size, _store(m.store), _settings(m.settings), node, m.attempt)
+            member = Member(m.rank, m.world_size, _store(m.store), settings, node, m.attempt)
         waiting = self.book.num_waiting(run_id, pid, request.round, self._clock.monotonic(), member)
         return rendezvous_pb2.NumNodesWaitingReply(waiting=waiting)
 

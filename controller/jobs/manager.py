@@ -173,6 +173,9 @@ class JobManager:
             await self.executor.apply(entry, lifecycle.cancel(entry.job, self.now(), why), self.now())
             if entry.launch_task is not None:
                 entry.launch_task.cancel()
+            for spare in list(entry.prepared):  # the spares' standbys go now too, not when their hold runs out
+                self._prepare(entry, spare, count=0)
+            entry.prepared.clear()
         await self.executor.advance(entry)  # the stops go out before the answer
         return entry.job
 
@@ -401,17 +404,18 @@ class JobManager:
             seen.pop(node, None)
         return updated
 
-    def _prepare(self, entry: JobEntry, spare: str) -> None:
+    def _prepare(self, entry: JobEntry, spare: str, count: int | None = None) -> None:
         """Ask a running job's spare, every PREPARE_RENEW_S, to hold standbys of the job's ranks: a restart there
-        then skips starting Python and importing torch."""
+        then skips starting Python and importing torch. `count` 0: let them go now (the job is cancelled)."""
         now = self.clock.monotonic()
-        if now - entry.prepared.get(spare, float("-inf")) < PREPARE_RENEW_S:
+        if count is None and now - entry.prepared.get(spare, float("-inf")) < PREPARE_RENEW_S:
             return
         entry.prepared[spare] = now
         spec = entry.job.spec
         self.executor.send(spare, node_pb2.Command(prepare=node_pb2.PrepareRanks(
-            job=entry.job.id, command=spec.command, env=spec.env, workdir=spec.workdir, count=spec.ranks_per_node,
-            hold_s=PREPARE_HOLD_S)), f"prepare-{entry.job.id}-{spare}")
+            job=entry.job.id, command=spec.command, env=spec.env, workdir=spec.workdir,
+            count=spec.ranks_per_node if count is None else count, hold_s=PREPARE_HOLD_S)),
+            f"prepare-{entry.job.id}-{spare}")
 
     def _pin(self, entry: JobEntry) -> None:
         """Tell the job's nodes to keep its newest step held twice over, when that moved on."""

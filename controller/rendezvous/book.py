@@ -17,8 +17,10 @@ Checkpoint first: the workers of a formed round whose scripts use trainlib repor
 report, they are first asked to checkpoint after a step every one of them can still reach (about a
 second ahead at their pace), and to take no step after it; the members hear that nodes are waiting
 only once every worker has committed that step, or the wait is over (CHECKPOINT_WAIT_S), or a worker
-has stopped reporting, or none has taken a step for CHECKPOINT_STALL_S (hung). A round with no
-reporting workers, or with one already silent (a node lost), restarts at once, as before.
+has stopped reporting, or one went past the step before it heard (no consistent checkpoint can come
+of it), or the workers below it have taken no step for CHECKPOINT_STALL_S (hung; a long save at the
+step is not a hang). A round with no reporting workers, with one already silent (a node lost), or
+one that has not stepped yet (no pace to agree by), restarts at once, as before.
 
 Each participant brings a fresh TCPStore of its own to every join, and the formed round hands out
 rank 0's. So no round ever sees keys of an earlier one (torchrun's relaunch broke on exactly that
@@ -31,7 +33,10 @@ time alone changes (timeouts, dropped participants, the last call). The servicer
 know: after a controller restart (or a takeover) waiting agents re-join (their AwaitRound answers
 NOT_FOUND), and the members of a running round, which ask NumNodesWaiting every second and say
 where they stand in it, bring the round back (`num_waiting(..., member)`), so that its health
-protection goes on; an open round a spare re-opened first is renumbered past it.
+protection goes on; an open round a spare re-opened first is renumbered past it. For RELEARN_GRACE_S
+after that nothing is judged (the other members and the workers' reports come in); a member that
+still has not asked by then was lost while the controller was away, and the round restarts. A
+controller that took over a fleet also forms no round in its first RELEARN_GRACE_S (`hold_until`).
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ WORKER_REPORT_S = 0.5   # trainlib's report interval under torchrun: the request
 CHECKPOINT_LEAD_S = 1.0  # the agreed step is this far ahead (at the workers' pace) of where they are now
 CHECKPOINT_WAIT_S = 60.0  # the longest a restart for an unfit node waits for the workers' checkpoint
 WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for
-CHECKPOINT_STALL_S = 10.0  # workers that take no step for this long while asked (hung) are not waited for
-UNKNOWN_PACE_STEPS = 10  # the lead in steps when no worker has reported a step time yet
+CHECKPOINT_STALL_S = 10.0  # workers below the agreed step that take no step for this long (hung) are not waited for
+RELEARN_GRACE_S = 3.0   # after a controller start or a re-learned round: the members' asks (every second) come in
 
 
 class StaleParticipant(FailedPrecondition):
@@ -134,6 +139,8 @@ class Round:
     workers: dict[int, Worker] = field(default_factory=dict)  # by global rank, once formed: trainlib's reports
     adopted: dict[str, int] = field(default_factory=dict)  # re-learned from its members' asks: participant -> rank
     declared: int = 0  # re-learned: the world size its members say it has (not all of them may have asked yet)
+    relearned_at: float = 0.0
+    world_size: int = 0  # workers in the round, as the first worker report said (later reports must agree)
 
     def member_ids(self) -> set[str]:
         return {p.id for p in self.ranks}
@@ -175,7 +182,6 @@ class Run:
     gone: dict[str, Drop] = field(default_factory=dict)  # dropped from the open round; told on their next poll
     restart_told: int = 0  # the formed round whose members were told to restart for an unfit member
     ask: CheckpointAsk | None = None  # the formed round's checkpoint before its restart
-    last_ask_id: int = 0
     aliases: dict[int, int] = field(default_factory=dict)  # an open round renumbered past a re-learned one: old -> new
 
     def present(self) -> set[str]:
@@ -260,12 +266,18 @@ class RendezvousBook:
 
     def __init__(self, on_change: Callable[[str], None] = lambda run_id: None,
                  fit: Callable[[str], str] = lambda node: "",
-                 on_event: Callable[[str, str, str], None] = lambda kind, message, run_id: None) -> None:
+                 on_event: Callable[[str, str, str], None] = lambda kind, message, run_id: None,
+                 first_ask_id: int = 0, hold_until: float = float("-inf")) -> None:
+        """`first_ask_id`: checkpoint request ids count up from it (the servicer passes the wall clock, so that a
+        restarted controller never reuses one a worker already answered). `hold_until`: no round forms before it
+        (the controller's start plus RELEARN_GRACE_S), so that members of a running round re-teach it first."""
         self._runs: dict[str, Run] = {}
         self._on_change = on_change
         self._fit = fit  # node -> "" if it may take part, else why not (the controller's verdict)
         self._event = on_event  # (kind, message, run id) -> the controller's event log
         self._last_sweep = float("-inf")
+        self._last_ask_id = first_ask_id
+        self._hold_until = hold_until
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
@@ -289,6 +301,8 @@ class RendezvousBook:
     def advance(self, run: Run, now: float) -> list[Action]:
         """Apply what `decide` says; one log line per decision."""
         actions = decide(run, now, self._fit)
+        if now < self._hold_until:  # just started: a running round's members may not have asked yet
+            actions = [a for a in actions if not isinstance(a, Form)]
         rnd = run.open
         for action in actions:
             assert rnd is not None
@@ -361,7 +375,7 @@ class RendezvousBook:
         """Where `pid` stands in round `number`; a poll is also the participant's keep-alive."""
         run = self._run(run_id, now)
         run.last_activity = now
-        number = run.aliases.get(number, number)
+        number = _aliased(run, pid, number)
         self.advance(run, now)
         if run.closed:
             return _closed(run)
@@ -411,6 +425,17 @@ class RendezvousBook:
             return 0
         if number < formed.number:
             return max(1, len(waiting))
+        if formed.adopted:
+            if now < formed.relearned_at + RELEARN_GRACE_S:
+                return 0  # the other members, and the workers' reports, are still coming in: judge nothing yet
+            missing = formed.declared - len(formed.adopted)
+            if missing > 0:  # members that never asked since: lost while the controller was away
+                if run.restart_told != formed.number:
+                    run.restart_told = formed.number
+                    self._event("rendezvous.restart", f"round {formed.number} of rendezvous {run.id!r} restarts: "
+                                f"{missing} of its {formed.declared} nodes did not ask after the controller restarted "
+                                "(lost while it was away)", run.id)
+                return max(1, len(waiting))
         unfit = [(p.node, why) for p in formed.ranks if p.id not in run.left and (why := _unfit(p, self._fit))]
         ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
         if unfit or ask is not None:  # restart without it: the next round forms from the fit nodes and a spare
@@ -441,7 +466,7 @@ class RendezvousBook:
                 if len(self._runs) >= MAX_RUNS:
                     return None
                 run = self._runs[run_id] = Run(run_id, last_activity=now)
-            formed = run.formed = Round(number, member.settings, declared=member.world_size)
+            formed = run.formed = Round(number, member.settings, declared=member.world_size, relearned_at=now)
             run.left.clear()
             run.restart_told, run.ask = 0, None
             if run.open is not None and run.open.number <= number:  # opened by a spare that re-joined first
@@ -467,21 +492,22 @@ class RendezvousBook:
         live = [w for w in formed.workers.values() if now - w.heard < WORKER_SILENT_S]
         ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
         if ask is None:
-            world = max((w.world_size for w in formed.workers.values()), default=0)
-            if not live or len(live) < world:
+            world = formed.world_size
+            if not live or len(live) < world or any(w.step < 0 or w.step_s <= 0 for w in live):
                 # No worker reports (its script does not use trainlib), or one has gone silent (its node lost, its
-                # process dead): the round's collectives cannot complete, so neither could a checkpoint. At once.
+                # process dead): the round's collectives cannot complete, so neither could a checkpoint. Or one has
+                # not stepped yet (the round just started): no pace to agree a step by, and nothing to save. At once.
                 return False
-            run.last_ask_id += 1
-            ask = run.ask = CheckpointAsk(run.last_ask_id, formed.number, agreed_step(live, now), world, now, without,
-                                          furthest=max(w.step for w in live), moved_at=now)
+            self._last_ask_id += 1
+            ask = run.ask = CheckpointAsk(self._last_ask_id, formed.number, agreed_step(live, now), world, now,
+                                          without, furthest=max(w.step for w in live), moved_at=now)
             self._event("rendezvous.checkpoint", f"round {formed.number} of rendezvous {run.id!r}: {ask.world_size} "
                         f"workers asked to checkpoint after step {ask.at_step} before the round restarts without "
                         f"{without}", run.id)
             return True
         if ask.outcome:
             return False
-        done = sum(1 for w in formed.workers.values() if w.done_id == ask.id)
+        done = sum(1 for w in formed.workers.values() if w.done_id == ask.id and w.done_step == ask.at_step)
         if done >= ask.world_size:
             ask.outcome = f"every worker ({done}) committed the checkpoint of step {ask.at_step}"
         elif now >= ask.asked_at + CHECKPOINT_WAIT_S:
@@ -490,7 +516,10 @@ class RendezvousBook:
         elif len(live) < ask.world_size:
             ask.outcome = (f"{ask.world_size - len(live)} of {ask.world_size} workers stopped reporting before the "
                            f"checkpoint of step {ask.at_step} ({done} committed it)")
-        elif now >= ask.moved_at + CHECKPOINT_STALL_S:
+        elif any(w.done_id == ask.id and w.done_step != ask.at_step for w in live) or ask.furthest > ask.at_step:
+            ask.outcome = (f"a worker went past step {ask.at_step} before it heard of the checkpoint (it reached step "
+                           f"{ask.furthest}); {done} of {ask.world_size} committed that step")
+        elif any(w.step < ask.at_step for w in live) and now >= ask.moved_at + CHECKPOINT_STALL_S:
             ask.outcome = (f"the workers made no progress for {CHECKPOINT_STALL_S:g}s (at step {ask.furthest}) before "
                            f"the checkpoint of step {ask.at_step}; {done} of {ask.world_size} committed it")
         else:
@@ -509,9 +538,13 @@ class RendezvousBook:
         if run is None or formed is None or formed.number != number:
             return None
         run.last_activity = now
+        if not formed.world_size:
+            formed.world_size = worker.world_size
+        elif worker.world_size != formed.world_size:
+            raise FailedPrecondition(f"worker {worker.rank} of round {number} of rendezvous {run_id!r} says the round "
+                                     f"has {worker.world_size} workers; its first report said {formed.world_size}")
         before = formed.workers.get(worker.rank)
-        if before is not None or len(formed.workers) < MAX_WORKERS:
-            formed.workers[worker.rank] = worker
+        formed.workers[worker.rank] = worker  # rank < world_size (the servicer checks): bounded
         ask = run.ask
         if ask is None or ask.round != number:
             return None
@@ -536,7 +569,7 @@ class RendezvousBook:
         if run is None:
             return
         run.last_activity = now
-        number = run.aliases.get(number, number)
+        number = _aliased(run, pid, number)
         if close:
             self._close(run, now, by=pid)
         if run.open is not None and run.open.number == number and run.open.waiting.pop(pid, None):
@@ -555,7 +588,7 @@ class RendezvousBook:
             return None
         times = [t for p in rnd.waiting.values() for t in (p.deadline, p.last_seen + LEASE_S)]
         if rnd.quorum_at is not None:
-            times.append(rnd.quorum_at + rnd.settings.last_call_s)
+            times.append(max(rnd.quorum_at + rnd.settings.last_call_s, self._hold_until))
         return min(times, default=None)
 
     def sweep(self, now: float) -> None:
@@ -580,13 +613,19 @@ class RendezvousBook:
             self._on_change(run.id)
 
 
+def _aliased(run: Run, pid: str, number: int) -> int:
+    """The round `pid` means by `number`: its open round, renumbered past a re-learned one, unless it is a member of
+    the round that bears the number now."""
+    if number not in run.aliases or (run.formed is not None and run.formed.number == number
+                                     and pid in run.formed.member_ids()):
+        return number
+    return run.aliases[number]
+
+
 def agreed_step(workers: list[Worker], now: float) -> int:
     """The step after which every worker should save: where the furthest is now, reckoned at the workers' pace
     from its last report, plus the request's way down (a report interval) and CHECKPOINT_LEAD_S."""
-    paces = [w.step_s for w in workers if w.step_s > 0]
-    if not paces:
-        return max(0, *(w.step for w in workers)) + UNKNOWN_PACE_STEPS
-    pace = max(statistics.median(paces), 1e-3)
+    pace = max(statistics.median(w.step_s for w in workers), 1e-3)  # every worker has one (_checkpoint_first)
     latest = max(w.step + math.floor(max(0.0, now - w.heard) / pace) for w in workers)
     return max(latest, 0) + math.ceil((CHECKPOINT_LEAD_S + WORKER_REPORT_S) / pace) + 2
 
