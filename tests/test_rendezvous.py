@@ -363,6 +363,16 @@ def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1):
                                 f.clock.monotonic())
 
 
+def asked(f, step=5):
+    """A formed round with a spare, both workers at `step`, node-b FAILING: the workers are asked to checkpoint."""
+    number = formed_with_spare(f)
+    report(f, number, 0, step)
+    report(f, number, 1, step)
+    f.unfit["node-b"] = "it is FAILING"
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    return number
+
+
 def test_a_round_whose_workers_report_checkpoints_the_same_step_before_it_restarts():
     f = Fleet()
     number = formed_with_spare(f)
@@ -399,11 +409,7 @@ def test_a_round_without_reporting_workers_restarts_at_once_and_a_stuck_checkpoi
     assert "rendezvous.checkpoint" not in [k for k, _ in f.events]
 
     g = Fleet()
-    number = formed_with_spare(g)
-    report(g, number, 0, 5)
-    report(g, number, 1, 5)
-    g.unfit["node-b"] = "it is FAILING"
-    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
+    number = asked(g)
     for i in range(int(CHECKPOINT_WAIT_S) + 1):  # the workers keep stepping, far slower than their pace said:
         g.clock.advance(1.0)                     # the agreed step is not reached within the wait
         report(g, number, 0, 6 + i // 5)
@@ -414,11 +420,7 @@ def test_a_round_without_reporting_workers_restarts_at_once_and_a_stuck_checkpoi
     assert g.events[-2][0] == "rendezvous.checkpoint_failed" and "only 0 of 2 workers committed" in g.events[-2][1]
 
     h = Fleet()
-    number = formed_with_spare(h)
-    report(h, number, 0, 5)
-    report(h, number, 1, 5)
-    h.unfit["node-b"] = "it is FAILING"
-    assert h.book.num_waiting(RUN, "A", number, h.clock.monotonic()) == 0
+    number = asked(h)
     h.clock.advance(3.0)
     report(h, number, 0, 6)
     h.clock.advance(3.0)  # worker 1 died (a sudden fault besides): its peer can never reach the step
@@ -438,11 +440,7 @@ def test_a_round_that_lost_a_worker_or_hangs_is_not_held_for_a_checkpoint():
     assert "rendezvous.checkpoint" not in [k for k, _ in f.events]
 
     g = Fleet()
-    number = formed_with_spare(g)
-    report(g, number, 0, 5)
-    report(g, number, 1, 5)
-    g.unfit["node-b"] = "it is FAILING"
-    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
+    number = asked(g)
     for _ in range(9):  # both report, at the same step: hung in a collective
         g.clock.advance(1.0)
         report(g, number, 0, 5)
@@ -543,11 +541,7 @@ def test_a_fresh_controller_forms_no_round_before_running_rounds_had_time_to_re_
 
 def test_a_worker_past_the_agreed_step_or_one_that_saved_another_step_is_no_consistent_checkpoint():
     f = Fleet()
-    number = formed_with_spare(f)
-    report(f, number, 0, 40)
-    report(f, number, 1, 40)
-    f.unfit["node-b"] = "it is FAILING"
-    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    number = asked(f, 40)
     ask = report(f, number, 0, 41)
     report(f, number, 1, ask.at_step + 3, done=(ask.id, ask.at_step + 3))  # the request came too late for it
     assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1

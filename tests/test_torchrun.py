@@ -351,6 +351,17 @@ def start_three(cluster, tmp_path: Path, run_id: str, script: list[str], first_r
     return procs
 
 
+def hand_over_to_the_spare(cluster, procs: dict, tmp_path: Path) -> None:
+    """node-b turns FAILING; wait for the round of node-a and the spare node-c, stop it, and see both end well."""
+    out = tmp_path / "out"
+    assert cluster.cli("inject", "node-b", "--gpu", "0", "remap-pending").returncode == 0
+    cluster.wait_for(lambda: any(p.name.startswith("world-node-a+node-c") for p in out.glob("world-*")),
+                     "a round of node-a and the spare node-c")
+    (out / "stop").write_text("")
+    for name in ("node-a", "node-c"):
+        assert procs[name].wait(timeout=TORCHRUN_TIMEOUT_S) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
+
 def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place(cluster, tmp_path):
     """Three torchrun agents for --nnodes=2 (one waits as a spare), each on a node with a Phalanx agent: node-b
     turns FAILING, the round restarts without it, the spare joins, and `phalanx jobs` and the events say so."""
@@ -370,12 +381,7 @@ def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place
         cluster.wait_for(lambda: next(j for j in json.loads(cluster.cli("jobs", "-o", "json").stdout)
                                       if j["id"] == "torchrun-spare")["spares"] == ["node-c"], "the spare waiting")
 
-        assert cluster.cli("inject", "node-b", "--gpu", "0", "remap-pending").returncode == 0
-        cluster.wait_for(lambda: any(p.name.startswith("world-node-a+node-c") for p in out.glob("world-*")),
-                         "a round of node-a and the spare node-c")
-        (out / "stop").write_text("")
-        for name in ("node-a", "node-c"):
-            assert procs[name].wait(timeout=TORCHRUN_TIMEOUT_S) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        hand_over_to_the_spare(cluster, procs, tmp_path)
         events = json.loads(cluster.cli("events", "--job", "torchrun-spare", "-o", "json").stdout)
         said = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
         assert "rendezvous.restart: round 1 of rendezvous 'spare' restarts without node node-b (it is FAILING" in said
@@ -471,12 +477,7 @@ def test_a_controller_restart_mid_run_relearns_the_round_so_a_failing_node_still
         cluster.start_controller()
         cluster.wait_for(lambda: sorted(run().get("nodes", [])) == ["node-a", "node-b"]
                          and run().get("spares") == ["node-c"], "the round re-learned and the spare back")
-        assert cluster.cli("inject", "node-b", "--gpu", "0", "remap-pending").returncode == 0
-        cluster.wait_for(lambda: any(p.name.startswith("world-node-a+node-c") for p in out.glob("world-*")),
-                         "a round of node-a and the spare node-c")
-        (out / "stop").write_text("")
-        for name in ("node-a", "node-c"):
-            assert procs[name].wait(timeout=TORCHRUN_TIMEOUT_S) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        hand_over_to_the_spare(cluster, procs, tmp_path)
         said = "\n".join(f"{e['kind']}: {e['message']}"
                          for e in json.loads(cluster.cli("events", "--job", "torchrun-relearn", "-o", "json").stdout))
         assert "rendezvous.relearned: round 1 of rendezvous 'relearn' re-learned from its members" in said, said
