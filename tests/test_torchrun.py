@@ -351,6 +351,14 @@ def start_three(cluster, tmp_path: Path, run_id: str, script: list[str], first_r
     return procs
 
 
+def kill_all(procs: dict) -> None:
+    """The torchrun agents still running, with their workers (each agent leads its session)."""
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def hand_over_to_the_spare(cluster, procs: dict, tmp_path: Path) -> None:
     """node-b turns FAILING; wait for the round of node-a and the spare node-c, stop it, and see both end well."""
     out = tmp_path / "out"
@@ -387,10 +395,7 @@ def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place
         assert "rendezvous.restart: round 1 of rendezvous 'spare' restarts without node node-b (it is FAILING" in said
         assert "(node-a, node-c)" in said, said
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_all(procs)
 
 
 def test_a_failing_nodes_round_checkpoints_through_trainlib_then_resumes_on_the_spare_with_the_same_model(
@@ -431,10 +436,7 @@ def test_a_failing_nodes_round_checkpoints_through_trainlib_then_resumes_on_the_
         steps = int((out / "steps").read_text())
         assert steps == at_step + 1 + 40
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_all(procs)
     assert (out / "checksum").read_text().strip() == uninterrupted(tmp_path, steps)
 
 
@@ -483,7 +485,4 @@ def test_a_controller_restart_mid_run_relearns_the_round_so_a_failing_node_still
         assert "rendezvous.relearned: round 1 of rendezvous 'relearn' re-learned from its members" in said, said
         assert "restarts without node node-b (it is FAILING" in said, said
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_all(procs)
