@@ -151,7 +151,7 @@ def torchrun_trial(fault: str, root: Path) -> dict:
 
 # -- torchrun with Phalanx's rendezvous (issue 16) ----------------------------------------------------
 
-TORCHRUN_FAULTS = ("crash", "xid-79", "node-loss", "remap-pending")  # hangs are not detected for torchrun's workers
+TORCHRUN_FAULTS = ("crash", "xid-79", "node-loss", "hang", "remap-pending")
 
 
 def _measure_round(read_log, fault_at: float) -> dict:
@@ -178,9 +178,7 @@ def torchrun_phalanx_trial(fault: str, root: Path) -> dict:
     """Three torchrun agents (--rdzv-backend=phalanx) for --nnodes=2, the third a spare, on three Phalanx nodes."""
     import json
     if fault not in TORCHRUN_FAULTS:
-        return {"resumed_s": None, "steps_lost": None,
-                "skipped": "hangs are not detected for torchrun's workers" if fault == "hang" else
-                "the same as crash for torchrun"}
+        return {"resumed_s": None, "steps_lost": None, "skipped": "the same as crash for torchrun"}
     address = f"127.0.0.1:{free_port()}"
     procs: dict[str, subprocess.Popen] = {}
 
@@ -235,6 +233,8 @@ def torchrun_phalanx_trial(fault: str, root: Path) -> dict:
             _cli(address, "inject", victim, "--gpu", "0", GPU_FAULTS[fault])
         elif fault == "crash":
             workers[0].send_signal(signal.SIGKILL)
+        elif fault == "hang":
+            workers[0].send_signal(signal.SIGSTOP)
         else:  # the whole node: its Phalanx agent, its torchrun agent and its worker
             procs[victim].send_signal(signal.SIGKILL)
             _kill_tree(procs[f"torchrun-{victim}"].pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ from controller.errors import FailedPrecondition, NotFound
 from controller.rendezvous.book import (
     CHECKPOINT_WAIT_S,
     CLOSED_RUN_TTL_S,
+    HANG_MIN_S,
     IDLE_RUN_TTL_S,
     LEASE_S,
     RELEARN_GRACE_S,
@@ -358,9 +359,9 @@ def formed_with_spare(f):
     return formed.round
 
 
-def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1):
-    return f.book.report_worker(RUN, number, Worker(rank, world, step, step_s, f.clock.monotonic(), *done),
-                                f.clock.monotonic())
+def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1, saving=False):
+    return f.book.report_worker(RUN, number, Worker(rank, world, step, step_s, f.clock.monotonic(), *done,
+                                                    saving=saving), f.clock.monotonic())
 
 
 def asked(f, step=5):
@@ -567,3 +568,52 @@ def test_a_round_that_has_not_stepped_yet_restarts_at_once_and_request_ids_start
     g.unfit["node-b"] = "it is FAILING"
     g.book.num_waiting(RUN, "A", number, g.clock.monotonic())
     assert report(g, number, 0, 3).id == 1_000_001
+
+
+def test_a_round_whose_workers_stop_stepping_restarts_but_not_while_one_saves_or_before_the_first_step():
+    f = Fleet()
+    number = formed_with_spare(f)
+    report(f, number, 0, -1, step_s=0.0)  # loading: no step yet, however long it takes
+    report(f, number, 1, -1, step_s=0.0)
+    f.clock.advance(HANG_MIN_S * 3)
+    report(f, number, 0, -1, step_s=0.0)
+    report(f, number, 1, -1, step_s=0.0)
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    for step in range(50):  # stepping at 0.1 s
+        f.clock.advance(0.1)
+        report(f, number, 0, step)
+        report(f, number, 1, step)
+    for _ in range(int(HANG_MIN_S) - 1):  # a save at step 49 takes long: no hang
+        f.clock.advance(1.0)
+        report(f, number, 0, 49, saving=True)
+        report(f, number, 1, 49)
+        assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    f.clock.advance(HANG_MIN_S + 1)
+    report(f, number, 0, 49)  # worker 1's process is stopped (SIGSTOP): silent; worker 0 waits in a collective
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+    kind, message = f.events[-1]
+    assert kind == "rendezvous.hang" and "worker 0 has been at step 49 for" in message and "(hung)" in message
+
+
+def test_the_hang_floor_comes_from_the_rounds_settings_and_grows_with_slow_steps():
+    f = Fleet()
+    slow = Settings(min_nodes=2, max_nodes=2, last_call_s=2.0, hang_s=60.0)  # --rdzv-conf hang_timeout=60
+    f.join("A", slow)
+    number = f.join("B", slow).round
+    report(f, number, 0, 3)
+    report(f, number, 1, 3)
+    f.clock.advance(30.0)
+    report(f, number, 0, 3)
+    report(f, number, 1, 3)
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    g = Fleet()
+    number = formed_with_spare(g)
+    report(g, number, 0, 3, step_s=2.0)  # 2 s steps: 10 x that is 20 s
+    report(g, number, 1, 3, step_s=2.0)
+    g.clock.advance(15.0)
+    report(g, number, 0, 3, step_s=2.0)
+    report(g, number, 1, 3, step_s=2.0)
+    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
+    g.clock.advance(6.0)
+    report(g, number, 0, 3, step_s=2.0)
+    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) >= 1

@@ -4,7 +4,8 @@ Such a worker has no Phalanx agent of its own to talk to: torchrun launched it, 
 (trainlib.torchrun_plugin) leaves the round it formed in the environment torchrun hands its workers
 (PHALANX_RDZV_RUN, PHALANX_RDZV_ROUND, PHALANX_RDZV_ENDPOINT), and trainlib's reporter thread tells the
 controller's rendezvous service where the worker is, twice a second (ReportWorker). The reply is how the
-controller asks the round to checkpoint before it restarts without an unfit node: every worker saves the same
+controller asks the round to checkpoint before it restarts without an unfit node (and how it sees a hang:
+a step that stops going up while the reporter goes on): every worker saves the same
 agreed step, says so in its next report, and takes no step after it; the controller then lets torchrun restart
 the round. The per-step hook is untouched: the reporter only reads what it wrote.
 """
@@ -46,7 +47,8 @@ class WorkerRound:
                    tuple(t for t in endpoint.split(",") if t))
 
 
-Progress = Callable[[], tuple[int, float]]  # -> (the last step done or -1, the recent median step time or 0)
+Progress = Callable[[], tuple[int, float, bool]]  # -> (the last step done or -1, the recent median step time
+#                                                     or 0, whether trainlib.save is writing)
 Heed = Callable[[int, int, bool], None]      # (request id, at step, pause) -> trainlib's checkpoint request
 
 
@@ -104,11 +106,11 @@ class Reporter:
         from phalanx.v1 import rendezvous_pb2
 
         rnd = self.round
-        step, step_s = self._progress()
+        step, step_s, saving = self._progress()
         done_id, done_step = self._done
         return rendezvous_pb2.WorkerReport(run_id=rnd.run_id, round=rnd.round, rank=rnd.rank,
                                            world_size=rnd.world_size, step=step, step_s=step_s, done_id=done_id,
-                                           done_step=done_step, node=rnd.node)
+                                           done_step=done_step, node=rnd.node, saving=saving)
 
 
 def start(env: Mapping[str, str] = os.environ, *, progress: Progress, heed: Heed) -> Reporter | None:

@@ -251,11 +251,12 @@ def _heed_request(request_id: int, at_step: int, pause: bool) -> None:
 PACE_SAMPLES = 32  # the recent step times a torchrun worker's pace is the median of
 
 
-def _progress() -> tuple[int, float]:
-    """The last step done (-1: none yet) and the median of the recent step times (0: none yet)."""
+def _progress() -> tuple[int, float, bool]:
+    """The last step done (-1: none yet), the median of the recent step times (0: none yet), and whether save() is
+    writing."""
     head = _head
     times = sorted(_ring_step_s[i % RING] for i in range(max(0, head - PACE_SAMPLES), head))
-    return _last_step, times[len(times) // 2] if times else 0.0
+    return _last_step, times[len(times) // 2] if times else 0.0, _saving
 
 
 def _on_sigusr1(signum: int, frame: object) -> None:

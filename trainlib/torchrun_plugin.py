@@ -25,7 +25,9 @@ script uses trainlib are asked to checkpoint (trainlib._rdzv_worker): the plugin
 the environment torchrun gives them (PHALANX_RDZV_RUN, PHALANX_RDZV_ROUND, PHALANX_RDZV_ENDPOINT, PHALANX_NODE).
 
 --rdzv-conf keys: `last_call_timeout` (seconds to wait for more than min nodes, default 2),
-`join_timeout` (default: torchrun's `timeout`, else 600), `read_timeout` (store operations, 60).
+`join_timeout` (default: torchrun's `timeout`, else 600), `read_timeout` (store operations, 60),
+`hang_timeout` (a trainlib worker whose step has not gone up for max(this, 10 x the step time) is hung and
+the round restarts; default 10).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class PluginConfig:
     read_timeout_s: float
     local_addr: str  # what other nodes reach this node's store at
     node: str = ""  # the Phalanx node this agent runs on: the controller leaves it out of rounds while unfit
+    hang_s: float = 0.0  # --rdzv-conf hang_timeout: the floor of the controller's hang rule (0 = its default)
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> PluginConfig:
@@ -94,6 +97,7 @@ class PluginConfig:
             read_timeout_s=_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT_S),
             local_addr=params.local_addr or socket.getfqdn(),
             node=os.environ.get("PHALANX_NODE") or socket.gethostname().split(".")[0],
+            hang_s=_seconds(params, "hang_timeout", 0.0, allow_zero=True),
         )
 
     @property
@@ -224,7 +228,7 @@ class PhalanxRendezvousHandler(RendezvousHandler):
         self._member = pb.RoundMember(rank=reply.rank, world_size=reply.world_size, store=ours, node=cfg.node,
                                       attempt=self._attempt, settings=pb.RoundSettings(
                                           min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
-                                          last_call_s=cfg.last_call_s))
+                                          last_call_s=cfg.last_call_s, hang_s=cfg.hang_s))
         # torchrun starts the workers after this returns, with this process's environment: trainlib in them reports
         # to the controller for this round, which asks them to checkpoint before restarting it for an unfit node.
         os.environ.update({"PHALANX_RDZV_RUN": cfg.run_id, "PHALANX_RDZV_ROUND": str(reply.round),
@@ -240,7 +244,8 @@ class PhalanxRendezvousHandler(RendezvousHandler):
         cfg = self.config
         request = pb.JoinRequest(
             run_id=cfg.run_id, participant_id=self.participant_id, store=store, attempt=self._attempt,
-            settings=pb.RoundSettings(min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, last_call_s=cfg.last_call_s),
+            settings=pb.RoundSettings(min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, last_call_s=cfg.last_call_s,
+                                      hang_s=cfg.hang_s),
             join_timeout_s=max(0.001, until - time.monotonic()), node=cfg.node)
         try:
             return self._call("Join", request, _default_timeout(), until)

@@ -67,7 +67,8 @@ def _settings(s: rendezvous_pb2.RoundSettings) -> Settings:
         raise InvalidArgument(f"settings.min_nodes ({s.min_nodes}) must not be larger than max_nodes ({s.max_nodes})")
     if s.max_nodes > MAX_NODES:
         raise InvalidArgument(f"settings.max_nodes ({s.max_nodes}) is more than {MAX_NODES}")
-    return Settings(s.min_nodes, s.max_nodes, _seconds(s.last_call_s, "settings.last_call_s", 0, 3600))
+    return Settings(s.min_nodes, s.max_nodes, _seconds(s.last_call_s, "settings.last_call_s", 0, 3600),
+                    _seconds(s.hang_s, "settings.hang_s", 0, 7 * 86400))
 
 
 def _store(s: rendezvous_pb2.StoreAddress) -> StoreAddress:
@@ -236,7 +237,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         step_s = _seconds(request.step_s, "step_s", 0, 3600)
         node = request.node if NAME.fullmatch(request.node) else ""
         worker = Worker(request.rank, request.world_size, request.step, step_s, self._clock.monotonic(),
-                        request.done_id, request.done_step, node)
+                        request.done_id, request.done_step, node, request.saving)
         ask = self.book.report_worker(run_id, request.round, worker, worker.heard)
         if ask is None:
             return rendezvous_pb2.WorkerReply()

@@ -22,6 +22,11 @@ of it), or the workers below it have taken no step for CHECKPOINT_STALL_S (hung;
 step is not a hang). A round with no reporting workers, with one already silent (a node lost), or
 one that has not stepped yet (no pace to agree by), restarts at once, as before.
 
+Hangs: a reporting worker past its first step whose step has not gone up for max(hang_timeout
+(HANG_MIN_S by default), HANG_FACTOR x the round's pace), while no worker saves, is hung (a collective
+that will not complete: its peers wait in it too, or one of them is stopped); the members then hear
+that nodes are waiting, and torchrun restarts the workers (`rendezvous.hang` event).
+
 Each participant brings a fresh TCPStore of its own to every join, and the formed round hands out
 rank 0's. So no round ever sees keys of an earlier one (torchrun's relaunch broke on exactly that
 when a store was reused) and no step is needed after forming: a rank 0 that dies cannot leave the
@@ -41,6 +46,7 @@ controller that took over a fleet also forms no round in its first RELEARN_GRACE
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import statistics
@@ -68,6 +74,8 @@ CHECKPOINT_LEAD_S = 1.0  # the agreed step is this far ahead (at the workers' pa
 CHECKPOINT_WAIT_S = 60.0  # the longest a restart for an unfit node waits for the workers' checkpoint
 WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for
 CHECKPOINT_STALL_S = 10.0  # workers below the agreed step that take no step for this long (hung) are not waited for
+HANG_MIN_S = 10.0       # a stepping worker whose step has not gone up for max(this, HANG_FACTOR x the pace) is hung
+HANG_FACTOR = 10.0
 RELEARN_GRACE_S = 3.0   # after a controller start or a re-learned round: the members' asks (every second) come in
 
 
@@ -80,6 +88,7 @@ class Settings:
     min_nodes: int
     max_nodes: int
     last_call_s: float
+    hang_s: float = 0.0  # the floor of the hang rule (--rdzv-conf hang_timeout); 0 = HANG_MIN_S
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,8 @@ class Worker:
     done_id: int = 0  # the checkpoint request it has committed
     done_step: int = -1
     node: str = ""
+    saving: bool = False  # inside trainlib.save
+    moved_at: float = 0.0  # when its step last went up (the book sets it)
 
 
 @dataclass
@@ -450,6 +461,14 @@ class RendezvousBook:
                             + (f"; {len(waiting)} node(s) waiting to take part" if waiting else "")
                             + (f"; {ask.outcome}" if ask is not None else ""), run.id)
             return max(1, len(waiting))
+        if (hung := _hung(formed, now)) is not None:  # torchrun restarts the workers: they would never finish
+            if run.restart_told != formed.number:
+                run.restart_told = formed.number
+                self._event("rendezvous.hang", f"round {formed.number} of rendezvous {run.id!r} restarts: worker "
+                            f"{hung.rank}{f' on node {hung.node}' if hung.node else ''} has been at step {hung.step} "
+                            f"for {now - hung.moved_at:.1f}s (hung)"
+                            + (f"; {len(waiting)} node(s) waiting to take part" if waiting else ""), run.id)
+            return max(1, len(waiting))
         members = formed.member_ids()
         if any(w in members for w in waiting) or max(len(members), formed.declared) < formed.settings.max_nodes:
             return len(waiting)
@@ -544,6 +563,8 @@ class RendezvousBook:
             raise FailedPrecondition(f"worker {worker.rank} of round {number} of rendezvous {run_id!r} says the round "
                                      f"has {worker.world_size} workers; its first report said {formed.world_size}")
         before = formed.workers.get(worker.rank)
+        moved = before is None or worker.step > before.step
+        worker = dataclasses.replace(worker, moved_at=now if moved else before.moved_at)
         formed.workers[worker.rank] = worker  # rank < world_size (the servicer checks): bounded
         ask = run.ask
         if ask is None or ask.round != number:
@@ -611,6 +632,20 @@ class RendezvousBook:
             del self._runs[run.id]
             logger.info("rendezvous forgotten", run=run.id, idle_s=round(idle, 1), closed=run.closed)
             self._on_change(run.id)
+
+
+def _hung(formed: Round, now: float) -> Worker | None:
+    """A worker still reporting, past its first step and not saving, whose step has not gone up for
+    max(the round's hang_s or HANG_MIN_S, HANG_FACTOR x its pace): a collective that will not complete (its peers
+    wait in it too, or a peer is stopped). None if there is none, or while any worker saves."""
+    live = [w for w in formed.workers.values() if now - w.heard < WORKER_SILENT_S]
+    if not live or any(w.saving for w in live):
+        return None
+    paces = [w.step_s for w in live if w.step_s > 0]
+    floor = formed.settings.hang_s or HANG_MIN_S
+    limit = max(floor, HANG_FACTOR * statistics.median(paces)) if paces else floor
+    stuck = [w for w in live if w.step >= 0 and now - w.moved_at > limit]
+    return min(stuck, key=lambda w: w.moved_at) if stuck else None
 
 
 def _aliased(run: Run, pid: str, number: int) -> int:

@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bphalanx/v1/rendezvous.proto\x12\nphalanx.v1\"*\n\x0cStoreAddress\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"J\n\rRoundSettings\x12\x11\n\tmin_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x13\n\x0blast_call_s\x18\x03 \x01(\x01\"\xc2\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12+\n\x08settings\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.RoundSettings\x12\x16\n\x0ejoin_timeout_s\x18\x04 \x01(\x01\x12\'\n\x05store\x18\x05 \x01(\x0b\x32\x18.phalanx.v1.StoreAddress\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x04\x12\x0c\n\x04node\x18\x07 \x01(\t\"Z\n\x11\x41waitRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xb2\x01\n\nRoundReply\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.phalanx.v1.RoundOutcome\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\'\n\x05store\x18\x05 \x01(\x0b\x32\x18.phalanx.v1.StoreAddress\x12\x0e\n\x06joined\x18\x06 \x01(\r\x12\x0f\n\x07message\x18\x07 \x01(\t\"x\n\x16NumNodesWaitingRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\'\n\x06member\x18\x04 \x01(\x0b\x32\x17.phalanx.v1.RoundMember\"\xa4\x01\n\x0bRoundMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\'\n\x05store\x18\x03 \x01(\x0b\x32\x18.phalanx.v1.StoreAddress\x12+\n\x08settings\x18\x04 \x01(\x0b\x32\x19.phalanx.v1.RoundSettings\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x04\"\'\n\x14NumNodesWaitingReply\x12\x0f\n\x07waiting\x18\x01 \x01(\r\"\"\n\x10SetClosedRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x10\n\x0eSetClosedReply\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"z\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63losed\x18\x02 \x01(\x08\x12\x14\n\x0c\x66ormed_round\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nopen_round\x18\x05 \x01(\x04\x12\x0f\n\x07waiting\x18\x06 \x01(\r\"X\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tclose_run\x18\x04 \x01(\x08\"\x0c\n\nLeaveReply\"\x9f\x01\n\x0cWorkerReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0e\n\x06step_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x64one_id\x18\x07 \x01(\x04\x12\x11\n\tdone_step\x18\x08 \x01(\x03\x12\x0c\n\x04node\x18\t \x01(\t\"T\n\x0bWorkerReply\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61t_step\x18\x02 \x01(\x04\x12\r\n\x05pause\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t*\x99\x01\n\x0cRoundOutcome\x12\x1d\n\x19ROUND_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15ROUND_OUTCOME_WAITING\x10\x01\x12\x18\n\x14ROUND_OUTCOME_FORMED\x10\x02\x12\x1b\n\x17ROUND_OUTCOME_TIMED_OUT\x10\x03\x12\x18\n\x14ROUND_OUTCOME_CLOSED\x10\x04\x32\xeb\x03\n\x11RendezvousService\x12\x37\n\x04Join\x12\x17.phalanx.v1.JoinRequest\x1a\x16.phalanx.v1.RoundReply\x12\x43\n\nAwaitRound\x12\x1d.phalanx.v1.AwaitRoundRequest\x1a\x16.phalanx.v1.RoundReply\x12W\n\x0fNumNodesWaiting\x12\".phalanx.v1.NumNodesWaitingRequest\x1a .phalanx.v1.NumNodesWaitingReply\x12\x45\n\tSetClosed\x12\x1c.phalanx.v1.SetClosedRequest\x1a\x1a.phalanx.v1.SetClosedReply\x12:\n\x06GetRun\x12\x19.phalanx.v1.GetRunRequest\x1a\x15.phalanx.v1.RunStatus\x12\x39\n\x05Leave\x12\x18.phalanx.v1.LeaveRequest\x1a\x16.phalanx.v1.LeaveReply\x12\x41\n\x0cReportWorker\x12\x18.phalanx.v1.WorkerReport\x1a\x17.phalanx.v1.WorkerReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bphalanx/v1/rendezvous.proto\x12\nphalanx.v1\"*\n\x0cStoreAddress\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"Z\n\rRoundSettings\x12\x11\n\tmin_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x13\n\x0blast_call_s\x18\x03 \x01(\x01\x12\x0e\n\x06hang_s\x18\x04 \x01(\x01\"\xc2\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12+\n\x08settings\x18\x03 \x01(\x0b\x32\x19.phalanx.v1.RoundSettings\x12\x16\n\x0ejoin_timeout_s\x18\x04 \x01(\x01\x12\'\n\x05store\x18\x05 \x01(\x0b\x32\x18.phalanx.v1.StoreAddress\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x04\x12\x0c\n\x04node\x18\x07 \x01(\t\"Z\n\x11\x41waitRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xb2\x01\n\nRoundReply\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.phalanx.v1.RoundOutcome\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\'\n\x05store\x18\x05 \x01(\x0b\x32\x18.phalanx.v1.StoreAddress\x12\x0e\n\x06joined\x18\x06 \x01(\r\x12\x0f\n\x07message\x18\x07 \x01(\t\"x\n\x16NumNodesWaitingRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\'\n\x06member\x18\x04 \x01(\x0b\x32\x17.phalanx.v1.RoundMember\"\xa4\x01\n\x0bRoundMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\'\n\x05store\x18\x03 \x01(\x0b\x32\x18.phalanx.v1.StoreAddress\x12+\n\x08settings\x18\x04 \x01(\x0b\x32\x19.phalanx.v1.RoundSettings\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x04\"\'\n\x14NumNodesWaitingReply\x12\x0f\n\x07waiting\x18\x01 \x01(\r\"\"\n\x10SetClosedRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x10\n\x0eSetClosedReply\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"z\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63losed\x18\x02 \x01(\x08\x12\x14\n\x0c\x66ormed_round\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nopen_round\x18\x05 \x01(\x04\x12\x0f\n\x07waiting\x18\x06 \x01(\r\"X\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0eparticipant_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tclose_run\x18\x04 \x01(\x08\"\x0c\n\nLeaveReply\"\xaf\x01\n\x0cWorkerReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0e\n\x06step_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x64one_id\x18\x07 \x01(\x04\x12\x11\n\tdone_step\x18\x08 \x01(\x03\x12\x0c\n\x04node\x18\t \x01(\t\x12\x0e\n\x06saving\x18\n \x01(\x08\"T\n\x0bWorkerReply\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61t_step\x18\x02 \x01(\x04\x12\r\n\x05pause\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t*\x99\x01\n\x0cRoundOutcome\x12\x1d\n\x19ROUND_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15ROUND_OUTCOME_WAITING\x10\x01\x12\x18\n\x14ROUND_OUTCOME_FORMED\x10\x02\x12\x1b\n\x17ROUND_OUTCOME_TIMED_OUT\x10\x03\x12\x18\n\x14ROUND_OUTCOME_CLOSED\x10\x04\x32\xeb\x03\n\x11RendezvousService\x12\x37\n\x04Join\x12\x17.phalanx.v1.JoinRequest\x1a\x16.phalanx.v1.RoundReply\x12\x43\n\nAwaitRound\x12\x1d.phalanx.v1.AwaitRoundRequest\x1a\x16.phalanx.v1.RoundReply\x12W\n\x0fNumNodesWaiting\x12\".phalanx.v1.NumNodesWaitingRequest\x1a .phalanx.v1.NumNodesWaitingReply\x12\x45\n\tSetClosed\x12\x1c.phalanx.v1.SetClosedRequest\x1a\x1a.phalanx.v1.SetClosedReply\x12:\n\x06GetRun\x12\x19.phalanx.v1.GetRunRequest\x1a\x15.phalanx.v1.RunStatus\x12\x39\n\x05Leave\x12\x18.phalanx.v1.LeaveRequest\x1a\x16.phalanx.v1.LeaveReply\x12\x41\n\x0cReportWorker\x12\x18.phalanx.v1.WorkerReport\x1a\x17.phalanx.v1.WorkerReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'phalanx.v1.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUNDOUTCOME']._serialized_start=1527
-  _globals['_ROUNDOUTCOME']._serialized_end=1680
+  _globals['_ROUNDOUTCOME']._serialized_start=1559
+  _globals['_ROUNDOUTCOME']._serialized_end=1712
   _globals['_STOREADDRESS']._serialized_start=43
   _globals['_STOREADDRESS']._serialized_end=85
   _globals['_ROUNDSETTINGS']._serialized_start=87
-  _globals['_ROUNDSETTINGS']._serialized_end=161
-  _globals['_JOINREQUEST']._serialized_start=164
-  _globals['_JOINREQUEST']._serialized_end=358
-  _globals['_AWAITROUNDREQUEST']._serialized_start=360
-  _globals['_AWAITROUNDREQUEST']._serialized_end=450
-  _globals['_ROUNDREPLY']._serialized_start=453
-  _globals['_ROUNDREPLY']._serialized_end=631
-  _globals['_NUMNODESWAITINGREQUEST']._serialized_start=633
-  _globals['_NUMNODESWAITINGREQUEST']._serialized_end=753
-  _globals['_ROUNDMEMBER']._serialized_start=756
-  _globals['_ROUNDMEMBER']._serialized_end=920
-  _globals['_NUMNODESWAITINGREPLY']._serialized_start=922
-  _globals['_NUMNODESWAITINGREPLY']._serialized_end=961
-  _globals['_SETCLOSEDREQUEST']._serialized_start=963
-  _globals['_SETCLOSEDREQUEST']._serialized_end=997
-  _globals['_SETCLOSEDREPLY']._serialized_start=999
-  _globals['_SETCLOSEDREPLY']._serialized_end=1015
-  _globals['_GETRUNREQUEST']._serialized_start=1017
-  _globals['_GETRUNREQUEST']._serialized_end=1048
-  _globals['_RUNSTATUS']._serialized_start=1050
-  _globals['_RUNSTATUS']._serialized_end=1172
-  _globals['_LEAVEREQUEST']._serialized_start=1174
-  _globals['_LEAVEREQUEST']._serialized_end=1262
-  _globals['_LEAVEREPLY']._serialized_start=1264
-  _globals['_LEAVEREPLY']._serialized_end=1276
-  _globals['_WORKERREPORT']._serialized_start=1279
-  _globals['_WORKERREPORT']._serialized_end=1438
-  _globals['_WORKERREPLY']._serialized_start=1440
-  _globals['_WORKERREPLY']._serialized_end=1524
-  _globals['_RENDEZVOUSSERVICE']._serialized_start=1683
-  _globals['_RENDEZVOUSSERVICE']._serialized_end=2174
+  _globals['_ROUNDSETTINGS']._serialized_end=177
+  _globals['_JOINREQUEST']._serialized_start=180
+  _globals['_JOINREQUEST']._serialized_end=374
+  _globals['_AWAITROUNDREQUEST']._serialized_start=376
+  _globals['_AWAITROUNDREQUEST']._serialized_end=466
+  _globals['_ROUNDREPLY']._serialized_start=469
+  _globals['_ROUNDREPLY']._serialized_end=647
+  _globals['_NUMNODESWAITINGREQUEST']._serialized_start=649
+  _globals['_NUMNODESWAITINGREQUEST']._serialized_end=769
+  _globals['_ROUNDMEMBER']._serialized_start=772
+  _globals['_ROUNDMEMBER']._serialized_end=936
+  _globals['_NUMNODESWAITINGREPLY']._serialized_start=938
+  _globals['_NUMNODESWAITINGREPLY']._serialized_end=977
+  _globals['_SETCLOSEDREQUEST']._serialized_start=979
+  _globals['_SETCLOSEDREQUEST']._serialized_end=1013
+  _globals['_SETCLOSEDREPLY']._serialized_start=1015
+  _globals['_SETCLOSEDREPLY']._serialized_end=1031
+  _globals['_GETRUNREQUEST']._serialized_start=1033
+  _globals['_GETRUNREQUEST']._serialized_end=1064
+  _globals['_RUNSTATUS']._serialized_start=1066
+  _globals['_RUNSTATUS']._serialized_end=1188
+  _globals['_LEAVEREQUEST']._serialized_start=1190
+  _globals['_LEAVEREQUEST']._serialized_end=1278
+  _globals['_LEAVEREPLY']._serialized_start=1280
+  _globals['_LEAVEREPLY']._serialized_end=1292
+  _globals['_WORKERREPORT']._serialized_start=1295
+  _globals['_WORKERREPORT']._serialized_end=1470
+  _globals['_WORKERREPLY']._serialized_start=1472
+  _globals['_WORKERREPLY']._serialized_end=1556
+  _globals['_RENDEZVOUSSERVICE']._serialized_start=1715
+  _globals['_RENDEZVOUSSERVICE']._serialized_end=2206
 # @@protoc_insertion_point(module_scope)

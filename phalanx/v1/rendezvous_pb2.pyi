@@ -28,14 +28,16 @@ class StoreAddress(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class RoundSettings(_message.Message):
-    __slots__ = ("min_nodes", "max_nodes", "last_call_s")
+    __slots__ = ("min_nodes", "max_nodes", "last_call_s", "hang_s")
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     LAST_CALL_S_FIELD_NUMBER: _ClassVar[int]
+    HANG_S_FIELD_NUMBER: _ClassVar[int]
     min_nodes: int
     max_nodes: int
     last_call_s: float
-    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_call_s: _Optional[float] = ...) -> None: ...
+    hang_s: float
+    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_call_s: _Optional[float] = ..., hang_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("run_id", "participant_id", "settings", "join_timeout_s", "store", "attempt", "node")
@@ -168,7 +170,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("run_id", "round", "rank", "world_size", "step", "step_s", "done_id", "done_step", "node")
+    __slots__ = ("run_id", "round", "rank", "world_size", "step", "step_s", "done_id", "done_step", "node", "saving")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class WorkerReport(_message.Message):
     DONE_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_STEP_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    SAVING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     rank: int
@@ -187,7 +190,8 @@ class WorkerReport(_message.Message):
     done_id: int
     done_step: int
     node: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., done_id: _Optional[int] = ..., done_step: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
+    saving: bool
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., done_id: _Optional[int] = ..., done_step: _Optional[int] = ..., node: _Optional[str] = ..., saving: _Optional[bool] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("checkpoint_id", "at_step", "pause", "reason")
