@@ -486,3 +486,38 @@ def test_a_controller_restart_mid_run_relearns_the_round_so_a_failing_node_still
         assert "restarts without node node-b (it is FAILING" in said, said
     finally:
         kill_all(procs)
+
+
+def test_a_hung_round_of_trainlib_workers_restarts_and_resumes_from_its_last_checkpoint(controller, tmp_path):
+    """Two torchrun agents, no spare: rank 1 stops stepping at step 60 (its reports go on, rank 0 waits in the
+    all-reduce). The controller finds the hang, the round restarts, resumes from the checkpoint of step 39, and
+    ends with the model of an uninterrupted run."""
+    from tests.test_recovery_e2e import TRAIN
+    c, _ = controller
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PHALANX_INSECURE": "1",
+           "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    command = [*torchrun(), "--rdzv-backend=phalanx", f"--rdzv-endpoint={c.address}", "--rdzv-id=hung",
+               "--nnodes=2", "--nproc-per-node=1", "--max-restarts=2", "--monitor-interval=0.5",
+               "--rdzv-conf=hang_timeout=3", TRAIN, "--steps", "100", "--every", "20", "--step-time", "0.02",
+               "--hang-at", "60", "--no-snapshots", "--out", str(out / "checksum"), "--print-every", "1"]
+    procs = {}
+    for node in ("h1", "h2"):
+        with open(tmp_path / f"{node}.log", "wb") as log:
+            procs[node] = subprocess.Popen(command, cwd=tmp_path, env={**env, "PHALANX_NODE": node}, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for node, p in procs.items():
+            assert p.wait(timeout=TORCHRUN_TIMEOUT_S) == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
+    finally:
+        kill_all(procs)
+    text = "".join((tmp_path / f"{node}.log").read_text(errors="replace") for node in procs)
+    assert "resumed from step 59" in text, text[-3000:]
+    with grpc.insecure_channel(c.address) as channel:
+        from phalanx.v1 import control_pb2, control_pb2_grpc
+        events = control_pb2_grpc.ControlServiceStub(channel).ListEvents(
+            control_pb2.ListEventsRequest(job="torchrun-hung"), timeout=10).events
+    said = "\n".join(f"{e.kind}: {e.message}" for e in events)
+    assert "rendezvous.hang: round 1 of rendezvous 'hung' restarts: worker " in said and "(hung)" in said, said
+    assert (out / "checksum").read_text().strip() == uninterrupted(tmp_path, 100)
