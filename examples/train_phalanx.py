@@ -43,8 +43,8 @@ def main() -> int:
     parser.add_argument("--out-steps", default="", help="rank 0 writes the number of steps the model was trained "
                         "for here (what an uninterrupted run needs as --steps to end with the same model)")
     parser.add_argument("--print-every", type=int, default=10, help="rank 0 prints the loss every N steps")
-    parser.add_argument("--hang-at", type=int, default=-1, help="for tests: rank 1 stops at this step (in its first "
-                        "process under torchrun, TORCHELASTIC_RESTART_COUNT=0), as a rank stuck in a collective would")
+    parser.add_argument("--hang-at", type=int, default=-1, help="for tests: rank 1 stops at this step, once (a file "
+                        "hung-at-STEP in the checkpoint directory remembers it), as a rank stuck in a collective would")
     parser.add_argument("--rejoin", action="store_true", help="run the training under trainlib.run: a rank that "
                         "survives a failure rejoins the next generation in this process instead of a new one")
     args = parser.parse_args()
@@ -75,7 +75,9 @@ def train(args: argparse.Namespace) -> int:
     if loaded is not None and args.steps_after_resume:
         steps = min(steps, first + args.steps_after_resume)  # every rank resumed from the same step: same end
     for step in range(first, steps):
-        if step == args.hang_at and ctx.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if step == args.hang_at and ctx.rank == 1 and not os.path.exists(marker := os.path.join(
+                ctx.checkpoint_dir, f"hung-at-{step}")):
+            open(marker, "w").close()
             time.sleep(3600)  # the reporter goes on; the step does not
         x, y = batch(step, ctx.rank)
         loss = torch.nn.functional.mse_loss(model(x), y)
