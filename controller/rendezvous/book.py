@@ -76,6 +76,7 @@ WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited fo
 CHECKPOINT_STALL_S = 10.0  # workers below the agreed step that take no step for this long (hung) are not waited for
 HANG_MIN_S = 10.0       # a stepping worker whose step has not gone up for max(this, HANG_FACTOR x the pace) is hung
 HANG_FACTOR = 10.0
+HANG_JUDGED_EVERY_S = 0.25  # every member asks each second: the round's workers are looked over at most this often
 RELEARN_GRACE_S = 3.0   # after a controller start or a re-learned round: the members' asks (every second) come in
 
 
@@ -152,6 +153,7 @@ class Round:
     declared: int = 0  # re-learned: the world size its members say it has (not all of them may have asked yet)
     relearned_at: float = 0.0
     world_size: int = 0  # workers in the round, as the first worker report said (later reports must agree)
+    hang_judged: tuple[float, Worker | None] = (float("-inf"), None)  # (when, the hung worker then)
 
     def member_ids(self) -> set[str]:
         return {p.id for p in self.ranks}
@@ -461,7 +463,9 @@ class RendezvousBook:
                             + (f"; {len(waiting)} node(s) waiting to take part" if waiting else "")
                             + (f"; {ask.outcome}" if ask is not None else ""), run.id)
             return max(1, len(waiting))
-        if (hung := _hung(formed, now)) is not None:  # torchrun restarts the workers: they would never finish
+        if now - formed.hang_judged[0] >= HANG_JUDGED_EVERY_S:
+            formed.hang_judged = (now, _hung(formed, now))
+        if (hung := formed.hang_judged[1]) is not None:  # torchrun restarts the workers: they would never finish
             if run.restart_told != formed.number:
                 run.restart_told = formed.number
                 self._event("rendezvous.hang", f"round {formed.number} of rendezvous {run.id!r} restarts: worker "
