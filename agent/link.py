@@ -1,9 +1,14 @@
 """The agent's session with the controller: register, open the session, heartbeat, reconnect.
 
-Any end of the session (controller restart, network loss, a refusal) leads to the same path:
-wait a jittered, growing delay, register again and open a new session. Registering again is the
-resync: the controller gets the full inventory and answers with its view of the node. Every wait
-(heartbeat cadence, backoff, deadlines) is on the injected clock.
+Any end of the session (controller restart, network loss, a refusal) leads to the same path: wait a
+jittered, growing delay and open a new session. An agent that has registered before resumes: it opens
+the session with the incarnation it was given, and the controller, which knows the node from its store,
+answers with its view of the node (SessionAccepted), with no registration to commit. That is what keeps a
+takeover cheap: ten thousand agents come back with one stream each. A controller that does not know the
+incarnation (the agent was declared DOWN, the store lost the node) refuses with FAILED_PRECONDITION, and
+the agent registers at once: registering is the full resync, with the inventory. An inventory that
+changed while the agent was away goes up on the resumed session. Every wait (heartbeat cadence, backoff,
+deadlines) is on the injected clock.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 logger = log.get("link")
 
 MAX_QUEUED = 1000  # messages kept for the controller while disconnected; the oldest go first
+
+
+class RegisterAgain(Exception):
+    """The controller did not resume the session (a stale incarnation, a node declared DOWN): register."""
 
 
 @dataclass
@@ -73,6 +82,7 @@ class Link:
         self._wake = asyncio.Event()
         self._beat_now = False
         self._commands_done = 0  # the newest command id of this session carried out (heartbeats say it)
+        self._registered_inventory = b""  # as last registered: a resumed session sends it again if it changed
 
     @property
     def heartbeats_sent(self) -> int:
@@ -96,6 +106,10 @@ class Link:
         while not stop.is_set():
             try:
                 await self._session(stop)
+            except RegisterAgain as e:  # the same controller, at once, registering this time
+                logger.info("the controller does not take this session up again; registering",
+                            controller=self.controller, details=str(e))
+                continue
             except grpc.aio.AioRpcError as e:
                 level = logger.info if e.code() == grpc.StatusCode.UNAVAILABLE else logger.warning
                 level("session ended", controller=self.controller, code=e.code().name, details=e.details())
@@ -129,32 +143,72 @@ class Link:
                    else grpc.aio.secure_channel(self.controller, credentials, options=self._options))
         async with channel:
             stub = node_pb2_grpc.NodeServiceStub(channel)
-            reply = await stub.Register(
-                node_pb2.RegisterRequest(node_name=self.node_name, inventory=self._inventory()),
-                timeout=DEFAULT_TIMEOUT_S)
-            if reply.epoch < self.state.epoch:
-                raise ConnectionError(f"controller {self.controller} leads epoch {reply.epoch}, older than epoch "
-                                      f"{self.state.epoch} seen before: a deposed leader; trying another")
+            resuming = self.state.incarnation != 0
+            registered = None
+            if not resuming:
+                inventory = self._inventory()
+                registered = await stub.Register(
+                    node_pb2.RegisterRequest(node_name=self.node_name, inventory=inventory), timeout=DEFAULT_TIMEOUT_S)
+                self._check_epoch(registered.epoch)
+                self._registered_inventory = inventory.SerializeToString(deterministic=True)
             # No deadline on the session: it is meant to live as long as both ends do; keepalive
             # pings (phalanx.rpc) notice a dead peer instead.
             call = stub.Session()
-            await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
-                node_name=self.node_name, incarnation=reply.incarnation)))
-            first = await wait_for(self._clock, call.read(), DEFAULT_TIMEOUT_S)
-            if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":
-                await call.code()
-                raise ConnectionError("controller closed the session before accepting it")
-            self._accepted(reply)
+            first = await self._open(call, self.state.incarnation if resuming else registered.incarnation, resuming)
+            accepted = first.accepted
+            if not accepted.heartbeat_interval_s:  # a controller from before resumes: it says only the incarnation
+                if resuming:
+                    self.state.incarnation = 0
+                    raise RegisterAgain("the controller's SessionAccepted does not describe the node")
+                accepted.MergeFrom(node_pb2.SessionAccepted(
+                    heartbeat_interval_s=registered.heartbeat_interval_s, state=registered.state,
+                    drain_reason=registered.drain_reason, epoch=registered.epoch))
+            self._check_epoch(accepted.epoch)
+            if resuming:
+                self._resync_inventory()
+            interval = accepted.heartbeat_interval_s
+            self._accepted(accepted, interval, resumed=resuming)
             self._commands_done = 0  # command ids count afresh in each session
             reader = asyncio.create_task(self._read(call))
             try:
-                await self._heartbeats(call, reply.heartbeat_interval_s, reader, stop)
+                await self._heartbeats(call, interval, reader, stop)
             finally:
                 reader.cancel()
                 if stop.is_set():
                     await call.done_writing()
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()
+
+    async def _open(self, call, incarnation: int, resuming: bool) -> node_pb2.ControllerMessage:
+        """Send SessionOpen; the controller's first answer, SessionAccepted. A refused resume says to register."""
+        try:
+            try:
+                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name=self.node_name,
+                                                                                 incarnation=incarnation)))
+            except asyncio.InvalidStateError:  # the call ended first (a standby's refusal): its status says why
+                pass
+            first = await wait_for(self._clock, call.read(), DEFAULT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if resuming and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self.state.incarnation = 0
+                raise RegisterAgain(e.details()) from None
+            raise  # a standby's UNAVAILABLE names the leader (_move_on)
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":
+            raise ConnectionError("controller closed the session before accepting it")
+        return first
+
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch < self.state.epoch:
+            raise ConnectionError(f"controller {self.controller} leads epoch {epoch}, older than epoch "
+                                  f"{self.state.epoch} seen before: a deposed leader; trying another")
+
+    def _resync_inventory(self) -> None:
+        """On a resumed session: the inventory, if it changed since it was registered (first in the outbox)."""
+        inventory = self._inventory()
+        data = inventory.SerializeToString(deterministic=True)
+        if data != self._registered_inventory:
+            self._outbox.appendleft(node_pb2.AgentMessage(inventory=inventory))
+            self._registered_inventory = data
 
     def _move_on(self, error: grpc.aio.AioRpcError | None) -> None:
         """After a failed or ended session: the leader a standby named, else the next controller of the list."""
@@ -170,7 +224,7 @@ class Link:
             i = self.controllers.index(self.controller) if self.controller in self.controllers else -1
             self.controller = self.controllers[(i + 1) % len(self.controllers)]
 
-    def _accepted(self, reply: node_pb2.RegisterResponse) -> None:
+    def _accepted(self, reply: node_pb2.SessionAccepted, interval: float, resumed: bool) -> None:
         self._backoff.reset()
         # answers to the previous session's commands mean nothing to this one
         kept = [m for m in self._outbox if m.WhichOneof("body") != "result"]
@@ -183,13 +237,14 @@ class Link:
                 logger.info("a new leader", controller=self.controller, epoch=reply.epoch, previous_epoch=s.epoch)
             s.epoch = reply.epoch
         s.sessions += 1
-        # A new registration is judged afresh, and the controller pushes every verdict but the first
-        # HEALTHY: one from before would be stale (a GPU reset since, say).
-        s.health = None
+        # The controller's verdict, if it has one; otherwise the node is judged afresh (a new registration, a
+        # new leader), and the controller pushes every verdict but the first HEALTHY: one from before would
+        # be stale (a GPU reset since, say).
+        s.health = reply.health if reply.HasField("health") else None
         s.state, s.drain_reason = reply.state, reply.drain_reason
-        logger.info("session open", controller=self.controller, incarnation=reply.incarnation,
-                    state=common_pb2.NodeState.Name(reply.state), drain_reason=reply.drain_reason,
-                    heartbeat_interval_s=reply.heartbeat_interval_s)
+        logger.info("session resumed" if resumed else "session open", controller=self.controller,
+                    incarnation=reply.incarnation, state=common_pb2.NodeState.Name(reply.state),
+                    drain_reason=reply.drain_reason, heartbeat_interval_s=interval)
 
     async def _heartbeats(self, call, interval: float, reader: asyncio.Task, stop: asyncio.Event) -> None:
         clock = self._clock

@@ -3,8 +3,8 @@
 Each simulated node does what agent/link.py does: Register (inventory: SIM backend, 8 GPUs), open a
 Session stream, send SessionOpen, read SessionAccepted, then one Heartbeat (host telemetry, 8 GPU
 entries, seq, sent_unix_ns) per second, while a reader drains what the controller sends down; when
-the session ends (refused, kicked, broken) it backs off (jittered, 0.2 s doubling to 5 s) and
-registers again.
+the session ends (refused, kicked, broken) it backs off (jittered, 0.2 s doubling to 5 s) and opens
+the session again with its incarnation (a resume), registering only if the controller refuses that.
 Phases are spread evenly over the second (golden-ratio sequence over the global node index).
 
 Driven over stdin/stdout, one JSON object per line:
@@ -72,6 +72,7 @@ class Gen:
         self.register_s: list[float] = []  # Register round trips
         self.accept_s: list[float] = []  # Session call to SessionAccepted (what liveness waits on after Register)
         self.reconnects = 0  # sessions opened again after one ended (as the agent does)
+        self.resumes = 0  # sessions opened with the incarnation of an earlier registration
         self.reconnect_failures = 0
         self.tasks: set[asyncio.Task] = set()
         self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
@@ -152,9 +153,10 @@ class Gen:
             message.heartbeat.health_digest = health_digest(gpus, host)
         phase = (gid * GOLDEN) % 1.0
         backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
+        incarnation = [0]  # as agent/link.py: a node that registered before resumes its session with it
         try:
             while True:
-                call = await self._open(name, local, inventory, first.done())
+                call = await self._open(name, local, inventory, first.done(), incarnation)
                 if not first.done():
                     first.set_result(call is not None)
                     self.opening.pop(asyncio.current_task(), None)
@@ -173,22 +175,40 @@ class Gen:
             if not first.done():
                 first.set_result(False)
 
-    async def _open(self, name: str, local: int, inventory: common_pb2.NodeInventory, again: bool):
-        """Register and open the session; the call once SessionAccepted has come, else None."""
+    async def _open(self, name: str, local: int, inventory: common_pb2.NodeInventory, again: bool,
+                    incarnation: list[int]):
+        """Register (unless the node resumes with its incarnation) and open the session; the call once
+        SessionAccepted has come, else None. A refused resume registers at once, as agent/link.py does."""
         async with self.sem:
             target = self.target
             stub = self._stub(local, name)
             try:
-                t0 = time.monotonic()
-                reply = await stub.Register(node_pb2.RegisterRequest(node_name=name, inventory=inventory), timeout=60)
-                t1 = time.monotonic()
-                call = stub.Session()
-                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
-                    node_name=name, incarnation=reply.incarnation)))
-                first = await asyncio.wait_for(call.read(), 60)
+                while True:
+                    t0 = time.monotonic()
+                    if not incarnation[0]:
+                        reply = await stub.Register(node_pb2.RegisterRequest(node_name=name, inventory=inventory),
+                                                    timeout=60)
+                        incarnation[0] = reply.incarnation
+                        self.register_s.append(time.monotonic() - t0)
+                    else:
+                        self.resumes += 1
+                    t1 = time.monotonic()
+                    call = stub.Session()
+                    try:
+                        await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                            node_name=name, incarnation=incarnation[0])))
+                    except asyncio.InvalidStateError:  # refused before the write: read() raises its status
+                        pass
+                    try:
+                        first = await asyncio.wait_for(call.read(), 60)
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                            raise
+                        incarnation[0] = 0  # not resumed: register
+                        continue
+                    break
                 if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":
                     raise ConnectionError("controller closed the session before accepting it")
-                self.register_s.append(t1 - t0)
                 self.accept_s.append(time.monotonic() - t1)
                 if again:
                     self.reconnects += 1
@@ -275,7 +295,8 @@ class Gen:
                 "reconnects": self.reconnects, "reconnect_failures": self.reconnect_failures,
                 "status_messages": self.status_messages, "channels": len(self.channels),
                 "late_samples": n, "late_p50_ms": q(0.5), "late_p99_ms": q(0.99), "late_max_ms": q(1.0),
-                "opened": len(reg), "register_p50_ms": q(0.5, reg), "register_max_ms": q(1.0, reg),
+                "opened": len(acc), "resumes": self.resumes,
+                "register_p50_ms": q(0.5, reg), "register_max_ms": q(1.0, reg),
                 "accept_p50_ms": q(0.5, acc), "accept_max_ms": q(1.0, acc),
                 "errors": list(self.errors)}
 

@@ -7,13 +7,15 @@ import asyncio
 import random
 import threading
 
+import grpc
+
 from agent import config as agent_config
 from agent.backoff import Backoff
 from agent.collectors.sim import SimBackend
 from agent.link import Link
 from agent.main import Agent
 from phalanx.clock import FakeClock
-from phalanx.v1 import node_pb2
+from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 
 def run(test):
@@ -169,3 +171,72 @@ async def test_a_jobs_snapshots_are_reported_and_given_back_once_it_has_left_the
     assert len((await agent.heartbeat(1.0)).snapshots) == 1  # unchanged, but not for long enough
     clock.advance(2)
     assert not (await agent.heartbeat(1.0)).snapshots and not path.exists()  # its memory is given back
+
+
+class ResumingController(node_pb2_grpc.NodeServiceServicer):
+    """A controller that ends each session after its first heartbeat; it resumes the next one, but refuses
+    the third."""
+
+    def __init__(self) -> None:
+        self.registered = 0  # the incarnation it gave last
+        self.opens: list[tuple[int, bool]] = []  # (incarnation, accepted)
+        self.inventories: list[int] = []  # GPUs in each inventory sent on a session
+        self.done = asyncio.Event()
+
+    async def Register(self, request, context):
+        self.registered += 1
+        return node_pb2.RegisterResponse(incarnation=self.registered, heartbeat_interval_s=0.05, epoch=3,
+                                         state=common_pb2.NODE_STATE_UP)
+
+    async def Session(self, request_iterator, context):
+        first = await context.read()
+        # the third session is refused, as a controller refuses a node it declared DOWN meanwhile
+        accept = first.open.incarnation == self.registered and len(self.opens) != 2
+        self.opens.append((first.open.incarnation, accept))
+        if not accept:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "incarnation is stale; register again")
+        await context.write(node_pb2.ControllerMessage(accepted=node_pb2.SessionAccepted(
+            incarnation=first.open.incarnation, heartbeat_interval_s=0.05, epoch=3, state=common_pb2.NODE_STATE_UP)))
+        while (message := await context.read()) is not grpc.aio.EOF:
+            if message.WhichOneof("body") == "inventory":
+                self.inventories.append(len(message.inventory.gpus))
+            elif message.WhichOneof("body") == "heartbeat":
+                break
+        if len(self.opens) >= 4:
+            self.done.set()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+
+@run
+async def test_a_reconnecting_agent_resumes_its_session_and_registers_only_when_refused(tmp_path):
+    server = grpc.aio.server()
+    fake = ResumingController()
+    node_pb2_grpc.add_NodeServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    gpus = [2]
+
+    def inventory():
+        return common_pb2.NodeInventory(gpus=[common_pb2.GpuInfo(index=i) for i in range(gpus[0])])
+
+    async def heartbeat(budget):
+        if fake.opens and len(fake.opens) == 1:
+            gpus[0] = 3  # the inventory changes while the first session is up: the resumed one says so
+        return node_pb2.Heartbeat()
+
+    link = Link("node-r", f"127.0.0.1:{port}", inventory=inventory, heartbeat=heartbeat,
+                backoff=Backoff(0.01, 0.02, random.Random(1)))
+    stop = asyncio.Event()
+    task = asyncio.create_task(link.run(stop))
+    try:
+        await asyncio.wait_for(fake.done.wait(), 60)
+        # the second session resumed with incarnation 1 and no registration; the third, resumed again,
+        # was refused and the agent registered at once (incarnation 2)
+        assert fake.opens[:4] == [(1, True), (1, True), (1, False), (2, True)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await server.stop(0)
+    assert fake.registered == 2
+    assert fake.inventories == [3]  # sent once, on the first resumed session, not again after registering
+    assert link.state.incarnation == 2 and link.state.epoch == 3

@@ -1,5 +1,6 @@
 """Real processes on loopback: a controller and three agents."""
 
+import os
 import signal
 
 from phalanx.v1 import control_pb2
@@ -26,13 +27,18 @@ def test_nodes_come_up_die_come_back_and_survive_a_controller_restart(cluster):
     # drain one node, then restart the controller: everyone reconnects, the drain and its reason are kept
     cluster.control.DrainNode(control_pb2.DrainNodeRequest(name="node-c", reason="fan failure in PSU 2"), timeout=5)
     cluster.wait_states({"node-c": "DRAINED"})
-    before = cluster.node("node-a").incarnation
+    before = {n: cluster.node(n).incarnation for n in NODES}
+    registered = registrations(cluster)
     cluster.kill("controller", signal.SIGKILL)
     cluster.start_controller()
     cluster.wait_for(lambda: all(cluster.node(n).connected for n in NODES), "agents reconnected")
     assert cluster.states() == {"node-a": "UP", "node-b": "UP", "node-c": "DRAINED"}
     assert cluster.node("node-c").drain_reason == "fan failure in PSU 2"
-    assert cluster.node("node-a").incarnation > before  # they registered again: a full resync
+    # they resumed their sessions: the controller knew them from its store, and nothing was registered again
+    assert {n: cluster.node(n).incarnation for n in NODES} == before
+    assert registrations(cluster) == registered
+    assert "resumed" in cluster.log("controller", lines=200)
+    cluster.wait_for(lambda: all(cluster.node(n).host.memory_available_bytes > 0 for n in NODES), "heartbeats")
 
     # the event log survived the restart too
     events = cluster.control.ListEvents(control_pb2.ListEventsRequest(limit=1000), timeout=5).events
@@ -40,6 +46,27 @@ def test_nodes_come_up_die_come_back_and_survive_a_controller_restart(cluster):
     assert any(e.kind == "node.drain" and e.fields["reason"] == "fan failure in PSU 2" for e in events)
     seqs = [e.seq for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def registrations(cluster) -> int:
+    events = cluster.control.ListEvents(control_pb2.ListEventsRequest(limit=1000), timeout=5).events
+    return sum(1 for e in events if e.kind == "node.registered")
+
+
+def test_an_agent_declared_down_while_away_registers_again(cluster):
+    cluster.start_controller()
+    cluster.start_agent("node-a")
+    cluster.wait_states({"node-a": "UP"})
+    before = cluster.node("node-a").incarnation
+    # paused past down_after_s: the node is DOWN, and its old incarnation is refused when the agent comes back
+    os.kill(cluster.procs["node-a"].pid, signal.SIGSTOP)
+    try:
+        cluster.wait_states({"node-a": "DOWN"})
+    finally:
+        os.kill(cluster.procs["node-a"].pid, signal.SIGCONT)
+    cluster.wait_states({"node-a": "UP"})
+    assert cluster.node("node-a").incarnation == before + 1
+    cluster.wait_for(lambda: "registering" in cluster.log("node-a", lines=200), "the agent's word on it")
 
 
 def test_graceful_controller_stop_and_agents_waiting_for_it(cluster):

@@ -60,8 +60,13 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             entry = self._registry.attach(name, first.open.incarnation, session)
         except ControllerError as e:
             await context.abort(status_for(e), str(e))
-        await context.write(node_pb2.ControllerMessage(
-            accepted=node_pb2.SessionAccepted(incarnation=entry.record.incarnation)))
+        registry = self._registry
+        accepted = node_pb2.SessionAccepted(
+            incarnation=entry.record.incarnation, heartbeat_interval_s=registry.policy.heartbeat_interval_s,
+            state=entry.record.state.to_proto(), drain_reason=entry.record.drain_reason, epoch=registry.epoch)
+        if entry.gpu_health:  # judged by this controller: the agent keeps the verdict (none is pushed if unchanged)
+            accepted.health.CopyFrom(entry.health_proto())
+        await context.write(node_pb2.ControllerMessage(accepted=accepted))
         with log.bound(node=name):  # every line of this session, and the tasks it starts, names the node
             reader = asyncio.create_task(self._read(context, entry, session))
         try:

@@ -100,7 +100,10 @@ class Registry:
         self._lock = asyncio.Lock()
         self._registering: collections.deque = collections.deque()  # (name, inventory, peer, future) to admit
         self._admitting: asyncio.Task | None = None
-        self._admitted_at = float("-inf")  # monotonic time of the last batch of registrations admitted
+        self._admitted_at = float("-inf")  # monotonic time of the last registrations admitted or session resumed
+        self.resumed_total = 0  # sessions resumed without registering again (agent/link.py)
+        self._resumes_unlogged = 0
+        self._resume_logged_at = float("-inf")
         # Nodes whose verdict time alone may still change (a rate or an XID in the window, a verdict not HEALTHY):
         # the only ones health_tick looks at. A node joins with each new GPU signal and leaves once it is quiet
         # and HEALTHY; looking at every GPU of 10,000 nodes each second took ~90 ms of the event loop.
@@ -242,11 +245,27 @@ class Registry:
             raise FailedPrecondition(f"node {name!r} is DOWN; register again")
         if entry.session is not None and entry.session is not session:
             entry.session.kick(grpc.StatusCode.FAILED_PRECONDITION, "replaced by a newer session")
+        now = self._clock.monotonic()
+        if entry.heartbeats == 0:  # new to this process: registered just now, or resumed after a restart or takeover
+            self._admitted_at = now  # others still coming back wait their turn (_decide_liveness)
+        if entry.session_lost or not entry.peer:  # not just registered: the agent resumed its session
+            self._resumed(name, session.peer, now)
         entry.session = session
         entry.session_lost = False
         entry.peer = session.peer
         entry.last_seen = self._clock.monotonic()
         return entry
+
+    def _resumed(self, name: str, peer: str, now: float) -> None:
+        """Count a resumed session; log at most a line a second (after a takeover thousands resume at once)."""
+        self.resumed_total += 1
+        self._resumes_unlogged += 1
+        if now - self._resume_logged_at >= 1.0:
+            if self._resumes_unlogged == 1:
+                logger.info("session resumed", node=name, peer=peer)
+            else:
+                logger.info("sessions resumed", count=self._resumes_unlogged, last=name)
+            self._resume_logged_at, self._resumes_unlogged = now, 0
 
     def detach(self, entry: NodeEntry, session: Session) -> None:
         if entry.session is session:
