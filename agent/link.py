@@ -6,14 +6,15 @@ the session with the incarnation it was given, and the controller, which knows t
 answers with its view of the node (SessionAccepted), with no registration to commit. That is what keeps a
 takeover cheap: ten thousand agents come back with one stream each. A controller that does not know the
 incarnation (the agent was declared DOWN, the store lost the node) refuses with FAILED_PRECONDITION, and
-the agent registers at once: registering is the full resync, with the inventory. An inventory that
-changed while the agent was away goes up on the resumed session. Every wait (heartbeat cadence, backoff,
-deadlines) is on the injected clock.
+the agent registers at once: registering is the full resync, with the inventory. An inventory that the
+controller does not hold (SessionAccepted says its CRC-32) goes up on the resumed session. Every wait
+(heartbeat cadence, backoff, deadlines) is on the injected clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -82,7 +83,6 @@ class Link:
         self._wake = asyncio.Event()
         self._beat_now = False
         self._commands_done = 0  # the newest command id of this session carried out (heartbeats say it)
-        self._registered_inventory = b""  # as last registered: a resumed session sends it again if it changed
 
     @property
     def heartbeats_sent(self) -> int:
@@ -150,7 +150,6 @@ class Link:
                 registered = await stub.Register(
                     node_pb2.RegisterRequest(node_name=self.node_name, inventory=inventory), timeout=DEFAULT_TIMEOUT_S)
                 self._check_epoch(registered.epoch)
-                self._registered_inventory = inventory.SerializeToString(deterministic=True)
             # No deadline on the session: it is meant to live as long as both ends do; keepalive
             # pings (phalanx.rpc) notice a dead peer instead.
             call = stub.Session()
@@ -165,7 +164,7 @@ class Link:
                     drain_reason=registered.drain_reason, epoch=registered.epoch))
             self._check_epoch(accepted.epoch)
             if resuming:
-                self._resync_inventory()
+                self._resync_inventory(accepted.inventory_crc32)
             interval = accepted.heartbeat_interval_s
             self._accepted(accepted, interval, resumed=resuming)
             self._commands_done = 0  # command ids count afresh in each session
@@ -202,13 +201,11 @@ class Link:
             raise ConnectionError(f"controller {self.controller} leads epoch {epoch}, older than epoch "
                                   f"{self.state.epoch} seen before: a deposed leader; trying another")
 
-    def _resync_inventory(self) -> None:
-        """On a resumed session: the inventory, if it changed since it was registered (first in the outbox)."""
+    def _resync_inventory(self, held_crc32: int) -> None:
+        """On a resumed session: the inventory, first in the outbox, unless the controller holds this one."""
         inventory = self._inventory()
-        data = inventory.SerializeToString(deterministic=True)
-        if data != self._registered_inventory:
+        if zlib.crc32(inventory.SerializeToString(deterministic=True)) != held_crc32:
             self._outbox.appendleft(node_pb2.AgentMessage(inventory=inventory))
-            self._registered_inventory = data
 
     def _move_on(self, error: grpc.aio.AioRpcError | None) -> None:
         """After a failed or ended session: the leader a standby named, else the next controller of the list."""

@@ -30,6 +30,7 @@ from bench.common import (
     temp_root,
     wait_serving,
 )
+from phalanx import etcdlocal
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 GOAL_NODES = 10_000
@@ -189,21 +190,41 @@ async def _state_changes(stub, after: int) -> tuple[int, dict[str, int]]:
 
 async def run(steps: list[int], hold_s: float, settle_s: float, generators: int, per_channel: int,
               budget_s: float, max_hold_s: float | None = None, ramp_timeout_s: float = 60.0,
-              open_concurrency: int = 16, gc_trace: bool = False, tls: bool = False) -> dict:
+              open_concurrency: int = 16, gc_trace: bool = False, tls: bool = False, store: str = "sqlite") -> dict:
     """tls: the controller on mutual TLS and each simulated node with its own certificate (as in production);
-    otherwise plaintext."""
+    otherwise plaintext. store "etcd": the controller leads a control plane of one on a local etcd member."""
     with temp_root(prefix="phalanx-bench-capacity-") as tmp:
         root = Path(tmp)
         procs = Procs(root)
         before = os.sched_getaffinity(0)
+        members = []
         try:
             pki = _make_pki(root / "pki", max(steps)) if tls else None
+            extra = ""
+            if store == "etcd":
+                members = etcdlocal.plan(root / "etcd", 1)
+                etcdlocal.start(members[0], members)
+                etcdlocal.wait_healthy(members)
+                extra = (f'[store]\nbackend = "etcd"\netcd_endpoints = "{members[0].endpoint}"\netcd_tls = false\n'
+                         f'etcd_max_txn_ops = {etcdlocal.MAX_TXN_OPS}\nname = "bench"\n')
             return await _run(procs, root, steps, hold_s, settle_s, generators, per_channel, budget_s,
                               max_hold_s if max_hold_s is not None else hold_s, ramp_timeout_s, open_concurrency,
-                              gc_trace, pki)
+                              gc_trace, pki, extra)
         finally:
             procs.close()
+            for member in members:
+                etcdlocal.stop(member)
             pin_this_process(before)
+
+
+async def by_store(steps: list[int], hold_s: float, settle_s: float, per_channel: int, budget_s: float) -> dict:
+    """The same capacity steps against a controller on SQLite and one leading on etcd, one after the other:
+    heartbeats never touch the store, so CPU per heartbeat and lag should not differ."""
+    out = {}
+    for store in ("sqlite", "etcd"):
+        log(f"capacity by store: {store} ...")
+        out[store] = await run(steps, hold_s, settle_s, 1, per_channel, budget_s / 2, store=store)
+    return out
 
 
 def _make_pki(d: Path, nodes: int) -> Path:
@@ -247,7 +268,7 @@ def _irq(times) -> float:
 
 async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle_s: float, generators: int,
                per_channel: int, budget_s: float, max_hold_s: float, ramp_timeout_s: float,
-               open_concurrency: int, gc_trace: bool, pki: Path | None = None) -> dict:
+               open_concurrency: int, gc_trace: bool, pki: Path | None = None, extra_config: str = "") -> dict:
     t_begin = time.monotonic()
     credentials = None
     if pki is not None:
@@ -276,7 +297,7 @@ async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle
     # --gc-trace: the same controller, run through bench/gcwrap.py, which logs its GC pauses.
     module = "bench.gcwrap" if gc_trace else "controller.main"
     config = controller_toml(address, root) if pki is None else secure_controller_toml(address, root, pki)
-    controller = procs.spawn("controller", module, config, cpu=ctrl_cpu)
+    controller = procs.spawn("controller", module, config + extra_config, cpu=ctrl_cpu)
     await wait_serving(address, procs, controller.pid, "controller", credentials=credentials)
     ctrl_ps = psutil.Process(controller.pid)
     gens = []

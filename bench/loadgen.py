@@ -185,7 +185,8 @@ class Gen:
             try:
                 while True:
                     t0 = time.monotonic()
-                    if not incarnation[0]:
+                    resuming = bool(incarnation[0])
+                    if not resuming:
                         reply = await stub.Register(node_pb2.RegisterRequest(node_name=name, inventory=inventory),
                                                     timeout=60)
                         incarnation[0] = reply.incarnation
@@ -202,9 +203,9 @@ class Gen:
                     try:
                         first = await asyncio.wait_for(call.read(), 60)
                     except grpc.aio.AioRpcError as e:
-                        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not resuming:
                             raise
-                        incarnation[0] = 0  # not resumed: register
+                        incarnation[0] = 0  # not resumed: register at once (only after a refused resume)
                         continue
                     break
                 if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":

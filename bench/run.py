@@ -48,7 +48,8 @@ from bench import (  # noqa: E402
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "failover", "failover-scale", "simulate", "credentials")
+              "recovery", "failover", "failover-scale", "store-heartbeats", "simulate", "credentials")
+STORE_STEPS, QUICK_STORE_STEPS = [2000, 6000], [2000]
 FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
 FULL_STEPS = [1000, 2000, 4000, 6000, 8000, 10000, 12000]
@@ -132,6 +133,9 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = failover.run(args.trials)
             elif name == "failover-scale":
                 results[name] = await failover_scale.run(args.failover_steps)
+            elif name == "store-heartbeats":
+                results[name] = await capacity.by_store(QUICK_STORE_STEPS if args.quick else STORE_STEPS,
+                                                        args.hold, args.settle, args.per_channel, 600.0)
             elif name == "simulate":
                 results[name] = simulate.run(quick=args.quick)
             elif name == "credentials":
@@ -300,6 +304,22 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                          f"{st['wrongly_suspect_or_down']}{_verdict(st['wrongly_suspect_or_down'] == 0)}"))
             rows.append(("failover-scale", f"N={st['nodes']:,}: heartbeat lag p99 after", "< 100 ms",
                          f"{st['lag_p99_ms']:.0f} ms{_verdict(st['lag_p99_ms'] < 100)}"))
+    sh = results.get("store-heartbeats")
+    if sh and "error" not in sh and all("error" not in sh.get(k, {"error": 1}) for k in ("sqlite", "etcd")):
+        etcd_steps = {st["nodes"]: st for st in sh["etcd"]["steps"]}
+        for lite in sh["sqlite"]["steps"]:
+            other = etcd_steps.get(lite["nodes"])
+            if other is None:
+                continue
+            ratio = other["us_per_heartbeat"] / lite["us_per_heartbeat"] if lite["us_per_heartbeat"] else 0.0
+            rows.append(("store-heartbeats", f"N={lite['nodes']:,}: controller CPU per heartbeat, SQLite / etcd",
+                         "etcd <= 1.1x", f"{lite['us_per_heartbeat']:.0f} / {other['us_per_heartbeat']:.0f} us "
+                         f"({ratio:.2f}x){_verdict(0 < ratio <= 1.1)}"))
+            rows.append(("store-heartbeats", f"N={lite['nodes']:,}: heartbeat lag p99, SQLite / etcd", "< 100 ms",
+                         f"{lite['lag_p99_ms']:.1f} / {other['lag_p99_ms']:.1f} ms"
+                         f"{_verdict(max(lite['lag_p99_ms'], other['lag_p99_ms']) < 100)}"))
+    elif sh:
+        rows.append(("store-heartbeats", "error", "", _first_line(str(sh.get("error") or sh))))
     sim = results.get("simulate")
     if sim and "error" not in sim:
         sc_ = sim["scale"]

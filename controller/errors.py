@@ -19,6 +19,10 @@ class FailedPrecondition(ControllerError):
     """The request is well-formed but the system is not in a state that allows it."""
 
 
+class Unavailable(ControllerError):
+    """This controller cannot serve the request now (its leadership lapsed); another one may."""
+
+
 class PermissionDenied(ControllerError):
     """The caller is authenticated but not allowed to do this (e.g. a node acting as another)."""
 

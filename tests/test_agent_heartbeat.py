@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import zlib
 
 import grpc
 
@@ -181,10 +182,12 @@ class ResumingController(node_pb2_grpc.NodeServiceServicer):
         self.registered = 0  # the incarnation it gave last
         self.opens: list[tuple[int, bool]] = []  # (incarnation, accepted)
         self.inventories: list[int] = []  # GPUs in each inventory sent on a session
+        self.held = b""  # the inventory it holds, as the real one stores it
         self.done = asyncio.Event()
 
     async def Register(self, request, context):
         self.registered += 1
+        self.held = request.inventory.SerializeToString(deterministic=True)
         return node_pb2.RegisterResponse(incarnation=self.registered, heartbeat_interval_s=0.05, epoch=3,
                                          state=common_pb2.NODE_STATE_UP)
 
@@ -196,13 +199,15 @@ class ResumingController(node_pb2_grpc.NodeServiceServicer):
         if not accept:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "incarnation is stale; register again")
         await context.write(node_pb2.ControllerMessage(accepted=node_pb2.SessionAccepted(
-            incarnation=first.open.incarnation, heartbeat_interval_s=0.05, epoch=3, state=common_pb2.NODE_STATE_UP)))
+            incarnation=first.open.incarnation, heartbeat_interval_s=0.05, epoch=3, state=common_pb2.NODE_STATE_UP,
+            inventory_crc32=zlib.crc32(self.held))))
         while (message := await context.read()) is not grpc.aio.EOF:
             if message.WhichOneof("body") == "inventory":
                 self.inventories.append(len(message.inventory.gpus))
+                self.held = message.inventory.SerializeToString(deterministic=True)
             elif message.WhichOneof("body") == "heartbeat":
                 break
-        if len(self.opens) >= 4:
+        if len(self.opens) >= 5:
             self.done.set()
         await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
 
@@ -231,12 +236,14 @@ async def test_a_reconnecting_agent_resumes_its_session_and_registers_only_when_
     try:
         await asyncio.wait_for(fake.done.wait(), 60)
         # the second session resumed with incarnation 1 and no registration; the third, resumed again,
-        # was refused and the agent registered at once (incarnation 2)
-        assert fake.opens[:4] == [(1, True), (1, True), (1, False), (2, True)]
+        # was refused and the agent registered at once (incarnation 2); the fifth resumed that
+        assert fake.opens[:5] == [(1, True), (1, True), (1, False), (2, True), (2, True)]
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
         await server.stop(0)
     assert fake.registered == 2
-    assert fake.inventories == [3]  # sent once, on the first resumed session, not again after registering
+    # sent once: on the first resumed session, where the controller held the 2-GPU one; not on the fifth,
+    # where the controller's CRC-32 matched
+    assert fake.inventories == [3]
     assert link.state.incarnation == 2 and link.state.epoch == 3

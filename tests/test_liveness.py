@@ -342,3 +342,31 @@ def test_a_failed_store_write_changes_nothing_and_is_retried():
         await w.registry.tick()
         assert w.state("n1") is DOWN
     run(go())
+
+
+def test_a_resumed_session_keeps_the_node_and_its_gpu_rates_count_from_the_last_heartbeat():
+    """A session that broke and was resumed (same controller, same incarnation): no new registration, and
+    errors counted while it was down are spread over the time since the last heartbeat, not put in one second
+    (10 corrected ECC errors over 3.5 s are DEGRADED, about 170/min; in one second they would be FAILING)."""
+    async def go():
+        w = World()
+        entry, session = await w.join("n1")
+
+        def beat(sbe: int) -> node_pb2.Heartbeat:
+            return node_pb2.Heartbeat(gpus=[common_pb2.GpuTelemetry(index=0, ecc_sbe_volatile=sbe)],
+                                      health_digest=sbe + 1)
+
+        w.registry.heartbeat(entry, beat(0))
+        w.registry.detach(entry, session)  # the session broke
+        await w.advance(2.5)
+        assert w.state("n1") is SUSPECT
+        incarnation = entry.record.incarnation
+        resumed = w.registry.attach("n1", incarnation, Session("ipv4:127.0.0.1:2"))
+        assert resumed is entry and w.registry.resumed_total == 1
+        w.clock.advance(1.0)
+        if w.registry.heartbeat(entry, beat(10)):
+            await w.registry.settle(entry)
+        assert entry.verdict.health.name == "DEGRADED", entry.verdict.reasons
+        assert w.state("n1") is UP and entry.record.incarnation == incarnation
+        assert [k for k, _ in await w.kinds()].count("node.registered") == 1
+    run(go())

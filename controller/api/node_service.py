@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import grpc
 
@@ -63,8 +64,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         registry = self._registry
         accepted = node_pb2.SessionAccepted(
             incarnation=entry.record.incarnation, heartbeat_interval_s=registry.policy.heartbeat_interval_s,
-            state=entry.record.state.to_proto(), drain_reason=entry.record.drain_reason, epoch=registry.epoch)
-        if entry.gpu_health:  # judged by this controller: the agent keeps the verdict (none is pushed if unchanged)
+            state=entry.record.state.to_proto(), drain_reason=entry.record.drain_reason, epoch=registry.epoch,
+            inventory_crc32=zlib.crc32(entry.record.inventory))
+        if entry.heartbeats:  # judged by this controller: the agent keeps the verdict (none is pushed if unchanged)
             accepted.health.CopyFrom(entry.health_proto())
         await context.write(node_pb2.ControllerMessage(accepted=accepted))
         with log.bound(node=name):  # every line of this session, and the tasks it starts, names the node

@@ -16,6 +16,7 @@ from controller.errors import (
     NotFound,
     PermissionDenied,
     StoreError,
+    Unavailable,
 )
 from phalanx import log
 from phalanx.errors import BadRequest, PhalanxError
@@ -29,6 +30,7 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
 ]
 
 R = TypeVar("R")

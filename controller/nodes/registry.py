@@ -16,7 +16,7 @@ import grpc
 
 from controller import access
 from controller.config import HealthConfig, LivenessConfig
-from controller.errors import FailedPrecondition, NotFound
+from controller.errors import FailedPrecondition, NotFound, Unavailable
 from controller.nodes import health, liveness
 from controller.nodes.session import Session
 from controller.nodes.states import DOWN, DRAINED, DRAINING, SUSPECT, UP, NodeState, check_transition, resting_state
@@ -28,6 +28,12 @@ from phalanx.clock import Clock
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ADMIT_BATCH = 500  # registrations admitted in one store commit at most
+
+
+def inventory_bytes(inventory: common_pb2.NodeInventory) -> bytes:
+    """How an inventory is stored: deterministic, so that its CRC-32 (SessionAccepted.inventory_crc32) is the
+    agent's own for the same inventory."""
+    return inventory.SerializeToString(deterministic=True)
 
 logger = log.get("registry")
 
@@ -42,7 +48,8 @@ class NodeEntry:
     peer: str = ""
     heartbeats: int = 0
     session_lost: bool = False  # had a session with this controller process, and it ended
-    previous_seen: float = 0.0  # monotonic time of the heartbeat before the last one
+    previous_seen: float = 0.0  # monotonic time of the heartbeat before the last one (0: none)
+    last_heartbeat_at: float = 0.0  # monotonic time of the last heartbeat; unlike last_seen, only heartbeats set it
     health_digest: int = 0
     gpu_health: dict[int, health.GpuHistory] = field(default_factory=dict)
     verdict: health.Verdict = health.Verdict(health.HEALTHY)
@@ -208,7 +215,7 @@ class Registry:
                     check_transition(name, record.state, target)
                     events.append(self._state_event(name, record.state, target, f"registered from {peer}"))
                     record = record.replace(state=target, state_since_ns=now_ns)
-            record = record.replace(incarnation=record.incarnation + 1, inventory=inventory.SerializeToString())
+            record = record.replace(incarnation=record.incarnation + 1, inventory=inventory_bytes(inventory))
             events.append(self._event("node.registered", f"node {name} registered from {peer} "
                                       f"(incarnation {record.incarnation}, {len(inventory.gpus)} GPUs)", name,
                                       peer=peer, incarnation=str(record.incarnation)))
@@ -245,9 +252,11 @@ class Registry:
             raise FailedPrecondition(f"node {name!r} is DOWN; register again")
         if entry.session is not None and entry.session is not session:
             entry.session.kick(grpc.StatusCode.FAILED_PRECONDITION, "replaced by a newer session")
+        if not self.leading():  # a deposed leader that has not stood by yet: it would admit nothing to the store
+            raise Unavailable("this controller's leadership has lapsed; the agent should find the new leader")
         now = self._clock.monotonic()
-        if entry.heartbeats == 0:  # new to this process: registered just now, or resumed after a restart or takeover
-            self._admitted_at = now  # others still coming back wait their turn (_decide_liveness)
+        if entry.heartbeats == 0 and not entry.session_lost:  # the node's first session with this process (a
+            self._admitted_at = now  # flapping one does not count): others coming back wait their turn
         if entry.session_lost or not entry.peer:  # not just registered: the agent resumed its session
             self._resumed(name, session.peer, now)
         entry.session = session
@@ -276,7 +285,9 @@ class Registry:
         """Record a heartbeat (the hot path: no lock, no I/O). True if `settle` must follow: the node
         must leave SUSPECT, or its health verdict changed."""
         now = self._clock.monotonic()
-        entry.previous_seen, entry.last_seen = entry.last_seen, now
+        # The GPU counters' rates start from the previous heartbeat, not from a registration or a resumed session:
+        # errors counted while a session was down must not look as if they all came in the last second.
+        entry.previous_seen, entry.last_heartbeat_at, entry.last_seen = entry.last_heartbeat_at, now, now
         now_ns = self._clock.wall_ns()
         entry.heartbeat = heartbeat
         entry.last_heartbeat_ns = now_ns
@@ -377,7 +388,7 @@ class Registry:
         async with self._lock:
             if self._nodes.get(entry.record.name) is not entry:
                 return
-            record = entry.record.replace(inventory=inventory.SerializeToString())
+            record = entry.record.replace(inventory=inventory_bytes(inventory))
             event = self._event("node.inventory", f"node {record.name}: inventory changed "
                                 f"({len(inventory.gpus)} GPUs)", record.name)
             await self._commit([(entry, record)], [event])

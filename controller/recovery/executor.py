@@ -373,10 +373,10 @@ class Executor:
 def _after(node, told: tuple) -> bool:
     """Whether the node's newest heartbeat came after it carried out the stop `told` (session, heartbeats then,
     when, command id): it says so (commands_done), or, from an agent that does not say, it is a later one."""
+    if node.heartbeats <= told[1]:  # not one since: the newest may be from before (a session resumed since counts
+        return False  # its command ids afresh)
     beat = node.heartbeat
-    if beat is not None and beat.commands_done:
-        return beat.commands_done >= told[3]
-    return node.heartbeats > told[1]
+    return not (beat is not None and beat.commands_done) or beat.commands_done >= told[3]
 
 
 def _bound(entry: JobEntry):

@@ -388,20 +388,22 @@ class CommandResult(_message.Message):
     def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., port: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
-    __slots__ = ("incarnation", "heartbeat_interval_s", "state", "drain_reason", "epoch", "health")
+    __slots__ = ("incarnation", "heartbeat_interval_s", "state", "drain_reason", "epoch", "health", "inventory_crc32")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_CRC32_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     heartbeat_interval_s: float
     state: _common_pb2.NodeState
     drain_reason: str
     epoch: int
     health: _common_pb2.NodeHealth
-    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ...) -> None: ...
+    inventory_crc32: int
+    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., inventory_crc32: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("state", "drain_reason", "health")
