@@ -111,6 +111,7 @@ class Registry:
         self.resumed_total = 0  # sessions resumed without registering again (agent/link.py)
         self._resumes_unlogged = 0
         self._resume_logged_at = float("-inf")
+        self._resume_last = ("", "")  # (node, peer) of the newest resume
         # Nodes whose verdict time alone may still change (a rate or an XID in the window, a verdict not HEALTHY):
         # the only ones health_tick looks at. A node joins with each new GPU signal and leaves once it is quiet
         # and HEALTHY; looking at every GPU of 10,000 nodes each second took ~90 ms of the event loop.
@@ -269,12 +270,17 @@ class Registry:
         """Count a resumed session; log at most a line a second (after a takeover thousands resume at once)."""
         self.resumed_total += 1
         self._resumes_unlogged += 1
+        self._resume_last = (name, peer)
         if now - self._resume_logged_at >= 1.0:
-            if self._resumes_unlogged == 1:
-                logger.info("session resumed", node=name, peer=peer)
-            else:
-                logger.info("sessions resumed", count=self._resumes_unlogged, last=name)
-            self._resume_logged_at, self._resumes_unlogged = now, 0
+            self._log_resumes()
+
+    def _log_resumes(self) -> None:
+        name, peer = self._resume_last
+        if self._resumes_unlogged == 1:
+            logger.info("session resumed", node=name, peer=peer)
+        else:
+            logger.info("sessions resumed", count=self._resumes_unlogged, last=name)
+        self._resume_logged_at, self._resumes_unlogged = self._clock.monotonic(), 0
 
     def detach(self, entry: NodeEntry, session: Session) -> None:
         if entry.session is session:
@@ -403,6 +409,8 @@ class Registry:
 
     async def tick(self) -> list[liveness.Change]:
         """One liveness sweep. Decided again under the lock, so a heartbeat that won the race counts."""
+        if self._resumes_unlogged and self._clock.monotonic() - self._resume_logged_at >= 1.0:
+            self._log_resumes()  # the end of a burst: its count since the last line
         if not self._decide_liveness():
             return []
         async with self._lock:

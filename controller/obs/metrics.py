@@ -43,6 +43,7 @@ class Snapshot:
     gpus: dict[str, int] = field(default_factory=dict)  # by the verdict on each
     sessions: int = 0
     heartbeats: int = 0
+    resumed: int = 0
     lag: Histogram = ([], 0.0)
     detection: dict[str, Histogram] = field(default_factory=dict)
     jobs: dict[str, int] = field(default_factory=dict)  # by state
@@ -75,6 +76,7 @@ def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub, store: Ti
     gpus[HEALTHY.name] += total - sum(gpus.values())
     return Snapshot(
         nodes=nodes, gpus=dict(gpus), sessions=registry.sessions, heartbeats=registry.heartbeats_total,
+        resumed=registry.resumed_total,
         lag=_histogram(registry.lag_seconds),
         detection={kind: _histogram(b) for kind, b in registry.detection.items()},
         jobs=dict(Counter(state_name(j.state) for j in jobs.list(set()))),
@@ -127,6 +129,9 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield gpus
     yield GaugeMetricFamily("phalanx_agents_connected", "Agents with an open session.", value=s.sessions)
     yield CounterMetricFamily("phalanx_heartbeats", "Heartbeats received from agents.", value=s.heartbeats)
+    yield CounterMetricFamily("phalanx_sessions_resumed", "Agent sessions resumed with a known incarnation, with no "
+                              "registration (after a controller restart, a takeover or a broken connection).",
+                              value=s.resumed)
     lag = HistogramMetricFamily("phalanx_heartbeat_lag_seconds", "From an agent sending a heartbeat to the "
                                 "controller applying it (the hosts' clocks must agree).")
     lag.add_metric([], *s.lag)
