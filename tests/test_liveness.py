@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from controller.config import LivenessConfig
-from controller.errors import FailedPrecondition, NotFound
+from controller.errors import FailedPrecondition, NotFound, Unavailable
 from controller.nodes.liveness import Change, Seen, decide
 from controller.nodes.registry import Registry
 from controller.nodes.session import Session
@@ -369,4 +369,15 @@ def test_a_resumed_session_keeps_the_node_and_its_gpu_rates_count_from_the_last_
         assert entry.verdict.health.name == "DEGRADED", entry.verdict.reasons
         assert w.state("n1") is UP and entry.record.incarnation == incarnation
         assert [k for k, _ in await w.kinds()].count("node.registered") == 1
+    run(go())
+
+
+def test_a_deposed_leader_takes_no_session_up_and_leaves_the_current_one_alone():
+    async def go():
+        w = World()
+        entry, session = await w.join("n1")
+        w.registry.leading = lambda: False  # its lease lapsed; it has not stood by yet
+        with pytest.raises(Unavailable, match="leadership has lapsed"):
+            w.registry.attach("n1", entry.record.incarnation, Session("ipv4:127.0.0.1:2"))
+        assert entry.session is session and not session.closed.is_set() and w.registry.resumed_total == 0
     run(go())

@@ -29,13 +29,13 @@ from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ADMIT_BATCH = 500  # registrations admitted in one store commit at most
 
+logger = log.get("registry")
+
 
 def inventory_bytes(inventory: common_pb2.NodeInventory) -> bytes:
     """How an inventory is stored: deterministic, so that its CRC-32 (SessionAccepted.inventory_crc32) is the
     agent's own for the same inventory."""
     return inventory.SerializeToString(deterministic=True)
-
-logger = log.get("registry")
 
 
 @dataclass
@@ -251,10 +251,10 @@ class Registry:
                                      f"{entry.record.incarnation}); register again")
         if entry.record.state is DOWN:
             raise FailedPrecondition(f"node {name!r} is DOWN; register again")
+        if not self.leading():  # a deposed leader that has not stood by yet: it could commit nothing for the node
+            raise Unavailable("this controller's leadership has lapsed; the agent should find the new leader")
         if entry.session is not None and entry.session is not session:
             entry.session.kick(grpc.StatusCode.FAILED_PRECONDITION, "replaced by a newer session")
-        if not self.leading():  # a deposed leader that has not stood by yet: it would admit nothing to the store
-            raise Unavailable("this controller's leadership has lapsed; the agent should find the new leader")
         now = self._clock.monotonic()
         if entry.heartbeats == 0 and not entry.session_lost:  # the node's first session with this process (a
             self._admitted_at = now  # flapping one does not count): others coming back wait their turn

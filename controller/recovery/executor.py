@@ -372,7 +372,8 @@ class Executor:
 
 def _after(node, told: tuple) -> bool:
     """Whether the node's newest heartbeat came after it carried out the stop `told` (session, heartbeats then,
-    when, command id): it says so (commands_done), or, from an agent that does not say, it is a later one."""
+    when, command id): a later heartbeat than the one before the stop, which says so (commands_done) unless its
+    agent does not say."""
     if node.heartbeats <= told[1]:  # not one since: the newest may be from before (a session resumed since counts
         return False  # its command ids afresh)
     beat = node.heartbeat
