@@ -381,3 +381,25 @@ def test_a_deposed_leader_takes_no_session_up_and_leaves_the_current_one_alone()
             w.registry.attach("n1", entry.record.incarnation, Session("ipv4:127.0.0.1:2"))
         assert entry.session is session and not session.closed.is_set() and w.registry.resumed_total == 0
     run(go())
+
+
+def test_a_draining_node_that_resumes_after_a_restart_stays_draining_until_a_heartbeat_says_no_ranks():
+    """After a restart or a takeover the controller has not heard the node's heartbeat yet: no heartbeat is not
+    'no ranks running', and DRAINED (safe to take down) must wait for one that says so."""
+    async def go():
+        w = World()
+        entry, _ = await w.join("n1")
+        await w.beat(entry, ranks=4)
+        await w.registry.drain("n1", "maintenance")
+        again = World(w.store)  # the controller restarted on the same store
+        await again.registry.load()
+        resumed = again.registry.attach("n1", entry.record.incarnation, Session("ipv4:127.0.0.1:2"))
+        await again.advance(0.5)
+        assert again.state("n1") is DRAINING
+        await again.beat(resumed, ranks=4)
+        await again.advance(0.3)
+        assert again.state("n1") is DRAINING
+        await again.beat(resumed, ranks=0)
+        await again.advance(0.1)
+        assert again.state("n1") is DRAINED
+    run(go())

@@ -442,7 +442,8 @@ class Registry:
             state = e.record.state
             if (e.last_seen <= quiet_since or e.session_lost or state is SUSPECT) and not (storm and e.heartbeats == 0):
                 seen.append(liveness.Seen(e.record.name, state, e.last_seen, e.session_lost))
-            if state is DRAINING and e.session is not None and e.running_ranks == 0:
+            # no heartbeat yet (a restart, a takeover) is not "no ranks running": DRAINED says the node may go down
+            if state is DRAINING and e.session is not None and e.heartbeat is not None and e.running_ranks == 0:
                 draining.append(e.record.name)
         changes = liveness.decide(seen, now, self.policy) if seen else []
         if draining:
