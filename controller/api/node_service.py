@@ -68,14 +68,16 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             inventory_crc32=zlib.crc32(entry.record.inventory))
         if entry.heartbeats:  # judged by this controller: the agent keeps the verdict (none is pushed if unchanged)
             accepted.health.CopyFrom(entry.health_proto())
-        await context.write(node_pb2.ControllerMessage(accepted=accepted))
-        with log.bound(node=name):  # every line of this session, and the tasks it starts, names the node
-            reader = asyncio.create_task(self._read(context, entry, session))
-        try:
+        reader = None
+        try:  # from here on, however the call ends, the node's session ends with it
+            await context.write(node_pb2.ControllerMessage(accepted=accepted))
+            with log.bound(node=name):  # every line of this session, and the tasks it starts, names the node
+                reader = asyncio.create_task(self._read(context, entry, session))
             while (message := await session.outbox.get()) is not None:
                 await context.write(message)
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             self._registry.detach(entry, session)
         if session.close_code is not grpc.StatusCode.OK:
             await context.abort(session.close_code, session.close_message)
