@@ -22,6 +22,7 @@ from bench import gcwrap
 from bench.common import (
     Procs,
     controller_toml,
+    etcd_store_toml,
     free_port,
     log,
     pin_this_process,
@@ -205,8 +206,7 @@ async def run(steps: list[int], hold_s: float, settle_s: float, generators: int,
                 members = etcdlocal.plan(root / "etcd", 1)
                 etcdlocal.start(members[0], members)
                 etcdlocal.wait_healthy(members)
-                extra = (f'[store]\nbackend = "etcd"\netcd_endpoints = "{members[0].endpoint}"\netcd_tls = false\n'
-                         f'etcd_max_txn_ops = {etcdlocal.MAX_TXN_OPS}\nname = "bench"\n')
+                extra = etcd_store_toml(members[0].endpoint, "bench")
             return await _run(procs, root, steps, hold_s, settle_s, generators, per_channel, budget_s,
                               max_hold_s if max_hold_s is not None else hold_s, ramp_timeout_s, open_concurrency,
                               gc_trace, pki, extra)

@@ -52,6 +52,14 @@ def controller_toml(address: str, root: Path) -> str:
     return f'listen = "{address}"\nstate_db = "{root / "c.db"}"\nsecurity.insecure = true  # loopback\n'
 
 
+def etcd_store_toml(endpoint: str, name: str, advertise: str = "") -> str:
+    """A [store] table: this controller campaigns on the etcd member at `endpoint` (plaintext, on loopback)."""
+    from phalanx import etcdlocal
+    return (f'[store]\nbackend = "etcd"\netcd_endpoints = "{endpoint}"\netcd_tls = false\n'
+            f'etcd_max_txn_ops = {etcdlocal.MAX_TXN_OPS}\nname = "{name}"\n'
+            + (f'advertise = "{advertise}"\n' if advertise else ""))
+
+
 def secure_controller_toml(address: str, root: Path, pki: Path) -> str:
     """A controller on mutual TLS with the certificates in `pki` (bench/capacity.py's TLS comparison)."""
     return (f'listen = "{address}"\nstate_db = "{root / "c.db"}"\n[security]\nca_file = "{pki / "ca.crt"}"\n'

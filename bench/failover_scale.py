@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from bench.capacity import Generator
-from bench.common import Procs, free_port, log, temp_root
+from bench.common import Procs, etcd_store_toml, free_port, log, temp_root
 from phalanx import etcdlocal
 from phalanx.v1 import control_pb2, control_pb2_grpc
 
@@ -28,8 +28,7 @@ WINDOW_S = 10.0  # after every node is back: longer than takeover_grace_s + down
 
 def controller_toml(address: str, root: Path, name: str, etcd: str) -> str:
     return (f'listen = "{address}"\nstate_db = "{root / (name + ".db")}"\n[security]\ninsecure = true\n'
-            f'[store]\nbackend = "etcd"\netcd_endpoints = "{etcd}"\netcd_tls = false\n'
-            f'etcd_max_txn_ops = {etcdlocal.MAX_TXN_OPS}\nname = "{name}"\nadvertise = "{address}"\n')
+            + etcd_store_toml(etcd, name, address))
 
 
 async def _ask(address: str, fn, timeout: float = 2.0):
