@@ -251,11 +251,6 @@ class Supervisor:
         if rejoined is not None:
             return rejoined
         standby = self.warm.take(kind) if self.warm is not None else None
-
-        def pin() -> None:  # in the child, before exec
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         proc = None
         # O_NOFOLLOW: the log directory is the agent's, but no link is ever followed to a file written as root
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
@@ -290,6 +285,8 @@ class Supervisor:
                     options += ["--cgroup", d]
                 if request.limits.open_files:
                     options += ["--nofile", str(request.limits.open_files)]
+                if cpus:  # the wrapper pins itself: no preexec_fn in this process, whose gRPC threads a fork crashes
+                    options += ["--cpus", ",".join(map(str, cpus))]
                 if account is not None:
                     env_file = exit_file.with_suffix(".env")
                     env_fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -301,7 +298,7 @@ class Supervisor:
                     proc = subprocess.Popen(
                         [sys.executable, "-I", WRAPPER, str(exit_file), *options, "--", *request.command],
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env, cwd=workdir,
-                        start_new_session=True, preexec_fn=pin if cpus else None)
+                        start_new_session=True)
                 except BaseException:
                     if cgroup is not None:
                         cgroup.remove()

@@ -25,6 +25,7 @@ straggler. A standby is back at the normal policy before it forks its rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -93,10 +94,6 @@ def recipe(job: str, command: Iterable[str], env: Mapping[str, str], workdir: st
     steady = tuple(sorted((k, v) for k, v in env.items()
                           if k not in PER_LAUNCH and not k.startswith(PER_LAUNCH_PREFIXES)))
     return Recipe(job, split[0], split[1], steady, workdir, env.get("PHALANX_WARM_IMPORTS", DEFAULT_IMPORTS))
-
-
-def _idle() -> None:  # in the standby, before exec
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 @dataclass
@@ -244,10 +241,17 @@ class WarmPool:
                 proc = subprocess.Popen(
                     [*recipe.interpreter, WARMSTART, str(ready_file), recipe.imports, "--", *recipe.program],
                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=dict(recipe.env),
-                    cwd=recipe.workdir, start_new_session=True, preexec_fn=_idle if self._idle else None)
+                    cwd=recipe.workdir, start_new_session=True)
         except OSError as e:
             self._turn_cold(recipe, f"cannot start {recipe.interpreter[0]!r}: {e}")
             return
+        if self._idle:
+            # Set from here, just after the exec, not by a preexec_fn: Python code between fork and exec runs
+            # gRPC's fork handlers in the child of this process, and most such children crashed (SIGSEGV,
+            # SIGABRT on a closed epoll fd). The interpreter's start-up runs at the normal policy; the imports,
+            # the long part, and any thread they start do not.
+            with contextlib.suppress(OSError):  # it died already: tend() finds it
+                os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
         self._standbys.setdefault(recipe, []).append(Standby(recipe, proc, ready_file, log_path))
         logger.info("standby starting", job=recipe.job, pid=proc.pid)
 

@@ -23,6 +23,7 @@ from agent.supervisor import Supervisor
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, local_pb2, node_pb2
 from tests.cluster import alive
+from tests.grpc_busy import busy_grpc
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 # The wrapper's own main(), with a Popen that is hit by a SIGTERM as it returns: the agent's stop landing
@@ -244,3 +245,21 @@ def test_a_launch_of_a_generation_told_to_stop_is_refused(tmp_path):
     assert supervisor._ranks == {}
     supervisor.stop("job-2", 0, grace_s=0)  # "every generation" (a cancel of an unknown job) fences nothing ahead
     assert supervisor._stopped == {"job-1": 2}
+
+
+def test_pinned_ranks_start_whole_from_a_process_busy_with_grpc(tmp_path):
+    # The agent pinned ranks with a preexec_fn: in a process with gRPC's threads, most such children died of
+    # SIGSEGV before their exec (43 of 60 here). The wrapper pins itself now.
+    supervisor = Supervisor(tmp_path / "state", cpus_for_gpu={0: [0]}, clock=FakeClock())
+    said = "import os, sys\nopen(sys.argv[1], 'w').write(repr(sorted(os.sched_getaffinity(0))))\n"
+    with busy_grpc():
+        for n in range(12):
+            out = tmp_path / f"cpus-{n}"
+            supervisor.launch(node_pb2.LaunchRanks(job=f"job-{n}", generation=1, workdir=str(tmp_path),
+                                                   command=[sys.executable, "-c", said, str(out)],
+                                                   ranks=[node_pb2.RankLaunch(rank=0, local_rank=0, gpu=0)]),
+                              dict(os.environ))
+            record = supervisor._ranks[f"job-{n}.g1.r0"]
+            code = supervisor._children[record.pid].wait(timeout=120)
+            assert code == 0, f"launch {n}: the wrapper ended with {code}: {Path(record.log).read_text()}"
+            assert out.read_text() == "[0]"

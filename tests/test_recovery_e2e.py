@@ -90,12 +90,21 @@ def start(cluster, tmp_path, *load, every="20"):
     return job_id, out
 
 
+def account(cluster, job_id):
+    """What the job went through, for a failure's message: its events, its record and the controller's log."""
+    told = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster, job_id))
+    return f"{told}\njob: {json.dumps(job(cluster, job_id))}\ncontroller log:\n{cluster.log('controller', 60)}"
+
+
 def finish(cluster, job_id, out, reference):
-    waited = phalanx(cluster, "wait", job_id)
-    assert waited.returncode == 0, waited.stderr + json.dumps(events(cluster, job_id), indent=1)
+    try:
+        waited = phalanx(cluster, "wait", job_id)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"`phalanx wait {job_id}` still waiting after {e.timeout}s:\n"
+                             f"{account(cluster, job_id)}") from None
+    assert waited.returncode == 0, waited.stderr + account(cluster, job_id)
     j = job(cluster, job_id)
-    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster, job_id))
-    assert (j["state"], j["generation"], j["restarts"]) == ("SUCCEEDED", 2, 1), story
+    assert (j["state"], j["generation"], j["restarts"]) == ("SUCCEEDED", 2, 1), account(cluster, job_id)
     assert out.read_text().strip() == reference  # the same model as the uninterrupted run
     return j
 

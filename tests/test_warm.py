@@ -16,6 +16,7 @@ from agent.supervisor import Supervisor
 from agent.warm import COLD_AFTER, HOLD_S, QUIET_S, WarmPool, recipe, split_command
 from phalanx.clock import FakeClock
 from phalanx.v1 import node_pb2
+from tests.grpc_busy import busy_grpc
 
 PY = sys.executable
 # A module that says, once, which process imported it: the standby (ahead) or the rank (cold).
@@ -283,3 +284,23 @@ def test_a_parked_rank_rejoins_the_next_launch_here_or_is_told_to_exit(tmp_path,
                 os.killpg(status.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_standbys_start_whole_from_a_process_busy_with_grpc(tmp_path, job_dir):
+    # Standbys were put under SCHED_IDLE by a preexec_fn: in a process with gRPC's threads (the agent), most of
+    # them died before their exec (SIGSEGV; SIGABRT on a closed epoll fd), and a recipe could turn cold for it.
+    said = []
+    pool = WarmPool(tmp_path / "state", FakeClock(), on_cold=lambda job, why: said.append(why))
+    kind = recipe("j", [PY, "train.py"], base_env(tmp_path), str(job_dir))
+    pool.want(kind, 6)
+    try:
+        with busy_grpc():
+            def ready():
+                pool.tend(set())
+                return said or pool.counts().get("j", (0, 0))[0] >= 6
+            wait_until(ready, "6 standbys to be ready")
+        assert not said and pool._serial == 6  # none died and had to be replaced
+        if os.geteuid() == 0:
+            assert all(os.sched_getscheduler(s.proc.pid) == os.SCHED_IDLE for s in pool._standbys[kind])
+    finally:
+        pool.close()
