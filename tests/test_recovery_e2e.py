@@ -53,7 +53,9 @@ def reference(tmp_path_factory):
 def cluster4(cluster):
     # straggler_ratio 1.2 and straggler_cost 0.2: on a shared 2-core machine the CPU-bound ranks' compute times
     # drift apart by up to ~1.13x on their own (measured under `make test-busy`), which costs up to ~12% of a step;
-    # the injected straggler (slow=0.9: 1.9x, ~45%) stands well clear.
+    # the injected straggler (slow=0.9: 1.9x, ~45%) stands well clear. straggler_min_samples = 30, a full window:
+    # once, under `make test-busy`, the healthy rank 0 computed 1.30x slower than rank 1 in 12 of a generation's
+    # first 18 steps (the injected fault had not reached rank 1 yet), and 10 steps were enough for a verdict.
     return started4(cluster)
 
 
@@ -61,7 +63,8 @@ def cluster4(cluster):
 # standbys (torch imports) beside the training ranks and can make a healthy rank look like a straggler; on a
 # fleet a spare is a machine of its own. Holding spares again is tested in tests/test_lifecycle.py.
 CONTROLLER = ("[jobs]\nstop_grace_s = 3.0\nkeep_spares = false\n[recovery]\nrestart_backoff_s = 0.2\n"
-              "checkpoint_deadline_s = 20.0\nhang_min_s = 4.0\nstraggler_ratio = 1.2\nstraggler_cost = 0.2\n")
+              "checkpoint_deadline_s = 20.0\nhang_min_s = 4.0\nstraggler_ratio = 1.2\nstraggler_cost = 0.2\n"
+              "straggler_min_samples = 30\n")
 
 
 def started4(cluster, nodes=NODES, controller=CONTROLLER):
