@@ -2,7 +2,7 @@
 
 The agent keeps a few of these per job (`agent.warm`): the job's own interpreter, with the job's
 interpreter flags, environment and working directory, that has already imported the heavy modules
-(IMPORTS, comma-separated: torch, torch.distributed and trainlib by default) and waits on its stdin.
+(IMPORTS, comma-separated: torch, torch.distributed, torch._dynamo and trainlib by default) and waits on its stdin.
 When the agent assigns it a rank it writes one JSON line (the rank's full environment, log file,
 exit file and CPUs) and the process becomes that rank's wrapper: it forks, the child runs PROGRAM
 (`script.py ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`) as `python PROGRAM` would, and the parent does

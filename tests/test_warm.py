@@ -304,3 +304,25 @@ def test_standbys_start_whole_from_a_process_busy_with_grpc(tmp_path, job_dir):
             assert all(os.sched_getscheduler(s.proc.pid) == os.SCHED_IDLE for s in pool._standbys[kind])
     finally:
         pool.close()
+
+
+def test_a_standby_imports_what_a_restarted_ranks_first_step_would_otherwise_wait_for(tmp_path, job_dir):
+    # torch.optim imports torch._dynamo the first time an optimizer is made: 1.2-1.6 s of the first step here
+    (job_dir / "first.py").write_text("import json, os, sys\nahead = sorted(m for m in ('torch', 'torch.distributed', "
+                                      "'torch._dynamo', 'trainlib') if m in sys.modules)\n"
+                                      "json.dump(ahead, open(os.environ['SAID'], 'w'))\n")
+    pool = WarmPool(tmp_path / "state", FakeClock())
+    env = {k: v for k, v in base_env(tmp_path).items() if k != "PHALANX_WARM_IMPORTS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)  # trainlib, as an installed one would be
+    kind = recipe("j", [PY, "first.py"], env, str(job_dir))
+    pool.want(kind, 1)
+    try:
+        warm_ready(pool, "j")
+        standby = pool.take(kind)
+        pool.assign(standby, {"env": env, "cwd": str(job_dir), "log": str(tmp_path / "r0.log"),
+                              "exit_file": str(tmp_path / "r0.exit"), "cpus": []})
+        assert standby.proc.wait(timeout=120) == 0, (tmp_path / "r0.log").read_text()
+        ahead = __import__("json").loads((tmp_path / "said.json").read_text())
+        assert ahead == ["torch", "torch._dynamo", "torch.distributed", "trainlib"]
+    finally:
+        pool.close()
