@@ -113,9 +113,13 @@ def test_a_standby_imports_ahead_and_then_runs_the_program_as_python_would(tmp_p
 @pytest.mark.parametrize("program", [["-m", "train"], ["-c", "import runpy; runpy.run_path('train.py', "
                                                                   "run_name='__main__')"]])
 def test_a_standby_runs_modules_and_code_too(tmp_path, job_dir, program):
+    assert run_warm(tmp_path, job_dir, [PY, *program], base_env(tmp_path))["name"] == "__main__"
+
+
+def run_warm(tmp_path: Path, job_dir: Path, command: list[str], env: dict[str, str]):
+    """Run `command` once as a warm rank (a standby made ready, then assigned); what it wrote to $SAID."""
     pool = WarmPool(tmp_path / "state", FakeClock())
-    env = base_env(tmp_path)
-    kind = recipe("j", [PY, *program], env, str(job_dir))
+    kind = recipe("j", command, env, str(job_dir))
     pool.want(kind, 1)
     try:
         warm_ready(pool, "j")
@@ -123,8 +127,7 @@ def test_a_standby_runs_modules_and_code_too(tmp_path, job_dir, program):
         pool.assign(standby, {"env": env, "cwd": str(job_dir), "log": str(tmp_path / "log"),
                                   "exit_file": str(tmp_path / "exit"), "cpus": []})
         assert standby.proc.wait(timeout=120) == 0, (tmp_path / "log").read_text()
-        said = __import__("json").loads((tmp_path / "said.json").read_text())
-        assert said["name"] == "__main__"
+        return __import__("json").loads((tmp_path / "said.json").read_text())
     finally:
         pool.close()
 
@@ -311,18 +314,7 @@ def test_a_standby_imports_what_a_restarted_ranks_first_step_would_otherwise_wai
     (job_dir / "first.py").write_text("import json, os, sys\nahead = sorted(m for m in ('torch', 'torch.distributed', "
                                       "'torch._dynamo', 'trainlib') if m in sys.modules)\n"
                                       "json.dump(ahead, open(os.environ['SAID'], 'w'))\n")
-    pool = WarmPool(tmp_path / "state", FakeClock())
     env = {k: v for k, v in base_env(tmp_path).items() if k != "PHALANX_WARM_IMPORTS"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)  # trainlib, as an installed one would be
-    kind = recipe("j", [PY, "first.py"], env, str(job_dir))
-    pool.want(kind, 1)
-    try:
-        warm_ready(pool, "j")
-        standby = pool.take(kind)
-        pool.assign(standby, {"env": env, "cwd": str(job_dir), "log": str(tmp_path / "r0.log"),
-                              "exit_file": str(tmp_path / "r0.exit"), "cpus": []})
-        assert standby.proc.wait(timeout=120) == 0, (tmp_path / "r0.log").read_text()
-        ahead = __import__("json").loads((tmp_path / "said.json").read_text())
-        assert ahead == ["torch", "torch._dynamo", "torch.distributed", "trainlib"]
-    finally:
-        pool.close()
+    ahead = run_warm(tmp_path, job_dir, [PY, "first.py"], env)
+    assert ahead == ["torch", "torch._dynamo", "torch.distributed", "trainlib"]
