@@ -225,6 +225,44 @@ def test_a_rank_snapshots_every_step_while_the_copy_is_cheap_and_less_often_when
     assert snapshotter.interval > 1 and snapshotter.interval & (snapshotter.interval - 1) == 0  # a power of two
 
 
+def test_one_stalled_copy_does_not_thin_out_the_snapshots_but_copies_slow_for_good_do(tmp_path, monkeypatch):
+    """Before: one copy stalled for 0.2 s (a busy machine) against 50 ms steps moved the copy time's moving average
+    to a snapshot every 16 steps, for seconds; a failure then recomputed up to 15 steps."""
+    import torch
+
+    import trainlib.checkpoint
+    from trainlib._snapshot import SAMPLES, Snapshotter
+    real = trainlib.checkpoint.snapshot_to_cpu
+    stall = {"s": 0.0, "once": False}
+
+    def copy(*args, **kwargs):
+        time.sleep(stall["s"])
+        if stall["once"]:
+            stall.update(s=0.0, once=False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainlib.checkpoint, "snapshot_to_cpu", copy)
+    agent = FakeAgent()
+    snapshotter = Snapshotter(tmp_path, "job-1", 1, 0, agent)
+    state = {"w": torch.zeros(16)}
+
+    def run(steps):
+        taken = []
+        for step in steps:
+            if snapshotter.offer(state, step, step_s=0.05):
+                taken.append(step)
+            snapshotter.wait()
+        return taken
+
+    run(range(10))  # the first copy in a process is the slowest
+    assert run(range(10, 20)) == list(range(10, 20))
+    stall.update(s=0.2, once=True)
+    assert run(range(20, 40)) == list(range(20, 40)) and snapshotter.interval == 1  # every step still
+    stall["s"] = 0.006  # every copy now takes over 6 ms of a 50 ms step: over 4 x the 3 % budget
+    run(range(40, 40 + 16 * SAMPLES))
+    assert snapshotter.interval >= 4, snapshotter.copy_s
+
+
 def test_a_snapshot_the_agent_refuses_turns_the_ranks_snapshots_off_and_says_why(tmp_path, capsys):
     import torch
 

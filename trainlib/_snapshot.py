@@ -21,14 +21,20 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 OVERHEAD_BUDGET = 0.03  # share of a step's time the snapshot copy may cost
-SMOOTHING = 0.2  # weight of the newest measurement in the copy time's moving average
+# The copy's and the step's times are the medians of their last SAMPLES: one copy stalled by a busy machine (100 ms
+# against a 0.4 ms habit) used to move a moving average far enough to take a snapshot only every 16 steps, and
+# as the average decayed only when a snapshot was taken, it stayed there for seconds: a failure then lost up to
+# 15 steps. A copy slow in most of the recent ones still widens the interval.
+SAMPLES = 9
 SETTLE = 5  # snapshots before the interval is said (the first steps carry start-up, not the step's own time)
 
 
@@ -42,8 +48,10 @@ class Snapshotter:
         self._tell = tell
         self.fixed = every  # None: tuned to OVERHEAD_BUDGET as training runs
         self.interval = every or 1
-        self.copy_s = 0.0  # moving average of the copy into host memory
-        self.step_s = 0.0  # moving average of a step's own time (without a copy of ours in it)
+        self.copy_s = 0.0  # median of the recent copies into host memory
+        self.step_s = 0.0  # median of the recent steps' own times (without a copy of ours in them)
+        self._copies: deque[float] = deque(maxlen=SAMPLES)
+        self._steps: deque[float] = deque(maxlen=SAMPLES)
         self._last_copy_s = 0.0
         self.taken = self.skipped = self.failed = 0
         self.disabled = "" if every != 0 else "PHALANX_SNAPSHOT_EVERY=0"
@@ -59,7 +67,8 @@ class Snapshotter:
         takes in the copy made after the previous step, if one was."""
         own = step_s - (self._last_copy_s if self._last == step - 1 else 0.0)
         if own > 0:
-            self.step_s = own if not self.step_s else (1 - SMOOTHING) * self.step_s + SMOOTHING * own
+            self._steps.append(own)
+            self.step_s = statistics.median(self._steps)
             self._tune()
         if self.disabled or step % self.interval:
             return False
@@ -71,7 +80,8 @@ class Snapshotter:
         started = time.perf_counter()
         copy = snapshot_to_cpu(state() if callable(state) else state)
         copy_s = time.perf_counter() - started
-        self.copy_s = copy_s if not self.taken else (1 - SMOOTHING) * self.copy_s + SMOOTHING * copy_s
+        self._copies.append(copy_s)
+        self.copy_s = statistics.median(self._copies)
         self._last, self.taken, self._last_copy_s = step, self.taken + 1, copy_s
         self._tune()
         self._inflight = self._writer.submit(self._write, copy, step)
