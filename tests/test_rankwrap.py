@@ -250,7 +250,8 @@ def test_a_launch_of_a_generation_told_to_stop_is_refused(tmp_path):
 def test_pinned_ranks_start_whole_from_a_process_busy_with_grpc(tmp_path):
     # The agent pinned ranks with a preexec_fn: in a process with gRPC's threads, most such children died of
     # SIGSEGV before their exec (43 of 60 here). The wrapper pins itself now.
-    supervisor = Supervisor(tmp_path / "state", cpus_for_gpu={0: [0]}, clock=FakeClock())
+    cpu = min(os.sched_getaffinity(0))  # one this test may run on (a container may not have CPU 0)
+    supervisor = Supervisor(tmp_path / "state", cpus_for_gpu={0: [cpu]}, clock=FakeClock())
     said = "import os, sys\nopen(sys.argv[1], 'w').write(repr(sorted(os.sched_getaffinity(0))))\n"
     with busy_grpc():
         for n in range(12):
@@ -262,4 +263,4 @@ def test_pinned_ranks_start_whole_from_a_process_busy_with_grpc(tmp_path):
             record = supervisor._ranks[f"job-{n}.g1.r0"]
             code = supervisor._children[record.pid].wait(timeout=120)
             assert code == 0, f"launch {n}: the wrapper ended with {code}: {Path(record.log).read_text()}"
-            assert out.read_text() == "[0]"
+            assert out.read_text() == f"[{cpu}]"
