@@ -111,7 +111,11 @@ def main(argv: list[str]) -> int:
         if nofile:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))  # inherited by the rank
         if cpus:
-            os.sched_setaffinity(0, cpus)  # inherited by the rank
+            try:
+                os.sched_setaffinity(0, cpus)  # inherited by the rank
+            except OSError as e:  # CPUs outside this container's cpuset, say: the rank runs, unpinned, and says so
+                print(f"phalanx: rank not pinned to CPUs {','.join(map(str, cpus))} (its GPU's NUMA-local ones): {e}",
+                      file=sys.stderr, flush=True)
         child = subprocess.Popen(command, **identity)  # exec resets the handlers: the rank gets the default ones
     except (OSError, ValueError) as e:  # ValueError: an open-files limit above what this host allows (nr_open)
         print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)

@@ -331,8 +331,7 @@ class Supervisor:
         if not self._running(old) or not parked.deliver(env, ""):
             return None
         if cpus and old.rank_pid:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(old.rank_pid, cpus)
+            _pin_threads(old.rank_pid, cpus)  # a process that ran a generation: torch's threads, trainlib's
         with open(log_path, "ab") as out:
             out.write(f"--- phalanx: {request.job} generation {request.generation} rank {rank.rank} rejoining in "
                       f"the same process (pid {old.rank_pid or old.pid}) at {self._stamp()} ---\n".encode())
@@ -642,3 +641,14 @@ class Supervisor:
                 known = {d for r in self._ranks.values() for d in r.cgroup}
             self._cgroups.sweep(known)
         return adopted
+
+
+def _pin_threads(pid: int, cpus: list[int]) -> None:
+    """Pin every thread of a running process (sched_setaffinity(pid) moves only its main thread)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(int(tid), cpus)

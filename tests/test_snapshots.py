@@ -254,7 +254,8 @@ def test_one_stalled_copy_does_not_thin_out_the_snapshots_but_copies_slow_for_go
             snapshotter.wait()
         return taken
 
-    run(range(10))  # the first copy in a process is the slowest
+    stall.update(s=0.2, once=True)  # the first copy in a process is the slowest: this one very much so
+    assert run(range(10))[-4:] == [6, 7, 8, 9]  # a snapshot every step again within a few
     assert run(range(10, 20)) == list(range(10, 20))
     stall.update(s=0.2, once=True)
     assert run(range(20, 40)) == list(range(20, 40)) and snapshotter.interval == 1  # every step still

@@ -297,11 +297,14 @@ def test_standbys_start_whole_from_a_process_busy_with_grpc(tmp_path, job_dir):
     kind = recipe("j", [PY, "train.py"], base_env(tmp_path), str(job_dir))
     pool.want(kind, 6)
     try:
-        with busy_grpc():
-            def ready():
-                pool.tend(set())
-                return said or pool.counts().get("j", (0, 0))[0] >= 6
-            wait_until(ready, "6 standbys to be ready")
+        with busy_grpc():  # a child dies, if it does, between fork and exec: while the gRPC calls go on
+            for _ in range(6):
+                pool._start(kind)
+
+        def ready():  # their imports, at SCHED_IDLE, then need a core nobody else wants: not inside busy_grpc
+            pool.tend(set())
+            return said or pool.counts().get("j", (0, 0))[0] >= 6
+        wait_until(ready, "6 standbys to be ready")
         assert not said and pool._serial == 6  # none died and had to be replaced
         if os.geteuid() == 0:
             assert all(os.sched_getscheduler(s.proc.pid) == os.SCHED_IDLE for s in pool._standbys[kind])

@@ -52,6 +52,7 @@ class Snapshotter:
         self.step_s = 0.0  # median of the recent steps' own times (without a copy of ours in them)
         self._copies: deque[float] = deque(maxlen=SAMPLES)
         self._steps: deque[float] = deque(maxlen=SAMPLES)
+        self._grown = -1  # the copy count when the interval last grew
         self._last_copy_s = 0.0
         self.taken = self.skipped = self.failed = 0
         self.disabled = "" if every != 0 else "PHALANX_SNAPSHOT_EVERY=0"
@@ -96,7 +97,13 @@ class Snapshotter:
         if self.fixed is not None or self.step_s <= 0:
             return
         needed = self.copy_s / (OVERHEAD_BUDGET * self.step_s)
-        self.interval = 1 << max(0, math.ceil(math.log2(needed))) if needed > 1 else 1
+        wanted = 1 << max(0, math.ceil(math.log2(needed))) if needed > 1 else 1
+        if wanted > self.interval:  # at most twice as far apart per copy taken: a slow first copy (a new process,
+            if self._grown == self.taken:  # its median a sample or two) cannot set it to hundreds of steps
+                wanted = self.interval
+            else:
+                wanted, self._grown = min(wanted, 2 * self.interval), self.taken
+        self.interval = wanted
         if self.taken >= SETTLE and (self._said == 0 or not 0.5 <= self.interval / self._said <= 2):
             self._said = self.interval
             print(f"trainlib: in-memory snapshots every {self.interval} step(s): the copy takes "
