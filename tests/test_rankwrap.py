@@ -264,3 +264,12 @@ def test_pinned_ranks_start_whole_from_a_process_busy_with_grpc(tmp_path):
             code = supervisor._children[record.pid].wait(timeout=120)
             assert code == 0, f"launch {n}: the wrapper ended with {code}: {Path(record.log).read_text()}"
             assert out.read_text() == f"[{cpu}]"
+
+
+def test_a_rank_the_wrapper_cannot_pin_runs_unpinned_and_says_so(tmp_path):
+    exit_file = tmp_path / "r0.exit"
+    wrapper = str(Path(ROOT) / "agent" / "rankwrap.py")
+    done = subprocess.run([sys.executable, "-I", wrapper, str(exit_file), "--cpus", "4095", "--", sys.executable, "-c",
+                           "print('ran')"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "ran\n" and exit_file.read_text().strip() == "0"
+    assert "rank not pinned to CPUs 4095" in done.stderr
