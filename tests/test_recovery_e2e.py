@@ -178,7 +178,7 @@ def test_a_controller_killed_during_recovery_finishes_it_after_restart(cluster4,
     cluster4.kill("controller", signal.SIGKILL)
     cluster4.start_controller("[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n")
     waited = phalanx(cluster4, "wait", job_id)
-    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster4, job_id))
+    story = account(cluster4, job_id)
     assert waited.returncode == 0, story
     j = job(cluster4, job_id)
     assert j["state"] == "SUCCEEDED" and victim in j["evicted"], story
@@ -209,7 +209,7 @@ def test_a_checkpoint_directory_the_nodes_do_not_share_fails_the_job_at_once_wit
     job_id = result.stdout.strip()
     waited = phalanx(cluster4, "wait", job_id)
     j = job(cluster4, job_id)
-    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster4, job_id))
+    story = account(cluster4, job_id)
     assert waited.returncode != 0 and j["state"] == "FAILED", story
     assert "is not shared between the job's nodes" in j["reason"], story
     assert j["restarts"] == 0 and j["generation"] == 1, story
@@ -280,7 +280,7 @@ def test_a_node_lost_with_the_node_holding_its_replicas_falls_back_to_the_disk_c
     for node in job(cluster4, job_id)["nodes"]:  # each holds the other's replicas: every snapshot is gone
         cluster4.kill(node, signal.SIGKILL)
     waited = phalanx(cluster4, "wait", job_id)
-    story = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster4, job_id))
+    story = account(cluster4, job_id)
     assert waited.returncode == 0, story
     fallback = next(e for e in events(cluster4, job_id) if e["kind"] == "job.snapshot_fallback")["message"]
     assert "left no in-memory snapshot on a node that is up" in fallback and "which cannot be reached" in fallback
