@@ -23,6 +23,7 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
         self.fatal = threading.Event()  # a report with `fatal` arrived
         self.stale = threading.Event()  # set by the test: answer every report with stale
         self.slow_factor = 0.0  # set by the test: the slow=F fault every reply hands on
+        self.gate: threading.Event | None = None  # set by the test: a report's reply waits until it is set
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         local_pb2_grpc.add_LocalServiceServicer_to_server(self, self._server)
         self._server.add_insecure_port(f"unix://{socket}")
@@ -33,6 +34,8 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
         self.reported.set()
         if request.fatal:
             self.fatal.set()
+        if self.gate is not None:
+            self.gate.wait(60)
         return local_pb2.ReportReply(stale=self.stale.is_set(), slow_factor=self.slow_factor)
 
     def CheckpointDone(self, request, context):

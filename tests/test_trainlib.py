@@ -282,3 +282,34 @@ def test_the_slow_factor_in_the_agents_reply_reaches_the_hooks(agent, monkeypatc
     agent.slow_factor = 0.0
     _runtime._flush()
     assert _runtime._slow == 0.0
+
+
+def test_a_stale_answer_about_a_generation_the_rank_has_left_does_not_end_it(agent, monkeypatch, tmp_path):
+    """trainlib.run: the reporter asked about generation 3 and the answer, stale, came back after the rank had parked
+    and rejoined generation 4 in the same process. It is news about the old generation: the rank trains on. (CI saw
+    a rejoined rank end with exit code 75 a tenth of a second into its new generation.)"""
+    import threading
+
+    from trainlib import _runtime
+
+    def generation(number: int):
+        return _runtime.Context(active=True, job="job-7", generation=number, rank=1, local_rank=1, world_size=4,
+                                checkpoint_dir=str(tmp_path), agent_socket=str(agent.socket))
+
+    monkeypatch.setattr(_runtime, "_ctx", generation(3))
+    for name in ("_stub", "_tail", "_stale", "_parked"):
+        monkeypatch.setattr(_runtime, name, getattr(_runtime, name))
+    _runtime._stub = None
+    exits = []
+    monkeypatch.setattr(_runtime.os, "_exit", exits.append)
+    agent.stale.set()
+    agent.gate = threading.Event()
+    reporter = threading.Thread(target=_runtime._flush)
+    reporter.start()
+    assert agent.reported.wait(60), "the report never reached the agent"
+    _runtime._ctx = generation(4)  # what _next_generation does once the agent hands over the new environment
+    agent.gate.set()
+    reporter.join(60)
+    assert exits == [] and not _runtime._stale
+    _runtime._flush()  # stale about the generation it is in: that ends it
+    assert exits == [STALE_EXIT_CODE] and _runtime._stale

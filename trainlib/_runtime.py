@@ -107,6 +107,9 @@ _snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is f
 _slow = 0.0  # a slow=F fault on this rank's GPU, from the agent's replies: each step's compute takes (1 + F)x
 _ending = False  # a stop came: the training function is unwinding (a second stop changes nothing)
 _parked = False  # waiting for the agent to say whether this process rejoins (a stop now ends it)
+# Held while this process parks or takes its next generation, and by a reply's "stale" while it decides to end the
+# process: a stale answer about a generation the process has already left must not end it in its next one.
+_generation_lock = threading.Lock()
 _rdzv: Any = None  # trainlib._rdzv_worker.Reporter: a torchrun worker's reports to the controller's rendezvous
 
 
@@ -452,14 +455,17 @@ def _flush(at_exit: bool = False) -> None:
                                                     steps=batch, pid=os.getpid(), saving=_saving),
                             timeout=RPC_TIMEOUT_S)
     if not at_exit:
-        _heed(reply)
+        _heed(reply, ctx)
 
 
-def _heed(reply: Any) -> None:
-    """Act on what the agent says the controller wants of this rank (a ReportReply, reported or pushed)."""
+def _heed(reply: Any, ctx: Context) -> None:
+    """Act on what the agent says the controller wants of this rank (a ReportReply, reported or pushed) in `ctx`'s
+    generation. A reply about a generation this process has since left (trainlib.run) is news no longer."""
     global _slow
+    if ctx is not _ctx:
+        return
     if reply.stale:
-        _end_stale()
+        _end_stale(ctx)
     _slow = reply.slow_factor
     _heed_request(reply.checkpoint.id, reply.checkpoint.at_step, reply.checkpoint.pause)
 
@@ -473,26 +479,26 @@ def _watch_loop(ctx: Context) -> None:
             for reply in _agent().Watch(local_pb2.WatchRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank)):
                 if _ctx is not ctx or _parked:
                     return
-                _heed(reply)
+                _heed(reply, ctx)
         except Exception:  # the agent restarting, or an older one without Watch: reports carry the same news
             pass
         time.sleep(WATCH_RETRY_S)
 
 
-def _end_stale() -> None:
-    """A newer generation of the job runs: stop this process now, before it trains or commits anything more."""
+def _end_stale(ctx: Context) -> None:
+    """A newer generation of the job runs than `ctx`'s: stop this process now, before it trains or commits anything
+    more, unless it has left that generation (trainlib.run: parked, or rejoined the next one)."""
     global _stale
-    if _parked:  # the generation it is stale for is over for this process: it waits to rejoin the next
-        return
-    _stale = True
-    ctx = _ctx
-    assert ctx is not None
-    print(f"trainlib: generation {ctx.generation} of {ctx.job} is no longer current (a newer generation runs); "
-          f"rank {ctx.rank} (pid {os.getpid()}) stops now without another step or checkpoint "
-          f"(exit code {STALE_EXIT_CODE})", file=sys.stderr, flush=True)
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    os._exit(STALE_EXIT_CODE)
+    with _generation_lock:  # held to the end of the process: it cannot park or move on between the check and the exit
+        if _parked or ctx is not _ctx:
+            return
+        _stale = True
+        print(f"trainlib: generation {ctx.generation} of {ctx.job} is no longer current (a newer generation runs); "
+              f"rank {ctx.rank} (pid {os.getpid()}) stops now without another step or checkpoint "
+              f"(exit code {STALE_EXIT_CODE})", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(STALE_EXIT_CODE)
 
 
 def _flush_at_exit() -> None:
@@ -578,7 +584,8 @@ def _park(code: int, reason: str) -> dict[str, str] | None:
     global _parked
     ctx = _ctx
     assert ctx is not None
-    _parked = True
+    with _generation_lock:
+        _parked = True
     try:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -612,7 +619,8 @@ def _next_generation(env: dict[str, str]) -> None:
     global _checkpointer, _saving, _stale, _shared_checked, _snapshotter, _slow, _last_end, _compute_mark, _parked
     os.environ.clear()
     os.environ.update(env)
-    _ctx, _checkpointer, _snapshotter = None, None, None
+    with _generation_lock:
+        _ctx, _checkpointer, _snapshotter = None, None, None
     _tail = _head  # the old generation's samples are not the new one's
     _steps_seen, _requested, _request_id, _pause_after, _at_step, _last_step = 0, False, 0, False, 0, -1
     _handled, _saving, _stale, _shared_checked, _slow = set(), False, False, False, 0.0
