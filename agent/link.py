@@ -7,13 +7,20 @@ answers with its view of the node (SessionAccepted), with no registration to com
 takeover cheap: ten thousand agents come back with one stream each. A controller that does not know the
 incarnation (the agent was declared DOWN, the store lost the node) refuses with FAILED_PRECONDITION, and
 the agent registers at once: registering is the full resync, with the inventory. An inventory that the
-controller does not hold (SessionAccepted says its CRC-32) goes up on the resumed session. Every wait
-(heartbeat cadence, backoff, deadlines) is on the injected clock.
+controller does not hold (SessionAccepted says its CRC-32) goes up on the resumed session.
+
+With several controllers (a control plane on etcd), the agent also parks a session at each standby: a
+SessionOpen with `standby`, answered with StandingBy, the stream then held. The standby that wins the next
+election answers the parked stream with SessionAccepted, and the session carries on there: after a takeover
+the agent is in session with the new leader without opening anything. When the session with the leader ends
+and a session is parked, the agent waits for that (StandingBy.takeover_s) before it looks for the leader
+itself, as before. Every wait (heartbeat cadence, backoff, deadlines) is on the injected clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -31,6 +38,7 @@ from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 logger = log.get("link")
 
 MAX_QUEUED = 1000  # messages kept for the controller while disconnected; the oldest go first
+PARK_RETRY_S = (1.0, 10.0)  # first and longest wait before parking again at a controller that refused or is gone
 
 
 class RegisterAgain(Exception):
@@ -83,6 +91,12 @@ class Link:
         self._wake = asyncio.Event()
         self._beat_now = False
         self._commands_done = 0  # the newest command id of this session carried out (heartbeats say it)
+        # Sessions parked at standbys that a new leader took up: (controller, channel, call, SessionAccepted).
+        self._promoted: list[tuple[str, grpc.aio.Channel, object, node_pb2.ControllerMessage]] = []
+        self._promotion = asyncio.Event()
+        self._changed = asyncio.Event()  # replaced at every change of the session (see _notify)
+        self._standing_by: dict[str, float] = {}  # controller -> its StandingBy.takeover_s, while parked there
+        self._lost_at = 0.0  # when the last session that was open ended
 
     @property
     def heartbeats_sent(self) -> int:
@@ -103,9 +117,24 @@ class Link:
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
+        parking = [asyncio.create_task(self._park_at(c, stop), name=f"park-{c}") for c in self.controllers] \
+            if len(self.controllers) > 1 else []
+        try:
+            await self._sessions(stop)
+        finally:
+            for task in parking:
+                task.cancel()
+            await asyncio.gather(*parking, return_exceptions=True)
+            for _, channel, _, _ in self._promoted:
+                await channel.close(grace=None)
+
+    async def _sessions(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            promoted = self._promoted.pop(0) if self._promoted else None
+            if not self._promoted:
+                self._promotion.clear()
             try:
-                await self._session(stop)
+                await self._session(stop, promoted)
             except RegisterAgain as e:  # the same controller, at once, registering this time
                 logger.info("the controller does not take this session up again; registering",
                             controller=self.controller, details=str(e))
@@ -123,37 +152,129 @@ class Link:
                 logger.exception("session failed", controller=self.controller)
                 self._move_on(None)
             finally:
+                if self.state.connected:
+                    self._lost_at = self._clock.monotonic()
                 self.state.connected = False
+                self._notify()
             if stop.is_set():
                 break
+            if self._promoted:  # a standby took this session up meanwhile
+                continue
             if self._hinted:  # a standby named the leader: go there at once
                 self._hinted = False
                 continue
             delay = self._backoff.next()
-            logger.debug("reconnecting", delay_s=round(delay, 3))
-            try:
-                await wait_for(self._clock, stop.wait(), delay)
+            logger.debug("reconnecting", delay_s=round(delay, 3), parked=len(self._standing_by))
+            try:  # a standby taking the session up ends the wait
+                await wait_for(self._clock, _first_of(stop.wait(), self._promotion.wait()), delay)
             except TimeoutError:
                 pass
 
-    async def _session(self, stop: asyncio.Event) -> None:
-        # A callable is asked at each session: certificate files renewed meanwhile are taken up (tls.ReloadingIdentity)
+    def _notify(self) -> None:
+        """Wake whoever waits for the session to change (the parking tasks)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _channel(self, controller: str) -> grpc.aio.Channel:
+        # A callable is asked each time: certificate files renewed meanwhile are taken up (tls.ReloadingIdentity)
         credentials = self._credentials() if callable(self._credentials) else self._credentials
-        channel = (grpc.aio.insecure_channel(self.controller, options=self._options) if credentials is None
-                   else grpc.aio.secure_channel(self.controller, credentials, options=self._options))
+        return (grpc.aio.insecure_channel(controller, options=self._options) if credentials is None
+                else grpc.aio.secure_channel(controller, credentials, options=self._options))
+
+    async def _park_at(self, controller: str, stop: asyncio.Event) -> None:
+        """Keep a session parked at `controller` while the session with the leader is elsewhere; hand it to the
+        session loop if the controller takes it up (it leads now)."""
+        backoff = Backoff(*PARK_RETRY_S)
+        while not stop.is_set():
+            changed = self._changed
+            if not self._parkable(controller):
+                await changed.wait()
+                continue
+            incarnation = self.state.incarnation
+            channel = self._channel(controller)
+            handed = False
+            try:
+                call = node_pb2_grpc.NodeServiceStub(channel).Session()
+                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                    node_name=self.node_name, incarnation=incarnation, standby=True)))
+                first = await wait_for(self._clock, call.read(), DEFAULT_TIMEOUT_S)
+                if first is not grpc.aio.EOF and first.WhichOneof("body") == "standing_by":
+                    backoff.reset()
+                    self._standing_by[controller] = first.standing_by.takeover_s
+                    try:
+                        first = await self._held(call, controller, incarnation)
+                    finally:
+                        self._standing_by.pop(controller, None)
+                    if first is None:  # the session moved here, or to another incarnation: park again
+                        call.cancel()
+                        continue
+                if first is grpc.aio.EOF or first.WhichOneof("body") != "accepted":
+                    raise ConnectionError("the controller ended the parked session")
+                logger.info("a parked session was taken up", controller=controller, epoch=first.accepted.epoch)
+                self._promoted.append((controller, channel, call, first))
+                handed = True
+                self._promotion.set()
+                await self._changed.wait()  # the session loop takes it up; park here again once it ends
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # refused (an older controller, a stale incarnation), gone, or broken
+                logger.debug("could not park a session", controller=controller, error=str(e)[:200])
+                try:
+                    await wait_for(self._clock, stop.wait(), backoff.next())
+                except TimeoutError:
+                    pass
+            finally:
+                if not handed:
+                    await channel.close(grace=None)
+
+    def _parkable(self, controller: str) -> bool:
+        """A session is parked at `controller` only while the agent is in session with another one."""
+        s = self.state
+        return s.connected and s.incarnation != 0 and controller != self.controller and \
+            not any(c == controller for c, *_ in self._promoted)
+
+    async def _held(self, call, controller: str, incarnation: int):
+        """Wait on a parked session for the controller's next message; None if the session changes so that the
+        parked one is no longer wanted here (it is now the leader's, or the agent registered again)."""
+        reading = asyncio.ensure_future(call.read())
+        try:
+            while True:
+                changed = asyncio.ensure_future(self._changed.wait())
+                try:
+                    await asyncio.wait({reading, changed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if reading.done():
+                    return reading.result()
+                if self.state.incarnation != incarnation or (self.state.connected and controller == self.controller):
+                    return None
+        finally:
+            if not reading.done():
+                reading.cancel()
+
+    async def _session(self, stop: asyncio.Event, promoted=None) -> None:
+        """One session: opened here, or (`promoted`) parked at a standby that has since taken it up as leader."""
+        if promoted is None:
+            channel = self._channel(self.controller)
+        else:
+            self.controller, channel, call, first = promoted
         async with channel:
-            stub = node_pb2_grpc.NodeServiceStub(channel)
-            resuming = self.state.incarnation != 0
             registered = None
-            if not resuming:
-                inventory = self._inventory()
-                registered = await stub.Register(
-                    node_pb2.RegisterRequest(node_name=self.node_name, inventory=inventory), timeout=DEFAULT_TIMEOUT_S)
-                self._check_epoch(registered.epoch)
-            # No deadline on the session: it is meant to live as long as both ends do; keepalive
-            # pings (phalanx.rpc) notice a dead peer instead.
-            call = stub.Session()
-            first = await self._open(call, self.state.incarnation if resuming else registered.incarnation, resuming)
+            if promoted is None:
+                stub = node_pb2_grpc.NodeServiceStub(channel)
+                resuming = self.state.incarnation != 0
+                if not resuming:
+                    inventory = self._inventory()
+                    registered = await stub.Register(node_pb2.RegisterRequest(
+                        node_name=self.node_name, inventory=inventory), timeout=DEFAULT_TIMEOUT_S)
+                    self._check_epoch(registered.epoch)
+                # No deadline on the session: it is meant to live as long as both ends do; keepalive
+                # pings (phalanx.rpc) notice a dead peer instead.
+                call = stub.Session()
+                first = await self._open(call, self.state.incarnation if resuming else registered.incarnation,
+                                         resuming)
+            else:
+                resuming = True
             accepted = first.accepted
             if not accepted.heartbeat_interval_s:  # a controller from before resumes: it says only the incarnation
                 if resuming:
@@ -167,10 +288,14 @@ class Link:
                 self._resync_inventory(accepted.inventory_crc32)
             interval = accepted.heartbeat_interval_s
             self._accepted(accepted, interval, resumed=resuming)
+            self._notify()
             self._commands_done = 0  # command ids count afresh in each session
             reader = asyncio.create_task(self._read(call))
+            # A new leader takes up every parked session at once: their first heartbeats spread over an interval,
+            # not all in the same instant (the takeover gave every node a reconnect window that covers it).
+            first_in = random.random() * interval if promoted is not None else 0.0
             try:
-                await self._heartbeats(call, interval, reader, stop)
+                await self._heartbeats(call, interval, reader, stop, first_in)
             finally:
                 reader.cancel()
                 if stop.is_set():
@@ -214,6 +339,12 @@ class Link:
         hint = None
         if error is not None and error.code() == grpc.StatusCode.UNAVAILABLE:
             hint = leader_hint(error)
+        if not hint and self._standing_by and \
+                self._clock.monotonic() - self._lost_at < max(self._standing_by.values()):
+            # Parked at a standby: if the leader is gone, that standby will take the session up once the lease
+            # lapses. Meanwhile try the leader again (at the backoff's pace), not the standbys, which could only
+            # refuse: a takeover is then not also a storm of refused sessions at them.
+            return
         if hint and hint != self.controller:
             logger.info("following the leader", standby=self.controller, leader=hint)
             self.controller, self._hinted = hint, True
@@ -243,13 +374,15 @@ class Link:
                     incarnation=reply.incarnation, state=common_pb2.NodeState.Name(reply.state),
                     drain_reason=reply.drain_reason, heartbeat_interval_s=interval)
 
-    async def _heartbeats(self, call, interval: float, reader: asyncio.Task, stop: asyncio.Event) -> None:
+    async def _heartbeats(self, call, interval: float, reader: asyncio.Task, stop: asyncio.Event,
+                          first_in: float = 0.0) -> None:
         clock = self._clock
-        next_at = clock.monotonic()
+        next_at = clock.monotonic() + first_in
         stopper = asyncio.create_task(stop.wait())
+        promoted = asyncio.create_task(self._promotion.wait())  # a new leader took a parked session up: go there
         waker: asyncio.Task | None = None
         try:
-            while not stop.is_set() and not reader.done():
+            while not stop.is_set() and not reader.done() and not promoted.done():
                 self._wake.clear()
                 while self._outbox:  # events, XIDs, command results: as soon as they happen
                     await wait_for(clock, call.write(self._outbox[0]), DEFAULT_TIMEOUT_S)
@@ -270,11 +403,12 @@ class Link:
                     waker = asyncio.create_task(self._wake.wait())
                 tick = asyncio.create_task(clock.sleep(next_at - clock.monotonic()))
                 try:
-                    await asyncio.wait({reader, stopper, waker, tick}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({reader, stopper, waker, tick, promoted}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     tick.cancel()
         finally:
             stopper.cancel()
+            promoted.cancel()
             if waker is not None:
                 waker.cancel()
 
@@ -311,3 +445,13 @@ class Link:
             return node_pb2.CommandResult(id=command.id, ok=False, error=f"{type(e).__name__}: {e}")
         result.id = command.id
         return result
+
+
+async def _first_of(*aws) -> None:
+    """Until the first of `aws` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

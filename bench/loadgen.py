@@ -5,6 +5,9 @@ Session stream, send SessionOpen, read SessionAccepted, then one Heartbeat (host
 entries, seq, sent_unix_ns) per second, while a reader drains what the controller sends down; when
 the session ends (refused, kicked, broken) it backs off (jittered, 0.2 s doubling to 5 s) and opens
 the session again with its incarnation (a resume), registering only if the controller refuses that.
+With several controllers each node also parks a session at every other one, as the agent does: a standby
+that becomes the leader takes it up, and the node carries on there (after its session ends, it waits the
+StandingBy's takeover_s for that before it opens one itself).
 Phases are spread evenly over the second (golden-ratio sequence over the global node index).
 
 Driven over stdin/stdout, one JSON object per line:
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -44,6 +48,24 @@ GPUS = 8
 # agent/config.py [reconnect] defaults: a session that ends is opened again after a jittered backoff.
 RECONNECT_INITIAL_S = 0.2
 RECONNECT_MAX_S = 5.0
+
+
+class _Parking:
+    """One simulated node's sessions parked at standbys, and the ones a new leader took up."""
+
+    def __init__(self) -> None:
+        self.target = ""  # the controller of the node's open session ("" while none is open)
+        self.promoted: list[tuple[str, object]] = []
+        self.promotion = asyncio.Event()
+        self.standing_by: dict[str, float] = {}
+        self._changed = asyncio.Event()
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._changed.wait()
 
 
 class Gen:
@@ -74,26 +96,29 @@ class Gen:
         self.reconnects = 0  # sessions opened again after one ended (as the agent does)
         self.resumes = 0  # sessions opened with the incarnation of an earlier registration
         self.reconnect_failures = 0
+        self.parked = 0  # sessions parked at standbys now
+        self.taken_up = 0  # parked sessions a new leader took up
         self.tasks: set[asyncio.Task] = set()
         self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
         self.errors: list[str] = []
 
-    def _stub(self, local: int, name: str) -> node_pb2_grpc.NodeServiceStub:
+    def _stub(self, local: int, name: str, target: str = "") -> node_pb2_grpc.NodeServiceStub:
+        target = target or self.target
         if self.pki is not None:  # a certificate names one node: one channel (TCP + TLS session) per node
             creds = grpc.ssl_channel_credentials((self.pki / "ca.crt").read_bytes(),
                                                  (self.pki / f"{name}.key").read_bytes(),
                                                  (self.pki / f"{name}.crt").read_bytes())
             options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-            channel = grpc.aio.secure_channel(self.target, creds, options=options)
+            channel = grpc.aio.secure_channel(target, creds, options=options)
             self.channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
             return self.channels[-1][1]
         i = local // self.per_channel
-        channels = self._by_target.setdefault(self.target, [])
+        channels = self._by_target.setdefault(target, [])
         while len(channels) <= i:
             # A local subchannel pool: each channel has its own TCP connection (the global pool would
             # let channels with the same target and options share one).
             options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-            channel = grpc.aio.insecure_channel(self.target, options=options)
+            channel = grpc.aio.insecure_channel(target, options=options)
             channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
             self.channels.append(channels[-1])
         return channels[i][1]
@@ -154,26 +179,83 @@ class Gen:
         phase = (gid * GOLDEN) % 1.0
         backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
         incarnation = [0]  # as agent/link.py: a node that registered before resumes its session with it
+        node = _Parking()
+        parks = []
         try:
             while True:
-                call = await self._open(name, local, inventory, first.done(), incarnation)
+                taken_up = bool(node.promoted)
+                if taken_up:
+                    node.target, call = node.promoted.pop(0)
+                    self.taken_up += 1
+                else:
+                    node.target = self.target
+                    call = await self._open(name, local, inventory, first.done(), incarnation)
                 if not first.done():
                     first.set_result(call is not None)
                     self.opening.pop(asyncio.current_task(), None)
                 if call is not None:
+                    if not parks and len(self.targets) > 1:
+                        parks = [asyncio.create_task(self._park(name, local, t, incarnation, node))
+                                 for t in self.targets]
                     backoff.reset()
                     self.sessions_open += 1
-                    beat = asyncio.create_task(self._beat(call, message, phase))
+                    node.changed()
+                    # agent/link.py: a session taken up by a new leader sends its first heartbeat at its time,
+                    # not at once (every parked session is taken up in the same instant)
+                    beat = asyncio.create_task(self._beat(call, message, phase, at_once=not taken_up))
                     try:
-                        await self._read(call)
+                        await self._read(call, node.promotion)
                     finally:
                         beat.cancel()
                         self.sessions_open -= 1
+                        node.target = ""
+                        node.changed()
                     self.sessions_closed += 1
+                    if not node.promoted and node.standing_by:  # a standby will take the session up: wait for it
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(node.promotion.wait(), max(node.standing_by.values()))
+                if node.promoted:
+                    continue
                 await asyncio.sleep(backoff.next())
         finally:
+            for task in parks:
+                task.cancel()
             if not first.done():
                 first.set_result(False)
+
+    async def _park(self, name: str, local: int, target: str, incarnation: list[int], node: _Parking) -> None:
+        """agent/link.py's parked session at `target` while the node's session is elsewhere; a call the
+        controller takes up goes to the node's loop."""
+        backoff = Backoff(1.0, 10.0)
+        while True:
+            if not node.target or target == node.target or not incarnation[0]:  # parked only beside a session
+                await node.wait()
+                continue
+            try:
+                call = self._stub(local, name, target).Session()
+                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                    node_name=name, incarnation=incarnation[0], standby=True)))
+                reply = await asyncio.wait_for(call.read(), 60)
+                if reply is not grpc.aio.EOF and reply.WhichOneof("body") == "standing_by":
+                    backoff.reset()
+                    node.standing_by[target] = reply.standing_by.takeover_s
+                    self.parked += 1
+                    try:
+                        reply = await call.read()
+                    finally:
+                        node.standing_by.pop(target, None)
+                        self.parked -= 1
+                if reply is grpc.aio.EOF or reply.WhichOneof("body") != "accepted":
+                    raise ConnectionError("the parked session ended")
+                node.promoted.append((target, call))
+                node.promotion.set()
+                while target != node.target:  # until the node's loop has taken it up
+                    await node.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._error(f"park {name}", e)
+                await asyncio.sleep(backoff.next())
 
     async def _open(self, name: str, local: int, inventory: common_pb2.NodeInventory, again: bool,
                     incarnation: list[int]):
@@ -223,7 +305,7 @@ class Gen:
                 self._follow(target, e)
                 return None
 
-    async def _beat(self, call, message: node_pb2.AgentMessage, phase: float) -> None:
+    async def _beat(self, call, message: node_pb2.AgentMessage, phase: float, at_once: bool = True) -> None:
         loop = asyncio.get_running_loop()
         heartbeat = message.heartbeat
         now = loop.time()
@@ -233,10 +315,11 @@ class Gen:
         try:
             # agent/link.py sends its first heartbeat as soon as the session is open, then one an interval apart;
             # here the later ones keep this node's phase, so the generator's load stays spread over the second
-            heartbeat.seq += 1
-            heartbeat.sent_unix_ns = time.time_ns()
-            await call.write(message)
-            self.sent += 1
+            if at_once:
+                heartbeat.seq += 1
+                heartbeat.sent_unix_ns = time.time_ns()
+                await call.write(message)
+                self.sent += 1
             while True:
                 delay = next_at - loop.time()
                 if delay > 0:
@@ -259,8 +342,20 @@ class Gen:
             self.write_errors += 1
             self._error("heartbeat write", e)
 
-    async def _read(self, call) -> None:
-        """Drain what the controller sends down until the session ends."""
+    async def _read(self, call, promotion: asyncio.Event | None = None) -> None:
+        """Drain what the controller sends down until the session ends (or a parked one is taken up)."""
+        if promotion is not None:
+            promotion.clear()
+            reading = asyncio.ensure_future(self._read(call))
+            promoted = asyncio.ensure_future(promotion.wait())
+            try:
+                await asyncio.wait({reading, promoted}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                reading.cancel()
+                promoted.cancel()
+            if promoted.done():  # the node goes on where its parked session was taken up
+                call.cancel()
+            return
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
                 if message.WhichOneof("body") == "status":
@@ -296,7 +391,7 @@ class Gen:
                 "reconnects": self.reconnects, "reconnect_failures": self.reconnect_failures,
                 "status_messages": self.status_messages, "channels": len(self.channels),
                 "late_samples": n, "late_p50_ms": q(0.5), "late_p99_ms": q(0.99), "late_max_ms": q(1.0),
-                "opened": len(acc), "resumes": self.resumes,
+                "opened": len(acc), "resumes": self.resumes, "parked": self.parked, "taken_up": self.taken_up,
                 "register_p50_ms": q(0.5, reg), "register_max_ms": q(1.0, reg),
                 "accept_p50_ms": q(0.5, acc), "accept_max_ms": q(1.0, acc),
                 "errors": list(self.errors)}

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 import grpc
 from aetcd import rpc
 
+from controller.api.node_service import ParkedSessions
 from controller.errors import StoreError
 from controller.store.etcd import Etcd, prefix_end
 from phalanx import log
 from phalanx.clock import Clock, RealClock
 from phalanx.leader import LEADER_METADATA
-from phalanx.v1 import control_pb2
+from phalanx.v1 import control_pb2, node_pb2
 
 logger = log.get("ha")
 
@@ -272,38 +273,55 @@ class Elector:
 
 
 class Standby:
-    """What a controller that does not lead serves on its port: where the leader is, and the members."""
+    """What a controller that does not lead serves on its port: where the leader is, and the members; agents'
+    sessions parked here (controller/api/node_service.py ParkedSessions), taken up if this controller leads."""
 
     def __init__(self, elector: Elector) -> None:
         self.elector = elector
+        # A dead leader's lease lapses after its TTL, and etcd looks for expired leases twice a second.
+        self.parked = ParkedSessions(elector.name, self.refuse, self._leader_address, elector.ttl_s + 1.5)
+
+    def _leader_address(self) -> str:
+        leader = self.elector.leader
+        return leader.address if leader is not None and leader.name != self.elector.name else ""
+
+    async def refuse(self, context: grpc.aio.ServicerContext) -> None:
+        """End the call with UNAVAILABLE, and the leader's address in the trailing metadata."""
+        elector = self.elector
+        if address := self._leader_address():
+            context.set_trailing_metadata(((LEADER_METADATA, address),))
+            where = f"the leader is {elector.leader.name} at {address}"
+        else:  # the key with no value: "a standby, and it knows no leader"
+            context.set_trailing_metadata(((LEADER_METADATA, ""),))
+            where = ("no leader is elected yet" + (f" ({elector.problem})" if elector.problem else "")
+                     + "; try again shortly")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"controller {elector.name} is a standby: {where}")
 
     def handler(self) -> grpc.GenericRpcHandler:
         elector = self.elector
 
         async def list_controllers(request, context):
-            return await elector.describe()
+            reply = await elector.describe()
+            reply.parked_sessions = self.parked.waiting
+            return reply
 
         async def refuse(request_iterator, context):
-            leader = elector.leader
-            if leader is not None and leader.name != elector.name:
-                context.set_trailing_metadata(((LEADER_METADATA, leader.address),))
-                where = f"the leader is {leader.name} at {leader.address}"
-            else:  # the key with no value: "a standby, and it knows no leader"
-                context.set_trailing_metadata(((LEADER_METADATA, ""),))
-                where = ("no leader is elected yet" + (f" ({elector.problem})" if elector.problem else "")
-                         + "; try again shortly")
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"controller {elector.name} is a standby: {where}")
+            await self.refuse(context)
 
         listing = grpc.unary_unary_rpc_method_handler(
             list_controllers, request_deserializer=control_pb2.ListControllersRequest.FromString,
             response_serializer=control_pb2.ListControllersResponse.SerializeToString)
+        parking = grpc.stream_stream_rpc_method_handler(
+            self.parked.Session, request_deserializer=node_pb2.AgentMessage.FromString,
+            response_serializer=node_pb2.ControllerMessage.SerializeToString)
         refusal = grpc.stream_stream_rpc_method_handler(refuse)
 
         class Handler(grpc.GenericRpcHandler):
             def service(self, call_details):
                 if call_details.method == "/phalanx.v1.ControlService/ListControllers":
                     return listing
+                if call_details.method == "/phalanx.v1.NodeService/Session":
+                    return parking
                 return refusal
 
         return Handler()

@@ -18,6 +18,7 @@ from controller.jobs.topology import TopologyError
 from controller.server import Controller, bind, interceptors, load_security
 from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence
 from controller.store.sqlite import SqliteStore
+from controller.switchboard import Methods, Switchboard
 from phalanx import __version__, daemon, log, sdnotify, tls
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
@@ -93,7 +94,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
     name = store_cfg.name or socket.gethostname()
     elector = Elector(etcd, store_cfg.etcd_prefix, name, advertise_address(cfg.listen, store_cfg.advertise),
                       store_cfg.lease_ttl_s)
-    _, credentials, tokens = load_security(cfg)
+    identity, credentials, tokens = load_security(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -103,45 +104,64 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
     member = asyncio.create_task(elector.keep_member(stop), name="member")
     watchdog = asyncio.create_task(sdnotify.watchdog()) if sdnotify.watchdog_interval_s() else None
     ready = False
+    server: grpc.aio.Server | None = None
+    board = Switchboard()
     try:
         while not stop.is_set():
-            standby = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(cfg, tokens))
-            standby.add_generic_rpc_handlers((Standby(elector).handler(),))
-            port = bind(standby, cfg.listen, credentials)
-            await standby.start()
+            # One server from standing by through leading (controller/switchboard.py): the agents' sessions
+            # parked here while it stands by are taken up, not dropped, if it wins the election.
+            standby = Standby(elector)
+            board.route(Methods.of(standby.handler()), interceptors(cfg, tokens))
+            if server is None:
+                server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[board.interceptor])
+                server.add_generic_rpc_handlers((board,))
+                port = board.port = bind(server, cfg.listen, credentials)
+                if cfg.security.token_listen:
+                    board.token_port = bind(server, cfg.security.token_listen,
+                                            tls.reloading_server_credentials(identity, client_auth=False))
+                await server.start()
             logger.info("standing by", name=name, listen=cfg.listen, port=port, advertise=elector.address,
                         etcd=store_cfg.etcd_endpoints)
             if not ready:
                 sdnotify.notify(f"READY=1\nSTATUS=standing by on {cfg.listen}")
                 ready = True
             await _first(elector.campaign(), stop.wait())
-            await standby.stop(0)
             term = elector.term
             if stop.is_set() or term is None:
+                standby.parked.release()
                 break
             store = EtcdStore(etcd, store_cfg.etcd_prefix, cfg.max_events, Fence(elector.leader_key, term.epoch),
                               store_cfg.etcd_max_txn_ops, own_client=False)
-            controller = Controller(cfg, store, elector=elector)
+            controller = Controller(cfg, store, elector=elector, board=board)
             holding = asyncio.create_task(elector.hold(), name="lease")
             try:
                 await controller.start(grace_s=store_cfg.takeover_grace_s)
             except StoreError as e:
                 logger.error("could not take over: the store failed while loading; standing by again", error=str(e))
+                standby.parked.release()
                 holding.cancel()
                 await controller.stop(0)
                 await elector.resign(term)
                 continue
+            standby.parked.take(controller.serve_parked)
+            logger.info("taking up the sessions parked here", sessions=standby.parked.waiting)
             current[:] = [controller]
             sdnotify.notify(f"STATUS=leader (epoch {term.epoch}) on {cfg.listen}")
             await _first(holding, stop.wait())
             current.clear()
             if stop.is_set():
+                await server.stop(2.0)  # the calls under way may finish, as a lone controller's do
+                server = None
                 await controller.stop()
                 await elector.resign(term)
                 break
             logger.warning("no longer the leader; standing by", reason=holding.result(), epoch=term.epoch)
             await controller.stop(0)
+            await server.stop(0)  # every call of the term ends with it; the agents park or find the new leader
+            server = None
     finally:
+        if server is not None:
+            await server.stop(0)
         sdnotify.notify("STOPPING=1")
         if watchdog is not None:
             watchdog.cancel()

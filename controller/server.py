@@ -30,6 +30,7 @@ from controller.obs.events import EventHub
 from controller.store.base import EventRecord, Store
 from controller.store.etcd import NotLeader
 from controller.store.timed import TimedStore
+from controller.switchboard import Methods, Switchboard
 from phalanx import log, metrics_http, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
@@ -112,12 +113,13 @@ def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredenti
 
 class Controller:
     def __init__(self, cfg: ControllerConfig, store: Store, clock: Clock | None = None,
-                 elector: Elector | None = None) -> None:
+                 elector: Elector | None = None, board: Switchboard | None = None) -> None:
         self.cfg = cfg
         self.store = store = TimedStore(store, cfg.store.backend)
         self.clock = clock or RealClock()
         self.hub = EventHub()
         self.elector = elector  # None: the only controller (SQLite); else the elected leader of this term
+        self.board = board  # the control plane's server, which outlives a term (controller/switchboard.py); None: own
         self.registry = Registry(store, self.clock, cfg.liveness, self.hub, cfg.health)
         if elector is not None and elector.term is not None:
             self.registry.epoch, self.registry.leading = elector.term.epoch, elector.leading
@@ -128,6 +130,7 @@ class Controller:
                                        self.hub.publish)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._authorizer: auth.Authorizer | None = None
         self._tasks: list[asyncio.Task] = []
         self.port = 0
         self.token_port = 0
@@ -148,9 +151,11 @@ class Controller:
                 self.metrics.registry.register(metrics_http.CertificateExpiry([sec.ca_file, sec.cert_file]))
             await self.metrics.serve(self.cfg.metrics_listen, lambda: metrics_http.access(
                 self.cfg.metrics, sec.ca_file, sec.cert_file, sec.key_file))
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self._interceptors())
-        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(self.registry, self.jobs, self.credentials),
-                                                        server)
+        interceptors = self._interceptors()
+        server: grpc.aio.Server | Methods = (Methods() if self.board is not None else
+                                             grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors))
+        self.node_service = NodeService(self.registry, self.jobs, self.credentials)
+        node_pb2_grpc.add_NodeServiceServicer_to_server(self.node_service, server)
         rendezvous = RendezvousService(self.clock, self.registry, self._log_rendezvous,
                                        restarted=bool(self.registry.entries()))
         control_pb2_grpc.add_ControlServiceServicer_to_server(
@@ -159,12 +164,16 @@ class Controller:
         enrol_pb2_grpc.add_EnrolServiceServicer_to_server(EnrolService(self.credentials), server)
         rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(rendezvous, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = bind(server, self.cfg.listen, self._credentials)
-        if self.cfg.security.token_listen:
-            self.token_port = bind(server, self.cfg.security.token_listen,
-                                         tls.reloading_server_credentials(self._identity, client_auth=False))
-        await server.start()
-        self._server = server
+        if isinstance(server, Methods):  # the board's server is bound and serving already
+            self.board.route(server, interceptors)
+            self.port, self.token_port = self.board.port, self.board.token_port
+        else:
+            self.port = bind(server, self.cfg.listen, self._credentials)
+            if self.cfg.security.token_listen:
+                self.token_port = bind(server, self.cfg.security.token_listen,
+                                       tls.reloading_server_credentials(self._identity, client_auth=False))
+            await server.start()
+            self._server = server
         for service in ("", *SERVICES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(
@@ -206,7 +215,21 @@ class Controller:
                            "agent's user")
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return interceptors(self.cfg, self._tokens, self.credentials.revocation, self.policy)
+        chain = interceptors(self.cfg, self._tokens, self.credentials.revocation, self.policy)
+        self._authorizer = next((i for i in chain if isinstance(i, auth.Authorizer)), None)
+        return chain
+
+    async def serve_parked(self, context: grpc.aio.ServicerContext, first) -> None:
+        """A session parked at this controller while it stood by (ParkedSessions): its caller was identified by
+        the standby, which knows no revoked certificates; identified again here before the session is taken up."""
+        if self._authorizer is not None:
+            try:
+                peer = self._authorizer.identify(context, context.invocation_metadata())
+            except auth.Revoked as e:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            if peer is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the session's caller is not identified")
+        await self.node_service.serve(context, first)
 
     async def describe_controllers(self) -> control_pb2.ListControllersResponse:
         if self.elector is not None:

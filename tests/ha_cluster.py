@@ -105,6 +105,14 @@ class HaCluster(Cluster):
                 continue
         return None
 
+    def parked(self, name: str) -> int:
+        """How many agents' sessions member `name` holds parked (a standby); -1 if it does not answer."""
+        try:
+            return control_pb2_grpc.ControlServiceStub(self.control.channels[self.addresses[name]]).ListControllers(
+                control_pb2.ListControllersRequest(), timeout=2).parked_sessions
+        except grpc.RpcError:
+            return -1
+
     def leader(self) -> tuple[str, int] | None:
         """(name, epoch) of the leader that serves, asked of the leader itself."""
         reply = self.controllers()

@@ -34,13 +34,20 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha):
     ha.wait_states({"a": "DRAINED", "b": "UP"})
     before = events(ha)
     old, epoch = ha.leader()
+    standbys = [n for n in ha.names if n != old]
+    ha.wait_for(lambda: all(ha.parked(n) == 2 for n in standbys), "both agents' sessions parked at each standby")
 
     ha.kill(old, signal.SIGKILL)
     ha.wait_for(lambda: (ha.leader() or (old,))[0] != old, "a new leader")
     new, new_epoch = ha.leader()
     assert new_epoch > epoch
-    # every agent follows the new leader; the drain and the event log carried over
+    # every agent follows the new leader, where its parked session was taken up; the drain and the event log
+    # carried over
     ha.wait_for(lambda: ha.control.GetStats(control_pb2.GetStatsRequest()).sessions == 2, "both agents back")
+    for agent in ("a", "b"):
+        taken = [line for line in (ha.root / f"{agent}.log").read_text().splitlines()
+                 if "a parked session was taken up" in line]
+        assert len(taken) == 1 and ha.addresses[new] in taken[0], ha.log(agent)
     assert ha.states() == {"a": "DRAINED", "b": "UP"}
     assert ha.node("a").drain_reason == "fan"
     after = events(ha)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import zlib
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -21,6 +23,93 @@ from phalanx.v1 import node_pb2, node_pb2_grpc
 logger = log.get("node-service")
 
 OPEN_TIMEOUT_S = 10.0  # an agent that connects must say who it is within this time
+# A new leader takes parked sessions up this many at a time, then lets the event loop see to everything else
+# (heartbeats of the nodes already back, its lease renewal) for a moment: ten thousand at once would hold the
+# loop for seconds, past the lease's deadline.
+TAKE_BATCH = 200
+TAKE_PAUSE_S = 0.02
+
+
+async def read_open(context: grpc.aio.ServicerContext) -> node_pb2.AgentMessage | None:
+    """A session's first message (None: the agent closed the stream first)."""
+    try:
+        first = await asyncio.wait_for(context.read(), OPEN_TIMEOUT_S)
+    except TimeoutError:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no SessionOpen within {OPEN_TIMEOUT_S:g}s")
+    return None if first is grpc.aio.EOF else first
+
+
+class ParkedSessions:
+    """A standby's end of parked sessions. An agent in session with the leader also opens one here, with
+    `standby` in its SessionOpen; the standby answers StandingBy and holds the stream, at the cost of an idle
+    HTTP/2 stream. If this controller wins the election, `take` hands every parked stream to the new leader's
+    NodeService, which accepts it as if it had just been opened: a takeover then costs each agent one message
+    each way, where it used to cost a new connection, a new stream and a refusal naming the leader first. If
+    this controller stops standing by without leading, `release` refuses them all (they park elsewhere)."""
+
+    def __init__(self, name: str, refuse: Callable[[grpc.aio.ServicerContext], Awaitable[None]],
+                 leader: Callable[[], str], takeover_s: float) -> None:
+        self._name = name
+        self._takeover_s = takeover_s
+        self._refuse = refuse  # ends a call with the standby's UNAVAILABLE naming the leader
+        self._leader = leader  # the leader's address, or ""
+        self._decided = False
+        self._serve: Callable[[grpc.aio.ServicerContext, node_pb2.AgentMessage], Awaitable[None]] | None = None
+        self._waiters: collections.deque[asyncio.Event] = collections.deque()
+        self._releasing: asyncio.Task | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        first = await read_open(context)
+        if first is None:
+            return
+        if self._decided:  # between the election and the switch to the leader's methods
+            await self._finish(context, first)
+            return
+        if first.WhichOneof("body") != "open" or not first.open.standby or not first.open.incarnation:
+            await self._refuse(context)  # a session to open now, or one the agent has no incarnation to resume
+        try:
+            auth.require_node(validation.node_name(first.open.node_name))
+        except ControllerError as e:
+            await context.abort(status_for(e), str(e))
+        await context.write(node_pb2.ControllerMessage(standing_by=node_pb2.StandingBy(
+            controller=self._name, leader=self._leader(), takeover_s=self._takeover_s)))
+        turn = asyncio.Event()
+        self._waiters.append(turn)
+        try:
+            await turn.wait()
+        finally:
+            if not turn.is_set():  # the agent went away (or the server stops)
+                self._waiters.remove(turn)
+        await self._finish(context, first)
+
+    async def _finish(self, context: grpc.aio.ServicerContext, first: node_pb2.AgentMessage) -> None:
+        if self._serve is None:
+            await self._refuse(context)
+        await self._serve(context, first)
+
+    def take(self, serve: Callable[[grpc.aio.ServicerContext, node_pb2.AgentMessage], Awaitable[None]]) -> None:
+        """This controller leads: every parked session (and any parking from now on) is served by `serve`,
+        TAKE_BATCH at a time."""
+        self._serve = serve
+        self._decide()
+
+    def release(self) -> None:
+        """This controller stops standing by without leading: the parked sessions are refused."""
+        self._decide()
+
+    def _decide(self) -> None:
+        self._decided = True
+        self._releasing = asyncio.get_running_loop().create_task(self._release(), name="parked-sessions")
+
+    async def _release(self) -> None:
+        while self._waiters:
+            for _ in range(min(TAKE_BATCH, len(self._waiters))):
+                self._waiters.popleft().set()
+            await asyncio.sleep(TAKE_PAUSE_S)
 
 
 class NodeService(node_pb2_grpc.NodeServiceServicer):
@@ -46,13 +135,13 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         )
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        if (first := await read_open(context)) is not None:
+            await self.serve(context, first)
+
+    async def serve(self, context: grpc.aio.ServicerContext, first: node_pb2.AgentMessage) -> None:
+        """The session whose first message was `first`: opened here, or parked at this controller while it stood
+        by (ParkedSessions). A SessionOpen with `standby` is answered as any other: this controller leads."""
         session = Session(context.peer(), self._registry.epoch, self._registry.leading)
-        try:
-            first = await asyncio.wait_for(context.read(), OPEN_TIMEOUT_S)
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no SessionOpen within {OPEN_TIMEOUT_S:g}s")
-        if first is grpc.aio.EOF:
-            return
         try:
             if first.WhichOneof("body") != "open":
                 raise InvalidArgument("the first session message must be `open` (SessionOpen)")

@@ -111,6 +111,7 @@ def controllers_dict(reply: control_pb2.ListControllersResponse) -> dict[str, An
     return {
         "leader": reply.leader or None, "leader_address": reply.leader_address or None, "epoch": reply.epoch,
         "store": reply.store or None, "answered_by": reply.answered_by or None, "problem": reply.problem or None,
+        "parked_sessions": reply.parked_sessions,
         "members": [{"name": m.name, "address": m.address, "role": "leader" if m.leader else "standby",
                      "epoch": m.epoch, "started": iso(m.started_unix_ns), "leader_since": iso(m.leader_since_unix_ns)}
                     for m in reply.members],
@@ -130,8 +131,10 @@ def controllers_text(reply: control_pb2.ListControllersResponse) -> str:
                      + (f" (leading for {age(leading.leader_since_unix_ns, now)})" if leading else ""))
     else:
         lines.append("leader: none elected")
-    lines.append(f"store: {reply.store or '?'}" + (f" (answered by {reply.answered_by})" if reply.answered_by
-                                                    else ""))
+    answered = f"answered by {reply.answered_by}" if reply.answered_by else ""
+    if reply.parked_sessions:
+        answered += f", a standby holding {reply.parked_sessions} agents' sessions parked"
+    lines.append(f"store: {reply.store or '?'}" + (f" ({answered})" if answered else ""))
     if reply.problem:
         lines.append(f"problem: {reply.problem}")
     return "\n".join(lines)

@@ -296,7 +296,7 @@ class ControllerMember(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., leader: _Optional[bool] = ..., epoch: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., leader_since_unix_ns: _Optional[int] = ...) -> None: ...
 
 class ListControllersResponse(_message.Message):
-    __slots__ = ("members", "leader", "leader_address", "epoch", "store", "answered_by", "problem")
+    __slots__ = ("members", "leader", "leader_address", "epoch", "store", "answered_by", "problem", "parked_sessions")
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class ListControllersResponse(_message.Message):
     STORE_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    PARKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[ControllerMember]
     leader: str
     leader_address: str
@@ -311,4 +312,5 @@ class ListControllersResponse(_message.Message):
     store: str
     answered_by: str
     problem: str
-    def __init__(self, members: _Optional[_Iterable[_Union[ControllerMember, _Mapping]]] = ..., leader: _Optional[str] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., store: _Optional[str] = ..., answered_by: _Optional[str] = ..., problem: _Optional[str] = ...) -> None: ...
+    parked_sessions: int
+    def __init__(self, members: _Optional[_Iterable[_Union[ControllerMember, _Mapping]]] = ..., leader: _Optional[str] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., store: _Optional[str] = ..., answered_by: _Optional[str] = ..., problem: _Optional[str] = ..., parked_sessions: _Optional[int] = ...) -> None: ...

@@ -76,12 +76,14 @@ class CheckpointAck(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("node_name", "incarnation")
+    __slots__ = ("node_name", "incarnation", "standby")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     incarnation: int
-    def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    standby: bool
+    def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[int] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "sent_unix_ns", "host", "gpus", "running_ranks", "nccl", "health_digest", "ranks", "progress", "snapshots", "standbys", "commands_done")
@@ -203,14 +205,26 @@ class AgentEvent(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("accepted", "status", "command")
+    __slots__ = ("accepted", "status", "command", "standing_by")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
+    STANDING_BY_FIELD_NUMBER: _ClassVar[int]
     accepted: SessionAccepted
     status: NodeStatus
     command: Command
-    def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
+    standing_by: StandingBy
+    def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., standing_by: _Optional[_Union[StandingBy, _Mapping]] = ...) -> None: ...
+
+class StandingBy(_message.Message):
+    __slots__ = ("controller", "leader", "takeover_s")
+    CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_S_FIELD_NUMBER: _ClassVar[int]
+    controller: str
+    leader: str
+    takeover_s: float
+    def __init__(self, controller: _Optional[str] = ..., leader: _Optional[str] = ..., takeover_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare")

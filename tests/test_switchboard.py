@@ -1,0 +1,101 @@
+"""The switchboard: one gRPC server whose methods and interceptors follow the controller's role, a call
+under way kept through a change of role (controller/switchboard.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from controller.switchboard import Methods, Switchboard
+
+
+def handler(method: str, behaviour, streaming: bool = False) -> grpc.GenericRpcHandler:
+    factory = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details):
+            return factory(behaviour) if details.method == method else None
+
+    return Handler()
+
+
+class Tag(grpc.aio.ServerInterceptor):
+    """Records, in `seen`, the calls it let through under its name."""
+
+    def __init__(self, name: str, seen: list[str]) -> None:
+        self.name, self.seen = name, seen
+
+    async def intercept_service(self, continuation, details):
+        self.seen.append(f"{self.name}:{details.method}")
+        return await continuation(details)
+
+
+def served(test):
+    """Run `test(board, channel)` on a fresh event loop against a server with a switchboard."""
+    async def serve():
+        board = Switchboard()
+        server = grpc.aio.server(interceptors=[board.interceptor])
+        server.add_generic_rpc_handlers((board,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            await test(board, channel)
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    def wrapper():
+        asyncio.run(serve())
+    wrapper.__name__ = test.__name__
+    return wrapper
+
+
+@served
+async def test_calls_go_to_the_role_of_the_moment_through_its_interceptors(board, channel):
+    seen: list[str] = []
+
+    async def standby(request, context):
+        return b"standby"
+
+    async def leader(request, context):
+        return b"leader"
+
+    board.route(Methods.of(handler("/t.T/Who", standby)), [Tag("outer", seen), Tag("inner", seen)])
+    who = channel.unary_unary("/t.T/Who")
+    assert await who(b"") == b"standby"
+    assert seen == ["outer:/t.T/Who", "inner:/t.T/Who"]
+    leading = Methods()
+    leading.add_registered_method_handlers("t.T", {"Who": grpc.unary_unary_rpc_method_handler(leader)})
+    board.route(leading, [Tag("leader", seen)])
+    assert await who(b"") == b"leader"
+    assert seen[2:] == ["leader:/t.T/Who"]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await channel.unary_unary("/t.T/Other")(b"")
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@served
+async def test_a_stream_opened_under_one_role_carries_on_through_the_change(board, channel):
+    """What a parked session needs: the stream a standby holds is the one the leader answers."""
+    decided = asyncio.Event()
+
+    async def held(request_iterator, context):
+        await context.write(b"standing by")
+        await decided.wait()
+        await context.write(b"accepted")
+        async for message in request_iterator:
+            await context.write(b"got " + message)
+
+    board.route(Methods.of(handler("/t.T/Session", held, streaming=True)), [])
+    call = channel.stream_stream("/t.T/Session")()
+    assert await call.read() == b"standing by"
+    board.route(Methods(), [])  # the leader's methods, which know nothing of this stream
+    decided.set()
+    assert await call.read() == b"accepted"
+    await call.write(b"heartbeat")
+    assert await call.read() == b"got heartbeat"
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
