@@ -30,7 +30,7 @@ import grpc
 
 from agent.backoff import Backoff
 from phalanx import log, tls
-from phalanx.clock import Clock, RealClock, wait_for
+from phalanx.clock import Clock, RealClock, first_of, wait_for
 from phalanx.leader import leader_hint
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S, SESSION_KEEPALIVE
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
@@ -38,7 +38,9 @@ from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 logger = log.get("link")
 
 MAX_QUEUED = 1000  # messages kept for the controller while disconnected; the oldest go first
-PARK_RETRY_S = (1.0, 10.0)  # first and longest wait before parking again at a controller that refused or is gone
+# First and longest wait before parking again at a controller that refused or is gone: not urgent (it is for the next
+# takeover), and after a takeover every agent would otherwise try the dead leader at once.
+PARK_RETRY_S = (5.0, 30.0)
 
 
 class RegisterAgain(Exception):
@@ -166,7 +168,7 @@ class Link:
             delay = self._backoff.next()
             logger.debug("reconnecting", delay_s=round(delay, 3), parked=len(self._standing_by))
             try:  # a standby taking the session up ends the wait
-                await wait_for(self._clock, _first_of(stop.wait(), self._promotion.wait()), delay)
+                await wait_for(self._clock, first_of(stop.wait(), self._promotion.wait()), delay)
             except TimeoutError:
                 pass
 
@@ -446,12 +448,3 @@ class Link:
         result.id = command.id
         return result
 
-
-async def _first_of(*aws) -> None:
-    """Until the first of `aws` is done; the others are cancelled."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()

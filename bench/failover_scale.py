@@ -68,16 +68,18 @@ async def _sessions(address: str) -> int:
         return -1
 
 
-async def _suspect_or_down(address: str, after_seq: int) -> tuple[int, int]:
-    """(node.state events to SUSPECT or DOWN after `after_seq`, the last seq)."""
-    count, seq = 0, after_seq
+async def _suspect_or_down(address: str, after_seq: int) -> tuple[int, int, int]:
+    """After `after_seq`: (node.state events that declare a node SUSPECT or DOWN, node.state events that name
+    SUSPECT or DOWN at all (a node leaving SUSPECT too: one declared before the kill), the last seq)."""
+    declared, named, seq = 0, 0, after_seq
     while True:
         reply = await _ask(address, lambda s, t, after=seq: s.ListEvents(
             control_pb2.ListEventsRequest(after_seq=after, limit=10_000), timeout=t), timeout=10)
         if not reply.events:
-            return count, seq
-        count += sum(1 for e in reply.events if e.kind == "node.state" and ("SUSPECT" in e.message
-                                                                            or "DOWN" in e.message))
+            return declared, named, seq
+        states = [e for e in reply.events if e.kind == "node.state"]
+        declared += sum(1 for e in states if e.fields.get("target") in ("SUSPECT", "DOWN"))
+        named += sum(1 for e in states if "SUSPECT" in e.message or "DOWN" in e.message)
         seq = reply.events[-1].seq
 
 
@@ -130,7 +132,7 @@ async def run(steps: list[int]) -> dict:
                 await _wait(lambda s=standbys, n=n: _parked_at_least(s, n), f"{n} sessions parked at each standby",
                             600)
                 log(f"failover at scale: {n} sessions parked at each standby after {time.monotonic() - t_park:.0f} s")
-                _, seq = await _suspect_or_down(address, 0)
+                _, _, seq = await _suspect_or_down(address, 0)
                 procs.kill(pids[name], signal.SIGKILL)
                 t_kill = time.monotonic()
                 others = [a for a in addresses.values() if a != address]
@@ -147,16 +149,18 @@ async def run(steps: list[int]) -> dict:
                 back_s = await _wait(new_leader_with_all, f"a new leader with all {n} nodes", 300)
                 new_name, new_address, _ = await _leader(others)
                 await asyncio.sleep(WINDOW_S)
-                down, _ = await _suspect_or_down(new_address, seq)
+                down, named, _ = await _suspect_or_down(new_address, seq)
                 stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
                 generated = await gen.call({"cmd": "stats", "reset": False})
                 step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
+                        "state_events_naming_suspect_or_down": named,
                         "taken_up_total": generated.get("taken_up", 0),
                         "lag_p99_ms": round(stats.heartbeat_lag_p99_ms, 1), "leader": f"{name} -> {new_name}",
                         "since_kill_s": round(time.monotonic() - t_kill, 1)}
                 out["steps"].append(step)
                 log(f"failover at scale: N={n}: every node back at {new_name} {back_s:.2f} s after the kill; "
-                    f"SUSPECT/DOWN events: {down}; heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms")
+                    f"declared SUSPECT/DOWN: {down} (node.state events naming either: {named}); "
+                    f"heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms")
                 pids[name] = procs.spawn(name, "controller.main",
                                          controller_toml(address, root, name, members[0].endpoint), cpu=0).pid
                 await asyncio.sleep(0.5)  # its threads started

@@ -226,7 +226,7 @@ class Gen:
     async def _park(self, name: str, local: int, target: str, incarnation: list[int], node: _Parking) -> None:
         """agent/link.py's parked session at `target` while the node's session is elsewhere; a call the
         controller takes up goes to the node's loop."""
-        backoff = Backoff(1.0, 10.0)
+        backoff = Backoff(5.0, 30.0)  # agent/link.py PARK_RETRY_S
         while True:
             if not node.target or target == node.target or not incarnation[0]:  # parked only beside a session
                 await node.wait()

@@ -302,6 +302,12 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                          f"{st['all_back_s']:.2f} s{_verdict(st['all_back_s'] <= 3.0)}"))
             rows.append(("failover-scale", f"N={st['nodes']:,}: live nodes declared SUSPECT/DOWN", "0",
                          f"{st['wrongly_suspect_or_down']}{_verdict(st['wrongly_suspect_or_down'] == 0)}"))
+            if "state_events_naming_suspect_or_down" in st:
+                rows.append(("failover-scale", f"N={st['nodes']:,}: node.state events naming SUSPECT/DOWN", "",
+                             f"{st['state_events_naming_suspect_or_down']} (leaving SUSPECT too)"))
+            if "taken_up_total" in st:
+                rows.append(("failover-scale", f"N={st['nodes']:,}: parked sessions taken up (run total)", "",
+                             f"{st['taken_up_total']:,}"))
             rows.append(("failover-scale", f"N={st['nodes']:,}: heartbeat lag p99 after", "< 100 ms",
                          f"{st['lag_p99_ms']:.0f} ms{_verdict(st['lag_p99_ms'] < 100)}"))
     sh = results.get("store-heartbeats")

@@ -4,7 +4,8 @@
   to it, in one transaction that succeeds only if the key does not exist. The key's create revision is the
   leader's **epoch**: it only grows, and the leader's store is fenced on it (controller/store/etcd.py), so a
   deposed leader cannot commit anything, whatever it believes.
-- **Hold**: the leader renews its lease every third of the TTL. It believes it leads until the time it
+- **Hold**: the leader renews its lease every third of the TTL, on a thread of its own (a busy event loop
+  must not cost it its lease; a wedged one, not running for LOOP_STALL_S, does). It believes it leads until the time it
   sent its last answered renewal plus the TTL granted (less a margin): etcd cannot expire the lease
   earlier, so no one else can have been elected by then. Past that instant it sends no command
   (controller/nodes/session.py checks at every send) and steps down.
@@ -21,6 +22,7 @@ import asyncio
 import json
 import random
 import socket
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -37,6 +39,8 @@ from phalanx.v1 import control_pb2, node_pb2
 logger = log.get("ha")
 
 MEMBER_TTL_S = 10
+LOOP_STALL_S = 5.0  # a leader's event loop that has not run for this long no longer renews its lease
+LOOP_TICK_S = 0.2  # how often the event loop says it runs, to the thread that renews the lease
 RENEW_MARGIN = 0.1  # of the TTL: clocks drift, and the renewal's answer is not instant
 
 
@@ -83,6 +87,8 @@ class Elector:
         self.started_ns = self._clock.wall_ns()
         self.failovers = 0  # terms this controller won after another leader (for the metrics)
         self.terms_won = 0
+        self._valid_lock = threading.Lock()  # valid_until: written by the renewing thread (hold)
+        self._loop_seen = 0.0  # monotonic: the event loop last said it runs (hold)
 
     def leading(self) -> bool:
         return self.term is not None and self._clock.monotonic() < self.valid_until
@@ -165,18 +171,56 @@ class Elector:
     # -- hold ----------------------------------------------------------------------------------
 
     async def hold(self) -> str:
-        """Renew the lease while this controller leads; returns why it stopped leading."""
+        """Renew the lease while this controller leads; returns why it stopped leading.
+
+        The renewals run on a thread of their own, with an etcd connection of their own. A leader whose event
+        loop is busy (taking up ten thousand parked sessions, a ramp of registrations) must not lose its lease
+        for that: the standby that wins next is as busy taking over, loses it in turn, and the control plane
+        goes round in a cascade of takeovers. The thread renews only while the event loop shows that it runs
+        (it has run within LOOP_STALL_S), so a leader whose loop is wedged still lets its lease lapse."""
         term = self.term
         assert term is not None
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[str] = loop.create_future()
+        stop = threading.Event()
+        self._loop_seen = self._clock.monotonic()
+
+        def renew() -> None:
+            try:
+                reason = asyncio.run(self._renew(term, stop))
+            except Exception as e:  # never silently: the main loop learns why the term ended
+                reason = f"the lease renewals failed: {type(e).__name__}: {e}"
+            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(reason))
+
+        thread = threading.Thread(target=renew, name="lease", daemon=True)
+        thread.start()
+        try:
+            while not ended.done():
+                self._loop_seen = self._clock.monotonic()
+                await asyncio.wait({ended}, timeout=LOOP_TICK_S)
+            return ended.result()
+        finally:
+            with self._valid_lock:
+                stop.set()
+                self.term = None
+                self.valid_until = 0.0
+
+    async def _renew(self, term: Term, stop: threading.Event) -> str:
+        """The lease's renewals, on the renewing thread's event loop (Elector.hold)."""
+        etcd = Etcd(self.etcd.endpoints, self.etcd.tls, self.etcd.timeout_s)
+        etcd._index = self.etcd._index
+        etcd._connect()
         stream = None
         try:
-            while True:
+            while not stop.is_set():
                 now = self._clock.monotonic()
                 if now >= self.valid_until:
                     return "its lease could not be renewed in time"
+                if now - self._loop_seen > LOOP_STALL_S:
+                    return f"its event loop has not run for {now - self._loop_seen:.1f}s: the lease is let lapse"
                 try:
                     if stream is None:
-                        stream = self.etcd.lease.LeaseKeepAlive()
+                        stream = etcd.lease.LeaseKeepAlive()
                     sent = self._clock.monotonic()
                     await stream.write(rpc.LeaseKeepAliveRequest(ID=term.lease))
                     reply = await asyncio.wait_for(stream.read(), max(0.05, self.valid_until - sent))
@@ -186,19 +230,24 @@ class Elector:
                     if stream is not None:
                         stream.cancel()
                         stream = None
-                    if isinstance(e, grpc.aio.AioRpcError) and len(self.etcd.endpoints) > 1:
-                        await self.etcd._next_endpoint()
-                    await self._clock.sleep(0.05)
+                    if isinstance(e, grpc.aio.AioRpcError) and len(etcd.endpoints) > 1:
+                        await etcd._next_endpoint()
+                    await asyncio.sleep(0.05)
                     continue
                 if reply is grpc.aio.EOF or reply.TTL <= 0:
                     return "its lease expired (etcd revoked it)"
-                self.valid_until = sent + reply.TTL * (1 - RENEW_MARGIN)
-                await self._clock.sleep(self.ttl_s / 3)
+                with self._valid_lock:
+                    if stop.is_set():  # the term ended meanwhile: a later term's deadline is not this one's
+                        break
+                    self.valid_until = sent + reply.TTL * (1 - RENEW_MARGIN)
+                next_at = self._clock.monotonic() + self.ttl_s / 3
+                while not stop.is_set() and self._clock.monotonic() < next_at:
+                    await asyncio.sleep(LOOP_TICK_S / 2)
+            return "stopped"
         finally:
             if stream is not None:
                 stream.cancel()
-            self.term = None
-            self.valid_until = 0.0
+            await etcd.close()
 
     async def resign(self, term: Term) -> None:
         """Give up leadership now (a clean stop): the standbys take over without waiting for the TTL."""

@@ -20,6 +20,7 @@ from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence
 from controller.store.sqlite import SqliteStore
 from controller.switchboard import Methods, Switchboard
 from phalanx import __version__, daemon, log, sdnotify, tls
+from phalanx.clock import first_of
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 from phalanx.rpc import SERVER_OPTIONS
@@ -74,18 +75,6 @@ def etcd_of(cfg: controller_config.ControllerConfig) -> Etcd:
     return Etcd(controller_config.endpoints(cfg.store.etcd_endpoints), tls_files, cfg.store.etcd_timeout_s)
 
 
-async def _first(*aws) -> None:
-    """Until the first of `aws` is done; the others are cancelled."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) -> None:
     """One member of a highly available control plane: stand by, campaign, lead while the lease holds,
     stand by again when it lapses (controller/ha.py)."""
@@ -125,7 +114,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
             if not ready:
                 sdnotify.notify(f"READY=1\nSTATUS=standing by on {cfg.listen}")
                 ready = True
-            await _first(elector.campaign(), stop.wait())
+            await first_of(elector.campaign(), stop.wait())
             term = elector.term
             if stop.is_set() or term is None:
                 standby.parked.release()
@@ -147,7 +136,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
             logger.info("taking up the sessions parked here", sessions=standby.parked.waiting)
             current[:] = [controller]
             sdnotify.notify(f"STATUS=leader (epoch {term.epoch}) on {cfg.listen}")
-            await _first(holding, stop.wait())
+            await first_of(holding, stop.wait())
             current.clear()
             if stop.is_set():
                 await server.stop(2.0)  # the calls under way may finish, as a lone controller's do

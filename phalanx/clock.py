@@ -153,3 +153,15 @@ class FakeClock:
 async def _settle(turns: int) -> None:
     for _ in range(turns):
         await asyncio.sleep(0)
+
+
+async def first_of(*aws) -> None:
+    """Until the first of `aws` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

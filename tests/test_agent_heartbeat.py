@@ -131,7 +131,7 @@ async def test_reconnects_wait_the_jittered_backoff_on_the_clock(tmp_path):
     clock = FakeClock()
     attempts = []
 
-    async def session(stop):
+    async def session(stop, promoted=None):
         attempts.append(clock.monotonic())
         raise ConnectionError("controller unreachable")
 

@@ -217,3 +217,40 @@ def test_a_leader_cut_off_by_a_real_partition_is_replaced_and_fenced(tmp_path):
             c.close()
         etcdlocal.stop(members[0])
         ns.close()
+
+
+def test_a_busy_leader_keeps_its_lease_and_a_wedged_one_lets_it_lapse(etcd_server):
+    """The lease is renewed on a thread of its own: an event loop busy for longer than the TTL (a takeover of
+    thousands of sessions) costs the leader nothing, one that has not run for LOOP_STALL_S lets it lapse."""
+    import asyncio
+    import time
+    import uuid
+
+    from aetcd import rpc
+
+    from controller.ha import LOOP_STALL_S, Elector
+    from controller.store.etcd import Etcd
+
+    async def main() -> None:
+        etcd = Etcd([etcd_server.endpoint])
+        elector = Elector(etcd, f"/test-lease/{uuid.uuid4().hex}", "c0", "127.0.0.1:1", 2)
+        try:
+            await elector.campaign()
+            holding = asyncio.create_task(elector.hold())
+            await asyncio.sleep(0.5)
+            time.sleep(3.0)  # the loop runs nothing for longer than the 2 s lease
+            assert elector.leading() and not holding.done(), "a busy leader lost its lease"
+            await asyncio.sleep(0.5)
+            time.sleep(LOOP_STALL_S + 1.0)  # wedged
+            reason = await asyncio.wait_for(holding, 10)
+            assert "event loop has not run" in reason and not elector.leading()
+            for _ in range(100):  # the lease lapses in etcd: a standby may take over
+                kvs = (await etcd.call("kv", "Range", rpc.RangeRequest(key=elector.leader_key))).kvs
+                if not kvs:
+                    break
+                await asyncio.sleep(0.1)
+            assert not kvs, "the wedged leader's key is still in etcd"
+        finally:
+            await etcd.close()
+
+    asyncio.run(main())

@@ -24,9 +24,10 @@ logger = log.get("node-service")
 
 OPEN_TIMEOUT_S = 10.0  # an agent that connects must say who it is within this time
 # A new leader takes parked sessions up this many at a time, then lets the event loop see to everything else
-# (heartbeats of the nodes already back, its lease renewal) for a moment: ten thousand at once would hold the
-# loop for seconds, past the lease's deadline.
-TAKE_BATCH = 200
+# (the heartbeats of the nodes already back) for a moment, longer while the loop runs late: ten thousand at
+# once would hold the loop for seconds, and the heartbeats of the nodes already back would go unread until
+# they looked dead.
+TAKE_BATCH = 100
 TAKE_PAUSE_S = 0.02
 
 
@@ -106,10 +107,15 @@ class ParkedSessions:
         self._releasing = asyncio.get_running_loop().create_task(self._release(), name="parked-sessions")
 
     async def _release(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._waiters:
             for _ in range(min(TAKE_BATCH, len(self._waiters))):
                 self._waiters.popleft().set()
+            asked = loop.time()
             await asyncio.sleep(TAKE_PAUSE_S)
+            late = loop.time() - asked - TAKE_PAUSE_S  # how far behind the loop runs: the work the batch made
+            if late > TAKE_PAUSE_S:
+                await asyncio.sleep(2 * late)
 
 
 class NodeService(node_pb2_grpc.NodeServiceServicer):
