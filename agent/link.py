@@ -20,6 +20,7 @@ itself, as before. Every wait (heartbeat cadence, backoff, deadlines) is on the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import zlib
 from collections import deque
@@ -136,7 +137,7 @@ class Link:
             if not self._promoted:
                 self._promotion.clear()
             try:
-                await self._session(stop, promoted)
+                await self._session_or_promotion(stop, promoted)
             except RegisterAgain as e:  # the same controller, at once, registering this time
                 logger.info("the controller does not take this session up again; registering",
                             controller=self.controller, details=str(e))
@@ -154,8 +155,6 @@ class Link:
                 logger.exception("session failed", controller=self.controller)
                 self._move_on(None)
             finally:
-                if self.state.connected:
-                    self._lost_at = self._clock.monotonic()
                 self.state.connected = False
                 self._notify()
             if stop.is_set():
@@ -171,6 +170,24 @@ class Link:
                 await wait_for(self._clock, first_of(stop.wait(), self._promotion.wait()), delay)
             except TimeoutError:
                 pass
+
+    async def _session_or_promotion(self, stop: asyncio.Event, promoted) -> None:
+        """A session; one being opened gives way to a session a standby took up meanwhile (it is the leader's)."""
+        if promoted is not None:
+            await self._session(stop, promoted)
+            return
+        session = asyncio.ensure_future(self._session(stop, None))
+        taken = asyncio.ensure_future(self._promotion.wait())
+        try:
+            await asyncio.wait({session, taken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            taken.cancel()
+            if not session.done():
+                session.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await session
+        if not session.cancelled():
+            session.result()
 
     def _notify(self) -> None:
         """Wake whoever waits for the session to change (the parking tasks)."""
@@ -238,6 +255,8 @@ class Link:
     async def _held(self, call, controller: str, incarnation: int):
         """Wait on a parked session for the controller's next message; None if the session changes so that the
         parked one is no longer wanted here (it is now the leader's, or the agent registered again)."""
+        if self.state.incarnation != incarnation:  # registered again during the handshake
+            return None
         reading = asyncio.ensure_future(call.read())
         try:
             while True:
@@ -259,7 +278,16 @@ class Link:
         if promoted is None:
             channel = self._channel(self.controller)
         else:
-            self.controller, channel, call, first = promoted
+            self.controller, channel, _, _ = promoted
+        try:
+            await self._session_on(channel, stop, promoted)
+        finally:
+            if self.state.connected:  # before the caller decides where to go next (_move_on)
+                self._lost_at = self._clock.monotonic()
+
+    async def _session_on(self, channel: grpc.aio.Channel, stop: asyncio.Event, promoted) -> None:
+        if promoted is not None:
+            _, _, call, first = promoted
         async with channel:
             registered = None
             if promoted is None:

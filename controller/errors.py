@@ -23,6 +23,10 @@ class Unavailable(ControllerError):
     """This controller cannot serve the request now (its leadership lapsed); another one may."""
 
 
+class AlreadyInSession(ControllerError):
+    """A parked session for a node already in session with this controller: the open one stays."""
+
+
 class PermissionDenied(ControllerError):
     """The caller is authenticated but not allowed to do this (e.g. a node acting as another)."""
 

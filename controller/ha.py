@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -190,7 +191,8 @@ class Elector:
                 reason = asyncio.run(self._renew(term, stop))
             except Exception as e:  # never silently: the main loop learns why the term ended
                 reason = f"the lease renewals failed: {type(e).__name__}: {e}"
-            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(reason))
+            with contextlib.suppress(RuntimeError):  # the event loop closed first (the process is ending)
+                loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(reason))
 
         thread = threading.Thread(target=renew, name="lease", daemon=True)
         thread.start()
@@ -204,6 +206,9 @@ class Elector:
                 stop.set()
                 self.term = None
                 self.valid_until = 0.0
+            # Its last renewal may be in flight (at most until the deadline it had): a resign, or the next term's
+            # thread, should not overlap it. Bounded, so a stop never hangs on it.
+            await asyncio.shield(asyncio.to_thread(thread.join, self.ttl_s))
 
     async def _renew(self, term: Term, stop: threading.Event) -> str:
         """The lease's renewals, on the renewing thread's event loop (Elector.hold)."""
@@ -327,8 +332,9 @@ class Standby:
 
     def __init__(self, elector: Elector) -> None:
         self.elector = elector
-        # A dead leader's lease lapses after its TTL, and etcd looks for expired leases twice a second.
-        self.parked = ParkedSessions(elector.name, self.refuse, self._leader_address, elector.ttl_s + 1.5)
+        # A dead leader's lease lapses after its TTL (etcd looks for expired leases twice a second); then the new
+        # leader loads the store and takes the parked sessions up at its event loop's pace (seconds, for 10,000).
+        self.parked = ParkedSessions(elector.name, self.refuse, self._leader_address, elector.ttl_s + 5.0)
 
     def _leader_address(self) -> str:
         leader = self.elector.leader

@@ -145,9 +145,9 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
                 await elector.resign(term)
                 break
             logger.warning("no longer the leader; standing by", reason=holding.result(), epoch=term.epoch)
-            await controller.stop(0)
-            await server.stop(0)  # every call of the term ends with it; the agents park or find the new leader
+            await server.stop(0)  # first: every call of the term ends, none reaches the stopping controller
             server = None
+            await controller.stop(0)
     finally:
         if server is not None:
             await server.stop(0)

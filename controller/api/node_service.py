@@ -12,7 +12,7 @@ import grpc
 from controller.api import auth, validation
 from controller.api.rpc import status_for, unary
 from controller.credentials import Credentials
-from controller.errors import ControllerError, FailedPrecondition, InvalidArgument
+from controller.errors import AlreadyInSession, ControllerError, FailedPrecondition, InvalidArgument
 from controller.jobs.manager import JobManager
 from controller.nodes.registry import NodeEntry, Registry
 from controller.nodes.session import Session
@@ -78,6 +78,9 @@ class ParkedSessions:
             await context.abort(status_for(e), str(e))
         await context.write(node_pb2.ControllerMessage(standing_by=node_pb2.StandingBy(
             controller=self._name, leader=self._leader(), takeover_s=self._takeover_s)))
+        if self._decided:  # decided during the write: the release may have gone by already
+            await self._finish(context, first)
+            return
         turn = asyncio.Event()
         self._waiters.append(turn)
         try:
@@ -153,6 +156,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                 raise InvalidArgument("the first session message must be `open` (SessionOpen)")
             name = validation.node_name(first.open.node_name)
             auth.require_node(name)
+            if first.open.standby and self._registry.in_session(name):
+                # a parked session taken up (or parked here) after the agent opened one itself: that one stays
+                raise AlreadyInSession(f"node {name!r} is in session with this controller already")
             entry = self._registry.attach(name, first.open.incarnation, session)
         except ControllerError as e:
             await context.abort(status_for(e), str(e))

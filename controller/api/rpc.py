@@ -10,6 +10,7 @@ import grpc
 
 from controller.api.validation import request_size
 from controller.errors import (
+    AlreadyInSession,
     ControllerError,
     FailedPrecondition,
     InvalidArgument,
@@ -27,6 +28,7 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),  # a streamed message that does not decode (request_guard)
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    (AlreadyInSession, grpc.StatusCode.ALREADY_EXISTS),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (StoreError, grpc.StatusCode.UNAVAILABLE),

@@ -242,6 +242,11 @@ class Registry:
         self._hub.publish(committed.events)
         return entries
 
+    def in_session(self, name: str) -> bool:
+        """The node has a session with this controller that has not ended."""
+        entry = self._nodes.get(name)
+        return entry is not None and entry.session is not None and not entry.session.closed.is_set()
+
     def attach(self, name: str, incarnation: int, session: Session) -> NodeEntry:
         entry = self._nodes.get(name)
         if entry is None:
