@@ -188,7 +188,7 @@ class Elector:
 
         def renew() -> None:
             try:
-                reason = asyncio.run(self._renew(term, stop))
+                reason = self._renew(term, stop)
             except Exception as e:  # never silently: the main loop learns why the term ended
                 reason = f"the lease renewals failed: {type(e).__name__}: {e}"
             with contextlib.suppress(RuntimeError):  # the event loop closed first (the process is ending)
@@ -210,12 +210,11 @@ class Elector:
             # thread, should not overlap it. Bounded, so a stop never hangs on it.
             await asyncio.shield(asyncio.to_thread(thread.join, self.ttl_s))
 
-    async def _renew(self, term: Term, stop: threading.Event) -> str:
-        """The lease's renewals, on the renewing thread's event loop (Elector.hold)."""
-        etcd = Etcd(self.etcd.endpoints, self.etcd.tls, self.etcd.timeout_s)
-        etcd._index = self.etcd._index
-        etcd._connect()
-        stream = None
+    def _renew(self, term: Term, stop: threading.Event) -> str:
+        """The lease's renewals, on the renewing thread (Elector.hold): blocking gRPC on a channel of its own (an
+        asyncio one would tie it to an event loop, and gRPC's poller to that loop after the thread is gone)."""
+        endpoints, index = self.etcd.endpoints, self.etcd._index
+        channel = None
         try:
             while not stop.is_set():
                 now = self._clock.monotonic()
@@ -223,36 +222,32 @@ class Elector:
                     return "its lease could not be renewed in time"
                 if now - self._loop_seen > LOOP_STALL_S:
                     return f"its event loop has not run for {now - self._loop_seen:.1f}s: the lease is let lapse"
+                if channel is None:
+                    channel = self.etcd.channel(endpoints[index])
+                sent = self._clock.monotonic()
                 try:
-                    if stream is None:
-                        stream = etcd.lease.LeaseKeepAlive()
-                    sent = self._clock.monotonic()
-                    await stream.write(rpc.LeaseKeepAliveRequest(ID=term.lease))
-                    reply = await asyncio.wait_for(stream.read(), max(0.05, self.valid_until - sent))
-                except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-                    logger.warning("lease renewal failed; trying again", error=repr(e),
+                    replies = rpc.LeaseStub(channel).LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=term.lease)]),
+                                                                    timeout=max(0.05, self.valid_until - sent))
+                    reply = next(iter(replies), None)
+                except grpc.RpcError as e:
+                    logger.warning("lease renewal failed; trying again", error=f"{e.code().name}: {e.details()}",
                                    lapses_in_s=round(self.valid_until - self._clock.monotonic(), 2))
-                    if stream is not None:
-                        stream.cancel()
-                        stream = None
-                    if isinstance(e, grpc.aio.AioRpcError) and len(etcd.endpoints) > 1:
-                        await etcd._next_endpoint()
-                    await asyncio.sleep(0.05)
+                    channel.close()
+                    channel = None
+                    index = (index + 1) % len(endpoints)  # another member, if there are several
+                    stop.wait(0.05)
                     continue
-                if reply is grpc.aio.EOF or reply.TTL <= 0:
+                if reply is None or reply.TTL <= 0:
                     return "its lease expired (etcd revoked it)"
                 with self._valid_lock:
                     if stop.is_set():  # the term ended meanwhile: a later term's deadline is not this one's
                         break
                     self.valid_until = sent + reply.TTL * (1 - RENEW_MARGIN)
-                next_at = self._clock.monotonic() + self.ttl_s / 3
-                while not stop.is_set() and self._clock.monotonic() < next_at:
-                    await asyncio.sleep(LOOP_TICK_S / 2)
+                stop.wait(self.ttl_s / 3)
             return "stopped"
         finally:
-            if stream is not None:
-                stream.cancel()
-            await etcd.close()
+            if channel is not None:
+                channel.close()
 
     async def resign(self, term: Term) -> None:
         """Give up leadership now (a clean stop): the standbys take over without waiting for the TTL."""

@@ -95,16 +95,22 @@ class Etcd:
     def endpoint(self) -> str:
         return self.endpoints[self._index]
 
+    OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+               ("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 2000),
+               ("grpc.max_receive_message_length", 64 << 20)]
+
     def _connect(self) -> None:
-        target = self.endpoint
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
-                   ("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 2000),
-                   ("grpc.max_receive_message_length", 64 << 20)]
+        self._channel = self.channel(self.endpoint, grpc.aio)
+        self._connect_stubs()
+
+    def channel(self, target: str, flavour=grpc) -> grpc.Channel | grpc.aio.Channel:
+        """A channel to `target` as this client makes them: `grpc` (blocking, for a thread of its own) or `grpc.aio`."""
         if self.tls is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            creds = grpc.ssl_channel_credentials(self.tls.ca, self.tls.key, self.tls.cert)
-            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+            return flavour.insecure_channel(target, options=self.OPTIONS)
+        creds = grpc.ssl_channel_credentials(self.tls.ca, self.tls.key, self.tls.cert)
+        return flavour.secure_channel(target, creds, options=self.OPTIONS)
+
+    def _connect_stubs(self) -> None:
         self.kv = rpc.KVStub(self._channel)
         self.lease = rpc.LeaseStub(self._channel)
         self.watch_stub = rpc.WatchStub(self._channel)
