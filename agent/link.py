@@ -14,7 +14,8 @@ SessionOpen with `standby`, answered with StandingBy, the stream then held. The 
 election answers the parked stream with SessionAccepted, and the session carries on there: after a takeover
 the agent is in session with the new leader without opening anything. When the session with the leader ends
 and a session is parked, the agent tries the old leader again for StandingBy.takeover_s (not the standbys,
-which could only refuse) before it looks for the leader elsewhere, as before. Every wait (heartbeat cadence, backoff, deadlines) is on the injected clock.
+which could only refuse) before it looks for the leader elsewhere, as before. Every wait (heartbeat cadence,
+backoff, deadlines) is on the injected clock.
 """
 
 from __future__ import annotations
