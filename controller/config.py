@@ -101,7 +101,8 @@ class RecoveryConfig:
     max_restarts: int = setting(3, "restarts in place of a job in a row before it is declared FAILED (restarts with "
                                 "less than restart_window_s of running between them; a restart that replaces a bad "
                                 "node does not count)")
-    restart_backoff_s: float = setting(1.0, "wait before the first restart, doubled for each later one in a row")
+    restart_backoff_s: float = setting(1.0, "wait before the first restart in place, doubled for each later one in a "
+                                       "row (a restart that replaces a bad node does not wait)")
     restart_window_s: float = setting(600.0, "a job that ran this long since its last restart starts counting "
                                       "restarts (and backoff) from zero again: a months-long job outlives many "
                                       "hardware faults")

@@ -71,7 +71,8 @@ class Sim:
         self.states: list[str] = []
         self.events: list[tuple[str, str]] = []
         self.incidents: list[str] = []  # the kind of every incident committed, in order
-        self.on_state: dict[str, callable] = {}
+        self.on_state: dict[str, callable] = {}  # state -> run 50 ms after the job enters it
+        self.on_commit: dict[str, callable] = {}  # state -> run at once on the commit that enters it
         self.hung: set[int] = set()  # ranks that stopped (SIGSTOP): they step no more and fall silent
         self.slow: set[str] = set()  # nodes whose ranks compute 50% slower (and so the job's steps, when they run)
         self.pace_factor = 1.0  # the whole job's steps this much slower, whatever its ranks (a slow dataset)
@@ -160,6 +161,8 @@ class Sim:
                         hook = self.on_state.pop(table.state_name(job.state), None)
                         if hook is not None:
                             self.at(self.now + 0.05, hook)
+                        if (hook := self.on_commit.pop(table.state_name(job.state), None)) is not None:
+                            hook()
                     committed = True
                 case lifecycle.Launch(generation=generation):
                     self.launched.append(generation)
@@ -285,7 +288,9 @@ def test_every_incident_recovers_with_a_controller_restart_in_any_state(kind, re
     sim = Sim()
     start(sim)
     before, seen = sim.job.generation, len(sim.states)
-    if restart_at is not None:
+    if restart_at == "RENDEZVOUS":  # right after the commit: a replacement leaves RENDEZVOUS at once (no backoff)
+        sim.on_commit[restart_at] = sim.controller_restart
+    elif restart_at is not None:
         sim.on_state[restart_at] = sim.controller_restart
     inject(sim, kind)
     sim.run_until(lambda: running(sim) and sim.job.generation > before)
@@ -379,6 +384,25 @@ def test_a_node_of_the_incident_is_passed_over_while_another_will_do():
                                           setattr(sim.nodes["b"], "drained", False))  # back at once: still avoided
     sim.run_until(lambda: running(sim) and sim.job.generation > generation)
     assert sorted(sim.job.nodes) == ["a", "c"]
+
+
+@pytest.mark.parametrize("kind, waits", [("crash", True), ("gpu-failed", False), ("node-lost", False)])
+def test_a_restart_in_place_backs_off_and_one_that_replaces_a_bad_node_does_not(kind, waits):
+    """The backoff keeps a job failing by itself from spinning; a replacement is bounded by the drains it makes,
+    and waiting would only lengthen every node loss."""
+    sim = Sim()
+    start(sim)
+    entered: dict[str, float] = {}
+    for state in ("RENDEZVOUS", "RESTARTING"):
+        sim.on_commit[state] = lambda state=state: entered.setdefault(state, sim.now)
+    generation = sim.job.generation
+    inject(sim, kind)
+    sim.run_until(lambda: running(sim) and sim.job.generation > generation)
+    waited = entered["RESTARTING"] - entered["RENDEZVOUS"]
+    if waits:
+        assert waited >= POLICY.recovery.restart_backoff_s, (waited, sim.events)
+    else:
+        assert waited == 0.0 and "b" not in sim.job.nodes, (waited, sim.events)
 
 
 def test_a_job_gives_up_after_max_restarts_with_the_reason():

@@ -24,7 +24,7 @@ def daly_ettr(mtbf_s: float, interval_s: float, cost_s: float, restart_s: float)
 
 def test_one_job_with_exponential_failures_matches_the_closed_form_within_one_percent():
     """Nodes lost at random (no warning, no snapshots, spares enough): the real lifecycle's recovery costs a fixed
-    detection + stop + backoff + launch + load, and the ETTR is Daly's."""
+    detection + stop + launch + load (a restart that replaces a node does not back off), and the ETTR is Daly's."""
     s = scenario(**{"fleet.nodes": 96, "job.nodes": 64, "job.spares": 32, "job.snapshots": False,
                     "job.checkpoint_interval_s": 3600.0, "job.checkpoint_cost_s": 60.0,
                     "failures.per_1000_node_days": 10.0, "failures.software_share": 0.0,
@@ -34,7 +34,7 @@ def test_one_job_with_exponential_failures_matches_the_closed_form_within_one_pe
     r = report.simulate(s)
     t = s.timings
     # every restart is on the job's own nodes and a spare: warm (standbys were waiting there)
-    restart_s = t.node_loss_detect_s + t.stop_s + s.policy.restart_backoff_s + t.warm_launch_s + t.load_s
+    restart_s = t.node_loss_detect_s + t.stop_s + t.warm_launch_s + t.load_s
     assert r["jobs"][0]["warm_launches"] == r["jobs"][0]["launches"] - 1  # all but the first start
     mtbf_s = sc.DAY_S / (64 * 10.0 / 1000)
     expected = daly_ettr(mtbf_s, 3600.0, 60.0, restart_s)
@@ -335,9 +335,8 @@ def test_a_predictable_fault_costs_its_checkpoint_then_a_recovery_each_counted_a
     r = report.simulate(s)
     job, t = r["jobs"][0], s.timings
     assert set(job["incidents"]) == {"gpu-failing"} and job["recoveries"] == job["incidents"]["gpu-failing"] > 5
-    # from the eviction (the checkpoint is in): stop, back off, relaunch warm on a spare, restore the snapshots
-    assert r["recovery_s"]["p50"] == pytest.approx(t.stop_s + s.policy.restart_backoff_s + t.warm_launch_s
-                                                   + t.snapshot_load_s, abs=1.0)
+    # from the eviction (the checkpoint is in): stop, relaunch warm on a spare (no backoff), restore the snapshots
+    assert r["recovery_s"]["p50"] == pytest.approx(t.stop_s + t.warm_launch_s + t.snapshot_load_s, abs=1.0)
     durable = job["work_h"] * 3600 / s.job.checkpoint_interval_s
     assert job["lost_h"]["checkpoints"] * 3600 == pytest.approx(
         durable * s.job.checkpoint_cost_s + job["recoveries"] * t.eviction_checkpoint_s, rel=0.05)

@@ -517,7 +517,10 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: dict[str, Candidate],
 
 
 def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
-    delay = backoff(job.restarts_in_row, policy.recovery)
+    # A restart in place backs off: a job failing by itself must not spin. One that leaves a bad node behind
+    # does not wait: the drains it makes bound how often that can happen, and a wait would only add to the
+    # downtime of every node loss and every eviction for a failing GPU.
+    delay = 0.0 if job.incident_nodes else backoff(job.restarts_in_row, policy.recovery)
     ready_at = job.state_since_unix_ns / 1e9 + delay
     if now < ready_at:
         return [WakeAt(ready_at)]
