@@ -386,17 +386,23 @@ def test_a_node_of_the_incident_is_passed_over_while_another_will_do():
     assert sorted(sim.job.nodes) == ["a", "c"]
 
 
-@pytest.mark.parametrize("kind, waits", [("crash", True), ("gpu-failed", False), ("node-lost", False)])
+@pytest.mark.parametrize("kind, waits", [("crash", True), ("gpu-failed", False), ("node-lost", False),
+                                         ("crash-then-node-lost", False)])
 def test_a_restart_in_place_backs_off_and_one_that_replaces_a_bad_node_does_not(kind, waits):
     """The backoff keeps a job failing by itself from spinning; a replacement is bounded by the drains it makes,
-    and waiting would only lengthen every node loss."""
+    and waiting would only lengthen every node loss. A node lost is often seen first as its peer's crash (a
+    collective fails before the node is declared DOWN): the restart then replaces it, and does not wait."""
     sim = Sim()
     start(sim)
     entered: dict[str, float] = {}
     for state in ("RENDEZVOUS", "RESTARTING"):
         sim.on_commit[state] = lambda state=state: entered.setdefault(state, sim.now)
     generation = sim.job.generation
-    inject(sim, kind)
+    if kind == "crash-then-node-lost":
+        inject(sim, "crash")
+        sim.on_commit["EVICTING"] = lambda: setattr(sim.nodes["b"], "down", True)
+    else:
+        inject(sim, kind)
     sim.run_until(lambda: running(sim) and sim.job.generation > generation)
     waited = entered["RESTARTING"] - entered["RENDEZVOUS"]
     if waits:

@@ -518,13 +518,16 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: dict[str, Candidate],
 
 def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     # A restart in place backs off: a job failing by itself must not spin. One that leaves a bad node behind
-    # does not wait: the drains it makes bound how often that can happen, and a wait would only add to the
-    # downtime of every node loss and every eviction for a failing GPU.
-    delay = 0.0 if job.incident_nodes else backoff(job.restarts_in_row, policy.recovery)
+    # does not wait: the drains it makes (or the node being down) bound how often that can happen, and a wait
+    # would only add to the downtime of every node loss and every eviction for a failing GPU. A node lost is
+    # often seen first as a crash (its peers' collectives fail before it is declared DOWN): the nodes chosen
+    # tell.
+    chosen = next_nodes(job, view)
+    replacing = bool(job.incident_nodes) or (not isinstance(chosen, str) and chosen[0] != list(job.nodes))
+    delay = 0.0 if replacing else backoff(job.restarts_in_row, policy.recovery)
     ready_at = job.state_since_unix_ns / 1e9 + delay
     if now < ready_at:
         return [WakeAt(ready_at)]
-    chosen = next_nodes(job, view)
     if isinstance(chosen, str) and (why := allocation_short(
             job, view, f"to replace {', '.join(job.incident_nodes) or 'its nodes'}")):
         return [finished(job, FAILED, why, 1, now)]
