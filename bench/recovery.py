@@ -315,6 +315,11 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         result["incident"] = info["incident"]
         logs = read()
         result["warm"] = "(warm) ---" in logs or "rejoining in the same process" in logs
+        if result.get("steps_lost"):  # more than none: say why, for the results file (which step, from where)
+            events = json.loads(_cli(address, "events", "--job", job, "--json") or "[]")
+            result["restore"] = [e["message"] for e in events if e["kind"].startswith("job.snapshot")]
+            result["trainlib"] = [line for r in (0, 1) for line in _cli(address, "logs", job, "--rank", str(r))
+                                  .splitlines() if line.startswith("trainlib:")][-12:]
         return result
     finally:
         for record in root.glob("*/state/ranks/*.json"):
