@@ -188,8 +188,7 @@ class Gen:
                     node.target, call = node.promoted.pop(0)
                     self.taken_up += 1
                 else:
-                    node.target = self.target
-                    call = await self._open(name, local, inventory, first.done(), incarnation)
+                    call = await self._open(name, local, inventory, first.done(), incarnation, node)
                 if not first.done():
                     first.set_result(call is not None)
                     self.opening.pop(asyncio.current_task(), None)
@@ -258,11 +257,13 @@ class Gen:
                 await asyncio.sleep(backoff.next())
 
     async def _open(self, name: str, local: int, inventory: common_pb2.NodeInventory, again: bool,
-                    incarnation: list[int]):
+                    incarnation: list[int], node: _Parking):
         """Register (unless the node resumes with its incarnation) and open the session; the call once
         SessionAccepted has come, else None. A refused resume registers at once, as agent/link.py does."""
         async with self.sem:
-            target = self.target
+            # where the session opens is known only now: the leader may have been learnt while this node waited
+            # for its turn (a node.target set before the wait left its parked session at that controller undone)
+            target = node.target = self.target
             stub = self._stub(local, name)
             try:
                 while True:
