@@ -76,6 +76,11 @@ def test_a_failing_rank_is_restarted_then_fails_the_job_with_its_exit_code(four)
     assert j["state"] == "FAILED" and j["generation"] == 2
     assert j["reason"].startswith("gave up after 1 restarts: rank 1 on ") and j["reason"].endswith(
         "exited with code 3")
+    # the job ended while its other rank still ran (it was stopped): its record says how that one ended too
+    four.wait_for(lambda: all(r["state"] != "RUNNING" for r in job(four, job_id)["ranks"]),
+                  "every rank's end recorded")
+    ended = {r["rank"]: (r["state"], r["exit_code"]) for r in job(four, job_id)["ranks"]}
+    assert all(state == "EXITED" for state, _ in ended.values()) and ended[1] == ("EXITED", 3), ended
 
 
 def test_cancel_stops_every_rank_on_every_node(four):

@@ -98,6 +98,9 @@ class JobManager:
         self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
         self._snapshots_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds snapshots of
         self._standbys_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds standbys of
+        # ids of jobs that ended (FAILED) with ranks still running, stopped since: their records are saved with
+        # how those ranks ended (the executor's next pass)
+        self.ended_ranks: set[str] = set()
         self.incidents: Counter[str] = Counter()  # by kind; these three feed controller.obs.metrics
         self.restarts_by_cause: Counter[str] = Counter()
         self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
@@ -270,6 +273,8 @@ class JobManager:
                 reported[(status.job, status.rank)] = status
             elif status.state == pb.RANK_STATE_RUNNING:
                 stale = True
+            elif entry is not None and entry.job.state in TERMINAL and status.generation == entry.job.generation:
+                self._rank_ended(entry, name, status)
         changed = stale
         now = self.now()
         for report in heartbeat.progress:
@@ -317,6 +322,30 @@ class JobManager:
         if changed:
             self.wake()
         return stale
+
+    def _rank_ended(self, entry: JobEntry, node: str, status: node_pb2.RankStatus) -> None:
+        """A rank of a job that ended while it ran (a job that gave up stops its other ranks) has ended too: its
+        record says how once the executor saves it, instead of RUNNING for ever."""
+        for rank in entry.job.ranks:
+            if rank.rank == status.rank and rank.node == node and rank.state == pb.RANK_STATE_RUNNING \
+                    and rank_may_move(rank.state, status.state):
+                rank.state, rank.exit_code = status.state, status.exit_code
+                self.ended_ranks.add(entry.job.id)
+                self.wake()
+
+    async def save_ended_ranks(self) -> None:
+        """Save the records of ended jobs whose running ranks have ended since (`_rank_ended`), with an event."""
+        for job_id in sorted(self.ended_ranks):
+            self.ended_ranks.discard(job_id)
+            entry = self.entries.get(job_id)
+            if entry is None or entry.job.state not in TERMINAL:
+                continue
+            async with self.lock:
+                job = entry.job
+                running = [r.rank for r in job.ranks if r.state == pb.RANK_STATE_RUNNING]
+                await self.save(entry, lifecycle.Commit(job, "job.ranks_stopped", (
+                    f"{job.id} ({state_name(job.state)}): its ranks have stopped" if not running else
+                    f"{job.id} ({state_name(job.state)}): rank(s) {', '.join(map(str, running))} still to stop")))
 
     async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
         """Stop ranks running on `node` that belong to no current job generation: one stop per generation."""

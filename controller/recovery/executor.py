@@ -92,6 +92,8 @@ class Executor:
                 logger.exception("scheduler pass failed; will retry")
 
     async def run_pass(self) -> None:
+        if self.jobs.ended_ranks:
+            await self.jobs.save_ended_ranks()
         entries = list(self.jobs.entries.values())
         pending = sorted((e for e in entries if e.job.state == PENDING),
                          key=lambda e: (-e.job.spec.priority, e.job.submitted_unix_ns))
