@@ -87,4 +87,12 @@ def _shown(text: str) -> str:
 
 
 def _usage(faults: dict[str, tuple[type | None, str]]) -> list[str]:
-    return [name if kind is None else f"{name}={'N' if kind is int else 'R'}" for name, (kind, _) in faults.items()]
+    return [usage(name, kind) for name, (kind, _) in faults.items()]
+
+
+def usage(name: str, kind: type | None) -> str:
+    """How the help and the README write a fault: `hang`, `xid=N` (a count), `ecc-sbe-rate=R` (a rate), `slow=F`
+    (a factor)."""
+    if kind is None:
+        return name
+    return f"{name}={'N' if kind is int else 'F' if name.startswith('slow') else 'R'}"

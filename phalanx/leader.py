@@ -43,6 +43,11 @@ def parse_controllers(text: str) -> list[str]:
     addresses = comma_list(text)
     if not addresses:
         raise ValueError(f"no controller address in {text!r}: give HOST:PORT, or several as HOST:PORT,HOST:PORT")
+    for address in addresses:  # gRPC would dial :443 without a port, and take 99999 modulo 65536
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"controller address {address!r} must be HOST:PORT with a port from 1 to 65535, "
+                             "e.g. 10.0.0.1:50051")
     return addresses
 
 

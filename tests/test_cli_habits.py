@@ -97,9 +97,10 @@ def test_nodes_are_named_by_hostlists_in_and_shown_as_hostlists_out(four):
     assert injected.stdout.splitlines() == ["gpu001: injected GPU 1: thermal", "gpu002: injected GPU 1: thermal"]
 
 
-def test_jobs_show_their_nodes_as_a_hostlist_and_watch_follows_a_job_to_its_end(four):
-    job_id = four.cli("submit", "--nodes", "2", "--", sys.executable, "-c", "import time; time.sleep(3)"
-                      ).stdout.strip()
+def test_jobs_show_their_nodes_as_a_hostlist_and_watch_follows_a_job_to_its_end(four, tmp_path):
+    gate = tmp_path / "end"  # the job runs until the test has seen the watch show it running
+    job_id = four.cli("submit", "--nodes", "2", "--", sys.executable, "-c",
+                      f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)").stdout.strip()
     four.wait_for(lambda: json.loads(four.cli("job", job_id, "-o", "json").stdout)["state"] == "RUNNING",
                   "the job running")
     table = four.cli("jobs").stdout.splitlines()
@@ -107,9 +108,16 @@ def test_jobs_show_their_nodes_as_a_hostlist_and_watch_follows_a_job_to_its_end(
     assert four.cli("jobs", "-o", "name").stdout.split() == [job_id]
     assert "USER" in four.cli("jobs", "-o", "wide").stdout.splitlines()[0].split()
     # --watch with -o json: one document a line, until the job ends (then the command ends by itself)
-    watched = four.cli("job", job_id, "--watch", "0.2", "-o", "json", timeout=120)
-    assert watched.returncode == 0, watched.stderr
-    states = [json.loads(line)["state"] for line in watched.stdout.splitlines()]
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", *flags(four), "job", job_id, "--watch", "0.2",
+                             "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        gate.touch()
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    states = [json.loads(line)["state"] for line in [first, *rest.splitlines()]]
     assert len(states) >= 2 and states[0] == "RUNNING" and states[-1] == "SUCCEEDED", states
 
 

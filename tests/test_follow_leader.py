@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,6 +100,11 @@ def test_a_controller_list_is_split_trimmed_and_deduplicated():
             parse_controllers(text)
         assert str(info.value) == (f"no controller address in {text!r}: give HOST:PORT, or several as "
                                    "HOST:PORT,HOST:PORT")
+    assert parse_controllers("[::1]:7370,ctl.example:1") == ["[::1]:7370", "ctl.example:1"]
+    for text, bad in (("127.0.0.1:99999", "127.0.0.1:99999"), ("127.0.0.1", "127.0.0.1"), ("a:1,b", "b"),
+                      (":7370", ":7370"), ("a:0", "a:0"), ("a:x", "a:x")):
+        with pytest.raises(ValueError, match=f"controller address '{re.escape(bad)}' must be HOST:PORT"):
+            parse_controllers(text)
 
 
 def test_the_next_address_is_the_hinted_leader_then_the_list_in_order():
@@ -312,6 +318,8 @@ def test_the_error_names_every_controller_when_none_answers():
     assert empty.returncode == 2
     assert empty.stderr.strip() == ("phalanx: error: no controller address in ' , ': give HOST:PORT, or several as "
                                     "HOST:PORT,HOST:PORT")
+    portless = phalanx("--controller", "127.0.0.1", "nodes")  # gRPC would have dialled port 443
+    assert portless.returncode == 2 and "controller address '127.0.0.1' must be HOST:PORT" in portless.stderr
 
 
 def test_an_election_that_outlasts_the_cli_says_so():

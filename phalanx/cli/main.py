@@ -186,6 +186,8 @@ def _issue(args: argparse.Namespace) -> int:
     if args.san and args.role not in ("controller", "etcd"):
         raise CliError("--san is only for --role controller or etcd (node and client certificates carry their name)",
                        USAGE)
+    if not pki.NAME.fullmatch(args.name):  # a bad argument (2), not a failure of the CA (1)
+        raise CliError(f"bad certificate name {args.name!r}: {pki.RULE} (a node's name, or a user's)", USAGE)
     issued = pki.issue(args.dir, args.name, args.role, tuple(args.san), args.days)
     print(f"{args.role} certificate: {issued.cert} (key {issued.key}, mode 0600), valid until "
           f"{issued.not_after:%Y-%m-%d}")
@@ -708,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_output(p, "table", "json")
     p.set_defaults(func=cmd_topo)
 
-    fault_help = "; ".join(f"{name}{'=N' if kind is int else '=R' if kind is float else ''}: {doc}"
+    fault_help = "; ".join(f"{faults.usage(name, kind)}: {doc}"
                            for name, (kind, doc) in {**faults.GPU_FAULTS, **faults.RANK_FAULTS}.items())
     p = sub.add_parser("inject", help="inject a fault into a simulated GPU (refused on real ones)",
                        description=f"Faults: {fault_help}.")
@@ -719,8 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a gang job; prints its id",
                        usage="%(prog)s [--nodes N] [--ranks-per-node R] [--spares S] [--checkpoint-dir DIR] "
-                             "[--name NAME] [--priority P] [--env K=V] [--as ACCOUNT] [--memory SIZE] [--tasks N] "
-                             "[--open-files N] -- COMMAND ...")
+                             "[--name NAME] [--priority P] [--segment N] [--env K=V] [--as ACCOUNT] [--memory SIZE] "
+                             "[--tasks N] [--open-files N] -- COMMAND ...")
     p.add_argument("--nodes", type=_positive, default=1, help="nodes in the gang (default 1)")
     p.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per node (default 1)")
     p.add_argument("--spares", type=_count, default=0, help="hot spare nodes reserved in the job's topology domain")
