@@ -73,8 +73,9 @@ async def _suspect_or_down(address: str, after_seq: int) -> tuple[int, int, int]
     SUSPECT or DOWN at all (a node leaving SUSPECT too: one declared before the kill), the last seq)."""
     declared, named, seq = 0, 0, after_seq
     while True:
+        # pages of 2,000 with a generous deadline: the leader answers between thousands of heartbeats a second
         reply = await _ask(address, lambda s, t, after=seq: s.ListEvents(
-            control_pb2.ListEventsRequest(after_seq=after, limit=10_000), timeout=t), timeout=10)
+            control_pb2.ListEventsRequest(after_seq=after, limit=2_000), timeout=t), timeout=60)
         if not reply.events:
             return declared, named, seq
         states = [e for e in reply.events if e.kind == "node.state"]
@@ -100,6 +101,7 @@ async def run(steps: list[int]) -> dict:
         members = etcdlocal.plan(root / "etcd", 1)
         etcdlocal.start(members[0], members)
         gen = None
+        seq = 0  # the event log read so far (one log in etcd, whichever controller leads)
         try:
             etcdlocal.wait_healthy(members)
             addresses = {f"c{i}": f"127.0.0.1:{free_port()}" for i in range(3)}
@@ -132,7 +134,7 @@ async def run(steps: list[int]) -> dict:
                 await _wait(lambda s=standbys, n=n: _parked_at_least(s, n), f"{n} sessions parked at each standby",
                             600)
                 log(f"failover at scale: {n} sessions parked at each standby after {time.monotonic() - t_park:.0f} s")
-                _, _, seq = await _suspect_or_down(address, 0)
+                _, _, seq = await _suspect_or_down(address, seq)  # from where the last step's listing ended
                 procs.kill(pids[name], signal.SIGKILL)
                 t_kill = time.monotonic()
                 others = [a for a in addresses.values() if a != address]
@@ -149,7 +151,7 @@ async def run(steps: list[int]) -> dict:
                 back_s = await _wait(new_leader_with_all, f"a new leader with all {n} nodes", 300)
                 new_name, new_address, _ = await _leader(others)
                 await asyncio.sleep(WINDOW_S)
-                down, named, _ = await _suspect_or_down(new_address, seq)
+                down, named, seq = await _suspect_or_down(new_address, seq)
                 stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
                 generated = await gen.call({"cmd": "stats", "reset": False})
                 step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
