@@ -340,7 +340,11 @@ class Standby:
         elector = self.elector
         if address := self._leader_address():
             context.set_trailing_metadata(((LEADER_METADATA, address),))
-            where = f"the leader is {elector.leader.name} at {address}"
+            if elector.problem:  # what etcd said last: the leader may have lost its lease since (a hint to try)
+                where = (f"the leader was {elector.leader.name} at {address} when etcd last answered "
+                         f"({elector.problem})")
+            else:
+                where = f"the leader is {elector.leader.name} at {address}"
         else:  # the key with no value: "a standby, and it knows no leader"
             context.set_trailing_metadata(((LEADER_METADATA, ""),))
             where = ("no leader is elected yet" + (f" ({elector.problem})" if elector.problem else "")

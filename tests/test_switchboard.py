@@ -99,3 +99,44 @@ async def test_a_stream_opened_under_one_role_carries_on_through_the_change(boar
     assert await call.read() == b"got heartbeat"
     await call.done_writing()
     assert await call.code() == grpc.StatusCode.OK
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """Enough of a ServicerContext for Standby.refuse: what it set and how it ended the call."""
+
+    def __init__(self) -> None:
+        self.trailing: tuple = ()
+        self.ended: tuple = ()
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing = tuple(metadata)
+
+    async def abort(self, code, details):
+        self.ended = (code, details)
+        raise _Aborted
+
+
+@pytest.mark.parametrize("problem, said", [
+    ("", "controller c2 is a standby: the leader is c1 at 127.0.0.1:7001"),
+    ("etcd unavailable: connection refused", "controller c2 is a standby: the leader was c1 at 127.0.0.1:7001 when "
+                                             "etcd last answered (etcd unavailable: connection refused)"),
+])
+def test_a_standby_names_the_leader_and_says_when_etcd_no_longer_answers(problem, said):
+    """A standby cut off from etcd knows only who led when etcd last answered: it says so (the hint still goes with
+    the refusal: clients try it, and a deposed leader refuses in turn)."""
+    from types import SimpleNamespace
+
+    from controller.ha import LEADER_METADATA, LeaderInfo, Standby
+    elector = SimpleNamespace(name="c2", ttl_s=2.0, problem=problem, leader=LeaderInfo("c1", "127.0.0.1:7001", 5, 0))
+    context = _Context()
+
+    async def refuse():
+        with pytest.raises(_Aborted):
+            await Standby(elector).refuse(context)
+    asyncio.run(refuse())
+    assert context.ended == (grpc.StatusCode.UNAVAILABLE, said)
+    assert context.trailing == ((LEADER_METADATA, "127.0.0.1:7001"),)
