@@ -204,6 +204,12 @@ def test_a_client_without_a_certificate_or_with_a_strangers_is_turned_away(secur
                                   capture_output=True, text=True, timeout=60,
                                   env={**os.environ, "PHALANX_CONTROLLER": secure.address})
     assert insecure_cli.returncode == 1 and "cannot reach the controller" in insecure_cli.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    anonymous_cli = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "--controller", secure.address, "--ca",
+                                    str(secure.pki / "ca.crt"), "nodes"], capture_output=True, text=True, timeout=60,
+                                   env=env)  # the CA, but no certificate: the error says what is missing
+    assert anonymous_cli.returncode == 1 and "no client certificate or token was given" in anonymous_cli.stderr, \
+        anonymous_cli.stderr
     assert secure._serving()  # and the controller is none the worse
 
 

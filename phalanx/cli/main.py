@@ -67,6 +67,7 @@ def controllers(args: argparse.Namespace) -> leader.Follower:
     """The controllers this command talks to, following the leader; made once per command, closed by main()."""
     if getattr(args, "follower", None) is None:
         addresses, security = _target(args)
+        args.security = security  # for the errors (rpc_error)
         args.follower = leader.Follower(addresses, lambda address: security.channel(address, CLIENT_OPTIONS))
     return args.follower
 
@@ -85,8 +86,13 @@ def rpc_error(e: grpc.RpcError, args: argparse.Namespace) -> CliError:
         return CliError(f"cannot reach a leading controller at {controller_address(args)}: {e.details()}",
                         transient=True)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}",
-                        transient=True)
+        security = getattr(args, "security", None)
+        anonymous = security is not None and not security.insecure and not security.cert_file and not security.token
+        # reached, then cut off (not a refused or unresolved address): what mutual TLS does to a caller without one
+        anonymous = anonymous and any(w in (e.details() or "") for w in ("Socket closed", "andshake", "SSL", "reset"))
+        return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}" + (
+            " (no client certificate or token was given, and a controller on mutual TLS closes such connections: "
+            "pass --cert and --key, or set PHALANX_TOKEN)" if anonymous else ""), transient=True)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return CliError(f"the controller at {controller_address(args)} does not know you: {e.details()}")
     exit_code = USAGE if code == grpc.StatusCode.INVALID_ARGUMENT else FAILED
