@@ -71,6 +71,15 @@ def test_local_cluster_lifecycle(home):
     events = json.loads(phalanx("events", "--json", "--node", "node-1", env=home).stdout)
     kinds = [e["kind"] for e in events]
     assert "node.drain" in kinds and "node.undrain" in kinds and all(e["node"] == "node-1" for e in events)
+    # as `tail`: the newest --limit events, unless --after asks for the first ones after a seq
+    newest = [e["seq"] for e in json.loads(phalanx("events", "--json", "--limit", "3", env=home).stdout)]
+    every = [e["seq"] for e in json.loads(phalanx("events", "--json", "--after", "0", "--limit", "100000",
+                                                  env=home).stdout)]
+    assert len(every) > 3 and newest == [s for s in every if s <= newest[-1]][-3:], (newest, every)
+    first = [e["seq"] for e in json.loads(phalanx("events", "--json", "--after", "0", "--limit", "3", env=home).stdout)]
+    assert first == every[:3]
+    past_a_page = [e["seq"] for e in json.loads(phalanx("events", "--json", "--limit", "20000", env=home).stdout)]
+    assert past_a_page[:len(every)] == every  # more than one page's worth asked: read in pages, all of them here
 
     # --follow prints what is there, then what happens next, one JSON object per line
     follow = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "events", "--follow", "--json", "--after",

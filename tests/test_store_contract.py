@@ -147,6 +147,34 @@ def test_events_get_increasing_seqs_and_filter(make_store):
     run(go())
 
 
+def test_the_newest_events_are_read_backwards_with_every_filter(make_store):
+    """`phalanx events` shows the newest (controller/api/control_service.py newest_events, on every store): the last
+    `limit` matching events, oldest first, however sparse the matches, and none at or before after_seq."""
+    from controller.api.control_service import newest_events
+
+    async def go():
+        store = make_store(max_events=1000)
+        seqs = []
+        for i in range(40):  # committed in batches, as the controller does; then pruned from the old end
+            out = await store.commit(events=[ev(node=f"n{(i * 30 + k) % 7}", job="j1" if k == 0 else "",
+                                                **({"by": "alice"} if (i * 30 + k) % 97 == 0 else {}))
+                                             for k in range(30)])
+            seqs += [e.seq for e in out.events]
+        kept = await store.list_events(limit=10_000)
+        assert len(kept) >= 1000 and [e.seq for e in kept] == list(range(kept[0].seq, seqs[-1] + 1))  # dense
+        newest = await newest_events(store, 0, 5)
+        assert [e.seq for e in newest] == seqs[-5:]
+        assert [e.seq for e in await newest_events(store, seqs[-3], 5)] == seqs[-2:]
+        for node, job, by in (("n3", "", ""), ("", "j1", ""), ("n2", "j1", ""), ("", "", "alice")):
+            matching = [e.seq for e in kept if (not node or e.node == node) and (not job or e.job == job)
+                        and (not by or e.fields.get("by") == by)]
+            assert [e.seq for e in await newest_events(store, 0, 7, node, job, by)] == matching[-7:], (node, job, by)
+            assert [e.seq for e in await newest_events(store, 0, 10_000, node, job, by)] == matching
+        assert await newest_events(store, 0, 5, node="nobody") == []
+        assert await newest_events(store, seqs[-1], 5) == []
+    run(go())
+
+
 @pytest.mark.parametrize("after_seq", [2**63 - 1, 2**63, 2**64 - 1])
 def test_events_after_a_cursor_past_every_seq(make_store, after_seq):
     """ListEvents passes a uint64 from the wire straight through: past SQLite's int64, nothing comes back."""

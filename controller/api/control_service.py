@@ -22,6 +22,23 @@ from phalanx import faults
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc, node_pb2
 
 _REPLAY_PAGE = 1000
+
+
+async def newest_events(store: Store, after_seq: int, limit: int, node: str = "", job: str = "",
+                        by: str = "") -> list[EventRecord]:
+    """The newest `limit` events with seq > after_seq (and the node, job and person asked for), oldest first:
+    read backwards from the last seq in windows that double while the filters match little. Seqs are dense (the
+    log is pruned from its old end only), so the first events after `lo` that match include every match up to
+    `hi`."""
+    found: list[EventRecord] = []
+    hi, window = await store.last_event_seq(), limit
+    while hi > after_seq and len(found) < limit:
+        lo = max(after_seq, hi - window)
+        page = [e for e in await store.list_events(after_seq=lo, limit=hi - lo, node=node, job=job)
+                if e.seq <= hi and (not by or e.fields.get("by") == by)]
+        found = page + found
+        hi, window = lo, min(window * 2, 64 * limit)
+    return found[-limit:]
 DEFAULT_CHECKPOINT_DEADLINE_S = 120.0
 LAG_REFRESH_S = 1.0  # GetStats recomputes the heartbeat lag percentiles at most this often (a view for people)
 
@@ -75,6 +92,9 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         if request.job:
             validation.job_id(request.job, "job")
         limit = validation.page_limit(request.limit)
+        if request.newest:
+            events = await newest_events(self._store, request.after_seq, limit, request.node, request.job, request.by)
+            return control_pb2.ListEventsResponse(events=[e.to_proto() for e in events])
         if not request.by:
             events = await self._store.list_events(after_seq=request.after_seq, limit=limit, node=request.node,
                                                    job=request.job)

@@ -7,6 +7,7 @@ Exit codes: 0 ok; 1 failed or denied (controller unreachable, unknown node, refu
 from __future__ import annotations
 
 import argparse
+import collections
 import getpass
 import json
 import os
@@ -466,21 +467,40 @@ def _print_event(event: common_pb2.Event, as_json: bool) -> None:
         print(render.event_line(event), flush=True)
 
 
+EVENTS_PAGE = 10_000  # the most one ListEvents returns (controller/api/validation.py MAX_EVENTS_PAGE)
+
+
+def _list_events(args: argparse.Namespace) -> list:
+    """The events asked for: as `tail`, the newest --limit, unless --after asks for the first ones after a seq. A
+    limit past one page is read in pages from --after on (the newest: keeping the last ones)."""
+    def page(after: int, limit: int, newest: bool) -> list:
+        return list(call(args, lambda s: s.ListEvents(control_pb2.ListEventsRequest(
+            after_seq=after, limit=limit, node=args.node or "", job=args.job or "", by=args.by or "", newest=newest),
+            timeout=DEFAULT_TIMEOUT_S)).events)
+    newest = args.after is None
+    if args.limit <= EVENTS_PAGE:
+        return page(args.after or 0, args.limit, newest)
+    kept: collections.deque = collections.deque(maxlen=args.limit if newest else None)
+    after = args.after or 0
+    while (newest or len(kept) < args.limit) and (events := page(after, EVENTS_PAGE, False)):
+        kept.extend(events)
+        after = events[-1].seq
+    return list(kept)[:args.limit]
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     if not args.follow:
-        reply = call(args, lambda s: s.ListEvents(control_pb2.ListEventsRequest(
-            after_seq=args.after, limit=args.limit, node=args.node or "", job=args.job or "", by=args.by or ""),
-            timeout=DEFAULT_TIMEOUT_S))
+        events = _list_events(args)
         if args.output == "json":
-            print(render.dumps([render.event_dict(e) for e in reply.events]))
+            print(render.dumps([render.event_dict(e) for e in events]))
         else:
-            for event in reply.events:
+            for event in events:
                 _print_event(event, False)
         return OK
     # --follow: one JSON object per line; survives controller restarts and a change of leader by resuming
     # after the last seq.
     follower = controllers(args)
-    last = args.after
+    last = args.after or 0
     while True:
         stub = control_pb2_grpc.ControlServiceStub(follower.channel())
         try:
@@ -789,8 +809,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", help="only events of this job")
     p.add_argument("--by", metavar="IDENTITY", help="only what this person (certificate or token name) did: drains, "
                    "submissions, cancels, checkpoints, injections, certificates")
-    p.add_argument("--after", type=_count, default=0, metavar="SEQ", help="only events after this sequence number")
-    p.add_argument("--limit", type=_positive, default=1000, help="at most this many (default 1000)")
+    p.add_argument("--after", type=_count, metavar="SEQ", help="only events after this sequence number (then the "
+                   "first --limit of them; without it, the newest)")
+    p.add_argument("--limit", type=_positive, default=1000, help="at most this many, the newest unless --after is "
+                   "given (default 1000)")
     p.set_defaults(func=cmd_events)
 
     p = sub.add_parser("simulate", help="the controller's own policies on a simulated fleet: ETTR, goodput, losses",

@@ -216,18 +216,20 @@ class UndrainNodeRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListEventsRequest(_message.Message):
-    __slots__ = ("after_seq", "limit", "node", "job", "by")
+    __slots__ = ("after_seq", "limit", "node", "job", "by", "newest")
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     BY_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
     after_seq: int
     limit: int
     node: str
     job: str
     by: str
-    def __init__(self, after_seq: _Optional[int] = ..., limit: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
+    newest: bool
+    def __init__(self, after_seq: _Optional[int] = ..., limit: _Optional[int] = ..., node: _Optional[str] = ..., job: _Optional[str] = ..., by: _Optional[str] = ..., newest: _Optional[bool] = ...) -> None: ...
 
 class ListEventsResponse(_message.Message):
     __slots__ = ("events",)
