@@ -109,7 +109,7 @@ def story(job: str, victim: str, spare: str, final: dict, events: list[dict], re
          "no job.checkpointed event, no job.evicting note saying every rank committed"),
         (f"failing node {victim} evicted", any(m.endswith(victim) or f" {victim}," in m for m in evicting)
          and victim in final["evicted"], "; ".join(evicting) or "no job.evicting event"),
-        (f"restart on the spare {spare}", any("spares" in m and spare in m for m in restarting)
+        (f"restart on the spare {spare}", any(f"spare {spare} taken" in m for m in restarting)
          and spare in final["nodes"], "; ".join(restarting) or "no job.restarting event"),
         ("every rank resumed from the committed step", committed is not None and len(resume_lines) == len(resumed)
          and all(f"resumed from step {committed} " in line for line in resume_lines),

@@ -19,8 +19,8 @@ RECOVERED = [
     event("job.checkpointed", "job-1: every rank committed step 124 (4.31s after the request)"),
     event("job.evicting", "job-1: every rank committed step 124 in 4.31s; evicting node-1"),
     event("job.rendezvous", "job-1: generation 1 stopped; choosing nodes for the next"),
-    event("job.restarting", "job-1 generation 2 on node-0, node-2 (spares node-2; restart 1, replacing node-1: not "
-                            "counted toward max_restarts, after 1s)"),
+    event("job.restarting", "job-1 generation 2 on node-0, node-2 (spare node-2 taken; restart 1, replacing node-1: "
+                            "not counted toward max_restarts, after 0s)"),
     event("job.running", "job-1 generation 2 running: 2 ranks, MASTER_ADDR=127.0.0.1 MASTER_PORT=2"),
     event("job.succeeded", "job-1 SUCCEEDED: every rank exited 0"),
 ]

@@ -140,3 +140,55 @@ def test_a_standby_names_the_leader_and_says_when_etcd_no_longer_answers(problem
     asyncio.run(refuse())
     assert context.ended == (grpc.StatusCode.UNAVAILABLE, said)
     assert context.trailing == ((LEADER_METADATA, "127.0.0.1:7001"),)
+
+
+def test_parked_sessions_are_promised_a_takeover_window_for_their_place_in_the_queue_and_taken_up_in_order():
+    """A standby tells each parked session how long to wait for the take-up: the lease and a margin, and more the
+    later it parked (first parked, first taken up, at no less than TAKE_RATE a second). An agent that stopped
+    waiting too early would open a session of its own, which costs a busy new leader more than the take-up."""
+    from controller.api import node_service
+    from controller.api.node_service import ParkedSessions
+    from phalanx.v1 import node_pb2, node_pb2_grpc
+
+    async def go():
+        served_names: list[str] = []
+
+        async def refuse(context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "standby")
+
+        parked = ParkedSessions("c2", refuse, lambda: "127.0.0.1:7001", 7.0)
+
+        async def serve(context, first):
+            served_names.append(first.open.node_name)
+            await context.write(node_pb2.ControllerMessage(accepted=node_pb2.SessionAccepted(incarnation=1)))
+
+        class Service(node_pb2_grpc.NodeServiceServicer):
+            async def Session(self, request_iterator, context):
+                await parked.Session(request_iterator, context)
+
+        server = grpc.aio.server()
+        node_pb2_grpc.add_NodeServiceServicer_to_server(Service(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            calls, windows = [], []
+            for i in range(3):  # one after the other: each is in the queue before the next parks
+                call = node_pb2_grpc.NodeServiceStub(channel).Session()
+                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                    node_name=f"n{i}", incarnation=1, standby=True)))
+                reply = await call.read()
+                assert reply.standing_by.controller == "c2" and reply.standing_by.leader == "127.0.0.1:7001"
+                windows.append(reply.standing_by.takeover_s)
+                calls.append(call)
+            assert windows == [pytest.approx(7.0 + i / node_service.TAKE_RATE) for i in range(3)]
+            parked.take(serve)
+            for call in calls:
+                assert (await call.read()).WhichOneof("body") == "accepted"
+            assert served_names == ["n0", "n1", "n2"]
+            for call in calls:
+                call.cancel()
+        finally:
+            await channel.close()
+            await server.stop(0)
+    asyncio.run(go())

@@ -506,7 +506,8 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: dict[str, Candidate],
         replacement = iter(spares[:missing])
         nodes = [n if n in usable else next(replacement) for n in job.nodes]
         used = set(nodes)
-        how = "same nodes" if not missing else f"spares {', '.join(n for n in nodes if n not in current)}"
+        taken = [n for n in nodes if n not in current]
+        how = "same nodes" if not taken else f"spare{'s' if len(taken) > 1 else ''} {', '.join(taken)} taken"
         return nodes, [s for s in job.spares if s not in used and s in usable], how
     request = GangRequest(nodes=job.spec.nodes, ranks_per_node=job.spec.ranks_per_node, spares=0,
                           segment=job.spec.segment or None)
@@ -545,9 +546,13 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
                 restarts=job.restarts + 1, restarts_in_row=in_row, launched_generation=generation)
     new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
     with_nodes(new, nodes, spares)
+    replaced = [n for n in job.incident_nodes if n not in nodes]
+    kept = [n for n in job.incident_nodes if n in nodes]
     counted = (f"restart {new.restarts}; {new.restarts_in_row} of at most {policy.recovery.max_restarts} in a row"
-               if not job.incident_nodes else f"restart {new.restarts}, replacing {', '.join(job.incident_nodes)}: not "
-               "counted toward max_restarts")
+               if not job.incident_nodes else f"restart {new.restarts}" + (
+                   f", replacing {', '.join(replaced)}" if replaced else "") + (
+                   f", keeping {', '.join(kept)} of the incident (schedulable again, and nothing else would do)"
+                   if kept else "") + ": not counted toward max_restarts")
     return [Commit(new, "job.restarting", f"{job.id} generation {generation} on {', '.join(nodes)} ({how}; "
                    f"{counted}, after {delay:g}s)"),
             Launch(job.id, generation)]
