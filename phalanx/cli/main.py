@@ -538,7 +538,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             plans += [(f"{key}={report_value(v)}", {key: v}) for v in values]
         else:
             plans.append(("phalanx" if args.baseline else "result", {}))
-        scenarios = [(name, sc.build(sc.with_overrides(data, over), args.scenario or "")) for name, over in plans]
+        # an error names where the value came from: the file, or the file with a --sweep value (or that alone)
+        scenarios = [(name, sc.build(sc.with_overrides(data, over), " with ".join(
+            ([args.scenario] if args.scenario else []) + ([f"--sweep {name}"] if over and args.sweep else []))))
+            for name, over in plans]
         traces = {s.replay.events: replay.load(s.replay.events) for _, s in scenarios if s.replay.events}
         for _, s in scenarios:  # a topology.conf's faults, and a fleet too small for it, before any run
             if s.fleet.topology_conf:
