@@ -407,8 +407,12 @@ def test_a_restart_in_place_backs_off_and_one_that_replaces_a_bad_node_does_not(
     waited = entered["RESTARTING"] - entered["RENDEZVOUS"]
     if waits:
         assert waited >= POLICY.recovery.restart_backoff_s, (waited, sim.events)
+        assert sim.job.restarts_in_row == 1  # and counts toward max_restarts
     else:
         assert waited == 0.0 and "b" not in sim.job.nodes, (waited, sim.events)
+        assert sim.job.restarts_in_row == 0, sim.events  # a replacement: not counted toward max_restarts
+        assert "replacing b: not counted toward max_restarts" in next(m for k, m in sim.events
+                                                                      if k == "job.restarting"), sim.events
 
 
 def test_a_job_gives_up_after_max_restarts_with_the_reason():

@@ -22,6 +22,8 @@ from phalanx import faults
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc, node_pb2
 
 _REPLAY_PAGE = 1000
+DEFAULT_CHECKPOINT_DEADLINE_S = 120.0
+LAG_REFRESH_S = 1.0  # GetStats recomputes the heartbeat lag percentiles at most this often (a view for people)
 
 
 async def newest_events(store: Store, after_seq: int, limit: int, node: str = "", job: str = "",
@@ -39,8 +41,6 @@ async def newest_events(store: Store, after_seq: int, limit: int, node: str = ""
         found = page + found
         hi, window = lo, min(window * 2, 64 * limit)
     return found[-limit:]
-DEFAULT_CHECKPOINT_DEADLINE_S = 120.0
-LAG_REFRESH_S = 1.0  # GetStats recomputes the heartbeat lag percentiles at most this often (a view for people)
 
 
 class ControlService(control_pb2_grpc.ControlServiceServicer):

@@ -326,26 +326,26 @@ class JobManager:
     def _rank_ended(self, entry: JobEntry, node: str, status: node_pb2.RankStatus) -> None:
         """A rank of a job that ended while it ran (a job that gave up stops its other ranks) has ended too: its
         record says how once the executor saves it, instead of RUNNING for ever."""
-        for rank in entry.job.ranks:
-            if rank.rank == status.rank and rank.node == node and rank.state == pb.RANK_STATE_RUNNING \
-                    and rank_may_move(rank.state, status.state):
-                rank.state, rank.exit_code = status.state, status.exit_code
-                self.ended_ranks.add(entry.job.id)
-                self.wake()
+        ranks = entry.job.ranks  # in rank order (lifecycle.rank_table): on the heartbeat path, no search
+        rank = ranks[status.rank] if status.rank < len(ranks) else None
+        if rank is not None and rank.rank == status.rank and rank.node == node and \
+                rank.state == pb.RANK_STATE_RUNNING and rank_may_move(rank.state, status.state):
+            rank.state, rank.exit_code = status.state, status.exit_code
+            self.ended_ranks.add(entry.job.id)
+            self.wake()
 
     async def save_ended_ranks(self) -> None:
         """Save the records of ended jobs whose running ranks have ended since (`_rank_ended`), with an event."""
         for job_id in sorted(self.ended_ranks):
-            self.ended_ranks.discard(job_id)
             entry = self.entries.get(job_id)
-            if entry is None or entry.job.state not in TERMINAL:
-                continue
-            async with self.lock:
-                job = entry.job
-                running = [r.rank for r in job.ranks if r.state == pb.RANK_STATE_RUNNING]
-                await self.save(entry, lifecycle.Commit(job, "job.ranks_stopped", (
-                    f"{job.id} ({state_name(job.state)}): its ranks have stopped" if not running else
-                    f"{job.id} ({state_name(job.state)}): rank(s) {', '.join(map(str, running))} still to stop")))
+            if entry is not None and entry.job.state in TERMINAL:
+                async with self.lock:
+                    job = entry.job
+                    running = [r.rank for r in job.ranks if r.state == pb.RANK_STATE_RUNNING]
+                    await self.save(entry, lifecycle.Commit(job, "job.ranks_stopped", (
+                        f"{job.id} ({state_name(job.state)}): its ranks have stopped" if not running else
+                        f"{job.id} ({state_name(job.state)}): rank(s) {', '.join(map(str, running))} still to stop")))
+            self.ended_ranks.discard(job_id)  # saved (a failed commit leaves it for the next pass)
 
     async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
         """Stop ranks running on `node` that belong to no current job generation: one stop per generation."""

@@ -540,16 +540,17 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     nodes, spares, how = chosen
     generation = job.generation + 1
     # max_restarts stops a job that keeps failing by itself; a restart that leaves a bad node behind is the
-    # recovery working (the drains it makes bound how often it can happen), and does not count toward it.
-    in_row = job.restarts_in_row if job.incident_nodes else job.restarts_in_row + 1
+    # recovery working (the drains it makes bound how often it can happen), and does not count toward it: nor
+    # one after a crash that leaves a node found down since (a node loss seen first as its peer's crash).
+    in_row = job.restarts_in_row if replacing else job.restarts_in_row + 1
     new = moved(job, RESTARTING, f"restarting on {', '.join(nodes)}", now, generation=generation,
                 restarts=job.restarts + 1, restarts_in_row=in_row, launched_generation=generation)
     new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
     with_nodes(new, nodes, spares)
-    replaced = [n for n in job.incident_nodes if n not in nodes]
+    replaced = [n for n in job.nodes if n not in nodes]  # the incident's, or found down since
     kept = [n for n in job.incident_nodes if n in nodes]
     counted = (f"restart {new.restarts}; {new.restarts_in_row} of at most {policy.recovery.max_restarts} in a row"
-               if not job.incident_nodes else f"restart {new.restarts}" + (
+               if not replacing else f"restart {new.restarts}" + (
                    f", replacing {', '.join(replaced)}" if replaced else "") + (
                    f", keeping {', '.join(kept)} of the incident (schedulable again, and nothing else would do)"
                    if kept else "") + ": not counted toward max_restarts")
