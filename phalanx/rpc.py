@@ -9,6 +9,7 @@ DEFAULT_TIMEOUT_S = 5.0
 # that says so; the transport limit above it is a backstop (gRPC answers RESOURCE_EXHAUSTED).
 MAX_REQUEST_BYTES = 1 << 20
 MAX_TRANSPORT_BYTES = 16 << 20
+MAX_EVENTS_PAGE = 10_000  # the most events one ListEvents answers with (a client reads more in pages)
 
 _KEEPALIVE = [
     # Ping an idle connection every 10 s and give up after 5 s without an answer, so a dead peer

@@ -10,7 +10,7 @@ from google.protobuf.message import Message
 from controller.errors import InvalidArgument
 from controller.nodes.states import NodeState
 from phalanx.names import NAME
-from phalanx.rpc import MAX_REQUEST_BYTES
+from phalanx.rpc import MAX_EVENTS_PAGE, MAX_REQUEST_BYTES
 from phalanx.v1 import common_pb2
 
 _JOB_NAME = NAME
@@ -23,7 +23,6 @@ MAX_GPUS = 64
 MAX_LABELS = 64
 MAX_LABEL_CHARS = 253
 MAX_REASON_CHARS = 1000
-MAX_EVENTS_PAGE = 10_000
 
 
 def request_size(request: Message) -> None:

@@ -21,7 +21,7 @@ import grpc
 from phalanx import __version__, faults, hostlist, leader, pki, tls
 from phalanx.cli import local, render
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S
+from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S, MAX_EVENTS_PAGE
 from phalanx.tls import ClientSecurity
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
@@ -467,9 +467,6 @@ def _print_event(event: common_pb2.Event, as_json: bool) -> None:
         print(render.event_line(event), flush=True)
 
 
-EVENTS_PAGE = 10_000  # the most one ListEvents returns (controller/api/validation.py MAX_EVENTS_PAGE)
-
-
 def _list_events(args: argparse.Namespace) -> list:
     """The events asked for: as `tail`, the newest --limit, unless --after asks for the first ones after a seq. A
     limit past one page is read in pages from --after on (the newest: keeping the last ones)."""
@@ -478,11 +475,11 @@ def _list_events(args: argparse.Namespace) -> list:
             after_seq=after, limit=limit, node=args.node or "", job=args.job or "", by=args.by or "", newest=newest),
             timeout=DEFAULT_TIMEOUT_S)).events)
     newest = args.after is None
-    if args.limit <= EVENTS_PAGE:
+    if args.limit <= MAX_EVENTS_PAGE:
         return page(args.after or 0, args.limit, newest)
     kept: collections.deque = collections.deque(maxlen=args.limit if newest else None)
     after = args.after or 0
-    while (newest or len(kept) < args.limit) and (events := page(after, EVENTS_PAGE, False)):
+    while (newest or len(kept) < args.limit) and (events := page(after, MAX_EVENTS_PAGE, False)):
         kept.extend(events)
         after = events[-1].seq
     return list(kept)[:args.limit]
