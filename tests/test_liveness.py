@@ -403,3 +403,66 @@ def test_a_draining_node_that_resumes_after_a_restart_stays_draining_until_a_hea
         await again.advance(0.1)
         assert again.state("n1") is DRAINED
     run(go())
+
+
+def full_sweep(registry: Registry, now: float) -> set[Change]:
+    """What the liveness sweep must decide, by looking at every node (as it did before it kept an index)."""
+    quiet_since = now - POLICY.suspect_after_s
+    storm = now - registry._admitted_at < POLICY.suspect_after_s
+    seen, draining = [], []
+    for e in registry._nodes.values():
+        state = e.record.state
+        if (e.last_seen <= quiet_since or e.session_lost or state is SUSPECT) and not (storm and e.heartbeats == 0):
+            seen.append(Seen(e.record.name, state, e.last_seen, e.session_lost))
+        if state is DRAINING and e.session is not None and e.heartbeat is not None and e.running_ranks == 0:
+            draining.append(e.record.name)
+    changes = decide(seen, now, POLICY)
+    named = {c.name for c in changes}
+    return set(changes) | {Change(n, DRAINED, "no ranks left running") for n in draining if n not in named}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_indexed_sweep_decides_what_a_look_at_every_node_would(seed):
+    """The sweep looks only at queued and watched nodes; under random joins, heartbeats, lost and resumed sessions,
+    drains, undrains, restarts with a takeover's grace and silences, it decides exactly what a full scan does."""
+    import random
+
+    async def go():
+        rng = random.Random(seed)
+        store = MemoryStore()
+        w = World(store)
+        names = [f"n{i}" for i in range(8)]
+        sessions: dict[str, tuple] = {}  # name -> (entry, session) of the open session
+        checked = 0
+        for _ in range(400):
+            op = rng.random()
+            name = rng.choice(names)
+            reg = w.registry
+            entry = reg._nodes.get(name)
+            if op < 0.15:
+                sessions[name] = await w.join(name)
+            elif op < 0.45 and name in sessions and not sessions[name][1].closed.is_set():
+                await w.beat(sessions[name][0], ranks=rng.choice([0, 0, 2]))
+            elif op < 0.52 and name in sessions:
+                reg.detach(*sessions.pop(name))
+            elif op < 0.58 and entry is not None and entry.session is None and entry.record.state is not DOWN:
+                session = Session("ipv4:127.0.0.1:3")
+                sessions[name] = (reg.attach(name, entry.record.incarnation, session), session)
+            elif op < 0.63 and entry is not None:
+                await reg.drain(name, "maintenance")
+            elif op < 0.67 and entry is not None and entry.record.drain_reason:
+                await reg.undrain(name)
+            elif op < 0.69:  # a new controller on the same store, as after a takeover
+                clock = w.clock
+                w = World(store)
+                w.clock.advance(clock.monotonic() - w.clock.monotonic() + 1.0)
+                await w.registry.load(grace_s=rng.choice([0.0, 1.5, 4.0]))
+                sessions.clear()
+            else:
+                w.clock.advance(rng.choice([0.1, 0.1, 0.3, 0.7, 1.3]))
+            expected = full_sweep(w.registry, w.clock.monotonic())
+            assert set(w.registry._decide_liveness()) == expected
+            checked += bool(expected)
+            await w.registry.tick()
+        assert checked > 10  # the walk made the sweep decide something, many times over
+    run(go())

@@ -403,6 +403,8 @@ class JobManager:
 
     def _fold_snapshots(self, node: str, snapshots) -> None:
         """What in-memory snapshots `node` holds now, per job (a job it reported before and not now: none)."""
+        if not snapshots and node not in self._snapshots_on:
+            return  # the heartbeat of a node that holds none and held none: most of them
         by_job: dict[str, list[node_pb2.SnapshotHeld]] = {}
         for held in snapshots:
             by_job.setdefault(held.job, []).append(held)
@@ -412,6 +414,8 @@ class JobManager:
 
     def _fold_standbys(self, node: str, standbys) -> None:
         """How many warm standbys of each job `node` holds ready now."""
+        if not standbys and node not in self._standbys_on:
+            return
         self._fold_by_job(self._standbys_on, node, {s.job: s.ready for s in standbys if s.ready}, "standbys")
 
     def _fold_by_job(self, seen: dict[str, set[str]], node: str, by_job: dict, name: str) -> list[JobEntry]:
