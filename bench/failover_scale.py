@@ -75,19 +75,21 @@ async def _last_seq(address: str) -> int:
     return reply.events[-1].seq if reply.events else 0
 
 
-async def _suspect_or_down(address: str, after_seq: int) -> tuple[int, int, int]:
+async def _suspect_or_down(address: str, after_seq: int) -> tuple[int, int, int, list[str]]:
     """After `after_seq`: (node.state events that declare a node SUSPECT or DOWN, node.state events that name
-    SUSPECT or DOWN at all (a node leaving SUSPECT too: one declared before the kill), the last seq)."""
-    declared, named, seq = 0, 0, after_seq
+    SUSPECT or DOWN at all (a node leaving SUSPECT too: one declared before the kill), the last seq, the messages
+    of the first few of those)."""
+    declared, named, seq, sample = 0, 0, after_seq, []
     while True:
         # pages of 2,000 with a generous deadline: the leader answers between thousands of heartbeats a second
         reply = await _ask(address, lambda s, t, after=seq: s.ListEvents(
             control_pb2.ListEventsRequest(after_seq=after, limit=2_000), timeout=t), timeout=60)
         if not reply.events:
-            return declared, named, seq
+            return declared, named, seq, sample
         states = [e for e in reply.events if e.kind == "node.state"]
         declared += sum(1 for e in states if e.fields.get("target") in ("SUSPECT", "DOWN"))
         named += sum(1 for e in states if "SUSPECT" in e.message or "DOWN" in e.message)
+        sample += [e.message for e in states if "SUSPECT" in e.message or "DOWN" in e.message][: 3 - len(sample)]
         seq = reply.events[-1].seq
 
 
@@ -133,6 +135,8 @@ async def run(steps: list[int]) -> dict:
                 _, leader_address, _ = await _leader(list(addresses.values()))
                 await _wait(lambda a=leader_address, n=n: _sessions_at_least(a, n), f"{n} sessions", 600)
                 log(f"failover at scale: {n} nodes in session in {time.monotonic() - t0:.0f} s; settling")
+                await gen.call({"cmd": "stats", "reset": True})  # the generator's send lateness from here on
+                settle_seq = await _last_seq(leader_address)
                 await asyncio.sleep(SETTLE_S)
                 name, address, epoch = await _leader(list(addresses.values()))
                 standbys = [a for a in addresses.values() if a != address]
@@ -141,6 +145,14 @@ async def run(steps: list[int]) -> dict:
                             600)
                 log(f"failover at scale: {n} sessions parked at each standby after {time.monotonic() - t_park:.0f} s")
                 seq = await _last_seq(address)  # what the log holds before the kill: counted from here on
+                # Nodes the leader declared before the kill, after the ramp, and whether the generator (all the nodes
+                # in one process, on a core it shares with etcd) was late sending their heartbeats meanwhile: the
+                # leader judges what it hears, and a generator behind its schedule is silent nodes to it.
+                before, _, _, before_sample = await _suspect_or_down(address, settle_seq)
+                sending = await gen.call({"cmd": "stats", "reset": False})
+                log(f"failover at scale: before the kill the leader declared {before} nodes SUSPECT/DOWN "
+                    f"{before_sample[:1]}; the generator sent heartbeats up to {sending.get('late_max_ms', 0):.0f} ms "
+                    f"late (p99 {sending.get('late_p99_ms', 0):.0f} ms)")
                 procs.kill(pids[name], signal.SIGKILL)
                 t_kill = time.monotonic()
                 others = [a for a in addresses.values() if a != address]
@@ -157,18 +169,19 @@ async def run(steps: list[int]) -> dict:
                 back_s = await _wait(new_leader_with_all, f"a new leader with all {n} nodes", 300)
                 new_name, new_address, _ = await _leader(others)
                 await asyncio.sleep(WINDOW_S)
-                down, named, seq = await _suspect_or_down(new_address, seq)
+                down, named, seq, sample = await _suspect_or_down(new_address, seq)
                 stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
                 generated = await gen.call({"cmd": "stats", "reset": False})
                 step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
-                        "state_events_naming_suspect_or_down": named,
+                        "declared_before_kill": before, "generator_late_max_ms": sending.get("late_max_ms", 0),
+                        "state_events_naming_suspect_or_down": named, "naming_sample": sample,
                         "taken_up_total": generated.get("taken_up", 0),
                         "lag_p99_ms": round(stats.heartbeat_lag_p99_ms, 1), "leader": f"{name} -> {new_name}",
                         "since_kill_s": round(time.monotonic() - t_kill, 1)}
                 out["steps"].append(step)
                 log(f"failover at scale: N={n}: every node back at {new_name} {back_s:.2f} s after the kill; "
                     f"declared SUSPECT/DOWN: {down} (node.state events naming either: {named}); "
-                    f"heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms")
+                    f"heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms" + (f"; e.g. {sample}" if sample else ""))
                 pids[name] = procs.spawn(name, "controller.main",
                                          controller_toml(address, root, name, members[0].endpoint), cpu=0).pid
                 await asyncio.sleep(0.5)  # its threads started

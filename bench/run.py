@@ -305,6 +305,10 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             if "state_events_naming_suspect_or_down" in st:
                 rows.append(("failover-scale", f"N={st['nodes']:,}: node.state events naming SUSPECT/DOWN", "",
                              f"{st['state_events_naming_suspect_or_down']} (leaving SUSPECT too)"))
+            if "declared_before_kill" in st:
+                rows.append(("failover-scale", f"N={st['nodes']:,}: declared by the old leader after the ramp", "",
+                             f"{st['declared_before_kill']} (generator up to "
+                             f"{st['generator_late_max_ms']:.0f} ms late sending)"))
             if "taken_up_total" in st:
                 rows.append(("failover-scale", f"N={st['nodes']:,}: parked sessions taken up (run total)", "",
                              f"{st['taken_up_total']:,}"))

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 from phalanx.v1 import control_pb2
 
@@ -83,3 +84,32 @@ def test_graceful_controller_stop_and_agents_waiting_for_it(cluster):
     cluster.kill("node-a", signal.SIGTERM)
     assert cluster.procs["node-a"].returncode == 0
     cluster.wait_states({"node-a": "DOWN"})
+
+
+def test_a_stalled_controller_charges_its_own_silence_to_no_node_and_still_finds_the_lost_one(cluster):
+    """A controller that stops reading (here SIGSTOP; a GC pause, a starved core or a takeover's storm in life) hears
+    no heartbeat meanwhile, and the first sweep after the stall runs before the heartbeats that waited are read: it
+    used to declare every node DOWN. The stall is the controller's own silence; a node lost during it is still
+    found once it has been silent that long on top."""
+    # Short limits, so that the stall passes down_after_s well inside the agents' session keepalive (2 s + 2 s).
+    cluster.start_controller(extra="[liveness]\nheartbeat_interval_s = 0.4\nsuspect_after_s = 0.9\n"
+                                   "down_after_s = 1.2\ntick_s = 0.1\n")
+    for name in NODES:
+        cluster.start_agent(name)
+    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    cluster.wait_for(lambda: all(cluster.node(n).last_heartbeat_unix_ns for n in NODES), "heartbeats")
+    seq = cluster.control.ListEvents(control_pb2.ListEventsRequest(limit=1, newest=True), timeout=5).events[-1].seq
+    controller = cluster.procs["controller"].pid
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        cluster.kill("node-c")  # lost while the controller was away
+        time.sleep(1.6)  # the injected stall: past down_after_s, short of the agents' keepalive
+    finally:
+        os.kill(controller, signal.SIGCONT)
+    cluster.wait_states({"node-c": "DOWN"})
+    events = cluster.control.ListEvents(control_pb2.ListEventsRequest(after_seq=seq, limit=1000), timeout=5).events
+    declared = [(e.node, e.fields["target"], e.fields["reason"]) for e in events
+                if e.kind == "node.state" and e.fields.get("target") in ("SUSPECT", "DOWN")]
+    assert [d for d in declared if d[0] != "node-c"] == [], declared
+    assert cluster.states() == {"node-a": "UP", "node-b": "UP", "node-c": "DOWN"}
+    assert "liveness held back" in cluster.log("controller", lines=400)

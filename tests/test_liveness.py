@@ -466,3 +466,122 @@ def test_the_indexed_sweep_decides_what_a_look_at_every_node_would(seed):
             await w.registry.tick()
         assert checked > 10  # the walk made the sweep decide something, many times over
     run(go())
+
+
+def _falling_behind(world: World, entries: dict, silent: str, seconds: float, growth: float,
+                    behind_s: float = 0.0, catchup: float = 1.0) -> list:
+    """Ten nodes beat once a second, staggered; from now on, for `behind_s`, the controller reads each heartbeat
+    later than the one before (its queue grows by `growth` seconds a second), then catches up (the queue shrinks
+    by `catchup` seconds a second), and `silent` sends nothing any more. Ticks on time. Returns the node.state
+    changes the registry made, as (time since start, name, target)."""
+    def delay(since: float) -> float:
+        peak = growth * min(since, behind_s)
+        return max(0.0, peak - catchup * max(0.0, since - behind_s))
+
+    async def go():
+        start, clock = world.clock.monotonic(), world.clock
+        sends = sorted((start + k + i / 10, name) for k in range(int(seconds) + 1)
+                       for i, name in enumerate(entries) if name != silent)
+        arrivals = sorted((sent + delay(sent - start), sent, name) for sent, name in sends)
+        made = []
+        t = start
+        while t < start + seconds:
+            t = round(t + 0.1, 6)
+            while arrivals and arrivals[0][0] <= t:
+                at, sent, name = arrivals.pop(0)
+                clock.advance(at - clock.monotonic())
+                sent_ns = clock.wall_ns() - int((at - sent) * 1e9)
+                if world.registry.heartbeat(entries[name], node_pb2.Heartbeat(sent_unix_ns=sent_ns)):
+                    await world.registry.settle(entries[name])
+            clock.advance(t - clock.monotonic())
+            made += [(round(t - start, 1), c.name, c.target) for c in await world.registry.tick()]
+        return made
+    return go
+
+
+def _ten_nodes_beating(world: World):
+    async def go():
+        entries = {f"n{i}": (await world.join(f"n{i}"))[0] for i in range(10)}
+        for _ in range(3):  # a few seconds of heartbeats read at once: every node's lag floor
+            for name in entries:
+                world.clock.advance(0.1)
+                world.registry.heartbeat(entries[name], node_pb2.Heartbeat(sent_unix_ns=world.clock.wall_ns()))
+                await world.registry.tick()
+        return entries
+    return go
+
+
+def test_a_controller_falling_behind_at_reading_heartbeats_declares_no_node_it_still_hears_from():
+    """Its queue grows by 1.2 s every second for 3 s (a storm it cannot keep up with), then drains: the gaps between
+    the heartbeats it reads from each node pass suspect_after_s, but they are its own backlog, which the heartbeats'
+    lag over each node's floor shows. The node that really went silent is still declared, once silent that long on
+    top."""
+    async def go():
+        w = World()
+        entries = await _ten_nodes_beating(w)()
+        made = await _falling_behind(w, entries, silent="n9", seconds=14.0, growth=1.2, behind_s=3.0,
+                                     catchup=0.8)()
+        assert {name for _, name, _ in made} == {"n9"}, made
+        assert [target for _, _, target in made] == [SUSPECT, DOWN]
+        assert made[0][0] > POLICY.suspect_after_s + 0.5  # later than on time, by the backlog
+        assert w.registry.backlog.allowance == 0.0  # caught up
+    run(go())
+
+
+def test_without_a_backlog_a_silent_node_is_declared_on_time():
+    async def go():
+        w = World()
+        entries = await _ten_nodes_beating(w)()
+        made = await _falling_behind(w, entries, silent="n9", seconds=4.0, growth=0.0)()
+        assert [(name, target) for _, name, target in made] == [("n9", SUSPECT), ("n9", DOWN)]
+        assert 2.0 <= made[0][0] <= 2.1 and 3.0 <= made[1][0] <= 3.1  # on the first sweep past each limit
+        assert w.registry.backlog.allowance == 0.0
+    run(go())
+
+
+def test_a_few_nodes_with_stepped_clocks_do_not_hold_liveness_back():
+    """Lag is counted over each node's own floor, and the backlog is the lower median of the last second's: two
+    nodes of ten whose clocks jumped back by a minute (every heartbeat of theirs looks a minute late) change
+    nothing, and a silent node is declared on time."""
+    async def go():
+        w = World()
+        entries = await _ten_nodes_beating(w)()
+        w.clock.advance(0.05)
+        made = []
+        start = w.clock.monotonic()
+        for tick in range(1, 41):
+            for i, name in enumerate(entries):
+                if name != "n9" and tick % 10 == i:
+                    skew = 60 * 10**9 if name in ("n0", "n1") else 0
+                    w.registry.heartbeat(entries[name], node_pb2.Heartbeat(sent_unix_ns=w.clock.wall_ns() - skew))
+            w.clock.advance(start + tick * 0.1 - w.clock.monotonic())
+            made += [(c.name, c.target) for c in await w.registry.tick()]
+        assert made == [("n9", SUSPECT), ("n9", DOWN)]
+        assert w.registry.backlog.allowance < 0.01
+    run(go())
+
+
+def test_a_stalled_sweep_charges_the_stall_to_no_node():
+    """The loop ran no sweep for 2.5 s and read nothing meanwhile: the first sweep after it must not declare the
+    nodes whose heartbeats are still waiting to be read; a node silent since before the stall is declared once the
+    stall has been made up."""
+    async def go():
+        w = World()
+        entries = await _ten_nodes_beating(w)()
+        w.clock.advance(0.1)
+        assert await w.registry.tick() == []
+        w.clock.advance(2.5)  # stalled
+        assert await w.registry.tick() == []
+        assert w.registry.backlog.allowance == pytest.approx(2.4)  # all of it but one sweep interval
+        for name in entries:  # the heartbeats that waited, read now
+            if name != "n9":
+                w.registry.heartbeat(entries[name], node_pb2.Heartbeat(sent_unix_ns=w.clock.wall_ns() - 10**9))
+        made = []
+        for _ in range(40):
+            w.clock.advance(0.1)
+            made += [(c.name, c.target) for c in await w.registry.tick()]
+            for name in entries:
+                if name != "n9":
+                    w.registry.heartbeat(entries[name], node_pb2.Heartbeat(sent_unix_ns=w.clock.wall_ns()))
+        assert made == [("n9", SUSPECT), ("n9", DOWN)]
+    run(go())

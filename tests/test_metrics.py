@@ -288,6 +288,7 @@ def test_controller_metrics_follow_nodes_health_and_detection():
         assert v("phalanx_node_health", node="n1", verdict="HEALTHY") == 1
         assert v("phalanx_gpus", health="HEALTHY") == 4 and v("phalanx_gpus", health="FAILED") == 0
         assert (v("phalanx_agents_connected"), v("phalanx_heartbeats_total")) == (2, 2)
+        assert v("phalanx_liveness_held_back_seconds") == 0  # keeping up
         # n2's connection breaks and its agent resumes the session: counted, with no registration
         assert v("phalanx_sessions_resumed_total") == 0
         registry.detach(n2, n2.session)

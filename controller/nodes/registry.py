@@ -11,6 +11,7 @@ import asyncio
 import collections
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from phalanx.clock import Clock
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ADMIT_BATCH = 500  # registrations admitted in one store commit at most
+HELD_BACK_LOGGED_S = 0.5  # a controller this far behind at reading heartbeats says so (at most every 10 s)
 
 logger = log.get("registry")
 
@@ -58,6 +60,7 @@ class NodeEntry:
     gpu_verdicts: dict[int, health.Verdict] = field(default_factory=dict)
     verdict_logged: health.Health = health.HEALTHY  # the level the event log last heard of
     queued_at: float | None = None  # the key of its entry in the registry's quiet queue (None: not queued)
+    lag_floor: float = math.inf  # the lowest heartbeat lag it has shown (creeping up): its clock's offset and link
 
     @property
     def running_ranks(self) -> int:
@@ -129,6 +132,8 @@ class Registry:
         self._quiet: list[tuple[float, int, NodeEntry]] = []
         self._queued = itertools.count()  # ties in the queue go in order, never to comparing entries
         self._watched: dict[str, NodeEntry] = {}
+        self.backlog = liveness.Backlog(policy.tick_s, policy.heartbeat_interval_s, policy.down_after_s)
+        self._held_logged = float("-inf")
         self.epoch = 0  # the leadership epoch (controller/ha.py); 0 without election
         self.leading: Callable[[], bool] = lambda: True  # whether this controller may act (its lease holds)
         self.lag = LagWindow()
@@ -326,6 +331,11 @@ class Registry:
             lag_s = (now_ns - heartbeat.sent_unix_ns) / 1e9
             self.lag.add(lag_s * 1e3)
             self.lag_seconds.observe(lag_s if lag_s > 0 else 0.0)  # below 0: the hosts' clocks disagree
+            floor = entry.lag_floor + liveness.LAG_FLOOR_CREEP_S
+            if lag_s < floor:
+                floor = lag_s
+            entry.lag_floor = floor
+            self.backlog.heard(now, lag_s - floor)
         if heartbeat.health_digest != entry.health_digest or not entry.gpu_health:
             entry.health_digest = heartbeat.health_digest
             self._judging.add(entry.record.name)
@@ -432,12 +442,19 @@ class Registry:
 
     async def tick(self) -> list[liveness.Change]:
         """One liveness sweep. Decided again under the lock, so a heartbeat that won the race counts."""
-        if self._resumes_unlogged and self._clock.monotonic() - self._resume_logged_at >= 1.0:
+        now = self._clock.monotonic()
+        if self._resumes_unlogged and now - self._resume_logged_at >= 1.0:
             self._log_resumes()  # the end of a burst: its count since the last line
-        if not self._decide_liveness():
+        behind = self.backlog.sweep(now)
+        if behind >= HELD_BACK_LOGGED_S and now - self._held_logged >= 10.0:
+            self._held_logged = now
+            logger.warning("liveness held back", behind_s=round(behind, 2),
+                           detail="this controller is behind at reading heartbeats: that much silence is its own, "
+                                  "not the nodes', and is not counted against them")
+        if not self._decide_liveness(behind):
             return []
         async with self._lock:
-            changes = self._decide_liveness()
+            changes = self._decide_liveness(behind)
             moves = [(self._nodes[c.name], c.target, c.reason) for c in changes]
             await self._transition(moves)
         now = self._clock.monotonic()
@@ -450,9 +467,11 @@ class Registry:
                 entry.session = None
         return changes
 
-    def _decide_liveness(self) -> list[liveness.Change]:
+    def _decide_liveness(self, behind: float = 0.0) -> list[liveness.Change]:
+        """The changes liveness calls for now, not counting the last `behind` seconds of silence (Backlog)."""
         now = self._clock.monotonic()
-        quiet_since = now - self.policy.suspect_after_s
+        judged = now - behind
+        quiet_since = judged - self.policy.suspect_after_s
         # After a restart or a takeover every agent comes back at once, and admitting thousands takes this
         # controller seconds: while registrations keep being admitted, a node not yet back (loaded from the store,
         # or registered and still opening its session: no heartbeat yet) is waiting its turn, not dead. Once the
@@ -484,7 +503,11 @@ class Registry:
                 del self._watched[name]  # nothing calls for a look at every sweep: back in the queue
                 if e.queued_at is None:
                     self._queue(e)
-        changes = liveness.decide(seen, now, self.policy) if seen else []
+        changes = liveness.decide(seen, judged, self.policy) if seen else []
+        if behind and changes:
+            changes = [liveness.Change(c.name, c.target, f"{c.reason}, besides {behind:.1f}s this controller was "
+                                       "behind at reading heartbeats") if c.reason.startswith("no heartbeat") else c
+                       for c in changes]
         if draining:
             named = {c.name for c in changes}
             changes += [liveness.Change(name, DRAINED, "no ranks left running") for name in draining

@@ -44,6 +44,7 @@ class Snapshot:
     sessions: int = 0
     heartbeats: int = 0
     resumed: int = 0
+    behind_s: float = 0.0  # silence liveness does not count against nodes: this controller's own backlog
     lag: Histogram = ([], 0.0)
     detection: dict[str, Histogram] = field(default_factory=dict)
     jobs: dict[str, int] = field(default_factory=dict)  # by state
@@ -76,7 +77,7 @@ def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub, store: Ti
     gpus[HEALTHY.name] += total - sum(gpus.values())
     return Snapshot(
         nodes=nodes, gpus=dict(gpus), sessions=registry.sessions, heartbeats=registry.heartbeats_total,
-        resumed=registry.resumed_total,
+        resumed=registry.resumed_total, behind_s=registry.backlog.allowance,
         lag=_histogram(registry.lag_seconds),
         detection={kind: _histogram(b) for kind, b in registry.detection.items()},
         jobs=dict(Counter(state_name(j.state) for j in jobs.list(set()))),
@@ -132,6 +133,9 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield CounterMetricFamily("phalanx_sessions_resumed", "Agent sessions resumed with a known incarnation, with no "
                               "registration (after a controller restart, a takeover or a broken connection).",
                               value=s.resumed)
+    yield GaugeMetricFamily("phalanx_liveness_held_back_seconds", "Seconds of silence the liveness sweep does not "
+                            "count against nodes because this controller is behind at reading heartbeats (its event "
+                            "loop stalled, or its queue of heartbeats grew); 0 when it keeps up.", value=s.behind_s)
     lag = HistogramMetricFamily("phalanx_heartbeat_lag_seconds", "From an agent sending a heartbeat to the "
                                 "controller applying it (the hosts' clocks must agree).")
     lag.add_metric([], *s.lag)
