@@ -131,11 +131,16 @@ async def run(steps: list[int]) -> dict:
             gen.start()
             for n in steps:
                 t0 = time.monotonic()
+                await gen.call({"cmd": "stats", "reset": True})  # the generator's send lateness in the ramp
+                ramp_seq = await _last_seq((await _leader(list(addresses.values())))[1])
                 await gen.call({"cmd": "grow", "total": n}, timeout_s=600)
                 _, leader_address, _ = await _leader(list(addresses.values()))
                 await _wait(lambda a=leader_address, n=n: _sessions_at_least(a, n), f"{n} sessions", 600)
-                log(f"failover at scale: {n} nodes in session in {time.monotonic() - t0:.0f} s; settling")
-                await gen.call({"cmd": "stats", "reset": True})  # the generator's send lateness from here on
+                ramp = await gen.call({"cmd": "stats", "reset": True})  # and from here on, in the settle
+                in_ramp, _, _, _ = await _suspect_or_down(leader_address, ramp_seq)
+                log(f"failover at scale: {n} nodes in session in {time.monotonic() - t0:.0f} s; the leader declared "
+                    f"{in_ramp} SUSPECT/DOWN in the ramp, while the generator sent heartbeats up to "
+                    f"{ramp.get('late_max_ms', 0):.0f} ms late (p99 {ramp.get('late_p99_ms', 0):.0f} ms); settling")
                 settle_seq = await _last_seq(leader_address)
                 await asyncio.sleep(SETTLE_S)
                 name, address, epoch = await _leader(list(addresses.values()))
@@ -173,6 +178,7 @@ async def run(steps: list[int]) -> dict:
                 stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
                 generated = await gen.call({"cmd": "stats", "reset": False})
                 step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
+                        "declared_in_ramp": in_ramp, "generator_late_max_in_ramp_ms": ramp.get("late_max_ms", 0),
                         "declared_before_kill": before, "generator_late_max_ms": sending.get("late_max_ms", 0),
                         "state_events_naming_suspect_or_down": named, "naming_sample": sample,
                         "taken_up_total": generated.get("taken_up", 0),

@@ -305,8 +305,12 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             if "state_events_naming_suspect_or_down" in st:
                 rows.append(("failover-scale", f"N={st['nodes']:,}: node.state events naming SUSPECT/DOWN", "",
                              f"{st['state_events_naming_suspect_or_down']} (leaving SUSPECT too)"))
+            if "declared_in_ramp" in st:
+                rows.append(("failover-scale", f"N={st['nodes']:,}: declared by the leader in the ramp", "",
+                             f"{st['declared_in_ramp']} (generator up to "
+                             f"{st['generator_late_max_in_ramp_ms']:.0f} ms late sending)"))
             if "declared_before_kill" in st:
-                rows.append(("failover-scale", f"N={st['nodes']:,}: declared by the old leader after the ramp", "",
+                rows.append(("failover-scale", f"N={st['nodes']:,}: declared by the old leader in the settle", "",
                              f"{st['declared_before_kill']} (generator up to "
                              f"{st['generator_late_max_ms']:.0f} ms late sending)"))
             if "taken_up_total" in st:

@@ -58,10 +58,11 @@ class Backlog:
     reads heartbeats late; a sweep that then charged every node for the silence would declare live nodes SUSPECT
     or DOWN, and a loaded controller would drain a fleet that was fine. Two measures, the larger counts:
 
-    - stalls: a gap between two sweeps longer than a heartbeat interval, all of it but one sweep interval (the loop
-      ran no sweep on time, nor read heartbeats meanwhile; libuv runs due timers before it polls for I/O, so the
-      first sweep after a stall comes before the heartbeats that waited), summed over the last `down_after_s`. A
-      shorter stall is left to the slack between the interval and suspect_after_s (twice it by default);
+    - stalls: a gap from the end of one sweep to the start of the next longer than a heartbeat interval, all of it
+      but one sweep interval (the loop ran no sweep on time, nor read heartbeats meanwhile; libuv runs due timers
+      before it polls for I/O, so the first sweep after a stall comes before the heartbeats that waited), summed
+      over the last `down_after_s`. A shorter stall is left to the slack between the interval and suspect_after_s
+      (twice it by default). A sweep's own wait for the registry's lock is not a stall;
     - queueing: each heartbeat's lag (applied - sent) over its node's own floor (its lowest lag, creeping up), so
       that the hosts' clock offsets cancel out; the lower median of the heartbeats heard in the last second, which
       a few nodes with a slow link or a stepped clock do not move.
@@ -85,10 +86,9 @@ class Backlog:
         self._heard += 1
 
     def sweep(self, now: float) -> float:
-        """Called once per liveness sweep: the seconds of silence not to charge to the nodes now."""
+        """Called at the start of each liveness sweep: the seconds of silence not to charge to the nodes now."""
         if self._last_sweep is not None and (gap := now - self._last_sweep) > self.interval_s:
             self._stalls.append((now, gap - self.tick_s))
-        self._last_sweep = now
         while self._stalls and self._stalls[0][0] < now - self.window_s:
             self._stalls.pop(0)
         stalled = sum(s for _, s in self._stalls)
@@ -98,3 +98,8 @@ class Backlog:
         queued = recent[(len(recent) - 1) // 2] if recent else 0.0
         self.allowance = min(max(stalled, queued, 0.0), MAX_ALLOWANCE_S)
         return self.allowance
+
+    def swept(self, now: float) -> None:
+        """Called at the end of each sweep. A sweep that waited for the registry's lock (commits ahead of it) is not
+        a stalled loop: the gap to the next sweep counts from here."""
+        self._last_sweep = now
