@@ -433,6 +433,7 @@ def test_the_indexed_sweep_decides_what_a_look_at_every_node_would(seed):
         w = World(store)
         names = [f"n{i}" for i in range(8)]
         sessions: dict[str, tuple] = {}  # name -> (entry, session) of the open session
+        stale: list[tuple] = []  # (entry, session) of sessions a new registration replaced, not yet ended
         checked = 0
         for _ in range(400):
             op = rng.random()
@@ -440,7 +441,11 @@ def test_the_indexed_sweep_decides_what_a_look_at_every_node_would(seed):
             reg = w.registry
             entry = reg._nodes.get(name)
             if op < 0.15:
+                if name in sessions:  # registered again while its session is open: that one ends later
+                    stale.append(sessions[name])
                 sessions[name] = await w.join(name)
+            elif op < 0.18 and stale:
+                reg.detach(*stale.pop(rng.randrange(len(stale))))
             elif op < 0.45 and name in sessions and not sessions[name][1].closed.is_set():
                 await w.beat(sessions[name][0], ranks=rng.choice([0, 0, 2]))
             elif op < 0.52 and name in sessions:
@@ -458,6 +463,7 @@ def test_the_indexed_sweep_decides_what_a_look_at_every_node_would(seed):
                 w.clock.advance(clock.monotonic() - w.clock.monotonic() + 1.0)
                 await w.registry.load(grace_s=rng.choice([0.0, 1.5, 4.0]))
                 sessions.clear()
+                stale.clear()
             else:
                 w.clock.advance(rng.choice([0.1, 0.1, 0.3, 0.7, 1.3]))
             expected = full_sweep(w.registry, w.clock.monotonic())

@@ -315,7 +315,7 @@ class Registry:
         if entry.session is session:
             entry.session = None
             entry.session_lost = True
-            self._watched[entry.record.name] = entry
+            self._watch(entry)
 
     def heartbeat(self, entry: NodeEntry, heartbeat: node_pb2.Heartbeat) -> bool:
         """Record a heartbeat (the hot path: no lock, no I/O). True if `settle` must follow: the node
@@ -553,6 +553,12 @@ class Registry:
         """Put a new entry where the liveness sweep will find it."""
         self._queue(entry)
         if entry.record.state is SUSPECT or entry.record.state is DRAINING:
+            self._watch(entry)
+
+    def _watch(self, entry: NodeEntry) -> None:
+        """Look at `entry` on every sweep, if it is still the node's entry: the session of an entry a registration
+        replaced may end after the new one is watched, and must not take its place."""
+        if self._nodes.get(entry.record.name) is entry:
             self._watched[entry.record.name] = entry
 
     def _queue(self, entry: NodeEntry) -> None:
@@ -629,7 +635,7 @@ class Registry:
             changed = (entry.record.state, entry.record.drain_reason) != (record.state, record.drain_reason)
             was, entry.record = entry.record.state, record
             if record.state is SUSPECT or record.state is DRAINING:
-                self._watched[record.name] = entry
+                self._watch(entry)
             elif was is DOWN and record.state is not DOWN and entry.queued_at is None:
                 self._queue(entry)  # liveness let it go when it went DOWN
             if changed and entry.session is not None:
