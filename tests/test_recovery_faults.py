@@ -265,3 +265,42 @@ def test_checkpoint_request_ids_go_on_counting_after_a_controller_restart():
         await world.stop()
 
     run(go())
+
+
+def test_a_checkpoint_asked_before_the_agents_are_back_reaches_them_once_they_are():
+    """A controller that restarts (or takes over) during CHECKPOINTING before the dead one had asked, asks at once;
+    its agents are not back yet, so the request went nowhere and the job waited out the whole deadline (20 s) on a
+    FAILING GPU, which a kill-loop trial took for a lost recovery. Each agent is told once it is back."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            victim = world.agents[world.job(job_id).nodes[1]]
+            for agent in world.agents.values():
+                agent.hold.add("checkpoint")  # the dead controller's request never arrives
+            victim.remap_pending.add(0)
+            await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "CHECKPOINTING")
+            await world.kill()
+            # as if the controller died before it committed its request: the next one asks anew
+            record = next(r for r in await world.store.load_jobs() if r.id == job_id)
+            job = pb.Job.FromString(record.data)
+            job.ClearField("checkpoint")
+            await world.store.commit(jobs=[record.replace(data=job.SerializeToString())])
+            for agent in world.agents.values():
+                agent.hold.clear()
+                agent.received.clear()
+            await world.start()
+            await world.until(lambda: world.jobs.entries[job_id].checkpoint is not None, "a new request")
+            pending = world.jobs.entries[job_id].checkpoint
+            await world.until(lambda: pending.untold == set(world.job(job_id).nodes), "the request undelivered")
+            for agent in world.agents.values():
+                await agent.connect()
+            ranks_on = set(world.job(job_id).nodes)
+            await world.until(lambda: all("checkpoint" in world.agents[n].received for n in ranks_on),
+                              "the request told once the agents are back")
+            assert state(world, job_id) == "CHECKPOINTING" and not pending.untold
+        finally:
+            await world.stop()
+
+    run(main())

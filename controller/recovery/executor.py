@@ -23,6 +23,7 @@ from controller.recovery.detectors import NodeView
 from controller.recovery.table import (
     ACTIVE,
     CANCELLING,
+    CHECKPOINTING,
     EVICTING,
     LAUNCHING,
     PENDING,
@@ -50,6 +51,9 @@ class PendingCheckpoint:
     ranks: int
     acks: dict[int, int] = field(default_factory=dict)  # rank -> committed step
     future: asyncio.Future | None = None  # a user's `phalanx checkpoint` waits on it
+    job: str = ""
+    request: object = None  # the lifecycle's JobCheckpoint: told again to the nodes it has not reached
+    untold: set[str] = field(default_factory=set)  # nodes whose agent it has not reached (not connected then)
 
     def view(self) -> lifecycle.CheckpointView:
         return lifecycle.CheckpointView(self.request_id, dict(self.acks))
@@ -99,6 +103,7 @@ class Executor:
                          key=lambda e: (-e.job.spec.priority, e.job.submitted_unix_ns))
         for entry in [*pending, *(e for e in entries if e.job.state in ACTIVE)]:
             try:
+                self.retell_checkpoint(entry)
                 await self.advance(entry)
             except asyncio.CancelledError:
                 raise
@@ -347,13 +352,40 @@ class Executor:
 
     def _request_checkpoint(self, entry: JobEntry, action: lifecycle.RequestCheckpoint) -> None:
         request = action.request
-        entry.checkpoint = PendingCheckpoint(request.id, action.generation, len(entry.job.ranks))
+        entry.checkpoint = PendingCheckpoint(request.id, action.generation, len(entry.job.ranks), job=action.job,
+                                             request=request)
+        for node in action.nodes:
+            self._tell_checkpoint(entry.checkpoint, node)
+
+    def _tell_checkpoint(self, pending: PendingCheckpoint, node: str) -> None:
+        request = pending.request
         deadline_s = max(0.0, request.deadline_unix_ns / 1e9 - self.jobs.now())
         command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
-            job=action.job, generation=action.generation, request_id=request.id, deadline_s=deadline_s,
+            job=pending.job, generation=pending.generation, request_id=request.id, deadline_s=deadline_s,
             reason=request.reason, pause=request.pause, at_step=request.at_step))
-        for node in action.nodes:
-            self._spawn(self._send(node, command), f"checkpoint-{action.job}-{node}")
+        pending.untold.discard(node)
+        self._spawn(self._send_checkpoint(pending, node, command), f"checkpoint-{pending.job}-{node}")
+
+    async def _send_checkpoint(self, pending: PendingCheckpoint, node: str, command: node_pb2.Command) -> None:
+        try:
+            await _session(self.jobs.registry.get(node)).request(command)
+        except Exception as e:
+            logger.warning("command not delivered", node=node, command="checkpoint", error=str(e))
+            pending.untold.add(node)  # told again once its agent is back (retell_checkpoint)
+
+    def retell_checkpoint(self, entry: JobEntry) -> None:
+        """Tell the pending checkpoint request to the job's nodes it has not reached, once their agents are back. A
+        controller that took over or restarted during a recovery may ask before the agents have come back: the
+        request went nowhere, and the job waited out the whole deadline (20 s) on a FAILING GPU."""
+        pending = entry.checkpoint
+        if pending is None or not pending.untold or pending.request is None or entry.job.state != CHECKPOINTING or \
+                pending.generation != entry.job.generation or len(pending.acks) >= pending.ranks:
+            return
+        for node in sorted(pending.untold):
+            if self.jobs.registry.in_session(node):
+                logger.info("checkpoint request told again", job=pending.job, node=node,
+                            request=pending.request_id)
+                self._tell_checkpoint(pending, node)
 
     def pin_snapshot(self, entry: JobEntry, step: int) -> None:
         command = node_pb2.Command(pin_snapshot=node_pb2.PinSnapshot(job=entry.job.id, generation=entry.job.generation,
