@@ -371,7 +371,8 @@ class Executor:
             await _session(self.jobs.registry.get(node)).request(command)
         except Exception as e:
             logger.warning("command not delivered", node=node, command="checkpoint", error=str(e))
-            pending.untold.add(node)  # told again once its agent is back (retell_checkpoint)
+            if not self.jobs.registry.in_session(node):  # not an agent's refusal: none heard it
+                pending.untold.add(node)  # told again once its agent is back (retell_checkpoint)
 
     def retell_checkpoint(self, entry: JobEntry) -> None:
         """Tell the pending checkpoint request to the job's nodes it has not reached, once their agents are back. A
