@@ -26,17 +26,20 @@ class Change:
     reason: str
 
 
-def decide(nodes: Iterable[Seen], now: float, policy: LivenessConfig) -> list[Change]:
-    """The state changes liveness calls for at `now`. Recovery from SUSPECT is the heartbeat's job."""
+def decide(nodes: Iterable[Seen], now: float, policy: LivenessConfig, behind: float = 0.0) -> list[Change]:
+    """The state changes liveness calls for at `now`, not counting the last `behind` seconds of silence (the
+    controller's own: Backlog). Recovery from SUSPECT is the heartbeat's job."""
     changes = []
+    also = f", besides {behind:.1f}s this controller was behind at reading heartbeats" if behind else ""
     for node in nodes:
         if node.state is DOWN:
             continue
-        silence = now - node.last_seen
+        silence = now - behind - node.last_seen
         if silence >= policy.down_after_s:
-            changes.append(Change(node.name, DOWN, f"no heartbeat for {silence:.1f}s (limit {policy.down_after_s:g}s)"))
+            changes.append(Change(node.name, DOWN,
+                                  f"no heartbeat for {silence:.1f}s (limit {policy.down_after_s:g}s){also}"))
         elif node.state in LIVE and silence >= policy.suspect_after_s:
-            changes.append(Change(node.name, SUSPECT, f"no heartbeat for {silence:.1f}s"))
+            changes.append(Change(node.name, SUSPECT, f"no heartbeat for {silence:.1f}s{also}"))
         elif node.state in LIVE and node.session_lost:
             changes.append(Change(node.name, SUSPECT, "session lost"))
     return changes

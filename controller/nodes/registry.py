@@ -505,8 +505,7 @@ class Registry:
     def _decide_liveness(self, behind: float = 0.0) -> list[liveness.Change]:
         """The changes liveness calls for now, not counting the last `behind` seconds of silence (Backlog)."""
         now = self._clock.monotonic()
-        judged = now - behind
-        quiet_since = judged - self.policy.suspect_after_s
+        quiet_since = now - behind - self.policy.suspect_after_s
         # After a restart or a takeover every agent comes back at once, and admitting thousands takes this
         # controller seconds: while registrations keep being admitted, a node not yet back (loaded from the store,
         # or registered and still opening its session: no heartbeat yet) is waiting its turn, not dead. Once the
@@ -538,11 +537,7 @@ class Registry:
                 del self._watched[name]  # nothing calls for a look at every sweep: back in the queue
                 if e.queued_at is None:
                     self._queue(e)
-        changes = liveness.decide(seen, judged, self.policy) if seen else []
-        if behind and changes:
-            changes = [liveness.Change(c.name, c.target, f"{c.reason}, besides {behind:.1f}s this controller was "
-                                       "behind at reading heartbeats") if c.reason.startswith("no heartbeat") else c
-                       for c in changes]
+        changes = liveness.decide(seen, now, self.policy, behind) if seen else []
         if draining:
             named = {c.name for c in changes}
             changes += [liveness.Change(name, DRAINED, "no ranks left running") for name in draining

@@ -367,12 +367,8 @@ class Executor:
         self._spawn(self._send_checkpoint(pending, node, command), f"checkpoint-{pending.job}-{node}")
 
     async def _send_checkpoint(self, pending: PendingCheckpoint, node: str, command: node_pb2.Command) -> None:
-        try:
-            await _session(self.jobs.registry.get(node)).request(command)
-        except Exception as e:
-            logger.warning("command not delivered", node=node, command="checkpoint", error=str(e))
-            if not self.jobs.registry.in_session(node):  # not an agent's refusal: none heard it
-                pending.untold.add(node)  # told again once its agent is back (retell_checkpoint)
+        if not await self._send(node, command) and not self.jobs.registry.in_session(node):  # none heard it (not
+            pending.untold.add(node)  # an agent's refusal): told again once its agent is back (retell_checkpoint)
 
     def retell_checkpoint(self, entry: JobEntry) -> None:
         """Tell the pending checkpoint request to the job's nodes it has not reached, once their agents are back. A
@@ -398,11 +394,14 @@ class Executor:
         """Send a command that needs no answer, in the background (a failure is logged)."""
         self._spawn(self._send(node, command), name)
 
-    async def _send(self, node: str, command: node_pb2.Command) -> None:
+    async def _send(self, node: str, command: node_pb2.Command) -> bool:
+        """Whether the agent took `command`."""
         try:
             await _session(self.jobs.registry.get(node)).request(command)
-        except Exception as e:  # a checkpoint's deadline decides; a pin missed is sent again when the step moves on
+            return True
+        except Exception as e:  # a checkpoint is told again (retell_checkpoint); a pin when the step moves on
             logger.warning("command not delivered", node=node, command=command.WhichOneof("body"), error=str(e))
+            return False
 
 
 def _after(node, told: tuple) -> bool:
