@@ -37,6 +37,7 @@ class Guarded(Generic[T]):
         self._node = node
         self._emit = emit
         self._running: asyncio.Task | None = None
+        self._again = False  # the call in flight began before a change: its task calls once more before it ends
         self._failure: str | None = None  # the kind of the current failure, told once while it lasts
         self._slow = False
 
@@ -45,6 +46,12 @@ class Guarded(Generic[T]):
         if self._running is None:
             self._running = asyncio.create_task(self._run(), name=f"collect-{self.name}")
         return self._running
+
+    def stale(self) -> None:
+        """Something the collector reads has just changed (a GPU raised an XID): a call in flight may have read
+        before it, so its readers get the answer of one more call, made after this one. On the event loop."""
+        if self._running is not None:
+            self._again = True
 
     async def read(self, budget_s: float) -> T:
         """A fresh reading if the collector answers within `budget_s` of the clock's time, else the last good one."""
@@ -62,12 +69,16 @@ class Guarded(Generic[T]):
 
     async def _run(self) -> None:
         try:
-            value = await asyncio.to_thread(self._call)
-        except Exception as e:
-            self._failed(e)
-        else:
-            self.last, self.at = value, self._clock.monotonic()
-            self._answered()
+            again = True
+            while again:
+                try:
+                    value = await asyncio.to_thread(self._call)
+                except Exception as e:
+                    self._failed(e)
+                else:
+                    self.last, self.at = value, self._clock.monotonic()
+                    self._answered()
+                again, self._again = self._again, False
         finally:
             self._running = None
 

@@ -15,6 +15,7 @@ from agent.backoff import Backoff
 from agent.collectors.sim import SimBackend
 from agent.link import Link
 from agent.main import Agent
+from phalanx import faults
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
@@ -247,3 +248,52 @@ async def test_a_reconnecting_agent_resumes_its_session_and_registers_only_when_
     # where the controller's CRC-32 matched
     assert fake.inventories == [3]
     assert link.state.incarnation == 2 and link.state.epoch == 3
+
+
+@run
+async def test_a_gpu_event_sends_the_readings_that_move_with_it_at_once_and_a_storm_of_them_no_faster(tmp_path):
+    clock = FakeClock()
+    backend = SimBackend(2, "node-f", seed=1)
+    agent, _ = make_agent(tmp_path, backend, clock)
+    agent.watch_gpu_events(asyncio.get_running_loop())
+    call, stop = FakeCall(), asyncio.Event()
+    controller = asyncio.get_running_loop().create_future()
+    beats = asyncio.create_task(agent.link._heartbeats(call, 1.0, controller, stop))
+    try:
+        first = await asyncio.wait_for(call.heartbeat_number(1), 60)
+        assert not any(g.remap_pending for g in first.gpus)
+        backend.inject(1, faults.parse("remap-pending"))  # XID 63, as from NVML's event thread
+        # the clock stands still: this heartbeat is not the next one due, it is sent for the event
+        second = await asyncio.wait_for(call.heartbeat_number(2), 60)
+        assert [g.remap_pending for g in second.gpus] == [False, True]
+        assert clock.monotonic() == 1000.0
+        for _ in range(50):  # an XID storm: one more heartbeat, a quarter of a second after the last
+            backend.inject(0, faults.parse("xid=13"))
+        await clock.run_for(0.2)
+        assert len(call.heartbeats) == 2
+        await clock.run_for(0.1)
+        await asyncio.wait_for(call.heartbeat_number(3), 60)
+        await clock.run_for(0.9)  # and the regular one, a second after the last
+        assert len(call.heartbeats) == 3
+        await clock.run_for(0.1)
+        await asyncio.wait_for(call.heartbeat_number(4), 60)
+        assert len(call.heartbeats) == 4
+    finally:
+        stop.set()
+        await beats
+
+
+@run
+async def test_a_reading_in_flight_when_the_gpu_changed_is_read_again_before_it_is_reported(tmp_path):
+    backend = FlakyBackend()
+    agent, _ = make_agent(tmp_path, backend, FakeClock())
+    backend.block = True
+    reading = asyncio.ensure_future(agent._gpu.read(60.0))
+    while backend.calls == 0:
+        await asyncio.sleep(0.01)
+    backend.inject(0, faults.parse("remap-pending"))  # after the sweep in flight read the GPUs
+    agent._gpu.stale()
+    backend.block = False
+    backend.release.set()
+    gpus = await asyncio.wait_for(reading, 60)
+    assert gpus[0].remap_pending and backend.calls == 2
