@@ -122,7 +122,8 @@ class RecoveryConfig:
                                  "recent ones), if longer")
     startup_s: float = setting(180.0, "seconds a rank may take to its first step before it counts as hung")
     straggler_ratio: float = setting(1.05, "compute time against the other ranks' median counted as slow (a "
-                                     "10% slower rank is found; healthy noise is not)")
+                                     "10% slower rank is found; healthy noise is not; the verdict also needs the "
+                                     "rank to cost the job about straggler_cost of its step time)")
     straggler_min_delta_s: float = setting(0.002, "... and at least this many seconds slower per step (a ratio "
                                            "of tiny computes is noise; straggler_cost needs no such floor)")
     straggler_window: int = setting(30, "steps a straggler verdict looks at")

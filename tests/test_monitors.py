@@ -77,25 +77,42 @@ def feed(t, steps, slow_rank=None, factor=1.0, noise=0.05, seed=0):
             track.observe(step, 0.12, [base * (factor if rank == slow_rank else 1.0)], step * 0.12)
 
 
-def test_a_persistent_ten_percent_straggler_is_found_within_thirty_steps():
+def test_a_persistent_straggler_costing_a_tenth_of_the_step_is_found_within_thirty_steps():
     t = tracks(4)
-    # 5% step-to-step noise: a 10% slower rank is found within 30 steps in (nearly) every run, and
-    # within 45 in all of them; nobody else is ever named.
+    # 5% step-to-step noise: a rank 12% slower in its 0.1 s compute of a 0.12 s step (it costs the job 10% of
+    # its step time) is found within 30 steps in (nearly) every run, and within 45 in all of them; nobody else
+    # is ever named.
     within_30 = within_45 = 0
     for seed in range(50):
         t = tracks(4)
-        feed(t, 30, slow_rank=3, factor=1.10, seed=seed)
+        feed(t, 30, slow_rank=3, factor=1.12, seed=seed)
         findings = stragglers(t, CFG)
         assert [f.rank for f in findings] in ([3], [])
         within_30 += len(findings)
         t = tracks(4)
-        feed(t, 45, slow_rank=3, factor=1.10, seed=seed)
+        feed(t, 45, slow_rank=3, factor=1.12, seed=seed)
         assert [f.rank for f in stragglers(t, CFG)] == [3]
         within_45 += 1
     assert within_30 >= 48 and within_45 == 50
     t = tracks(4)
     feed(t, 30, slow_rank=3, factor=1.3)
     assert stragglers(t, CFG)[0].reason.startswith("rank 3 computes 1.3")
+
+
+def test_a_rank_a_few_per_cent_slower_in_every_step_costs_the_job_too_little_to_be_evicted():
+    # what a busy host did to a healthy rank in a full test run: 1.06x the others' compute in most steps, a
+    # 4 ms lag in 70 ms steps (6 %): cheaper to keep than to evict; a rank 1.12x slower there (11 %) is found
+    for factor, found in ((1.06, []), (1.12, [3])):
+        for seed in range(20):
+            t = tracks(4)
+            for track in t.values():
+                track.samples_seen = max(track.samples_seen, WARMUP_STEPS)
+            rng = random.Random(seed)
+            for step in range(30):
+                for rank, track in t.items():
+                    compute = 0.065 * rng.lognormvariate(0, 0.01) * (factor if rank == 3 else 1.0)
+                    track.observe(step, 0.07, [compute], step * 0.07)
+            assert [f.rank for f in stragglers(t, CFG)] == found, (factor, seed)
 
 
 def test_no_verdict_before_enough_steps():

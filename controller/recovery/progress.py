@@ -36,6 +36,11 @@ from controller.config import RecoveryConfig
 WARMUP_STEPS = 10  # a generation's first steps say nothing about a rank's speed
 PACE_REPORTS = 5  # reports a rank's current pace is judged from
 PARTS = 3  # a costly straggler must show in each of this many parts of the window: not one burst, however long
+# The ratio verdict's bar on the rank's lag, as a share of straggler_cost. A median over 30 steps with 5% noise
+# puts a rank that costs the job exactly straggler_cost within about a tenth of that either way, so 0.65 finds it
+# (50 of 50 seeded trials in tests/test_monitors.py) and not a rank 1.06x slower in most steps, costing 6%
+# (a healthy rank on a host busy with other processes, as a full test run saw: 0 of 20 there).
+RATIO_COST_SHARE = 0.65
 
 
 @dataclass
@@ -161,8 +166,10 @@ def stragglers(tracks: Mapping[int, RankTrack], cfg: RecoveryConfig) -> list[Fin
         ratios = [c / baseline for c in mine]
         slow = sum(r >= cfg.straggler_ratio for r in ratios)
         lag = statistics.median(mine) - baseline
+        # Slow in most steps, and by enough to cost the job about straggler_cost of its step time: a rank a few
+        # per cent slower than the others (a busy host's noise) costs the job little, and evicting it costs more.
         if slow >= cfg.straggler_share * len(ratios) and statistics.median(ratios) >= cfg.straggler_ratio and (
-                lag >= cfg.straggler_min_delta_s):
+                lag >= max(cfg.straggler_min_delta_s, RATIO_COST_SHARE * cfg.straggler_cost * step_s)):
             out.append(Finding(rank, "straggler", f"rank {rank} computes {statistics.median(ratios):.2f}x slower "
                                                   f"than the others' median ({slow} of the last {len(ratios)} "
                                                   f"steps >= {cfg.straggler_ratio:g}x)"))
