@@ -5,7 +5,8 @@ a 2-core machine cannot give three etcd members cores of their own). The generat
 as agents do, and park a session at each standby as agents do. The standbys run at nice 10: on a real control
 plane they have machines of their own, and here the sessions parked at them must not take the leader's core
 (the bench turns the new leader back to nice 0 as soon as it answers). For each N: grow to N sessions at the
-leader, wait until both standbys hold N parked sessions, let it settle, kill -9 the leader, and time until a
+leader, wait until both standbys hold N parked sessions, let it settle, wait until the fleet is whole (every
+session open at the leader, none declared SUSPECT or DOWN for 3 s), kill -9 the leader, and time until a
 new leader holds all N sessions again; then wait out the reconnect window and count node.state events to
 SUSPECT or DOWN since the kill (goal 0: no live node declared DOWN because the controller was busy), and read
 the new leader's heartbeat lag (p99 of its window).
@@ -29,6 +30,8 @@ from phalanx.v1 import control_pb2, control_pb2_grpc
 
 SETTLE_S = 5.0
 STANDBY_NICE = 10
+QUIET_S = 3.0  # before the kill: no node declared SUSPECT or DOWN for this long, every session open
+WHOLE_TIMEOUT_S = 120.0
 
 
 def renice(pid: int, nice: int) -> None:
@@ -149,6 +152,11 @@ async def run(steps: list[int]) -> dict:
                 await _wait(lambda s=standbys, n=n: _parked_at_least(s, n), f"{n} sessions parked at each standby",
                             600)
                 log(f"failover at scale: {n} sessions parked at each standby after {time.monotonic() - t_park:.0f} s")
+                whole_s = await _whole(address, n)
+                log(f"failover at scale: the fleet whole at the leader (every session open, none declared for "
+                    f"{QUIET_S:g} s) after {whole_s:.0f} s" if whole_s >= 0 else
+                    f"failover at scale: the fleet never stayed whole for {QUIET_S:g} s within {WHOLE_TIMEOUT_S:g} s; "
+                    "killing the leader anyway")
                 seq = await _last_seq(address)  # what the log holds before the kill: counted from here on
                 # Nodes the leader declared before the kill, after the ramp, and whether the generator (all the nodes
                 # in one process, on a core it shares with etcd) was late sending their heartbeats meanwhile: the
@@ -180,6 +188,7 @@ async def run(steps: list[int]) -> dict:
                 step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
                         "declared_in_ramp": in_ramp, "generator_late_max_in_ramp_ms": ramp.get("late_max_ms", 0),
                         "declared_before_kill": before, "generator_late_max_ms": sending.get("late_max_ms", 0),
+                        "whole_before_kill_s": round(whole_s, 1),
                         "state_events_naming_suspect_or_down": named, "naming_sample": sample,
                         "taken_up_total": generated.get("taken_up", 0),
                         "lag_p99_ms": round(stats.heartbeat_lag_p99_ms, 1), "leader": f"{name} -> {new_name}",
@@ -198,6 +207,20 @@ async def run(steps: list[int]) -> dict:
             procs.close()
             etcdlocal.stop(members[0])
     return out
+
+
+async def _whole(address: str, n: int) -> float:
+    """Wait until the leader holds all `n` sessions and has declared no node SUSPECT or DOWN for QUIET_S: a kill
+    amid a burst of declarations (the generator fell behind) would measure the burst's re-registrations, not the
+    takeover. Seconds it took; -1 after WHOLE_TIMEOUT_S."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < WHOLE_TIMEOUT_S:
+        seq = await _last_seq(address)
+        await asyncio.sleep(QUIET_S)
+        declared, _, _, _ = await _suspect_or_down(address, seq)
+        if not declared and await _sessions(address) >= n:
+            return time.monotonic() - t0
+    return -1.0
 
 
 async def _parked_at_least(addresses: list[str], n: int) -> bool:
