@@ -275,7 +275,7 @@ def phalanx_trial(fault: str, root: Path) -> dict:
             procs[name] = subprocess.Popen([sys.executable, "-m", module, "--config", str(root / f"{name}.toml")],
                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     spawn("controller", "controller.main", controller_toml(address, root) +
-          "[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\nhang_min_s = 4.0\n")
+          "[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n")
     time.sleep(1.5)
     for i in range(3):
         spawn(f"node-{i}", "agent.main", 'nvrx_socket = ""\n' + agent_toml(f"node-{i}", address, root, gpus=2))
