@@ -67,6 +67,10 @@ class AgentConfig:
     node_name: str = setting("", "this node's name in the cluster (default: the short hostname)")
     controller: str = setting("127.0.0.1:7370", "host:port of the controller; for a highly available control plane, "
                               "every controller's, comma-separated (the agent follows the leader)")
+    session_port: int = setting(0, "the controllers' session port (their session_listen, e.g. 7374): the session "
+                                "(heartbeats, commands) goes there, in frames on the same mutual TLS, at about a "
+                                "third of the controller's CPU per heartbeat; registration stays on `controller`. "
+                                "0 = the session over gRPC, the default")
     state_dir: str = setting("/var/lib/phalanx/agent", "where the agent keeps its own state")
     checkpoint_dir: str = setting("/var/lib/phalanx/checkpoints", "checkpoint directory given to ranks; its "
                                   "free space is reported")
@@ -115,6 +119,8 @@ class AgentConfig:
             host, sep, port = address.rpartition(":")
             require(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
                     f"controller ({address!r}) must be host:port, e.g. 10.0.0.1:7370")
+        require(0 <= self.session_port < 65536, f"session_port ({self.session_port}) must be a port (1-65535), "
+                "or 0 for the session over gRPC")
         require(len(self.labels) <= 64, f"labels has {len(self.labels)} entries; the limit is 64")
         require(self.stop_grace_s >= 0, f"stop_grace_s ({self.stop_grace_s}) must not be negative")
         if self.metrics_listen:

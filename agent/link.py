@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import ssl
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import grpc
 
 from agent.backoff import Backoff
-from phalanx import log, tls
+from phalanx import framed, log, tls
 from phalanx.clock import Clock, RealClock, first_of, wait_for
 from phalanx.leader import leader_hint
 from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S, SESSION_KEEPALIVE
@@ -74,6 +75,8 @@ class Link:
         credentials: grpc.ChannelCredentials | Callable[[], grpc.ChannelCredentials] | None = None,
         server_name: str = "",
         clock: Clock | None = None,
+        session_port: int = 0,
+        session_tls: Callable[[], ssl.SSLContext] | None = None,
     ) -> None:
         self.node_name = node_name
         # Every controller of the control plane; the session goes to the one that leads (a standby says which).
@@ -86,6 +89,9 @@ class Link:
         self._backoff = backoff
         self._on_command = on_command
         self._credentials = credentials  # None: plaintext (security.insecure)
+        self._server_name = server_name
+        self._session_port = session_port  # the session in frames on the controllers' session port; 0: gRPC
+        self._session_tls = session_tls  # None: plaintext (security.insecure)
         faster = {key for key, _ in SESSION_KEEPALIVE}
         self._options = [*(o for o in CLIENT_OPTIONS if o[0] not in faster), *SESSION_KEEPALIVE,
                          *tls.target_name_options(server_name)]
@@ -201,6 +207,14 @@ class Link:
         return (grpc.aio.insecure_channel(controller, options=self._options) if credentials is None
                 else grpc.aio.secure_channel(controller, credentials, options=self._options))
 
+    async def _session_call(self, controller: str, channel: grpc.aio.Channel):
+        """A new NodeService.Session call to `controller`: on its gRPC channel, or on its session port."""
+        if not self._session_port:
+            return node_pb2_grpc.NodeServiceStub(channel).Session()
+        return await framed.FramedCall.open(
+            framed.session_address(controller, self._session_port),
+            self._session_tls() if self._session_tls is not None else None, self._server_name, DEFAULT_TIMEOUT_S)
+
     async def _park_at(self, controller: str, stop: asyncio.Event) -> None:
         """Keep a session parked at `controller` while the session with the leader is elsewhere; hand it to the
         session loop if the controller takes it up (it leads now)."""
@@ -214,7 +228,7 @@ class Link:
             channel = self._channel(controller)
             handed = False
             try:
-                call = node_pb2_grpc.NodeServiceStub(channel).Session()
+                call = await self._session_call(controller, channel)
                 await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
                     node_name=self.node_name, incarnation=incarnation, standby=True)))
                 first = await wait_for(self._clock, call.read(), DEFAULT_TIMEOUT_S)
@@ -301,7 +315,7 @@ class Link:
                     self._check_epoch(registered.epoch)
                 # No deadline on the session: it is meant to live as long as both ends do; keepalive
                 # pings (phalanx.rpc) notice a dead peer instead.
-                call = stub.Session()
+                call = await self._session_call(self.controller, channel)
                 first = await self._open(call, self.state.incarnation if resuming else registered.incarnation,
                                          resuming)
             else:

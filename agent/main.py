@@ -114,7 +114,8 @@ class Agent:
         self.link = Link(self.name, cfg.controllers(), self.inventory, self.heartbeat,
                          Backoff(cfg.reconnect.initial_backoff_s, cfg.reconnect.max_backoff_s), self.command,
                          credentials=identity.channel_credentials if identity is not None else None,
-                         server_name=cfg.security.server_name, clock=self.clock)
+                         server_name=cfg.security.server_name, clock=self.clock, session_port=cfg.session_port,
+                         session_tls=identity.session_context if identity is not None else None)
         self.xids = agent_metrics.XidTally()
         self._event_beat: Timer | None = None  # the clock's timer of a heartbeat held back by EVENT_BEAT_GAP_S
         self._event_beat_at = float("-inf")

@@ -247,6 +247,10 @@ class ControllerConfig:
                                   "default: the operator picks the interface, and no fixed port collides with "
                                   "another daemon")
     metrics: MetricsAccessConfig = section(MetricsAccessConfig, "who may scrape metrics_listen, and over what")
+    session_listen: str = setting("", "host:port of the session port, e.g. 0.0.0.0:7374: agents' sessions (heartbeats "
+                                  "up, commands down) in frames on the same mutual TLS, at about a third of the "
+                                  "controller CPU per heartbeat of gRPC; agents with session_port set use it. Empty = "
+                                  "off, the default: every session over gRPC on `listen`")
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
@@ -259,6 +263,8 @@ class ControllerConfig:
         require(self.max_events >= 1000, f"max_events ({self.max_events}) must be at least 1000")
         if self.metrics_listen:
             host_port("metrics_listen", self.metrics_listen, "0.0.0.0:7371")
+        if self.session_listen:
+            host_port("session_listen", self.session_listen, "0.0.0.0:7374")
 
 
 def load(path: str | None) -> ControllerConfig:

@@ -12,6 +12,7 @@ import sys
 import grpc
 
 from controller import config as controller_config
+from controller.api.session_port import SessionPort
 from controller.errors import StoreError
 from controller.ha import Elector, Standby, advertise_address
 from controller.jobs.topology import TopologyError
@@ -95,6 +96,14 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
     ready = False
     server: grpc.aio.Server | None = None
     board = Switchboard()
+    sessions: SessionPort | None = None
+
+    async def stop_sessions() -> None:
+        nonlocal sessions
+        if sessions is not None:
+            await sessions.stop()
+            sessions = None
+
     try:
         while not stop.is_set():
             # One server from standing by through leading (controller/switchboard.py): the agents' sessions
@@ -109,6 +118,9 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
                     board.token_port = bind(server, cfg.security.token_listen,
                                             tls.reloading_server_credentials(identity, client_auth=False))
                 await server.start()
+                if cfg.session_listen:  # sessions parked here in frames are taken up too, so it lives as long
+                    sessions = SessionPort(board.resolve, identity)
+                    await sessions.start(cfg.session_listen)
             logger.info("standing by", name=name, listen=cfg.listen, port=port, advertise=elector.address,
                         etcd=store_cfg.etcd_endpoints)
             if not ready:
@@ -139,16 +151,19 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
             await first_of(holding, stop.wait())
             current.clear()
             if stop.is_set():
+                await stop_sessions()
                 await server.stop(2.0)  # the calls under way may finish, as a lone controller's do
                 server = None
                 await controller.stop()
                 await elector.resign(term)
                 break
             logger.warning("no longer the leader; standing by", reason=holding.result(), epoch=term.epoch)
+            await stop_sessions()
             await server.stop(0)  # first: every call of the term ends, none reaches the stopping controller
             server = None
             await controller.stop(0)
     finally:
+        await stop_sessions()
         if server is not None:
             await server.stop(0)
         sdnotify.notify("STOPPING=1")

@@ -17,6 +17,7 @@ from controller.api.control_service import ControlService
 from controller.api.enrol_service import EnrolService
 from controller.api.node_service import NodeService
 from controller.api.rendezvous_service import RendezvousService, job_name
+from controller.api.session_port import SessionPort
 from controller.config import ControllerConfig
 from controller.credentials import Credentials
 from controller.ha import Elector
@@ -103,6 +104,13 @@ def interceptors(cfg: ControllerConfig, tokens: dict, revocation=None,
     return [*authorizer, RequestGuard()]
 
 
+def server_methods(node_service: NodeService) -> Methods:
+    """What the session port serves: NodeService (of which it takes only Session)."""
+    methods = Methods()
+    node_pb2_grpc.add_NodeServiceServicer_to_server(node_service, methods)
+    return methods
+
+
 def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     port = (server.add_insecure_port(address) if credentials is None
             else server.add_secure_port(address, credentials))
@@ -134,6 +142,7 @@ class Controller:
         self._tasks: list[asyncio.Task] = []
         self.port = 0
         self.token_port = 0
+        self.session_port: SessionPort | None = None  # a lone controller's own; on a board, main.py's
         self._load_security()
         self.metrics = metrics.server(self.registry, self.jobs, self.hub, store, elector)
 
@@ -174,6 +183,11 @@ class Controller:
                                        tls.reloading_server_credentials(self._identity, client_auth=False))
             await server.start()
             self._server = server
+            if self.cfg.session_listen:
+                own = Switchboard()
+                own.route(server_methods(self.node_service), interceptors)
+                self.session_port = SessionPort(own.resolve, self._identity)
+                await self.session_port.start(self.cfg.session_listen)
         for service in ("", *SERVICES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(
@@ -187,7 +201,8 @@ class Controller:
                 periodic("slurm-watch", self.cfg.jobs.slurm_watch_s, watch.tick, self.clock), name="slurm-watch"))
         logger.info("controller serving", listen=self.cfg.listen, port=self.port, nodes=len(self.registry.entries()),
                     security="insecure" if self.cfg.security.insecure else "mutual TLS",
-                    token_port=self.token_port or None)
+                    token_port=self.token_port or None,
+                    session_port=self.session_port.port if self.session_port is not None else None)
         return self.port
 
     async def _log_takeover(self) -> None:
@@ -281,6 +296,8 @@ class Controller:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session_port is not None:
+            await self.session_port.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
         await self.metrics.close()

@@ -61,6 +61,11 @@ class Switchboard(grpc.GenericRpcHandler):
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         return self._role[0].lookup(details)
 
+    async def resolve(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        """The handler a call gets now, through the role's interceptors: how the session port
+        (controller/api/session_port.py) dispatches, outside any gRPC server."""
+        return await self.interceptor.intercept_service(None, details)
+
 
 class _Interceptor(grpc.aio.ServerInterceptor):
     def __init__(self, board: Switchboard) -> None:

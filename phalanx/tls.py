@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +126,14 @@ def parse_subject(subject: str) -> tuple[str, str] | None:
     return ous[0], cns[0]
 
 
+def auth_context_of(der: bytes) -> dict[str, list[bytes]]:
+    """What gRPC's auth_context() says of a peer certificate (DER) that the TLS layer verified: its RFC 4514
+    subject and its PEM, for a connection made outside gRPC (the session port)."""
+    from cryptography import x509
+    subject = x509.load_der_x509_certificate(der).subject.rfc4514_string()
+    return {"x509_subject": [subject.encode()], "x509_pem_cert": [ssl.DER_cert_to_PEM_cert(der).encode()]}
+
+
 def peer_identity(context) -> tuple[str, str] | None:
     """(role, name) of the certificate a gRPC peer presented (mutual TLS); None without one or for a subject
     `phalanx certs` would not issue."""
@@ -199,6 +208,13 @@ class ReloadingIdentity:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         identity = self.current()
         return channel_credentials(identity.ca, identity.cert, identity.key)
+
+    def session_context(self) -> ssl.SSLContext:
+        """A client context for the controllers' session port (phalanx/framed.py), from the current files."""
+        self.current()
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.files[0])
+        context.load_cert_chain(self.files[1], self.files[2])
+        return context
 
 
 def reloading_server_credentials(reloading: ReloadingIdentity, client_auth: bool = True) -> grpc.ServerCredentials:
