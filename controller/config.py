@@ -248,8 +248,8 @@ class ControllerConfig:
                                   "another daemon")
     metrics: MetricsAccessConfig = section(MetricsAccessConfig, "who may scrape metrics_listen, and over what")
     session_listen: str = setting("", "host:port of the session port, e.g. 0.0.0.0:7374: agents' sessions (heartbeats "
-                                  "up, commands down) in frames on the same mutual TLS, at about a third of the "
-                                  "controller CPU per heartbeat of gRPC; agents with session_port set use it. Empty = "
+                                  "up, commands down) in frames on the same mutual TLS, at about 40 % of gRPC's "
+                                  "controller CPU per heartbeat; agents with session_port set use it. Empty = "
                                   "off, the default: every session over gRPC on `listen`")
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")

@@ -1,10 +1,10 @@
-"""The session port's wire format, and its client end (the agent's session, bench/loadgen.py's simulated ones).
+"""The session port's wire format, and its client end (the agent's session).
 
 An agent's session (NodeService.Session: SessionOpen, then heartbeats up and commands down) is the one call
 whose per-message cost sets how many nodes a controller can hold: ten thousand nodes are ten thousand messages
-a second. Over grpc.aio each costs the controller about 190 us of CPU with mutual TLS on a 2-core Xeon VM;
-over this port, the same protobuf messages in length-prefixed frames on a plain TLS connection cost it about
-70 us (bench/RESULTS.md). Everything else (Register, the control API, rendezvous) stays gRPC.
+a second. In a prototype measurement (bench/RESULTS.md, not yet `make bench`), each cost the controller 187 us
+of CPU over grpc.aio with mutual TLS on a 2-core Xeon VM, and 71 us as length-prefixed frames on TLS.
+Everything else (Register, the control API, rendezvous) stays gRPC.
 
 The semantics are gRPC's for that one call, so both ends reuse their gRPC code unchanged: the controller runs
 the same handler through the same interceptors (authorization from the client certificate, revocation, the
@@ -31,6 +31,7 @@ import struct
 import grpc
 
 from phalanx.rpc import MAX_TRANSPORT_BYTES
+from phalanx.v1 import node_pb2
 
 HEADER = struct.Struct(">BI")
 MESSAGE, CLOSE, HALF_CLOSE = 1, 2, 3
@@ -131,7 +132,6 @@ class FramedCall:
             self._writer.write(frame(HALF_CLOSE))
 
     async def read(self):
-        from phalanx.v1 import node_pb2
         if self._status is not None:
             return self._result()
         try:

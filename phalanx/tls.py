@@ -211,10 +211,9 @@ class ReloadingIdentity:
 
     def session_context(self) -> ssl.SSLContext:
         """A client context for the controllers' session port (phalanx/framed.py), from the current files."""
+        from phalanx.framed import client_context
         self.current()
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.files[0])
-        context.load_cert_chain(self.files[1], self.files[2])
-        return context
+        return client_context(*self.files)
 
 
 def reloading_server_credentials(reloading: ReloadingIdentity, client_auth: bool = True) -> grpc.ServerCredentials:

@@ -161,6 +161,7 @@ def test_a_refusal_carries_its_status_and_the_leader_it_names():
 
 def test_messages_go_both_ways_and_the_handler_ends_when_the_agent_goes():
     ended = []
+    both_ended = asyncio.Event()
 
     async def echo(requests, context):
         try:
@@ -169,6 +170,8 @@ def test_messages_go_both_ways_and_the_handler_ends_when_the_agent_goes():
                     accepted=node_pb2.SessionAccepted(incarnation=message.heartbeat.seq)))
         finally:
             ended.append(context.peer())
+            if len(ended) == 2:
+                both_ended.set()
 
     async def main():
         port = SessionPort(_port_with(echo).resolve, None)
@@ -186,8 +189,7 @@ def test_messages_go_both_ways_and_the_handler_ends_when_the_agent_goes():
             await second.write(node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(seq=7)))
             assert (await second.read()).accepted.incarnation == 7
             second.cancel()  # the agent goes away: the handler is cancelled, as gRPC's is
-            while len(ended) < 2:
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(both_ended.wait(), TIMEOUT_S)
             return seen
         finally:
             await port.stop()

@@ -71,9 +71,6 @@ class FramedContext:
     def auth_context(self) -> dict[str, list[bytes]]:
         return self._conn.auth
 
-    def done(self) -> bool:
-        return self._conn.lost
-
 
 async def _requests(context: FramedContext):
     while (message := await context.read()) is not grpc.aio.EOF:
@@ -141,6 +138,10 @@ class _Connection(asyncio.Protocol):
             self._writable.set_result(None)
         if self._task is not None and not self._task.done():
             self._task.cancel()  # as gRPC cancels the handler of a call whose client went away
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
 
     def pause_writing(self) -> None:
         self._writable = asyncio.get_running_loop().create_future()
@@ -215,20 +216,21 @@ class SessionPort:
         self.port = 0
 
     def _ssl_context(self) -> ssl.SSLContext:
-        ca_file, cert_file, key_file = self._identity.files
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca_file)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: a node presents its certificate
+        self._load(context)
+        return context
+
+    def _load(self, context: ssl.SSLContext) -> None:
+        ca_file, cert_file, key_file = self._identity.files
+        context.load_verify_locations(ca_file)
         context.load_cert_chain(cert_file, key_file)
         self._loaded = self._identity.identity
-        return context
 
     def _new_connection(self) -> _Connection:
         if self._identity is not None and self._identity.current() is not self._loaded:
             try:  # a renewed certificate: for the handshakes from now on
-                ca_file, cert_file, key_file = self._identity.files
-                self._context.load_cert_chain(cert_file, key_file)
-                self._context.load_verify_locations(ca_file)
-                self._loaded = self._identity.identity
+                self._load(self._context)
             except (OSError, ssl.SSLError) as e:
                 logger.error("session port: the renewed certificate does not load; the one before stays",
                              error=str(e))
@@ -250,8 +252,7 @@ class SessionPort:
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
-            if conn._transport is not None:
-                conn._transport.abort()
+            conn.abort()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
