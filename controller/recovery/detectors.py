@@ -111,11 +111,12 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
             return Incident("hang", False, (culprit.node,) if culprit.node else (),
                             f"{hangs[0].reason}; the NCCL flight recorder says {describe_culprit(culprit)}",
                             culprit=culprit)
-        silent = monitors.culprits(hangs, tracks, now, cfg.silent_s)
+        silent = monitors.culprits(tracks, now, cfg.silent_s)
         if silent:
             bad = tuple(sorted({node_of[r] for r in silent if r in node_of}))
-            first = next(f for f in hangs if f.rank == silent[0])
-            return Incident("hang", False, bad, f"{first.reason}; its trainlib is silent too (on {', '.join(bad)})")
+            quiet = ", ".join(f"rank {r} for {now - tracks[r].last_report:.1f}s" for r in silent)
+            return Incident("hang", False, bad, f"{hangs[0].reason}; trainlib is silent too (on {', '.join(bad)}): "
+                                                f"{quiet}")
         return Incident("hang", False, (), f"{hangs[0].reason}; every rank is stuck and none is silent: restart in "
                                            "place")
     failing = sorted(n for n, v in nodes.items() if v.health >= FAILING)

@@ -126,10 +126,14 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
     return out
 
 
-def culprits(findings: list[Finding], tracks: dict[int, RankTrack], now: float, silent_s: float) -> list[int]:
-    """Of the hung ranks, those whose trainlib stopped reporting too: in a synchronous job every rank
-    stalls when one does, but only a rank that is itself stopped (or dead) falls silent."""
-    return [f.rank for f in findings if now - tracks[f.rank].last_report >= silent_s]
+def culprits(tracks: Mapping[int, RankTrack], now: float, silent_s: float) -> list[int]:
+    """Once some rank is hung, the ranks whose trainlib stopped reporting too: in a synchronous job every rank
+    stalls when one does, but only a rank that is itself stopped (or dead) falls silent. Every rank of the job
+    is a candidate, not only those past the hang limit: progress arrives folded into each node's heartbeat, so
+    the stopped rank's last step can reach the controller a heartbeat after its peers' and cross the limit
+    later than the ranks waiting for it."""
+    return [rank for rank, t in sorted(tracks.items()) if now - t.last_report >= silent_s
+            and now - t.last_advance >= silent_s]
 
 
 def job_step_s(tracks: Mapping[int, RankTrack], reports: int = PACE_REPORTS) -> float:
