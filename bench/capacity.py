@@ -191,9 +191,12 @@ async def _state_changes(stub, after: int) -> tuple[int, dict[str, int]]:
 
 async def run(steps: list[int], hold_s: float, settle_s: float, generators: int, per_channel: int,
               budget_s: float, max_hold_s: float | None = None, ramp_timeout_s: float = 60.0,
-              open_concurrency: int = 16, gc_trace: bool = False, tls: bool = False, store: str = "sqlite") -> dict:
+              open_concurrency: int = 16, gc_trace: bool = False, tls: bool = False, store: str = "sqlite",
+              session_port: bool = False) -> dict:
     """tls: the controller on mutual TLS and each simulated node with its own certificate (as in production);
-    otherwise plaintext. store "etcd": the controller leads a control plane of one on a local etcd member."""
+    otherwise plaintext. store "etcd": the controller leads a control plane of one on a local etcd member.
+    session_port: the nodes' sessions in frames on the controller's session port (session_listen) rather than
+    on gRPC; Register stays on gRPC."""
     with temp_root(prefix="phalanx-bench-capacity-") as tmp:
         root = Path(tmp)
         procs = Procs(root)
@@ -209,7 +212,7 @@ async def run(steps: list[int], hold_s: float, settle_s: float, generators: int,
                 extra = etcd_store_toml(members[0].endpoint, "bench")
             return await _run(procs, root, steps, hold_s, settle_s, generators, per_channel, budget_s,
                               max_hold_s if max_hold_s is not None else hold_s, ramp_timeout_s, open_concurrency,
-                              gc_trace, pki, extra)
+                              gc_trace, pki, extra, session_port)
         finally:
             procs.close()
             for member in members:
@@ -268,7 +271,8 @@ def _irq(times) -> float:
 
 async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle_s: float, generators: int,
                per_channel: int, budget_s: float, max_hold_s: float, ramp_timeout_s: float,
-               open_concurrency: int, gc_trace: bool, pki: Path | None = None, extra_config: str = "") -> dict:
+               open_concurrency: int, gc_trace: bool, pki: Path | None = None, extra_config: str = "",
+               session_port: bool = False) -> dict:
     t_begin = time.monotonic()
     credentials = None
     if pki is not None:
@@ -296,7 +300,10 @@ async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle
     address = f"127.0.0.1:{free_port()}"
     # --gc-trace: the same controller, run through bench/gcwrap.py, which logs its GC pauses.
     module = "bench.gcwrap" if gc_trace else "controller.main"
-    config = controller_toml(address, root) if pki is None else secure_controller_toml(address, root, pki)
+    port = free_port() if session_port else 0
+    listen = f"127.0.0.1:{port}" if port else ""
+    config = (controller_toml(address, root, listen) if pki is None
+              else secure_controller_toml(address, root, pki, listen))
     controller = procs.spawn("controller", module, config + extra_config, cpu=ctrl_cpu)
     await wait_serving(address, procs, controller.pid, "controller", credentials=credentials)
     ctrl_ps = psutil.Process(controller.pid)
@@ -306,7 +313,8 @@ async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle
         proc = await procs.spawn_piped(name, "bench.loadgen", (
             "--target", address, "--index", str(i), "--stride", str(generators), "--per-channel", str(per_channel),
             "--concurrency", str(max(1, open_concurrency // generators)),
-            *(("--pki", str(pki)) if pki is not None else ())),
+            *(("--pki", str(pki)) if pki is not None else ()),
+            *(("--session-port", str(port)) if port else ())),
             cpu=gen_cpu)
         gen = Generator(name, proc)
         try:
@@ -317,7 +325,8 @@ async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle
             raise RuntimeError(f"{name} said {hello}")
         gen.start()
         gens.append(gen)
-    log(f"capacity: controller on {address}; {generators} load generator process(es), "
+    log(f"capacity: controller on {address}" + (f", sessions on its session port {port}" if port else "")
+        + f"; {generators} load generator process(es), "
         f"{per_channel} node session(s) per channel (TCP connection), {open_concurrency} nodes registering at once")
     results: list[dict] = []
     stopped_because = ""
@@ -443,6 +452,7 @@ async def _run(procs: Procs, root: Path, steps: list[int], hold_s: float, settle
     summary = _summary(results, placement, generators, per_channel, hold_s, settle_s, stopped_because, steps,
                        max_hold_s)
     summary["background_cpu_pct_before"] = background
+    summary["transport"] = "session port" if port else "grpc"
     return summary
 
 

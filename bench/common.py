@@ -48,8 +48,14 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def controller_toml(address: str, root: Path) -> str:
-    return f'listen = "{address}"\nstate_db = "{root / "c.db"}"\nsecurity.insecure = true  # loopback\n'
+def controller_toml(address: str, root: Path, session_listen: str = "") -> str:
+    return (f'listen = "{address}"\nstate_db = "{root / "c.db"}"\n' + _session_line(session_listen)
+            + 'security.insecure = true  # loopback\n')
+
+
+def _session_line(session_listen: str) -> str:
+    """The controller's session port (agents' sessions in frames), a top-level key: before any table."""
+    return f'session_listen = "{session_listen}"\n' if session_listen else ""
 
 
 def etcd_store_toml(endpoint: str, name: str, advertise: str = "") -> str:
@@ -60,9 +66,10 @@ def etcd_store_toml(endpoint: str, name: str, advertise: str = "") -> str:
             + (f'advertise = "{advertise}"\n' if advertise else ""))
 
 
-def secure_controller_toml(address: str, root: Path, pki: Path) -> str:
+def secure_controller_toml(address: str, root: Path, pki: Path, session_listen: str = "") -> str:
     """A controller on mutual TLS with the certificates in `pki` (bench/capacity.py's TLS comparison)."""
-    return (f'listen = "{address}"\nstate_db = "{root / "c.db"}"\n[security]\nca_file = "{pki / "ca.crt"}"\n'
+    return (f'listen = "{address}"\nstate_db = "{root / "c.db"}"\n' + _session_line(session_listen)
+            + f'[security]\nca_file = "{pki / "ca.crt"}"\n'
             f'cert_file = "{pki / "controller.crt"}"\nkey_file = "{pki / "controller.key"}"\n')
 
 

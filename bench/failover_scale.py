@@ -42,9 +42,11 @@ def renice(pid: int, nice: int) -> None:
 WINDOW_S = 10.0  # after every node is back: longer than takeover_grace_s + down_after_s
 
 
-def controller_toml(address: str, root: Path, name: str, etcd: str) -> str:
-    return (f'listen = "{address}"\nstate_db = "{root / (name + ".db")}"\n[security]\ninsecure = true\n'
-            + etcd_store_toml(etcd, name, address))
+def controller_toml(address: str, root: Path, name: str, etcd: str, session_port: int = 0) -> str:
+    host = address.rsplit(":", 1)[0]
+    return (f'listen = "{address}"\nstate_db = "{root / (name + ".db")}"\n'
+            + (f'session_listen = "{host}:{session_port}"\n' if session_port else "")
+            + '[security]\ninsecure = true\n' + etcd_store_toml(etcd, name, address))
 
 
 async def _ask(address: str, fn, timeout: float = 2.0):
@@ -105,8 +107,11 @@ async def _wait(predicate, what: str, timeout_s: float) -> float:
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-async def run(steps: list[int]) -> dict:
-    out: dict = {"steps": [], "window_s": WINDOW_S}
+async def run(steps: list[int], session_port: bool = False) -> dict:
+    """session_port: the nodes' sessions (and parked ones) in frames on the controllers' session port. An agent
+    finds it at the same port on each controller's host, so here each controller has a loopback address of its
+    own (127.0.0.1, .2, .3)."""
+    out: dict = {"steps": [], "window_s": WINDOW_S, "transport": "session port" if session_port else "grpc"}
     with temp_root("phalanx-failover-scale-") as d:
         root = Path(d)
         procs = Procs(root)
@@ -115,18 +120,20 @@ async def run(steps: list[int]) -> dict:
         gen = None
         try:
             etcdlocal.wait_healthy(members)
-            addresses = {f"c{i}": f"127.0.0.1:{free_port()}" for i in range(3)}
+            sport = free_port("") if session_port else 0
+            addresses = {f"c{i}": f"127.0.0.{i + 1 if sport else 1}:{free_port()}" for i in range(3)}
             pids = {}
             for name, address in addresses.items():
                 pids[name] = procs.spawn(name, "controller.main",
-                                         controller_toml(address, root, name, members[0].endpoint), cpu=0).pid
+                                         controller_toml(address, root, name, members[0].endpoint, sport), cpu=0).pid
             await _wait(lambda: _leader(list(addresses.values())), "a leader", 60)
             first, _, _ = await _leader(list(addresses.values()))
             for name, pid in pids.items():
                 if name != first:
                     renice(pid, STANDBY_NICE)
             proc = await procs.spawn_piped("loadgen", "bench.loadgen", (
-                "--target", ",".join(addresses.values()), "--per-channel", "50", "--concurrency", "256"), cpu=1)
+                "--target", ",".join(addresses.values()), "--per-channel", "50", "--concurrency", "256",
+                *(("--session-port", str(sport)) if sport else ())), cpu=1)
             gen = Generator("loadgen", proc)
             hello = await gen.read(60.0)
             if hello.get("ok") != "ready":
@@ -198,7 +205,7 @@ async def run(steps: list[int]) -> dict:
                     f"declared SUSPECT/DOWN: {down} (node.state events naming either: {named}); "
                     f"heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms" + (f"; e.g. {sample}" if sample else ""))
                 pids[name] = procs.spawn(name, "controller.main",
-                                         controller_toml(address, root, name, members[0].endpoint), cpu=0).pid
+                                         controller_toml(address, root, name, members[0].endpoint, sport), cpu=0).pid
                 await asyncio.sleep(0.5)  # its threads started
                 renice(pids[name], STANDBY_NICE)
         finally:

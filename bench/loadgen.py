@@ -8,6 +8,9 @@ the session again with its incarnation (a resume), registering only if the contr
 With several controllers each node also parks a session at every other one, as the agent does: a standby
 that becomes the leader takes it up, and the node carries on there (after its session ends, it waits the
 StandingBy's takeover_s for that before it opens one itself).
+With --session-port the sessions (parked ones too) go to the controllers' session port in frames, as an agent
+with `session_port` set does; Register stays on gRPC (with --pki on a channel of its own, closed once the node
+has registered: the node's only connection that stays open is its session).
 Phases are spread evenly over the second (golden-ratio sequence over the global node index).
 
 Driven over stdin/stdout, one JSON object per line:
@@ -39,6 +42,7 @@ try:  # the agent's digest of the health signals (the controller re-judges healt
     from agent.main import health_digest
 except ImportError:  # an agent without one
     health_digest = None
+from phalanx import framed
 from phalanx.leader import leader_hint
 from phalanx.rpc import CLIENT_OPTIONS
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
@@ -70,13 +74,15 @@ class _Parking:
 
 class Gen:
     def __init__(self, target: str, index: int, stride: int, per_channel: int, concurrency: int,
-                 pki: str = "") -> None:
+                 pki: str = "", session_port: int = 0) -> None:
         # Several controllers (a highly available control plane): every node goes to the one this process believes
         # leads; a standby's answer names the leader (phalanx-leader), and an unreachable one passes the turn on.
         self.targets = [t for t in target.split(",") if t]
         self.target = self.targets[0]
         self._by_target: dict[str, list[tuple[grpc.aio.Channel, node_pb2_grpc.NodeServiceStub]]] = {}
         self.pki = Path(pki) if pki else None  # mutual TLS: each node its own channel and certificate
+        self.session_port = session_port  # sessions in frames on the controllers' session port (0: on gRPC)
+        self._contexts: dict[str, object] = {}  # per node: its client TLS context for the session port (~26 KiB)
         self.index = index  # this process is generator `index` of `stride`; it owns global ids index, index+stride, ...
         self.stride = stride
         self.per_channel = per_channel
@@ -102,14 +108,16 @@ class Gen:
         self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
         self.errors: list[str] = []
 
+    def _secure_channel(self, name: str, target: str) -> grpc.aio.Channel:
+        creds = grpc.ssl_channel_credentials((self.pki / "ca.crt").read_bytes(),
+                                             (self.pki / f"{name}.key").read_bytes(),
+                                             (self.pki / f"{name}.crt").read_bytes())
+        return grpc.aio.secure_channel(target, creds, options=[*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+
     def _stub(self, local: int, name: str, target: str = "") -> node_pb2_grpc.NodeServiceStub:
         target = target or self.target
         if self.pki is not None:  # a certificate names one node: one channel (TCP + TLS session) per node
-            creds = grpc.ssl_channel_credentials((self.pki / "ca.crt").read_bytes(),
-                                                 (self.pki / f"{name}.key").read_bytes(),
-                                                 (self.pki / f"{name}.crt").read_bytes())
-            options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-            channel = grpc.aio.secure_channel(target, creds, options=options)
+            channel = self._secure_channel(name, target)
             self.channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
             return self.channels[-1][1]
         i = local // self.per_channel
@@ -122,6 +130,33 @@ class Gen:
             channels.append((channel, node_pb2_grpc.NodeServiceStub(channel)))
             self.channels.append(channels[-1])
         return channels[i][1]
+
+    async def _session(self, local: int, name: str, target: str, stub: node_pb2_grpc.NodeServiceStub | None = None):
+        """A new NodeService.Session call to `target`: on gRPC (`stub`'s channel, else the node's), or on the
+        session port (agent/link.py's _session_call)."""
+        if not self.session_port:
+            return (stub or self._stub(local, name, target)).Session()
+        context = None
+        if self.pki is not None:
+            context = self._contexts.get(name)
+            if context is None:
+                context = self._contexts[name] = framed.client_context(
+                    str(self.pki / "ca.crt"), str(self.pki / f"{name}.crt"), str(self.pki / f"{name}.key"))
+        return await framed.FramedCall.open(framed.session_address(target, self.session_port), context,
+                                            timeout_s=60)
+
+    async def _register(self, local: int, name: str, inventory: common_pb2.NodeInventory,
+                        stub: node_pb2_grpc.NodeServiceStub | None) -> node_pb2.RegisterResponse:
+        request = node_pb2.RegisterRequest(node_name=name, inventory=inventory)
+        if stub is not None:
+            return await stub.Register(request, timeout=60)
+        if self.pki is None:
+            return await self._stub(local, name).Register(request, timeout=60)
+        channel = self._secure_channel(name, self.target)  # the session goes elsewhere: this node's only call here
+        try:
+            return await node_pb2_grpc.NodeServiceStub(channel).Register(request, timeout=60)
+        finally:
+            await channel.close(grace=None)
 
     def _follow(self, tried: str, e: BaseException) -> None:
         """After a failed open at `tried`: the leader a standby named, else the next controller."""
@@ -231,7 +266,7 @@ class Gen:
                 await node.wait()
                 continue
             try:
-                call = self._stub(local, name, target).Session()
+                call = await self._session(local, name, target)
                 await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
                     node_name=name, incarnation=incarnation[0], standby=True)))
                 reply = await asyncio.wait_for(call.read(), 60)
@@ -264,20 +299,20 @@ class Gen:
             # where the session opens is known only now: the leader may have been learnt while this node waited
             # for its turn (a node.target set before the wait left its parked session at that controller undone)
             target = node.target = self.target
-            stub = self._stub(local, name)
+            # gRPC sessions go on the channel Register used (with --pki, one per node); framed ones have their own
+            stub = self._stub(local, name) if not self.session_port else None
             try:
                 while True:
                     t0 = time.monotonic()
                     resuming = bool(incarnation[0])
                     if not resuming:
-                        reply = await stub.Register(node_pb2.RegisterRequest(node_name=name, inventory=inventory),
-                                                    timeout=60)
+                        reply = await self._register(local, name, inventory, stub)
                         incarnation[0] = reply.incarnation
                         self.register_s.append(time.monotonic() - t0)
                     else:
                         self.resumes += 1
                     t1 = time.monotonic()
-                    call = stub.Session()
+                    call = await self._session(local, name, target, stub)
                     try:
                         await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
                             node_name=name, incarnation=incarnation[0])))
@@ -412,7 +447,7 @@ def reply(obj: dict) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    gen = Gen(args.target, args.index, args.stride, args.per_channel, args.concurrency, args.pki)
+    gen = Gen(args.target, args.index, args.stride, args.per_channel, args.concurrency, args.pki, args.session_port)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -463,6 +498,8 @@ def cli() -> None:
     parser.add_argument("--per-channel", type=int, default=50, help="node sessions per channel (TCP connection)")
     parser.add_argument("--concurrency", type=int, default=64, help="nodes registering/opening at once")
     parser.add_argument("--pki", default="", help="mutual TLS: a directory with ca.crt and NODE.crt/NODE.key per node")
+    parser.add_argument("--session-port", type=int, default=0,
+                        help="sessions in frames on this port of each controller's host (its session_listen)")
     args = parser.parse_args()
     try:
         import uvloop

@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--per-channel", type=int, default=1,
                    help="capacity: simulated node sessions per gRPC channel, i.e. per TCP connection (default 1, "
                    "like real agents; more is cheaper for both ends)")
+    p.add_argument("--mtls", action="store_true",
+                   help="capacity: the controller on mutual TLS, each simulated node with its own certificate, as in "
+                   "production (default: plaintext)")
+    p.add_argument("--session-port", action="store_true",
+                   help="capacity, failover-scale: the nodes' sessions in frames on the controllers' session port "
+                   "(session_listen), as agents with session_port set (default: on gRPC)")
     p.add_argument("--sample", type=float, help="footprint: seconds of sampling (default 30, quick 10)")
     p.add_argument("--warmup", type=float, default=5.0, help="footprint: seconds before sampling")
     p.add_argument("--budget", type=float, default=TOTAL_BUDGET_S,
@@ -132,7 +138,7 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
             elif name == "failover":
                 results[name] = failover.run(args.trials)
             elif name == "failover-scale":
-                results[name] = await failover_scale.run(args.failover_steps)
+                results[name] = await failover_scale.run(args.failover_steps, session_port=args.session_port)
             elif name == "store-heartbeats":
                 results[name] = await capacity.by_store(QUICK_STORE_STEPS if args.quick else STORE_STEPS,
                                                         args.hold, args.settle, args.per_channel, 600.0)
@@ -144,7 +150,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 budget = max(60.0, args.budget - (time.monotonic() - t_begin))
                 results[name] = await capacity.run(args.steps, args.hold, args.settle, args.generators,
                                                    args.per_channel, budget, args.max_hold, args.ramp_timeout,
-                                                   args.open_concurrency, args.gc_trace)
+                                                   args.open_concurrency, args.gc_trace, tls=args.mtls,
+                                                   session_port=args.session_port)
             elif name == "tls":
                 results[name] = await tls.run(QUICK_TLS_NODES if args.quick else TLS_NODES, args.hold,
                                               args.settle, budget_s=600.0)
@@ -222,6 +229,12 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"{t['tls_registrations_per_s']:.0f} vs {t['plaintext_registrations_per_s']:.0f} /s"))
         rows.append(("tls", "heartbeat lag p99, mTLS vs plaintext", "",
                      f"{t['tls_lag_p99_ms']:.1f} vs {t['plaintext_lag_p99_ms']:.1f} ms"))
+        if t.get("session_cpu_ratio"):
+            rows.append(("tls", "controller CPU per heartbeat on mTLS, session port vs gRPC", "",
+                         f"{t['tls_session_us_per_heartbeat']:.0f} vs {t['tls_us_per_heartbeat']:.0f} us "
+                         f"= {t['session_cpu_ratio']:.2f}x"))
+            rows.append(("tls", "heartbeat lag p99 on mTLS, session port vs gRPC", "",
+                         f"{t['tls_session_lag_p99_ms']:.1f} vs {t['tls_lag_p99_ms']:.1f} ms"))
     elif t:
         rows.append(("tls", "error", "", _first_line(t["error"])))
     rows += _later_rows(results)
