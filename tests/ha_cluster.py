@@ -61,15 +61,17 @@ class Following:
 
 class HaCluster(Cluster):
     def __init__(self, root: Path, etcd_endpoint: str, controllers: int = 3, lease_ttl_s: int = 2,
-                 netns: dict[str, Netns] | None = None) -> None:
+                 netns: dict[str, Netns] | None = None, session_port: bool = False) -> None:
         """`netns`: members that run in a network namespace of their own (tests/netns.py), reaching etcd at the
-        namespace's host address on etcd's port (etcd must listen there too)."""
+        namespace's host address on etcd's port (etcd must listen there too). `session_port`: the agents' sessions
+        go to the controllers' session port, the same port on each controller's host, so each controller has a
+        loopback address of its own (127.0.0.1, .2, ...)."""
         super().__init__(root)
         self._channel.close()
         self.names = [f"c{i}" for i in range(controllers)]
         self.netns.update(netns or {})
-        self.addresses = {name: f"{self.netns[name].ns_ip if name in self.netns else '127.0.0.1'}:{free_port()}"
-                          for name in self.names}
+        self.session_port = free_port("") if session_port else 0
+        self.addresses = {name: f"{self._host(i, name)}:{free_port()}" for i, name in enumerate(self.names)}
         self.address = ",".join(self.addresses.values())  # what agents and the CLI are given
         self.etcd_endpoint = etcd_endpoint
         self.prefix = f"/test-ha/{uuid.uuid4().hex}/"
@@ -78,6 +80,16 @@ class HaCluster(Cluster):
         self._etcd_channel: grpc.Channel | None = None  # the test's own reads of the store (what a leader loads)
         self._channel = self.control  # closed by Cluster.close
 
+    def _host(self, index: int, name: str) -> str:
+        if name in self.netns:
+            return self.netns[name].ns_ip
+        return f"127.0.0.{index + 1}" if self.session_port else "127.0.0.1"
+
+    def start_agent(self, name: str, gpus: int = 2, extra: str = "", metrics: bool = False) -> subprocess.Popen:
+        if self.session_port:
+            extra = f"session_port = {self.session_port}\n{extra}"
+        return super().start_agent(name, gpus, extra, metrics)
+
     def start_controller(self, extra: str = "", metrics: bool = False, name: str = "") -> subprocess.Popen:
         """Start one member (`name`), or every member not running; returns the last started."""
         proc = None
@@ -85,10 +97,11 @@ class HaCluster(Cluster):
             if member in self.procs and self.procs[member].poll() is None:
                 continue
             address = self.addresses[member]
+            own = f'session_listen = "{address.rsplit(":", 1)[0]}:{self.session_port}"\n' if self.session_port else ""
             ns = self.netns.get(member)
             etcd = self.etcd_endpoint if ns is None else f"{ns.host_ip}:{self.etcd_endpoint.rpartition(':')[2]}"
             proc = self._spawn(member, "controller.main",
-                               f'listen = "{address}"\n{extra}\n'
+                               f'listen = "{address}"\n{own}{extra}\n'
                                f'[store]\nbackend = "etcd"\netcd_endpoints = "{etcd}"\n'
                                f'etcd_prefix = "{self.prefix}"\netcd_tls = false\nname = "{member}"\n'
                                f'advertise = "{address}"\nlease_ttl_s = {self.lease_ttl_s}\n'

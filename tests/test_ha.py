@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+import psutil
 import pytest
 
 from phalanx.v1 import control_pb2
@@ -17,11 +18,20 @@ def ha(tmp_path, etcd_server):
     c.close()
 
 
+@pytest.fixture(params=["grpc", "session port"])
+def ha_transport(request, tmp_path, etcd_server):
+    """The same control plane with the agents' sessions on gRPC, then on the controllers' session port."""
+    c = HaCluster(tmp_path, etcd_server.endpoint, session_port=request.param == "session port")
+    yield c
+    c.close()
+
+
 def events(c: HaCluster) -> list[control_pb2.Event]:
     return list(c.control.ListEvents(control_pb2.ListEventsRequest(limit=10_000)).events)
 
 
-def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha):
+def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transport):
+    ha = ha_transport
     ha.start_controller()
     for name in ("a", "b"):
         ha.start_agent(name)
@@ -36,6 +46,12 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha):
     old, epoch = ha.leader()
     standbys = [n for n in ha.names if n != old]
     ha.wait_for(lambda: all(ha.parked(n) == 2 for n in standbys), "both agents' sessions parked at each standby")
+    if ha.session_port:  # parked and leading sessions alike in frames on the session port of every controller
+        for agent in ("a", "b"):
+            peers = {f"{c.raddr.ip}:{c.raddr.port}" for c in psutil.Process(ha.procs[agent].pid).net_connections("tcp")
+                     if c.raddr and c.status == psutil.CONN_ESTABLISHED}
+            hosts = {a.rsplit(":", 1)[0] for a in ha.addresses.values()}
+            assert {f"{h}:{ha.session_port}" for h in hosts} <= peers, f"{agent}'s connections: {peers}"
 
     ha.kill(old, signal.SIGKILL)
     ha.wait_for(lambda: (ha.leader() or (old,))[0] != old, "a new leader")
