@@ -344,3 +344,97 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
             await server.stop(None)
 
     asyncio.run(scenario())
+
+
+def test_a_copy_is_staged_in_host_buffers_kept_for_the_next_one_and_saves_the_same_bytes(tmp_path):
+    import io
+
+    import torch
+
+    from trainlib.checkpoint import Staging, snapshot_to_cpu
+    w = torch.arange(12, dtype=torch.float32)
+    state = {"w": w, "view": w[2:5], "tied": w, "b": torch.ones(3, dtype=torch.int64), "n": 7}
+    staging = Staging()
+
+    def staged():
+        staging.begin()
+        copy = snapshot_to_cpu(state, staging=staging)
+        staging.end()
+        staging.ready()
+        return copy
+
+    first = staged()
+    buffers = [id(b) for b in staging._buffers]
+    assert len(buffers) == 2 and staging.nbytes == 12 * 4 + 3 * 8  # one buffer per storage, not per tensor
+    assert first["view"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr()
+
+    def saved(obj):
+        out = io.BytesIO()
+        torch.save(obj, out)
+        return out.getvalue()
+
+    assert saved(first) == saved(snapshot_to_cpu(state))  # what a fresh copy writes, byte for byte
+    w.add_(100)  # training goes on: the copy keeps the values it was taken with
+    assert torch.equal(first["w"], torch.arange(12, dtype=torch.float32))
+    again = staged()
+    assert [id(b) for b in staging._buffers] == buffers  # the same memory, no fresh pages
+    assert torch.equal(again["view"], w[2:5]) and again["n"] == 7
+    state["w"] = state["tied"] = torch.zeros(20)  # the state changed shape: its buffer is replaced
+    del state["view"]
+    staged()
+    assert staging.nbytes == 20 * 4 + 3 * 8
+    del state["b"]
+    staged()
+    assert staging.nbytes == 20 * 4 and len(staging._buffers) == 1  # a smaller state lets go of the rest
+
+
+def test_a_due_copy_goes_into_the_second_buffer_while_the_first_is_still_being_written(tmp_path):
+    """Double buffering: before, a snapshot was skipped whenever the writer had not finished the previous one."""
+    import threading
+
+    import torch
+
+    from trainlib._snapshot import Snapshotter
+    gate, entered = threading.Event(), threading.Event()
+
+    class SlowAgent(FakeAgent):
+        def __call__(self, request):
+            entered.set()
+            gate.wait(60)
+            return super().__call__(request)
+
+    agent = SlowAgent()
+    snapshotter = Snapshotter(tmp_path, "job-1", 1, 0, agent, every=1)
+    state = {"w": torch.zeros(1000)}
+    assert snapshotter.offer(state, 1, 0.01)
+    assert entered.wait(60)  # step 1's snapshot is being written
+    state["w"] += 1
+    assert snapshotter.offer(state, 2, 0.01)  # into the second buffer, queued behind it
+    state["w"] += 1
+    assert not snapshotter.offer(state, 3, 0.01) and snapshotter.skipped == 1  # both busy: skipped, not waited for
+    gate.set()
+    snapshotter.wait()
+    assert [r.step for r in agent.taken] == [1, 2]
+    assert torch.equal(torch.load(tmp_path / "job-1" / "g1" / "r0" / "s2.pt")["w"], torch.ones(1000))
+    assert snapshotter.host_bytes == 2 * 4000
+    assert snapshotter.offer(state, 4, 0.01)  # a buffer is free again
+    snapshotter.wait()
+    assert torch.equal(torch.load(tmp_path / "job-1" / "g1" / "r0" / "s4.pt")["w"], torch.full((1000,), 2.0))
+
+
+def test_a_gpu_state_is_copied_into_pinned_memory_asynchronously():
+    """Runs where there is a GPU (this project's CI machine has none: skipped there)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from trainlib.checkpoint import Staging, snapshot_to_cpu
+    w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    staging = Staging()
+    staging.begin()
+    copy = snapshot_to_cpu({"w": w, "half": w[: 1 << 19]}, staging=staging)
+    staging.end()
+    w.mul_(2)  # queued after the copy on the same stream: the copy sees the values before it
+    staging.ready()
+    assert copy["w"].is_pinned() and staging.pinned_bytes == 4 << 20
+    assert torch.equal(copy["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert copy["half"].untyped_storage().data_ptr() == copy["w"].untyped_storage().data_ptr()

@@ -3,12 +3,16 @@
 `trainlib.snapshot(state, step)` copies the state into host memory on the training thread (the only
 time it blocks training), then a writer thread serializes the copy into the node agent's snapshot
 directory (tmpfs: memory that outlives this process) and hands it to the agent, which replicates it to
-a peer node. A copy is taken at the steps that are multiples of `interval`: every step when the copy
+a peer node. The copy goes into host buffers kept from one snapshot to the next (checkpoint.Staging):
+pinned memory and an asynchronous device-to-host copy for GPU tensors, which the training thread only
+queues and the writer waits for. There are two sets of them (double-buffered), the second made only when
+a copy is due while the writer still works on the first: a step's copy never waits for the previous
+snapshot's write. A copy is taken at the steps that are multiples of `interval`: every step when the copy
 costs at most OVERHEAD_BUDGET of a step, else the smallest power of two that keeps it there, measured
 as training runs (PHALANX_SNAPSHOT_EVERY=N fixes it; 0 turns snapshots off). Multiples of powers of two
 line the ranks up: each tunes its own interval, and a restore needs a step every rank has; ranks that
-chose 4 and 8 both have every multiple of 8. While the writer is still busy with the previous copy, a
-due snapshot is skipped rather than waited for.
+chose 4 and 8 both have every multiple of 8. While the writer is busy with both buffers (one being
+written, one queued), a due snapshot is skipped rather than waited for.
 
 On a restart the controller names, in PHALANX_RESTORE, the newest step of the last generation for
 which every rank's snapshot survives, and where each lies. `trainlib.load_latest()` fetches this rank's
@@ -35,6 +39,7 @@ OVERHEAD_BUDGET = 0.03  # share of a step's time the snapshot copy may cost
 # as the average decayed only when a snapshot was taken, it stayed there for seconds: a failure then lost up to
 # 15 steps. A copy slow in most of the recent ones still widens the interval.
 SAMPLES = 9
+BUFFERS = 2  # sets of host buffers a rank's copies go into: one being written out, one taking the next copy
 SETTLE = 5  # snapshots before the interval is said (the first steps carry start-up, not the step's own time)
 
 
@@ -58,7 +63,9 @@ class Snapshotter:
         self.disabled = "" if every != 0 else "PHALANX_SNAPSHOT_EVERY=0"
         self._last = -1
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlib-snapshot")
-        self._inflight: Future | None = None
+        self._inflight: Future | None = None  # the newest write (the writer takes them in order)
+        self._stagings: list[Any] = []  # checkpoint.Staging: at most two, the second made when first needed
+        self._writes: list[Future | None] = []  # per staging, its write in flight (or done)
         self._said = 0  # the interval last printed
         self._made_dir = False  # the writer makes the directory once
 
@@ -73,19 +80,27 @@ class Snapshotter:
             self._tune()
         if self.disabled or step % self.interval:
             return False
-        if self._inflight is not None and not self._inflight.done():
+        from trainlib.checkpoint import Staging, snapshot_to_cpu
+
+        free = next((i for i, w in enumerate(self._writes) if w is None or w.done()), None)
+        if free is None and len(self._stagings) < BUFFERS:
+            self._stagings.append(Staging())
+            self._writes.append(None)
+            free = len(self._stagings) - 1
+        if free is None:
             self.skipped += 1
             return False
-        from trainlib.checkpoint import snapshot_to_cpu
-
+        staging = self._stagings[free]
         started = time.perf_counter()
-        copy = snapshot_to_cpu(state() if callable(state) else state)
+        staging.begin()
+        copy = snapshot_to_cpu(state() if callable(state) else state, staging=staging)
+        staging.end()
         copy_s = time.perf_counter() - started
         self._copies.append(copy_s)
         self.copy_s = statistics.median(self._copies)
         self._last, self.taken, self._last_copy_s = step, self.taken + 1, copy_s
         self._tune()
-        self._inflight = self._writer.submit(self._write, copy, step)
+        self._inflight = self._writes[free] = self._writer.submit(self._write, copy, step, staging)
         return True
 
     def wait(self) -> None:
@@ -110,13 +125,19 @@ class Snapshotter:
                   f"{self.copy_s * 1e3:.2f} ms of a {self.step_s * 1e3:.1f} ms step (budget "
                   f"{OVERHEAD_BUDGET:.0%})", file=sys.stderr, flush=True)
 
-    def _write(self, copy: dict[str, Any], step: int) -> None:
+    @property
+    def host_bytes(self) -> int:
+        """Host memory this rank keeps for its copies (both buffers)."""
+        return sum(s.nbytes for s in self._stagings)
+
+    def _write(self, copy: dict[str, Any], step: int, staging: Any) -> None:
         from phalanx.v1 import local_pb2
         from trainlib._atomic import make_dirs_durable, write_atomic
         from trainlib.checkpoint import _torch_save
 
         path = self.directory / f"s{step}.pt"
         try:
+            staging.ready()  # a GPU's copy into pinned memory has landed
             if not self._made_dir:
                 make_dirs_durable(self.directory)
                 self._made_dir = True

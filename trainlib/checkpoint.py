@@ -493,12 +493,16 @@ def _size(path: Path) -> int:
         return -1
 
 
-def snapshot_to_cpu(obj: Any, _memo: dict[Any, Any] | None = None) -> Any:
+def snapshot_to_cpu(obj: Any, _memo: dict[Any, Any] | None = None, staging: Staging | None = None) -> Any:
     """A CPU copy of a state tree that training may mutate freely afterwards.
 
     Tensors are copied per storage, not per tensor, and a tensor that appears twice is copied once:
     views and tied weights keep sharing memory in the copy exactly as in `obj`, so `torch.save` of
     the copy writes the same bytes as a synchronous save of `obj` (and no more of them).
+
+    `staging`: host buffers kept from one copy to the next (see Staging); the copy lies in them, and a
+    GPU tensor's copy is only queued: `staging.ready()` waits for it. Without one, fresh memory, and
+    a GPU tensor's copy is complete on return.
     """
     memo: dict[Any, Any] = {} if _memo is None else _memo
     if isinstance(obj, torch.Tensor):
@@ -511,20 +515,87 @@ def snapshot_to_cpu(obj: Any, _memo: dict[Any, Any] | None = None) -> Any:
             storage = t.untyped_storage()
             key = ("storage", storage.data_ptr(), str(storage.device))
             if key not in memo:
-                memo[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+                if staging is not None:
+                    memo[key] = staging.take(storage)
+                else:
+                    memo[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
             copied = torch.empty(0, dtype=t.dtype).set_(memo[key], t.storage_offset(), t.size(), t.stride())
         memo[id(obj)] = copied  # `obj` lives in the caller's tree for the whole call, so its id is stable
         return copied
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the type and attributes (a state_dict's _metadata)
         for k, v in obj.items():
-            out[k] = snapshot_to_cpu(v, memo)
+            out[k] = snapshot_to_cpu(v, memo, staging)
         return out
     if isinstance(obj, list):
         out = copy.copy(obj)
-        out[:] = [snapshot_to_cpu(v, memo) for v in obj]
+        out[:] = [snapshot_to_cpu(v, memo, staging) for v in obj]
         return out
     if isinstance(obj, tuple):
-        items = [snapshot_to_cpu(v, memo) for v in obj]
+        items = [snapshot_to_cpu(v, memo, staging) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return copy.deepcopy(obj)
+
+
+class Staging:
+    """Host memory one snapshot at a time is copied into, kept for the next: a state of the same shape (a
+    training loop's, step after step) reuses it, so a copy costs the copy alone, not also fresh pages to fault
+    in. A GPU storage goes into page-locked (pinned) memory with an asynchronous device-to-host copy, queued
+    on the device's current stream: the training thread only queues it, and kernels queued after it (the next
+    optimizer step) run after it, so the copy sees this step's values. `ready()` waits until the copy has
+    landed (the snapshot writer calls it, not the training thread).
+
+    Buffers are matched to storages by their order in the tree; one whose size no longer matches is replaced.
+    Not thread-safe: the caller gives a staging to one copy at a time (trainlib._snapshot keeps two, so one
+    can be written out while the next step's copy goes into the other)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.UntypedStorage] = []
+        self._used = 0
+        self._devices: set[int] = set()  # GPUs copied from since begin()
+        self._events: list[Any] = []  # a torch.cuda.Event per GPU, after its copies
+        self.pinned_bytes = 0
+
+    def begin(self) -> None:
+        self._used, self._devices, self._events = 0, set(), []
+
+    def take(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A host copy of `storage` in this staging's next buffer (queued, for a GPU storage)."""
+        device = storage.device.type == "cuda"
+        i, self._used = self._used, self._used + 1
+        buffer = self._buffers[i] if i < len(self._buffers) else None
+        if buffer is None or buffer.nbytes() != storage.nbytes() or buffer.is_pinned() != device:
+            if buffer is not None and buffer.is_pinned():
+                self.pinned_bytes -= buffer.nbytes()
+            buffer = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=device).untyped_storage()
+            if device:
+                self.pinned_bytes += buffer.nbytes()
+            if i < len(self._buffers):
+                self._buffers[i] = buffer
+            else:
+                self._buffers.append(buffer)
+        buffer.copy_(storage, non_blocking=device)
+        if device:
+            self._devices.add(storage.device.index if storage.device.index is not None else torch.cuda.current_device())
+        return buffer
+
+    def end(self) -> None:
+        """After the tree's last storage: drop buffers a smaller state no longer uses, mark the queued copies."""
+        for buffer in self._buffers[self._used:]:
+            if buffer.is_pinned():
+                self.pinned_bytes -= buffer.nbytes()
+        del self._buffers[self._used:]
+        for index in sorted(self._devices):
+            with torch.cuda.device(index):
+                event = torch.cuda.Event()
+                event.record()  # on the device's current stream, after the copies queued on it
+            self._events.append(event)
+
+    def ready(self) -> None:
+        """Wait for the copies queued from a GPU to land in host memory (at once for host storages)."""
+        for event in self._events:
+            event.synchronize()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self._buffers)
