@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.capacity import Generator
+from bench.capacity import Generator, _share, raise_fd_limit
 from bench.common import Procs, etcd_store_toml, free_port, log, temp_root
 from phalanx import etcdlocal
 from phalanx.v1 import control_pb2, control_pb2_grpc
@@ -32,6 +32,35 @@ SETTLE_S = 5.0
 STANDBY_NICE = 10
 QUIET_S = 3.0  # before the kill: no node declared SUSPECT or DOWN for this long, every session open
 WHOLE_TIMEOUT_S = 120.0
+# With the session port every node holds three connections of its own in the generator (its session and one
+# parked at each standby), where gRPC puts 50 nodes on one: the nodes are split over processes, each within the
+# open-file limit (20,000 here, and not raised by root either).
+SESSION_GENERATORS = 2
+
+
+class _Fleet:
+    """The simulated nodes over one or more load generator processes, asked as one."""
+
+    def __init__(self, gens: list[Generator]) -> None:
+        self.gens = gens
+
+    async def call(self, cmd: dict, timeout_s: float = 60.0) -> dict:
+        if cmd["cmd"] == "grow":
+            asked = [{**cmd, "total": _share(cmd["total"], i, len(self.gens))} for i in range(len(self.gens))]
+        else:
+            asked = [cmd] * len(self.gens)
+        replies = await asyncio.gather(*(g.call(c, timeout_s) for g, c in zip(self.gens, asked, strict=True)))
+        merged: dict = dict(replies[0])
+        for reply in replies[1:]:
+            for key, value in reply.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key in merged:
+                    merged[key] = max(merged[key], value) if "late" in key or key.endswith("_ms") \
+                        else merged[key] + value
+        return merged
+
+    async def close(self) -> None:
+        for gen in self.gens:
+            await gen.close()
 
 
 def renice(pid: int, nice: int) -> None:
@@ -112,12 +141,13 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
     finds it at the same port on each controller's host, so here each controller has a loopback address of its
     own (127.0.0.1, .2, .3)."""
     out: dict = {"steps": [], "window_s": WINDOW_S, "transport": "session port" if session_port else "grpc"}
+    raise_fd_limit()  # the generators and controllers (children) inherit it
     with temp_root("phalanx-failover-scale-") as d:
         root = Path(d)
         procs = Procs(root)
         members = etcdlocal.plan(root / "etcd", 1)
         etcdlocal.start(members[0], members)
-        gen = None
+        gen: _Fleet | None = None
         try:
             etcdlocal.wait_healthy(members)
             sport = free_port("") if session_port else 0
@@ -131,14 +161,19 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
             for name, pid in pids.items():
                 if name != first:
                     renice(pid, STANDBY_NICE)
-            proc = await procs.spawn_piped("loadgen", "bench.loadgen", (
-                "--target", ",".join(addresses.values()), "--per-channel", "50", "--concurrency", "256",
-                *(("--session-port", str(sport)) if sport else ())), cpu=1)
-            gen = Generator("loadgen", proc)
-            hello = await gen.read(60.0)
-            if hello.get("ok") != "ready":
-                raise RuntimeError(f"loadgen said {hello}")
-            gen.start()
+            count = SESSION_GENERATORS if sport else 1
+            gen = _Fleet([])
+            for i in range(count):
+                proc = await procs.spawn_piped(f"loadgen-{i}", "bench.loadgen", (
+                    "--target", ",".join(addresses.values()), "--per-channel", "50",
+                    "--concurrency", str(256 // count), "--index", str(i), "--stride", str(count),
+                    *(("--session-port", str(sport)) if sport else ())), cpu=1)
+                one = Generator(f"loadgen-{i}", proc)
+                gen.gens.append(one)
+                hello = await one.read(60.0)
+                if hello.get("ok") != "ready":
+                    raise RuntimeError(f"loadgen-{i} said {hello}")
+                one.start()
             for n in steps:
                 t0 = time.monotonic()
                 await gen.call({"cmd": "stats", "reset": True})  # the generator's send lateness in the ramp
