@@ -67,10 +67,10 @@ class AgentConfig:
     node_name: str = setting("", "this node's name in the cluster (default: the short hostname)")
     controller: str = setting("127.0.0.1:7370", "host:port of the controller; for a highly available control plane, "
                               "every controller's, comma-separated (the agent follows the leader)")
-    session_port: int = setting(0, "the controllers' session port (their session_listen, e.g. 7374): the session "
-                                "(heartbeats, commands) goes there, in frames on the same mutual TLS, at about 40 % "
-                                "of gRPC's controller CPU per heartbeat; registration stays on `controller`. "
-                                "0 = the session over gRPC, the default")
+    session_port: int = setting(0, "the controllers' session port (their session_listen, e.g. 7374; the same port on "
+                                "every controller's host): the session (heartbeats, commands) goes there, in frames on "
+                                "the same mutual TLS, at about half of gRPC's controller CPU per heartbeat; "
+                                "registration stays on `controller`. 0 = the session over gRPC, the default")
     state_dir: str = setting("/var/lib/phalanx/agent", "where the agent keeps its own state")
     checkpoint_dir: str = setting("/var/lib/phalanx/checkpoints", "checkpoint directory given to ranks; its "
                                   "free space is reported")

@@ -248,9 +248,10 @@ class ControllerConfig:
                                   "another daemon")
     metrics: MetricsAccessConfig = section(MetricsAccessConfig, "who may scrape metrics_listen, and over what")
     session_listen: str = setting("", "host:port of the session port, e.g. 0.0.0.0:7374: agents' sessions (heartbeats "
-                                  "up, commands down) in frames on the same mutual TLS, at about 40 % of gRPC's "
-                                  "controller CPU per heartbeat; agents with session_port set use it. Empty = "
-                                  "off, the default: every session over gRPC on `listen`")
+                                  "up, commands down) in frames on the same mutual TLS, at about half of gRPC's "
+                                  "controller CPU per heartbeat (10,000 nodes on one core: bench/RESULTS.md); agents "
+                                  "with session_port set use it. Empty = off, the default: every session over gRPC "
+                                  "on `listen`")
     liveness: LivenessConfig = section(LivenessConfig, "heartbeat cadence and failure detection")
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
