@@ -111,8 +111,11 @@ class FramedCall:
                 host, int(port), ssl=context, server_hostname=(server_name or host) if context else None,
                 limit=MAX_TRANSPORT_BYTES + HEADER.size), timeout_s)
         except (OSError, TimeoutError, ssl.SSLError, ValueError) as e:
+            hint = (" (nothing listens there: is the controller's session_listen set to this port? The agent's "
+                    "session_port must match it, or be 0 for sessions over gRPC)"
+                    if isinstance(e, ConnectionRefusedError) else "")
             raise _error(grpc.StatusCode.UNAVAILABLE, f"cannot reach the session port {address}: "
-                         f"{e or type(e).__name__}") from None
+                         f"{e or type(e).__name__}{hint}") from None
         tune(writer.get_extra_info("socket"))
         return cls(reader, writer, address)
 

@@ -209,3 +209,10 @@ def test_a_session_port_that_cannot_listen_says_which_setting():
 
         with pytest.raises(OSError, match=f"cannot listen on session_listen {address}"):
             asyncio.run(main())
+
+
+def test_an_agent_pointed_at_a_session_port_nothing_listens_on_is_told_which_settings_to_check():
+    port = free_port()
+    code, details = status_of(framed.FramedCall.open(f"127.0.0.1:{port}", None))
+    assert code == grpc.StatusCode.UNAVAILABLE, details
+    assert f"cannot reach the session port 127.0.0.1:{port}" in details and "session_listen" in details, details
