@@ -157,3 +157,21 @@ def wait_until(predicate, what: str, timeout: float = 120) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def test_local_up_with_the_session_port(home):
+    """`phalanx local up --session-port`: the agent's session goes to the controller's session port."""
+    import psutil
+    up = phalanx("local", "up", "--nodes", "1", "--gpus-per-node", "1", "--session-port", env=home)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        port = int(up.stdout.split("agents' sessions on session port ")[1].split()[0])
+        agent = next(p for p in json.loads(phalanx("local", "status", "--json", env=home).stdout)
+                     if p["role"] == "agent")
+        peers = {c.raddr.port for c in psutil.Process(agent["pid"]).net_connections("tcp")
+                 if c.raddr and c.status == psutil.CONN_ESTABLISHED}
+        assert port in peers, (port, peers)
+        nodes = phalanx("nodes", "--json", env=home)
+        assert nodes.returncode == 0 and json.loads(nodes.stdout)[0]["state"] == "UP", nodes.stdout
+    finally:
+        assert phalanx("local", "down", env=home).returncode == 0

@@ -151,10 +151,12 @@ def controller_address() -> str | None:
     return ",".join(p.address for p in procs if p.role == "controller") or None
 
 
-def controller_config(address: str, root: Path, metrics: str = "", etcd: str = "", name: str = "") -> str:
+def controller_config(address: str, root: Path, metrics: str = "", etcd: str = "", name: str = "",
+                      session_port: int = 0) -> str:
     # Plaintext on loopback, for trying things out: a fleet runs mutual TLS (`phalanx certs`).
+    session = f'session_listen = "{address.rsplit(":", 1)[0]}:{session_port}"\n' if session_port else ""
     text = (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\nmetrics_listen = "{metrics}"\n'
-            '\n[security]\ninsecure = true\n')
+            f'{session}\n[security]\ninsecure = true\n')
     if etcd:
         text += (f'\n[store]\nbackend = "etcd"\netcd_endpoints = "{etcd}"\netcd_prefix = "/phalanx-local/"\n'
                  f'etcd_tls = false\netcd_max_txn_ops = {etcdlocal.MAX_TXN_OPS}\nname = "{name}"\n'
@@ -163,14 +165,15 @@ def controller_config(address: str, root: Path, metrics: str = "", etcd: str = "
 
 
 def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str],
-                 metrics: str = "") -> str:
+                 metrics: str = "", session_port: int = 0) -> str:
     node = root / "nodes" / name
     # One checkpoint directory for every agent, as a shared filesystem would be on a real fleet: a job submitted
     # without --checkpoint-dir uses <checkpoint_dir>/<job> on each of its nodes, and all must see the same one.
     lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
              f'checkpoint_dir = "{root / "checkpoints"}"', f'snapshot_dir = "{node / "snapshots"}"',
              f'nvrx_socket = "{node / "nvhcd.sock"}"',
-             f'metrics_listen = "{metrics}"', "", "[gpu]", f'backend = "{backend}"',
+             f'metrics_listen = "{metrics}"', *([f"session_port = {session_port}"] if session_port else []),
+             "", "[gpu]", f'backend = "{backend}"',
              f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0", "", "[security]", "insecure = true"]
     if labels:
         lines += ["", "[labels]", *[f'{k} = "{v}"' for k, v in labels.items()]]
@@ -207,9 +210,12 @@ def choose_backend(requested: str, nodes: int) -> str:
     return "sim"
 
 
-def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout, ha: int = 0) -> list[Proc]:
+def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout, ha: int = 0,
+       session_port: bool = False) -> list[Proc]:
     """Start a controller (with `ha` N: an N-member etcd cluster and N controllers electing a leader) and
-    `nodes` agents."""
+    `nodes` agents. `session_port`: the agents' sessions go to the controllers' session port; an agent dials
+    it on each controller's host, so each controller listens on a loopback address of its own (127.0.0.1,
+    127.0.0.2, ...) with the same session port."""
     if ha < 0 or ha > 7:
         raise LocalError(f"--ha {ha}: give 0 (one controller on SQLite) or 1 to 7 members (3 is the usual)")
     if ha:
@@ -247,21 +253,24 @@ def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout, ha: int = 0
             names = [f"controller-{i}" for i in range(ha)]
         else:
             etcd, names = "", ["controller"]
-        for name in names:
-            address = f"127.0.0.1:{free_port()}"
+        sport = free_port("") if session_port else 0
+        for i, name in enumerate(names):
+            address = f"127.0.0.{i + 1 if sport else 1}:{free_port()}"
             metrics = f"127.0.0.1:{free_port()}"  # every process its own port: several clusters share a host
             started.append(spawn("controller", name, "controller.main",
-                                 controller_config(address, root, metrics, etcd, name), root, address, metrics))
+                                 controller_config(address, root, metrics, etcd, name, sport), root, address,
+                                 metrics))
         _write(started)
         controllers = [p for p in started if p.role == "controller"]
         address = _wait_serving(controllers)
-        print(f"controller serving on {address}" + (f" (the leader of {ha})" if ha else f" (pid {controllers[0].pid})"),
-              file=out, flush=True)
+        print(f"controller serving on {address}" + (f" (the leader of {ha})" if ha else f" (pid {controllers[0].pid})")
+              + (f"; agents' sessions on session port {sport}" if sport else ""), file=out, flush=True)
         address = ",".join(p.address for p in controllers)
         for i in range(nodes):
             name = f"node-{i}"
             metrics = f"127.0.0.1:{free_port()}"
-            text = agent_config(name, address, root, backend, gpus_per_node, {"rack": f"rack-{i // 4}"}, metrics)
+            text = agent_config(name, address, root, backend, gpus_per_node, {"rack": f"rack-{i // 4}"}, metrics,
+                                sport)
             started.append(spawn("agent", name, "agent.main", text, root, metrics=metrics))
         _write(started)
         _wait_nodes(address, [p for p in started if p.role == "agent"], out)

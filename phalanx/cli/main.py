@@ -251,7 +251,7 @@ def default_node_name() -> str:
 
 
 def cmd_local_up(args: argparse.Namespace) -> int:
-    local.up(args.nodes, args.gpus_per_node, args.gpu_backend, ha=args.ha)
+    local.up(args.nodes, args.gpus_per_node, args.gpu_backend, ha=args.ha, session_port=args.session_port)
     return OK
 
 
@@ -689,6 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ha", type=_ha_size, default=0, metavar="N",
                    help="N controllers on a local etcd, one leading (3 or 5 recommended; default 0: one controller "
                    "on SQLite)")
+    p.add_argument("--session-port", action="store_true",
+                   help="agents' sessions on the controllers' session port (session_listen / session_port) rather "
+                   "than gRPC; with --ha each controller gets a loopback address of its own (127.0.0.N)")
     p.set_defaults(func=cmd_local_up)
     p = local_sub.add_parser("status", help="list the local cluster's processes")
     add_output(p, "table", "json")
