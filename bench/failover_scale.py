@@ -53,9 +53,12 @@ class _Fleet:
         merged: dict = dict(replies[0])
         for reply in replies[1:]:
             for key, value in reply.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key in merged:
-                    merged[key] = max(merged[key], value) if "late" in key or key.endswith("_ms") \
-                        else merged[key] + value
+                if key == "errors":
+                    merged[key] = merged.get(key, []) + value
+                elif isinstance(value, (int, float)) and not isinstance(value, bool) and key in merged:
+                    # times and lateness: the worst of the generators; counts: their sum
+                    worst = key.endswith("_ms") or key in ("time", "id", "seconds")
+                    merged[key] = max(merged[key], value) if worst else merged[key] + value
         return merged
 
     async def close(self) -> None:

@@ -113,7 +113,7 @@ class FramedCall:
         except (OSError, TimeoutError, ssl.SSLError, ValueError) as e:
             hint = (" (nothing listens there: is the controller's session_listen set to this port? The agent's "
                     "session_port must match it, or be 0 for sessions over gRPC)"
-                    if isinstance(e, ConnectionRefusedError) else "")
+                    if isinstance(e, ConnectionRefusedError) or "Connect call failed" in str(e) else "")
             raise _error(grpc.StatusCode.UNAVAILABLE, f"cannot reach the session port {address}: "
                          f"{e or type(e).__name__}{hint}") from None
         tune(writer.get_extra_info("socket"))

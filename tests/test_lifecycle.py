@@ -645,6 +645,26 @@ def test_a_stopped_rank_is_named_even_when_a_waiting_peer_crosses_the_hang_limit
     assert "trainlib is silent too (on b): rank 2 for" in incident.reason, incident
 
 
+def test_a_rank_is_silent_only_if_its_agent_was_heard_from_since_its_last_report():
+    """A node whose heartbeat is late (not yet quiet) brings its ranks' reports late too: they are not silent for
+    it. The rank whose agent kept being heard while it said nothing is."""
+    from controller.recovery.detectors import detect
+
+    t = {r: RankTrack(last_advance=0.0, last_report=0.0) for r in range(2)}
+    for step in range(40):
+        for track in t.values():
+            track.observe(step, 0.1, [0.08], step * 0.1)
+    now = 3.9 + POLICY.recovery.hang_min_s + 0.1
+    t[0].observe(39, 0.0, [], now - 2.5, steps=0)  # node a's last heartbeat (and rank 0's report) 2.5 s ago
+    t[1].observe(39, 0.0, [], now - 2.5, steps=0)  # rank 1 reported then too, and not since
+    ranks = [pb.RankInfo(rank=0, node="a", state=pb.RANK_STATE_RUNNING),
+             pb.RankInfo(rank=1, node="b", state=pb.RANK_STATE_RUNNING)]
+    nodes = {"a": NodeView("a", False, HEALTHY, "", heard_at=now - 2.5),  # late: nothing new could arrive
+             "b": NodeView("b", False, HEALTHY, "", heard_at=now - 0.2)}  # heard since: rank 1 said nothing
+    incident = detect(ranks, nodes, t, now, POLICY.recovery)
+    assert incident.kind == "hang" and incident.nodes == ("b",), incident
+
+
 def allocation_sim(**kw) -> Sim:
     """A job bound to a Slurm allocation of nodes a, b, c (spec.within), as `phalanx run` submits it."""
     sim = Sim(**kw)

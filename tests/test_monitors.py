@@ -52,8 +52,9 @@ def test_spikes_the_job_has_shown_before_raise_the_limit_and_a_save_holds_every_
     t[0].observe(39, 0.0, [], last + 0.5, steps=0, saving=True)  # rank 0 writes a checkpoint
     assert hung(t, last + 20.0, CFG) == []  # rank 1 waits for it in the next collective: no hang
     assert len(hung(t, last + 0.6 + CFG.checkpoint_deadline_s, CFG)) == 2  # a save past the deadline is one
-    t[0].observe(39, 0.0, [], last + 25.0, steps=0, saving=False)  # the save ends: its time was no hang
-    assert [f.rank for f in hung(t, last + 27.9, CFG)] == [1]
+    t[0].observe(39, 0.0, [], last + 25.0, steps=0, saving=False)  # the save ends: its time was no hang,
+    assert hung(t, last + 27.9, CFG) == []  # for the rank that saved nor for the one that waited for it
+    assert len(hung(t, last + 28.0, CFG)) == 2
 
 
 def test_a_rank_that_never_steps_gets_the_startup_allowance_and_so_do_the_first_steps():
@@ -261,3 +262,19 @@ def test_the_start_up_report_alone_still_sets_a_lenient_hang_limit():
         track.observe(0, 100.0, [], 0.0)  # one 100 s step so far (a slow model): no hang before 300 s
     assert hung(t, 299.0, CFG) == []
     assert len(hung(t, 300.0, CFG)) == 2
+
+
+def test_the_ranks_that_waited_for_a_long_save_are_not_hung_when_it_ends():
+    """Before: only the saving rank's progress clock restarted when its save ended; the others, which waited for
+    it in the next collective, were past the hang limit at once (and no rank silent: a restart in place)."""
+    t = tracks(2)
+    for step in range(40):
+        for track in t.values():
+            track.observe(step, 0.1, [0.08], step * 0.1)
+    last = 39 * 0.1
+    t[0].observe(39, 0.0, [], last + 0.1, steps=0, saving=True)
+    for second in range(1, 20):  # a 20 s save; rank 1 keeps reporting, with no step
+        t[1].observe(39, 0.0, [], last + second, steps=0)
+    t[0].observe(39, 0.0, [], last + 20.0, steps=0, saving=False)
+    assert hung(t, last + 21.0, CFG) == []
+    assert [f.rank for f in hung(t, last + 20.0 + CFG.hang_min_s, CFG)] == [0, 1]  # and a real stall after it is

@@ -434,7 +434,27 @@ def test_a_gpu_state_is_copied_into_pinned_memory_asynchronously():
     copy = snapshot_to_cpu({"w": w, "half": w[: 1 << 19]}, staging=staging)
     staging.end()
     w.mul_(2)  # queued after the copy on the same stream: the copy sees the values before it
-    staging.ready()
+    assert staging.ready() > 0  # the copy's time on the device
     assert copy["w"].is_pinned() and staging.pinned_bytes == 4 << 20
     assert torch.equal(copy["w"], torch.arange(1 << 20, dtype=torch.float32))
     assert copy["half"].untyped_storage().data_ptr() == copy["w"].untyped_storage().data_ptr()
+
+
+def test_a_copy_that_cannot_get_its_buffers_is_skipped_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    import torch
+
+    import trainlib.checkpoint
+    from trainlib._snapshot import Snapshotter
+
+    def no_memory(self, storage):
+        raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+
+    agent = FakeAgent()
+    snapshotter = Snapshotter(tmp_path, "job-1", 1, 0, agent, every=1)
+    monkeypatch.setattr(trainlib.checkpoint.Staging, "take", no_memory)
+    assert not snapshotter.offer({"w": torch.zeros(4)}, 1, 0.01) and snapshotter.failed == 1
+    assert "in-memory snapshot of step 1 not taken: RuntimeError: CUDA error: out of memory" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert snapshotter.offer({"w": torch.zeros(4)}, 2, 0.01)  # the next one, with memory again, is taken
+    snapshotter.wait()
+    assert [r.step for r in agent.taken] == [2]

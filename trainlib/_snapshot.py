@@ -65,6 +65,7 @@ class Snapshotter:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlib-snapshot")
         self._inflight: Future | None = None  # the newest write (the writer takes them in order)
         self._stagings: list[Any] = []  # checkpoint.Staging: at most two, the second made when first needed
+        self._device_s = 0.0  # the last GPU copy's time on the device (the writer measures it)
         self._writes: list[Future | None] = []  # per staging, its write in flight (or done)
         self._said = 0  # the interval last printed
         self._made_dir = False  # the writer makes the directory once
@@ -92,10 +93,20 @@ class Snapshotter:
             return False
         staging = self._stagings[free]
         started = time.perf_counter()
-        staging.begin()
-        copy = snapshot_to_cpu(state() if callable(state) else state, staging=staging)
-        staging.end()
-        copy_s = time.perf_counter() - started
+        tree = state() if callable(state) else state  # the script's own errors are its own
+        try:
+            staging.begin()
+            copy = snapshot_to_cpu(tree, staging=staging)
+            staging.end()
+        except Exception as e:  # e.g. no pinned memory left for the buffers: training goes on without this one
+            if not self.failed:
+                print(f"trainlib: in-memory snapshot of step {step} not taken: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+            self.failed += 1
+            return False
+        # A GPU's copy runs on the device after this returns and delays the next step instead: count the last
+        # one measured, so the interval keeps the copies within the budget.
+        copy_s = time.perf_counter() - started + self._device_s
         self._copies.append(copy_s)
         self.copy_s = statistics.median(self._copies)
         self._last, self.taken, self._last_copy_s = step, self.taken + 1, copy_s
@@ -137,7 +148,7 @@ class Snapshotter:
 
         path = self.directory / f"s{step}.pt"
         try:
-            staging.ready()  # a GPU's copy into pinned memory has landed
+            self._device_s = staging.ready()  # a GPU's copy into pinned memory has landed
             if not self._made_dir:
                 make_dirs_durable(self.directory)
                 self._made_dir = True

@@ -500,9 +500,9 @@ def snapshot_to_cpu(obj: Any, _memo: dict[Any, Any] | None = None, staging: Stag
     views and tied weights keep sharing memory in the copy exactly as in `obj`, so `torch.save` of
     the copy writes the same bytes as a synchronous save of `obj` (and no more of them).
 
-    `staging`: host buffers kept from one copy to the next (see Staging); the copy lies in them, and a
-    GPU tensor's copy is only queued: `staging.ready()` waits for it. Without one, fresh memory, and
-    a GPU tensor's copy is complete on return.
+    `staging`: host buffers kept from one copy to the next (see Staging); the copy lies in them, so it
+    lasts only until the staging's next use, and a GPU tensor's copy is only queued: `staging.ready()`
+    waits for it. Without one, fresh memory, and a GPU tensor's copy is complete on return.
     """
     memo: dict[Any, Any] = {} if _memo is None else _memo
     if isinstance(obj, torch.Tensor):
@@ -537,6 +537,14 @@ def snapshot_to_cpu(obj: Any, _memo: dict[Any, Any] | None = None, staging: Stag
     return copy.deepcopy(obj)
 
 
+def _timing_event(device: int) -> Any:
+    """A CUDA event recorded now on `device`'s current stream; `synchronize()` sleeps rather than spins."""
+    with torch.cuda.device(device):
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record()
+    return event
+
+
 class Staging:
     """Host memory one snapshot at a time is copied into, kept for the next: a state of the same shape (a
     training loop's, step after step) reuses it, so a copy costs the copy alone, not also fresh pages to fault
@@ -552,12 +560,13 @@ class Staging:
     def __init__(self) -> None:
         self._buffers: list[torch.UntypedStorage] = []
         self._used = 0
-        self._devices: set[int] = set()  # GPUs copied from since begin()
-        self._events: list[Any] = []  # a torch.cuda.Event per GPU, after its copies
+        self._starts: dict[int, Any] = {}  # per GPU copied from since begin(): a timing event before its copies
+        self._events: list[tuple[Any, Any]] = []  # per GPU: (before, after) its copies
+        self._sources: list[torch.UntypedStorage] = []  # GPU storages being copied: kept alive until ready()
         self.pinned_bytes = 0
 
     def begin(self) -> None:
-        self._used, self._devices, self._events = 0, set(), []
+        self._used, self._starts, self._events, self._sources = 0, {}, [], []
 
     def take(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
         """A host copy of `storage` in this staging's next buffer (queued, for a GPU storage)."""
@@ -574,9 +583,12 @@ class Staging:
                 self._buffers[i] = buffer
             else:
                 self._buffers.append(buffer)
-        buffer.copy_(storage, non_blocking=device)
         if device:
-            self._devices.add(storage.device.index if storage.device.index is not None else torch.cuda.current_device())
+            index = storage.device.index if storage.device.index is not None else torch.cuda.current_device()
+            if index not in self._starts:
+                self._starts[index] = _timing_event(index)
+            self._sources.append(storage)  # a temporary's memory must not be reused before the copy has read it
+        buffer.copy_(storage, non_blocking=device)
         return buffer
 
     def end(self) -> None:
@@ -585,16 +597,18 @@ class Staging:
             if buffer.is_pinned():
                 self.pinned_bytes -= buffer.nbytes()
         del self._buffers[self._used:]
-        for index in sorted(self._devices):
-            with torch.cuda.device(index):
-                event = torch.cuda.Event()
-                event.record()  # on the device's current stream, after the copies queued on it
-            self._events.append(event)
+        self._events = [(start, _timing_event(index)) for index, start in sorted(self._starts.items())]
 
-    def ready(self) -> None:
-        """Wait for the copies queued from a GPU to land in host memory (at once for host storages)."""
-        for event in self._events:
-            event.synchronize()
+    def ready(self) -> float:
+        """Wait for the copies queued from a GPU to land in host memory (at once for host storages); the
+        seconds the slowest GPU's copies took on the device (0.0 for none), which the training thread did not
+        wait for but the steps queued behind them did."""
+        device_s = 0.0
+        for start, end in self._events:
+            end.synchronize()
+            device_s = max(device_s, start.elapsed_time(end) / 1e3)
+        self._sources = []
+        return device_s
 
     @property
     def nbytes(self) -> int:

@@ -31,6 +31,7 @@ class NodeView:
     stopped: bool = False  # ... and a heartbeat since says none of the generation's ranks runs there
     running: bool = False  # its newest heartbeat shows ranks of the job's generation running
     quiet: bool = False  # its heartbeats are late (over 1.5 intervals): its ranks' progress cannot arrive either
+    heard_at: float = 0.0  # monotonic time its agent was last heard from (0.0: unknown, taken as now)
 
 
 KINDS = ("node-lost", "gpu-failed", "crash", "hang", "gpu-failing", "straggler")
@@ -111,7 +112,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
             return Incident("hang", False, (culprit.node,) if culprit.node else (),
                             f"{hangs[0].reason}; the NCCL flight recorder says {describe_culprit(culprit)}",
                             culprit=culprit)
-        silent = monitors.culprits(tracks, now, cfg.silent_s)
+        heard = {r.rank: nodes[r.node].heard_at or now for r in ranks if r.node in nodes}
+        silent = monitors.culprits(tracks, heard, now, cfg.silent_s)
         if silent:
             bad = tuple(sorted({node_of[r] for r in silent if r in node_of}))
             quiet = ", ".join(f"rank {r} for {now - tracks[r].last_report:.1f}s" for r in silent)

@@ -155,7 +155,7 @@ class Executor:
                         drained=bool(node.record.drain_reason), stop_told=told is None or recent,
                         stopped=taken and not running and _after(node, told), running=running,
                         quiet=self.jobs.clock.monotonic() - node.last_seen >
-                        1.5 * self.jobs.registry.policy.heartbeat_interval_s)
+                        1.5 * self.jobs.registry.policy.heartbeat_interval_s, heard_at=node.last_seen)
 
     def candidates(self, exclude: str = "", within=()) -> list[Candidate]:
         """Every node as placement sees it (only those `within`, when given: a Slurm allocation); nodes held by

@@ -59,6 +59,7 @@ class RankTrack:
     steps_seen: int = 0  # steps reported this generation
     saving: bool = False  # the newest report says the rank is writing a checkpoint
     saving_since: float = 0.0
+    saved_at: float = 0.0  # when its last save ended: the other ranks waited for it in the next collective
 
     def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float,
                 steps: int = 1, saving: bool = False, step_at: float = 0.0) -> None:
@@ -67,6 +68,7 @@ class RankTrack:
             self.saving_since = now
         elif self.saving and not saving:
             self.last_advance = max(self.last_advance, now)  # the save's time was no hang
+            self.saved_at = now
         self.saving = saving
         self.steps_seen += steps
         if steps and last_step > self.last_step:
@@ -110,9 +112,10 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
         return []  # a rank is writing a checkpoint; the others wait for it in the next collective
     typical = typical_step_s(tracks)
     limit = max(cfg.hang_min_s, cfg.hang_factor * typical)
+    saved = max((t.saved_at for t in tracks.values()), default=0.0)  # the ranks that waited for a save: no hang
     out = []
     for rank, track in sorted(tracks.items()):
-        silent = now - track.last_advance
+        silent = now - max(track.last_advance, saved)
         if track.last_step < 0 or track.steps_seen < WARMUP_STEPS:
             if silent >= max(cfg.startup_s, limit):
                 what = "finished a step" if track.last_step < 0 else f"made progress (step {track.last_step}, in " \
@@ -126,13 +129,14 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
     return out
 
 
-def culprits(tracks: Mapping[int, RankTrack], now: float, silent_s: float) -> list[int]:
+def culprits(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: float, silent_s: float) -> list[int]:
     """Once some rank is hung, the ranks whose trainlib stopped reporting too: in a synchronous job every rank
-    stalls when one does, but only a rank that is itself stopped (or dead) falls silent. Every rank of the job
-    is a candidate, not only those past the hang limit: progress arrives folded into each node's heartbeat, so
-    the stopped rank's last step can reach the controller a heartbeat after its peers' and cross the limit
-    later than the ranks waiting for it."""
-    return [rank for rank, t in sorted(tracks.items()) if now - t.last_report >= silent_s
+    stalls when one does, but only a rank that is itself stopped (or dead) falls silent. Silent means its node's
+    agent (`heard`: when, per rank) was heard from `silent_s` after the rank's last report, so a late heartbeat
+    does not make its ranks look silent. Every rank of the job is a candidate, not only those past the hang
+    limit: progress arrives folded into each node's heartbeat, so the stopped rank's last step can reach the
+    controller a heartbeat after its peers' and cross the limit later than the ranks waiting for it."""
+    return [rank for rank, t in sorted(tracks.items()) if heard.get(rank, now) - t.last_report >= silent_s
             and now - t.last_advance >= silent_s]
 
 
