@@ -31,7 +31,8 @@ class NodeView:
     stopped: bool = False  # ... and a heartbeat since says none of the generation's ranks runs there
     running: bool = False  # its newest heartbeat shows ranks of the job's generation running
     quiet: bool = False  # its heartbeats are late (over 1.5 intervals): its ranks' progress cannot arrive either
-    heard_at: float = 0.0  # monotonic time its agent was last heard from (0.0: unknown, taken as now)
+    heard_at: float = 0.0  # when its agent was last heard from, on the clock of `now` and the rank tracks (the
+    # job manager's wall-clock seconds); 0.0: unknown, taken as now
 
 
 KINDS = ("node-lost", "gpu-failed", "crash", "hang", "gpu-failing", "straggler")

@@ -150,12 +150,13 @@ class Executor:
         running = beat is not None and any(s.job == job.id and s.generation == job.generation and
                                            s.state == RANK_RUNNING for s in beat.ranks)
         recent = taken and self.jobs.clock.monotonic() - told[2] < lifecycle.RESTOP_S
+        silence = self.jobs.clock.monotonic() - node.last_seen
         return NodeView(name, node.record.state is DOWN, node.verdict.health,
                         node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
                         drained=bool(node.record.drain_reason), stop_told=told is None or recent,
                         stopped=taken and not running and _after(node, told), running=running,
-                        quiet=self.jobs.clock.monotonic() - node.last_seen >
-                        1.5 * self.jobs.registry.policy.heartbeat_interval_s, heard_at=node.last_seen)
+                        quiet=silence > 1.5 * self.jobs.registry.policy.heartbeat_interval_s,
+                        heard_at=self.jobs.now() - silence)  # on the clock of the job's ranks' tracks
 
     def candidates(self, exclude: str = "", within=()) -> list[Candidate]:
         """Every node as placement sees it (only those `within`, when given: a Slurm allocation); nodes held by
