@@ -25,7 +25,7 @@ import grpc
 
 from bench.capacity import Generator, _share, raise_fd_limit
 from bench.common import Procs, etcd_store_toml, free_port, log, temp_root
-from phalanx import etcdlocal
+from phalanx import etcdlocal, framed
 from phalanx.v1 import control_pb2, control_pb2_grpc
 
 SETTLE_S = 5.0
@@ -75,9 +75,8 @@ WINDOW_S = 10.0  # after every node is back: longer than takeover_grace_s + down
 
 
 def controller_toml(address: str, root: Path, name: str, etcd: str, session_port: int = 0) -> str:
-    host = address.rsplit(":", 1)[0]
     return (f'listen = "{address}"\nstate_db = "{root / (name + ".db")}"\n'
-            + (f'session_listen = "{host}:{session_port}"\n' if session_port else "")
+            + (f'session_listen = "{framed.session_address(address, session_port)}"\n' if session_port else "")
             + '[security]\ninsecure = true\n' + etcd_store_toml(etcd, name, address))
 
 

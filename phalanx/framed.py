@@ -2,8 +2,8 @@
 
 An agent's session (NodeService.Session: SessionOpen, then heartbeats up and commands down) is the one call
 whose per-message cost sets how many nodes a controller can hold: ten thousand nodes are ten thousand messages
-a second. In a prototype measurement (bench/RESULTS.md, not yet `make bench`), each cost the controller 187 us
-of CPU over grpc.aio with mutual TLS on a 2-core Xeon VM, and 71 us as length-prefixed frames on TLS.
+a second. Each costs the controller 240 us of CPU over grpc.aio with mutual TLS, and 114 us as length-prefixed
+frames on TLS, at 2,000 nodes on a 2-core Xeon VM (`bench/run.py tls`; bench/RESULTS.md).
 Everything else (Register, the control API, rendezvous) stays gRPC.
 
 The semantics are gRPC's for that one call, so both ends reuse their gRPC code unchanged: the controller runs

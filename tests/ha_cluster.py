@@ -15,6 +15,7 @@ import grpc
 from aetcd import rpc
 
 from controller.store.etcd import prefix_end
+from phalanx import framed
 from phalanx.cli.local import free_port
 from phalanx.leader import leader_hint
 from phalanx.v1 import control_pb2, control_pb2_grpc
@@ -97,7 +98,8 @@ class HaCluster(Cluster):
             if member in self.procs and self.procs[member].poll() is None:
                 continue
             address = self.addresses[member]
-            own = f'session_listen = "{address.rsplit(":", 1)[0]}:{self.session_port}"\n' if self.session_port else ""
+            own = f'session_listen = "{framed.session_address(address, self.session_port)}"\n' \
+                if self.session_port else ""
             ns = self.netns.get(member)
             etcd = self.etcd_endpoint if ns is None else f"{ns.host_ip}:{self.etcd_endpoint.rpartition(':')[2]}"
             proc = self._spawn(member, "controller.main",

@@ -7,6 +7,7 @@ import signal
 import psutil
 import pytest
 
+from phalanx import framed
 from phalanx.v1 import control_pb2
 from tests.ha_cluster import HaCluster
 
@@ -50,8 +51,8 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transp
         for agent in ("a", "b"):
             peers = {f"{c.raddr.ip}:{c.raddr.port}" for c in psutil.Process(ha.procs[agent].pid).net_connections("tcp")
                      if c.raddr and c.status == psutil.CONN_ESTABLISHED}
-            hosts = {a.rsplit(":", 1)[0] for a in ha.addresses.values()}
-            assert {f"{h}:{ha.session_port}" for h in hosts} <= peers, f"{agent}'s connections: {peers}"
+            ports = {framed.session_address(a, ha.session_port) for a in ha.addresses.values()}
+            assert ports <= peers, f"{agent}'s connections: {peers}"
 
     ha.kill(old, signal.SIGKILL)
     ha.wait_for(lambda: (ha.leader() or (old,))[0] != old, "a new leader")

@@ -63,7 +63,6 @@ class Snapshotter:
         self.disabled = "" if every != 0 else "PHALANX_SNAPSHOT_EVERY=0"
         self._last = -1
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlib-snapshot")
-        self._inflight: Future | None = None  # the newest write (the writer takes them in order)
         self._stagings: list[Any] = []  # checkpoint.Staging: at most two, the second made when first needed
         self._device_s = 0.0  # the last GPU copy's time on the device (the writer measures it)
         self._writes: list[Future | None] = []  # per staging, its write in flight (or done)
@@ -111,13 +110,14 @@ class Snapshotter:
         self.copy_s = statistics.median(self._copies)
         self._last, self.taken, self._last_copy_s = step, self.taken + 1, copy_s
         self._tune()
-        self._inflight = self._writes[free] = self._writer.submit(self._write, copy, step, staging)
+        self._writes[free] = self._writer.submit(self._write, copy, step, staging)
         return True
 
     def wait(self) -> None:
         """Wait for the snapshot being written, if any (tests, and a clean exit)."""
-        if self._inflight is not None:
-            self._inflight.result()
+        for write in self._writes:
+            if write is not None:
+                write.result()
 
     def _tune(self) -> None:
         if self.fixed is not None or self.step_s <= 0:

@@ -563,7 +563,6 @@ class Staging:
         self._starts: dict[int, Any] = {}  # per GPU copied from since begin(): a timing event before its copies
         self._events: list[tuple[Any, Any]] = []  # per GPU: (before, after) its copies
         self._sources: list[torch.UntypedStorage] = []  # GPU storages being copied: kept alive until ready()
-        self.pinned_bytes = 0
 
     def begin(self) -> None:
         self._used, self._starts, self._events, self._sources = 0, {}, [], []
@@ -574,11 +573,7 @@ class Staging:
         i, self._used = self._used, self._used + 1
         buffer = self._buffers[i] if i < len(self._buffers) else None
         if buffer is None or buffer.nbytes() != storage.nbytes() or buffer.is_pinned() != device:
-            if buffer is not None and buffer.is_pinned():
-                self.pinned_bytes -= buffer.nbytes()
             buffer = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=device).untyped_storage()
-            if device:
-                self.pinned_bytes += buffer.nbytes()
             if i < len(self._buffers):
                 self._buffers[i] = buffer
             else:
@@ -593,9 +588,6 @@ class Staging:
 
     def end(self) -> None:
         """After the tree's last storage: drop buffers a smaller state no longer uses, mark the queued copies."""
-        for buffer in self._buffers[self._used:]:
-            if buffer.is_pinned():
-                self.pinned_bytes -= buffer.nbytes()
         del self._buffers[self._used:]
         self._events = [(start, _timing_event(index)) for index, start in sorted(self._starts.items())]
 
@@ -613,3 +605,7 @@ class Staging:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self._buffers)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.nbytes() for b in self._buffers if b.is_pinned())

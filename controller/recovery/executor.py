@@ -149,8 +149,9 @@ class Executor:
         beat = node.heartbeat
         running = beat is not None and any(s.job == job.id and s.generation == job.generation and
                                            s.state == RANK_RUNNING for s in beat.ranks)
-        recent = taken and self.jobs.clock.monotonic() - told[2] < lifecycle.RESTOP_S
-        silence = self.jobs.clock.monotonic() - node.last_seen
+        monotonic = self.jobs.clock.monotonic()
+        recent = taken and monotonic - told[2] < lifecycle.RESTOP_S
+        silence = monotonic - node.last_seen
         return NodeView(name, node.record.state is DOWN, node.verdict.health,
                         node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
                         drained=bool(node.record.drain_reason), stop_told=told is None or recent,

@@ -26,7 +26,7 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from phalanx import etcdlocal
+from phalanx import etcdlocal, framed
 from phalanx.errors import PhalanxError
 from phalanx.ports import free_port
 from phalanx.rpc import DEFAULT_TIMEOUT_S
@@ -154,7 +154,7 @@ def controller_address() -> str | None:
 def controller_config(address: str, root: Path, metrics: str = "", etcd: str = "", name: str = "",
                       session_port: int = 0) -> str:
     # Plaintext on loopback, for trying things out: a fleet runs mutual TLS (`phalanx certs`).
-    session = f'session_listen = "{address.rsplit(":", 1)[0]}:{session_port}"\n' if session_port else ""
+    session = f'session_listen = "{framed.session_address(address, session_port)}"\n' if session_port else ""
     text = (f'listen = "{address}"\nstate_db = "{root / "controller.db"}"\nmetrics_listen = "{metrics}"\n'
             f'{session}\n[security]\ninsecure = true\n')
     if etcd:
