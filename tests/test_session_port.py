@@ -150,7 +150,10 @@ def test_a_refusal_carries_its_status_and_the_leader_it_names():
         number = await port.start("127.0.0.1:0")
         try:
             call = await framed.FramedCall.open(f"127.0.0.1:{number}", None)
-            await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="n", incarnation=1)))
+            try:
+                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="n", incarnation=1)))
+            except asyncio.InvalidStateError:  # refused before the write (a busy machine): read() has the status
+                pass
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call.read()
             return info.value
