@@ -43,12 +43,13 @@ from bench import (  # noqa: E402
     recovery,
     simulate,
     snapshots,
+    takeup,
     tls,
 )
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "failover", "failover-scale", "store-heartbeats", "simulate", "credentials")
+              "recovery", "failover", "failover-scale", "takeup", "store-heartbeats", "simulate", "credentials")
 STORE_STEPS, QUICK_STORE_STEPS = [2000, 6000], [2000]
 FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
@@ -139,6 +140,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = failover.run(args.trials)
             elif name == "failover-scale":
                 results[name] = await failover_scale.run(args.failover_steps, session_port=args.session_port)
+            elif name == "takeup":
+                results[name] = await asyncio.to_thread(takeup.run, args.quick)  # a loop of its own
             elif name == "store-heartbeats":
                 results[name] = await capacity.by_store(QUICK_STORE_STEPS if args.quick else STORE_STEPS,
                                                         args.hold, args.settle, args.per_channel, 600.0)
@@ -313,8 +316,10 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
         for st in fs["steps"]:
             rows.append(("failover-scale", f"N={st['nodes']:,}: kill -9 of the leader -> all nodes back", "<= 3 s",
                          f"{st['all_back_s']:.2f} s{_verdict(st['all_back_s'] <= 3.0)}"))
+            late = (f" (generator up to {st['generator_late_max_after_ms']:.0f} ms late sending)"
+                    if "generator_late_max_after_ms" in st else "")
             rows.append(("failover-scale", f"N={st['nodes']:,}: live nodes declared SUSPECT/DOWN", "0",
-                         f"{st['wrongly_suspect_or_down']}{_verdict(st['wrongly_suspect_or_down'] == 0)}"))
+                         f"{st['wrongly_suspect_or_down']}{_verdict(st['wrongly_suspect_or_down'] == 0)}{late}"))
             if "state_events_naming_suspect_or_down" in st:
                 rows.append(("failover-scale", f"N={st['nodes']:,}: node.state events naming SUSPECT/DOWN", "",
                              f"{st['state_events_naming_suspect_or_down']} (leaving SUSPECT too)"))
@@ -331,6 +336,12 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                              f"{st['taken_up_total']:,}"))
             rows.append(("failover-scale", f"N={st['nodes']:,}: heartbeat lag p99 after", "< 100 ms",
                          f"{st['lag_p99_ms']:.0f} ms{_verdict(st['lag_p99_ms'] < 100)}"))
+    tu = results.get("takeup")
+    if tu and "error" not in tu:
+        i, d = tu["inline"], tu["deferred"]
+        rows.append(("takeup", f"{tu['nodes']:,} parked sessions taken up, per node (in process)", "",
+                     f"{i['takeup_and_first_heartbeat_us']:.0f} us with the first judge inline; "
+                     f"{d['takeup_and_first_heartbeat_us']:.0f} us deferred, then {d['deferred_judge_us']:.0f} us"))
     sh = results.get("store-heartbeats")
     if sh and "error" not in sh and all("error" not in sh.get(k, {"error": 1}) for k in ("sqlite", "etcd")):
         etcd_steps = {st["nodes"]: st for st in sh["etcd"]["steps"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import signal
 import socket
@@ -144,7 +145,15 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
                 await controller.stop(0)
                 await elector.resign(term)
                 continue
-            standby.parked.take(controller.serve_parked)
+            # The registry just loaded and the sessions parked here: out of the full collections, as a lone
+            # controller's after its start (unfrozen when deposed, so that the term's objects may go).
+            gc.freeze()
+            # The sessions first, the health of their nodes after: judged from an interval after the last parked
+            # session's turn (its first heartbeat is on its way until then).
+            registry = controller.registry
+            registry.defer_judging()
+            standby.parked.take(controller.serve_parked,
+                                done=functools.partial(registry.judge_deferred, registry.policy.heartbeat_interval_s))
             logger.info("taking up the sessions parked here", sessions=standby.parked.waiting)
             current[:] = [controller]
             sdnotify.notify(f"STATUS=leader (epoch {term.epoch}) on {cfg.listen}")
@@ -162,6 +171,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
             await server.stop(0)  # first: every call of the term ends, none reaches the stopping controller
             server = None
             await controller.stop(0)
+            gc.unfreeze()
     finally:
         await stop_sessions()
         if server is not None:

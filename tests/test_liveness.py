@@ -650,3 +650,77 @@ def test_a_sweep_that_waits_for_the_lock_is_not_a_stalled_loop():
         await w.registry.tick()
         assert w.registry.backlog.allowance == 0.0
     run(go())
+
+
+def _gpu_beat(dbe: int = 0, sbe: int = 0, gpus: int = 2) -> node_pb2.Heartbeat:
+    return node_pb2.Heartbeat(gpus=[common_pb2.GpuTelemetry(index=i, ecc_dbe_volatile=dbe if i == 0 else 0,
+                                                            ecc_sbe_volatile=sbe if i == 0 else 0)
+                                    for i in range(gpus)], health_digest=1000 * dbe + sbe + 1)
+
+
+async def _taken_up(names=("n1",)):
+    """A new leader on the store of an old one, taking the nodes' sessions up with their first judges deferred."""
+    w = World()
+    joined = {name: (await w.join(name))[0] for name in names}
+    leader = World(w.store)
+    await leader.registry.load()
+    leader.registry.defer_judging()
+    entries = {name: leader.registry.attach(name, joined[name].record.incarnation, Session("ipv4:127.0.0.1:2"))
+               for name in names}
+    return leader, entries
+
+
+def test_a_takeover_defers_the_first_judge_of_an_unchanged_node_until_every_session_is_back():
+    async def go():
+        leader, entries = await _taken_up(("n1", "n2"))
+        for entry in entries.values():
+            assert not leader.registry.heartbeat(entry, _gpu_beat())
+            assert not entry.gpu_verdicts and not entry.gpu_health  # recorded, not judged
+        leader.clock.advance(1.0)
+        assert not leader.registry.heartbeat(entries["n1"], _gpu_beat())  # unchanged signals: still deferred
+        assert not entries["n1"].gpu_verdicts
+        leader.registry.judge_deferred()
+        await leader.registry._judging_deferred
+        for entry in entries.values():
+            assert sorted(entry.gpu_verdicts) == [0, 1] and entry.verdict.health.name == "HEALTHY"
+        # after the take-up a first heartbeat is judged at once again
+        fresh = await leader.join("n3")
+        leader.registry.heartbeat(fresh[0], _gpu_beat())
+        assert sorted(fresh[0].gpu_verdicts) == [0, 1]
+    run(go())
+
+
+def test_a_deferred_node_whose_signals_change_is_judged_at_once_with_its_deferred_heartbeat_as_the_baseline():
+    """Uncorrectable ECC errors counted between the deferred heartbeat and the next are a rate (FAILED, drained)
+    at once, not a first reading waiting for the take-up to end."""
+    async def go():
+        leader, entries = await _taken_up()
+        entry = entries["n1"]
+        leader.registry.heartbeat(entry, _gpu_beat(dbe=0))
+        leader.clock.advance(1.0)
+        if leader.registry.heartbeat(entry, _gpu_beat(dbe=3)):
+            await leader.registry.settle(entry)
+        assert entry.verdict.health.name == "FAILED", entry.verdict.reasons
+        assert entry.record.drain_reason and not entry.judge_deferred
+        # the rate counts from the deferred reading: one corrected error in a second (60/min), neither the 500
+        # counted before it (no baseline of 0) nor none at all (no history starting at the second heartbeat)
+        leader2, entries2 = await _taken_up()
+        e2 = entries2["n1"]
+        leader2.registry.heartbeat(e2, _gpu_beat(sbe=500))
+        leader2.clock.advance(1.0)
+        leader2.registry.heartbeat(e2, _gpu_beat(sbe=501))
+        assert e2.verdict.reasons == ("GPU 0: corrected ECC errors rising: 60/min",), e2.verdict.reasons
+    run(go())
+
+
+def test_an_xid_on_a_deferred_node_is_judged_at_once_with_every_gpu():
+    async def go():
+        leader, entries = await _taken_up()
+        entry = entries["n1"]
+        leader.registry.heartbeat(entry, _gpu_beat())
+        await leader.registry.gpu_event(entry, common_pb2.GpuEvent(gpu_index=1, xid=79))
+        assert entry.verdict.health.name == "FAILED" and sorted(entry.gpu_verdicts) == [0, 1]
+        assert entry.record.drain_reason
+        leader.registry.judge_deferred()  # nothing left to judge: the XID judged it
+        assert leader.registry._judging_deferred is None or not entry.judge_deferred
+    run(go())

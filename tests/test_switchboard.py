@@ -182,10 +182,12 @@ def test_parked_sessions_are_promised_a_takeover_window_for_their_place_in_the_q
                 windows.append(reply.standing_by.takeover_s)
                 calls.append(call)
             assert windows == [pytest.approx(7.0 + i / node_service.TAKE_RATE) for i in range(3)]
-            parked.take(serve)
+            done = asyncio.Event()
+            parked.take(serve, done=done.set)  # done: the take-up is over (the new leader judges health then)
             for call in calls:
                 assert (await call.read()).WhichOneof("body") == "accepted"
             assert served_names == ["n0", "n1", "n2"]
+            await asyncio.wait_for(done.wait(), 30)
             for call in calls:
                 call.cancel()
         finally:

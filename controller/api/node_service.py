@@ -102,21 +102,29 @@ class ParkedSessions:
             await self._refuse(context)
         await self._serve(context, first)
 
-    def take(self, serve: Callable[[grpc.aio.ServicerContext, node_pb2.AgentMessage], Awaitable[None]]) -> None:
+    def take(self, serve: Callable[[grpc.aio.ServicerContext, node_pb2.AgentMessage], Awaitable[None]],
+             done: Callable[[], None] | None = None) -> None:
         """This controller leads: every parked session (and any parking from now on) is served by `serve`,
-        TAKE_BATCH at a time."""
+        TAKE_BATCH at a time; `done` is called once every session parked at the election has had its turn."""
         self._serve = serve
-        self._decide()
+        self._decide(done)
 
     def release(self) -> None:
         """This controller stops standing by without leading: the parked sessions are refused."""
-        self._decide()
+        self._decide(None)
 
-    def _decide(self) -> None:
+    def _decide(self, done: Callable[[], None] | None) -> None:
         self._decided = True
-        self._releasing = asyncio.get_running_loop().create_task(self._release(), name="parked-sessions")
+        self._releasing = asyncio.get_running_loop().create_task(self._release(done), name="parked-sessions")
 
-    async def _release(self) -> None:
+    async def _release(self, done: Callable[[], None] | None) -> None:
+        try:
+            await self._release_all()
+        finally:
+            if done is not None:
+                done()
+
+    async def _release_all(self) -> None:
         loop = asyncio.get_running_loop()
         while self._waiters:
             for _ in range(min(TAKE_BATCH, len(self._waiters))):

@@ -31,6 +31,10 @@ from phalanx.clock import Clock
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ADMIT_BATCH = 500  # registrations admitted in one store commit at most
+# Nodes whose first judge a takeover deferred (Registry.defer_judging), judged this many between two turns of the
+# event loop: a node's first judge (8 GPUs' histories started and judged) costs about 190 us, and ten thousand at
+# once would hold the heartbeats up for seconds.
+JUDGE_BATCH = 50
 HELD_BACK_LOGGED_S = 0.5  # a controller this far behind at reading heartbeats says so (at most every 10 s)
 
 logger = log.get("registry")
@@ -55,6 +59,7 @@ class NodeEntry:
     previous_seen: float = 0.0  # monotonic time of the heartbeat before the last one (0: none)
     last_heartbeat_at: float = 0.0  # monotonic time of the last heartbeat; unlike last_seen, only heartbeats set it
     health_digest: int = 0
+    judge_deferred: bool = False  # its first heartbeat here is recorded and not judged yet (Registry.defer_judging)
     gpu_health: dict[int, health.GpuHistory] = field(default_factory=dict)
     verdict: health.Verdict = health.Verdict(health.HEALTHY)
     gpu_verdicts: dict[int, health.Verdict] = field(default_factory=dict)
@@ -124,6 +129,9 @@ class Registry:
         # the only ones health_tick looks at. A node joins with each new GPU signal and leaves once it is quiet
         # and HEALTHY; looking at every GPU of 10,000 nodes each second took ~90 ms of the event loop.
         self._judging: set[str] = set()
+        self._deferring = False  # a takeover's take-up: first judges wait (defer_judging)
+        self._deferred: collections.deque[NodeEntry] = collections.deque()
+        self._judging_deferred: asyncio.Task | None = None
         # The liveness sweep runs ten times a second; looking at every node each time cost about 13 us per node-second
         # (a tenth of the controller's CPU at 10,000 nodes). It looks at two small sets instead. Every node that may
         # need a change is in one of them: `_quiet` queues the nodes by the last time they were heard from, as of
@@ -321,6 +329,8 @@ class Registry:
         """Record a heartbeat (the hot path: no lock, no I/O). True if `settle` must follow: the node
         must leave SUSPECT, or its health verdict changed."""
         now = self._clock.monotonic()
+        if entry.judge_deferred and heartbeat.health_digest != entry.health_digest:
+            self._undefer(entry)  # a signal changed: judged now, from the heartbeat deferred (the rates' baseline)
         # The GPU counters' rates start from the previous heartbeat, not from a registration or a resumed session:
         # errors counted while a session was down must not look as if they all came in the last second.
         entry.previous_seen, entry.last_heartbeat_at, entry.last_seen = entry.last_heartbeat_at, now, now
@@ -338,8 +348,12 @@ class Registry:
                 floor = lag_s
             entry.lag_floor = floor
             self.backlog.heard(now, lag_s - floor)
-        if heartbeat.health_digest != entry.health_digest or not entry.gpu_health:
+        if (heartbeat.health_digest != entry.health_digest or not entry.gpu_health) and not entry.judge_deferred:
             entry.health_digest = heartbeat.health_digest
+            if self._deferring and not entry.gpu_health and heartbeat.health_digest:
+                entry.judge_deferred = True  # judged once the take-up is over (judge_deferred), or at a change
+                self._deferred.append(entry)
+                return entry.record.state is SUSPECT
             self._judging.add(entry.record.name)
             window = self.health_cfg.window_s
             for gpu in heartbeat.gpus:
@@ -350,6 +364,55 @@ class Registry:
             if entry.verdict.health > before and heartbeat.sent_unix_ns:
                 self.detection["health"].observe(max(now_ns - heartbeat.sent_unix_ns, 0) / 1e9)
         return entry.record.state is SUSPECT or entry.health_action_needed()
+
+    # -- a takeover's first judges ------------------------------------------------------------
+
+    def defer_judging(self) -> None:
+        """A new leader is taking sessions up (controller/api/node_service.py, ParkedSessions): a node's first
+        heartbeat here is recorded and its health judged later, once every session is back (`judge_deferred`),
+        unless its health signals change or it reports an XID first. The verdict of a node whose signals have
+        not changed waits a few seconds; the sessions and the heartbeats of the nodes already back do not."""
+        self._deferring = True
+
+    def judge_deferred(self, after_s: float = 0.0) -> None:
+        """The take-up is over: `after_s` from now (the first heartbeats of the sessions taken up last are still on
+        their way for an interval) first judges are made as they come again, and the nodes whose first judge was
+        deferred are judged, JUDGE_BATCH at a time."""
+        if self._judging_deferred is None or self._judging_deferred.done():
+            self._judging_deferred = asyncio.get_running_loop().create_task(self._judge_deferred(after_s),
+                                                                            name="judge-deferred")
+
+    async def _judge_deferred(self, after_s: float) -> None:
+        await self._clock.sleep(after_s)
+        self._deferring = False
+        judged = 0
+        while self._deferred:
+            now = self._clock.monotonic()
+            acting = []
+            for _ in range(min(JUDGE_BATCH, len(self._deferred))):
+                entry = self._deferred.popleft()
+                if entry.judge_deferred and self._nodes.get(entry.record.name) is entry:
+                    self._undefer(entry)
+                    self._evaluate(entry, now)
+                    judged += 1
+                    if entry.health_action_needed():
+                        acting.append(entry)
+            for entry in acting:
+                await self.settle(entry)
+            await self._clock.sleep(0)  # the heartbeats waiting on the loop go first
+        if judged:
+            logger.info("judged the health of the nodes taken up", nodes=judged)
+
+    def _undefer(self, entry: NodeEntry) -> None:
+        """Start the histories of a node whose first judge was deferred, from the heartbeat deferred."""
+        if not entry.judge_deferred:
+            return
+        entry.judge_deferred = False
+        self._judging.add(entry.record.name)
+        if entry.heartbeat is not None:
+            at, window = entry.last_heartbeat_at, self.health_cfg.window_s
+            for gpu in entry.heartbeat.gpus:
+                entry.gpu_health.setdefault(gpu.index, health.GpuHistory()).observe(gpu, at, at, window)
 
     async def settle(self, entry: NodeEntry) -> None:
         """What a heartbeat calls for beyond recording it: leave SUSPECT, act on a health verdict."""
@@ -404,6 +467,7 @@ class Registry:
         async with self._lock:
             if self._nodes.get(entry.record.name) is not entry:
                 return
+            self._undefer(entry)
             entry.gpu_health.setdefault(event.gpu_index, health.GpuHistory()).record_xid(
                 event.xid, now, self.health_cfg.window_s)
             name = entry.record.name
@@ -598,6 +662,7 @@ class Registry:
                 new = new.replace(state=UP, state_since_ns=self._clock.wall_ns())
             await self._commit([(entry, new)], events)
             # Undrain says "fixed": forget past XIDs and counter movements. A fault still there drains it again.
+            self._undefer(entry)
             for history in entry.gpu_health.values():
                 history.forget()
             # and what is found next is news, logged as such: a fault still there is a node.health event again
