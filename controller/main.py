@@ -153,7 +153,8 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
             registry = controller.registry
             registry.defer_judging()
             standby.parked.take(controller.serve_parked,
-                                done=functools.partial(registry.judge_deferred, registry.policy.heartbeat_interval_s))
+                                done=functools.partial(registry.judge_deferred, registry.policy.heartbeat_interval_s),
+                                unheard=registry.unheard)
             logger.info("taking up the sessions parked here", sessions=standby.parked.waiting)
             current[:] = [controller]
             sdnotify.notify(f"STATUS=leader (epoch {term.epoch}) on {cfg.listen}")

@@ -724,3 +724,18 @@ def test_an_xid_on_a_deferred_node_is_judged_at_once_with_every_gpu():
         leader.registry.judge_deferred()  # nothing left to judge: the XID judged it
         assert leader.registry._judging_deferred is None or not entry.judge_deferred
     run(go())
+
+
+def test_the_registry_counts_the_sessions_not_heard_from_yet():
+    async def go():
+        w = World()
+        entry, session = await w.join("n1")
+        other, other_session = await w.join("n2")
+        assert w.registry.unheard() == 2
+        await w.beat(entry)
+        assert w.registry.unheard() == 1
+        w.registry.detach(other, other_session)  # went away before its first heartbeat
+        assert w.registry.unheard() == 0
+        w.registry.attach("n1", entry.record.incarnation, Session("ipv4:127.0.0.1:2"))  # heard from before
+        assert w.registry.unheard() == 0
+    run(go())

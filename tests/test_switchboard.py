@@ -194,3 +194,30 @@ def test_parked_sessions_are_promised_a_takeover_window_for_their_place_in_the_q
             await channel.close()
             await server.stop(0)
     asyncio.run(go())
+
+
+def test_a_new_leader_takes_no_more_sessions_up_while_too_many_taken_up_are_unheard(monkeypatch):
+    """Sessions taken up faster than their agents answer (a first heartbeat) would be found silent: the take-up
+    waits while TAKE_AHEAD of them are unheard from."""
+    from controller.api import node_service
+    from controller.api.node_service import ParkedSessions
+
+    monkeypatch.setattr(node_service, "TAKE_BATCH", 1)
+    monkeypatch.setattr(node_service, "TAKE_AHEAD", 1)
+    monkeypatch.setattr(node_service, "TAKE_WAIT_MAX_S", 3600.0)
+
+    async def go():
+        parked = ParkedSessions("c2", None, lambda: "", 7.0)
+        turns = [asyncio.Event(), asyncio.Event()]
+        parked._waiters.extend(turns)
+        heard = [0]
+        done = asyncio.Event()
+        parked.take(None, done=done.set, unheard=lambda: sum(t.is_set() for t in turns) - heard[0])
+        await asyncio.wait_for(turns[0].wait(), 30)
+        for _ in range(10):
+            await asyncio.sleep(node_service.TAKE_PAUSE_S)
+            assert not turns[1].is_set()  # the first is not heard from yet
+        heard[0] = 1  # its first heartbeat
+        await asyncio.wait_for(turns[1].wait(), 30)
+        await asyncio.wait_for(done.wait(), 30)
+    asyncio.run(go())

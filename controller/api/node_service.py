@@ -29,6 +29,13 @@ OPEN_TIMEOUT_S = 10.0  # an agent that connects must say who it is within this t
 # they looked dead.
 TAKE_BATCH = 100
 TAKE_PAUSE_S = 0.02
+# ... and takes no more while this many sessions taken up have not been heard from (no first heartbeat yet; an agent
+# sends it at a random point of its first interval): agents slower to answer than the leader takes them up would
+# be found silent, then DOWN, and register again (bench/run.py failover-scale, 10,000 nodes whose generator fell
+# 0.7 s behind: 25 s until all were back, 1,837 declared). It waits at most TAKE_WAIT_MAX_S a batch, so that
+# sessions that never send a heartbeat cannot hold the others back for long.
+TAKE_AHEAD = 3000
+TAKE_WAIT_MAX_S = 1.0
 # The take-up rate a parked session's StandingBy.takeover_s allows for, from its place in the queue (first
 # parked, first taken up): a leader taking over on a core busy with the heartbeats of the nodes already back
 # (8,000 here) took 700 a second, and an agent that gave up waiting opened a session of its own, which costs
@@ -103,30 +110,35 @@ class ParkedSessions:
         await self._serve(context, first)
 
     def take(self, serve: Callable[[grpc.aio.ServicerContext, node_pb2.AgentMessage], Awaitable[None]],
-             done: Callable[[], None] | None = None) -> None:
+             done: Callable[[], None] | None = None, unheard: Callable[[], int] | None = None) -> None:
         """This controller leads: every parked session (and any parking from now on) is served by `serve`,
-        TAKE_BATCH at a time; `done` is called once every session parked at the election has had its turn."""
+        TAKE_BATCH at a time, while fewer than TAKE_AHEAD sessions are `unheard` from; `done` is called once every
+        session parked at the election has had its turn."""
         self._serve = serve
-        self._decide(done)
+        self._decide(done, unheard)
 
     def release(self) -> None:
         """This controller stops standing by without leading: the parked sessions are refused."""
-        self._decide(None)
+        self._decide(None, None)
 
-    def _decide(self, done: Callable[[], None] | None) -> None:
+    def _decide(self, done: Callable[[], None] | None, unheard: Callable[[], int] | None) -> None:
         self._decided = True
-        self._releasing = asyncio.get_running_loop().create_task(self._release(done), name="parked-sessions")
+        self._releasing = asyncio.get_running_loop().create_task(self._release(done, unheard), name="parked-sessions")
 
-    async def _release(self, done: Callable[[], None] | None) -> None:
+    async def _release(self, done: Callable[[], None] | None, unheard: Callable[[], int] | None) -> None:
         try:
-            await self._release_all()
+            await self._release_all(unheard)
         finally:
             if done is not None:
                 done()
 
-    async def _release_all(self) -> None:
+    async def _release_all(self, unheard: Callable[[], int] | None) -> None:
         loop = asyncio.get_running_loop()
         while self._waiters:
+            waited = 0.0
+            while unheard is not None and unheard() >= TAKE_AHEAD and waited < TAKE_WAIT_MAX_S:
+                await asyncio.sleep(TAKE_PAUSE_S)
+                waited += TAKE_PAUSE_S
             for _ in range(min(TAKE_BATCH, len(self._waiters))):
                 self._waiters.popleft().set()
             asked = loop.time()

@@ -130,6 +130,7 @@ class Registry:
         # and HEALTHY; looking at every GPU of 10,000 nodes each second took ~90 ms of the event loop.
         self._judging: set[str] = set()
         self._deferring = False  # a takeover's take-up: first judges wait (defer_judging)
+        self._unheard: set[str] = set()  # nodes in session with this process that have sent no heartbeat yet
         self._deferred: collections.deque[NodeEntry] = collections.deque()
         self._judging_deferred: asyncio.Task | None = None
         # The liveness sweep runs ten times a second; looking at every node each time cost about 13 us per node-second
@@ -295,6 +296,8 @@ class Registry:
             self._admitted_at = now  # flapping one does not count): others coming back wait their turn
         if entry.session_lost or not entry.peer:  # not just registered: the agent resumed its session
             self._resumed(name, session.peer, now)
+        if entry.heartbeats == 0:
+            self._unheard.add(name)
         entry.session = session
         entry.session_lost = False
         entry.peer = session.peer
@@ -323,7 +326,13 @@ class Registry:
         if entry.session is session:
             entry.session = None
             entry.session_lost = True
+            self._unheard.discard(entry.record.name)
             self._watch(entry)
+
+    def unheard(self) -> int:
+        """Nodes in session with this process that have not sent a heartbeat yet (a takeover paces itself by them:
+        sessions taken up faster than their agents answer would be found silent)."""
+        return len(self._unheard)
 
     def heartbeat(self, entry: NodeEntry, heartbeat: node_pb2.Heartbeat) -> bool:
         """Record a heartbeat (the hot path: no lock, no I/O). True if `settle` must follow: the node
@@ -337,6 +346,8 @@ class Registry:
         now_ns = self._clock.wall_ns()
         entry.heartbeat = heartbeat
         entry.last_heartbeat_ns = now_ns
+        if not entry.heartbeats:
+            self._unheard.discard(entry.record.name)
         entry.heartbeats += 1
         self.heartbeats_total += 1
         if heartbeat.sent_unix_ns:
