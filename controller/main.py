@@ -173,6 +173,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
             server = None
             await controller.stop(0)
             gc.unfreeze()
+            gc.collect()  # the term's objects, while standing by (the next takeover would freeze them again)
     finally:
         await stop_sessions()
         if server is not None:

@@ -721,15 +721,14 @@ def test_an_xid_on_a_deferred_node_is_judged_at_once_with_every_gpu():
         await leader.registry.gpu_event(entry, common_pb2.GpuEvent(gpu_index=1, xid=79))
         assert entry.verdict.health.name == "FAILED" and sorted(entry.gpu_verdicts) == [0, 1]
         assert entry.record.drain_reason
-        leader.registry.judge_deferred()  # nothing left to judge: the XID judged it
-        assert leader.registry._judging_deferred is None or not entry.judge_deferred
+        assert not entry.judge_deferred  # nothing left for the deferred judges: the XID judged it
     run(go())
 
 
 def test_the_registry_counts_the_sessions_not_heard_from_yet():
     async def go():
         w = World()
-        entry, session = await w.join("n1")
+        entry, _ = await w.join("n1")
         other, other_session = await w.join("n2")
         assert w.registry.unheard() == 2
         await w.beat(entry)
@@ -738,4 +737,32 @@ def test_the_registry_counts_the_sessions_not_heard_from_yet():
         assert w.registry.unheard() == 0
         w.registry.attach("n1", entry.record.incarnation, Session("ipv4:127.0.0.1:2"))  # heard from before
         assert w.registry.unheard() == 0
+    run(go())
+
+
+def test_a_failed_commit_while_judging_the_deferred_nodes_leaves_none_unjudged_and_is_retried():
+    """A store error acting on one deferred node's verdict (an etcd timeout under a takeover's load) must not end
+    the judging of the others, nor leave that node undrained: the health tick tries it again."""
+    from controller.errors import StoreError
+
+    async def go():
+        leader, entries = await _taken_up(("n1", "n2", "n3"))
+        lost = node_pb2.Heartbeat(gpus=[common_pb2.GpuTelemetry(index=0, lost=True)], health_digest=7)
+        for entry in entries.values():
+            leader.registry.heartbeat(entry, lost)
+        commit, calls = leader.store.commit, [0]
+
+        async def flaky(**kw):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise StoreError("etcd timed out")
+            return await commit(**kw)
+
+        leader.store.commit = flaky
+        leader.registry.judge_deferred()
+        await leader.registry._judging_deferred
+        assert all(not e.judge_deferred and e.verdict.health.name == "FAILED" for e in entries.values())
+        assert sum(bool(e.record.drain_reason) for e in entries.values()) == 2  # the first commit failed
+        await leader.registry.health_tick()
+        assert all(e.record.drain_reason for e in entries.values())
     run(go())

@@ -135,10 +135,9 @@ class ParkedSessions:
     async def _release_all(self, unheard: Callable[[], int] | None) -> None:
         loop = asyncio.get_running_loop()
         while self._waiters:
-            waited = 0.0
-            while unheard is not None and unheard() >= TAKE_AHEAD and waited < TAKE_WAIT_MAX_S:
+            deadline = loop.time() + TAKE_WAIT_MAX_S
+            while unheard is not None and unheard() >= TAKE_AHEAD and loop.time() < deadline:
                 await asyncio.sleep(TAKE_PAUSE_S)
-                waited += TAKE_PAUSE_S
             for _ in range(min(TAKE_BATCH, len(self._waiters))):
                 self._waiters.popleft().set()
             asked = loop.time()
@@ -194,8 +193,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             incarnation=entry.record.incarnation, heartbeat_interval_s=registry.policy.heartbeat_interval_s,
             state=entry.record.state.to_proto(), drain_reason=entry.record.drain_reason, epoch=registry.epoch,
             inventory_crc32=zlib.crc32(entry.record.inventory))
-        if entry.heartbeats:  # judged by this controller: the agent keeps the verdict (none is pushed if unchanged)
-            accepted.health.CopyFrom(entry.health_proto())
+        if entry.heartbeats and not entry.judge_deferred:  # judged here: the agent keeps the verdict (none is
+            accepted.health.CopyFrom(entry.health_proto())  # pushed if unchanged)
         reader = None
         try:  # from here on, however the call ends, the node's session ends with it
             await context.write(node_pb2.ControllerMessage(accepted=accepted))

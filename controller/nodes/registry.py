@@ -326,8 +326,12 @@ class Registry:
         if entry.session is session:
             entry.session = None
             entry.session_lost = True
-            self._unheard.discard(entry.record.name)
+            self._forget_unheard(entry)
             self._watch(entry)
+
+    def _forget_unheard(self, entry: NodeEntry) -> None:
+        if self._nodes.get(entry.record.name) is entry:  # not a replaced entry's: the new one's may be unheard
+            self._unheard.discard(entry.record.name)
 
     def unheard(self) -> int:
         """Nodes in session with this process that have not sent a heartbeat yet (a takeover paces itself by them:
@@ -347,7 +351,7 @@ class Registry:
         entry.heartbeat = heartbeat
         entry.last_heartbeat_ns = now_ns
         if not entry.heartbeats:
-            self._unheard.discard(entry.record.name)
+            self._forget_unheard(entry)
         entry.heartbeats += 1
         self.heartbeats_total += 1
         if heartbeat.sent_unix_ns:
@@ -361,7 +365,7 @@ class Registry:
             self.backlog.heard(now, lag_s - floor)
         if (heartbeat.health_digest != entry.health_digest or not entry.gpu_health) and not entry.judge_deferred:
             entry.health_digest = heartbeat.health_digest
-            if self._deferring and not entry.gpu_health and heartbeat.health_digest:
+            if self._deferring and entry.heartbeats == 1 and heartbeat.health_digest:  # its first here
                 entry.judge_deferred = True  # judged once the take-up is over (judge_deferred), or at a change
                 self._deferred.append(entry)
                 return entry.record.state is SUSPECT
@@ -397,20 +401,27 @@ class Registry:
         await self._clock.sleep(after_s)
         self._deferring = False
         judged = 0
-        while self._deferred:
-            now = self._clock.monotonic()
-            acting = []
-            for _ in range(min(JUDGE_BATCH, len(self._deferred))):
-                entry = self._deferred.popleft()
-                if entry.judge_deferred and self._nodes.get(entry.record.name) is entry:
-                    self._undefer(entry)
-                    self._evaluate(entry, now)
-                    judged += 1
-                    if entry.health_action_needed():
-                        acting.append(entry)
-            for entry in acting:
-                await self.settle(entry)
-            await self._clock.sleep(0)  # the heartbeats waiting on the loop go first
+        try:
+            while self._deferred and self.leading():  # a deposed leader leaves them to the next one
+                now = self._clock.monotonic()
+                acting = []
+                for _ in range(min(JUDGE_BATCH, len(self._deferred))):
+                    entry = self._deferred.popleft()
+                    if entry.judge_deferred and self._nodes.get(entry.record.name) is entry:
+                        self._undefer(entry)
+                        self._evaluate(entry, now)
+                        judged += 1
+                        if entry.health_action_needed():
+                            acting.append(entry)
+                for entry in acting:
+                    try:
+                        await self.settle(entry)
+                    except Exception as e:  # a failed commit: health_tick tries again (the node is in _judging)
+                        logger.warning("could not act on a node's health", node=entry.record.name, error=str(e))
+                await self._clock.sleep(0)  # the heartbeats waiting on the loop go first
+        finally:
+            while self._deferred and self.leading():  # an error above: none stays unjudged for want of this task
+                self._undefer(self._deferred.popleft())  # (health_tick judges it: _undefer puts it in _judging)
         if judged:
             logger.info("judged the health of the nodes taken up", nodes=judged)
 
@@ -574,6 +585,7 @@ class Registry:
                 entry.session.kick(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"node declared DOWN ({reason}); register again")
                 entry.session = None
+                self._forget_unheard(entry)
         self.backlog.swept(now)
         return changes
 
