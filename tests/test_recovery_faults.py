@@ -304,3 +304,22 @@ def test_a_checkpoint_asked_before_the_agents_are_back_reaches_them_once_they_ar
             await world.stop()
 
     run(main())
+
+
+def test_a_node_whose_health_a_takeover_has_not_judged_yet_is_not_placed_on():
+    async def go():
+        world = World()
+        await world.start()
+        world.registry.defer_judging()  # a takeover's take-up
+        world.add("n1")
+        await world.agents["n1"].connect()
+        await world.until(lambda: world.registry.get("n1").heartbeats > 0, "n1's first heartbeat")
+        (candidate,) = world.jobs.executor.candidates()
+        assert world.registry.get("n1").judge_deferred and not candidate.schedulable and not candidate.lost
+        world.registry.judge_deferred()
+        await world.registry._judging_deferred
+        (candidate,) = world.jobs.executor.candidates()
+        assert candidate.schedulable
+        await world.stop()
+
+    run(go())
