@@ -60,6 +60,9 @@ class PendingCheckpoint:
 
 
 MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a pass, not a recovery
+# A job that ends waits this long at most for the Slurm drains of its evicted nodes (slurm.adrain: 3 tries of
+# 15 s at most): `phalanx run` exits when the job ends, and a requeued Slurm job could land on a node not drained.
+SLURM_DRAIN_WAIT_S = 10.0
 
 
 class Executor:
@@ -69,11 +72,13 @@ class Executor:
         self._timer = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
+        self._slurm_drains: dict[str, list[asyncio.Task]] = {}  # job -> the Slurm drains of its evicted nodes
 
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def wake(self) -> None:
         self._wake.set()
@@ -206,6 +211,9 @@ class Executor:
 
     async def _commit(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
         before = entry.job.state
+        drains = self._slurm_drains.pop(entry.job.id, []) if commit.job.state in TERMINAL else []
+        if drains:  # the job's end lets its Slurm job go on (a requeue): not onto a node whose drain is on its way
+            await asyncio.wait(drains, timeout=SLURM_DRAIN_WAIT_S)
         await self.jobs.save(entry, commit)
         job = commit.job
         if commit.incident:
@@ -214,8 +222,8 @@ class Executor:
                 entry.incident_at, entry.incident_kind = self.jobs.clock.monotonic(), commit.incident
         if job.state == EVICTING and before != EVICTING and job.spec.slurm_job_id and self.jobs.cfg.slurm_drain:
             for node in job.incident_nodes:  # Slurm must not schedule on it either (already drained here or not)
-                self._spawn(self._slurm_drain(job, node, f"evicted from {job.id}: {job.incident}"),
-                            f"slurm-drain-{node}")
+                self._slurm_drains.setdefault(job.id, []).append(self._spawn(
+                    self._slurm_drain(job, node, f"evicted from {job.id}: {job.incident}"), f"slurm-drain-{node}"))
         if job.state == RESTARTING and before != RESTARTING:
             self.jobs.restarts_by_cause[entry.incident_kind or job.incident_kind or "resumed"] += 1
         if job.state == RUNNING and before in LAUNCHING and entry.incident_at is not None:

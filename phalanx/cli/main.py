@@ -11,6 +11,7 @@ import collections
 import getpass
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -153,14 +154,49 @@ def watched(args: argparse.Namespace, show: Callable[[], tuple[str, bool]]) -> i
     if not args.watch:
         print(show()[0])
         return OK
+    # Ctrl-C ends the watch, but never inside a refresh: a KeyboardInterrupt could land inside gRPC's own code (a
+    # call under way) and leave it holding a lock that the exit then waits for. During a refresh it is noted, and
+    # the watch ends once the refresh is over; anywhere else it ends it at once.
+    state = _WatchState()
+    previous = signal.signal(signal.SIGINT, state.interrupt)
+    try:
+        return _watch(args, show, state)
+    except _Interrupted:
+        return OK
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _WatchState:
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.refreshing = False
+
+    def interrupt(self, *_) -> None:
+        self.interrupted = True
+        if not self.refreshing:
+            raise _Interrupted
+
+
+def _watch(args: argparse.Namespace, show: Callable[[], tuple[str, bool]], state: _WatchState) -> int:
     tty = sys.stdout.isatty()
     while True:
+        state.refreshing = True
+        if state.interrupted:
+            return OK
         try:
             text, done = show()
         except CliError as e:
             if not e.transient:
                 raise
             text, done = f"{PROG}: {e} (trying again in {args.watch:g}s)", False
+        state.refreshing = False
+        if state.interrupted:
+            return OK
         if args.output == "json":
             print(json.dumps(json.loads(text)) if text.startswith(("[", "{")) else text, flush=True)
         else:
