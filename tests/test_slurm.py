@@ -231,6 +231,8 @@ def test_when_the_allocation_has_no_spare_left_the_job_ends_saying_so_and_requeu
     assert j["reason"].startswith(f"no healthy node left to replace {victim} in Slurm job {slurm_job}'s allocation")
     kinds = [e["kind"] for e in fleet.json("events", "--job", job["id"])]
     assert kinds.index("job.checkpointed") < kinds.index("job.failed"), kinds  # its work saved before it ended
+    # and its node drained in Slurm before it ended: `phalanx run` exits then, and Slurm may requeue at once
+    assert kinds.index("job.slurm_drain") < kinds.index("job.failed"), kinds
     # requeued: Slurm runs the script again, on a new allocation that leaves the drained node out
     fleet.wait_for(lambda: int(sc.job_info(slurm_job).get("Restarts", "0")) >= 1, "the Slurm job requeued")
     assert "DRAIN" in sc.node_info(victim)["State"]
