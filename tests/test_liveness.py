@@ -676,6 +676,7 @@ def test_a_takeover_defers_the_first_judge_of_an_unchanged_node_until_every_sess
         for entry in entries.values():
             assert not leader.registry.heartbeat(entry, _gpu_beat())
             assert not entry.gpu_verdicts and not entry.gpu_health  # recorded, not judged
+            assert entry.to_proto().health == common_pb2.HEALTH_UNSPECIFIED  # shown as not judged ("-")
         leader.clock.advance(1.0)
         assert not leader.registry.heartbeat(entries["n1"], _gpu_beat())  # unchanged signals: still deferred
         assert not entries["n1"].gpu_verdicts
@@ -765,4 +766,20 @@ def test_a_failed_commit_while_judging_the_deferred_nodes_leaves_none_unjudged_a
         assert sum(bool(e.record.drain_reason) for e in entries.values()) == 2  # the first commit failed
         await leader.registry.health_tick()
         assert all(e.record.drain_reason for e in entries.values())
+    run(go())
+
+
+def test_a_drained_node_is_judged_at_once_by_a_new_leader():
+    """An operator may be about to undrain it once it looks healthy: its health must be the real one."""
+    async def go():
+        w = World()
+        entry, _ = await w.join("n1")
+        await w.registry.drain("n1", "health FAILING: GPU 0: row remap pending")
+        leader = World(w.store)
+        await leader.registry.load()
+        leader.registry.defer_judging()
+        taken = leader.registry.attach("n1", entry.record.incarnation, Session("ipv4:127.0.0.1:2"))
+        leader.registry.heartbeat(taken, node_pb2.Heartbeat(
+            gpus=[common_pb2.GpuTelemetry(index=0, remap_pending=True)], health_digest=5))
+        assert not taken.judge_deferred and taken.to_proto().health == common_pb2.HEALTH_FAILING
     run(go())

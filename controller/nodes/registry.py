@@ -81,10 +81,14 @@ class NodeEntry:
 
     def health_proto(self) -> common_pb2.NodeHealth:
         return common_pb2.NodeHealth(
-            node=self.record.name, health=self.verdict.health.to_proto(), reasons=self.verdict.reasons,
+            node=self.record.name, health=self.health_pb(), reasons=self.verdict.reasons,
             gpus=[common_pb2.GpuVerdict(index=i, health=v.health.to_proto(), reasons=v.reasons)
                   for i, v in sorted(self.gpu_verdicts.items())],
             evaluated_unix_ns=self.last_heartbeat_ns)
+
+    def health_pb(self) -> int:
+        """Its verdict, or HEALTH_UNSPECIFIED ("-") while a takeover has not judged it yet."""
+        return common_pb2.HEALTH_UNSPECIFIED if self.judge_deferred else self.verdict.health.to_proto()
 
     def to_proto(self) -> control_pb2.Node:
         node = control_pb2.Node(
@@ -98,7 +102,7 @@ class NodeEntry:
             peer=self.peer,
             connected=self.session is not None,
             running_ranks=self.running_ranks,
-            health=self.verdict.health.to_proto(),
+            health=self.health_pb(),
         )
         if self.heartbeat is not None:
             node.host.CopyFrom(self.heartbeat.host)
@@ -365,7 +369,8 @@ class Registry:
             self.backlog.heard(now, lag_s - floor)
         if (heartbeat.health_digest != entry.health_digest or not entry.gpu_health) and not entry.judge_deferred:
             entry.health_digest = heartbeat.health_digest
-            if self._deferring and entry.heartbeats == 1 and heartbeat.health_digest:  # its first here
+            # its first here; a drained node is judged at once (an operator may be about to undrain it)
+            if self._deferring and entry.heartbeats == 1 and heartbeat.health_digest and not entry.record.drain_reason:
                 entry.judge_deferred = True  # judged once the take-up is over (judge_deferred), or at a change
                 self._deferred.append(entry)
                 return entry.record.state is SUSPECT
