@@ -72,6 +72,26 @@ class _Parking:
         await self._changed.wait()
 
 
+def simulated_node(gid: int) -> tuple[str, common_pb2.NodeInventory, node_pb2.AgentMessage]:
+    """Node `gid`'s name, inventory and heartbeat: what agent/main.py Agent.heartbeat() builds, from the same
+    simulated GPU backend; sampled once (the controller's cost does not depend on the values, and a healthy
+    node's digest is stable)."""
+    name = f"bench-{gid:05d}"
+    sim = SimBackend(GPUS, name, seed=gid)
+    inventory = common_pb2.NodeInventory(
+        hostname=name, cpu_count=128, memory_total_bytes=2 * 1024**4, gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM,
+        gpus=sim.inventory(), labels={"rack": f"rack-{gid // 32}"}, agent_version="bench",
+        checkpoint_dir="/var/lib/phalanx/checkpoints", agent_pid=100_000 + gid)
+    host = common_pb2.HostTelemetry(
+        cpu_percent=3.5, memory_used_bytes=40 * 1024**3, memory_available_bytes=1900 * 1024**3,
+        load1=1.2, load5=1.1, load15=1.0, checkpoint_free_bytes=30 * 1024**4, checkpoint_total_bytes=60 * 1024**4)
+    gpus = sim.sample()
+    message = node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0))
+    if health_digest is not None:
+        message.heartbeat.health_digest = health_digest(gpus, host)
+    return name, inventory, message
+
+
 class Gen:
     def __init__(self, target: str, index: int, stride: int, per_channel: int, concurrency: int,
                  pki: str = "", session_port: int = 0) -> None:
@@ -196,21 +216,7 @@ class Gen:
     async def _node(self, local: int, first: asyncio.Future) -> None:
         """One simulated agent: agent/link.py's loop (register, open, heartbeat; on any end, back off, again)."""
         gid = self.index + local * self.stride
-        name = f"bench-{gid:05d}"
-        sim = SimBackend(GPUS, name, seed=gid)
-        inventory = common_pb2.NodeInventory(
-            hostname=name, cpu_count=128, memory_total_bytes=2 * 1024**4, gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM,
-            gpus=sim.inventory(), labels={"rack": f"rack-{gid // 32}"}, agent_version="bench",
-            checkpoint_dir="/var/lib/phalanx/checkpoints", agent_pid=100_000 + gid)
-        # What agent/main.py Agent.heartbeat() builds, from the same simulated GPU backend; sampled once
-        # (the controller's cost does not depend on the values, and a healthy node's digest is stable).
-        host = common_pb2.HostTelemetry(
-            cpu_percent=3.5, memory_used_bytes=40 * 1024**3, memory_available_bytes=1900 * 1024**3,
-            load1=1.2, load5=1.1, load15=1.0, checkpoint_free_bytes=30 * 1024**4, checkpoint_total_bytes=60 * 1024**4)
-        gpus = sim.sample()
-        message = node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0))
-        if health_digest is not None:
-            message.heartbeat.health_digest = health_digest(gpus, host)
+        name, inventory, message = simulated_node(gid)
         phase = (gid * GOLDEN) % 1.0
         backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
         incarnation = [0]  # as agent/link.py: a node that registered before resumes its session with it

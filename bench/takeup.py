@@ -18,7 +18,6 @@ import time
 from bench.common import log
 
 NODES, QUICK_NODES = 8000, 2000
-GPUS = 8
 
 
 class _Context:
@@ -44,24 +43,8 @@ class _Context:
 
 
 def _nodes(n: int) -> list:
-    from agent.collectors.sim import SimBackend
-    from agent.main import health_digest
-    from phalanx.v1 import common_pb2, node_pb2
-
-    nodes = []
-    for i in range(n):
-        name = f"bench-{i:05d}"
-        sim = SimBackend(GPUS, name, seed=i)
-        inventory = common_pb2.NodeInventory(
-            hostname=name, cpu_count=128, memory_total_bytes=2 * 1024**4, gpu_backend=common_pb2.GPU_BACKEND_KIND_SIM,
-            gpus=sim.inventory(), labels={"rack": f"rack-{i // 32}"}, agent_version="bench")
-        host = common_pb2.HostTelemetry(cpu_percent=3.5, memory_used_bytes=40 * 1024**3, load1=1.2,
-                                        checkpoint_free_bytes=30 * 1024**4, checkpoint_total_bytes=60 * 1024**4)
-        gpus = sim.sample()
-        beat = node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(host=host, gpus=gpus, running_ranks=0,
-                                                                  health_digest=health_digest(gpus, host)))
-        nodes.append((name, inventory, beat))
-    return nodes
+    from bench.loadgen import simulated_node
+    return [simulated_node(i) for i in range(n)]
 
 
 def _controller(store):
@@ -131,7 +114,7 @@ async def _run(n: int) -> dict:
         incarnations[name] = (await old.register(name, inventory, "ipv4:127.0.0.1:1")).record.incarnation
     inline = await _takeover(store, nodes, incarnations, defer=False)
     deferred = await _takeover(store, nodes, incarnations, defer=True)
-    return {"nodes": n, "gpus_per_node": GPUS, "inline": inline, "deferred": deferred}
+    return {"nodes": n, "gpus_per_node": 8, "inline": inline, "deferred": deferred}
 
 
 def run(quick: bool = False) -> dict:

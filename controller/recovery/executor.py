@@ -222,8 +222,10 @@ class Executor:
                 entry.incident_at, entry.incident_kind = self.jobs.clock.monotonic(), commit.incident
         if job.state == EVICTING and before != EVICTING and job.spec.slurm_job_id and self.jobs.cfg.slurm_drain:
             for node in job.incident_nodes:  # Slurm must not schedule on it either (already drained here or not)
-                self._slurm_drains.setdefault(job.id, []).append(self._spawn(
-                    self._slurm_drain(job, node, f"evicted from {job.id}: {job.incident}"), f"slurm-drain-{node}"))
+                drains = [t for t in self._slurm_drains.get(job.id, []) if not t.done()]  # a recovery's before
+                drains.append(self._spawn(self._slurm_drain(job, node, f"evicted from {job.id}: {job.incident}"),
+                                          f"slurm-drain-{node}"))
+                self._slurm_drains[job.id] = drains
         if job.state == RESTARTING and before != RESTARTING:
             self.jobs.restarts_by_cause[entry.incident_kind or job.incident_kind or "resumed"] += 1
         if job.state == RUNNING and before in LAUNCHING and entry.incident_at is not None:
