@@ -479,6 +479,9 @@ def test_a_controller_restart_mid_run_relearns_the_round_so_a_failing_node_still
         cluster.start_controller()
         cluster.wait_for(lambda: sorted(run().get("nodes", [])) == ["node-a", "node-b"]
                          and run().get("spares") == ["node-c"], "the round re-learned and the spare back")
+        # The torchrun agents can re-learn the round before the Phalanx agents are back: the fault is injected
+        # through node-b's agent, so it must be connected again first.
+        cluster.wait_for(lambda: all(cluster.node(n).connected for n in NAMES), "the Phalanx agents reconnected")
         hand_over_to_the_spare(cluster, procs, tmp_path)
         said = "\n".join(f"{e['kind']}: {e['message']}"
                          for e in json.loads(cluster.cli("events", "--job", "torchrun-relearn", "-o", "json").stdout))
