@@ -92,8 +92,8 @@ def test_a_stalled_controller_charges_its_own_silence_to_no_node_and_still_finds
     used to declare every node DOWN. The stall is the controller's own silence; a node lost during it is still
     found once it has been silent that long on top."""
     # Short limits, so that the stall passes down_after_s well inside the agents' session keepalive (2 s + 2 s).
-    cluster.start_controller(extra="[liveness]\nheartbeat_interval_s = 0.4\nsuspect_after_s = 0.9\n"
-                                   "down_after_s = 1.2\ntick_s = 0.1\n")
+    cluster.start_controller(extra="[liveness]\nheartbeat_interval_s = 0.4\nsuspect_after_s = 1.2\n"
+                                   "down_after_s = 1.6\ntick_s = 0.1\n")
     for name in NODES:
         cluster.start_agent(name)
     cluster.wait_states(dict.fromkeys(NODES, "UP"))
@@ -103,7 +103,7 @@ def test_a_stalled_controller_charges_its_own_silence_to_no_node_and_still_finds
     os.kill(controller, signal.SIGSTOP)
     try:
         cluster.kill("node-c")  # lost while the controller was away
-        time.sleep(1.6)  # the injected stall: past down_after_s, short of the agents' keepalive
+        time.sleep(2.0)  # the injected stall: past down_after_s, short of the agents' keepalive
     finally:
         os.kill(controller, signal.SIGCONT)
     cluster.wait_states({"node-c": "DOWN"})

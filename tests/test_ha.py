@@ -61,6 +61,9 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transp
     # every agent follows the new leader, where its parked session was taken up; the drain and the event log
     # carried over
     ha.wait_for(lambda: ha.control.GetStats(control_pb2.GetStatsRequest()).sessions == 2, "both agents back")
+    # (the leader counts a session before its answer reaches the agent, which logs the take-up on reading it)
+    ha.wait_for(lambda: all("a parked session was taken up" in (ha.root / f"{agent}.log").read_text()
+                            for agent in ("a", "b")), "both agents' sessions taken up")
     for agent in ("a", "b"):
         taken = [line for line in (ha.root / f"{agent}.log").read_text().splitlines()
                  if "a parked session was taken up" in line]

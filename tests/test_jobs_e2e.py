@@ -152,9 +152,10 @@ def test_jobs_survive_a_controller_restart(four):
     four.kill("controller", signal.SIGKILL)
     four.start_controller('[jobs]\nstop_grace_s = 5.0\n')
     four.wait_for(lambda: all(four.node(n).connected for n in NODES), "agents reconnected")
-    time.sleep(2.0)  # a few heartbeats with rank reports
+    # the ranks' pids come with the agents' heartbeats to the new controller (the store may hold none)
+    four.wait_for(lambda: [r["pid"] for r in job(four, job_id)["ranks"]] == pids, "the ranks' pids reported again")
     j = job(four, job_id)
     assert j["state"] == "RUNNING" and j["generation"] == 1
-    assert [r["pid"] for r in j["ranks"]] == pids and all(psutil.pid_exists(p) for p in pids)
+    assert all(psutil.pid_exists(p) for p in pids)
     assert phalanx(four, "cancel", job_id).returncode == 0
     assert phalanx(four, "wait", job_id).returncode == 1

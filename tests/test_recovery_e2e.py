@@ -194,7 +194,9 @@ def test_a_checkpoint_request_and_its_acknowledgement_go_through_the_agents(clus
     step = int(result.stdout.split("every rank committed step ")[1].split()[0])
     manifest = json.loads((tmp_path / "ckpt" / f"step-{step:09d}" / "MANIFEST.json").read_text())
     assert manifest["step"] == step and manifest["world_size"] == 2
-    assert f"checkpointed step {step}" in phalanx(cluster4, "logs", job_id, "--rank", "1").stdout
+    # (trainlib acknowledges the request before the script prints what it saved)
+    cluster4.wait_for(lambda: f"checkpointed step {step}" in phalanx(cluster4, "logs", job_id, "--rank", "1").stdout,
+                      f"rank 1's log of step {step}")
     assert job(cluster4, job_id)["state"] == "RUNNING"  # a checkpoint on request does not stop the job
     assert phalanx(cluster4, "cancel", job_id).returncode == 0
 
