@@ -14,13 +14,12 @@ import contextlib
 import io
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import grpc
 
-from bench.common import log
+from bench.common import log, temp_root
 from phalanx.cli import local
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
@@ -140,7 +139,7 @@ def _rejoined(address: str) -> bool:
 
 def run(trials: int = 10) -> dict:
     out: dict = {"trials": trials, "agents": AGENTS, "goal_s": GOAL_S}
-    with tempfile.TemporaryDirectory(prefix="phalanx-failover-") as d:
+    with temp_root("phalanx-failover-") as d:
         with _cluster(Path(d) / "sqlite", 0) as controllers:
             out["drain_sqlite_ms"] = round(_drain_latency(controllers[0].address, "node-0", 20) * 1000, 2)
             out["submit_sqlite_ms"] = round(_submit_latency(controllers[0].address, 20) * 1000, 2)

@@ -214,6 +214,9 @@ class StoreConfig:
                              "standbys (default: the host name and the port of `listen`)")
     takeover_grace_s: float = setting(5.0, "seconds a new leader adds to every node's reconnect window at a "
                                       "takeover (agents first notice the old leader is gone)")
+    probe_leader: bool = setting(True, "standbys hold a TCP connection to the leader's port: when it closes and the "
+                                 "port then refuses connections (the leader's process is gone), they revoke its "
+                                 "lease instead of waiting out lease_ttl_s")
 
     def __post_init__(self) -> None:
         if self.backend == "etcd":

@@ -12,6 +12,11 @@
 - **Stand by**: the others watch the leader key and campaign the moment it is deleted (lease expired
   or revoked by a leader stopping cleanly). Meanwhile they answer ListControllers, and every other call
   with UNAVAILABLE and the leader's address in the ``phalanx-leader`` trailing metadata.
+- **A dead leader's lease**: each standby also holds a TCP connection to the leader's port (``leader_gone``).
+  When it closes and the port then refuses a new one, the leader's process is gone (killed, crashed): the
+  standby revokes its lease rather than wait out the TTL. Safe whatever the probe gets wrong, as the fencing
+  does not depend on it: a leader whose lease was revoked commits nothing more and stands by. A leader out of
+  reach (a host down, a partition) refuses nothing: its lease lapses as before.
 - **Members**: every controller keeps ``controllers/NAME`` (its address and start time) on a lease of
   its own, so ``phalanx controllers`` lists the standbys as well as the leader.
 """
@@ -43,6 +48,8 @@ MEMBER_TTL_S = 10
 LOOP_STALL_S = 5.0  # a leader's event loop that has not run for this long no longer renews its lease
 LOOP_TICK_S = 0.2  # how often the event loop says it runs, to the thread that renews the lease
 RENEW_MARGIN = 0.1  # of the TTL: clocks drift, and the renewal's answer is not instant
+PROBE_CONNECT_S = 1.0  # a connection to the leader's port not made within this long proves nothing
+PROBE_PAUSE_S = 0.2  # between two connections to the leader's port (after one that was refused or short-lived)
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,44 @@ def advertise_address(listen: str, advertise: str) -> str:
     return f"{host}:{port}"
 
 
+async def leader_gone(address: str) -> None:
+    """Returns once the process serving `address` (HOST:PORT) is gone: a connection to it was open, it closed,
+    and the next one was refused (no process listens on the port any more: on the leader's host, its process
+    ended). Anything else proves nothing and never returns: a port that refused from the start (a wrong
+    address), a connection that cannot be made (a host down, a partition: then the lease decides), a connection
+    that closes while the port still accepts (the server let an idle connection go)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    loop = asyncio.get_running_loop()
+    was_open = False  # the last connection was made, and has closed
+    while True:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), PROBE_CONNECT_S)
+        except ConnectionRefusedError:
+            if was_open:
+                return
+            await asyncio.sleep(PROBE_PAUSE_S)
+            continue
+        except (OSError, TimeoutError, ValueError):
+            was_open = False
+            await asyncio.sleep(PROBE_PAUSE_S)
+            continue
+        opened = loop.time()
+        try:
+            while await reader.read(4096):  # what the server sends (HTTP/2 settings) means nothing here
+                pass
+        except OSError:  # reset
+            pass
+        finally:
+            writer.close()
+        was_open = True
+        if loop.time() - opened < PROBE_PAUSE_S:  # a server that closes every connection at once: not a loop
+            await asyncio.sleep(PROBE_PAUSE_S)
+
+
 class Elector:
     def __init__(self, etcd: Etcd, prefix: str, name: str, address: str, ttl_s: int,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, probe: bool = True) -> None:
         self.etcd = etcd
         base = prefix if prefix.endswith("/") else prefix + "/"
         self.leader_key = f"{base}leader".encode()
@@ -79,6 +121,8 @@ class Elector:
         self.name = name
         self.address = address
         self.ttl_s = ttl_s
+        self.probe = probe  # revoke the lease of a leader whose process is gone (leader_gone)
+        self._leader_lease = 0  # the lease of the leader seen last, while another one leads
         self._clock = clock or RealClock()
         self.term: Term | None = None
         self.valid_until = 0.0  # monotonic: this controller leads until then (if it has a term)
@@ -136,6 +180,7 @@ class Elector:
         await self._revoke(grant.ID)
         kvs = reply.responses[0].response_range.kvs
         self.leader = self._parse_leader(kvs[0]) if kvs else None
+        self._leader_lease = kvs[0].lease if kvs else 0
         self._seen_revision = kvs[0].mod_revision if kvs else reply.header.revision
         return None
 
@@ -148,9 +193,27 @@ class Elector:
             return None
 
     async def _wait_vacant(self) -> None:
-        """Until the leader key is deleted (or a while has passed: then look again)."""
+        """Until the leader key is deleted (or a while has passed: then look again), or the leader's process is
+        gone (then its lease is revoked: the key goes with it)."""
         if self.etcd.watch_stub is None:
             return
+        leader, lease = self.leader, self._leader_lease
+        probe = None
+        if self.probe and leader is not None and lease and leader.name != self.name:
+            probe = asyncio.create_task(leader_gone(leader.address), name="leader probe")
+        try:
+            gone = await self._watch_vacant(probe)
+        finally:
+            if probe is not None:
+                probe.cancel()
+        if gone:
+            logger.warning("the leader's process is gone (its port refuses connections): revoking its lease",
+                           leader=leader.name, address=leader.address, epoch=leader.epoch)
+            await self._revoke(lease)
+
+    async def _watch_vacant(self, probe: asyncio.Task | None) -> bool:
+        """Until the leader key is deleted, `probe` ends, or a while has passed. True if `probe` ended (the
+        leader's process is gone) while the key is still there."""
         call = self.etcd.watch_stub.Watch()
         try:
             await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
@@ -163,9 +226,18 @@ class Elector:
                     if any(ev.type == rpc.Event.DELETE for ev in reply.events):
                         return
 
-            await asyncio.wait_for(deleted(), 5 * self.ttl_s)
+            watching = asyncio.ensure_future(deleted())
+            waits = {watching} if probe is None else {watching, probe}
+            try:
+                await asyncio.wait(waits, timeout=5 * self.ttl_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watching.cancel()
+            if watching.done() and not watching.cancelled():
+                watching.result()  # (its AioRpcError)
+                return False
+            return probe is not None and probe.done() and not probe.cancelled() and probe.exception() is None
         except (TimeoutError, grpc.aio.AioRpcError):
-            pass
+            return False
         finally:
             call.cancel()
 

@@ -84,7 +84,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
     etcd = etcd_of(cfg)
     name = store_cfg.name or socket.gethostname()
     elector = Elector(etcd, store_cfg.etcd_prefix, name, advertise_address(cfg.listen, store_cfg.advertise),
-                      store_cfg.lease_ttl_s)
+                      store_cfg.lease_ttl_s, probe=store_cfg.probe_leader)
     identity, credentials, tokens = load_security(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,6 +27,15 @@ def ha_transport(request, tmp_path, etcd_server):
     c.close()
 
 
+GONE = "the leader's process is gone"
+
+
+def connections_of(c: HaCluster, name: str) -> set[str]:
+    """HOST:PORT of every TCP connection process `name` has established."""
+    return {f"{conn.raddr.ip}:{conn.raddr.port}" for conn in psutil.Process(c.procs[name].pid).net_connections("tcp")
+            if conn.raddr and conn.status == psutil.CONN_ESTABLISHED}
+
+
 def events(c: HaCluster) -> list[control_pb2.Event]:
     return list(c.control.ListEvents(control_pb2.ListEventsRequest(limit=10_000)).events)
 
@@ -53,11 +62,16 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transp
                      if c.raddr and c.status == psutil.CONN_ESTABLISHED}
             ports = {framed.session_address(a, ha.session_port) for a in ha.addresses.values()}
             assert ports <= peers, f"{agent}'s connections: {peers}"
+    # each standby holds a connection to the leader's port: the leader's death closes it, and the port refuses
+    ha.wait_for(lambda: all(ha.addresses[old] in connections_of(ha, n) for n in standbys),
+                "each standby's probe of the leader's port")
 
     ha.kill(old, signal.SIGKILL)
     ha.wait_for(lambda: (ha.leader() or (old,))[0] != old, "a new leader")
     new, new_epoch = ha.leader()
     assert new_epoch > epoch
+    # (not after the lease's 2 s: a standby saw the process gone and revoked it)
+    ha.wait_for(lambda: any(GONE in ha.log(n, 400) for n in standbys), "a standby to revoke the dead leader's lease")
     # every agent follows the new leader, where its parked session was taken up; the drain and the event log
     # carried over
     ha.wait_for(lambda: ha.control.GetStats(control_pb2.GetStatsRequest()).sessions == 2, "both agents back")
@@ -102,6 +116,8 @@ def test_a_leader_paused_past_its_lease_is_deposed_and_commits_nothing(ha):
     assert ha.leader() == (new, new_epoch)
     log = ha.log(old, 400)
     assert "elected leader" in log and "Traceback" not in log
+    # a paused process's port still takes connections: its lease lapsed, no one revoked it
+    assert not [n for n in ha.names if GONE in ha.log(n, 400)]
     # The frozen leader's liveness sweep, on waking, found the node silent for seconds; whatever it tried to
     # write was refused by the fence: the node never went SUSPECT or DOWN.
     later = events(ha)[len(before):]
