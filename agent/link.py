@@ -14,9 +14,8 @@ SessionOpen with `standby`, answered with StandingBy, the stream then held. The 
 election answers the parked stream with SessionAccepted, and the session carries on there: after a takeover
 the agent is in session with the new leader without opening anything. When the session with the leader ends
 and a session is parked, the agent tries the old leader again for StandingBy.takeover_s (not the standbys,
-which could only refuse) before it looks for the leader elsewhere, as before; not parked at one of them (a
-controller started again a moment ago, which may win the election), it looks for the leader at once. Every
-wait (heartbeat cadence, backoff, deadlines) is on the injected clock.
+which could only refuse) before it looks for the leader elsewhere, as before. Every wait (heartbeat cadence,
+backoff, deadlines) is on the injected clock.
 """
 
 from __future__ import annotations
@@ -385,12 +384,11 @@ class Link:
         hint = None
         if error is not None and error.code() == grpc.StatusCode.UNAVAILABLE:
             hint = leader_hint(error)
-        if not hint and self._standing_by and self._parked_at_every_other() and \
+        if not hint and self._standing_by and \
                 self._clock.monotonic() - self._lost_at < max(self._standing_by.values()):
-            # Parked at every standby: if the leader is gone, the one elected next will take the session up.
-            # Meanwhile try the leader again (at the backoff's pace), not the standbys, which could only refuse: a
-            # takeover is then not also a storm of refused sessions at them. Not parked at one (it started again
-            # a moment ago): that one may win and would not know this agent, so look for the leader as before.
+            # Parked at a standby: if the leader is gone, that standby will take the session up once the lease
+            # lapses. Meanwhile try the leader again (at the backoff's pace), not the standbys, which could only
+            # refuse: a takeover is then not also a storm of refused sessions at them.
             return
         if hint and hint != self.controller:
             logger.info("following the leader", standby=self.controller, leader=hint)
@@ -398,10 +396,6 @@ class Link:
         elif len(self.controllers) > 1:
             i = self.controllers.index(self.controller) if self.controller in self.controllers else -1
             self.controller = self.controllers[(i + 1) % len(self.controllers)]
-
-    def _parked_at_every_other(self) -> bool:
-        """A session is parked at every controller but the one this agent was in session with."""
-        return all(c in self._standing_by for c in self.controllers if c != self.controller)
 
     def _accepted(self, reply: node_pb2.SessionAccepted, interval: float, resumed: bool) -> None:
         self._backoff.reset()

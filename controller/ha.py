@@ -81,7 +81,9 @@ async def leader_gone(address: str) -> None:
     and the next one was refused (no process listens on the port any more: on the leader's host, its process
     ended). Anything else proves nothing and never returns: a port that refused from the start (a wrong
     address), a connection that cannot be made (a host down, a partition: then the lease decides), a connection
-    that closes while the port still accepts (the server let an idle connection go)."""
+    that closes while the port still accepts (the server let an idle connection go). A name is resolved until a
+    connection is made, then that connection's address is used: a refusal proves something only from the address
+    the connection was open to (not from another address of the name, a moved DNS record or a shared name)."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     loop = asyncio.get_running_loop()
@@ -99,6 +101,9 @@ async def leader_gone(address: str) -> None:
             await asyncio.sleep(PROBE_PAUSE_S)
             continue
         opened = loop.time()
+        peer = writer.get_extra_info("peername")
+        if peer:
+            host, port = peer[0], peer[1]
         try:
             while await reader.read(4096):  # what the server sends (HTTP/2 settings) means nothing here
                 pass
@@ -207,7 +212,8 @@ class Elector:
             if probe is not None:
                 probe.cancel()
         if gone:
-            logger.warning("the leader's process is gone (its port refuses connections): revoking its lease",
+            logger.warning("the leader's process is gone or stopping (its port closed and refuses connections): "
+                           "revoking its lease",
                            leader=leader.name, address=leader.address, epoch=leader.epoch)
             await self._revoke(lease)
 
@@ -230,6 +236,10 @@ class Elector:
             waits = {watching} if probe is None else {watching, probe}
             try:
                 await asyncio.wait(waits, timeout=5 * self.ttl_s, return_when=asyncio.FIRST_COMPLETED)
+                if probe is not None and probe.done() and not probe.cancelled() and probe.exception() is not None:
+                    # a bug of the probe's: say so, and wait on the key alone (not a campaign in a tight loop)
+                    logger.error("the leader probe failed", error=repr(probe.exception()))
+                    await asyncio.wait({watching}, timeout=5 * self.ttl_s)
             finally:
                 watching.cancel()
             if watching.done() and not watching.cancelled():
@@ -331,7 +341,10 @@ class Elector:
         try:
             await self.etcd.call("lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease))
         except StoreError as e:
-            logger.info("could not revoke a lease (it will expire)", error=str(e))
+            if "lease not found" in str(e):  # revoked already (another standby, or it lapsed): what was wanted
+                logger.debug("lease already gone", lease=lease)
+            else:
+                logger.info("could not revoke a lease (it will expire)", error=str(e))
 
     # -- members -------------------------------------------------------------------------------
 

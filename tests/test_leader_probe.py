@@ -91,6 +91,9 @@ def scripted(monkeypatch, outcomes: list) -> asyncio.Event:
             def close(self) -> None:
                 pass
 
+            def get_extra_info(self, name: str):
+                return None
+
         return reader, Writer()
 
     monkeypatch.setattr(ha.asyncio, "open_connection", open_connection)
@@ -164,5 +167,28 @@ def test_a_paused_leader_keeps_its_port_and_its_lease():
             probe.cancel()
         finally:
             sock.close()
+
+    asyncio.run(main())
+
+
+def test_once_connected_the_probe_asks_that_address_again_not_the_name(monkeypatch):
+    """A name that resolves to several addresses (or moves): the refusal that counts is the one from the address the
+    connection was open to."""
+    async def main() -> None:
+        port = Listener()
+        address = await port.start()
+        asked = []
+        real = asyncio.open_connection
+
+        async def open_connection(host, port_):
+            asked.append(host)
+            return await real("127.0.0.1" if host == "leader.example" else host, port_)
+
+        monkeypatch.setattr(ha.asyncio, "open_connection", open_connection)
+        probe = asyncio.create_task(leader_gone("leader.example:" + address.rpartition(":")[2]))
+        await port.connected(1)
+        port.die()
+        await asyncio.wait_for(probe, 10)
+        assert asked[0] == "leader.example" and set(asked[1:]) == {"127.0.0.1"}, asked
 
     asyncio.run(main())
