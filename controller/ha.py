@@ -234,18 +234,21 @@ class Elector:
 
             watching = asyncio.ensure_future(deleted())
             waits = {watching} if probe is None else {watching, probe}
+            probed = None  # the probe's end: None while it runs, else its exception (None: the leader is gone)
             try:
                 await asyncio.wait(waits, timeout=5 * self.ttl_s, return_when=asyncio.FIRST_COMPLETED)
-                if probe is not None and probe.done() and not probe.cancelled() and probe.exception() is not None:
-                    # a bug of the probe's: say so, and wait on the key alone (not a campaign in a tight loop)
-                    logger.error("the leader probe failed", error=repr(probe.exception()))
-                    await asyncio.wait({watching}, timeout=5 * self.ttl_s)
+                if probe is not None and probe.done() and not probe.cancelled():
+                    probed = [probe.exception()]
+                    if probed[0] is not None:
+                        # a bug of the probe's: say so, and wait on the key alone (not a campaign in a tight loop)
+                        logger.error("the leader probe failed", error=repr(probed[0]))
+                        await asyncio.wait({watching}, timeout=5 * self.ttl_s)
             finally:
                 watching.cancel()
             if watching.done() and not watching.cancelled():
                 watching.result()  # (its AioRpcError)
                 return False
-            return probe is not None and probe.done() and not probe.cancelled() and probe.exception() is None
+            return probed == [None]
         except (TimeoutError, grpc.aio.AioRpcError):
             return False
         finally:

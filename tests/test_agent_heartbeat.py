@@ -300,7 +300,6 @@ async def test_a_reading_in_flight_when_the_gpu_changed_is_read_again_before_it_
     assert gpus[0].remap_pending and backend.calls == 2
 
 
-
 def test_a_lost_leader_is_tried_again_while_a_session_is_parked():
     """Parked at a standby, the agent waits for a standby to take its session up (trying the old leader meanwhile,
     not the standbys, which could only refuse, whether or not it is parked at every one of them: a controller that

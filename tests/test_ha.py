@@ -58,8 +58,7 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transp
     ha.wait_for(lambda: all(ha.parked(n) == 2 for n in standbys), "both agents' sessions parked at each standby")
     if ha.session_port:  # parked and leading sessions alike in frames on the session port of every controller
         for agent in ("a", "b"):
-            peers = {f"{c.raddr.ip}:{c.raddr.port}" for c in psutil.Process(ha.procs[agent].pid).net_connections("tcp")
-                     if c.raddr and c.status == psutil.CONN_ESTABLISHED}
+            peers = connections_of(ha, agent)
             ports = {framed.session_address(a, ha.session_port) for a in ha.addresses.values()}
             assert ports <= peers, f"{agent}'s connections: {peers}"
     # each standby holds a connection to the leader's port: the leader's death closes it, and the port refuses

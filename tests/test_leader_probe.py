@@ -153,19 +153,27 @@ def test_a_standby_revokes_the_lease_of_a_leader_whose_process_is_gone(etcd_serv
 
 def test_a_paused_leader_keeps_its_port_and_its_lease():
     """A stopped (SIGSTOP) process's port still accepts connections (the kernel does): nothing is revoked, and the
-    lease decides. Here: a listening socket that no one accepts from."""
+    lease decides. Here: a socket that the kernel completes connections for, and whose owner reads nothing."""
     async def main() -> None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(8)
+        sock.setblocking(False)
+        held = None
         try:
             probe = asyncio.create_task(leader_gone(f"127.0.0.1:{sock.getsockname()[1]}"))
-            for _ in range(50):  # the probe's connection waits in the backlog, and nothing closes it
+            while held is None:  # the probe's connection, made by the kernel alone
+                try:
+                    held, _ = sock.accept()
+                except BlockingIOError:
+                    await asyncio.sleep(0.01)
+            for _ in range(50):
                 await asyncio.sleep(0)
-            await asyncio.wait({probe}, timeout=0.5)
             assert not probe.done()
             probe.cancel()
         finally:
+            if held is not None:
+                held.close()
             sock.close()
 
     asyncio.run(main())
