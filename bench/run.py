@@ -286,10 +286,11 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
     s = results.get("snapshots")
     if s and "error" not in s:
         for o in s["overhead"]:
-            steady = o["interval_steps"] * 3 <= o["steps"]  # several intervals measured: the figure is steady state
+            steady = o["steady"]  # whole intervals measured once the interval settled: the figure is steady state
             pct = o["overhead_pct"] if steady else o["amortized_pct"]
-            how = (f"measured over {o['steps']} steps" if steady else f"amortized: the copy / ({o['interval_steps']} "
-                   f"steps); {o['overhead_pct']:+.1f} % measured over {o['steps']} steps, one copy")
+            how = (f"measured over {o['steps']} steps after {o['warmup_steps']} of tuning" if steady else
+                   f"amortized: the copy / ({o['interval_steps']} steps); {o['overhead_pct']:+.1f} % measured over "
+                   f"{o['steps']} steps after the tuning")
             rows.append(("snapshots", f"step time with snapshots, {o['state_mb']} MB per rank", "<= 3 %",
                          f"{pct:+.1f} % ({how}; {o['step_ms']:.0f} ms step, every {o['interval_steps']} step(s), "
                          f"copy {o['copy_ms']:.1f} ms){_verdict(pct <= s['budget_pct'])}"))

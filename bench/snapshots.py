@@ -3,7 +3,9 @@
 - Overhead: the same CPU-bound step (matmuls, ~60 ms on one thread) with and without trainlib's
   snapshotter, at 10 MB, 100 MB and 1 GB of state per rank, measured in one run as a ratio of mean step
   times. The snapshotter writes into a tmpfs directory (/dev/shm) and tunes its interval to its 3 % budget;
-  the interval it chose is reported.
+  the steady state is measured, once that interval has settled, over whole intervals (each with its copy),
+  and the interval it chose is reported. The steps of the tuning itself (a copy at 1, 2, 4, ... steps while
+  the interval grows) are reported apart.
 - Peer restore: a 1 GB snapshot streamed from one agent's SnapshotService (a process of its own, as on
   another node) to another's store over loopback gRPC (the path a rank on a spare takes), CRC-checked on
   arrival, in GB/s (the median of PEER_TRIALS); and the replica stream the other way (Put).
@@ -22,6 +24,8 @@ from bench.common import log
 SIZES_MB = (10, 100, 1000)
 PEER_TRIALS = 3  # peer restores, median reported: the first on a fresh tmpfs runs slower
 STEP_S = 0.06
+SETTLED = 1  # copies that left the interval as it was: it has stopped growing
+MAX_STEADY_STEPS = 600  # steps a size may take to settle and be measured over two whole intervals (~36 s)
 
 
 class _Agent:
@@ -43,7 +47,11 @@ def _work(a, b, until: float) -> None:
         torch.mm(a, b)
 
 
-def overhead(mb: int, steps: int) -> dict:
+def overhead(mb: int, steps: int, max_steps: int = MAX_STEADY_STEPS) -> dict:
+    """Mean step time with the snapshotter against without, in steady state: the snapshotter first runs until its
+    interval has settled (a copy left it unchanged), then whole intervals are measured, each with its copy.
+    Where an interval is longer than `max_steps / 2`, `steps` after the warm-up are measured (at most one copy in
+    them) and the figure to read is the amortized one: the copy's time over the interval's steps."""
     import torch
 
     from trainlib._snapshot import Snapshotter
@@ -52,31 +60,46 @@ def overhead(mb: int, steps: int) -> dict:
     state = _state(mb)
     root = Path(tempfile.mkdtemp(prefix="phalanx-bench-snap-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
-        def run(snapshotter: Snapshotter | None) -> float:
-            started = time.perf_counter()
-            last = started
-            for step in range(steps):
+        clock = {"step": 0, "last": time.perf_counter()}
+
+        def run(snapshotter: Snapshotter | None, n: int) -> float:
+            """`n` steps from the current step; their mean time."""
+            started = clock["last"] = time.perf_counter()
+            for _ in range(n):
                 _work(a, a, time.perf_counter() + STEP_S)  # the step's compute, by the clock: a fixed amount of work
                 now = time.perf_counter()
                 if snapshotter is not None:
-                    snapshotter.offer(state, step, now - last)
-                last = now
+                    snapshotter.offer(state, clock["step"], now - clock["last"])
+                clock["step"] += 1
+                clock["last"] = now
             if snapshotter is not None:
                 snapshotter.wait()
-            return (time.perf_counter() - started) / steps
+            return (time.perf_counter() - started) / n
 
-        baseline = run(None)
+        before = run(None, steps)
         snapshotter = Snapshotter(root, "bench", 1, 0, _Agent())
-        with_snapshots = run(snapshotter)
-        # What the chosen interval costs once it is in force (the first copy, before any is measured, is at
-        # step 0; with a large state the run is shorter than one interval, so the measured figure is that copy)
+        settled, interval, taken = 0, 0, 0
+        while settled < SETTLED and clock["step"] < max_steps:
+            run(snapshotter, 1)
+            if snapshotter.taken != taken:
+                taken = snapshotter.taken
+                settled, interval = (settled + 1, interval) if snapshotter.interval == interval else \
+                    (0, snapshotter.interval)
+        warmup = clock["step"]
+        interval = snapshotter.interval
+        steady = interval * 2 <= max_steps
+        window = interval * max(2, -(-steps // interval)) if steady else steps
+        if steady:  # start at a step a copy is due at: the window holds exactly window / interval copies
+            run(snapshotter, -clock["step"] % interval)
+        with_snapshots = run(snapshotter, window)
+        baseline = (before + run(None, steps)) / 2  # either side of it: a machine that drifts meanwhile counts half
         amortized = snapshotter.copy_s / (snapshotter.interval * baseline)
         return {"state_mb": mb, "step_ms": round(baseline * 1e3, 2), "step_with_snapshots_ms":
                 round(with_snapshots * 1e3, 2), "overhead_pct": round((with_snapshots / baseline - 1) * 100, 2),
-                "amortized_pct": round(amortized * 100, 2), "steps": steps,
-                "interval_steps": snapshotter.interval, "copy_ms": round(snapshotter.copy_s * 1e3, 2),
-                "taken": snapshotter.taken, "skipped_busy_writer": snapshotter.skipped,
-                "error": snapshotter.disabled}
+                "amortized_pct": round(amortized * 100, 2), "steps": window, "steady": steady,
+                "warmup_steps": warmup, "interval_steps": snapshotter.interval,
+                "copy_ms": round(snapshotter.copy_s * 1e3, 2), "taken": snapshotter.taken,
+                "skipped_busy_writer": snapshotter.skipped, "error": snapshotter.disabled}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -154,10 +177,13 @@ async def run(quick: bool = False) -> dict:
     results = []
     for mb in SIZES_MB[:2] if quick else SIZES_MB:
         steps = 60 if quick else 150
-        log(f"snapshots: {mb} MB of state, {steps} steps of ~{STEP_S * 1e3:.0f} ms, with and without ...")
+        log(f"snapshots: {mb} MB of state, steps of ~{STEP_S * 1e3:.0f} ms without, then with snapshots once their "
+            "interval has settled ...")
         r = overhead(mb, steps)
-        log(f"snapshots: {mb} MB: {r['overhead_pct']:+.1f} % step time, every {r['interval_steps']} step(s), copy "
-            f"{r['copy_ms']} ms")
+        log(f"snapshots: {mb} MB: {r['overhead_pct']:+.1f} % step time over {r['steps']} steps "
+            f"({'steady state' if r['steady'] else 'not whole intervals: read the amortized figure, '}"
+            f"{'' if r['steady'] else format(r['amortized_pct'], '+.1f') + ' %'}), every {r['interval_steps']} "
+            f"step(s) after {r['warmup_steps']} of tuning, copy {r['copy_ms']} ms")
         results.append(r)
     size = 200 if quick else 1000
     log(f"snapshots: peer restore of {size} MB over loopback, {PEER_TRIALS} times ...")
