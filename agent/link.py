@@ -104,6 +104,8 @@ class Link:
         # Sessions parked at standbys that a new leader took up: (controller, channel, call, SessionAccepted).
         self._promoted: list[tuple[str, grpc.aio.Channel, object, node_pb2.ControllerMessage]] = []
         self._promotion = asyncio.Event()
+        self._named = ""  # the new leader a standby named while the session was down: the next session goes there
+        self._nudge = asyncio.Event()  # ... at once, without the backoff
         self._changed = asyncio.Event()  # replaced at every change of the session (see _notify)
         self._standing_by: dict[str, float] = {}  # controller -> its StandingBy.takeover_s, while parked there
         self._lost_at = 0.0  # when the last session that was open ended
@@ -143,6 +145,9 @@ class Link:
             promoted = self._promoted.pop(0) if self._promoted else None
             if not self._promoted:
                 self._promotion.clear()
+            self._nudge.clear()
+            if self._named and promoted is None:
+                self.controller, self._named = self._named, ""
             try:
                 await self._session_or_promotion(stop, promoted)
             except RegisterAgain as e:  # the same controller, at once, registering this time
@@ -173,8 +178,8 @@ class Link:
                 continue
             delay = self._backoff.next()
             logger.debug("reconnecting", delay_s=round(delay, 3), parked=len(self._standing_by))
-            try:  # a standby taking the session up ends the wait
-                await wait_for(self._clock, first_of(stop.wait(), self._promotion.wait()), delay)
+            try:  # a standby taking the session up, or naming the new leader, ends the wait
+                await wait_for(self._clock, first_of(stop.wait(), self._promotion.wait(), self._nudge.wait()), delay)
             except TimeoutError:
                 pass
 
@@ -281,12 +286,27 @@ class Link:
                 finally:
                     changed.cancel()
                 if reading.done():
-                    return reading.result()
+                    message = reading.result()
+                    if message is grpc.aio.EOF or message.WhichOneof("body") != "standing_by":
+                        return message
+                    self._leader_named(controller, message.standing_by.leader)
+                    reading = asyncio.ensure_future(call.read())
+                    continue
                 if self.state.incarnation != incarnation or (self.state.connected and controller == self.controller):
                     return None
         finally:
             if not reading.done():
                 reading.cancel()
+
+    def _leader_named(self, standby: str, leader: str) -> None:
+        """A standby this agent is parked at saw another controller elected (StandingBy again, naming it). If the
+        session is down and no session is parked at the new leader (that one it takes up), go there now rather than
+        wait StandingBy.takeover_s for a take-up that cannot come from here."""
+        if not leader or self.state.connected or leader in self._standing_by:
+            return
+        logger.info("a standby named the new leader", standby=standby, leader=leader)
+        self._named = leader
+        self._nudge.set()
 
     async def _session(self, stop: asyncio.Event, promoted=None) -> None:
         """One session: opened here, or (`promoted`) parked at a standby that has since taken it up as leader."""
@@ -381,6 +401,8 @@ class Link:
         """After a failed or ended session: the leader a standby named, else the next controller of the list."""
         if len(self.controllers) == 1 and error is None:
             return
+        if self._named:  # a standby named the new leader while this session was failing: go there next
+            return
         hint = None
         if error is not None and error.code() == grpc.StatusCode.UNAVAILABLE:
             hint = leader_hint(error)
@@ -399,6 +421,7 @@ class Link:
 
     def _accepted(self, reply: node_pb2.SessionAccepted, interval: float, resumed: bool) -> None:
         self._backoff.reset()
+        self._named = ""  # in session: a leader named while it was down is news no longer
         # answers to the previous session's commands mean nothing to this one
         kept = [m for m in self._outbox if m.WhichOneof("body") != "result"]
         self._outbox.clear()

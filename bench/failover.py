@@ -4,7 +4,10 @@ back in session with it.
 A real `phalanx local up --ha 3` (three etcd members, three controllers, real agents) in a directory of its
 own; each trial kills the leader, times until a controller answers GetStats as the leader with every node in
 session, counts node.state events to SUSPECT/DOWN (goal: none: no live node is wrongly declared DOWN), then
-starts the killed controller again and waits for it to stand by with every agent's session parked there. Also:
+starts the killed controller again and waits for it to stand by with every agent's session parked there. Then as
+many trials that kill the new leader as soon as the controller killed before stands by again, before the agents
+park there (they retry parking every 5-30 s): when it wins, the agents come back because the losing standby names
+it to them (StandingBy again), not after their StandingBy.takeover_s. Also:
 the latency of a drain (a store commit) on the etcd store against the same on SQLite.
 """
 
@@ -127,20 +130,53 @@ def _cluster(home: Path, ha: int):
             os.environ["PHALANX_HOME"] = old_home
 
 
-def _rejoined(address: str) -> bool:
-    """The controller at `address` stands by again, with every agent's session parked there (a steady state: an
-    agent not parked at the controller that wins next waits StandingBy.takeover_s before it looks for it)."""
+def _rejoined(address: str, parked: bool = True) -> bool:
+    """The controller at `address` stands by again, with every agent's session parked there if `parked` (a steady
+    state: without naming, an agent not parked at the controller that wins next waited StandingBy.takeover_s)."""
     channel, stub = _stub(address)
     try:
         reply = stub.ListControllers(control_pb2.ListControllersRequest(), timeout=1)
-        return len(reply.members) == 3 and reply.parked_sessions == AGENTS
+        return len(reply.members) == 3 and (not parked or reply.parked_sessions == AGENTS)
     except grpc.RpcError:
         return False
     finally:
         channel.close()
 
 
+def _failover(i: int, trials: int, addresses: list[str], what: str) -> tuple[float, int, str, str]:
+    """Kill -9 the leader; the seconds until a new one serves with every agent back, the nodes wrongly declared
+    SUSPECT/DOWN meanwhile, the name killed and the new leader's name."""
+    name, address, epoch = _leader(addresses)
+    seq = _last_seq(address)
+    t0 = time.monotonic()
+    local.stop_member(name, kill=True)
+    deadline = t0 + 60
+    while time.monotonic() < deadline:
+        now = _leader([a for a in addresses if a != address])
+        if now and now[2] > epoch and _serving_with(now[1], AGENTS):
+            break
+        time.sleep(0.02)
+    else:
+        raise RuntimeError(f"{what} trial {i}: no new leader with every agent back within 60 s")
+    elapsed = time.monotonic() - t0
+    down = _wrongly_down(now[1], seq)
+    log(f"failover ({what}) {i + 1}/{trials}: {elapsed:.2f} s ({name} -> {now[0]}, epoch {epoch} -> {now[2]}), "
+        f"nodes wrongly SUSPECT/DOWN: {down}")
+    return elapsed, down, name, now[0]
+
+
+def _restart(name: str, address: str, parked: bool) -> None:
+    local.start_member(name)
+    deadline = time.monotonic() + 90  # (agents park again at their retry's pace: 5-30 s)
+    while time.monotonic() < deadline and not _rejoined(address, parked):
+        time.sleep(0.1)
+
+
 def run(trials: int = 10) -> dict:
+    """`trials` failovers from a steady state (the controller killed before is back, with every agent parked
+    there); then `trials` more, each killing the new leader as soon as the one killed before stands by again,
+    before the agents have parked there: when that one wins, its agents come back because the other standby names
+    it to them."""
     out: dict = {"trials": trials, "agents": AGENTS, "goal_s": GOAL_S}
     with temp_root("phalanx-failover-") as d:
         with _cluster(Path(d) / "sqlite", 0) as controllers:
@@ -148,32 +184,27 @@ def run(trials: int = 10) -> dict:
             out["submit_sqlite_ms"] = round(_submit_latency(controllers[0].address, 20) * 1000, 2)
         with _cluster(Path(d) / "etcd", 3) as controllers:
             addresses = [c.address for c in controllers]
+            by_name = {c.name: c.address for c in controllers}
             out["drain_etcd_ms"] = round(_drain_latency(_leader(addresses)[1], "node-0", 20) * 1000, 2)
             out["submit_etcd_ms"] = round(_submit_latency(_leader(addresses)[1], 20) * 1000, 2)
             times, wrongly_down = [], 0
             for i in range(trials):
-                name, address, epoch = _leader(addresses)
-                seq = _last_seq(address)
-                t0 = time.monotonic()
-                local.stop_member(name, kill=True)
-                deadline = t0 + 60
-                while time.monotonic() < deadline:
-                    now = _leader([a for a in addresses if a != address])
-                    if now and now[2] > epoch and _serving_with(now[1], AGENTS):
-                        break
-                    time.sleep(0.02)
-                else:
-                    raise RuntimeError(f"trial {i}: no new leader with every agent back within 60 s")
-                elapsed = time.monotonic() - t0
+                elapsed, down, killed, _ = _failover(i, trials, addresses, "steady")
                 times.append(elapsed)
-                down = _wrongly_down(now[1], seq)
                 wrongly_down += down
-                log(f"failover {i + 1}/{trials}: {elapsed:.2f} s ({name} -> {now[0]}, epoch {epoch} -> {now[2]}), "
-                    f"nodes wrongly SUSPECT/DOWN: {down}")
-                local.start_member(name)
-                deadline = time.monotonic() + 90  # (agents park again at their retry's pace: 5-30 s)
-                while time.monotonic() < deadline and not _rejoined(address):
-                    time.sleep(0.1)
+                _restart(killed, by_name[killed], parked=True)
+            soon, soon_down, restarted_won, restarted = [], 0, [], ""
+            for i in range(trials):
+                elapsed, down, killed, winner = _failover(i, trials, addresses, "soon after a restart")
+                soon.append(elapsed)
+                soon_down += down
+                if restarted:
+                    restarted_won.append(winner == restarted)
+                restarted = killed
+                _restart(killed, by_name[killed], parked=False)
     out.update(median_s=round(statistics.median(times), 3), max_s=round(max(times), 3),
-               times_s=[round(t, 3) for t in times], wrongly_down=wrongly_down)
+               times_s=[round(t, 3) for t in times], wrongly_down=wrongly_down,
+               soon_median_s=round(statistics.median(soon), 3), soon_max_s=round(max(soon), 3),
+               soon_times_s=[round(t, 3) for t in soon], soon_wrongly_down=soon_down,
+               soon_restarted_won=sum(restarted_won), soon_restarted_won_of=len(restarted_won))
     return out

@@ -124,6 +124,7 @@ class Gen:
         self.reconnect_failures = 0
         self.parked = 0  # sessions parked at standbys now
         self.taken_up = 0  # parked sessions a new leader took up
+        self.named = 0  # StandingBy messages naming a new leader on parked sessions
         self.tasks: set[asyncio.Task] = set()
         self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
         self.errors: list[str] = []
@@ -282,6 +283,11 @@ class Gen:
                     self.parked += 1
                     try:
                         reply = await call.read()
+                        while reply is not grpc.aio.EOF and reply.WhichOneof("body") == "standing_by":
+                            # a standby naming a new leader: these nodes are parked at every standby, so the
+                            # winner takes each up (agent/link.py goes to the leader named only if not parked there)
+                            self.named += 1
+                            reply = await call.read()
                     finally:
                         node.standing_by.pop(target, None)
                         self.parked -= 1
@@ -434,6 +440,7 @@ class Gen:
                 "status_messages": self.status_messages, "channels": len(self.channels),
                 "late_samples": n, "late_p50_ms": q(0.5), "late_p99_ms": q(0.99), "late_max_ms": q(1.0),
                 "opened": len(acc), "resumes": self.resumes, "parked": self.parked, "taken_up": self.taken_up,
+                "named": self.named,
                 "register_p50_ms": q(0.5, reg), "register_max_ms": q(1.0, reg),
                 "accept_p50_ms": q(0.5, acc), "accept_max_ms": q(1.0, acc),
                 "errors": list(self.errors)}

@@ -29,6 +29,7 @@ import json
 import random
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -133,6 +134,7 @@ class Elector:
         self.valid_until = 0.0  # monotonic: this controller leads until then (if it has a term)
         self.leader: LeaderInfo | None = None  # the last leader seen (ourselves while leading)
         self.previous: LeaderInfo | None = None  # the leader seen before this controller's last win
+        self.on_new_leader: Callable[[LeaderInfo], None] | None = None  # another controller was elected (Standby)
         self.problem = ""  # why the control plane cannot decide (etcd unreachable), for ListControllers
         self.started_ns = self._clock.wall_ns()
         self.failovers = 0  # terms this controller won after another leader (for the metrics)
@@ -184,9 +186,13 @@ class Elector:
             return self.term
         await self._revoke(grant.ID)
         kvs = reply.responses[0].response_range.kvs
-        self.leader = self._parse_leader(kvs[0]) if kvs else None
+        seen, before = self._parse_leader(kvs[0]) if kvs else None, self.leader
+        self.leader = seen
         self._leader_lease = kvs[0].lease if kvs else 0
         self._seen_revision = kvs[0].mod_revision if kvs else reply.header.revision
+        if seen is not None and before is not None and seen.epoch != before.epoch and seen.name != self.name \
+                and self.on_new_leader is not None:
+            self.on_new_leader(seen)
         return None
 
     @staticmethod
@@ -418,6 +424,7 @@ class Standby:
         # A dead leader's lease lapses after its TTL (etcd looks for expired leases twice a second); then the new
         # leader loads the store and takes the parked sessions up at its event loop's pace (seconds, for 10,000).
         self.parked = ParkedSessions(elector.name, self.refuse, self._leader_address, elector.ttl_s + 5.0)
+        elector.on_new_leader = lambda leader: self.parked.name_leader()
 
     def _leader_address(self) -> str:
         leader = self.elector.leader

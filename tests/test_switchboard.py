@@ -208,16 +208,77 @@ def test_a_new_leader_takes_no_more_sessions_up_while_too_many_taken_up_are_unhe
 
     async def go():
         parked = ParkedSessions("c2", None, lambda: "", 7.0)
-        turns = [asyncio.Event(), asyncio.Event()]
+        turns = [node_service._Parked(), node_service._Parked()]
         parked._waiters.extend(turns)
         heard = [0]
         done = asyncio.Event()
-        parked.take(None, done=done.set, unheard=lambda: sum(t.is_set() for t in turns) - heard[0])
-        await asyncio.wait_for(turns[0].wait(), 30)
+        parked.take(None, done=done.set, unheard=lambda: sum(t.taken for t in turns) - heard[0])
+        await asyncio.wait_for(turns[0].wake.wait(), 30)
         for _ in range(10):
             await asyncio.sleep(node_service.TAKE_PAUSE_S)
-            assert not turns[1].is_set()  # the first is not heard from yet
+            assert not turns[1].taken  # the first is not heard from yet
         heard[0] = 1  # its first heartbeat
-        await asyncio.wait_for(turns[1].wait(), 30)
+        await asyncio.wait_for(turns[1].wake.wait(), 30)
+        assert turns[1].taken
         await asyncio.wait_for(done.wait(), 30)
+    asyncio.run(go())
+
+
+def test_parked_sessions_are_told_of_a_new_leader_and_still_taken_up(monkeypatch):
+    """A standby that sees another controller elected sends each parked session StandingBy again, naming it (an
+    agent not parked at the new leader goes there at once); the sessions stay parked, and are taken up in order
+    should this standby win a later election. Once it leads, it names no one."""
+    from controller.api import node_service
+    from controller.api.node_service import ParkedSessions
+    from phalanx.v1 import node_pb2, node_pb2_grpc
+
+    monkeypatch.setattr(node_service, "NAME_DELAY_S", 0.0)
+    monkeypatch.setattr(node_service, "TAKE_BATCH", 2)  # the naming goes in batches too
+
+    async def go():
+        leader = ["127.0.0.1:7001"]
+
+        async def refuse(context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "standby")
+
+        parked = ParkedSessions("c2", refuse, lambda: leader[0], 7.0)
+
+        async def serve(context, first):
+            await context.write(node_pb2.ControllerMessage(accepted=node_pb2.SessionAccepted(incarnation=1)))
+
+        class Service(node_pb2_grpc.NodeServiceServicer):
+            async def Session(self, request_iterator, context):
+                await parked.Session(request_iterator, context)
+
+        server = grpc.aio.server()
+        node_pb2_grpc.add_NodeServiceServicer_to_server(Service(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            calls = []
+            for i in range(3):
+                call = node_pb2_grpc.NodeServiceStub(channel).Session()
+                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                    node_name=f"n{i}", incarnation=1, standby=True)))
+                assert (await call.read()).standing_by.leader == "127.0.0.1:7001"
+                calls.append(call)
+            while parked.waiting < 3:
+                await asyncio.sleep(0.01)
+            leader[0] = "127.0.0.1:7003"  # another election, another winner
+            parked.name_leader()
+            for call in calls:
+                named = await asyncio.wait_for(call.read(), 30)
+                assert named.standing_by.controller == "c2" and named.standing_by.leader == "127.0.0.1:7003"
+            assert parked.waiting == 3
+            parked.take(serve)
+            for call in calls:
+                assert (await asyncio.wait_for(call.read(), 30)).WhichOneof("body") == "accepted"
+            parked.name_leader()  # leads now: nothing more on the sessions taken up
+            assert parked._naming is None or parked._naming.done() or parked._naming.cancelled()
+            for call in calls:
+                call.cancel()
+        finally:
+            await channel.close()
+            await server.stop(0)
     asyncio.run(go())

@@ -42,6 +42,21 @@ TAKE_WAIT_MAX_S = 1.0
 # the leader more than the take-up it replaced (bench/run.py failover-scale, 8,000 nodes on a shared 2-core
 # machine: 91 s until all were back, 3,401 taken up, against 5.0 s and all 8,000 with this window).
 TAKE_RATE = 500.0
+# A standby that sees another controller elected tells its parked sessions (StandingBy again, naming the leader),
+# this long after the election and at the take-up's pace: an agent not parked at the new leader (it came back to
+# the control plane, or that controller did, since it last parked there) then goes there at once instead of
+# waiting StandingBy.takeover_s for a take-up that cannot come; the winner's own take-up goes first.
+NAME_DELAY_S = 0.5
+
+
+class _Parked:
+    """A parked session's handler waits on `wake`: its turn to be taken up (`taken`), or a new leader to name."""
+
+    __slots__ = ("taken", "wake")
+
+    def __init__(self) -> None:
+        self.taken = False
+        self.wake = asyncio.Event()
 
 
 async def read_open(context: grpc.aio.ServicerContext) -> node_pb2.AgentMessage | None:
@@ -59,7 +74,8 @@ class ParkedSessions:
     HTTP/2 stream. If this controller wins the election, `take` hands every parked stream to the new leader's
     NodeService, which accepts it as if it had just been opened: a takeover then costs each agent one message
     each way, where it used to cost a new connection, a new stream and a refusal naming the leader first. If
-    this controller stops standing by without leading, `release` refuses them all (they park elsewhere)."""
+    this controller stops standing by without leading, `release` refuses them all (they park elsewhere). If another
+    controller is elected meanwhile, `name_leader` sends each parked session StandingBy again, naming it."""
 
     def __init__(self, name: str, refuse: Callable[[grpc.aio.ServicerContext], Awaitable[None]],
                  leader: Callable[[], str], takeover_s: float) -> None:
@@ -69,8 +85,9 @@ class ParkedSessions:
         self._leader = leader  # the leader's address, or ""
         self._decided = False
         self._serve: Callable[[grpc.aio.ServicerContext, node_pb2.AgentMessage], Awaitable[None]] | None = None
-        self._waiters: collections.deque[asyncio.Event] = collections.deque()
+        self._waiters: collections.deque[_Parked] = collections.deque()
         self._releasing: asyncio.Task | None = None
+        self._naming: asyncio.Task | None = None
 
     @property
     def waiting(self) -> int:
@@ -89,20 +106,46 @@ class ParkedSessions:
             auth.require_node(validation.node_name(first.open.node_name))
         except ControllerError as e:
             await context.abort(status_for(e), str(e))
-        await context.write(node_pb2.ControllerMessage(standing_by=node_pb2.StandingBy(
-            controller=self._name, leader=self._leader(),
-            takeover_s=self._takeover_s + len(self._waiters) / TAKE_RATE)))
+        await context.write(self._standing_by(len(self._waiters)))
         if self._decided:  # decided during the write: the release may have gone by already
             await self._finish(context, first)
             return
-        turn = asyncio.Event()
-        self._waiters.append(turn)
+        parked = _Parked()
+        self._waiters.append(parked)
         try:
-            await turn.wait()
+            while True:
+                await parked.wake.wait()
+                parked.wake.clear()
+                if parked.taken:
+                    break
+                await context.write(self._standing_by(0))  # name_leader: another controller leads now
         finally:
-            if not turn.is_set():  # the agent went away (or the server stops)
-                self._waiters.remove(turn)
+            if not parked.taken:  # the agent went away (or the server stops)
+                self._waiters.remove(parked)
         await self._finish(context, first)
+
+    def _standing_by(self, queued: int) -> node_pb2.ControllerMessage:
+        return node_pb2.ControllerMessage(standing_by=node_pb2.StandingBy(
+            controller=self._name, leader=self._leader(), takeover_s=self._takeover_s + queued / TAKE_RATE))
+
+    def name_leader(self) -> None:
+        """Another controller was elected: tell every parked session where it is (NAME_DELAY_S from now, at the
+        take-up's pace), unless this controller leads or stopped standing by meanwhile."""
+        if self._decided:
+            return
+        if self._naming is not None:
+            self._naming.cancel()
+        self._naming = asyncio.get_running_loop().create_task(self._name_all(), name="name-leader")
+
+    async def _name_all(self) -> None:
+        await asyncio.sleep(NAME_DELAY_S)
+        for i, parked in enumerate(list(self._waiters)):
+            if self._decided:
+                return
+            if not parked.taken:
+                parked.wake.set()
+            if i % TAKE_BATCH == TAKE_BATCH - 1:
+                await asyncio.sleep(TAKE_PAUSE_S)
 
     async def _finish(self, context: grpc.aio.ServicerContext, first: node_pb2.AgentMessage) -> None:
         if self._serve is None:
@@ -123,6 +166,8 @@ class ParkedSessions:
 
     def _decide(self, done: Callable[[], None] | None, unheard: Callable[[], int] | None) -> None:
         self._decided = True
+        if self._naming is not None:
+            self._naming.cancel()
         self._releasing = asyncio.get_running_loop().create_task(self._release(done, unheard), name="parked-sessions")
 
     async def _release(self, done: Callable[[], None] | None, unheard: Callable[[], int] | None) -> None:
@@ -139,7 +184,9 @@ class ParkedSessions:
             while unheard is not None and unheard() >= TAKE_AHEAD and loop.time() < deadline:
                 await asyncio.sleep(TAKE_PAUSE_S)
             for _ in range(min(TAKE_BATCH, len(self._waiters))):
-                self._waiters.popleft().set()
+                parked = self._waiters.popleft()
+                parked.taken = True
+                parked.wake.set()
             asked = loop.time()
             await asyncio.sleep(TAKE_PAUSE_S)
             late = loop.time() - asked - TAKE_PAUSE_S  # how far behind the loop runs: the work the batch made
