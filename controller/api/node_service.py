@@ -118,7 +118,10 @@ class ParkedSessions:
                 parked.wake.clear()
                 if parked.taken:
                     break
-                await context.write(self._standing_by(0))  # name_leader: another controller leads now
+                try:
+                    await context.write(self._standing_by(0))  # name_leader: another controller leads now
+                except ConnectionError:  # the agent went away (the session port finds out on a write)
+                    return
         finally:
             if not parked.taken:  # the agent went away (or the server stops)
                 self._waiters.remove(parked)
