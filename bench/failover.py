@@ -172,11 +172,20 @@ def _restart(name: str, address: str, parked: bool) -> None:
         time.sleep(0.1)
 
 
+def _steady(addresses: list[str]) -> None:
+    """Until every agent's session is parked at every standby."""
+    leader = _leader(addresses)
+    deadline = time.monotonic() + 90
+    for address in addresses:
+        while leader and address != leader[1] and time.monotonic() < deadline and not _rejoined(address):
+            time.sleep(0.1)
+
+
 def run(trials: int = 10) -> dict:
     """`trials` failovers from a steady state (the controller killed before is back, with every agent parked
-    there); then `trials` more, each killing the new leader as soon as the one killed before stands by again,
-    before the agents have parked there: when that one wins, its agents come back because the other standby names
-    it to them."""
+    there); then `trials` pairs from a steady state: a failover, and one more as soon as the controller killed in
+    the first stands by again, before the agents have parked there. When that one wins the second, the agents come
+    back because the other standby, where they are parked, names it to them."""
     out: dict = {"trials": trials, "agents": AGENTS, "goal_s": GOAL_S}
     with temp_root("phalanx-failover-") as d:
         with _cluster(Path(d) / "sqlite", 0) as controllers:
@@ -193,18 +202,20 @@ def run(trials: int = 10) -> dict:
                 times.append(elapsed)
                 wrongly_down += down
                 _restart(killed, by_name[killed], parked=True)
-            soon, soon_down, restarted_won, restarted = [], 0, [], ""
+            soon, soon_down, restarted_won = [], 0, []
             for i in range(trials):
+                _steady(addresses)  # every agent parked at both standbys; then one of them is killed and restarted
+                _, _, before, _ = _failover(i, trials, addresses, "before a soon one")
+                _restart(before, by_name[before], parked=False)
                 elapsed, down, killed, winner = _failover(i, trials, addresses, "soon after a restart")
                 soon.append(elapsed)
                 soon_down += down
-                if restarted:
-                    restarted_won.append(winner == restarted)
-                restarted = killed
-                _restart(killed, by_name[killed], parked=False)
+                restarted_won.append(winner == before)
+                _restart(killed, by_name[killed], parked=True)
     out.update(median_s=round(statistics.median(times), 3), max_s=round(max(times), 3),
                times_s=[round(t, 3) for t in times], wrongly_down=wrongly_down,
                soon_median_s=round(statistics.median(soon), 3), soon_max_s=round(max(soon), 3),
                soon_times_s=[round(t, 3) for t in soon], soon_wrongly_down=soon_down,
-               soon_restarted_won=sum(restarted_won), soon_restarted_won_of=len(restarted_won))
+               soon_restarted_won=sum(restarted_won), soon_restarted_won_of=len(restarted_won),
+               soon_when_restarted_won_s=[round(t, 3) for t, won in zip(soon, restarted_won, strict=True) if won])
     return out

@@ -200,3 +200,44 @@ def test_once_connected_the_probe_asks_that_address_again_not_the_name(monkeypat
         assert asked[0] == "leader.example" and set(asked[1:]) == {"127.0.0.1"}, asked
 
     asyncio.run(main())
+
+
+def test_a_probe_that_fails_is_passed_over_and_the_standby_waits_on_the_key_alone(etcd_server, monkeypatch):
+    """A bug in the probe (an exception) must neither revoke a live leader's lease nor send the standby campaigning
+    in a tight loop: the standby waits on the leader key alone, and takes its turn once the key goes."""
+    from controller.store.etcd import Etcd
+
+    failed = asyncio.Event()
+
+    async def broken(address: str) -> None:
+        failed.set()
+        raise RuntimeError("a bug of the probe's")
+
+    monkeypatch.setattr(ha, "leader_gone", broken)
+
+    async def main() -> None:
+        etcd = Etcd([etcd_server.endpoint])
+        prefix = f"/test-probe/{uuid.uuid4().hex}"
+        leader = Elector(etcd, prefix, "c0", "127.0.0.1:1", 30, probe=False)
+        standby = Elector(etcd, prefix, "c2", "127.0.0.1:2", 30)
+        try:
+            term = await leader.campaign()
+            assert await standby._try() is None
+            revoked: list[int] = []
+
+            async def revoke(lease: int) -> None:
+                revoked.append(lease)
+
+            monkeypatch.setattr(standby, "_revoke", revoke)
+            waiting = asyncio.create_task(standby._wait_vacant())
+            await asyncio.wait_for(failed.wait(), 10)
+            for _ in range(20):  # the event loop goes round: the standby is still waiting on the key
+                await asyncio.sleep(0.01)
+            assert not waiting.done()
+            await leader.resign(term)  # the key goes: the standby's turn
+            await asyncio.wait_for(waiting, 20)
+            assert revoked == []  # nothing revoked on the probe's word
+        finally:
+            await etcd.close()
+
+    asyncio.run(main())
