@@ -142,57 +142,75 @@ def test_a_standby_names_the_leader_and_says_when_etcd_no_longer_answers(problem
     assert context.trailing == ((LEADER_METADATA, "127.0.0.1:7001"),)
 
 
-def test_parked_sessions_are_promised_a_takeover_window_for_their_place_in_the_queue_and_taken_up_in_order():
-    """A standby tells each parked session how long to wait for the take-up: the lease and a margin, and more the
-    later it parked (first parked, first taken up, at no less than TAKE_RATE a second). An agent that stopped
-    waiting too early would open a session of its own, which costs a busy new leader more than the take-up."""
-    from controller.api import node_service
-    from controller.api.node_service import ParkedSessions
-    from phalanx.v1 import node_pb2, node_pb2_grpc
+class _ParkedServer:
+    """ParkedSessions behind a real gRPC server on loopback; `park(n)` parks `n` sessions, one after the other (each
+    in the queue before the next parks), and returns the calls with their StandingBy."""
 
-    async def go():
-        served_names: list[str] = []
+    def __init__(self, leader) -> None:
+        from controller.api.node_service import ParkedSessions
 
         async def refuse(context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "standby")
 
-        parked = ParkedSessions("c2", refuse, lambda: "127.0.0.1:7001", 7.0)
+        self.parked = ParkedSessions("c2", refuse, leader, 7.0)
+        self.served: list[str] = []
 
-        async def serve(context, first):
-            served_names.append(first.open.node_name)
-            await context.write(node_pb2.ControllerMessage(accepted=node_pb2.SessionAccepted(incarnation=1)))
+    async def serve(self, context, first) -> None:
+        from phalanx.v1 import node_pb2
+        self.served.append(first.open.node_name)
+        await context.write(node_pb2.ControllerMessage(accepted=node_pb2.SessionAccepted(incarnation=1)))
+
+    async def __aenter__(self) -> _ParkedServer:
+        from phalanx.v1 import node_pb2_grpc
+        parked = self.parked
 
         class Service(node_pb2_grpc.NodeServiceServicer):
             async def Session(self, request_iterator, context):
                 await parked.Session(request_iterator, context)
 
-        server = grpc.aio.server()
-        node_pb2_grpc.add_NodeServiceServicer_to_server(Service(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            calls, windows = [], []
-            for i in range(3):  # one after the other: each is in the queue before the next parks
-                call = node_pb2_grpc.NodeServiceStub(channel).Session()
-                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
-                    node_name=f"n{i}", incarnation=1, standby=True)))
-                reply = await call.read()
-                assert reply.standing_by.controller == "c2" and reply.standing_by.leader == "127.0.0.1:7001"
-                windows.append(reply.standing_by.takeover_s)
-                calls.append(call)
+        self.server = grpc.aio.server()
+        node_pb2_grpc.add_NodeServiceServicer_to_server(Service(), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+        await self.server.stop(0)
+
+    async def park(self, n: int) -> list:
+        from phalanx.v1 import node_pb2, node_pb2_grpc
+        calls = []
+        for i in range(n):
+            call = node_pb2_grpc.NodeServiceStub(self.channel).Session()
+            await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
+                node_name=f"n{i}", incarnation=1, standby=True)))
+            calls.append((call, (await call.read()).standing_by))
+        return calls
+
+
+def test_parked_sessions_are_promised_a_takeover_window_for_their_place_in_the_queue_and_taken_up_in_order():
+    """A standby tells each parked session how long to wait for the take-up: the lease and a margin, and more the
+    later it parked (first parked, first taken up, at no less than TAKE_RATE a second). An agent that stopped
+    waiting too early would open a session of its own, which costs a busy new leader more than the take-up."""
+    from controller.api import node_service
+
+    async def go():
+        async with _ParkedServer(lambda: "127.0.0.1:7001") as standby:
+            parked_calls = await standby.park(3)
+            for _, standing_by in parked_calls:
+                assert standing_by.controller == "c2" and standing_by.leader == "127.0.0.1:7001"
+            windows = [standing_by.takeover_s for _, standing_by in parked_calls]
             assert windows == [pytest.approx(7.0 + i / node_service.TAKE_RATE) for i in range(3)]
             done = asyncio.Event()
-            parked.take(serve, done=done.set)  # done: the take-up is over (the new leader judges health then)
-            for call in calls:
+            standby.parked.take(standby.serve, done=done.set)  # done: the take-up is over (health is judged then)
+            for call, _ in parked_calls:
                 assert (await call.read()).WhichOneof("body") == "accepted"
-            assert served_names == ["n0", "n1", "n2"]
+            assert standby.served == ["n0", "n1", "n2"]
             await asyncio.wait_for(done.wait(), 30)
-            for call in calls:
+            for call, _ in parked_calls:
                 call.cancel()
-        finally:
-            await channel.close()
-            await server.stop(0)
     asyncio.run(go())
 
 
@@ -229,56 +247,31 @@ def test_parked_sessions_are_told_of_a_new_leader_and_still_taken_up(monkeypatch
     agent not parked at the new leader goes there at once); the sessions stay parked, and are taken up in order
     should this standby win a later election. Once it leads, it names no one."""
     from controller.api import node_service
-    from controller.api.node_service import ParkedSessions
-    from phalanx.v1 import node_pb2, node_pb2_grpc
 
     monkeypatch.setattr(node_service, "NAME_DELAY_S", 0.0)
     monkeypatch.setattr(node_service, "TAKE_BATCH", 2)  # the naming goes in batches too
 
     async def go():
         leader = ["127.0.0.1:7001"]
-
-        async def refuse(context):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "standby")
-
-        parked = ParkedSessions("c2", refuse, lambda: leader[0], 7.0)
-
-        async def serve(context, first):
-            await context.write(node_pb2.ControllerMessage(accepted=node_pb2.SessionAccepted(incarnation=1)))
-
-        class Service(node_pb2_grpc.NodeServiceServicer):
-            async def Session(self, request_iterator, context):
-                await parked.Session(request_iterator, context)
-
-        server = grpc.aio.server()
-        node_pb2_grpc.add_NodeServiceServicer_to_server(Service(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            calls = []
-            for i in range(3):
-                call = node_pb2_grpc.NodeServiceStub(channel).Session()
-                await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
-                    node_name=f"n{i}", incarnation=1, standby=True)))
-                assert (await call.read()).standing_by.leader == "127.0.0.1:7001"
-                calls.append(call)
+        async with _ParkedServer(lambda: leader[0]) as standby:
+            parked = standby.parked
+            parked_calls = await standby.park(3)
+            assert all(standing_by.leader == "127.0.0.1:7001" for _, standing_by in parked_calls)
             while parked.waiting < 3:
                 await asyncio.sleep(0.01)
             leader[0] = "127.0.0.1:7003"  # another election, another winner
             parked.name_leader()
-            for call in calls:
+            for call, _ in parked_calls:
                 named = await asyncio.wait_for(call.read(), 30)
                 assert named.standing_by.controller == "c2" and named.standing_by.leader == "127.0.0.1:7003"
             assert parked.waiting == 3
-            parked.take(serve)
-            for call in calls:
+            parked.take(standby.serve)
+            for call, _ in parked_calls:
                 assert (await asyncio.wait_for(call.read(), 30)).WhichOneof("body") == "accepted"
+            assert standby.served == ["n0", "n1", "n2"]
+            parked._naming = None
             parked.name_leader()  # leads now: nothing more on the sessions taken up
-            assert parked._naming is None or parked._naming.done() or parked._naming.cancelled()
-            for call in calls:
+            assert parked._naming is None
+            for call, _ in parked_calls:
                 call.cancel()
-        finally:
-            await channel.close()
-            await server.stop(0)
     asyncio.run(go())
