@@ -68,10 +68,13 @@ def status_of(coro) -> tuple[grpc.StatusCode, str]:
 
 
 def test_the_agents_sessions_go_over_the_session_port_and_commands_come_down_it(cluster):
+    def ports(name: str) -> set[int]:
+        return {c.raddr.port for c in psutil.Process(cluster.procs[name].pid).net_connections("tcp")
+                if c.raddr and c.status == psutil.CONN_ESTABLISHED}
+
     for name in ("node-a", "node-b"):
-        ports = {c.raddr.port for c in psutil.Process(cluster.procs[name].pid).net_connections("tcp")
-                 if c.raddr and c.status == psutil.CONN_ESTABLISHED}
-        assert cluster.session_port in ports, f"{name}'s connections: {ports}"
+        # UP is recorded at the registration, over gRPC; the session opens on the session port just after
+        cluster.wait_for(lambda n=name: cluster.session_port in ports(n), f"{name}'s session on the session port")
     result = cluster.cli("drain", "node-b", "--reason", "session port test")
     assert result.returncode == 0, result.stderr
     # the controller tells the agent in its session: the agent logs the change it was told of
