@@ -169,8 +169,13 @@ def test_local_up_with_the_session_port(home):
         port = int(up.stdout.split("agents' sessions on session port ")[1].split()[0])
         agent = next(p for p in json.loads(phalanx("local", "status", "--json", env=home).stdout)
                      if p["role"] == "agent")
-        peers = {c.raddr.port for c in psutil.Process(agent["pid"]).net_connections("tcp")
-                 if c.raddr and c.status == psutil.CONN_ESTABLISHED}
+        deadline = time.monotonic() + 60  # UP is recorded at the gRPC registration; the session opens just after
+        while True:
+            peers = {c.raddr.port for c in psutil.Process(agent["pid"]).net_connections("tcp")
+                     if c.raddr and c.status == psutil.CONN_ESTABLISHED}
+            if port in peers or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert port in peers, (port, peers)
         nodes = phalanx("nodes", "--json", env=home)
         assert nodes.returncode == 0 and json.loads(nodes.stdout)[0]["state"] == "UP", nodes.stdout
