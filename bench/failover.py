@@ -176,8 +176,8 @@ def _steady(addresses: list[str]) -> None:
     """Until every agent's session is parked at every standby."""
     leader = _leader(addresses)
     deadline = time.monotonic() + 90
-    for address in addresses:
-        while leader and address != leader[1] and time.monotonic() < deadline and not _rejoined(address):
+    for address in addresses if leader else []:
+        while address != leader[1] and time.monotonic() < deadline and not _rejoined(address):
             time.sleep(0.1)
 
 

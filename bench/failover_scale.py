@@ -235,6 +235,9 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
                         "whole_before_kill_s": round(whole_s, 1),
                         "state_events_naming_suspect_or_down": named, "naming_sample": sample,
                         "taken_up_total": generated.get("taken_up", 0),
+                        # StandingBy messages naming a new leader on parked sessions: none when the winner held
+                        # as many sessions parked as the losing standby (controller/ha.py Standby._new_leader)
+                        "leader_named_total": generated.get("named", 0),
                         # a node declared while its generator was late sending its heartbeats is the generator's
                         # silence (one process for thousands of nodes, on a core shared with etcd), not the leader's
                         "generator_late_max_after_ms": generated.get("late_max_ms", 0),

@@ -244,21 +244,21 @@ class Elector:
 
             watching = asyncio.ensure_future(deleted())
             waits = {watching} if probe is None else {watching, probe}
-            probed = None  # the probe's end: None while it runs, else its exception (None: the leader is gone)
+            gone = False  # the probe ended without an error: the leader's process is gone
             try:
                 await asyncio.wait(waits, timeout=5 * self.ttl_s, return_when=asyncio.FIRST_COMPLETED)
                 if probe is not None and probe.done() and not probe.cancelled():
-                    probed = [probe.exception()]
-                    if probed[0] is not None:
-                        # a bug of the probe's: say so, and wait on the key alone (not a campaign in a tight loop)
-                        logger.error("the leader probe failed", error=repr(probed[0]))
+                    if (error := probe.exception()) is None:
+                        gone = True
+                    else:  # a bug of the probe's: say so, and wait on the key alone (not a campaign in a tight loop)
+                        logger.error("the leader probe failed", error=repr(error))
                         await asyncio.wait({watching}, timeout=5 * self.ttl_s)
             finally:
                 watching.cancel()
             if watching.done() and not watching.cancelled():
                 watching.result()  # (its AioRpcError)
                 return False
-            return probed == [None]
+            return gone
         except (TimeoutError, grpc.aio.AioRpcError):
             return False
         finally:

@@ -141,12 +141,9 @@ class ParkedSessions:
         self._naming = asyncio.get_running_loop().create_task(self._name_all(), name="name-leader")
 
     async def _name_all(self) -> None:
-        await asyncio.sleep(NAME_DELAY_S)
+        await asyncio.sleep(NAME_DELAY_S)  # (cancelled if this controller leads or stops standing by: _decide)
         for i, parked in enumerate(list(self._waiters)):
-            if self._decided:
-                return
-            if not parked.taken:
-                parked.wake.set()
+            parked.wake.set()
             if i % TAKE_BATCH == TAKE_BATCH - 1:
                 await asyncio.sleep(TAKE_PAUSE_S)
 
