@@ -91,9 +91,10 @@ def test_a_stalled_controller_charges_its_own_silence_to_no_node_and_still_finds
     no heartbeat meanwhile, and the first sweep after the stall runs before the heartbeats that waited are read: it
     used to declare every node DOWN. The stall is the controller's own silence; a node lost during it is still
     found once it has been silent that long on top."""
-    # Short limits, so that the stall passes down_after_s well inside the agents' session keepalive (2 s + 2 s).
-    cluster.start_controller(extra="[liveness]\nheartbeat_interval_s = 0.4\nsuspect_after_s = 1.2\n"
-                                   "down_after_s = 1.6\ntick_s = 0.1\n")
+    # Short limits, so that the stall passes down_after_s well inside the agents' session keepalive: a ping sent just
+    # after the SIGSTOP goes unanswered for the whole stall, and the agent drops its session after 2 s of that.
+    cluster.start_controller(extra="[liveness]\nheartbeat_interval_s = 0.25\nsuspect_after_s = 0.75\n"
+                                   "down_after_s = 1.0\ntick_s = 0.05\n")
     for name in NODES:
         cluster.start_agent(name)
     cluster.wait_states(dict.fromkeys(NODES, "UP"))
@@ -101,9 +102,12 @@ def test_a_stalled_controller_charges_its_own_silence_to_no_node_and_still_finds
     seq = cluster.control.ListEvents(control_pb2.ListEventsRequest(limit=1, newest=True), timeout=5).events[-1].seq
     controller = cluster.procs["controller"].pid
     os.kill(controller, signal.SIGSTOP)
+    stopped = time.monotonic()
     try:
         cluster.kill("node-c")  # lost while the controller was away
-        time.sleep(2.0)  # the injected stall: past down_after_s, short of the agents' keepalive
+        # The injected stall, counted from the SIGSTOP (the kill's wait is part of it): past down_after_s, 0.6 s short
+        # of the agents' keepalive timeout.
+        time.sleep(max(0.0, stopped + 1.4 - time.monotonic()))
     finally:
         os.kill(controller, signal.SIGCONT)
     cluster.wait_states({"node-c": "DOWN"})
