@@ -18,7 +18,7 @@ from controller.errors import StoreError
 from controller.ha import Elector, Standby, advertise_address
 from controller.jobs.topology import TopologyError
 from controller.server import Controller, bind, interceptors, load_security
-from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence
+from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence, NodeCache
 from controller.store.sqlite import SqliteStore
 from controller.switchboard import Methods, Switchboard
 from phalanx import __version__, daemon, log, sdnotify, tls
@@ -29,6 +29,8 @@ from phalanx.rpc import SERVER_OPTIONS
 
 PROG = "phalanx-controller"
 logger = log.get("controller")
+
+NODE_CACHE_REFRESH_S = 5.0  # a standby reads the node records changed this often (controller/store/etcd.py)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,6 +79,16 @@ def etcd_of(cfg: controller_config.ControllerConfig) -> Etcd:
     return Etcd(controller_config.endpoints(cfg.store.etcd_endpoints), tls_files, cfg.store.etcd_timeout_s)
 
 
+async def keep_warm(cache: NodeCache) -> None:
+    """While standing by: read the node records as they change, so that a takeover reads only the latest."""
+    while True:
+        try:
+            await cache.refresh()
+        except StoreError as e:  # etcd away a while: the takeover reads what it must then
+            logger.debug("node records not refreshed", error=str(e))
+        await asyncio.sleep(NODE_CACHE_REFRESH_S)
+
+
 async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) -> None:
     """One member of a highly available control plane: stand by, campaign, lead while the lease holds,
     stand by again when it lapses (controller/ha.py)."""
@@ -98,6 +110,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
     server: grpc.aio.Server | None = None
     board = Switchboard()
     sessions: SessionPort | None = None
+    nodes = NodeCache(etcd, store_cfg.etcd_prefix)
 
     async def stop_sessions() -> None:
         nonlocal sessions
@@ -127,13 +140,17 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
             if not ready:
                 sdnotify.notify(f"READY=1\nSTATUS=standing by on {cfg.listen}")
                 ready = True
-            await first_of(elector.campaign(), stop.wait())
+            warming = asyncio.create_task(keep_warm(nodes), name="node cache")
+            try:
+                await first_of(elector.campaign(), stop.wait())
+            finally:
+                warming.cancel()
             term = elector.term
             if stop.is_set() or term is None:
                 standby.parked.release()
                 break
             store = EtcdStore(etcd, store_cfg.etcd_prefix, cfg.max_events, Fence(elector.leader_key, term.epoch),
-                              store_cfg.etcd_max_txn_ops, own_client=False)
+                              store_cfg.etcd_max_txn_ops, own_client=False, node_cache=nodes)
             controller = Controller(cfg, store, elector=elector, board=board)
             holding = asyncio.create_task(elector.hold(), name="lease")
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import psutil
@@ -69,6 +70,10 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transp
     ha.wait_for(lambda: (ha.leader() or (old,))[0] != old, "a new leader")
     new, new_epoch = ha.leader()
     assert new_epoch > epoch
+    # it read the node records changed since it last refreshed its cache of them while standing by, not all of them
+    ha.wait_for(lambda: "node records loaded" in ha.log(new, 400), "the new leader to load the node records")
+    loaded = [json.loads(line) for line in ha.log(new, 400).splitlines() if "node records loaded" in line]
+    assert len(loaded) == 1 and loaded[0]["warm"] and loaded[0]["nodes"] == 2, loaded
     # (not after the lease's 2 s: a standby saw the process gone and revoked it)
     ha.wait_for(lambda: any(GONE in ha.log(n, 400) for n in standbys), "a standby to revoke the dead leader's lease")
     # every agent follows the new leader, where its parked session was taken up; the drain and the event log

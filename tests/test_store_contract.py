@@ -10,7 +10,7 @@ from controller.errors import RevisionConflict, StoreError
 from controller.nodes.states import DOWN, DRAINED, UP
 from controller.store import EventRecord, JobRecord, MemoryStore, NodeRecord, SqliteStore
 from controller.store.base import CredentialRecord
-from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence, NotLeader
+from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence, NodeCache, NotLeader
 from phalanx.ports import free_port
 
 
@@ -266,6 +266,30 @@ def test_etcd_commit_larger_than_a_transaction_is_split(etcd_server):
         again = await store.commit(nodes=[n.replace(state=DOWN) for n in out.nodes])
         assert [n.state for n in await store.load_nodes()] == [DOWN] * 50
         assert [n.revision for n in await store.load_nodes()] == [n.revision for n in again.nodes]
+        await store.close()
+    run(go())
+
+
+def test_etcd_node_cache_reads_only_what_changed_and_sees_a_deletion(etcd_server):
+    """A standby's warm cache of the node records (a takeover reads what changed since, not every record): always
+    the same records as a full read, read over several pages, and a node deleted by hand is gone from it too."""
+    async def go():
+        store = _etcd_store(etcd_server)
+        cache = NodeCache(store.etcd, store.prefix.decode(), page=50)  # several pages of changes
+        warm = EtcdStore(store.etcd, store.prefix.decode(), own_client=False, node_cache=cache)
+        assert await warm.load_nodes() == [] and cache.read == 0 and cache.revision > 0
+        nodes = (await store.commit(nodes=[NodeRecord(f"n{i:04d}", UP, incarnation=1) for i in range(120)])).nodes
+        await store.commit(events=[ev()])  # other keys change too: not read
+        assert sorted(await cache.refresh(), key=lambda r: r.name) == await store.load_nodes()
+        assert cache.read == 120
+        changed = (await store.commit(nodes=[nodes[7].replace(state=DRAINED, drain_reason="fan")])).nodes[0]
+        assert sorted(await warm.load_nodes(), key=lambda r: r.name) == await store.load_nodes()
+        assert cache.read == 1 and cache.records["n0007"] == changed
+        # Deleted by hand (etcdctl): nothing changed to read, but the prefix holds one key fewer.
+        await store.etcd.call("kv", "DeleteRange", rpc.DeleteRangeRequest(key=store.key("nodes", "n0100")))
+        assert sorted(await cache.refresh(), key=lambda r: r.name) == await store.load_nodes()
+        assert "n0100" not in cache.records and len(cache.records) == 119
+        assert await cache.refresh() and cache.read == 0  # nothing changed since
         await store.close()
     run(go())
 

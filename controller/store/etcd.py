@@ -160,14 +160,21 @@ class Etcd:
 
     async def get_prefix(self, prefix: bytes, page: int = 1000) -> list:
         """Every key-value under `prefix`, in key order, read in pages at one revision."""
-        out, start, end, revision = [], prefix, prefix_end(prefix), 0
+        return (await self.read_prefix(prefix, page=page))[0]
+
+    async def read_prefix(self, prefix: bytes, *, modified_after: int = 0, page: int = 1000) -> tuple[list, int, int]:
+        """The key-values under `prefix` last modified after revision `modified_after` (0: all of them), in key
+        order, read in pages at one revision; with how many keys the prefix holds then, and that revision."""
+        out, start, end, revision, count = [], prefix, prefix_end(prefix), 0, -1
         while True:
-            reply = await self.call("kv", "Range", rpc.RangeRequest(key=start, range_end=end, limit=page,
-                                                                    revision=revision))
-            revision = revision or reply.header.revision
+            reply = await self.call("kv", "Range", rpc.RangeRequest(
+                key=start, range_end=end, limit=page, revision=revision,
+                min_mod_revision=modified_after + 1 if modified_after else 0))
+            if count < 0:  # the first page's count is the whole prefix's (etcd counts before the filter and limit)
+                count, revision = reply.count, reply.header.revision
             out.extend(reply.kvs)
             if not reply.more or not reply.kvs:
-                return out
+                return out, count, revision
             start = reply.kvs[-1].key + b"\0"
 
     async def close(self) -> None:
@@ -200,6 +207,10 @@ class Fence:
     revision: int
 
 
+def _prefix(prefix: str) -> bytes:
+    return (prefix if prefix.endswith("/") else prefix + "/").encode()
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -215,6 +226,36 @@ def _node_record(name: str, kv) -> NodeRecord:
                       base64.b64decode(d["inventory"]), kv.mod_revision)
 
 
+class NodeCache:
+    """The node records as of `revision`, brought up to date by reading only the records modified since. A
+    standby refreshes one while it waits (controller/main.py), so that its takeover reads and parses the few
+    records the leader changed lately, not all of them (at 8,000 nodes, about 0.4 s on the critical path).
+
+    Nothing is missed: a record unchanged since `revision` holds the value cached, and one changed since is read.
+    Only a deletion (an operator's, by hand: the controller deletes no node record) leaves no record to read; it
+    shows as the prefix holding fewer keys than the cache and the changes together, and then every record is
+    read again."""
+
+    def __init__(self, etcd: Etcd, prefix: str = "/phalanx/", page: int = 1000) -> None:
+        self._etcd, self._base, self._page = etcd, _prefix(prefix) + b"nodes/", page
+        self.records: dict[str, NodeRecord] = {}
+        self.revision = 0  # of etcd's, as of which `records` are every node record there is (0: none read yet)
+        self.read = 0  # records the last refresh read
+
+    async def refresh(self) -> list[NodeRecord]:
+        """Every node record as of now. A cancelled refresh leaves the cache as it was (it is replaced whole)."""
+        kvs, count, revision = await self._etcd.read_prefix(self._base, modified_after=self.revision, page=self._page)
+        records = dict(self.records)
+        names = [kv.key[len(self._base):].decode() for kv in kvs]
+        if len(records.keys() | set(names)) != count:  # some were deleted: read them all again
+            kvs, count, revision = await self._etcd.read_prefix(self._base, page=self._page)
+            records, names = {}, [kv.key[len(self._base):].decode() for kv in kvs]
+        for name, kv in zip(names, kvs, strict=True):
+            records[name] = _node_record(name, kv)
+        self.records, self.revision, self.read = records, revision, len(kvs)
+        return list(records.values())
+
+
 def _event_json(e: EventRecord) -> dict:
     return {"seq": e.seq, "kind": e.kind, "message": e.message, "time_ns": e.time_ns, "node": e.node,
             "job": e.job, "fields": e.fields}
@@ -225,15 +266,15 @@ class EtcdStore:
     in flight are written together in the next one (group commit)."""
 
     def __init__(self, etcd: Etcd, prefix: str = "/phalanx/", max_events: int = 100_000,
-                 fence: Fence | None = None, max_txn_ops: int = 128, own_client: bool = True) -> None:
-        if not prefix.endswith("/"):
-            prefix += "/"
+                 fence: Fence | None = None, max_txn_ops: int = 128, own_client: bool = True,
+                 node_cache: NodeCache | None = None) -> None:
         self.etcd = etcd
-        self.prefix = prefix.encode()
+        self.prefix = _prefix(prefix)
         self._max_events = max_events
         self.fence = fence
         self._max_txn_ops = max(8, max_txn_ops)
         self._own_client = own_client
+        self.node_cache = node_cache  # a standby's, kept warm while it waited; None: load_nodes reads every record
         self._queue: collections.deque[_Request] = collections.deque()
         self._flusher: asyncio.Task | None = None
         self._meta: tuple[int, int] | None = None  # (last seq, mod_revision of meta/events)
@@ -249,6 +290,11 @@ class EtcdStore:
 
     async def load_nodes(self) -> list[NodeRecord]:
         self._check_open()
+        if self.node_cache is not None:
+            warm = bool(self.node_cache.revision)
+            records = await self.node_cache.refresh()
+            logger.info("node records loaded", nodes=len(records), read=self.node_cache.read, warm=warm)
+            return records
         base = self.key("nodes", "")
         return [_node_record(kv.key[len(base):].decode(), kv) for kv in await self.etcd.get_prefix(base)]
 
