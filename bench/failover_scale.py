@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import json
 import os
 import signal
 import time
@@ -78,6 +80,25 @@ def controller_toml(address: str, root: Path, name: str, etcd: str, session_port
     return (f'listen = "{address}"\nstate_db = "{root / (name + ".db")}"\n'
             + (f'session_listen = "{framed.session_address(address, session_port)}"\n' if session_port else "")
             + '[security]\ninsecure = true\n' + etcd_store_toml(etcd, name, address))
+
+
+def _takeover_phases(log_path: Path, killed_at: float) -> dict:
+    """From the new leader's log: seconds after the kill (wall clock) its store was loaded (and how many node
+    records it read for it: a standby keeps them warm) and its take-up of the parked sessions began."""
+    out: dict = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"node records loaded"' not in line and '"taking up the sessions parked here"' not in line:
+            continue
+        with contextlib.suppress(ValueError, KeyError):
+            entry = json.loads(line)
+            after = datetime.datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp() - killed_at
+            if after < 0:
+                continue
+            if entry["event"] == "node records loaded":
+                out.update(nodes_loaded_after_kill_s=round(after, 3), node_records_read=entry["read"])
+            else:
+                out["take_up_began_after_kill_s"] = round(after, 3)
+    return out
 
 
 async def _ask(address: str, fn, timeout: float = 2.0):
@@ -211,7 +232,7 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
                     f"{before_sample[:1]}; the generator sent heartbeats up to {sending.get('late_max_ms', 0):.0f} ms "
                     f"late (p99 {sending.get('late_p99_ms', 0):.0f} ms)")
                 procs.kill(pids[name], signal.SIGKILL)
-                t_kill = time.monotonic()
+                t_kill, killed_at = time.monotonic(), time.time()
                 others = [a for a in addresses.values() if a != address]
 
                 reniced: set[str] = set()
@@ -229,6 +250,7 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
                 down, named, seq, sample = await _suspect_or_down(new_address, seq)
                 stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
                 generated = await gen.call({"cmd": "stats", "reset": False})
+                phases = _takeover_phases(procs.log_path(new_name), killed_at)
                 step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
                         "declared_in_ramp": in_ramp, "generator_late_max_in_ramp_ms": ramp.get("late_max_ms", 0),
                         "declared_before_kill": before, "generator_late_max_ms": sending.get("late_max_ms", 0),
@@ -243,13 +265,15 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
                         "generator_late_max_after_ms": generated.get("late_max_ms", 0),
                         "generator_late_p99_after_ms": generated.get("late_p99_ms", 0),
                         "lag_p99_ms": round(stats.heartbeat_lag_p99_ms, 1), "leader": f"{name} -> {new_name}",
-                        "since_kill_s": round(time.monotonic() - t_kill, 1)}
+                        "since_kill_s": round(time.monotonic() - t_kill, 1),
+                        **phases}
                 out["steps"].append(step)
                 log(f"failover at scale: N={n}: every node back at {new_name} {back_s:.2f} s after the kill; "
                     f"declared SUSPECT/DOWN: {down} (node.state events naming either: {named}); "
                     f"heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms; the generator sent heartbeats up to "
                     f"{generated.get('late_max_ms', 0):.0f} ms late after the kill (p99 "
-                    f"{generated.get('late_p99_ms', 0):.0f} ms)" + (f"; e.g. {sample}" if sample else ""))
+                    f"{generated.get('late_p99_ms', 0):.0f} ms)" + (f"; e.g. {sample}" if sample else "")
+                    + f"; the new leader {phases}")
                 pids[name] = procs.spawn(name, "controller.main",
                                          controller_toml(address, root, name, members[0].endpoint, sport), cpu=0).pid
                 await asyncio.sleep(0.5)  # its threads started

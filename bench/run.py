@@ -343,6 +343,10 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             if "taken_up_total" in st:
                 rows.append(("failover-scale", f"N={st['nodes']:,}: parked sessions taken up (run total)", "",
                              f"{st['taken_up_total']:,}"))
+            if "nodes_loaded_after_kill_s" in st:
+                rows.append(("failover-scale", f"N={st['nodes']:,}: new leader's store loaded / take-up began", "",
+                             f"{st['nodes_loaded_after_kill_s']:.2f} / {st.get('take_up_began_after_kill_s', -1):.2f}"
+                             f" s after the kill ({st['node_records_read']:,} node records read: the rest warm)"))
             rows.append(("failover-scale", f"N={st['nodes']:,}: heartbeat lag p99 after", "< 100 ms",
                          f"{st['lag_p99_ms']:.0f} ms{_verdict(st['lag_p99_ms'] < 100)}"))
     tu = results.get("takeup")
