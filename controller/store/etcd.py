@@ -234,7 +234,7 @@ class NodeCache:
     Nothing is missed: a record unchanged since `revision` holds the value cached, and one changed since is read.
     Only a deletion (an operator's, by hand: the controller deletes no node record) leaves no record to read; it
     shows as the prefix holding fewer keys than the cache and the changes together, and then every record is
-    read again."""
+    read again, as when etcd's revision is behind the cache's (a cluster restored from a backup)."""
 
     def __init__(self, etcd: Etcd, prefix: str = "/phalanx/", page: int = 1000) -> None:
         self._etcd, self._base, self._page = etcd, _prefix(prefix) + b"nodes/", page
@@ -247,7 +247,8 @@ class NodeCache:
         kvs, count, revision = await self._etcd.read_prefix(self._base, modified_after=self.revision, page=self._page)
         records = dict(self.records)
         names = [kv.key[len(self._base):].decode() for kv in kvs]
-        if len(records.keys() | set(names)) != count:  # some were deleted: read them all again
+        # Some were deleted, or etcd is behind the cache (restored from a backup): read them all again.
+        if len(records.keys() | set(names)) != count or revision < self.revision:
             kvs, count, revision = await self._etcd.read_prefix(self._base, page=self._page)
             records, names = {}, [kv.key[len(self._base):].decode() for kv in kvs]
         for name, kv in zip(names, kvs, strict=True):
