@@ -547,8 +547,9 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
                 restarts=job.restarts + 1, restarts_in_row=in_row, launched_generation=generation)
     new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
     with_nodes(new, nodes, spares)
-    replaced = [n for n in job.nodes if n not in nodes]  # the incident's, or found down since
-    kept = [n for n in job.incident_nodes if n in nodes]
+    chosen_set = set(nodes)  # (a job of thousands of nodes: a list's `in` made this quadratic)
+    replaced = [n for n in job.nodes if n not in chosen_set]  # the incident's, or found down since
+    kept = [n for n in job.incident_nodes if n in chosen_set]
     counted = (f"restart {new.restarts}; {new.restarts_in_row} of at most {policy.recovery.max_restarts} in a row"
                if not replacing else f"restart {new.restarts}" + (
                    f", replacing {', '.join(replaced)}" if replaced else "") + (
