@@ -165,12 +165,12 @@ class Etcd:
     async def read_prefix(self, prefix: bytes, *, modified_after: int = 0, page: int = 1000) -> tuple[list, int, int]:
         """The key-values under `prefix` last modified after revision `modified_after` (0: all of them), in key
         order, read in pages at one revision; with how many keys the prefix holds then, and that revision."""
-        out, start, end, revision, count = [], prefix, prefix_end(prefix), 0, -1
+        out, start, end, revision, count = [], prefix, prefix_end(prefix), 0, 0
         while True:
             reply = await self.call("kv", "Range", rpc.RangeRequest(
                 key=start, range_end=end, limit=page, revision=revision,
                 min_mod_revision=modified_after + 1 if modified_after else 0))
-            if count < 0:  # the first page's count is the whole prefix's (etcd counts before the filter and limit)
+            if not revision:  # the first page's count is the whole prefix's (etcd counts before the filter and limit)
                 count, revision = reply.count, reply.header.revision
             out.extend(reply.kvs)
             if not reply.more or not reply.kvs:
