@@ -105,6 +105,8 @@ def test_usage_errors_exit_2(home):
         result = phalanx(*args, env=home)
         assert result.returncode == 2, args
         assert "usage:" in result.stderr
+    watch = phalanx("jobs", "--watch", "abc", env=home)  # a refresh interval: say seconds, not days
+    assert watch.returncode == 2 and "'abc' is not a number of seconds, e.g. 2 or 0.5" in watch.stderr
 
 
 def test_no_controller_is_a_clear_error(home):
@@ -116,6 +118,10 @@ def test_no_controller_is_a_clear_error(home):
     unreachable = phalanx("--insecure", "--controller", f"127.0.0.1:{port}", "nodes", env=home)
     assert unreachable.returncode == 1
     assert unreachable.stderr.startswith(f"phalanx: error: cannot reach the controller at 127.0.0.1:{port}")
+    # a follow that never reached a controller is the same error, not a follow retrying for ever
+    follow = phalanx("--insecure", "--controller", f"127.0.0.1:{port}", "events", "--follow", env=home)
+    assert follow.returncode == 1
+    assert follow.stderr.startswith(f"phalanx: error: cannot reach the controller at 127.0.0.1:{port}")
     via_env = phalanx("nodes", env={**home, "PHALANX_CONTROLLER": f"127.0.0.1:{port}", "PHALANX_INSECURE": "1"})
     assert via_env.returncode == 1 and f"127.0.0.1:{port}" in via_env.stderr
     # a named controller is TLS unless told otherwise: without the cluster CA, say where it was looked for
@@ -161,11 +167,17 @@ def wait_until(predicate, what: str, timeout: float = 120) -> None:
 
 
 def test_local_up_with_the_session_port(home):
-    """`phalanx local up --session-port`: the agent's session goes to the controller's session port."""
+    """`phalanx local up --session-port`: the agent's session goes to the controller's session port. (And `up`
+    starts from a clean state: the member configs of a bigger cluster before are gone, other files stay.)"""
     import psutil
+    local_dir = Path(home["PHALANX_HOME"]) / "local"
+    local_dir.mkdir(parents=True)
+    for stale in ("node-7.toml", "controller-2.toml", "mine.toml"):
+        (local_dir / stale).write_text("# left from before\n")
     up = phalanx("local", "up", "--nodes", "1", "--gpus-per-node", "1", "--session-port", env=home)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
+        assert sorted(p.name for p in local_dir.glob("*.toml")) == ["controller.toml", "mine.toml", "node-0.toml"]
         port = int(up.stdout.split("agents' sessions on session port ")[1].split()[0])
         agent = next(p for p in json.loads(phalanx("local", "status", "--json", env=home).stdout)
                      if p["role"] == "agent")

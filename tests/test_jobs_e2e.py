@@ -132,6 +132,7 @@ def test_a_job_larger_than_the_cluster_waits_with_a_reason(four):
 def test_bad_submissions(four):
     cases = [
         (("submit", "--nodes", "0", "--", "true"), 2, "'0' must be at least 1"),
+        (("submit", "--nodes", "-1", "--", "true"), 2, "'-1' must be at least 1"),  # not "not negative": 0 is not
         (("submit", "--nodes", "1", "--gpus", "3", "--", "true"), 2, "unrecognized arguments"),
         (("submit", "--nodes", "1"), 2, "no command: put the program after --"),
         (("submit", "--nodes", "3", "--segment", "2", "--", "true"), 2, "nodes (3) must be a multiple of segment (2)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 START_TIMEOUT_S = 60.0  # Python daemons on a loaded 2-core machine can take a while to import
 STOP_GRACE_S = 10.0
+MEMBER_CONFIG = re.compile(r"controller(-\d+)?|node-\d+")  # the config files `up` writes, named by member
 
 
 class LocalError(PhalanxError):
@@ -234,6 +236,9 @@ def up(nodes: int, gpus_per_node: int, backend: str, out=sys.stdout, ha: int = 0
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+    for config in root.glob("*.toml"):  # the members' configs of a cluster before (more nodes, or --ha)
+        if MEMBER_CONFIG.fullmatch(config.stem):
+            config.unlink()
     (root / "logs").mkdir(parents=True, exist_ok=True)
     backend = choose_backend(backend, nodes)
     started: list[Proc] = []

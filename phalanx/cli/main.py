@@ -142,8 +142,16 @@ def add_output(p: argparse.ArgumentParser, *choices: str) -> None:
     p.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
 
 
+def _interval(text: str) -> float:
+    """--watch's SECONDS: a number of seconds (a unit, 30s or 1m, is taken too)."""
+    try:
+        return _duration(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, e.g. 2 or 0.5") from None
+
+
 def add_watch(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--watch", "-w", nargs="?", type=_duration, const=2.0, metavar="SECONDS",
+    p.add_argument("--watch", "-w", nargs="?", type=_interval, const=2.0, metavar="SECONDS",
                    help="show it again every SECONDS (default 2) until interrupted, as watch(1) would")
 
 
@@ -531,7 +539,9 @@ def cmd_events(args: argparse.Namespace) -> int:
                 _print_event(event, False)
         return OK
     # --follow: one JSON object per line; survives controller restarts and a change of leader by resuming
-    # after the last seq.
+    # after the last seq. A control plane out of reach when it starts is an error, as for any other command
+    # (a mistyped address must not look like a follow waiting for events): one call finds the leader first.
+    call(args, lambda s: s.ListEvents(control_pb2.ListEventsRequest(limit=1, newest=True), timeout=DEFAULT_TIMEOUT_S))
     follower = controllers(args)
     last = args.after or 0
     while True:
@@ -912,7 +922,7 @@ def _size(text: str) -> int:
 
 
 def _positive(text: str) -> int:
-    value = _count(text)
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
     return value
@@ -925,11 +935,15 @@ def _ha_size(text: str) -> int:
     return value
 
 
-def _count(text: str) -> int:
+def _whole(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _count(text: str) -> int:
+    value = _whole(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
     return value
