@@ -119,7 +119,7 @@ class Sim:
                                    drained=n.drained) for n in self.nodes.values()]
         return lifecycle.JobView(nodes=views, tracks=p.tracks, launch=p.launch if p.launch and
                                  p.launch.generation == job.generation else None, checkpoint=p.checkpoint,
-                                 candidates=candidates, topology=flat(self.nodes))
+                                 candidates=candidates, topology=flat(self.nodes), fleet=True)
 
     def decide(self) -> None:
         for _ in range(32):
@@ -604,6 +604,28 @@ def test_a_straggler_eviction_that_did_not_speed_the_job_up_holds_the_next_verdi
     assert sim.job.generation == 2, sim.describe()
     [held] = held_events(sim)
     assert "the last straggler eviction did not make the job faster" in held
+
+
+def test_a_straggler_is_not_evicted_while_nothing_could_replace_its_node():
+    """The job's one spare went to a failed GPU's node; then a rank is slow. Evicting its node would leave the
+    job waiting for nodes (a slow job trains; a stopped one does not): the verdict is held, said once, until a
+    free node could take the straggler's place."""
+    sim = Sim(policy=straggler_policy())  # a, b and c: two to train on, one spare
+    start(sim)
+    inject(sim, "gpu-failed")
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    assert not sim.job.spares and sim.nodes["b"].drained
+    sim.slow.add("c")
+    sim.run_for(120)
+    assert sim.job.generation == 2 and running(sim), sim.describe()
+    assert sim.incidents == ["gpu-failed"]
+    [held] = held_events(sim)
+    assert "straggler verdict held back: rank" in held and "no spare and no free node to replace it" in held
+    b = sim.nodes["b"]
+    b.drained, b.health, b.reason = False, HEALTHY, ""  # repaired and undrained: now b can take c's place
+    sim.run_until(lambda: running(sim) and sim.job.generation == 3)
+    assert sim.incidents == ["gpu-failed", "straggler"] and "c" not in sim.job.nodes
+    assert len(held_events(sim)) == 1
 
 
 def test_no_hang_is_blamed_while_a_node_of_the_job_is_quiet():

@@ -75,6 +75,7 @@ class JobView:
     checkpoint: CheckpointView | None = None  # of job.checkpoint.id, by this process
     candidates: Sequence[Candidate] = ()  # every node as placement sees it (this job's own count as free)
     topology: ClusterTopology | None = None
+    fleet: bool = False  # `candidates` are every node of the fleet, not only the job's own
 
 
 @dataclass(frozen=True)
@@ -174,9 +175,11 @@ def checkpoint_step(tracks: Mapping[int, progress.RankTrack], lead_s: float = RE
     return max(latest, 0) + math.ceil(lead_s / step_s) + 2
 
 
-def straggler_hold(job: pb.Job, tracks: Mapping[int, progress.RankTrack], now: float, cfg: RecoveryConfig) -> str:
+def straggler_hold(job: pb.Job, view: JobView, now: float, cfg: RecoveryConfig) -> str:
     """Why a straggler verdict must not be acted on now ("" if it may): evictions must not cascade. A false
-    verdict drains a healthy node, and in a loop it could drain a fleet."""
+    verdict drains a healthy node, and in a loop it could drain a fleet. Nor may one stop a job that would then
+    wait for nodes: a slow job trains, a job short of nodes does not."""
+    tracks = view.tracks
     window = [t for t in job.straggler_evictions_unix_ns if now - t / 1e9 < cfg.straggler_evictions_window_s]
     if len(window) >= cfg.straggler_max_evictions:
         return (f"{len(window)} straggler evictions in the last {cfg.straggler_evictions_window_s:g}s already "
@@ -188,6 +191,12 @@ def straggler_hold(job: pb.Job, tracks: Mapping[int, progress.RankTrack], now: f
     if before and best and best > before * (1 - cfg.straggler_gain):
         return (f"the last straggler eviction did not make the job faster ({before:.3f}s a step before it, at best "
                 f"{best:.3f}s since; recovery.straggler_gain = {cfg.straggler_gain:g}): the verdict may be noise")
+    # The job's spares used up: the fleet (which the view carries while the job is short of spares) says whether a
+    # free node could replace the straggler's. With none, the eviction would stop the job until one is free.
+    # (A node of an incident before, repaired and undrained since, counts: next_nodes takes it when it must.)
+    if not job.spares and view.fleet and not free_nodes(job, view, {*job.nodes, *job.spares}):
+        return ("no spare and no free node to replace it (the job's spares are used up): the job goes on at its "
+                "pace until one is free")
     return ""
 
 
@@ -355,7 +364,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
         return [Commit(new, "job.spares", f"{job.id}: {', '.join(more)} now held as spare{'s' * (len(more) > 1)} "
                        f"({len(new.spares)} of {job.spec.spares}), in place of those used by restarts")]
     if incident.kind == "straggler":
-        held = straggler_hold(job, view.tracks, now, policy.recovery)
+        held = straggler_hold(job, view, now, policy.recovery)
         if held:
             if job.straggler_held == held.split(" (")[0]:
                 return []  # said once
@@ -371,13 +380,17 @@ def replenish(job: pb.Job, view: JobView) -> list[str]:
     short = job.spec.spares - len(job.spares)
     if short <= 0 or not view.candidates:
         return []
-    taken = {*job.nodes, *job.spares, *job.incident_nodes}
     leaf_of = view.topology.node_leaf if view.topology is not None else {}
     leaves = {leaf_of.get(n) for n in job.nodes}
-    free = [c.name for c in view.candidates if c.schedulable and c.healthy and c.free and
-            c.gpus >= job.spec.ranks_per_node and c.name not in taken]
+    free = free_nodes(job, view, {*job.nodes, *job.spares, *job.incident_nodes})
     free.sort(key=lambda n: (leaf_of.get(n) not in leaves, n))
     return free[:short]
+
+
+def free_nodes(job: pb.Job, view: JobView, taken: set[str]) -> list[str]:
+    """The candidates that could join the job, but those `taken`: schedulable, healthy, free, big enough."""
+    return [c.name for c in view.candidates if c.schedulable and c.healthy and c.free and
+            c.gpus >= job.spec.ranks_per_node and c.name not in taken]
 
 
 def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:

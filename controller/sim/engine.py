@@ -311,7 +311,7 @@ class SimJob:
         return lifecycle.JobView(nodes=self.views, launch=self.launch if self.launch and
                                  self.launch.generation == job.generation else None, checkpoint=self.checkpoint,
                                  candidates=list(self.candidates.values()) if candidates is None else candidates,
-                                 topology=self.sim.topology)
+                                 topology=self.sim.topology, fleet=candidates is not None)
 
     def decide(self) -> None:
         for _ in range(64):
