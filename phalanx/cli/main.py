@@ -144,10 +144,7 @@ def add_output(p: argparse.ArgumentParser, *choices: str) -> None:
 
 def _interval(text: str) -> float:
     """--watch's SECONDS: a number of seconds (a unit, 30s or 1m, is taken too)."""
-    try:
-        return _duration(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, e.g. 2 or 0.5") from None
+    return _duration(text, "a number of seconds, e.g. 2 or 0.5")
 
 
 def add_watch(p: argparse.ArgumentParser) -> None:
@@ -895,13 +892,13 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, what: str = "a duration such as 30m, 24h or 7d") -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
     number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
     try:
         value = float(number) * units[unit]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30m, 24h or 7d") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
     return value
