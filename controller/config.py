@@ -110,7 +110,8 @@ class RecoveryConfig:
     checkpoint_lead_s: float = setting(1.0, "how far ahead of a request, in seconds of steps at the ranks' pace, the "
                                        "agreed checkpoint step lies (time for the pushed request to reach every rank)")
     pace_wait_s: float = setting(3.0, "how long a checkpoint request soon after a (re)start waits for a progress "
-                                 "report past the ranks' start-up")
+                                 "report past the ranks' start-up (a job whose trainlib reported before: up to "
+                                 "half the request's deadline, if longer)")
     evict_margin_s: float = setting(10.0, "seconds beyond jobs.stop_grace_s an eviction waits for every node to "
                                     "confirm its ranks stopped (then they are fenced when reported)")
     silent_s: float = setting(2.0, "seconds without a trainlib report that make a hung rank the culprit (trainlib "

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from controller.config import RecoveryConfig
+from controller.errors import FailedPrecondition
 from controller.nodes.states import DOWN, DRAINED, UP
 from controller.recovery.lifecycle import REQUEST_LATENCY_S
 from phalanx.v1 import common_pb2 as pb
@@ -242,10 +243,56 @@ def test_a_checkpoint_soon_after_a_start_waits_for_the_ranks_real_pace():
     run(main())
 
 
+def test_a_checkpoint_before_a_new_generations_first_report_waits_for_its_pace_not_at_once():
+    """`phalanx checkpoint` just after a restart, before the new generation's trainlib had reported: with no
+    progress at all the request said "at once" (at_step 0), which ranks that hear it a step apart take at different
+    steps, each then waiting in its save for the others (a `make test-busy` run: 0 of 2 ranks committed in 60 s).
+    It now waits for the new ranks' pace; a job whose trainlib never reported is still asked at once."""
+    world = World(recovery=FAST)
+
+    def asked(agent):
+        return [c.checkpoint for c in agent.commands if c.WhichOneof("body") == "checkpoint"]
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            a, b = (world.agents[n] for n in world.job(job_id).nodes)
+            # no trainlib reports at all: at once, after pace_wait_s (virtual)
+            with pytest.raises(FailedPrecondition, match="checkpoint 1 within"):
+                await world.jobs.checkpoint(job_id, 0.2)
+            assert [r.at_step for r in asked(a)] == [0]
+            for agent, rank in ((a, 0), (b, 1)):
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9,
+                                                            steps=10, mean_step_s=0.35))
+            await world.until(lambda: world.jobs.entries[job_id].tracks, "generation 1's first reports")
+            a.crash(job_id, 0)
+            await world.until(lambda: state(world, job_id) == "RUNNING" and world.job(job_id).generation == 2,
+                              "generation 2 running")
+            nodes = [world.agents[n] for n in world.job(job_id).nodes]
+            request = asyncio.create_task(world.jobs.checkpoint(job_id, 60.0))
+            start = world.clock.monotonic()
+            await world.until(lambda: world.clock.monotonic() > start + 2 * FAST.pace_wait_s, "past pace_wait_s")
+            assert len(asked(nodes[0])) == (1 if nodes[0] is a else 0), "asked before generation 2 reported"
+            for agent, rank in zip(nodes, (0, 1), strict=True):  # its start-up report, then one at its pace
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=2, rank=rank, last_step=4,
+                                                            steps=5, mean_step_s=0.6))
+            await world.until(lambda: world.jobs.entries[job_id].tracks, "generation 2's first reports")
+            for agent, rank in zip(nodes, (0, 1), strict=True):
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=2, rank=rank, last_step=24,
+                                                            steps=20, mean_step_s=0.05))
+            await world.until(lambda: any(r.generation == 2 for r in asked(nodes[0])), "the request")
+            (ask,) = [r for r in asked(nodes[0]) if r.generation == 2]
+            assert ask.at_step > 24
+            request.cancel()
+        finally:
+            await world.stop()
+
+    run(main())
+
+
 def test_checkpoint_request_ids_go_on_counting_after_a_controller_restart():
     """trainlib ignores a request id it has handled: a restarted controller that began again at 1 had its first
     request (in a recovery, the eviction checkpoint) dropped by every rank."""
-    from controller.errors import FailedPrecondition
 
     async def go():
         world = World()

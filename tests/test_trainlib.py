@@ -137,6 +137,26 @@ def test_sigusr1_is_a_checkpoint_request():
     assert result.stdout.splitlines() == ["False", "True [0]"]
 
 
+def test_a_request_that_arrives_past_its_agreed_step_says_so():
+    """A rank that hears a request after the step the ranks agreed on saves a later step than those that heard it
+    in time, and their saves wait for each other: trainlib says so in the rank's log, with what to change."""
+    result = run("""
+        import trainlib
+        from trainlib import _runtime
+        trainlib.init()
+        for i in range(30):
+            trainlib.step(i)
+        _runtime._heed_request(5, 40, False)  # in time: nothing to say
+        _runtime._heed_request(6, 20, False)  # step 29 already done
+        print(trainlib.checkpoint_requested())
+    """, UNDER_PHALANX)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["True"]
+    late = [line for line in result.stderr.splitlines() if "checkpoint request" in line]
+    assert late == ["trainlib: checkpoint request 6 (after step 20) reached rank 1 only at step 29: its save will "
+                    "not match the other ranks' (recovery.checkpoint_lead_s may be too short for this machine)"]
+
+
 def test_a_script_that_handles_sigusr1_itself_keeps_its_handler():
     result = run("""
         import os, signal, trainlib

@@ -248,6 +248,10 @@ def _request(request_id: int, pause: bool = False, at_step: int = 0) -> None:
 def _heed_request(request_id: int, at_step: int, pause: bool) -> None:
     """A checkpoint request from the controller (pushed, reported or polled): taken once."""
     if request_id and request_id not in _handled and (not _requested or _request_id != request_id):
+        if at_step and _last_step > at_step:  # the ranks that heard it in time save at_step; this one a later step
+            print(f"trainlib: checkpoint request {request_id} (after step {at_step}) reached rank "
+                  f"{_ctx.rank if _ctx else '?'} only at step {_last_step}: its save will not match the other ranks' "
+                  "(recovery.checkpoint_lead_s may be too short for this machine)", file=sys.stderr, flush=True)
         _request(request_id, pause, at_step)
 
 

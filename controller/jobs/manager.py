@@ -58,6 +58,9 @@ class JobEntry:
     launch_task: asyncio.Task | None = None
     stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when, command id)
     checkpoint: PendingCheckpoint | None = None
+    # trainlib has reported progress for some generation of this job (kept across generations): a request to a new
+    # generation waits for its pace rather than saying "at once"
+    reported: bool = False
     incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
     incident_kind: str = ""
     # node -> the in-memory snapshots of this job it holds, from its newest heartbeat (kept across generations:
@@ -205,7 +208,7 @@ class JobManager:
         entry = self.entry(job_id)
         if entry.job.state != RUNNING:
             raise FailedPrecondition(f"{job_id} is {state_name(entry.job.state)}; only a running job can checkpoint")
-        await self._pace_known(entry)
+        await self._pace_known(entry, deadline_s)
         async with self.lock:
             job = entry.job
             if job.state != RUNNING:
@@ -237,10 +240,16 @@ class JobManager:
                                        f"({seconds:.2f}s after the request)"), job_id)
         return step, seconds
 
-    async def _pace_known(self, entry: JobEntry) -> None:
+    async def _pace_known(self, entry: JobEntry, deadline_s: float) -> None:
         """Wait briefly for the ranks to report a step past their start-up: a request soon after a (re)start
-        would otherwise agree on a step from a pace that start-up makes look several times slower."""
-        deadline = self.clock.monotonic() + self.recovery_cfg.pace_wait_s
+        would otherwise agree on a step from a pace that start-up makes look several times slower, or, before
+        any report, say "at once" (which ranks that hear it a step apart take at different steps, deadlocked in
+        their saves). pace_wait_s; for a job whose trainlib has reported before (its new generation's ranks are
+        still starting), up to half the request's deadline: the other half is the save's."""
+        wait_s = self.recovery_cfg.pace_wait_s
+        if entry.reported:
+            wait_s = max(wait_s, deadline_s / 2)
+        deadline = self.clock.monotonic() + wait_s
         while not lifecycle.pace_known(entry.tracks) and self.clock.monotonic() < deadline:
             await self.clock.sleep(0.1)
 
@@ -282,6 +291,7 @@ class JobManager:
             if entry is None or entry.job.generation != report.generation or entry.job.state not in ACTIVE:
                 continue
             if not entry.tracks:  # trainlib speaks for this job: follow every rank's progress from now on
+                entry.reported = True
                 entry.tracks = {r.rank: monitors.RankTrack(last_advance=now, last_report=now) for r in entry.job.ranks}
             track = entry.tracks.get(report.rank)
             if track is not None:

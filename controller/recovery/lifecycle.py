@@ -201,8 +201,11 @@ def straggler_hold(job: pb.Job, view: JobView, now: float, cfg: RecoveryConfig) 
 
 
 def pace_known(tracks: Mapping[int, progress.RankTrack]) -> bool:
-    """No progress at all (a job without trainlib: save at once), or a report past some rank's start-up."""
-    return not tracks or any(t.recent_pace() for t in tracks.values())
+    """A report past some rank's start-up. Not before any report: a generation's ranks report only after their
+    first steps, and a request then would say "at once", which ranks that hear it a step apart take at different
+    steps, each waiting in its save for the others (a deadlock). The caller waits up to pace_wait_s for one; a job
+    that never reports (no trainlib) is then asked to save at once."""
+    return any(t.recent_pace() for t in tracks.values())
 
 
 # -- building records ------------------------------------------------------------------------------
