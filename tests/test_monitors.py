@@ -21,11 +21,14 @@ def test_a_rank_without_progress_is_hung_after_the_larger_of_the_floor_and_k_typ
     for second in range(1, 11):  # 10 s of 0.1 s steps on every rank
         for track in t.values():
             track.observe(second * 10, 0.1, [0.08] * 10, float(second))
-    # rank 2 stops at t=10; the limit is max(2 s, 3 x 0.1 s) = 2 s
+    # rank 2 stops at t=10 (its trainlib reports on: judged on its own reports, whatever its peers report);
+    # the limit is max(2 s, 3 x 0.1 s) = 2 s
     for second in range(11, 13):
         for rank, track in t.items():
             if rank != 2:
                 track.observe(second * 10, 0.1, [0.08] * 10, float(second))
+            else:
+                track.observe(100, 0.0, [], float(second), steps=0)
     assert hung(t, 11.9, CFG) == []
     (finding,) = hung(t, 12.0, CFG)
     assert (finding.rank, finding.kind) == (2, "hang")
@@ -60,11 +63,33 @@ def test_spikes_the_job_has_shown_before_raise_the_limit_and_a_save_holds_every_
 def test_a_rank_that_never_steps_gets_the_startup_allowance_and_so_do_the_first_steps():
     t = tracks(2)
     t[0].observe(0, 0.5, [0.4], 1.0)  # rank 0 stepped once at t=1, then stopped: still in its first steps
+    t[1].observe(-1, 0.0, [], 1.0, steps=0)  # rank 1 reports, no step
+    for second in range(2, 182):  # both report on, neither steps
+        for track in t.values():
+            track.observe(track.last_step, 0.0, [], float(second), steps=0)
     assert hung(t, 179.0, CFG) == []
     assert [f.rank for f in hung(t, 180.0, CFG)] == [1]
     assert "has not finished a step for 180s" in hung(t, 180.0, CFG)[0].reason
     assert [f.rank for f in hung(t, 181.0, CFG)] == [0, 1]
     assert "has not made progress (step 0, in its first steps) for 180s" in hung(t, 181.0, CFG)[0].reason
+
+
+def test_a_silent_rank_is_not_hung_while_a_peer_finishes_steps_past_its_last_report():
+    """A rank's reports lost (its trainlib silent) while its peer trains on: in a synchronous job the peer could
+    not finish a step the rank has not reached, so the job moves and nothing is hung. A `make test-busy` run saw
+    10 s of one rank's reports lost while the job trained on, and a false hang restarted it. Once the peer stops
+    too, both are hung a limit after the peer's last step."""
+    t = tracks(2)
+    for second in range(1, 11):  # 0.1 s steps on both ranks
+        for track in t.values():
+            track.observe(second * 10, 0.1, [0.08] * 10, float(second))
+    for second in range(11, 21):  # rank 1's reports lost: only rank 0's arrive, its steps going on
+        t[0].observe(second * 10, 0.1, [0.08] * 10, float(second))
+    assert hung(t, 20.0, CFG) == []
+    assert hung(t, 21.9, CFG) == []
+    assert [f.rank for f in hung(t, 22.0, CFG)] == [0, 1]  # the limit (2 s) after the peer's last step
+    t[1].observe(100, 0.0, [], 20.0, steps=0)  # a rank that reports and does not move is judged on its own
+    assert [f.rank for f in hung(t, 20.0, CFG)] == [1]
 
 
 def feed(t, steps, slow_rank=None, factor=1.0, noise=0.05, seed=0):

@@ -7,7 +7,8 @@ gradient synchronisation), folded per heartbeat by the agents.
   time: the 90th percentile of its recent reports, so spikes it has shown before do not alarm);
   during a generation's first WARMUP_STEPS steps `startup_s` applies instead. While any rank of the
   job is writing a checkpoint (trainlib says so) no rank is hung: the others wait for it in the next
-  collective. A save that outlasts `checkpoint_deadline_s` no longer shields them.
+  collective. A save that outlasts `checkpoint_deadline_s` no longer shields them. A rank whose trainlib
+  is silent moves, as far as hangs go, when a peer finishes a step past its last report (`vouched`).
 - Straggler: a rank found by either of two tests over the last `straggler_window` steps of per-step
   compute time (medians and trimmed means, so healthy noise - a GC pause, a slow batch, jitter - never
   raises an alarm on its own):
@@ -115,7 +116,7 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
     saved = max((t.saved_at for t in tracks.values()), default=0.0)  # the ranks that waited for a save: no hang
     out = []
     for rank, track in sorted(tracks.items()):
-        silent = now - max(track.last_advance, saved)
+        silent = now - max(track.last_advance, saved, vouched(tracks, track, now, cfg.silent_s))
         if track.last_step < 0 or track.steps_seen < WARMUP_STEPS:
             if silent >= max(cfg.startup_s, limit):
                 what = "finished a step" if track.last_step < 0 else f"made progress (step {track.last_step}, in " \
@@ -127,6 +128,17 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
                                              f"= max({cfg.hang_min_s:g}s, {cfg.hang_factor:g} x typical step "
                                              f"{typical:.2f}s)); last step {track.last_step}"))
     return out
+
+
+def vouched(tracks: Mapping[int, RankTrack], track: RankTrack, now: float, silent_s: float) -> float:
+    """When a peer last finished a step past `track`'s last reported one, if `track`'s trainlib is silent (0.0 if
+    not): its reports are late or lost, not its steps. The ranks of a synchronous job meet in every step's
+    collectives, so a peer cannot finish a step the rank has not reached; a rank whose reports stopped (a
+    `make test-busy` run saw 10 s of them lost while its peer trained on, and a false hang restarted the job)
+    is not hung while the job moves. A rank that reports but does not move is judged on its own reports."""
+    if now - track.last_report < silent_s:
+        return 0.0
+    return max((t.last_advance for t in tracks.values() if t.last_step > track.last_step), default=0.0)
 
 
 def culprits(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: float, silent_s: float) -> list[int]:
