@@ -212,6 +212,41 @@ def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_r
     run(main())
 
 
+def test_a_straggler_of_a_job_without_spares_waits_while_no_node_could_replace_it():
+    """A job submitted with --spares 0 on every node there is, and one rank twice as slow: evicting its node
+    would stop the job until a node is free (a slow job trains; a stopped one does not). The executor looks at
+    the fleet only for such a verdict, holds it and says so; once a free node joins, the straggler is evicted."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            await world.start()
+            for name in NODES[:2]:
+                await world.add(name).connect()
+            job_id = await world.submit(nodes=2, spares=0)
+            await world.until(lambda: state(world, job_id) == "RUNNING", "job running")
+            a, b = (world.agents[n] for n in world.job(job_id).nodes)
+            for report in range(1, 9):  # 80 steps of 0.2 s; rank 1 computes twice as long as rank 0
+                for agent, rank, compute in ((a, 0, 0.1), (b, 1, 0.2)):
+                    agent.progress.append(node_pb2.RankProgress(
+                        job=job_id, generation=1, rank=rank, last_step=report * 10 - 1, steps=10, mean_step_s=0.2,
+                        compute_samples=[compute] * 10))
+                await world.until(lambda r=report: world.jobs.entries[job_id].tracks and all(
+                    t.last_step == r * 10 - 1 for t in world.jobs.entries[job_id].tracks.values()), "the reports")
+            await world.until(lambda: world.job(job_id).straggler_held, "the verdict held")
+            assert state(world, job_id) == "RUNNING" and world.job(job_id).generation == 1
+            assert world.job(job_id).straggler_held.startswith("no spare and no free node to replace it")
+            assert (await world.kinds(job_id)).count("job.straggler_held") == 1
+            await world.add("node-c").connect()
+            await world.until(lambda: state(world, job_id) != "RUNNING" or world.job(job_id).generation > 1,
+                              "the straggler evicted once node-c is free")
+            assert "straggler" in world.job(job_id).incident_kind
+        finally:
+            await world.stop()
+
+    run(main())
+
+
 # -- the agreed checkpoint step -----------------------------------------------------------------------------
 
 

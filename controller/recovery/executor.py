@@ -124,19 +124,25 @@ class Executor:
                     return
                 with _bound(entry):
                     now = self.jobs.now()
-                    actions = lifecycle.step(entry.job, self.view(entry), now, self.jobs.policy())
+                    view = self.view(entry)
+                    actions = lifecycle.step(entry.job, view, now, self.jobs.policy())
+                    if not view.fleet and _straggler_incident(actions):  # may it evict? ask with the fleet in view
+                        actions = lifecycle.step(entry.job, self.view(entry, fleet=True), now, self.jobs.policy())
                     committed = await self.apply(entry, actions, now)
             if not committed:
                 return
 
     # -- the view ------------------------------------------------------------------------------
 
-    def view(self, entry: JobEntry) -> lifecycle.JobView:
+    def view(self, entry: JobEntry, fleet: bool = False) -> lifecycle.JobView:
+        """What lifecycle.step sees of the job. The fleet (every node as placement sees it) only where the step
+        needs it: placing, or holding spares again, or (`fleet`) judging whether a straggler could be replaced;
+        a scan of 10,000 nodes on every step of every job would cost more than the steps."""
         job = entry.job
         nodes = self.jobs.registry.entries_by_name()
         names = dict.fromkeys([*job.nodes, *job.spares, *job.incident_nodes])
         views = {n: self._node_view(entry, nodes[n]) for n in names if n in nodes}
-        placing = job.state in (PENDING, lifecycle.RENDEZVOUS) or (
+        placing = fleet or job.state in (PENDING, lifecycle.RENDEZVOUS) or (
             job.state == RUNNING and len(job.spares) < job.spec.spares and self.jobs.policy().jobs.keep_spares)
         since_ns = job.state_since_unix_ns if job.state == RUNNING else 0
         return lifecycle.JobView(
@@ -415,6 +421,10 @@ class Executor:
         except Exception as e:  # a checkpoint is told again (retell_checkpoint); a pin when the step moves on
             logger.warning("command not delivered", node=node, command=command.WhichOneof("body"), error=str(e))
             return False
+
+
+def _straggler_incident(actions: list) -> bool:
+    return any(isinstance(a, lifecycle.Commit) and a.incident == "straggler" for a in actions)
 
 
 def _after(node, told: tuple) -> bool:

@@ -191,12 +191,13 @@ def straggler_hold(job: pb.Job, view: JobView, now: float, cfg: RecoveryConfig) 
     if before and best and best > before * (1 - cfg.straggler_gain):
         return (f"the last straggler eviction did not make the job faster ({before:.3f}s a step before it, at best "
                 f"{best:.3f}s since; recovery.straggler_gain = {cfg.straggler_gain:g}): the verdict may be noise")
-    # The job's spares used up: the fleet (which the view carries while the job is short of spares) says whether a
-    # free node could replace the straggler's. With none, the eviction would stop the job until one is free.
-    # (A node of an incident before, repaired and undrained since, counts: next_nodes takes it when it must.)
+    # No spare left: the fleet (which the executor's view carries while the job is short of spares, and for a job
+    # without any when a straggler verdict would evict) says whether a free node could replace the straggler's.
+    # With none, the eviction would stop the job until one is free. (A node of an incident before, repaired and
+    # undrained since, counts: next_nodes takes it when it must.)
     if not job.spares and view.fleet and not free_nodes(job, view, {*job.nodes, *job.spares}):
-        return ("no spare and no free node to replace it (the job's spares are used up): the job goes on at its "
-                "pace until one is free")
+        why = "it was submitted with none" if not job.spec.spares else "the job's spares are used up"
+        return f"no spare and no free node to replace it ({why}): the job goes on at its pace until one is free"
     return ""
 
 
