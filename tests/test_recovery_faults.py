@@ -325,6 +325,47 @@ def test_a_checkpoint_before_a_new_generations_first_report_waits_for_its_pace_n
     run(main())
 
 
+def test_an_eviction_checkpoint_before_a_new_generations_first_report_waits_for_its_pace():
+    """The same for a FAILING GPU found while a new generation starts: the eviction's checkpoint waits for the new
+    ranks' pace (up to half of checkpoint_deadline_s, not only pace_wait_s) rather than saying "at once"."""
+    world = World(recovery=FAST)
+
+    def asked(agent):
+        return [c.checkpoint for c in agent.commands if c.WhichOneof("body") == "checkpoint"]
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            a, b = (world.agents[n] for n in world.job(job_id).nodes)
+            for agent, rank in ((a, 0), (b, 1)):
+                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9,
+                                                            steps=10, mean_step_s=0.35))
+            await world.until(lambda: world.jobs.entries[job_id].tracks, "generation 1's first reports")
+            a.crash(job_id, 0)
+            await world.until(lambda: state(world, job_id) == "RUNNING" and world.job(job_id).generation == 2,
+                              "generation 2 running")
+            nodes = [world.agents[n] for n in world.job(job_id).nodes]
+            nodes[1].remap_pending.add(0)
+            await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
+            start = world.clock.monotonic()
+            await world.until(lambda: world.clock.monotonic() > start + 2 * FAST.pace_wait_s, "past pace_wait_s")
+            assert not [r for r in asked(nodes[0]) if r.generation == 2], "asked before generation 2 reported"
+            for report in ((4, 5, 0.6), (24, 20, 0.05)):  # its start-up report, then one at its pace
+                for agent, rank in zip(nodes, (0, 1), strict=True):
+                    agent.progress.append(node_pb2.RankProgress(job=job_id, generation=2, rank=rank,
+                                                                last_step=report[0], steps=report[1],
+                                                                mean_step_s=report[2]))
+                await world.until(lambda r=report: world.jobs.entries[job_id].tracks and all(
+                    t.last_step == r[0] for t in world.jobs.entries[job_id].tracks.values()), "the reports")
+            await world.until(lambda: any(r.generation == 2 for r in asked(nodes[0])), "the request")
+            (ask,) = [r for r in asked(nodes[0]) if r.generation == 2]
+            assert ask.at_step > 24 and ask.pause
+        finally:
+            await world.stop()
+
+    run(main())
+
+
 def test_checkpoint_request_ids_go_on_counting_after_a_controller_restart():
     """trainlib ignores a request id it has handled: a restarted controller that began again at 1 had its first
     request (in a recovery, the eviction checkpoint) dropped by every rank."""

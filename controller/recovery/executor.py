@@ -151,7 +151,7 @@ class Executor:
             launch=entry.launch if entry.launch is not None and entry.launch.generation == job.generation else None,
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
             candidates=self.candidates(exclude=job.id, within=job.spec.within) if placing else (),
-            topology=self.jobs.topology() if placing else None, fleet=placing)
+            topology=self.jobs.topology() if placing else None, fleet=placing, reported=entry.reported)
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
         job, name = entry.job, node.record.name

@@ -76,6 +76,7 @@ class JobView:
     candidates: Sequence[Candidate] = ()  # every node as placement sees it (this job's own count as free)
     topology: ClusterTopology | None = None
     fleet: bool = False  # `candidates` are every node of the fleet, not only the job's own
+    reported: bool = False  # trainlib has reported progress for some generation of the job (it will for this one)
 
 
 @dataclass(frozen=True)
@@ -433,7 +434,12 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
     asked_here = bool(request.id) and request.pause and request.generation == job.generation and \
         request.asked_unix_ns >= job.state_since_unix_ns
     if not asked_here:
-        wait_until = job.state_since_unix_ns / 1e9 + policy.recovery.pace_wait_s
+        # a job whose trainlib reported before waits longer for a new generation's pace (its ranks may still be
+        # starting): without one the request can only say "at once" (see pace_known)
+        wait_s = policy.recovery.pace_wait_s
+        if view.reported:
+            wait_s = max(wait_s, policy.recovery.checkpoint_deadline_s / 2)
+        wait_until = job.state_since_unix_ns / 1e9 + wait_s
         if not pace_known(view.tracks) and now < wait_until:
             return [WakeAt(wait_until)]
         at_step = checkpoint_step(view.tracks, policy.recovery.checkpoint_lead_s, now)
