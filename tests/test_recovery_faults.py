@@ -278,6 +278,44 @@ def test_a_checkpoint_soon_after_a_start_waits_for_the_ranks_real_pace():
     run(main())
 
 
+def asked(agent) -> list[node_pb2.RequestCheckpoint]:
+    return [c.checkpoint for c in agent.commands if c.WhichOneof("body") == "checkpoint"]
+
+
+async def restarted_after_reports(world: World, job_id: str) -> list:
+    """Generation 1's trainlib reports once, then a rank crashes: the agents of generation 2, running."""
+    a, b = (world.agents[n] for n in world.job(job_id).nodes)
+    for agent, rank in ((a, 0), (b, 1)):
+        agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9, steps=10,
+                                                    mean_step_s=0.35))
+    await world.until(lambda: world.jobs.entries[job_id].tracks, "generation 1's first reports")
+    a.crash(job_id, 0)
+    await world.until(lambda: state(world, job_id) == "RUNNING" and world.job(job_id).generation == 2,
+                      "generation 2 running")
+    return [world.agents[n] for n in world.job(job_id).nodes]
+
+
+async def new_generation_reports(world: World, job_id: str, nodes: list) -> None:
+    """Generation 2's start-up report (steps 0-4), then one at its pace (steps 5-24, 0.05 s each)."""
+    for last, steps, mean in ((4, 5, 0.6), (24, 20, 0.05)):
+        for agent, rank in zip(nodes, (0, 1), strict=True):
+            agent.progress.append(node_pb2.RankProgress(job=job_id, generation=2, rank=rank, last_step=last,
+                                                        steps=steps, mean_step_s=mean))
+        await world.until(lambda last=last: world.jobs.entries[job_id].tracks and all(
+            t.last_step == last for t in world.jobs.entries[job_id].tracks.values()), "generation 2's reports")
+
+
+async def asked_once_paced(world: World, job_id: str, nodes: list) -> node_pb2.RequestCheckpoint:
+    """Nothing asked of generation 2 past pace_wait_s (twice over, virtual); its reports; then its request."""
+    start = world.clock.monotonic()
+    await world.until(lambda: world.clock.monotonic() > start + 2 * FAST.pace_wait_s, "past pace_wait_s")
+    assert not [r for r in asked(nodes[0]) if r.generation == 2], "asked before generation 2 reported"
+    await new_generation_reports(world, job_id, nodes)
+    await world.until(lambda: any(r.generation == 2 for r in asked(nodes[0])), "the request")
+    (ask,) = [r for r in asked(nodes[0]) if r.generation == 2]
+    return ask
+
+
 def test_a_checkpoint_before_a_new_generations_first_report_waits_for_its_pace_not_at_once():
     """`phalanx checkpoint` just after a restart, before the new generation's trainlib had reported: with no
     progress at all the request said "at once" (at_step 0), which ranks that hear it a step apart take at different
@@ -285,38 +323,17 @@ def test_a_checkpoint_before_a_new_generations_first_report_waits_for_its_pace_n
     It now waits for the new ranks' pace; a job whose trainlib never reported is still asked at once."""
     world = World(recovery=FAST)
 
-    def asked(agent):
-        return [c.checkpoint for c in agent.commands if c.WhichOneof("body") == "checkpoint"]
-
     async def main():
         try:
             job_id = await cluster(world)
-            a, b = (world.agents[n] for n in world.job(job_id).nodes)
+            a = world.agents[world.job(job_id).nodes[0]]
             # no trainlib reports at all: at once, after pace_wait_s (virtual)
             with pytest.raises(FailedPrecondition, match="checkpoint 1 within"):
                 await world.jobs.checkpoint(job_id, 0.2)
             assert [r.at_step for r in asked(a)] == [0]
-            for agent, rank in ((a, 0), (b, 1)):
-                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9,
-                                                            steps=10, mean_step_s=0.35))
-            await world.until(lambda: world.jobs.entries[job_id].tracks, "generation 1's first reports")
-            a.crash(job_id, 0)
-            await world.until(lambda: state(world, job_id) == "RUNNING" and world.job(job_id).generation == 2,
-                              "generation 2 running")
-            nodes = [world.agents[n] for n in world.job(job_id).nodes]
+            nodes = await restarted_after_reports(world, job_id)
             request = asyncio.create_task(world.jobs.checkpoint(job_id, 60.0))
-            start = world.clock.monotonic()
-            await world.until(lambda: world.clock.monotonic() > start + 2 * FAST.pace_wait_s, "past pace_wait_s")
-            assert len(asked(nodes[0])) == (1 if nodes[0] is a else 0), "asked before generation 2 reported"
-            for agent, rank in zip(nodes, (0, 1), strict=True):  # its start-up report, then one at its pace
-                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=2, rank=rank, last_step=4,
-                                                            steps=5, mean_step_s=0.6))
-            await world.until(lambda: world.jobs.entries[job_id].tracks, "generation 2's first reports")
-            for agent, rank in zip(nodes, (0, 1), strict=True):
-                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=2, rank=rank, last_step=24,
-                                                            steps=20, mean_step_s=0.05))
-            await world.until(lambda: any(r.generation == 2 for r in asked(nodes[0])), "the request")
-            (ask,) = [r for r in asked(nodes[0]) if r.generation == 2]
+            ask = await asked_once_paced(world, job_id, nodes)
             assert ask.at_step > 24
             request.cancel()
         finally:
@@ -330,35 +347,13 @@ def test_an_eviction_checkpoint_before_a_new_generations_first_report_waits_for_
     ranks' pace (up to half of checkpoint_deadline_s, not only pace_wait_s) rather than saying "at once"."""
     world = World(recovery=FAST)
 
-    def asked(agent):
-        return [c.checkpoint for c in agent.commands if c.WhichOneof("body") == "checkpoint"]
-
     async def main():
         try:
             job_id = await cluster(world)
-            a, b = (world.agents[n] for n in world.job(job_id).nodes)
-            for agent, rank in ((a, 0), (b, 1)):
-                agent.progress.append(node_pb2.RankProgress(job=job_id, generation=1, rank=rank, last_step=9,
-                                                            steps=10, mean_step_s=0.35))
-            await world.until(lambda: world.jobs.entries[job_id].tracks, "generation 1's first reports")
-            a.crash(job_id, 0)
-            await world.until(lambda: state(world, job_id) == "RUNNING" and world.job(job_id).generation == 2,
-                              "generation 2 running")
-            nodes = [world.agents[n] for n in world.job(job_id).nodes]
+            nodes = await restarted_after_reports(world, job_id)
             nodes[1].remap_pending.add(0)
             await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
-            start = world.clock.monotonic()
-            await world.until(lambda: world.clock.monotonic() > start + 2 * FAST.pace_wait_s, "past pace_wait_s")
-            assert not [r for r in asked(nodes[0]) if r.generation == 2], "asked before generation 2 reported"
-            for report in ((4, 5, 0.6), (24, 20, 0.05)):  # its start-up report, then one at its pace
-                for agent, rank in zip(nodes, (0, 1), strict=True):
-                    agent.progress.append(node_pb2.RankProgress(job=job_id, generation=2, rank=rank,
-                                                                last_step=report[0], steps=report[1],
-                                                                mean_step_s=report[2]))
-                await world.until(lambda r=report: world.jobs.entries[job_id].tracks and all(
-                    t.last_step == r[0] for t in world.jobs.entries[job_id].tracks.values()), "the reports")
-            await world.until(lambda: any(r.generation == 2 for r in asked(nodes[0])), "the request")
-            (ask,) = [r for r in asked(nodes[0]) if r.generation == 2]
+            ask = await asked_once_paced(world, job_id, nodes)
             assert ask.at_step > 24 and ask.pause
         finally:
             await world.stop()
