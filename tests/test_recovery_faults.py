@@ -327,7 +327,7 @@ def test_a_checkpoint_before_a_new_generations_first_report_waits_for_its_pace_n
         try:
             job_id = await cluster(world)
             a = world.agents[world.job(job_id).nodes[0]]
-            # no trainlib reports at all: at once, after pace_wait_s (virtual)
+            # no trainlib reports at all, ever: at once
             with pytest.raises(FailedPrecondition, match="checkpoint 1 within"):
                 await world.jobs.checkpoint(job_id, 0.2)
             assert [r.at_step for r in asked(a)] == [0]

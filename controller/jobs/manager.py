@@ -250,7 +250,7 @@ class JobManager:
         if entry.reported:
             wait_s = max(wait_s, deadline_s / 2)
         deadline = self.clock.monotonic() + wait_s
-        while not lifecycle.pace_known(entry.tracks) and self.clock.monotonic() < deadline:
+        while not lifecycle.pace_known(entry.tracks, entry.reported) and self.clock.monotonic() < deadline:
             await self.clock.sleep(0.1)
 
     def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:

@@ -202,12 +202,12 @@ def straggler_hold(job: pb.Job, view: JobView, now: float, cfg: RecoveryConfig) 
     return ""
 
 
-def pace_known(tracks: Mapping[int, progress.RankTrack]) -> bool:
-    """A report past some rank's start-up. Not before any report: a generation's ranks report only after their
-    first steps, and a request then would say "at once", which ranks that hear it a step apart take at different
-    steps, each waiting in its save for the others (a deadlock). The caller waits up to pace_wait_s for one; a job
-    that never reports (no trainlib) is then asked to save at once."""
-    return any(t.recent_pace() for t in tracks.values())
+def pace_known(tracks: Mapping[int, progress.RankTrack], reported: bool) -> bool:
+    """A report past some rank's start-up, or nothing to wait for: a job whose trainlib has never reported (none,
+    or the simulator's ranks) is asked to save at once. One that has reported, in an earlier generation, will in
+    this one: before its first report a request could only say "at once", which ranks that hear it a step apart
+    take at different steps, each then waiting in its save for the others (a deadlock)."""
+    return any(t.recent_pace() for t in tracks.values()) or (not tracks and not reported)
 
 
 # -- building records ------------------------------------------------------------------------------
@@ -247,8 +247,8 @@ def _replace(repeated, values) -> None:
 
 def rank_table(job: pb.Job) -> list[pb.RankInfo]:
     per = job.spec.ranks_per_node
-    return [pb.RankInfo(rank=i * per + local, node=node, local_rank=local, gpu=local,
-                        state=pb.RANK_STATE_UNSPECIFIED, generation=job.generation)
+    generation, info = job.generation, pb.RankInfo  # state left unset: RANK_STATE_UNSPECIFIED (a 12,288-rank job)
+    return [info(rank=i * per + local, node=node, local_rank=local, gpu=local, generation=generation)
             for i, node in enumerate(job.nodes) for local in range(per)]
 
 
@@ -440,7 +440,7 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
         if view.reported:
             wait_s = max(wait_s, policy.recovery.checkpoint_deadline_s / 2)
         wait_until = job.state_since_unix_ns / 1e9 + wait_s
-        if not pace_known(view.tracks) and now < wait_until:
+        if not pace_known(view.tracks, view.reported) and now < wait_until:
             return [WakeAt(wait_until)]
         at_step = checkpoint_step(view.tracks, policy.recovery.checkpoint_lead_s, now)
         latest, step_s = pace(view.tracks)
