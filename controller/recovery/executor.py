@@ -126,7 +126,8 @@ class Executor:
                     now = self.jobs.now()
                     view = self.view(entry)
                     actions = lifecycle.step(entry.job, view, now, self.jobs.policy())
-                    if not view.fleet and _straggler_incident(actions):  # may it evict? ask with the fleet in view
+                    if not view.fleet and not entry.job.spares and _straggler_incident(actions):
+                        # with no spare, may it evict? only the fleet says whether a free node could replace it
                         actions = lifecycle.step(entry.job, self.view(entry, fleet=True), now, self.jobs.policy())
                     committed = await self.apply(entry, actions, now)
             if not committed:
