@@ -173,6 +173,12 @@ class Cluster:
         path = self.root / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
+    def rank_logs(self, job_id: str, lines: int = 8) -> str:
+        """The last lines of each rank log of `job_id` on every node, for a failure's message."""
+        logs = sorted(self.root.glob(f"*/state/logs/{job_id}/rank-*.log"))
+        return "".join(f"\n{p.relative_to(self.root)} (last lines):\n" +
+                       "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in logs)
+
     def close(self) -> None:
         """Kill everything: the daemons, and any rank still running (ranks live in sessions of their own)."""
         self._channel.close()

@@ -531,8 +531,6 @@ def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_w
 def checkpoint(cluster, job_id: str) -> int:
     result = cluster.cli("checkpoint", job_id, "--deadline", "60")
     if result.returncode != 0:  # what the ranks and the controller said, for the failure's message
-        ranks = "".join(f"\n{p.relative_to(cluster.root)}:\n" + "\n".join(p.read_text().splitlines()[-8:])
-                        for p in sorted(cluster.root.glob(f"*/state/logs/{job_id}/rank-*.log")))
         raise AssertionError(f"{result.stderr}\n{cluster.cli('events', '--job', job_id).stdout}\ncontroller log:\n"
-                             f"{cluster.log('controller', 40)}{ranks}")
+                             f"{cluster.log('controller', 40)}{cluster.rank_logs(job_id)}")
     return int(result.stdout.split("every rank committed step ")[1].split()[0])

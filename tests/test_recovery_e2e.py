@@ -96,10 +96,8 @@ def start(cluster, tmp_path, *load, every="20"):
 def account(cluster, job_id):
     """What the job went through, for a failure's message: its events, its record and the controller's log."""
     told = "\n".join(f"{e['kind']}: {e['message']}" for e in events(cluster, job_id))
-    ranks = "".join(f"\n{p.relative_to(cluster.root)} (last lines):\n" + "\n".join(p.read_text().splitlines()[-8:])
-                    for p in sorted(cluster.root.glob(f"*/state/logs/{job_id}/rank-*.log")))
     return (f"{told}\njob: {json.dumps(job(cluster, job_id))}\ncontroller log:\n{cluster.log('controller', 60)}"
-            f"{ranks}")
+            f"{cluster.rank_logs(job_id)}")
 
 
 def finish(cluster, job_id, out, reference):

@@ -244,12 +244,8 @@ class JobManager:
         """Wait briefly for the ranks to report a step past their start-up: a request soon after a (re)start
         would otherwise agree on a step from a pace that start-up makes look several times slower, or, before
         any report, say "at once" (which ranks that hear it a step apart take at different steps, deadlocked in
-        their saves). pace_wait_s; for a job whose trainlib has reported before (its new generation's ranks are
-        still starting), up to half the request's deadline: the other half is the save's."""
-        wait_s = self.recovery_cfg.pace_wait_s
-        if entry.reported:
-            wait_s = max(wait_s, deadline_s / 2)
-        deadline = self.clock.monotonic() + wait_s
+        their saves). For how long: lifecycle.pace_wait."""
+        deadline = self.clock.monotonic() + lifecycle.pace_wait(self.recovery_cfg, entry.reported, deadline_s)
         while not lifecycle.pace_known(entry.tracks, entry.reported) and self.clock.monotonic() < deadline:
             await self.clock.sleep(0.1)
 

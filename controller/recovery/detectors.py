@@ -88,15 +88,9 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     """The most urgent thing wrong with a running job, or None. Sudden failures come first; a rank that
     said no restart can mend it comes before everything."""
     ranks = list(ranks)
-    where: dict[int, str] = {}
-
-    def node_of() -> dict[int, str]:  # rank -> node, built only for a verdict that names one (a job has 10,000s)
-        if not where:
-            where.update((r.rank, r.node) for r in ranks)
-        return where
-
+    node_of = {r.rank: r.node for r in ranks}
     for rank, why in sorted((fatal or {}).items()):
-        return Incident("crash", False, (), f"rank {rank} on {node_of().get(rank, '?')} stopped for good: {why}",
+        return Incident("crash", False, (), f"rank {rank} on {node_of.get(rank, '?')} stopped for good: {why}",
                         fatal=True)
     lost = sorted(n for n, v in nodes.items() if v.down)
     if lost:
@@ -114,7 +108,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     if hangs and any(v.quiet for v in nodes.values()):
         hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first
     if hangs:
-        culprit = nccl_culprit(nccl or {}, node_of())
+        culprit = nccl_culprit(nccl or {}, node_of)
         if culprit is not None:
             return Incident("hang", False, (culprit.node,) if culprit.node else (),
                             f"{hangs[0].reason}; the NCCL flight recorder says {describe_culprit(culprit)}",
@@ -122,7 +116,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         heard = {r.rank: nodes[r.node].heard_at or now for r in ranks if r.node in nodes}
         silent = monitors.culprits(tracks, heard, now, cfg.silent_s)
         if silent:
-            bad = tuple(sorted({node_of()[r] for r in silent if r in node_of()}))
+            bad = tuple(sorted({node_of[r] for r in silent if r in node_of}))
             quiet = ", ".join(f"rank {r} for {now - tracks[r].last_report:.1f}s" for r in silent)
             return Incident("hang", False, bad, f"{hangs[0].reason}; trainlib is silent too (on {', '.join(bad)}): "
                                                 f"{quiet}")
@@ -134,7 +128,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
                         f"node {failing[0]} FAILING: {nodes[failing[0]].health_reason}")
     slow = monitors.stragglers(tracks, cfg)
     if slow:
-        node = node_of().get(slow[0].rank, "")
+        node = node_of.get(slow[0].rank, "")
         return Incident("straggler", True, (node,) if node else (), f"{slow[0].reason} (on {node})")
     return None
 

@@ -210,6 +210,12 @@ def pace_known(tracks: Mapping[int, progress.RankTrack], reported: bool) -> bool
     return any(t.recent_pace() for t in tracks.values()) or (not tracks and not reported)
 
 
+def pace_wait(cfg: RecoveryConfig, reported: bool, deadline_s: float) -> float:
+    """How long a checkpoint request waits for pace_known: pace_wait_s; for a job whose trainlib has reported before
+    (a new generation's ranks still starting), up to half the request's deadline, the other half being the save's."""
+    return max(cfg.pace_wait_s, deadline_s / 2) if reported else cfg.pace_wait_s
+
+
 # -- building records ------------------------------------------------------------------------------
 
 
@@ -247,8 +253,8 @@ def _replace(repeated, values) -> None:
 
 def rank_table(job: pb.Job) -> list[pb.RankInfo]:
     per = job.spec.ranks_per_node
-    generation, info = job.generation, pb.RankInfo  # state left unset: RANK_STATE_UNSPECIFIED (a 12,288-rank job)
-    return [info(rank=i * per + local, node=node, local_rank=local, gpu=local, generation=generation)
+    return [pb.RankInfo(rank=i * per + local, node=node, local_rank=local, gpu=local,
+                        state=pb.RANK_STATE_UNSPECIFIED, generation=job.generation)
             for i, node in enumerate(job.nodes) for local in range(per)]
 
 
@@ -434,12 +440,8 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
     asked_here = bool(request.id) and request.pause and request.generation == job.generation and \
         request.asked_unix_ns >= job.state_since_unix_ns
     if not asked_here:
-        # a job whose trainlib reported before waits longer for a new generation's pace (its ranks may still be
-        # starting): without one the request can only say "at once" (see pace_known)
-        wait_s = policy.recovery.pace_wait_s
-        if view.reported:
-            wait_s = max(wait_s, policy.recovery.checkpoint_deadline_s / 2)
-        wait_until = job.state_since_unix_ns / 1e9 + wait_s
+        wait_until = job.state_since_unix_ns / 1e9 + pace_wait(policy.recovery, view.reported,
+                                                               policy.recovery.checkpoint_deadline_s)
         if not pace_known(view.tracks, view.reported) and now < wait_until:
             return [WakeAt(wait_until)]
         at_step = checkpoint_step(view.tracks, policy.recovery.checkpoint_lead_s, now)

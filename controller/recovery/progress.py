@@ -8,7 +8,7 @@ gradient synchronisation), folded per heartbeat by the agents.
   during a generation's first WARMUP_STEPS steps `startup_s` applies instead. While any rank of the
   job is writing a checkpoint (trainlib says so) no rank is hung: the others wait for it in the next
   collective. A save that outlasts `checkpoint_deadline_s` no longer shields them. A rank whose trainlib
-  is silent moves, as far as hangs go, when a peer finishes a step past its last report (`vouched`).
+  is silent moves, as far as hangs go, when a peer finishes a step past its last report (`vouching`).
 - Straggler: a rank found by either of two tests over the last `straggler_window` steps of per-step
   compute time (medians and trimmed means, so healthy noise - a GC pause, a slow batch, jitter - never
   raises an alarm on its own):
@@ -27,9 +27,11 @@ gradient synchronisation), folded per heartbeat by the agents.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from controller.config import RecoveryConfig
@@ -114,9 +116,10 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
     typical = typical_step_s(tracks)
     limit = max(cfg.hang_min_s, cfg.hang_factor * typical)
     saved = max((t.saved_at for t in tracks.values()), default=0.0)  # the ranks that waited for a save: no hang
+    vouched = vouching(tracks, now, cfg.silent_s)
     out = []
     for rank, track in sorted(tracks.items()):
-        silent = now - max(track.last_advance, saved, vouched(tracks, track, now, cfg.silent_s))
+        silent = now - max(track.last_advance, saved, vouched(track))
         if track.last_step < 0 or track.steps_seen < WARMUP_STEPS:
             if silent >= max(cfg.startup_s, limit):
                 what = "finished a step" if track.last_step < 0 else f"made progress (step {track.last_step}, in " \
@@ -130,15 +133,27 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
     return out
 
 
-def vouched(tracks: Mapping[int, RankTrack], track: RankTrack, now: float, silent_s: float) -> float:
-    """When a peer last finished a step past `track`'s last reported one, if `track`'s trainlib is silent (0.0 if
-    not): its reports are late or lost, not its steps. The ranks of a synchronous job meet in every step's
-    collectives, so a peer cannot finish a step the rank has not reached; a rank whose reports stopped (a
-    `make test-busy` run saw 10 s of them lost while its peer trained on, and a false hang restarted the job)
-    is not hung while the job moves. A rank that reports but does not move is judged on its own reports."""
-    if now - track.last_report < silent_s:
-        return 0.0
-    return max((t.last_advance for t in tracks.values() if t.last_step > track.last_step), default=0.0)
+def vouching(tracks: Mapping[int, RankTrack], now: float, silent_s: float) -> Callable[[RankTrack], float]:
+    """For a rank whose trainlib is silent, when a peer last finished a step past its last reported one (0.0 for a
+    rank that reports, or with no such peer): its reports are late or lost, not its steps. The ranks of a
+    synchronous job meet in every step's collectives, so a peer cannot finish a step the rank has not reached; a
+    rank whose reports stopped (a `make test-busy` run saw 10 s of them lost while its peer trained on, and a false
+    hang restarted the job) is not hung while the job moves. A rank that reports but does not move is judged on
+    its own reports. The peers are sorted by step once, when a silent rank first asks (a job has 10,000s)."""
+    steps: list[int] = []
+    latest: list[float] = []  # latest[i]: the newest advance of the ranks from steps[i] on
+
+    def vouched(track: RankTrack) -> float:
+        if now - track.last_report < silent_s:
+            return 0.0
+        if not steps:
+            by_step = sorted((t.last_step, t.last_advance) for t in tracks.values())
+            steps.extend(step for step, _ in by_step)
+            latest.extend(reversed(list(itertools.accumulate((at for _, at in reversed(by_step)), max))))
+        i = bisect.bisect_right(steps, track.last_step)
+        return latest[i] if i < len(latest) else 0.0
+
+    return vouched
 
 
 def culprits(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: float, silent_s: float) -> list[int]:
