@@ -361,6 +361,31 @@ def test_an_eviction_checkpoint_before_a_new_generations_first_report_waits_for_
     run(main())
 
 
+def test_a_restarted_controller_remembers_that_the_jobs_trainlib_reports():
+    """Whether a job's trainlib reports is stored with the job: a controller that restarts (or takes over) after the
+    job's restart, before the new generation's first report, still waits for its pace. It used to start out not
+    knowing, and asked "at once" (at_step 0)."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            nodes = await restarted_after_reports(world, job_id)
+            await world.restart()
+            for name in NODES:
+                await world.agents[name].connect()
+            await world.until(lambda: all(world.registry.get(n).session is not None for n in NODES), "agents back")
+            assert not world.jobs.entries[job_id].tracks, "generation 2 reported before the restart"
+            nodes[1].remap_pending.add(0)
+            await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
+            ask = await asked_once_paced(world, job_id, nodes)
+            assert ask.at_step > 24 and ask.pause
+        finally:
+            await world.stop()
+
+    run(main())
+
+
 def test_checkpoint_request_ids_go_on_counting_after_a_controller_restart():
     """trainlib ignores a request id it has handled: a restarted controller that began again at 1 had its first
     request (in a recovery, the eviction checkpoint) dropped by every rank."""

@@ -58,7 +58,8 @@ class JobEntry:
     launch_task: asyncio.Task | None = None
     stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when, command id)
     checkpoint: PendingCheckpoint | None = None
-    # trainlib has reported progress for some generation of this job (kept across generations): a request to a new
+    # trainlib has reported progress for some generation of this job (kept across generations, and stored as
+    # Job.progress_reported at the next commit for a controller that restarts or takes over): a request to a new
     # generation waits for its pace rather than saying "at once"
     reported: bool = False
     incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
@@ -118,7 +119,8 @@ class JobManager:
     async def load(self) -> None:
         for record in await self.store.load_jobs():
             job = pb.Job.FromString(record.data)
-            self.entries[job.id] = JobEntry(job, record.revision, generation=job.generation)
+            self.entries[job.id] = JobEntry(job, record.revision, generation=job.generation,
+                                            reported=job.progress_reported)
             self.index(job)
             self._next_id = max(self._next_id, int(job.id.removeprefix("job-")) + 1)
         logger.info("jobs loaded", jobs=len(self.entries),
@@ -388,6 +390,7 @@ class JobManager:
     async def save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
         """Commit the record with its event; memory follows only once the store has it. Lock held."""
         job = commit.job
+        job.progress_reported = entry.reported  # set by a heartbeat, kept for the next controller at the next commit
         event = self.event(commit.kind, commit.message, job.id)
         record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)
         committed = await self.store.commit(jobs=[record], events=[event])
