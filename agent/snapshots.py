@@ -508,16 +508,16 @@ class Snapshots:
         return ""
 
     async def fetch(self, key: Key, source: str) -> Held:
-        """The verified snapshot for `key` on this node, fetched from `source` if it is not here. Raises
-        SnapshotError with the reason (an event says so)."""
-        try:
+        """The verified snapshot for `key` on this node, else fetched from `source`: `NODE@HOST:PORT`, or several,
+        comma-separated, tried in turn (a copy that fails its CRC-32 or a peer that dies mid-transfer, and the next
+        one is asked). Raises SnapshotError with every reason (an event says so)."""
+        errors = []
+        for where in ["", *filter(None, source.split(","))]:
             try:
-                return await self.store.verified(key)
-            except SnapshotError:
-                if not source:
-                    raise
-            return await self.replicator.fetch(source, key)
-        except Exception as e:  # SnapshotError, OSError, a source gRPC cannot even parse: all say why
-            self._emit("snapshot_unavailable", f"{key.job}: snapshot of rank {key.rank} step {key.step} (generation "
-                       f"{key.generation}) cannot be restored here: {e}", job=key.job)
-            raise SnapshotError(str(e)) from e
+                return await (self.store.verified(key) if not where else self.replicator.fetch(where, key))
+            except Exception as e:  # SnapshotError, OSError, a source gRPC cannot even parse: all say why
+                errors.append(str(e))
+        why = "; ".join(errors)
+        self._emit("snapshot_unavailable", f"{key.job}: snapshot of rank {key.rank} step {key.step} (generation "
+                   f"{key.generation}) cannot be restored here: {why}", job=key.job)
+        raise SnapshotError(why)

@@ -147,13 +147,16 @@ class FakeAgent:
         self.mute: set[str] = set()  # commands it carries out without the answer reaching the controller
         self.frozen = False  # SIGSTOP: no heartbeats, no commands read
         self.remap_pending: set[int] = set()  # GPUs with a pending row remap (FAILING)
+        self.snapshot_address = ""  # where it would serve snapshots (set before connect: a node that keeps them)
+        self.snapshots: list[node_pb2.SnapshotHeld] = []  # the in-memory snapshots it says it holds
         self.session: Session | None = None
         self._tasks: list[asyncio.Task] = []
         self._pids = itertools.count(1000)
 
     def inventory(self) -> pb.NodeInventory:
         return pb.NodeInventory(hostname=self.name, gpu_backend=pb.GPU_BACKEND_KIND_SIM, address="127.0.0.1",
-                                gpus=[pb.GpuInfo(index=i) for i in range(self.gpus)])
+                                gpus=[pb.GpuInfo(index=i) for i in range(self.gpus)],
+                                snapshot_address=self.snapshot_address)
 
     async def connect(self) -> None:
         """Register, open a session and start heartbeats, as the agent's link does."""
@@ -190,7 +193,7 @@ class FakeAgent:
         progress, self.progress = self.progress, []
         return node_pb2.Heartbeat(ranks=ranks, running_ranks=sum(s.state == pb.RANK_STATE_RUNNING for s in ranks),
                                   gpus=gpus, health_digest=1 + sum(1 << i for i in self.remap_pending),
-                                  progress=progress)
+                                  progress=progress, snapshots=self.snapshots)
 
     async def _beat(self, context: FakeContext, session: Session) -> None:
         while not session.closed.is_set():

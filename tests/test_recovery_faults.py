@@ -142,6 +142,41 @@ def test_a_launch_refused_during_a_restart_starts_the_recovery_again():
     run(main())
 
 
+def test_a_launch_refused_before_the_ranks_restored_still_restores_the_snapshots_of_the_generation_before():
+    """A second failure during a recovery: generation 2 was to restore generation 1's snapshots, but its launch
+    was refused, so it took none. Generation 3 restores generation 1's (every rank the same step of one
+    generation), where it used to look at generation 2 alone and fall back to the disk checkpoint."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            await world.start()
+            for i, name in enumerate(NODES):
+                world.add(name).snapshot_address = f"127.0.0.1:{7400 + i}"
+                await world.agents[name].connect()
+            job_id = await world.submit(nodes=2, spares=1)
+            await world.until(lambda: state(world, job_id) == "RUNNING", "job running")
+            a, b = (world.agents[n] for n in world.job(job_id).nodes)
+            for agent, own, other in ((a, 0, 1), (b, 1, 0)):  # each rank's own, and the other node's replica
+                agent.snapshots = [node_pb2.SnapshotHeld(job=job_id, generation=1, rank=own, step=40, size=1),
+                                   node_pb2.SnapshotHeld(job=job_id, generation=1, rank=other, step=40, size=1,
+                                                         replica=True)]
+            await world.until(lambda: len(world.jobs.entries[job_id].snapshots) == 2, "the snapshots reported")
+            a.fail_launch.add(2)
+            b.crash(job_id, rank=1)
+            await check_consistent(world, job_id, after_generation=2)
+            assert world.job(job_id).generation == 3
+            (launch,) = [c.launch for c in a.commands if c.WhichOneof("body") == "launch" and c.launch.generation == 3]
+            assert launch.ranks[0].env["PHALANX_RESTORE"] == f"1:40:{a.name}@127.0.0.1:7400,{b.name}@127.0.0.1:7401"
+            story = [e.message for e in await world.store.list_events(job=job_id) if e.kind == "job.snapshot_restore"]
+            assert story[-1] == (f"{job_id} generation 3: every rank restores from its in-memory snapshot of step 40 "
+                                 f"(generation 1: generation 2 left no in-memory snapshot on a node that is up)")
+        finally:
+            await world.stop()
+
+    run(main())
+
+
 # -- fencing ----------------------------------------------------------------------------------------------
 
 

@@ -113,6 +113,41 @@ def test_a_snapshot_is_replicated_to_the_peer_and_fetched_back_by_a_third_node(t
     asyncio.run(scenario())
 
 
+def test_a_restore_whose_copy_fails_its_crc_fetches_the_next_copy(tmp_path):
+    """The controller names every node that holds a rank's snapshot, its own first: a local copy that fails its
+    CRC-32 is dropped and the next node's is fetched, as is the one after a remote copy that arrives corrupt;
+    only when every copy fails does the rank vote for the disk checkpoint, with every reason in one event."""
+    async def scenario():
+        a, a_server, a_address, _ = await serving(tmp_path, "a")
+        b, b_server, b_address, _ = await serving(tmp_path, "b")
+        c, c_server, c_address, _ = await serving(tmp_path, "c")
+        data = b"rank 0 at step 9" * 1000
+        for store in (a, b, c):
+            write(store, key(9), data)
+        write(a, key(9), data).path.write_bytes(b"X" * len(data))  # a bit flipped in a's own copy
+        events = []
+        a_side = snaps.Snapshots(a, snaps.Replicator(a, lambda *x, **k: None), lambda *x, **k: events.append(x))
+        fetched = await a_side.fetch(key(9), f"a@{a_address},b@{b_address}")
+        assert fetched.path.read_bytes() == data and fetched.kind == snaps.REPLICA and not events
+        b.find(key(9)).path.write_bytes(b"Y" * len(data))  # b's copy corrupt: served as is, refused on arrival
+        d, d_server, _, _ = await serving(tmp_path, "d")
+        d_side = snaps.Snapshots(d, snaps.Replicator(d, lambda *x, **k: None), lambda *x, **k: events.append(x))
+        fetched = await d_side.fetch(key(9), f"b@{b_address},c@{c_address}")
+        assert fetched.path.read_bytes() == data and not events
+        c.find(key(9)).path.write_bytes(b"Z" * len(data))
+        e, e_server, _, _ = await serving(tmp_path, "e")
+        e_side = snaps.Snapshots(e, snaps.Replicator(e, lambda *x, **k: None), lambda *x, **k: events.append(x))
+        with pytest.raises(snaps.SnapshotError, match=r"arrived torn or corrupt.*; .*arrived torn or corrupt"):
+            await e_side.fetch(key(9), f"b@{b_address},c@{c_address}")
+        assert [kind for kind, _ in events] == ["snapshot_unavailable"]
+        for server in (a_server, b_server, c_server, d_server, e_server):
+            await server.stop(None)
+        for side in (a_side, d_side, e_side):
+            await side.replicator.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_that_arrives_corrupt_or_torn_is_not_kept(tmp_path):
     async def scenario():
         store = snaps.SnapshotStore(tmp_path, budget_bytes=1 << 20)
@@ -148,9 +183,33 @@ def test_no_restore_mixes_generations_or_uses_a_lost_nodes_snapshots():
     restore, why = plan.plan(reported, "j", 2, 2, up={"a"}, placement={0: "a", 1: "c"})
     assert restore is None
     assert why == ("no step of generation 2 has every rank's in-memory snapshot on a node that is up: the newest, "
-                   "step 12, lacks rank(s) 1 (held on b, which cannot be reached)")
-    restore, why = plan.plan(reported, "j", 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+                   "step 12, lacks rank(s) 1 (held on b, which cannot be reached); nor has an earlier generation")
+    restore, why = plan.plan(reported, "j", 3, 2, up={"a"}, placement={0: "a", 1: "b"})
+    assert restore is None and why == ("generation 3 left no in-memory snapshot on a node that is up; nor has an "
+                                       "earlier generation")
+    restore, why = plan.plan({}, "j", 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
     assert restore is None and why == "generation 3 left no in-memory snapshot on a node that is up"
+
+
+def test_a_generation_that_left_no_whole_step_restores_the_one_before_it():
+    """A second failure during a recovery: generation 3 failed in its start (a launch refused, a rank lost before
+    every rank had restored), leaving no whole step, while generation 2's snapshots are still held. Generation 4
+    restores generation 2's newest whole step (all ranks of one generation, never mixed) rather than the disk
+    checkpoint; a whole step of generation 3 would win over any of generation 2's."""
+    reported = {"a": [held("j", 2, 0, 40), held("j", 2, 1, 40, True), held("j", 2, 0, 41), held("j", 3, 0, 40)],
+                "b": [held("j", 2, 1, 40), held("j", 2, 0, 40, True), held("j", 2, 1, 41, True)],
+                "c": [held("j", 2, 0, 40, True)]}
+    restore, _ = plan.plan(reported, "j", 3, 2, up={"a", "b", "c"}, placement={0: "a", 1: "c"})
+    assert (restore.generation, restore.step, restore.sources) == (2, 41, {0: "a", 1: "b"})
+    assert restore.also == {0: (), 1: ()}
+    restore, _ = plan.plan(reported, "j", 3, 2, up={"b", "c"}, placement={0: "c", 1: "b"})
+    assert (restore.generation, restore.step, restore.sources) == (2, 40, {0: "c", 1: "b"})
+    assert restore.also == {0: ("b",), 1: ()}  # rank 0's other copy, tried if c's fails its CRC-32
+    reported["b"].append(held("j", 3, 1, 40))
+    restore, _ = plan.plan(reported, "j", 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    assert (restore.generation, restore.step) == (3, 40)
+    restore, _ = plan.plan(reported, "j", 2, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    assert (restore.generation, restore.step) == (2, 41)  # never a generation after the one just ended
 
 
 def test_the_pinned_step_is_kept_however_far_the_rank_moves_on(tmp_path):

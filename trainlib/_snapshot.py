@@ -15,7 +15,8 @@ chose 4 and 8 both have every multiple of 8. While the writer is busy with both 
 written, one queued), a due snapshot is skipped rather than waited for.
 
 On a restart the controller names, in PHALANX_RESTORE, the newest step of the last generation for
-which every rank's snapshot survives, and where each lies. `trainlib.load_latest()` fetches this rank's
+which every rank's snapshot survives (an earlier generation's if the last one left no whole step), and
+the nodes that hold each rank's, to be tried in turn. `trainlib.load_latest()` fetches this rank's
 (checked against its CRC-32 on the way) and the ranks agree, in one collective, that every one of them
 has its snapshot; otherwise all of them load the newest durable checkpoint instead, so the ranks never
 resume from different steps.
@@ -169,7 +170,8 @@ class Snapshotter:
 
 
 def parse_restore(spec: str) -> tuple[int, int, str]:
-    """PHALANX_RESTORE "generation:step:host:port" as (generation, step, source)."""
+    """PHALANX_RESTORE "generation:step:NODE@HOST:PORT[,NODE@HOST:PORT...]" as (generation, step, sources: the
+    agent tries them in turn)."""
     generation, step, source = spec.split(":", 2)
     return int(generation), int(step), source
 

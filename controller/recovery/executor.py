@@ -305,10 +305,11 @@ class Executor:
                                                     f"{why}; resuming from the newest durable checkpoint"), job.id)
             return None
         fetched = sorted({node for rank, node in restore.sources.items() if node != placement[rank]})
+        older = f": {why}" if why else ""  # the generation just ended left no whole step
         await self.jobs.log(lifecycle.Event("job.snapshot_restore", f"{job.id} generation {job.generation}: every rank "
                                             f"restores from its in-memory snapshot of step {restore.step} (generation "
-                                            f"{restore.generation})" + (f", fetched from {', '.join(fetched)}"
-                                                                        if fetched else "")), job.id)
+                                            f"{restore.generation}{older})" +
+                                            (f", fetched from {', '.join(fetched)}" if fetched else "")), job.id)
         return restore
 
     async def _launch_node(self, job, index: int, registry: dict[str, NodeEntry], master_addr: str,
@@ -335,8 +336,10 @@ class Executor:
             env = {"RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank),
                    "CUDA_VISIBLE_DEVICES": str(local)}
             source = registry.get(restore.sources.get(rank, "")) if restore is not None else None
-            if source is not None:  # generation:step:where its snapshot is served from
-                env["PHALANX_RESTORE"] = f"{restore.generation}:{restore.step}:{_snapshot_peer(source)}"
+            if source is not None:  # generation:step:where its snapshot is served from[,where else, in turn]
+                others = [registry[n] for n in restore.also.get(rank, ()) if n in registry]
+                where = ",".join(_snapshot_peer(n) for n in [source, *others])
+                env["PHALANX_RESTORE"] = f"{restore.generation}:{restore.step}:{where}"
             ranks.append(node_pb2.RankLaunch(rank=rank, local_rank=local, gpu=local, env=env))
         session = _session(self.jobs.registry.get(job.nodes[index]))
         await session.request(node_pb2.Command(launch=node_pb2.LaunchRanks(
