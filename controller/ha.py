@@ -141,6 +141,7 @@ class Elector:
         self.started_ns = self._clock.wall_ns()
         self.failovers = 0  # terms this controller won after another leader (for the metrics)
         self.terms_won = 0
+        self.watches_cancelled = 0  # leader-key watches etcd cancelled (compacted past their start): each is a retry
         self._valid_lock = threading.Lock()  # valid_until: written by the renewing thread (hold)
         self._loop_seen = 0.0  # monotonic: the event loop last said it runs (hold)
 
@@ -192,7 +193,10 @@ class Elector:
         seen, before = self._parse_leader(kvs[0]) if kvs else None, self.leader
         self.leader = seen
         self._leader_lease = kvs[0].lease if kvs else 0
-        self._seen_revision = kvs[0].mod_revision if kvs else reply.header.revision
+        # the store's revision as of this read, not the key's mod_revision: a leader holds its key for as long as
+        # it leads, and once etcd has compacted past the key's revision a watch from there is cancelled at once,
+        # and the standbys campaigned in a tight loop (a lease, a transaction and a probe each time round)
+        self._seen_revision = reply.header.revision
         if seen is not None and before is not None and seen.epoch != before.epoch and seen.name != self.name \
                 and self.on_new_leader is not None:
             self.on_new_leader(seen)
@@ -237,7 +241,10 @@ class Elector:
 
             async def deleted() -> None:
                 async for reply in call:
-                    if reply.canceled:
+                    if reply.canceled:  # compacted past the start (or etcd let go of it): campaign again
+                        self.watches_cancelled += 1
+                        logger.info("the leader watch was cancelled by etcd; looking again",
+                                    reason=reply.cancel_reason or f"compacted to {reply.compact_revision}")
                         return
                     if any(ev.type == rpc.Event.DELETE for ev in reply.events):
                         return

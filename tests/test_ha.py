@@ -300,3 +300,43 @@ def test_a_busy_leader_keeps_its_lease_and_a_wedged_one_lets_it_lapse(etcd_serve
             await etcd.close()
 
     asyncio.run(main())
+
+
+def test_a_standby_waits_on_the_leader_key_after_etcd_compacted_past_it(etcd_server):
+    """A leader holds its key for as long as it leads; once etcd compacted its history past the key's revision (the
+    store compacts every 1,000 commits), a standby that watched from there had its watch cancelled at once and
+    campaigned in a tight loop. It watches from the revision it read at, and the takeover is still seen."""
+    import asyncio
+    import uuid
+
+    from aetcd import rpc
+
+    from controller.ha import Elector
+    from controller.store.etcd import Etcd
+
+    async def main() -> None:
+        a_etcd, b_etcd = Etcd([etcd_server.endpoint]), Etcd([etcd_server.endpoint])
+        prefix = f"/test-compacted/{uuid.uuid4().hex}"
+        a = Elector(a_etcd, prefix, "c0", "127.0.0.1:1", 2, probe=False)
+        b = Elector(b_etcd, prefix, "c1", "127.0.0.1:2", 2, probe=False)
+        holding = None
+        try:
+            term = await a.campaign()
+            holding = asyncio.create_task(a.hold())
+            for i in range(20):  # history after the leader key's revision, then compacted away
+                put = await a_etcd.call("kv", "Put", rpc.PutRequest(key=f"{prefix}/k{i}".encode(), value=b"v"))
+            await a_etcd.call("kv", "Compact", rpc.CompactionRequest(revision=put.header.revision))
+            standing_by = asyncio.create_task(b.campaign())
+            while b.leader is None:  # b has read the key: it waits on it now
+                await asyncio.sleep(0.01)
+            assert b.leader.name == "c0"
+            await a.resign(term)
+            await asyncio.wait_for(standing_by, 30)
+            assert b.leading() and b.watches_cancelled == 0
+        finally:
+            if holding is not None:
+                holding.cancel()
+            await a_etcd.close()
+            await b_etcd.close()
+
+    asyncio.run(main())

@@ -297,6 +297,32 @@ def test_etcd_node_cache_reads_only_what_changed_and_sees_a_deletion(etcd_server
     run(go())
 
 
+def test_etcd_history_is_compacted_after_commits_of_events_alone(etcd_server, monkeypatch):
+    """Every COMPACT_EVERY commits the store compacts etcd's history to HISTORY_KEPT revisions behind its own: it
+    took the revision from the commit's records, so a commit of events alone (most of them) compacted nothing."""
+    from controller.store import etcd as etcd_store
+    monkeypatch.setattr(etcd_store, "COMPACT_EVERY", 3)
+    monkeypatch.setattr(etcd_store, "HISTORY_KEPT", 1)
+
+    async def go():
+        store = _etcd_store(etcd_server)
+        first = await store.etcd.call("kv", "Range", rpc.RangeRequest(key=store.key("meta", "events")))
+        for _ in range(3):
+            await store.commit(events=[ev()])
+        old = rpc.RangeRequest(key=store.key("meta", "events"), revision=first.header.revision)
+        for _ in range(200):  # the compaction runs in the background
+            try:
+                await store.etcd.call("kv", "Range", old)
+            except StoreError as e:
+                assert "compacted" in str(e)
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"history at revision {first.header.revision} was never compacted")
+        await store.close()
+    run(go())
+
+
 def test_etcd_fenced_store_refuses_once_the_leader_key_changes(etcd_server):
     async def go():
         store = _etcd_store(etcd_server)

@@ -280,6 +280,7 @@ class EtcdStore:
         self._flusher: asyncio.Task | None = None
         self._meta: tuple[int, int] | None = None  # (last seq, mod_revision of meta/events)
         self._pruned_below = 0
+        self._revision = 0  # etcd's revision after this store's last transaction (what compaction keeps history of)
         self._commits = 0
         self._closed = False
 
@@ -368,7 +369,8 @@ class EtcdStore:
         revisions, appended = await request.future
         self._commits += 1
         if self._commits % COMPACT_EVERY == 0:
-            asyncio.get_running_loop().create_task(self._compact(max(revisions.values(), default=0)))
+            # the store's revision, not the records': a commit of events alone (most of them) writes no record
+            asyncio.get_running_loop().create_task(self._compact(self._revision))
         return Committed([r.replace(revision=revisions[self.key("nodes", r.name)]) for r in nodes], appended,
                          [j.replace(revision=revisions[self.key("jobs", j.id)]) for j in jobs],
                          [c.replace(revision=revisions[self.key("credentials", c.key)]) for c in credentials])
@@ -465,6 +467,7 @@ class EtcdStore:
                 failure.append(rpc.RequestOp(request_range=rpc.RangeRequest(key=self.fence.key, keys_only=True)))
             reply = await self.etcd.txn(rpc.TxnRequest(compare=compares, success=ops, failure=failure))
             if reply.succeeded:
+                self._revision = max(self._revision, reply.header.revision)
                 if seq > last_seq:
                     self._meta = (seq, reply.header.revision)
                     if pruned:
