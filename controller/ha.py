@@ -37,7 +37,7 @@ from aetcd import rpc
 
 from controller.api.node_service import ParkedSessions
 from controller.errors import StoreError
-from controller.store.etcd import Etcd, prefix_end
+from controller.store.etcd import REQUIRE_LEADER, Etcd, prefix_end
 from phalanx import log
 from phalanx.clock import Clock, RealClock
 from phalanx.leader import LEADER_METADATA
@@ -234,7 +234,7 @@ class Elector:
     async def _watch_vacant(self, probe: asyncio.Task | None) -> bool:
         """Until the leader key is deleted, `probe` ends, or a while has passed. True if `probe` ended (the
         leader's process is gone) while the key is still there."""
-        call = self.etcd.watch_stub.Watch()
+        call = self.etcd.watch_stub.Watch(metadata=REQUIRE_LEADER)  # a member that loses its leader ends it
         try:
             await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
                 key=self.leader_key, start_revision=self._seen_revision + 1)))
@@ -327,9 +327,10 @@ class Elector:
                 if channel is None:
                     channel = self.etcd.channel(endpoints[index])
                 sent = self._clock.monotonic()
-                try:
-                    replies = rpc.LeaseStub(channel).LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=term.lease)]),
-                                                                    timeout=max(0.05, self.valid_until - sent))
+                try:  # a quarter of the TTL at most a try: a member that does not answer leaves time for another
+                    replies = rpc.LeaseStub(channel).LeaseKeepAlive(
+                        iter([rpc.LeaseKeepAliveRequest(ID=term.lease)]),
+                        timeout=max(0.05, min(self.valid_until - sent, self.ttl_s / 4)), metadata=REQUIRE_LEADER)
                     reply = next(iter(replies), None)
                 except grpc.RpcError as e:
                     logger.warning("lease renewal failed; trying again", error=f"{e.code().name}: {e.details()}",
@@ -381,7 +382,8 @@ class Elector:
                         lease = 0
                     else:
                         async for _ in self.etcd.lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease)]),
-                                                                       timeout=self.etcd.timeout_s):
+                                                                       timeout=self.etcd.timeout_s,
+                                                                       metadata=REQUIRE_LEADER):
                             break
                 if not lease:
                     lease = (await self.etcd.call("lease", "LeaseGrant", rpc.LeaseGrantRequest(TTL=MEMBER_TTL_S))).ID

@@ -361,6 +361,75 @@ def test_etcd_skips_an_unreachable_endpoint_and_survives_reopen(etcd_server):
     run(go())
 
 
+def test_etcd_leaves_a_member_that_does_not_answer_for_the_next(etcd_server):
+    """A member that takes the connection and answers nothing (stopped, wedged, its host gone without a reset) timed
+    out every request and was never left: only UNAVAILABLE moved the client on. Now a timeout moves it on too; a
+    read or a lease is asked again at once, a write (which may have been applied) fails once."""
+    import socket
+
+    async def go():
+        with socket.socket() as hung:
+            hung.bind(("127.0.0.1", 0))
+            hung.listen(16)  # connections are taken by the kernel, and never answered
+            prefix = f"/test/{uuid.uuid4().hex}/"
+            etcd = Etcd([f"127.0.0.1:{hung.getsockname()[1]}", etcd_server.endpoint], timeout_s=0.5)
+            reply = await etcd.call("kv", "Range", rpc.RangeRequest(key=prefix.encode()))
+            assert reply.header.revision > 0 and etcd.endpoint == etcd_server.endpoint
+            await etcd._next_endpoint()  # back on the member that does not answer
+            put = rpc.TxnRequest(success=[rpc.RequestOp(request_put=rpc.PutRequest(key=f"{prefix}k".encode(),
+                                                                                   value=b"v"))])
+            with pytest.raises(StoreError, match="DEADLINE_EXCEEDED"):
+                await etcd.txn(put)
+            assert (await etcd.txn(put)).succeeded and etcd.endpoint == etcd_server.endpoint
+            store = EtcdStore(etcd, prefix, own_client=False)
+            node = (await store.commit(nodes=[NodeRecord("n1", UP)])).nodes[0]
+            assert await store.load_nodes() == [node]
+            await etcd.close()
+    run(go())
+
+
+def test_etcd_a_member_without_a_raft_leader_is_left_at_once(tmp_path):
+    """A member cut off from its peers has no raft leader: a request to it waited out its whole deadline (and the
+    client stayed there). With etcd's require-leader metadata it answers UNAVAILABLE at once, which moves the
+    client on. Here the member's two peers are stopped (SIGSTOP), so no leader is left to it."""
+    import signal
+
+    from phalanx import etcdlocal
+    try:
+        etcdlocal.etcd_binary()
+    except etcdlocal.EtcdMissing as e:
+        pytest.skip(str(e))
+    members = etcdlocal.plan(tmp_path, 3)
+    for member in members:
+        etcdlocal.start(member, members)
+    try:
+        etcdlocal.wait_healthy(members)
+        for member in members[1:]:
+            member.proc.send_signal(signal.SIGSTOP)
+
+        async def go():
+            etcd = Etcd([f"127.0.0.1:{members[0].client_port}"], timeout_s=30)
+            try:
+                for _ in range(100):  # until the member's election timeout has passed: then it knows
+                    try:
+                        await etcd.call("kv", "Range", rpc.RangeRequest(key=b"/x"), timeout_s=0.5)
+                    except StoreError as e:
+                        if "no leader" in str(e):
+                            break
+                else:
+                    pytest.fail("the member never said it has no leader")
+                with pytest.raises(StoreError, match=r"UNAVAILABLE\): etcdserver: no leader"):  # not a timeout
+                    await etcd.call("kv", "Range", rpc.RangeRequest(key=b"/x"))
+            finally:
+                await etcd.close()
+        run(go())
+    finally:
+        for member in members[1:]:
+            member.proc.send_signal(signal.SIGCONT)
+        for member in members:
+            etcdlocal.stop(member, kill=True)
+
+
 def test_etcd_over_mutual_tls(tmp_path):
     from phalanx import etcdlocal, pki, tls
     try:

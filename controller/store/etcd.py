@@ -44,6 +44,13 @@ logger = log.get("etcd")
 
 _SEQ_DIGITS = 20
 _ENDPOINT_CODES = (grpc.StatusCode.UNAVAILABLE,)  # the request never reached a member that could serve it
+# Every request asks the member to have a raft leader (etcd's "require leader" metadata): one cut off from its peers
+# answers UNAVAILABLE ("etcdserver: no leader") at once, and the next member is asked, where without it the request
+# waited out its deadline on that member, every time.
+REQUIRE_LEADER = (("hasleader", "true"),)
+# A member that answers nothing in time (stopped, wedged, or a host gone without a reset) is left for the next one
+# too; the request is asked again there only if asking twice cannot apply it twice.
+_ASK_AGAIN = frozenset({"Range", "LeaseGrant", "LeaseRevoke", "LeaseTimeToLive", "MemberList", "Status"})
 # etcd refuses a request above --max-request-bytes (1.5 MiB by default): a group commit stops short of this, and a
 # commit larger than this alone is written in pieces.
 TXN_BYTES = 1 << 20
@@ -127,8 +134,10 @@ class Etcd:
     async def call(self, service: str, method: str, request, timeout_s: float | None = None):
         """One unary call; an unreachable member is skipped for the next one (each endpoint once).
 
-        UNAVAILABLE is the only code retried elsewhere: the member could not serve the request, so it was not
-        applied. Anything else (a timeout above all: the write may have been applied) is a StoreError."""
+        UNAVAILABLE is retried on the next member: the member could not serve the request, so it was not applied.
+        After a timeout the next call goes to the next member too, but only a request that may be asked twice (a
+        read, a lease) is asked again now: a write may have been applied, and is a StoreError. Anything else is a
+        StoreError."""
         if self._closed:
             raise StoreError("store is closed")
         if self._channel is None:
@@ -137,15 +146,20 @@ class Etcd:
         for _ in range(len(self.endpoints)):
             stub = getattr(self, service)
             try:
-                return await getattr(stub, method)(request, timeout=timeout_s or self.timeout_s)
+                return await getattr(stub, method)(request, timeout=timeout_s or self.timeout_s,
+                                                   metadata=REQUIRE_LEADER)
             except grpc.aio.AioRpcError as e:
                 last = e
-                if e.code() not in _ENDPOINT_CODES:
+                timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if e.code() not in _ENDPOINT_CODES and not timed_out:
                     break
                 if len(self.endpoints) > 1:
-                    logger.info("etcd endpoint unavailable; trying the next", endpoint=self.endpoint,
-                                error=e.details())
+                    logger.info("etcd endpoint did not answer in time; the next one is asked from now on" if timed_out
+                                else "etcd endpoint unavailable; trying the next", endpoint=self.endpoint,
+                                method=method, error=e.details())
                     await self._next_endpoint()
+                if timed_out and method not in _ASK_AGAIN:
+                    break
         assert last is not None
         raise StoreError(f"etcd {method} failed ({last.code().name}): {last.details()} "
                          f"(endpoints {','.join(self.endpoints)})") from None
