@@ -163,6 +163,15 @@ class Follower:
                 try:
                     result = self._attempt(address, fn)
                 except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and len(self.addresses) > 1:
+                        # No answer in time: a leader whose host went down after its channel connected (gRPC says
+                        # UNAVAILABLE only once its reconnect gives up, tens of seconds later). Not asked again
+                        # here (the call may have been applied); the caller's next try goes to the next controller,
+                        # on a fresh channel that must connect first.
+                        self._drop(address)
+                        self.current = self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)] \
+                            if address in self.addresses else self.addresses[0]
+                        raise
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         self.current = address  # it answered: not a standby
                         raise

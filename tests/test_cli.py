@@ -130,8 +130,17 @@ def test_no_controller_is_a_clear_error(home):
     assert no_ca.returncode == 1 and "ca.crt: no such file (make one with `phalanx certs`" in no_ca.stderr
 
 
-def test_local_status_and_down_find_a_controller_restarted_by_hand(home):
+def test_local_status_and_down_find_a_controller_restarted_by_hand(home, tmp_path):
+    """... and `phalanx wait` waits a controller restart out (it used to exit 1, as if the job had failed)."""
     assert phalanx("local", "up", "--nodes", "1", env=home).returncode == 0
+    done = tmp_path / "done"
+    script = f"import os, time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.1)"
+    job_id = phalanx("submit", "--nodes", "1", "--", sys.executable, "-c", script, env=home).stdout.strip()
+    wait_until(lambda: '"RUNNING"' in phalanx("job", job_id, "-o", "json", env=home).stdout, "the job running")
+    waiting = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "wait", job_id], env=home, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = waiting.stderr.readline()  # it has reached the controller: the kill comes after
+    assert "RUNNING" in first, first
     before = json.loads(phalanx("local", "status", "--json", env=home).stdout)[0]
     assert before["role"] == "controller" and before["running"]
     os.kill(before["pid"], signal.SIGKILL)
@@ -149,14 +158,18 @@ def test_local_status_and_down_find_a_controller_restarted_by_hand(home):
         controller = json.loads(status.stdout)[0]
         assert (controller["pid"], controller["running"]) == (again.pid, True)
         assert status.returncode == 0
+        done.touch()
+        _, err = waiting.communicate(timeout=120)
+        assert waiting.returncode == 0 and "lost the controller" in err and "SUCCEEDED" in err, first + err
 
         down = phalanx("local", "down", env=home)
         assert down.returncode == 0 and "stopped 2 processes" in down.stdout
         assert again.wait(timeout=60) is not None  # down stopped it
     finally:
-        if again.poll() is None:
-            again.kill()
-            again.wait()
+        for process in (again, waiting):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def wait_until(predicate, what: str, timeout: float = 120) -> None:

@@ -39,9 +39,9 @@ def token(c, *args) -> dict:
     return json.loads(out.stdout)
 
 
-def enrol(c, tok: str, ca_hash: str, name: str, directory: Path):
-    return c.cli("certs", "enrol", "--controller", c.token_address, "--token", tok, "--ca-hash", ca_hash,
-                 "--name", name, "--dir", str(directory))
+def enrol(c, tok: str, ca_hash: str, name: str, directory: Path, controllers: str = ""):
+    return c.cli("certs", "enrol", "--controller", controllers or c.token_address, "--token", tok, "--ca-hash",
+                 ca_hash, "--name", name, "--dir", str(directory))
 
 
 def events(c, kind: str) -> list:
@@ -60,7 +60,8 @@ def test_a_node_enrols_itself_and_joins_with_a_key_made_on_it(enrolling, tmp_pat
     t = token(c, "--ttl", "1h", "--uses", "2", "--description", "rack 7")
     assert t["ca_hash"] == pki.ca_hash((c.pki / "ca.crt").read_bytes())
     node_dir = tmp_path / "gpu101"
-    out = enrol(c, t["token"], t["ca_hash"], "gpu101", node_dir)
+    # a control plane's token ports, the first one down: the next one enrols
+    out = enrol(c, t["token"], t["ca_hash"], "gpu101", node_dir, f"127.0.0.1:{free_port()},{c.token_address}")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"node gpu101 enrolled: {node_dir / 'node.crt'}")
     assert stat.S_IMODE((node_dir / "node.key").stat().st_mode) == 0o600

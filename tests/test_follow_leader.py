@@ -237,6 +237,24 @@ def test_an_answer_that_is_not_unavailable_is_raised_at_once():
     assert run.follower.current == "b"  # it answered: the next call starts there
 
 
+def test_a_leader_that_stops_answering_is_left_for_the_next_controller():
+    """A leader whose host went down after its channel connected: calls time out (gRPC says UNAVAILABLE only once
+    its reconnect gives up), and the follower stayed there. The timeout is raised (the call may have been applied),
+    and the next call goes to the next controller, on a fresh channel; a standby there names the new leader."""
+    timeout = Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    run = Run(["a", "b", "c"], {"a": "ok"})
+    assert run.call() == "ok"
+    run.answers.update(a=timeout, b=Refusal(grpc.StatusCode.UNAVAILABLE, "standby", hint="c"), c="from c")
+    with pytest.raises(Refusal) as info:
+        run.call()
+    assert info.value is timeout and run.asked == ["a", "a"] and run.channels[0].closed
+    assert run.call() == "from c" and run.asked == ["a", "a", "b", "c"]
+    alone = Run(["a"], {"a": timeout})  # no other controller to go to: stays
+    with pytest.raises(Refusal):
+        alone.call()
+    assert alone.follower.current == "a" and not alone.channels[0].closed
+
+
 def test_a_stream_that_broke_moves_to_the_hint_or_the_next_controller():
     follower = Follower(["a", "b", "c"], FakeChannel)
     assert follower.moved(Refusal(grpc.StatusCode.UNAVAILABLE, "standby", hint="c")) is True

@@ -26,9 +26,10 @@ class EnrolError(Exception):
     """Enrolment failed; the message says why and what to do. Nothing was written. `usage`: the arguments were
     wrong (exit 2), not the controller's answer or the network (exit 1)."""
 
-    def __init__(self, message: str, usage: bool = False) -> None:
+    def __init__(self, message: str, usage: bool = False, unreached: bool = False) -> None:
         super().__init__(message)
         self.usage = usage
+        self.unreached = unreached  # the controller could not be reached, or is a standby: another one may do
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -46,7 +47,8 @@ def _call(address: str, root: bytes, fn):
     except grpc.RpcError as e:
         code = e.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise EnrolError(f"cannot reach the controller's token port at {address}: {e.details()}") from None
+            raise EnrolError(f"cannot reach the controller's token port at {address}: {e.details()}",
+                             unreached=True) from None
         raise EnrolError(f"the controller refused: {e.details()} ({code.name})") from None
     finally:
         channel.close()
@@ -58,7 +60,7 @@ def fetch_ca(address: str, ca_hash: str) -> bytes:
     try:
         shown = ssl.get_server_certificate((host, port), timeout=TIMEOUT_S).encode()
     except (OSError, ssl.SSLError) as e:
-        raise EnrolError(f"cannot reach the controller's token port at {address}: {e}") from None
+        raise EnrolError(f"cannot reach the controller's token port at {address}: {e}", unreached=True) from None
     ca = _call(address, shown, lambda s: s.GetClusterCa(enrol_pb2.GetClusterCaRequest(), timeout=TIMEOUT_S)).ca_pem
     try:
         actual = pki.ca_hash(ca)

@@ -267,10 +267,17 @@ def cmd_certs_enrol(args: argparse.Namespace) -> int:
         raise CliError("no token: pass --token ID.SECRET (`phalanx certs token create` makes one) or set "
                        "PHALANX_ENROL_TOKEN", USAGE)
     name = args.name or default_node_name()
-    try:
-        issued = enrol.enrol(address.split(",")[0], token, args.ca_hash, name, args.dir)
-    except enrol.EnrolError as e:
-        raise CliError(str(e), USAGE if e.usage else FAILED) from None
+    unreached: list[str] = []
+    for one in [a.strip() for a in address.split(",") if a.strip()]:  # a control plane's token ports: any leader's
+        try:
+            issued = enrol.enrol(one, token, args.ca_hash, name, args.dir)
+            break
+        except enrol.EnrolError as e:
+            if not e.unreached:
+                raise CliError(str(e), USAGE if e.usage else FAILED) from None
+            unreached.append(str(e))  # down, or a standby (only the leader enrols): the next one
+    else:
+        raise CliError("; ".join(unreached) or "no controller address given", FAILED)
     print(f"node {name} enrolled: {issued.cert} (key {issued.key}, made here, mode 0600), valid until "
           f"{issued.not_after:%Y-%m-%d}; the CA is {Path(args.dir) / 'ca.crt'}")
     return OK
@@ -454,10 +461,29 @@ def job_exit_code(job: common_pb2.Job) -> int:
     return job.exit_code if 0 < job.exit_code < 256 else FAILED
 
 
+def _polled(args: argparse.Namespace, fn: Callable[[control_pb2_grpc.ControlServiceStub], object], reached: list):
+    """call() for a command that polls until the job ends (`wait`, `logs -f`): once a controller has answered, losing
+    it (a restart, a takeover, a leader's host gone) is said on stderr and waited out, as `events --follow` does;
+    before that (a wrong address) it is an error. `reached`: [False] at first."""
+    while True:
+        try:
+            result = call(args, fn)
+        except CliError as e:
+            if not (e.transient and reached[0]):
+                raise
+            print(f"{PROG}: lost the controller ({e}); retrying", file=sys.stderr, flush=True)
+            time.sleep(1.0)
+            continue
+        reached[0] = True
+        return result
+
+
 def cmd_wait(args: argparse.Namespace) -> int:
     shown = None
+    reached = [False]
     while True:
-        job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
+        job = _polled(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S),
+                      reached)
         state = render.job_state(job.state)
         if (state, job.reason) != shown and not args.quiet:
             print(f"{job.id}: {state}: {job.reason}", file=sys.stderr, flush=True)
@@ -470,9 +496,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     offset = 0
     out = sys.stdout.buffer
+    reached = [False]
     while True:
         request = control_pb2.ReadLogsRequest(job=args.job, rank=args.rank, offset=offset)
-        chunk = call(args, lambda s, request=request: s.ReadLogs(request, timeout=DEFAULT_TIMEOUT_S))
+        chunk = _polled(args, lambda s, request=request: s.ReadLogs(request, timeout=DEFAULT_TIMEOUT_S), reached)
         out.write(chunk.data)
         out.flush()
         offset = chunk.next_offset
@@ -480,7 +507,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
             continue  # more already there
         if not args.follow:
             return OK
-        job = call(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S))
+        job = _polled(args, lambda s: s.GetJob(control_pb2.GetJobRequest(id=args.job), timeout=DEFAULT_TIMEOUT_S),
+                      reached)
         if job.state in TERMINAL:
             return OK
         time.sleep(WAIT_POLL_S)
