@@ -488,7 +488,9 @@ class Snapshots:
 
     def __init__(self, store: SnapshotStore, replicator: Replicator, emit: Callable[..., None]) -> None:
         self.store, self.replicator, self._emit = store, replicator, emit
-        self._refused: set[str] = set()  # jobs told once that their snapshots do not fit
+        # (job, generation)s told once that their snapshots do not fit: each generation's ranks turn their snapshots
+        # off at the refusal, so a later generation refused again is news again
+        self._refused: set[tuple[str, int]] = set()
 
     def launched(self, job: str, generation: int, peer: str) -> None:
         self.store.launched(job, generation)
@@ -499,8 +501,8 @@ class Snapshots:
         try:
             held = self.store.accept_own(key, path, size, crc32)
         except SnapshotError as e:
-            if key.job not in self._refused:
-                self._refused.add(key.job)
+            if (key.job, key.generation) not in self._refused:
+                self._refused.add((key.job, key.generation))
                 self._emit("snapshot_refused", f"{key.job}: {e}; the job goes on with its disk checkpoints only",
                            job=key.job)
             return str(e)

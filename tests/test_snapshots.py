@@ -60,6 +60,22 @@ def test_an_agent_that_restarts_finds_what_it_held_and_drops_torn_files(tmp_path
     assert not torn.exists() and not unvouched.exists()
 
 
+def test_a_snapshot_that_does_not_fit_is_said_once_per_generation(tmp_path):
+    """A refused snapshot turns the rank's snapshots off for its generation; the event said so once per job for the
+    agent's whole life, so a later generation refused again went unsaid."""
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10)
+    events = []
+    side = snaps.Snapshots(store, snaps.Replicator(store, lambda *x, **k: None), lambda *x, **k: events.append(x))
+    for generation, step in ((1, 5), (1, 6), (2, 9)):
+        k = key(step, generation=generation)
+        path = store.path(snaps.OWN, k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 100)
+        assert "snapshot_budget_mb" in side.taken(k, str(path), 100, zlib.crc32(b"x" * 100))
+    assert [kind for kind, _ in events] == ["snapshot_refused", "snapshot_refused"]
+    assert "snapshot_budget_mb" in events[0][1]
+
+
 def test_a_corrupt_snapshot_is_never_handed_out(tmp_path):
     store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000)
     held = write(store, key(4), b"state")
