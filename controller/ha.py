@@ -327,17 +327,22 @@ class Elector:
                 if channel is None:
                     channel = self.etcd.channel(endpoints[index])
                 sent = self._clock.monotonic()
-                try:  # a quarter of the TTL at most a try: a member that does not answer leaves time for another
+                left = self.valid_until - sent
+                # With other members to try, a quarter of the TTL at most a try: one that does not answer leaves
+                # time for another. Alone, all the time the lease has left (a slow but healthy etcd is no reason).
+                timeout = min(left, self.ttl_s / 4) if len(endpoints) > 1 else left
+                try:
                     replies = rpc.LeaseStub(channel).LeaseKeepAlive(
-                        iter([rpc.LeaseKeepAliveRequest(ID=term.lease)]),
-                        timeout=max(0.05, min(self.valid_until - sent, self.ttl_s / 4)), metadata=REQUIRE_LEADER)
+                        iter([rpc.LeaseKeepAliveRequest(ID=term.lease)]), timeout=max(0.05, timeout),
+                        metadata=REQUIRE_LEADER)
                     reply = next(iter(replies), None)
                 except grpc.RpcError as e:
                     logger.warning("lease renewal failed; trying again", error=f"{e.code().name}: {e.details()}",
                                    lapses_in_s=round(self.valid_until - self._clock.monotonic(), 2))
-                    channel.close()
-                    channel = None
-                    index = (index + 1) % len(endpoints)  # another member, if there are several
+                    if len(endpoints) > 1:  # another member (a channel alone reconnects by itself)
+                        channel.close()
+                        channel = None
+                        index = (index + 1) % len(endpoints)
                     stop.wait(0.05)
                     continue
                 if reply is None or reply.TTL <= 0:

@@ -327,7 +327,9 @@ def test_a_standby_waits_on_the_leader_key_after_etcd_compacted_past_it(etcd_ser
                 put = await a_etcd.call("kv", "Put", rpc.PutRequest(key=f"{prefix}/k{i}".encode(), value=b"v"))
             await a_etcd.call("kv", "Compact", rpc.CompactionRequest(revision=put.header.revision))
             standing_by = asyncio.create_task(b.campaign())
-            while b.leader is None:  # b has read the key: it waits on it now
+            for _ in range(3000):  # until b has read the key: it waits on it now
+                if b.leader is not None or standing_by.done():
+                    break
                 await asyncio.sleep(0.01)
             assert b.leader.name == "c0"
             await a.resign(term)

@@ -364,7 +364,8 @@ def test_etcd_skips_an_unreachable_endpoint_and_survives_reopen(etcd_server):
 def test_etcd_leaves_a_member_that_does_not_answer_for_the_next(etcd_server):
     """A member that takes the connection and answers nothing (stopped, wedged, its host gone without a reset) timed
     out every request and was never left: only UNAVAILABLE moved the client on. Now a timeout moves it on too; a
-    read or a lease is asked again at once, a write (which may have been applied) fails once."""
+    read or a lease is asked again at once, a write (which may have been applied) fails once; calls still on the old
+    member are not cancelled by the move."""
     import socket
 
     async def go():
@@ -372,9 +373,13 @@ def test_etcd_leaves_a_member_that_does_not_answer_for_the_next(etcd_server):
             hung.bind(("127.0.0.1", 0))
             hung.listen(16)  # connections are taken by the kernel, and never answered
             prefix = f"/test/{uuid.uuid4().hex}/"
-            etcd = Etcd([f"127.0.0.1:{hung.getsockname()[1]}", etcd_server.endpoint], timeout_s=0.5)
-            reply = await etcd.call("kv", "Range", rpc.RangeRequest(key=prefix.encode()))
-            assert reply.header.revision > 0 and etcd.endpoint == etcd_server.endpoint
+            etcd = Etcd([f"127.0.0.1:{hung.getsockname()[1]}", etcd_server.endpoint], timeout_s=2.0)
+            # Two reads at once, one with a longer deadline: the first to time out moves the client on, and the
+            # other, its channel closed under it once the grace is out, is asked again there (it was cancelled,
+            # and its caller got CancelledError)
+            ranges = [etcd.call("kv", "Range", rpc.RangeRequest(key=prefix.encode()), timeout_s=t) for t in (2, 30)]
+            replies = await asyncio.gather(*ranges)
+            assert all(r.header.revision > 0 for r in replies) and etcd.endpoint == etcd_server.endpoint
             await etcd._next_endpoint()  # back on the member that does not answer
             put = rpc.TxnRequest(success=[rpc.RequestOp(request_put=rpc.PutRequest(key=f"{prefix}k".encode(),
                                                                                    value=b"v"))])

@@ -450,7 +450,8 @@ def _snapshot_peer(node: NodeEntry) -> str:
     NODE). An agent serving on all its addresses says only ":PORT"; the host is the one the node is known by."""
     address = node.inventory().snapshot_address
     if address.startswith(":"):
-        address = f"{node.inventory().address or _peer_host(node.peer)}{address}"
+        host = node.inventory().address or _peer_host(node.peer)
+        address = f"[{host}]{address}" if ":" in host and not host.startswith("[") else f"{host}{address}"  # IPv6
     return f"{node.record.name}@{address}"
 
 

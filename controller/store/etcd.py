@@ -97,6 +97,7 @@ class Etcd:
         self.cluster: rpc.ClusterStub | None = None
         self.maintenance: rpc.MaintenanceStub | None = None
         self._closed = False
+        self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}  # old channels closing after a grace (_next_endpoint)
 
     @property
     def endpoint(self) -> str:
@@ -124,12 +125,19 @@ class Etcd:
         self.cluster = rpc.ClusterStub(self._channel)
         self.maintenance = rpc.MaintenanceStub(self._channel)
 
-    async def _next_endpoint(self) -> None:
+    async def _next_endpoint(self, failed: grpc.aio.Channel | None = None) -> None:
+        """Go to the next endpoint, unless another call that failed on `failed` (the channel it used) went on
+        already. The old channel is closed in the background, after a grace as long as a request's deadline:
+        closing it at once would cancel every call still on it, and those callers would get CancelledError."""
         old = self._channel
+        if failed is not None and old is not failed:
+            return
         self._index = (self._index + 1) % len(self.endpoints)
         self._connect()
         if old is not None:
-            await old.close()
+            task = asyncio.get_running_loop().create_task(old.close(grace=self.timeout_s + 1.0))
+            self._closing[task] = old
+            task.add_done_callback(lambda t: self._closing.pop(t, None))
 
     async def call(self, service: str, method: str, request, timeout_s: float | None = None):
         """One unary call; an unreachable member is skipped for the next one (each endpoint once).
@@ -142,14 +150,23 @@ class Etcd:
             raise StoreError("store is closed")
         if self._channel is None:
             self._connect()
-        last: grpc.aio.AioRpcError | None = None
+        why = ""
         for _ in range(len(self.endpoints)):
-            stub = getattr(self, service)
+            stub, channel = getattr(self, service), self._channel
             try:
                 return await getattr(stub, method)(request, timeout=timeout_s or self.timeout_s,
                                                    metadata=REQUIRE_LEADER)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed or channel is self._channel or (task is not None and task.cancelling()):
+                    raise  # this task was cancelled, or the client closed: not ours to absorb
+                # The channel was closed under the call (another call left this member, and the call outlasted
+                # the channel's grace): as for a timeout, ask the next member again only what may be asked twice.
+                why = "CANCELLED: the client left this member for the next one"
+                if method not in _ASK_AGAIN:
+                    break
             except grpc.aio.AioRpcError as e:
-                last = e
+                why = f"{e.code().name}: {e.details()}"
                 timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if e.code() not in _ENDPOINT_CODES and not timed_out:
                     break
@@ -157,12 +174,11 @@ class Etcd:
                     logger.info("etcd endpoint did not answer in time; the next one is asked from now on" if timed_out
                                 else "etcd endpoint unavailable; trying the next", endpoint=self.endpoint,
                                 method=method, error=e.details())
-                    await self._next_endpoint()
+                    await self._next_endpoint(channel)
                 if timed_out and method not in _ASK_AGAIN:
                     break
-        assert last is not None
-        raise StoreError(f"etcd {method} failed ({last.code().name}): {last.details()} "
-                         f"(endpoints {','.join(self.endpoints)})") from None
+        code, _, details = why.partition(": ")
+        raise StoreError(f"etcd {method} failed ({code}): {details} (endpoints {','.join(self.endpoints)})") from None
 
     async def txn(self, request: rpc.TxnRequest, timeout_s: float | None = None) -> rpc.TxnResponse:
         return await self.call("kv", "Txn", request, timeout_s)
@@ -193,6 +209,8 @@ class Etcd:
 
     async def close(self) -> None:
         self._closed = True
+        for old in list(self._closing.values()):  # no grace left: the client is done
+            await old.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -47,8 +47,9 @@ def _call(address: str, root: bytes, fn):
     except grpc.RpcError as e:
         code = e.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # not answered in time: the token may have been used up already, so no other controller is asked
             raise EnrolError(f"cannot reach the controller's token port at {address}: {e.details()}",
-                             unreached=True) from None
+                             unreached=code == grpc.StatusCode.UNAVAILABLE) from None
         raise EnrolError(f"the controller refused: {e.details()} ({code.name})") from None
     finally:
         channel.close()

@@ -433,11 +433,18 @@ def down(out=sys.stdout) -> int:
 
 
 def _stop(procs: list[Proc]) -> int:
-    """SIGTERM agents, then the controller (whatever process plays each part now, see Proc.live_pid); SIGKILL
-    whatever is left after the grace period."""
+    """SIGTERM agents and controllers (whatever process plays each part now, see Proc.live_pid), SIGKILL whatever is
+    left of them after the grace period; then the same for etcd: the controllers stand down cleanly on it (a
+    leader revokes its lease), where an etcd gone first held each of them in its resignation until a timeout."""
+    stopped = 0
+    for phase in ([p for p in procs if p.role != "etcd"], [p for p in procs if p.role == "etcd"]):
+        stopped += _stop_all(phase)
+    return stopped
+
+
+def _stop_all(procs: list[Proc]) -> int:
     running: list[tuple[Proc, int]] = []
-    order = {"agent": 0, "controller": 1, "etcd": 2}  # etcd last: the controllers stand down cleanly on it
-    for proc in sorted(procs, key=lambda p: order.get(p.role, 0)):
+    for proc in procs:
         pid = proc.live_pid()
         if pid is not None:
             running.append((proc, pid))

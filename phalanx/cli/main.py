@@ -465,15 +465,21 @@ def _polled(args: argparse.Namespace, fn: Callable[[control_pb2_grpc.ControlServ
     """call() for a command that polls until the job ends (`wait`, `logs -f`): once a controller has answered, losing
     it (a restart, a takeover, a leader's host gone) is said on stderr and waited out, as `events --follow` does;
     before that (a wrong address) it is an error. `reached`: [False] at first."""
+    lost = False
     while True:
         try:
             result = call(args, fn)
         except CliError as e:
             if not (e.transient and reached[0]):
                 raise
-            print(f"{PROG}: lost the controller ({e}); retrying", file=sys.stderr, flush=True)
+            if not lost:  # once per outage
+                print(f"{PROG}: lost the controller ({e}); retrying until it is back (Ctrl-C to stop)",
+                      file=sys.stderr, flush=True)
+            lost = True
             time.sleep(1.0)
             continue
+        if lost:
+            print(f"{PROG}: the controller is back", file=sys.stderr, flush=True)
         reached[0] = True
         return result
 
@@ -499,7 +505,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     reached = [False]
     while True:
         request = control_pb2.ReadLogsRequest(job=args.job, rank=args.rank, offset=offset)
-        chunk = _polled(args, lambda s, request=request: s.ReadLogs(request, timeout=DEFAULT_TIMEOUT_S), reached)
+        read = lambda s, request=request: s.ReadLogs(request, timeout=DEFAULT_TIMEOUT_S)  # noqa: E731
+        chunk = _polled(args, read, reached) if args.follow else call(args, read)
         out.write(chunk.data)
         out.flush()
         offset = chunk.next_offset
