@@ -377,40 +377,25 @@ def test_a_checkpoint_before_a_new_generations_first_report_waits_for_its_pace_n
     run(main())
 
 
-def test_an_eviction_checkpoint_before_a_new_generations_first_report_waits_for_its_pace():
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-controller", "controller-restarted"])
+def test_an_eviction_checkpoint_before_a_new_generations_first_report_waits_for_its_pace(restarted):
     """The same for a FAILING GPU found while a new generation starts: the eviction's checkpoint waits for the new
-    ranks' pace (up to half of checkpoint_deadline_s, not only pace_wait_s) rather than saying "at once"."""
+    ranks' pace (up to half of checkpoint_deadline_s, not only pace_wait_s) rather than saying "at once". Whether a
+    job's trainlib reports is stored with the job: a controller that restarts (or takes over) after the job's
+    restart, before the new generation's first report, waits too; it used to start out not knowing."""
     world = World(recovery=FAST)
 
     async def main():
         try:
             job_id = await cluster(world)
             nodes = await restarted_after_reports(world, job_id)
-            nodes[1].remap_pending.add(0)
-            await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
-            ask = await asked_once_paced(world, job_id, nodes)
-            assert ask.at_step > 24 and ask.pause
-        finally:
-            await world.stop()
-
-    run(main())
-
-
-def test_a_restarted_controller_remembers_that_the_jobs_trainlib_reports():
-    """Whether a job's trainlib reports is stored with the job: a controller that restarts (or takes over) after the
-    job's restart, before the new generation's first report, still waits for its pace. It used to start out not
-    knowing, and asked "at once" (at_step 0)."""
-    world = World(recovery=FAST)
-
-    async def main():
-        try:
-            job_id = await cluster(world)
-            nodes = await restarted_after_reports(world, job_id)
-            await world.restart()
-            for name in NODES:
-                await world.agents[name].connect()
-            await world.until(lambda: all(world.registry.get(n).session is not None for n in NODES), "agents back")
-            assert not world.jobs.entries[job_id].tracks, "generation 2 reported before the restart"
+            if restarted:
+                await world.restart()
+                for name in NODES:
+                    await world.agents[name].connect()
+                await world.until(lambda: all(world.registry.get(n).session is not None for n in NODES),
+                                  "agents back")
+                assert not world.jobs.entries[job_id].tracks, "generation 2 reported before the restart"
             nodes[1].remap_pending.add(0)
             await world.until(lambda: state(world, job_id) == "CHECKPOINTING", "checkpointing")
             ask = await asked_once_paced(world, job_id, nodes)
