@@ -196,7 +196,7 @@ def restore(ctx: Any, checkpointer: Any, agent: Any, map_location: Any, agree: A
         generation, step, source = parse_restore(spec)
     except ValueError:
         generation, step, source = 0, 0, ""
-        why = f"PHALANX_RESTORE={spec!r} is not generation:step:host:port"
+        why = f"PHALANX_RESTORE={spec!r} is not generation:step:NODE@HOST:PORT[,...]"
     disk = checkpointer.latest_step() if not why else None
     newer_disk = disk is not None and disk >= step  # the same on every rank (a shared directory): rank 0 says it
     reply = None

@@ -56,7 +56,8 @@ def plan(held: Mapping[str, Iterable[node_pb2.SnapshotHeld]], job: str, generati
             if s.job != job or s.generation > generation:
                 continue
             if node not in up:
-                lost.update([node] if s.generation == generation else [])
+                if s.generation == generation:
+                    lost.add(node)
                 continue
             by_generation.setdefault(s.generation, {}).setdefault(s.step, {}).setdefault(s.rank, set()).add(node)
     why = _not_whole(by_generation.get(generation, {}), generation, world, lost)
