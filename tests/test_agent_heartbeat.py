@@ -36,11 +36,13 @@ class FlakyBackend(SimBackend):
         self.fail: Exception | None = None
         self.block = False
         self.release = threading.Event()
+        self.blocked = threading.Event()  # a blocking sweep has begun on its thread
         self.calls = 0
 
     def sample(self):
         self.calls += 1
         if self.block:
+            self.blocked.set()
             self.release.wait(60)  # bounded only so that a failing test cannot hang the run
         if self.fail is not None:
             raise self.fail
@@ -112,6 +114,8 @@ async def test_heartbeats_keep_their_cadence_while_a_gpu_query_blocks(tmp_path):
         assert [(b.seq, b.sent_unix_ns - clock.wall_ns()) for b in call.heartbeats] == \
             [(seq, int((seq - 5.5) * 1e9)) for seq in range(1, 6)]
         assert all(list(b.gpus) == list(good.gpus) for b in call.heartbeats)  # the last good reading
+        # the sweep was handed to a thread at the first beat; on a busy machine that thread may start it only now
+        assert await asyncio.to_thread(backend.blocked.wait, 60)
         assert backend.calls == 2  # the blocked call is waited for again, never started twice
         assert [e for e in events if e[2] == {"collector": "gpu"}] == [
             ("collector_slow", "the gpu collector on node-f has not answered within 0.5s", {"collector": "gpu"})]
