@@ -98,6 +98,32 @@ def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transp
     assert ha.leader() == (new, new_epoch)
 
 
+def test_a_command_queued_while_leading_is_dropped_if_the_lease_lapses_before_it_is_written():
+    """Session.push checks the lease when a command is queued; a pause between the queue and the write (the
+    stream busy, then SIGSTOP) must not let the command out: its sender hears NotLeading, the agent nothing."""
+    import asyncio
+
+    import grpc
+
+    from controller.nodes.session import NotLeading, Session
+    from phalanx.v1 import node_pb2
+
+    async def main() -> None:
+        lease = {"holds": True}
+        session = Session("ipv4:127.0.0.1:1", epoch=3, leading=lambda: lease["holds"])
+        stop = asyncio.create_task(session.request(node_pb2.Command(stop=node_pb2.StopRanks(job="j"))))
+        await asyncio.sleep(0)  # queued while the lease held
+        session.push(node_pb2.ControllerMessage(status=node_pb2.NodeStatus()))
+        lease["holds"] = False
+        assert (await session.next_message()).WhichOneof("body") == "status"
+        with pytest.raises(NotLeading):
+            await stop
+        session.kick(grpc.StatusCode.OK, "")
+        assert await session.next_message() is None
+
+    asyncio.run(main())
+
+
 def test_a_leader_paused_past_its_lease_is_deposed_and_commits_nothing(ha):
     ha.start_controller()
     ha.start_agent("a")

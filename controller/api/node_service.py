@@ -247,7 +247,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             await context.write(node_pb2.ControllerMessage(accepted=accepted))
             with log.bound(node=name):  # every line of this session, and the tasks it starts, names the node
                 reader = asyncio.create_task(self._read(context, entry, session))
-            while (message := await session.outbox.get()) is not None:
+            while (message := await session.next_message()) is not None:
                 await context.write(message)
         finally:
             if reader is not None:

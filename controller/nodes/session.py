@@ -53,6 +53,18 @@ class Session:
             message.command.epoch = self.epoch
         self.outbox.put_nowait(message)
 
+    async def next_message(self) -> node_pb2.ControllerMessage | None:
+        """The next message to write to the agent, or None once the session is closed. A command queued while
+        this controller led is dropped here if its lease lapsed since (the process paused between the queue and
+        the write): its sender gets NotLeading, the agent nothing."""
+        while (message := await self.outbox.get()) is not None:
+            if message.WhichOneof("body") != "command" or self._leading():
+                return message
+            future = self._pending.get(message.command.id)
+            if future is not None and not future.done():
+                future.set_exception(NotLeading("this controller's leadership lapsed before the command was sent"))
+        return None
+
     def kick(self, code: grpc.StatusCode, message: str) -> None:
         if not self.closed.is_set():
             self.close_code, self.close_message = code, details(message)
