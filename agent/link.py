@@ -44,6 +44,7 @@ MAX_QUEUED = 1000  # messages kept for the controller while disconnected; the ol
 # First and longest wait before parking again at a controller that refused or is gone: not urgent (it is for the next
 # takeover), and after a takeover every agent would otherwise try the dead leader at once.
 PARK_RETRY_S = (5.0, 30.0)
+EPOCH_RESET_S = 60.0  # older epochs from every controller reached for this long: the epochs started again
 
 
 class RegisterAgain(Exception):
@@ -109,6 +110,7 @@ class Link:
         self._changed = asyncio.Event()  # replaced at every change of the session (see _notify)
         self._standing_by: dict[str, float] = {}  # controller -> its StandingBy.takeover_s, while parked there
         self._lost_at = 0.0  # when the last session that was open ended
+        self._older_since: float | None = None  # since when every controller reached led an epoch older than seen
 
     @property
     def heartbeats_sent(self) -> int:
@@ -387,9 +389,24 @@ class Link:
         return first
 
     def _check_epoch(self, epoch: int) -> None:
-        if epoch < self.state.epoch:
+        """Refuse a controller that leads an older epoch than one seen: a deposed leader. Unless every controller
+        reached has done so for EPOCH_RESET_S: a deposed leader stands down within its lease, so the epochs
+        started again (etcd's data wiped, or the control plane moved to a single controller, epoch 0), and an
+        agent that refused for ever would be lost to the fleet until restarted."""
+        if epoch >= self.state.epoch:
+            self._older_since = None
+            return
+        now = self._clock.monotonic()
+        if self._older_since is None:
+            self._older_since = now
+        if now - self._older_since < EPOCH_RESET_S:
             raise ConnectionError(f"controller {self.controller} leads epoch {epoch}, older than epoch "
                                   f"{self.state.epoch} seen before: a deposed leader; trying another")
+        message = (f"the controllers' epochs started again: {self.controller} has led epoch {epoch}, older than "
+                   f"{self.state.epoch}, for {now - self._older_since:.0f}s; following it (was the store reset?)")
+        logger.warning(message, controller=self.controller, epoch=epoch, previous_epoch=self.state.epoch)
+        self.emit("epoch_reset", message, epoch=str(epoch), previous_epoch=str(self.state.epoch))
+        self.state.epoch, self._older_since = epoch, None
 
     def _resync_inventory(self, held_crc32: int) -> None:
         """On a resumed session: the inventory, first in the outbox, unless the controller holds this one."""

@@ -9,6 +9,7 @@ import threading
 import zlib
 
 import grpc
+import pytest
 
 from agent import config as agent_config
 from agent.backoff import Backoff
@@ -319,3 +320,32 @@ def test_a_lost_leader_is_tried_again_while_a_session_is_parked():
     clock.advance(7.5)
     link._move_on(None)
     assert link.controller == "b:1"  # the take-up did not come within takeover_s
+
+
+def test_an_older_epoch_is_refused_until_every_controller_has_led_it_for_a_minute():
+    """A deposed leader stands down within its lease; older epochs from every controller for EPOCH_RESET_S mean the
+    epochs started again (etcd wiped, or back to one controller): the agent follows, says so, takes its commands."""
+    from agent.link import EPOCH_RESET_S
+    clock = FakeClock()
+    events = []
+    link = Link("node-e", ["a:1", "b:1"], inventory=None, heartbeat=None, backoff=Backoff(1.0, 8.0, random.Random(3)),
+                on_command=lambda command: node_pb2.CommandResult(ok=True), clock=clock)
+    link.emit = lambda kind, message, **fields: events.append((kind, fields))
+    link.state.epoch = 5
+    stop = node_pb2.Command(id=1, epoch=2, stop=node_pb2.StopRanks(job="j"))
+    assert not link._run(stop).ok
+    with pytest.raises(ConnectionError, match="deposed"):
+        link._check_epoch(2)
+    clock.advance(EPOCH_RESET_S - 1)
+    link._check_epoch(5)  # the current leader, reached: the other one was only deposed
+    clock.advance(2)
+    with pytest.raises(ConnectionError, match="deposed"):
+        link._check_epoch(2)
+    clock.advance(EPOCH_RESET_S - 1)
+    with pytest.raises(ConnectionError, match="deposed"):
+        link._check_epoch(0)
+    assert link.state.epoch == 5 and not events
+    clock.advance(1)
+    link._check_epoch(0)
+    assert link.state.epoch == 0 and events == [("epoch_reset", {"epoch": "0", "previous_epoch": "5"})]
+    assert link._run(stop).ok
