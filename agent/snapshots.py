@@ -184,6 +184,8 @@ class SnapshotStore:
     def pin(self, job: str, generation: int, step: int) -> None:
         """Keep `step` of `generation` (the controller's newest step held twice over), releasing the previous pin."""
         self._pins[job] = (generation, step)
+        for held in [h for h in self._held.values() if h.key.job == job and h.key.generation < generation]:
+            self._drop(held)  # a whole step of a newer generation is held twice over: these are never restored
         newest: dict[tuple[str, int], Key] = {}  # (kind, rank) -> its newest snapshot
         for kind, key in self._held:
             best = newest.get((kind, key.rank))
@@ -228,10 +230,9 @@ class SnapshotStore:
                                 f"node's whole snapshot budget of {self.budget / 1e6:.1f} MB (agent "
                                 "snapshot_budget_mb): the job's state does not fit in memory here")
         free = self.budget - self.used
-        # under pressure the rank's own older steps go first, oldest first (fewer steps kept, but the newest)
-        pinned = self._pins.get(key.job)
-        older = [h for h in self._mine(kind, key) if (h.key.generation, h.key.step) < (key.generation, key.step)]
-        reclaimable = sorted(older, key=lambda h: (h.key.generation, h.key.step) == pinned)  # the pin last
+        if free >= size:
+            return
+        reclaimable = self._reclaimable(key, kind)
         if free + sum(h.size for h in reclaimable) < size:
             raise SnapshotError(f"a snapshot of rank {key.rank} of {key.job} ({size / 1e6:.1f} MB) does not fit in "
                                 f"this node's snapshot budget: {self.used / 1e6:.1f} of {self.budget / 1e6:.1f} MB "
@@ -241,6 +242,30 @@ class SnapshotStore:
                 break
             self._drop(held)
             free += held.size
+
+    def _reclaimable(self, key: Key, kind: str) -> list[Held]:
+        """What may go, in this order, to make room for `key`: of any rank, what only the retention keeps (beyond
+        the newest `keep` steps of its newest generation, not pinned) and a copy of an older generation than the
+        rank has here in the other kind (a spare's fetched snapshot, once the rank it restored snapshots here
+        itself), the oldest taken in first; then the rank's own older steps of `kind`, oldest first and its
+        pinned step last (fewer steps kept, but the newest). Another rank's newest steps and pin stay: when
+        they do not fit, the job does not fit in this budget."""
+        pinned = self._pins.get(key.job)
+        older = [h for h in self._mine(kind, key) if (h.key.generation, h.key.step) < (key.generation, key.step)]
+        groups: dict[tuple[str, str, int], list[Held]] = {}  # (kind, job, rank) -> its snapshots, oldest first
+        newest_generation: dict[tuple[str, int], int] = {}  # (job, rank) -> its newest generation, either kind
+        for held in sorted(self._held.values(), key=lambda h: (h.key.generation, h.key.step)):
+            groups.setdefault((held.kind, held.key.job, held.key.rank), []).append(held)
+            newest_generation[(held.key.job, held.key.rank)] = held.key.generation
+        spare = []
+        for (_kind, job, rank), group in groups.items():
+            top = group[-1].key.generation
+            newest = [h for h in group if h.key.generation == top][-self.keep:] \
+                if top == newest_generation[(job, rank)] else []
+            spare += [h for h in group if h not in newest and (h.key.generation, h.key.step) != self._pins.get(job)]
+        spare.sort(key=lambda h: h.at)
+        return spare + sorted((h for h in older if h not in spare),
+                              key=lambda h: (h.key.generation, h.key.step) == pinned)
 
     def _superseded(self, kind: str, key: Key) -> list[Held]:
         """Of (job, rank)'s other snapshots of `kind`, those to drop once `key` is kept, oldest first: every older

@@ -255,6 +255,46 @@ def test_the_steps_of_the_last_seconds_are_kept_so_that_nodes_reported_a_second_
     # its edge; a step older than that goes at the next write
 
 
+def replica(store: snaps.SnapshotStore, key: snaps.Key, data: bytes) -> snaps.Held:
+    async def one():
+        yield data
+    return asyncio.run(store.accept_replica(key, len(data), zlib.crc32(data), one()))
+
+
+def test_a_spares_fetched_snapshot_gives_way_to_the_rank_it_restored_and_goes_at_the_next_pin(tmp_path):
+    """A rank restored on a spare fetched its snapshot of generation 1 from a peer: a copy the budget would count
+    for as long as the job runs there. The rank's own snapshots of generation 2 take its room when they need it;
+    a pin of generation 2 (a whole step held twice over) lets it go in any case."""
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=1000, keep=2, retain_s=0)
+    replica(store, key(40, generation=1), b"f" * 500)  # fetched for the restore
+    write(store, key(41, generation=2), b"x" * 400)
+    write(store, key(42, generation=2), b"x" * 400)  # needs the fetched copy's room
+    assert [(h.kind, h.key.generation, h.key.step) for h in store.held()] == [("own", 2, 41), ("own", 2, 42)]
+    store = snaps.SnapshotStore(tmp_path / "b", budget_bytes=10_000, keep=2, retain_s=0)
+    replica(store, key(40, generation=1), b"f" * 500)
+    replica(store, key(40, rank=1, generation=1), b"f" * 500)  # another rank's copy, of its peer
+    write(store, key(41, generation=2), b"x" * 400)
+    assert len(store.held()) == 3  # room enough: kept while generation 2 has no whole step held twice
+    store.pin("job-1", 2, 41)
+    assert [(h.key.rank, h.key.generation) for h in store.held()] == [(0, 2)]
+
+
+def test_another_ranks_retained_steps_make_room_for_a_ranks_first_snapshot_but_its_newest_steps_stay(tmp_path):
+    """Kept for retain_s, rank 0's steps fill the budget; rank 1's first snapshot takes the room of those only the
+    retention keeps, oldest first. Rank 0's newest `keep` steps stay: beyond them, the job does not fit."""
+    from phalanx.clock import FakeClock
+    clock = FakeClock()
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=1000, keep=2, clock=clock, retain_s=3.0)
+    for step in range(10):
+        write(store, key(step), b"x" * 100)
+        clock.advance(0.05)
+    write(store, key(9, rank=1), b"y" * 250)
+    assert [(h.key.rank, h.key.step) for h in store.held()] == [(0, 3), (0, 4), (0, 5), (0, 6), (0, 7), (0, 8), (0, 9),
+                                                                (1, 9)]
+    with pytest.raises(snaps.SnapshotError, match="does not fit"):
+        write(store, key(10, rank=1), b"y" * 801)  # rank 0's two newest must stay: 200 + 801 > 1000
+
+
 def test_the_safe_step_is_the_newest_one_every_rank_has_on_two_nodes():
     reported = {"a": [held("j", 1, 0, s) for s in (7, 8, 9)] + [held("j", 1, 1, s, True) for s in (6, 7)],
                 "b": [held("j", 1, 1, s) for s in (8, 9)] + [held("j", 1, 0, s, True) for s in (7, 8)]}
