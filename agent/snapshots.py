@@ -128,12 +128,13 @@ class SnapshotStore:
         return self.root / kind / key.relative()
 
     def accept_own(self, key: Key, path: str, size: int, crc32: int) -> Held:
-        """A rank's new snapshot, written where its key says. Raises SnapshotError (the file is removed)."""
+        """A rank's new snapshot, written where its key says. Raises SnapshotError (the file at the key's path is
+        removed, unless the rank named another)."""
         expected = self.path(OWN, key)
+        if Path(path) != expected:  # refused, and nothing removed: what is at `expected` was not written with it
+            raise SnapshotError(f"snapshot of rank {key.rank} of {key.job} step {key.step} is at {path}, not "
+                                f"{expected}")
         try:
-            if Path(path) != expected:
-                raise SnapshotError(f"snapshot of rank {key.rank} of {key.job} step {key.step} is at {path}, not "
-                                    f"{expected}")
             actual = expected.stat().st_size
             if actual != size:
                 raise SnapshotError(f"snapshot {expected} holds {actual} bytes, not the {size} its rank wrote")

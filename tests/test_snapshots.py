@@ -48,6 +48,18 @@ def test_a_snapshot_over_the_budget_is_refused_with_the_setting_to_change(tmp_pa
     assert [(h.key.rank, h.key.step) for h in store.held()] == [(0, 2)]
 
 
+def test_a_snapshot_told_with_another_path_leaves_the_one_held_under_its_name_as_it_is(tmp_path):
+    """A request on the node's socket that names a held snapshot with a path elsewhere is refused, and the file held
+    under that name stays; a rank that wrote its step again (the same path) replaces it."""
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000)
+    write(store, key(5, rank=1), b"rank one")
+    with pytest.raises(snaps.SnapshotError, match=r"is at .*elsewhere, not .*s5\.pt"):
+        store.accept_own(key(5, rank=1), str(tmp_path / "elsewhere"), 8, 0)
+    assert asyncio.run(store.verified(key(5, rank=1))).path.read_bytes() == b"rank one"
+    write(store, key(5, rank=1), b"rank one again")
+    assert asyncio.run(store.verified(key(5, rank=1))).path.read_bytes() == b"rank one again"
+
+
 def test_an_agent_that_restarts_finds_what_it_held_and_drops_torn_files(tmp_path):
     store = snaps.SnapshotStore(tmp_path, budget_bytes=10_000)
     write(store, key(4), b"state")
