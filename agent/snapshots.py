@@ -40,7 +40,7 @@ from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.names import NAME
 from phalanx.request_guard import RequestGuard
-from phalanx.rpc import SERVER_OPTIONS
+from phalanx.rpc import CLIENT_OPTIONS, SERVER_OPTIONS
 from phalanx.v1 import node_pb2, snapshot_pb2, snapshot_pb2_grpc
 
 logger = log.get("snapshots")
@@ -448,10 +448,13 @@ class Replicator:
         channel = self._channels.get(peer)
         if channel is None:
             node, _, address = peer.rpartition("@")
+            # keepalive as on every channel of ours: a peer whose host died mid-transfer is given up in seconds,
+            # not at the call's deadline of a minute or two
             if self.credentials is None:
-                channel = grpc.aio.insecure_channel(address)
+                channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
             else:
-                channel = grpc.aio.secure_channel(address, self.credentials, options=tls.target_name_options(node))
+                channel = grpc.aio.secure_channel(address, self.credentials,
+                                                  options=[*CLIENT_OPTIONS, *tls.target_name_options(node)])
             self._channels[peer] = channel
         return snapshot_pb2_grpc.SnapshotServiceStub(channel)
 
