@@ -129,15 +129,26 @@ def test_a_failing_gpu_is_checkpointed_then_evicted_with_no_step_lost(cluster4, 
     assert "CHECKPOINTING" in j["seconds_in_state"] and "EVICTING" in j["seconds_in_state"]
 
 
-def test_an_xid_79_resumes_from_the_last_periodic_checkpoint(cluster4, tmp_path, reference):
-    job_id, out = start(cluster4, tmp_path)
-    victim = job(cluster4, job_id)["nodes"][0]
+def test_an_xid_79_resumes_from_the_in_memory_snapshots_recomputing_at_most_a_step_or_two(cluster4, tmp_path,
+                                                                                            reference):
+    job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+    victim = job(cluster4, job_id)["nodes"][1]  # rank 1's: rank 0's log of both generations stays on one node
     assert phalanx(cluster4, "inject", victim, "--gpu", "0", "xid=79").returncode == 0
     j = finish(cluster4, job_id, out, reference)
     assert victim in j["evicted"]
     kinds = [e["kind"] for e in events(cluster4, job_id)]
-    assert "job.checkpointed" not in kinds  # sudden: nothing to save, resume from the last committed step
-    assert "resumed from step" in phalanx(cluster4, "logs", job_id).stdout
+    assert "job.checkpointed" not in kinds  # sudden: nothing to save, resume from the newest whole snapshot
+    assert_recomputed_at_most_two_steps(cluster4, job_id)
+
+
+def assert_recomputed_at_most_two_steps(cluster, job_id):
+    """A sudden failure with snapshots every step and no disk checkpoint: the next generation resumed from a
+    snapshot at most two steps behind the last step rank 0 finished (one in a quiet run: the step being
+    snapshotted when the ranks stopped; a busy machine can make a writer skip one, never more)."""
+    restore = next(e for e in events(cluster, job_id) if e["kind"] == "job.snapshot_restore")["message"]
+    assert "in-memory snapshot of step" in restore, restore
+    logs = phalanx(cluster, "logs", job_id, "--rank", "0").stdout
+    assert 0 <= last_step_before_restart(logs) - resumed_step(logs) <= 2, logs[-3000:]
 
 
 def test_a_straggler_is_found_checkpointed_and_replaced(cluster, tmp_path, reference):
@@ -153,13 +164,14 @@ def test_a_straggler_is_found_checkpointed_and_replaced(cluster, tmp_path, refer
     assert "straggler" in incident and victim in j["evicted"]
 
 
-def test_a_hung_rank_is_found_and_restarted(cluster4, tmp_path, reference):
-    job_id, out = start(cluster4, tmp_path)
+def test_a_hung_rank_is_found_and_restarted_from_the_in_memory_snapshots(cluster4, tmp_path, reference):
+    job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
     victim = job(cluster4, job_id)["nodes"][1]
     assert phalanx(cluster4, "inject", victim, "--gpu", "0", "hang").returncode == 0
     j = finish(cluster4, job_id, out, reference)
     incident = next(e for e in events(cluster4, job_id) if e["kind"] == "job.incident")["message"]
     assert "hang" in incident and victim in j["evicted"]
+    assert_recomputed_at_most_two_steps(cluster4, job_id)
 
 
 def test_a_killed_agent_is_a_lost_node_and_the_job_restarts(cluster4, tmp_path, reference):
