@@ -10,6 +10,7 @@ stored record, exactly as a kill -9 does. No sleeps, no event loop: each case ru
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -684,6 +685,34 @@ def test_a_rank_is_silent_only_if_its_agent_was_heard_from_since_its_last_report
     nodes = {"a": NodeView("a", False, HEALTHY, "", heard_at=now - 2.5),  # late: nothing new could arrive
              "b": NodeView("b", False, HEALTHY, "", heard_at=now - 0.2)}  # heard since: rank 1 said nothing
     incident = detect(ranks, nodes, t, now, POLICY.recovery)
+    assert incident.kind == "hang" and incident.nodes == ("b",), incident
+
+
+def test_a_hang_found_before_its_culprits_silence_can_show_waits_for_that_nodes_next_heartbeat():
+    """hang_min_s and silent_s are both 2 s: the waiting peers cross the hang limit while the stopped rank's node
+    has not yet been heard from silent_s after the rank's last report. Judged then, no rank is silent and the job
+    restarts in place, keeping the stopped rank's node (seen trying `phalanx inject ... hang` by hand). The
+    verdict waits for that heartbeat, which names the culprit."""
+    from controller.recovery.detectors import detect
+
+    cfg = dataclasses.replace(POLICY.recovery, hang_min_s=2.0, silent_s=2.0)  # the defaults
+    t = {r: RankTrack(last_advance=0.0, last_report=0.0) for r in range(2)}
+    for step in range(40):
+        for track in t.values():
+            track.observe(step, 0.1, [0.08], step * 0.1)
+    stopped_at = 3.9 + 0.4  # rank 1's last report, a report interval after its last step
+    t[1].observe(39, 0.0, [], stopped_at, steps=0)
+    now = 3.9 + cfg.hang_min_s + 0.1  # the peers are past the hang limit
+    t[0].observe(39, 0.0, [], now - 0.2, steps=0)  # rank 0 waits in the collective and keeps reporting
+    ranks = [pb.RankInfo(rank=0, node="a", state=pb.RANK_STATE_RUNNING),
+             pb.RankInfo(rank=1, node="b", state=pb.RANK_STATE_RUNNING)]
+    nodes = {"a": NodeView("a", False, HEALTHY, "", heard_at=now - 0.2),
+             "b": NodeView("b", False, HEALTHY, "", heard_at=now - 0.2)}  # not yet silent_s after its last report
+    assert detect(ranks, nodes, t, now, cfg) is None
+    later = stopped_at + cfg.silent_s + 0.1
+    nodes["b"] = NodeView("b", False, HEALTHY, "", heard_at=later)  # its next heartbeat: still nothing from rank 1
+    t[0].observe(39, 0.0, [], later, steps=0)
+    incident = detect(ranks, nodes, t, later, cfg)
     assert incident.kind == "hang" and incident.nodes == ("b",), incident
 
 

@@ -156,6 +156,9 @@ def vouching(tracks: Mapping[int, RankTrack], now: float, silent_s: float) -> Ca
     return vouched
 
 
+HEARD_SINCE_S = 0.1  # a node heard this long after a rank's last report was heard without one from it
+
+
 def culprits(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: float, silent_s: float) -> list[int]:
     """Once some rank is hung, the ranks whose trainlib stopped reporting too: in a synchronous job every rank
     stalls when one does, but only a rank that is itself stopped (or dead) falls silent. Silent means its node's
@@ -165,6 +168,16 @@ def culprits(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: f
     controller a heartbeat after its peers' and cross the limit later than the ranks waiting for it."""
     return [rank for rank, t in sorted(tracks.items()) if heard.get(rank, now) - t.last_report >= silent_s
             and now - t.last_advance >= silent_s]
+
+
+def undecided(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], silent_s: float) -> list[int]:
+    """The ranks that may be falling silent: their node was heard from since their last report (which comes in a
+    heartbeat: a rank that reports has its last report when its node was last heard), but not yet `silent_s`
+    after it. With hang_min_s no longer than silent_s (both 2 s by default) the peers waiting for a stopped
+    rank cross the hang limit before its silence can show; judged then, with no culprit, the job would restart
+    in place and keep the stopped rank's node. Its node's next heartbeats decide, within silent_s."""
+    return [rank for rank, t in sorted(tracks.items()) if rank in heard
+            and HEARD_SINCE_S < heard[rank] - t.last_report < silent_s]
 
 
 def job_step_s(tracks: Mapping[int, RankTrack], reports: int = PACE_REPORTS) -> float:
