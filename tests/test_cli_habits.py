@@ -93,6 +93,10 @@ def test_nodes_are_named_by_hostlists_in_and_shown_as_hostlists_out(four):
     assert bad.returncode == 2 and "'[' without ']'" in bad.stderr
     health = four.cli("health", "gpu[003-004]").stdout.splitlines()
     assert [line.split()[0] for line in health[1:]] == ["gpu003", "gpu004"]
+    partly = four.cli("health", "gpu[003-006]")
+    assert partly.returncode == 1 and [line.split()[0] for line in partly.stdout.splitlines()[1:]] == ["gpu003",
+                                                                                                        "gpu004"]
+    assert partly.stderr.strip().splitlines()[-1] == "phalanx: error: failed for 2 of 4 nodes: gpu[005-006]"
     injected = four.cli("inject", "gpu[001-002]", "--gpu", "1", "thermal")
     assert injected.stdout.splitlines() == ["gpu001: injected GPU 1: thermal", "gpu002: injected GPU 1: thermal"]
 

@@ -428,7 +428,7 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
     if incident.culprit is not None:
         new.culprit.CopyFrom(incident.culprit)
     what = "predictable: checkpoint first" if incident.predictable else \
-        "sudden: resume from the last committed checkpoint"
+        "sudden: resume from the newest in-memory snapshot every rank has, else the last committed checkpoint"
     return [Commit(new, "job.incident", f"{job.id} generation {job.generation}: {incident.kind}: {incident.reason} "
                    f"({what})", incident=incident.kind)]
 

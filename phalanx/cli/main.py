@@ -381,13 +381,17 @@ def cmd_health(args: argparse.Namespace) -> int:
     if len(names) > 1:
         known = {n.node for n in nodes}
         missing = [n for n in names if n not in known]
-        if missing:
-            raise CliError(f"no node named {hostlist.compress(missing)}")
         nodes = [n for n in nodes if n.node in set(names)]
+    else:
+        missing = []
     if args.output == "json":
         print(render.dumps([render.health_dict(n) for n in nodes]))
-    else:
-        print(render.health_text(nodes, detail=bool(one)))
+    elif nodes or not missing:
+        print(render.health_text(nodes, detail=bool(one)), flush=True)
+    if missing:  # as a command over several nodes does: the rest are shown, the failures said, then exit 1
+        for name in missing:
+            print(f"{PROG}: {name}: no node named {name!r}", file=sys.stderr)
+        raise CliError(f"failed for {len(missing)} of {len(names)} nodes: {hostlist.compress(missing)}")
     return OK
 
 
