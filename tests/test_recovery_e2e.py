@@ -263,6 +263,8 @@ def test_a_killed_rank_resumes_from_the_in_memory_snapshots_recomputing_at_most_
     finish(cluster4, job_id, out, reference)
     restore = next(e for e in events(cluster4, job_id) if e["kind"] == "job.snapshot_restore")["message"]
     assert "every rank restores from its in-memory snapshot of step" in restore and "fetched" not in restore
+    # the ranks' own word, through their agent, is the job's too: `events --job` shows it
+    assert any(e["kind"] == "agent.snapshot_restored" and e["job"] == job_id for e in events(cluster4, job_id))
     logs = phalanx(cluster4, "logs", job_id, "--rank", "0").stdout
     assert started_warm(logs, 2) and not started_warm(logs, 1)  # the restart took the standby
     recomputed = last_step_before_restart(logs) - resumed_step(logs)

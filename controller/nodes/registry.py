@@ -13,7 +13,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -28,6 +28,7 @@ from controller.obs.stats import DETECTION_BUCKETS_S, DETECTION_KINDS, LAG_BUCKE
 from controller.store.base import EventRecord, NodeRecord, Store
 from phalanx import log
 from phalanx.clock import Clock
+from phalanx.names import NAME
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ADMIT_BATCH = 500  # registrations admitted in one store commit at most
@@ -559,6 +560,8 @@ class Registry:
     async def agent_event(self, entry: NodeEntry, kind: str, message: str, fields: dict[str, str]) -> None:
         async with self._lock:
             event = self._event(f"agent.{kind}", message, entry.record.name, **fields)
+            if NAME.fullmatch(fields.get("job", "")):  # about a job (a snapshot restored...): `events --job` shows it
+                event = replace(event, job=fields["job"])
             committed = await self._store.commit(events=[event])
             self._hub.publish(committed.events)
 
