@@ -38,3 +38,12 @@ def test_a_hang_culprit_named_by_the_flight_recorder_is_shown_and_in_the_json():
     assert d["incident_kind"] == "hang" and d["hang_culprit"]["op"] == "nccl:all_reduce"
     assert job_dict(a_job())["hang_culprit"] is None
     assert not any(line.startswith("  culprit:") for line in job_text(a_job()).splitlines())
+
+
+def test_the_time_spent_in_each_state_is_shown_as_the_json_gives_it():
+    job = a_job()
+    job.phase_times.add(phase="RUNNING", seconds=754.2)
+    job.phase_times.add(phase="RESTARTING", seconds=1.234)
+    assert "  in state:    RUNNING 13m, RESTARTING 1.2s" in job_text(job).splitlines()
+    assert job_dict(job)["seconds_in_state"] == {"RUNNING": 754.2, "RESTARTING": 1.234}
+    assert not any(line.startswith("  in state:") for line in job_text(a_job()).splitlines())

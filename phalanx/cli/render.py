@@ -29,7 +29,10 @@ def iso(ns: int) -> str | None:
 def age(ns: int, now_ns: int | None = None) -> str:
     if not ns:
         return "-"
-    seconds = max(0.0, ((now_ns or time.time_ns()) - ns) / 1e9)
+    return duration(max(0.0, ((now_ns or time.time_ns()) - ns) / 1e9))
+
+
+def duration(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.1f}s"
     if seconds < 3600:
@@ -258,7 +261,10 @@ def job_text(job: common_pb2.Job) -> str:
              *(["  warm:        " + ", ".join(f"{node} {n}" for node, n in sorted(job.standbys.items()))
                 + " (standbys ready: a restart there skips starting Python and importing torch)"]
                if job.standbys else []),
-             f"  submitted:   {d['submitted']}   started: {d['started'] or '-'}   finished: {d['finished'] or '-'}"]
+             f"  submitted:   {d['submitted']}   started: {d['started'] or '-'}   finished: {d['finished'] or '-'}",
+             *(["  in state:    " + ", ".join(f"{phase} {duration(seconds)}"
+                                              for phase, seconds in d["seconds_in_state"].items())]
+               if d["seconds_in_state"] else [])]
     if job.ranks:
         # PID is the rank's own process (what to attach a debugger or py-spy to); WRAPPER is the agent's small
         # wrapper around it, which records its exit status.
