@@ -368,7 +368,9 @@ def cmd_undrain(args: argparse.Namespace) -> int:
     def undrain(name: str) -> None:
         node = call(args, lambda s: s.UndrainNode(control_pb2.UndrainNodeRequest(name=name),
                                                   timeout=DEFAULT_TIMEOUT_S))
-        print(f"{node.name}: {render.state_name(node.state)}", flush=True)
+        # drained again at once: a fault still there (README: undrain means "fixed"); say which
+        again = f" (drained again: {node.drain_reason})" if node.drain_reason else ""
+        print(f"{node.name}: {render.state_name(node.state)}{again}", flush=True)
 
     return for_each_node(node_names(args.node), undrain)
 
