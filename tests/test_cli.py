@@ -101,7 +101,9 @@ def test_local_cluster_lifecycle(home):
 
 
 def test_usage_errors_exit_2(home):
-    for args in (["drain", "node-1"], ["local", "up", "--nodes", "0"], ["nodes", "--state", "sleepy"], ["bogus"]):
+    for args in (["drain", "node-1"], ["local", "up", "--nodes", "0"], ["nodes", "--state", "sleepy"], ["bogus"],
+                 ["local", "up", "--nodes", "1", "--gpus-per-node", "0"],
+                 ["local", "up", "--nodes", "1", "--gpus-per-node", "65"]):  # refused before anything starts
         result = phalanx(*args, env=home)
         assert result.returncode == 2, args
         assert "usage:" in result.stderr

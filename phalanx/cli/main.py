@@ -29,6 +29,7 @@ from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 PROG = "phalanx"
 WAIT_POLL_S = 0.5
 MAX_LOCAL_HA = 7  # controllers `phalanx local up --ha N` starts at most
+MAX_SIM_GPUS = 64  # the agent's gpu.sim_count at most
 OK, FAILED, USAGE = 0, 1, 2
 
 
@@ -767,7 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
     local_sub = _Commands(p_local.add_subparsers(dest="local_command", metavar="ACTION", required=True), common)
     p = local_sub.add_parser("up", help="start a controller and N agents on this machine")
     p.add_argument("--nodes", type=_positive, required=True, help="number of agents (nodes)")
-    p.add_argument("--gpus-per-node", type=_count, default=8, help="simulated GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=_sim_gpus, default=8, help="simulated GPUs per node (1 to 64; default 8)")
     p.add_argument("--gpu-backend", choices=("auto", "sim", "nvml"), default="auto",
                    help="auto: real GPUs for a one-node cluster on a GPU host, simulated otherwise")
     p.add_argument("--ha", type=_ha_size, default=0, metavar="N",
@@ -970,6 +971,13 @@ def _ha_size(text: str) -> int:
     value = _count(text)
     if value > MAX_LOCAL_HA:
         raise argparse.ArgumentTypeError(f"{text!r} must be from 0 (one controller) to {MAX_LOCAL_HA}")
+    return value
+
+
+def _sim_gpus(text: str) -> int:
+    value = _whole(text)
+    if not 1 <= value <= MAX_SIM_GPUS:  # as the agent's gpu.sim_count allows, but a node with none runs no job
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 1 to {MAX_SIM_GPUS} (GPUs per simulated node)")
     return value
 
 
