@@ -33,7 +33,8 @@ def read_pem(path: str, what: str) -> bytes:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{what} {path}: no such file (make one with `phalanx certs`; plaintext on loopback "
-                          "needs insecure = true in a daemon's config, or PHALANX_INSECURE=1 for a client)") from None
+                          "needs insecure = true in a daemon's config, or --insecure / PHALANX_INSECURE=1 for a "
+                          "client)") from None
     except PermissionError:
         raise ConfigError(f"{what} {path}: permission denied (the daemon's user must be able to read it)") from None
     except IsADirectoryError:

@@ -160,7 +160,7 @@ def test_daemons_exit_2_on_missing_certificates_and_bad_security_config(tmp_path
     assert result.returncode == 2
     assert result.stderr.strip() == (
         f"phalanx-controller: config error: security: CA certificate {tmp_path / 'ca.crt'}: no such file (make one "
-        "with `phalanx certs`; plaintext on loopback needs insecure = true in a daemon's config, or "
+        "with `phalanx certs`; plaintext on loopback needs insecure = true in a daemon's config, or --insecure / "
         "PHALANX_INSECURE=1 for a client)")
     controller.write_text(f'listen = "127.0.0.1:{port}"\n[security]\ntoken_listen = "127.0.0.1:1"\n')
     result = run("-m", "controller.main", "--config", str(controller))
