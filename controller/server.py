@@ -125,6 +125,7 @@ class Controller:
         self.cfg = cfg
         self.store = store = TimedStore(store, cfg.store.backend)
         self.clock = clock or RealClock()
+        self.started_ns = self.clock.wall_ns()
         self.hub = EventHub()
         self.elector = elector  # None: the only controller (SQLite); else the elected leader of this term
         self.board = board  # the control plane's server, which outlives a term (controller/switchboard.py); None: own
@@ -250,7 +251,9 @@ class Controller:
         if self.elector is not None:
             return await self.elector.describe()
         return control_pb2.ListControllersResponse(
-            members=[control_pb2.ControllerMember(name=socket.gethostname(), address=self.cfg.listen, leader=True)],
+            members=[control_pb2.ControllerMember(name=socket.gethostname(), address=self.cfg.listen, leader=True,
+                                                  started_unix_ns=self.started_ns,
+                                                  leader_since_unix_ns=self.started_ns)],
             leader=socket.gethostname(), leader_address=self.cfg.listen, store=self.cfg.store.backend,
             answered_by=socket.gethostname())
 

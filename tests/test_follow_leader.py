@@ -357,12 +357,13 @@ def test_controllers_on_a_single_sqlite_controller(controller):
     assert reply["store"] == "sqlite" and reply["problem"] is None
     assert [(m["address"], m["role"]) for m in reply["members"]] == [(controller.address, "leader")]
     assert reply["leader"] == reply["members"][0]["name"] and reply["leader_address"] == controller.address
+    assert reply["members"][0]["started"] and reply["members"][0]["epoch"] == 0  # no election: no epoch
     text = phalanx("--controller", controller.address, "controllers")
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     assert lines[0].split() == ["NAME", "ADDRESS", "ROLE", "EPOCH", "STARTED"]
-    assert lines[1].split()[1:3] == [controller.address, "leader"]
-    assert f"leader: {reply['leader']} at {controller.address}" in lines
+    assert lines[1].split()[1:3] == [controller.address, "leader"] and lines[1].endswith(" ago")
+    assert any(line.startswith(f"leader: {reply['leader']} at {controller.address} (leading for ") for line in lines)
     assert any(line.startswith("store: sqlite") for line in lines)
 
 

@@ -136,7 +136,8 @@ def controllers_text(reply: control_pb2.ListControllersResponse) -> str:
         lines.append("leader: none elected")
     answered = f"answered by {reply.answered_by}" if reply.answered_by else ""
     if reply.parked_sessions:
-        answered += f", a standby holding {reply.parked_sessions} agents' sessions parked"
+        held = "1 agent's session" if reply.parked_sessions == 1 else f"{reply.parked_sessions} agents' sessions"
+        answered += f", a standby holding {held} parked"
     lines.append(f"store: {reply.store or '?'}" + (f" ({answered})" if answered else ""))
     if reply.problem:
         lines.append(f"problem: {reply.problem}")
