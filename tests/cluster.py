@@ -156,6 +156,12 @@ class Cluster:
         self.wait_for(lambda: all(self.states().get(k) == v for k, v in expected.items()),
                       f"nodes {expected}")
 
+    def wait_connected(self, names) -> None:
+        """UP and in session: a node is UP from its registration, and its session (which commands such as an
+        injected fault need) opens just after."""
+        self.wait_states(dict.fromkeys(names, "UP"))
+        self.wait_for(lambda: all(self.node(n).connected for n in names), f"the sessions of {', '.join(names)}")
+
     def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ def test_nodes_come_up_die_come_back_and_survive_a_controller_restart(cluster):
     cluster.start_controller()
     for name in NODES:
         cluster.start_agent(name)
-    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    cluster.wait_connected(NODES)
     node = cluster.node("node-a")
     assert len(node.inventory.gpus) == 2 and node.connected and node.inventory.agent_pid == cluster.procs["node-a"].pid
     cluster.wait_for(lambda: cluster.node("node-a").host.memory_available_bytes > 0, "host telemetry")

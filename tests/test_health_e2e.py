@@ -26,7 +26,7 @@ def test_injected_faults_drive_verdicts_drains_and_nvrx(cluster):
     cluster.start_controller()
     for name in ("node-a", "node-b"):
         cluster.start_agent(name, gpus=4)
-    cluster.wait_states({"node-a": "UP", "node-b": "UP"})
+    cluster.wait_connected(["node-a", "node-b"])  # an injected fault goes down the session
     cluster.wait_for(lambda: health(cluster, "node-a")["health"] == "HEALTHY", "a first verdict")
     assert nvrx(cluster, "node-a").success
 
