@@ -140,6 +140,7 @@ class SnapshotStore:
                 raise SnapshotError(f"snapshot {expected} holds {actual} bytes, not the {size} its rank wrote")
             self._fit(key, size, OWN)
         except (SnapshotError, OSError) as e:
+            self._held.pop((OWN, key), None)  # a step written again and refused: what was held of it is gone too
             with contextlib.suppress(OSError):
                 expected.unlink()
             raise SnapshotError(str(e)) from e
@@ -245,28 +246,33 @@ class SnapshotStore:
             free += held.size
 
     def _reclaimable(self, key: Key, kind: str) -> list[Held]:
-        """What may go, in this order, to make room for `key`: of any rank, what only the retention keeps (beyond
-        the newest `keep` steps of its newest generation, not pinned) and a copy of an older generation than the
-        rank has here in the other kind (a spare's fetched snapshot, once the rank it restored snapshots here
-        itself), the oldest taken in first; then the rank's own older steps of `kind`, oldest first and its
-        pinned step last (fewer steps kept, but the newest). Another rank's newest steps and pin stay: when
-        they do not fit, the job does not fit in this budget."""
+        """What may go to make room for `key`, of key's job only (another job's steps may be the ones a restore of
+        it is about to load), in this order: the oldest taken in first, what only the retention keeps of key's
+        generation (another rank's steps beyond its newest `keep`, not pinned) and any rank's copies of an older
+        generation than it has here, key included (a spare's fetched snapshot, once the rank it restored
+        snapshots here itself); then the rank's own older steps of `kind`, oldest first and its pinned step last
+        (fewer steps kept, but the newest). A rank with nothing newer here keeps its older generation's steps:
+        the restore of key's generation may still need them. Refusing `key` instead would turn the rank's
+        snapshots off for the generation."""
         pinned = self._pins.get(key.job)
-        older = [h for h in self._mine(kind, key) if (h.key.generation, h.key.step) < (key.generation, key.step)]
-        groups: dict[tuple[str, str, int], list[Held]] = {}  # (kind, job, rank) -> its snapshots, oldest first
-        newest_generation: dict[tuple[str, int], int] = {}  # (job, rank) -> its newest generation, either kind
-        for held in sorted(self._held.values(), key=lambda h: (h.key.generation, h.key.step)):
-            groups.setdefault((held.kind, held.key.job, held.key.rank), []).append(held)
-            newest_generation[(held.key.job, held.key.rank)] = held.key.generation
-        spare = []
-        for (_kind, job, rank), group in groups.items():
-            top = group[-1].key.generation
-            newest = [h for h in group if h.key.generation == top][-self.keep:] \
-                if top == newest_generation[(job, rank)] else []
-            spare += [h for h in group if h not in newest and (h.key.generation, h.key.step) != self._pins.get(job)]
-        spare.sort(key=lambda h: h.at)
-        return spare + sorted((h for h in older if h not in spare),
-                              key=lambda h: (h.key.generation, h.key.step) == pinned)
+        newest_generation = {key.rank: key.generation}  # rank -> its newest generation here, either kind
+        groups: dict[tuple[str, int], list[Held]] = {}  # (kind, rank) -> its snapshots
+        for (k, hk), held in self._held.items():
+            if hk.job == key.job and hk != key:
+                newest_generation[hk.rank] = max(newest_generation.get(hk.rank, 0), hk.generation)
+                groups.setdefault((k, hk.rank), []).append(held)
+        spare: list[Held] = []
+        for (k, rank), group in groups.items():
+            group.sort(key=lambda h: (h.key.generation, h.key.step))
+            if group[-1].key.generation < newest_generation[rank]:
+                spare += group
+            elif (k, rank) != (kind, key.rank):
+                spare += [h for h in group if h.key.generation == key.generation][:-self.keep]
+        spare = sorted((h for h in spare if (h.key.generation, h.key.step) != pinned), key=lambda h: h.at)
+        first = {(h.kind, h.key) for h in spare}
+        older = [h for h in self._mine(kind, key) if (h.key.generation, h.key.step) < (key.generation, key.step)
+                 and (h.kind, h.key) not in first]
+        return spare + sorted(older, key=lambda h: (h.key.generation, h.key.step) == pinned)
 
     def _superseded(self, kind: str, key: Key) -> list[Held]:
         """Of (job, rank)'s other snapshots of `kind`, those to drop once `key` is kept, oldest first: every older

@@ -58,6 +58,10 @@ def test_a_snapshot_told_with_another_path_leaves_the_one_held_under_its_name_as
     assert asyncio.run(store.verified(key(5, rank=1))).path.read_bytes() == b"rank one"
     write(store, key(5, rank=1), b"rank one again")
     assert asyncio.run(store.verified(key(5, rank=1))).path.read_bytes() == b"rank one again"
+    path = store.path(snaps.OWN, key(5, rank=1))
+    with pytest.raises(snaps.SnapshotError, match="holds 14 bytes, not the 3"):
+        store.accept_own(key(5, rank=1), str(path), 3, 0)  # written again, and refused: its file is removed...
+    assert store.find(key(5, rank=1)) is None  # ... and no longer held, nor reported
 
 
 def test_an_agent_that_restarts_finds_what_it_held_and_drops_torn_files(tmp_path):
@@ -277,11 +281,15 @@ def test_a_spares_fetched_snapshot_gives_way_to_the_rank_it_restored_and_goes_at
     """A rank restored on a spare fetched its snapshot of generation 1 from a peer: a copy the budget would count
     for as long as the job runs there. The rank's own snapshots of generation 2 take its room when they need it;
     a pin of generation 2 (a whole step held twice over) lets it go in any case."""
-    store = snaps.SnapshotStore(tmp_path, budget_bytes=1000, keep=2, retain_s=0)
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=900, keep=2, retain_s=0)
     replica(store, key(40, generation=1), b"f" * 500)  # fetched for the restore
-    write(store, key(41, generation=2), b"x" * 400)
+    write(store, key(41, generation=2), b"x" * 400)  # its first: fits beside it
     write(store, key(42, generation=2), b"x" * 400)  # needs the fetched copy's room
     assert [(h.kind, h.key.generation, h.key.step) for h in store.held()] == [("own", 2, 41), ("own", 2, 42)]
+    store = snaps.SnapshotStore(tmp_path / "a", budget_bytes=900, keep=2, retain_s=0)
+    replica(store, key(40, generation=1), b"f" * 500)
+    write(store, key(41, generation=2), b"x" * 500)  # its very first needs the room already
+    assert [(h.kind, h.key.generation) for h in store.held()] == [("own", 2)]
     store = snaps.SnapshotStore(tmp_path / "b", budget_bytes=10_000, keep=2, retain_s=0)
     replica(store, key(40, generation=1), b"f" * 500)
     replica(store, key(40, rank=1, generation=1), b"f" * 500)  # another rank's copy, of its peer
@@ -305,6 +313,21 @@ def test_another_ranks_retained_steps_make_room_for_a_ranks_first_snapshot_but_i
                                                                 (1, 9)]
     with pytest.raises(snaps.SnapshotError, match="does not fit"):
         write(store, key(10, rank=1), b"y" * 801)  # rank 0's two newest must stay: 200 + 801 > 1000
+
+
+def test_what_a_restore_may_still_load_is_not_taken_to_make_room(tmp_path):
+    """Another job's steps, and a stopped generation's steps of a rank with nothing newer here (a lost node's
+    survivors' copies, which the next generation is about to load), stay however old: the snapshot is refused."""
+    from phalanx.clock import FakeClock
+    clock = FakeClock()
+    store = snaps.SnapshotStore(tmp_path, budget_bytes=1000, keep=2, clock=clock, retain_s=3.0)
+    for step in range(4):
+        write(store, key(step, job="job-2"), b"o" * 100)  # another job's, retained
+        replica(store, key(step, rank=1, generation=1), b"s" * 100)  # rank 1's copies: generation 2 restores them
+        clock.advance(0.05)
+    with pytest.raises(snaps.SnapshotError, match="does not fit"):
+        write(store, key(9, rank=0, generation=2), b"x" * 300)
+    assert len(store.held()) == 8
 
 
 def test_the_safe_step_is_the_newest_one_every_rank_has_on_two_nodes():
