@@ -714,6 +714,13 @@ def test_a_hang_found_before_its_culprits_silence_can_show_waits_for_that_nodes_
     t[0].observe(39, 0.0, [], later, steps=0)
     incident = detect(ranks, nodes, t, later, cfg)
     assert incident.kind == "hang" and incident.nodes == ("b",), incident
+    # A whole job stuck with every trainlib reporting is not held: neither a heartbeat that came a little after its
+    # rank's last report (heartbeats faster than trainlib's 0.5 s reports), nor a node heard at no known time.
+    t[1].observe(39, 0.0, [], later - 0.3, steps=0)
+    assert detect(ranks, nodes, t, later, cfg).reason.endswith("none is silent: restart in place")
+    t[1].observe(39, 0.0, [], later - 1.5, steps=0)
+    nodes["b"] = NodeView("b", False, HEALTHY, "")  # heard_at 0: unknown
+    assert detect(ranks, nodes, t, later, cfg).reason.endswith("none is silent: restart in place")
 
 
 def allocation_sim(**kw) -> Sim:

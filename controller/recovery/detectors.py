@@ -120,7 +120,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
             quiet = ", ".join(f"rank {r} for {now - tracks[r].last_report:.1f}s" for r in silent)
             return Incident("hang", False, bad, f"{hangs[0].reason}; trainlib is silent too (on {', '.join(bad)}): "
                                                 f"{quiet}")
-        if monitors.undecided(tracks, heard, cfg.silent_s):
+        known = {r.rank: nodes[r.node].heard_at for r in ranks if r.node in nodes and nodes[r.node].heard_at}
+        if monitors.undecided(tracks, known, now, cfg.silent_s):
             return None  # a silent rank's node is due to be heard from: its next heartbeat names the culprit
         return Incident("hang", False, (), f"{hangs[0].reason}; every rank is stuck and none is silent: restart in "
                                            "place")

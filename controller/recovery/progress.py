@@ -156,7 +156,8 @@ def vouching(tracks: Mapping[int, RankTrack], now: float, silent_s: float) -> Ca
     return vouched
 
 
-HEARD_SINCE_S = 0.1  # a node heard this long after a rank's last report was heard without one from it
+# A node heard this long after a rank's last report (trainlib reports every 0.5 s) was heard without one from it.
+HEARD_SINCE_S = 0.6
 
 
 def culprits(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: float, silent_s: float) -> list[int]:
@@ -170,13 +171,15 @@ def culprits(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: f
             and now - t.last_advance >= silent_s]
 
 
-def undecided(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], silent_s: float) -> list[int]:
-    """The ranks that may be falling silent: their node was heard from since their last report (which comes in a
-    heartbeat: a rank that reports has its last report when its node was last heard), but not yet `silent_s`
-    after it. With hang_min_s no longer than silent_s (both 2 s by default) the peers waiting for a stopped
-    rank cross the hang limit before its silence can show; judged then, with no culprit, the job would restart
-    in place and keep the stopped rank's node. Its node's next heartbeats decide, within silent_s."""
-    return [rank for rank, t in sorted(tracks.items()) if rank in heard
+def undecided(tracks: Mapping[int, RankTrack], heard: Mapping[int, float], now: float, silent_s: float) -> list[int]:
+    """The ranks that may be falling silent: their node was heard from since their last report without a new one
+    (a rank that reports has its last report when its node was last heard: reports ride on heartbeats), by more
+    than trainlib's report interval, but not yet by `silent_s`. With hang_min_s no longer than silent_s (both 2 s
+    by default) the peers waiting for a stopped rank cross the hang limit before its silence can show; judged
+    then, with no culprit, the job would restart in place and keep the stopped rank's node. Its node's next
+    heartbeats decide, within silent_s; `heard` names only the nodes heard from at a known time, and a rank
+    silent for twice silent_s waits no more (its node's own silence is liveness's to judge)."""
+    return [rank for rank, t in sorted(tracks.items()) if rank in heard and now - t.last_report < 2 * silent_s
             and HEARD_SINCE_S < heard[rank] - t.last_report < silent_s]
 
 
