@@ -111,6 +111,7 @@ class Link:
         self._standing_by: dict[str, float] = {}  # controller -> its StandingBy.takeover_s, while parked there
         self._lost_at = 0.0  # when the last session that was open ended
         self._older_since: float | None = None  # since when every controller reached led an epoch older than seen
+        self._older_last = 0.0  # the last time one did
 
     @property
     def heartbeats_sent(self) -> int:
@@ -397,8 +398,9 @@ class Link:
             self._older_since = None
             return
         now = self._clock.monotonic()
-        if self._older_since is None:
-            self._older_since = now
+        if self._older_since is None or now - self._older_last > EPOCH_RESET_S / 2:
+            self._older_since = now  # afresh after a long spell with no controller's answer: not every one refused
+        self._older_last = now
         if now - self._older_since < EPOCH_RESET_S:
             raise ConnectionError(f"controller {self.controller} leads epoch {epoch}, older than epoch "
                                   f"{self.state.epoch} seen before: a deposed leader; trying another")

@@ -209,7 +209,8 @@ class StoreConfig:
     etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops: commits with more records are split into "
                                     "transactions of this size")
     lease_ttl_s: int = setting(2, "seconds of the leader's etcd lease: a dead leader is replaced this long after "
-                               "its last renewal (etcd's minimum is about 2)")
+                               "its last renewal (2 to 60: etcd's minimum is about 2, and agents take older "
+                               "epochs for a reset after a minute)")
     name: str = setting("", "this controller's name among the members (default: the host name)")
     advertise: str = setting("", "host:port clients and agents reach this controller at, told to them by "
                              "standbys (default: the host name and the port of `listen`)")
@@ -226,8 +227,9 @@ class StoreConfig:
                 host_port("store.etcd_endpoints", e, "10.0.0.1:2379")
             if self.advertise:
                 host_port("store.advertise", self.advertise, "ctl1.example:7370")
-        require(self.lease_ttl_s >= 2, f"store.lease_ttl_s ({self.lease_ttl_s}) must be at least 2 (etcd refuses "
-                "shorter leases)")
+        require(2 <= self.lease_ttl_s <= 60, f"store.lease_ttl_s ({self.lease_ttl_s}) must be from 2 (etcd refuses "
+                "shorter leases) to 60 (a deposed leader must learn it well within the minute after which agents "
+                "take older epochs for a reset)")
         positive("store.etcd_timeout_s", self.etcd_timeout_s)
         require(self.etcd_max_txn_ops >= 16, f"store.etcd_max_txn_ops ({self.etcd_max_txn_ops}) must be at least 16")
         require(self.takeover_grace_s >= 0, "store.takeover_grace_s must not be negative")

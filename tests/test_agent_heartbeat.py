@@ -345,6 +345,13 @@ def test_an_older_epoch_is_refused_until_every_controller_has_led_it_for_a_minut
     with pytest.raises(ConnectionError, match="deposed"):
         link._check_epoch(0)
     assert link.state.epoch == 5 and not events
+    clock.advance(EPOCH_RESET_S)  # a long spell with no answer at all: the next older epoch starts the count afresh
+    with pytest.raises(ConnectionError, match="deposed"):
+        link._check_epoch(0)
+    for _ in range(int(EPOCH_RESET_S) - 1):
+        clock.advance(1)
+        with pytest.raises(ConnectionError, match="deposed"):
+            link._check_epoch(0)
     clock.advance(1)
     link._check_epoch(0)
     assert link.state.epoch == 0 and events == [("epoch_reset", {"epoch": "0", "previous_epoch": "5"})]

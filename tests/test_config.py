@@ -46,6 +46,9 @@ def test_defaults_without_a_file():
     ("[recovery]\nstraggler_window = 5\nstraggler_min_samples = 5",
      "recovery.straggler_window (5) must be at least 6: straggler_cost splits it in thirds and leaves out each "
      "third's slowest step"),
+    ("[store]\nlease_ttl_s = 90", "store.lease_ttl_s (90) must be from 2 (etcd refuses shorter leases) to 60 (a "
+                                  "deposed leader must learn it well within the minute after which agents take older "
+                                  "epochs for a reset)"),
 ])
 def test_controller_config_errors(tmp_path, text, message):
     path = write(tmp_path, text)
