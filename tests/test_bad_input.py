@@ -208,3 +208,26 @@ def test_fencing_does_not_stop_the_session_reader(controller):
     assert (info.value.code(), info.value.details()) == (INVALID, "the session is already open")
     assert time.monotonic() - started < COMMAND_TIMEOUT_S - 0.5  # read at once, not after the command timeout
     still_serving(c)
+
+
+def test_an_agent_event_whose_fields_are_named_like_the_events_own_is_logged_not_fatal(controller):
+    """An agent's event fields are free-form: one named `kind`, `message` or `node` once collided with the event's
+    own keywords (TypeError: the node's session ended with INTERNAL). A field `job` naming a job files the event
+    under it, so `events --job` shows it."""
+    c, nodes = controller
+    reply = nodes.Register(node_pb2.RegisterRequest(node_name="e1", inventory=inventory()), timeout=5)
+    outbox: queue.Queue = queue.Queue()
+    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="e1", incarnation=reply.incarnation)))
+    call = nodes.Session(iter(outbox.get, None), timeout=30)
+    assert next(call).WhichOneof("body") == "accepted"
+    fields = {"kind": "k", "message": "m", "node": "n", "job": "job-77"}
+    outbox.put(node_pb2.AgentMessage(event=node_pb2.AgentEvent(kind="odd_fields", message="fields", fields=fields)))
+    c.wait_for(lambda: any(e.kind == "agent.odd_fields" for e in c.control.ListEvents(
+        control_pb2.ListEventsRequest(node="e1"), timeout=5).events), "the agent's event")
+    event = next(e for e in c.control.ListEvents(control_pb2.ListEventsRequest(job="job-77"), timeout=5).events)
+    assert (event.kind, event.node, event.job) == ("agent.odd_fields", "e1", "job-77")
+    assert {k: event.fields[k] for k in fields} == fields
+    assert c.node("e1").connected  # the session goes on
+    outbox.put(None)
+    assert list(call) == []  # and ends when the agent ends it, with OK
+    still_serving(c)
