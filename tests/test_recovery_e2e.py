@@ -75,9 +75,10 @@ def started4(cluster, nodes=NODES, controller=CONTROLLER):
     return cluster
 
 
-def start(cluster, tmp_path, *load, every="20"):
+def start(cluster, tmp_path, *load, every="20", env=()):
     out = tmp_path / "checksum.txt"
     result = phalanx(cluster, "submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     *(a for kv in env for a in ("--env", kv)),
                      "--", sys.executable, TRAIN, "--steps", str(STEPS), *(load or ("--step-time", "0.05")),
                      "--every", every, "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -91,6 +92,14 @@ def start(cluster, tmp_path, *load, every="20"):
     else:
         raise AssertionError("training did not get under way")
     return job_id, out
+
+
+def start_snapshotting(cluster, tmp_path):
+    """A job printing every step, with no disk checkpoint to speak of and a snapshot every step (not tuned to the
+    3 % budget: on a loaded machine the tuning can double the interval, and these tests count the steps a restore
+    recomputes)."""
+    return start(cluster, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000",
+                 env=("PHALANX_SNAPSHOT_EVERY=1",))
 
 
 def account(cluster, job_id):
@@ -129,26 +138,31 @@ def test_a_failing_gpu_is_checkpointed_then_evicted_with_no_step_lost(cluster4, 
     assert "CHECKPOINTING" in j["seconds_in_state"] and "EVICTING" in j["seconds_in_state"]
 
 
-def test_an_xid_79_resumes_from_the_in_memory_snapshots_recomputing_at_most_a_step_or_two(cluster4, tmp_path,
+def test_an_xid_79_resumes_from_the_in_memory_snapshots_recomputing_a_few_steps_at_most(cluster4, tmp_path,
                                                                                             reference):
-    job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+    job_id, out = start_snapshotting(cluster4, tmp_path)
     victim = job(cluster4, job_id)["nodes"][1]  # rank 1's: rank 0's log of both generations stays on one node
     assert phalanx(cluster4, "inject", victim, "--gpu", "0", "xid=79").returncode == 0
     j = finish(cluster4, job_id, out, reference)
     assert victim in j["evicted"]
     kinds = [e["kind"] for e in events(cluster4, job_id)]
     assert "job.checkpointed" not in kinds  # sudden: nothing to save, resume from the newest whole snapshot
-    assert_recomputed_at_most_two_steps(cluster4, job_id)
+    assert_recomputed_a_few_steps_at_most(cluster4, job_id)
 
 
-def assert_recomputed_at_most_two_steps(cluster, job_id):
+def assert_recomputed_a_few_steps_at_most(cluster, job_id):
     """A sudden failure with snapshots every step and no disk checkpoint: the next generation resumed from a
-    snapshot at most two steps behind the last step rank 0 finished (one in a quiet run: the step being
-    snapshotted when the ranks stopped; a busy machine can make a writer skip one, never more)."""
+    snapshot a few steps at most behind the last step rank 0 finished (RECOMPUTED_AT_MOST)."""
     restore = next(e for e in events(cluster, job_id) if e["kind"] == "job.snapshot_restore")["message"]
     assert "in-memory snapshot of step" in restore, restore
     logs = phalanx(cluster, "logs", job_id, "--rank", "0").stdout
-    assert 0 <= last_step_before_restart(logs) - resumed_step(logs) <= 2, logs[-3000:]
+    assert 0 <= last_step_before_restart(logs) - resumed_step(logs) <= RECOMPUTED_AT_MOST, logs[-3000:]
+
+
+# One in a quiet run (the step being snapshotted when the ranks stopped; `make bench` measures it). On a loaded machine
+# a rank's writer can fall behind: one snapshot being written, one queued, the next one due skipped; a rank killed
+# or frozen (SIGSTOP) then leaves three steps behind its last. Without the snapshots it would be every step run.
+RECOMPUTED_AT_MOST = 3
 
 
 def test_a_straggler_is_found_checkpointed_and_replaced(cluster, tmp_path, reference):
@@ -165,13 +179,13 @@ def test_a_straggler_is_found_checkpointed_and_replaced(cluster, tmp_path, refer
 
 
 def test_a_hung_rank_is_found_and_restarted_from_the_in_memory_snapshots(cluster4, tmp_path, reference):
-    job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+    job_id, out = start_snapshotting(cluster4, tmp_path)
     victim = job(cluster4, job_id)["nodes"][1]
     assert phalanx(cluster4, "inject", victim, "--gpu", "0", "hang").returncode == 0
     j = finish(cluster4, job_id, out, reference)
     incident = next(e for e in events(cluster4, job_id) if e["kind"] == "job.incident")["message"]
     assert "hang" in incident and victim in j["evicted"]
-    assert_recomputed_at_most_two_steps(cluster4, job_id)
+    assert_recomputed_a_few_steps_at_most(cluster4, job_id)
 
 
 def test_a_killed_agent_is_a_lost_node_and_the_job_restarts(cluster4, tmp_path, reference):
@@ -254,9 +268,9 @@ def resumed_step(logs: str) -> int:
     return int(logs.split("resumed from step ")[1].split()[0])
 
 
-def test_a_killed_rank_resumes_from_the_in_memory_snapshots_recomputing_at_most_a_step_or_two(cluster4, tmp_path,
+def test_a_killed_rank_resumes_from_the_in_memory_snapshots_recomputing_a_few_steps_at_most(cluster4, tmp_path,
                                                                                               reference):
-    job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+    job_id, out = start_snapshotting(cluster4, tmp_path)
     await_standbys(cluster4, job_id, job(cluster4, job_id)["nodes"])
     rank1 = next(r for r in job(cluster4, job_id)["ranks"] if r["rank"] == 1)
     os.kill(int(rank1["pid"]), signal.SIGKILL)
@@ -267,14 +281,11 @@ def test_a_killed_rank_resumes_from_the_in_memory_snapshots_recomputing_at_most_
     assert any(e["kind"] == "agent.snapshot_restored" and e["job"] == job_id for e in events(cluster4, job_id))
     logs = phalanx(cluster4, "logs", job_id, "--rank", "0").stdout
     assert started_warm(logs, 2) and not started_warm(logs, 1)  # the restart took the standby
-    recomputed = last_step_before_restart(logs) - resumed_step(logs)
-    # At most one in a quiet run (the step being snapshotted when the rank died); a busy machine can make the
-    # writer skip one, never more: every step's snapshot is due, and a skipped one is taken at the next step.
-    assert 0 <= recomputed <= 2, logs[-3000:]
+    assert 0 <= last_step_before_restart(logs) - resumed_step(logs) <= RECOMPUTED_AT_MOST, logs[-3000:]
 
 
 def test_a_lost_node_resumes_from_its_ranks_replica_on_another_node(cluster4, tmp_path, reference):
-    job_id, out = start(cluster4, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+    job_id, out = start_snapshotting(cluster4, tmp_path)
     await_standbys(cluster4, job_id, job(cluster4, job_id)["spares"])
     victim = job(cluster4, job_id)["nodes"][1]
     cluster4.kill(victim, signal.SIGKILL)
@@ -346,7 +357,7 @@ def test_a_lost_node_on_a_cluster_with_mutual_tls_resumes_from_a_replica_sent_ov
     cluster = Cluster(tmp_path / "cluster", pki=ca)
     try:
         started4(cluster, NODES[:3])
-        job_id, out = start(cluster, tmp_path, "--step-time", "0.05", "--print-every", "1", every="100000")
+        job_id, out = start_snapshotting(cluster, tmp_path)
         victim = job(cluster, job_id)["nodes"][1]
         cluster.kill(victim, signal.SIGKILL)
         j = finish(cluster, job_id, out, reference)
