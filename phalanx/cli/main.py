@@ -384,7 +384,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     if len(names) > 1:
         known = {n.node for n in nodes}
         missing = [n for n in names if n not in known]
-        nodes = [n for n in nodes if n.node in set(names)]
+        wanted = set(names)
+        nodes = [n for n in nodes if n.node in wanted]
     else:
         missing = []
     if args.output == "json":
