@@ -185,16 +185,23 @@ def test_events_after_a_cursor_past_every_event(controller):
     still_serving(c)
 
 
+def open_session(nodes, name: str, timeout: float):
+    """Register `name` and open its session by hand: (the registration, the queue its messages go in, the call),
+    past the controller's SessionAccepted."""
+    reply = nodes.Register(node_pb2.RegisterRequest(node_name=name, inventory=inventory()), timeout=5)
+    outbox: queue.Queue = queue.Queue()
+    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name=name, incarnation=reply.incarnation)))
+    call = nodes.Session(iter(outbox.get, None), timeout=timeout)
+    assert next(call).WhichOneof("body") == "accepted"
+    return reply, outbox, call
+
+
 def test_fencing_does_not_stop_the_session_reader(controller):
     """The controller fences a stale rank with a StopRanks command, which the agent answers on the session: the
     reader once awaited that answer itself, so it sat out the command timeout with the answer unread and the
     node's heartbeats unread too (long enough to declare a healthy node DOWN)."""
     c, nodes = controller
-    reply = nodes.Register(node_pb2.RegisterRequest(node_name="f1", inventory=inventory()), timeout=5)
-    outbox: queue.Queue = queue.Queue()
-    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="f1", incarnation=reply.incarnation)))
-    call = nodes.Session(iter(outbox.get, None), timeout=10)
-    assert next(call).WhichOneof("body") == "accepted"
+    reply, outbox, call = open_session(nodes, "f1", timeout=10)
     stale = node_pb2.RankStatus(job="job-404", generation=1, rank=0, state=common_pb2.RANK_STATE_RUNNING)
     outbox.put(node_pb2.AgentMessage(heartbeat=node_pb2.Heartbeat(seq=1, ranks=[stale])))
     command = next(call).command
@@ -215,11 +222,7 @@ def test_an_agent_event_whose_fields_are_named_like_the_events_own_is_logged_not
     own keywords (TypeError: the node's session ended with INTERNAL). A field `job` naming a job files the event
     under it, so `events --job` shows it."""
     c, nodes = controller
-    reply = nodes.Register(node_pb2.RegisterRequest(node_name="e1", inventory=inventory()), timeout=5)
-    outbox: queue.Queue = queue.Queue()
-    outbox.put(node_pb2.AgentMessage(open=node_pb2.SessionOpen(node_name="e1", incarnation=reply.incarnation)))
-    call = nodes.Session(iter(outbox.get, None), timeout=30)
-    assert next(call).WhichOneof("body") == "accepted"
+    _, outbox, call = open_session(nodes, "e1", timeout=30)
     fields = {"kind": "k", "message": "m", "node": "n", "job": "job-77"}
     outbox.put(node_pb2.AgentMessage(event=node_pb2.AgentEvent(kind="odd_fields", message="fields", fields=fields)))
     c.wait_for(lambda: any(e.kind == "agent.odd_fields" for e in c.control.ListEvents(
