@@ -60,6 +60,9 @@ def test_injected_faults_drive_verdicts_drains_and_nvrx(cluster):
     assert phalanx(cluster, "undrain", "node-a").returncode == 0
     cluster.wait_states({"node-a": "DRAINED"})
     assert cluster.node("node-a").drain_reason == "health FAILED: GPU 1: GPU is lost (fell off the bus)"
+    events = cluster.control.ListEvents(control_pb2.ListEventsRequest(node="node-a"), timeout=5).events
+    assert [e.fields.get("by", "") for e in events if e.kind == "node.drain"] == ["", ""]  # the policy's, both
+    assert next(e for e in events if e.kind == "node.undrain").fields["by"]  # the operator's
 
     # the GPU comes back (the undrain already forgot the XID): healthy, but out of service until undrained
     assert phalanx(cluster, "inject", "node-a", "--gpu", "1", "clear").returncode == 0
