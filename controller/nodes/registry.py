@@ -13,7 +13,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -559,12 +559,9 @@ class Registry:
 
     async def agent_event(self, entry: NodeEntry, kind: str, message: str, fields: dict[str, str]) -> None:
         async with self._lock:
-            # the agent's fields as a dict, not keywords: one named `kind`, `message` or `node` is a field like another
-            kind = f"agent.{kind}"
-            event = EventRecord(kind=kind, message=message, time_ns=self._clock.wall_ns(), node=entry.record.name,
-                                # about a job (a snapshot restored...): `events --job` shows it
-                                job=fields["job"] if NAME.fullmatch(fields.get("job", "")) else "",
-                                fields={**fields, **access.by(kind)})
+            event = self._event(f"agent.{kind}", message, entry.record.name, **fields)
+            if NAME.fullmatch(fields.get("job", "")):  # about a job (a snapshot restored...): `events --job` shows it
+                event = replace(event, job=fields["job"])
             committed = await self._store.commit(events=[event])
             self._hub.publish(committed.events)
 
@@ -741,7 +738,8 @@ class Registry:
                         fields=event.fields)
         self._hub.publish(committed.events)
 
-    def _event(self, kind: str, message: str, node: str, **fields: str) -> EventRecord:
+    def _event(self, kind: str, message: str, node: str, /, **fields: str) -> EventRecord:
+        """An event of this node; `fields` are free-form (positional-only parameters: a field may be named `kind`)."""
         return EventRecord(kind=kind, message=message, time_ns=self._clock.wall_ns(), node=node,
                            fields={**fields, **access.by(kind)})
 

@@ -380,14 +380,11 @@ def cmd_health(args: argparse.Namespace) -> int:
     names = node_names(args.node) if args.node else []
     one = names[0] if len(names) == 1 else ""
     reply = call(args, lambda s: s.GetHealth(control_pb2.GetHealthRequest(node=one), timeout=DEFAULT_TIMEOUT_S))
-    nodes = list(reply.nodes)
+    nodes, missing = list(reply.nodes), []
     if len(names) > 1:
-        known = {n.node for n in nodes}
+        known, wanted = {n.node for n in nodes}, set(names)
         missing = [n for n in names if n not in known]
-        wanted = set(names)
         nodes = [n for n in nodes if n.node in wanted]
-    else:
-        missing = []
     if args.output == "json":
         print(render.dumps([render.health_dict(n) for n in nodes]))
     elif nodes or not missing:
