@@ -95,6 +95,10 @@ class AgentConfig:
     snapshot_listen: str = setting("", "host:port serving snapshot replicas to peer agents, over mutual TLS with "
                                    "this node's certificate (plain gRPC with security.insecure); empty = every "
                                    "address (insecure: the advertise address, else 127.0.0.1), on a free port")
+    snapshot_bulk_port: int = setting(0, "TCP port on the host of snapshot_listen that peers restoring a rank read "
+                                      "snapshots from, faster than gRPC (mutual TLS as the service; a one-time "
+                                      "ticket from the service); 0 = a free port, -1 = none (restores stream over "
+                                      "gRPC)")
     warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
                                "here, or the controller asks a spare for), so a restart skips starting Python and "
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")
@@ -127,6 +131,8 @@ class AgentConfig:
             host_port("metrics_listen", self.metrics_listen, "0.0.0.0:7372")
         if self.snapshot_listen:
             host_port("snapshot_listen", self.snapshot_listen, "10.0.0.5:7373")
+        require(-1 <= self.snapshot_bulk_port < 65536, f"snapshot_bulk_port ({self.snapshot_bulk_port}) must be a "
+                "port (1-65535), 0 for a free one or -1 for none")
         if self.cgroup_parent:
             require(bool(_NODE_NAME.fullmatch(self.cgroup_parent.strip("/").replace("/", "-"))),
                     f"cgroup_parent ({self.cgroup_parent!r}) must be a relative cgroup path of letters, digits, "

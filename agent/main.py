@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 
+from agent import bulk, local_server, renewal
 from agent import config as agent_config
-from agent import local_server, renewal
 from agent import metrics as agent_metrics
 from agent import nvrx as nvrx_service
 from agent import snapshots as snaps
@@ -321,6 +321,7 @@ class Agent:
                 self._no_replicas(str(e))
                 return None
             self.snapshots.replicator.credentials = tls.channel_credentials(identity.ca, identity.cert, identity.key)
+            self.snapshots.replicator.tls_files = bulk.TlsFiles(sec.ca_file, sec.cert_file, sec.key_file)
             if not tls.serves_tls(identity.cert):
                 self._no_replicas(f"certificate {sec.cert_file} may not serve TLS (no serverAuth: issued before "
                                   "replicas used TLS); move the node's old certificate and key aside on the CA host "
@@ -329,18 +330,35 @@ class Agent:
             server_credentials = tls.server_credentials(identity)
         default_host = "0.0.0.0" if server_credentials is not None else self.cfg.advertise_address or "127.0.0.1"
         listen = self.cfg.snapshot_listen or f"{default_host}:0"
+        bulk_server = self._serve_bulk(listen.rpartition(":")[0], self.snapshots.replicator.tls_files)
         try:
-            service = snaps.SnapshotService(self.snapshots.store, self._emit, nodes_only=server_credentials is not None)
+            service = snaps.SnapshotService(self.snapshots.store, self._emit, nodes_only=server_credentials is not None,
+                                            bulk_server=bulk_server)
             server, address = await snaps.serve(listen, service, server_credentials)
         except (OSError, RuntimeError) as e:
+            if bulk_server is not None:
+                bulk_server.close()
             self._no_replicas(f"cannot serve them at {listen}: {e}")
             return None
+        self.snapshots.bulk = bulk_server
         host, _, port = address.rpartition(":")
         # On all addresses: the controller tells peers the address it knows this node by.
         self._static.snapshot_address = f":{port}" if host in ("0.0.0.0", "[::]", "::") else address
         logger.info("snapshot service serving", address=address, tls=server_credentials is not None,
+                    bulk_port=bulk_server.port if bulk_server is not None else None,
                     budget_mb=self.snapshots.store.budget // 1_000_000)
         return server
+
+    def _serve_bulk(self, host: str, tls_files: bulk.TlsFiles | None) -> bulk.BulkServer | None:
+        """The bulk port restores read snapshots from (agent/bulk.py); without it, they stream over gRPC."""
+        if self.cfg.snapshot_bulk_port < 0:
+            return None
+        try:
+            return bulk.BulkServer(host, self.cfg.snapshot_bulk_port, tls_files)
+        except OSError as e:
+            logger.warning("snapshot bulk port not served; restores from this node stream over gRPC",
+                           host=host, port=self.cfg.snapshot_bulk_port, error=str(e))
+            return None
 
     def _no_replicas(self, why: str) -> None:
         logger.error("snapshot replicas not served; this node's snapshots stay unreplicated", reason=why)
@@ -451,6 +469,8 @@ class Agent:
                 await nvrx.stop(1.0)
             if peers is not None:
                 await peers.stop(1.0)
+            if self.snapshots is not None and self.snapshots.bulk is not None:
+                self.snapshots.bulk.close()
             if self.snapshots is not None:
                 await self.snapshots.replicator.close()
             self.supervisor.warm.close()

@@ -29,13 +29,15 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from agent import bulk
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.names import NAME
@@ -47,6 +49,7 @@ logger = log.get("snapshots")
 
 KEEP_STEPS = 4
 RETAIN_S = 3.0  # snapshots younger than this are kept: over two heartbeat intervals of the controller's view
+BULK_OPEN_S = 10.0  # asking a peer for a bulk ticket
 CHUNK = 512 << 10  # a stream message's data: well under MAX_REQUEST_BYTES with its header
 OWN, REPLICA = "own", "replica"
 _STEP = re.compile(r"^s(\d+)\.pt$")
@@ -148,12 +151,8 @@ class SnapshotStore:
 
     async def accept_replica(self, key: Key, size: int, crc32: int, chunks: AsyncIterator[bytes]) -> Held:
         """Write a peer's snapshot from its chunks, check its size and CRC-32, keep it. Raises SnapshotError."""
-        self._fit(key, size, REPLICA)
-        path = self.path(REPLICA, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        crc, written = 0, 0
-        try:
+        async def fill(tmp: Path) -> tuple[int, int]:
+            crc, written = 0, 0
             with open(tmp, "wb") as f:
                 async for data in chunks:
                     written += len(data)
@@ -162,6 +161,20 @@ class SnapshotStore:
                                             "bytes")
                     crc = zlib.crc32(data, crc)
                     f.write(data)
+            return written, crc
+
+        return await self.accept_replica_by(key, size, crc32, fill)
+
+    async def accept_replica_by(self, key: Key, size: int, crc32: int,
+                                fill: Callable[[Path], Awaitable[tuple[int, int]]]) -> Held:
+        """Keep a peer's snapshot that `fill` writes into the path it is given, returning the bytes written and
+        their CRC-32, once both match. Raises SnapshotError, or what `fill` raises (nothing is kept then)."""
+        self._fit(key, size, REPLICA)
+        path = self.path(REPLICA, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            written, crc = await fill(tmp)
             if written != size or crc != crc32:
                 raise SnapshotError(f"replica of rank {key.rank} of {key.job} step {key.step} arrived torn or "
                                     f"corrupt ({written} of {size} bytes, CRC-32 {crc:08x}, expected {crc32:08x})")
@@ -352,9 +365,11 @@ async def _chunks_of(path: Path, key: Key, size: int, crc32: int) -> AsyncIterat
 class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
     """Peers put replicas here and get snapshots back."""
 
-    def __init__(self, store: SnapshotStore, emit: Callable[..., None], nodes_only: bool = False) -> None:
+    def __init__(self, store: SnapshotStore, emit: Callable[..., None], nodes_only: bool = False,
+                 bulk_server: bulk.BulkServer | None = None) -> None:
         self._store, self._emit = store, emit
         self._nodes_only = nodes_only  # served with mutual TLS: only the cluster's nodes may put or get
+        self._bulk = bulk_server  # None: Open is refused and restores stream over Get
 
     async def _refuse_non_nodes(self, context, request_stream: AsyncIterator | None = None) -> None:
         """PERMISSION_DENIED unless the peer presented a node certificate. A refused client stream is read to
@@ -396,10 +411,7 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             return snapshot_pb2.PutReply(ok=False, error=str(e))
         return snapshot_pb2.PutReply(ok=True)
 
-    async def Get(self, request: snapshot_pb2.SnapshotKey, context):
-        """Stream a held snapshot with its recorded CRC-32; the receiver checks it (a corrupt file is refused there,
-        so reading it twice here would only halve the throughput)."""
-        await self._refuse_non_nodes(context)
+    async def _held(self, request: snapshot_pb2.SnapshotKey, context) -> Held:
         try:
             held = self._store.find(Key.of(request))
             if held is None:
@@ -407,8 +419,27 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
                                     f"(generation {request.generation}) here")
         except SnapshotError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return held
+
+    async def Get(self, request: snapshot_pb2.SnapshotKey, context):
+        """Stream a held snapshot with its recorded CRC-32; the receiver checks it (a corrupt file is refused there,
+        so reading it twice here would only halve the throughput)."""
+        await self._refuse_non_nodes(context)
+        held = await self._held(request, context)
         async for chunk in _chunks_of(held.path, held.key, held.size, held.crc32):
             yield chunk
+
+    async def Open(self, request: snapshot_pb2.SnapshotKey, context) -> snapshot_pb2.BulkTicket:
+        """A ticket to read a held snapshot from the bulk port (agent/bulk.py)."""
+        await self._refuse_non_nodes(context)
+        if self._bulk is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no snapshot bulk port; use Get")
+        held = await self._held(request, context)
+        try:
+            token = self._bulk.ticket(held.path, held.size)
+        except OSError as e:  # reclaimed since it was found
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"snapshot {held.path} is gone: {e.strerror}")
+        return snapshot_pb2.BulkTicket(size=held.size, crc32=held.crc32, port=self._bulk.port, token=token)
 
 
 class Replicator:
@@ -419,6 +450,7 @@ class Replicator:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self._store, self._emit = store, emit
         self.credentials = credentials  # mutual TLS to peers with this node's certificate; None: plaintext
+        self.tls_files: bulk.TlsFiles | None = None  # the same, for peers' bulk ports
         self.peers: dict[str, str] = {}  # job -> [NODE@]HOST:PORT of its peer's SnapshotService
         self._waiting: dict[tuple[str, int], Held] = {}
         self._busy: set[str] = set()
@@ -482,7 +514,44 @@ class Replicator:
         self.sent += 1
 
     async def fetch(self, source: str, key: Key) -> Held:
-        """Get `key` from the SnapshotService at `source` into this node's replicas. Raises SnapshotError."""
+        """Get `key` from the SnapshotService at `source` into this node's replicas: from its bulk port, else (a
+        peer without one, a port the network does not let through) as a gRPC stream. Raises SnapshotError."""
+        started, via = time.monotonic(), "bulk port"
+        try:
+            held = await self.fetch_bulk(source, key)
+        except bulk.BulkError as e:
+            logger.warning("snapshot bulk fetch failed; streaming it instead", source=source, job=key.job,
+                           rank=key.rank, step=key.step, error=str(e))
+            held = None
+        if held is None:
+            started, via = time.monotonic(), "gRPC stream"
+            held = await self.fetch_stream(source, key)
+        took = max(time.monotonic() - started, 1e-6)
+        logger.info("snapshot fetched", source=source, job=key.job, rank=key.rank, step=key.step, via=via,
+                    mb=round(held.size / 1e6, 1), seconds=round(took, 3), gbps=round(held.size / took / 1e9, 2))
+        return held
+
+    async def fetch_bulk(self, source: str, key: Key) -> Held | None:
+        """`key` read from the bulk port of `source`; None when it has none. Raises BulkError when the transfer
+        fails, SnapshotError when the peer does not have the snapshot or sends a corrupt one."""
+        node, _, address = source.rpartition("@")
+        try:
+            ticket = await self._stub(source).Open(key.pb(), timeout=BULK_OPEN_S)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+                return None
+            raise SnapshotError(f"fetching rank {key.rank} of {key.job} step {key.step} from {source} failed: "
+                                f"{e.code().name}: {e.details()}") from e
+        host, loop = address.rpartition(":")[0], asyncio.get_running_loop()
+
+        def fill(tmp: Path) -> Awaitable[tuple[int, int]]:  # on a worker thread: the event loop beats on
+            return loop.run_in_executor(None, bulk.receive, host, ticket.port, ticket.token, ticket.size, tmp,
+                                        self.tls_files, node)
+
+        return await self._store.accept_replica_by(key, ticket.size, ticket.crc32, fill)
+
+    async def fetch_stream(self, source: str, key: Key) -> Held:
+        """`key` streamed from `source` over gRPC. Raises SnapshotError."""
         stream = self._stub(source).Get(key.pb(), timeout=120)
         try:
             first = await stream.read()
@@ -523,6 +592,7 @@ class Snapshots:
 
     def __init__(self, store: SnapshotStore, replicator: Replicator, emit: Callable[..., None]) -> None:
         self.store, self.replicator, self._emit = store, replicator, emit
+        self.bulk: bulk.BulkServer | None = None  # the bulk port peers read this node's snapshots from
         # (job, generation)s told once that their snapshots do not fit: each generation's ranks turn their snapshots
         # off at the refusal, so a later generation refused again is news again
         self._refused: set[tuple[str, int]] = set()

@@ -135,6 +135,14 @@ def auth_context_of(der: bytes) -> dict[str, list[bytes]]:
     return {"x509_subject": [subject.encode()], "x509_pem_cert": [ssl.DER_cert_to_PEM_cert(der).encode()]}
 
 
+def der_identity(der: bytes) -> tuple[str, str] | None:
+    """(role, name) of a certificate (DER) that a TLS connection outside gRPC verified; None as peer_identity."""
+    try:
+        return parse_subject(auth_context_of(der)["x509_subject"][0].decode(errors="replace"))
+    except (ValueError, ImportError):
+        return None
+
+
 def peer_identity(context) -> tuple[str, str] | None:
     """(role, name) of the certificate a gRPC peer presented (mutual TLS); None without one or for a subject
     `phalanx certs` would not issue."""

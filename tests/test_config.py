@@ -66,6 +66,8 @@ def test_controller_config_errors(tmp_path, text, message):
     ("[labels]\nrack = 3", "labels.rack must be a string, not int 3"),
     ("[reconnect]\nmax_backoff_s = 0.1", "reconnect.max_backoff_s (0.1) must not be smaller than "
                                          "reconnect.initial_backoff_s (0.2)"),
+    ("snapshot_bulk_port = 70000", "snapshot_bulk_port (70000) must be a port (1-65535), 0 for a free one or -1 "
+                                   "for none"),
 ])
 def test_agent_config_errors(tmp_path, text, message):
     path = write(tmp_path, text)

@@ -284,6 +284,12 @@ def test_a_killed_rank_resumes_from_the_in_memory_snapshots_recomputing_a_few_st
     assert 0 <= last_step_before_restart(logs) - resumed_step(logs) <= RECOMPUTED_AT_MOST, logs[-3000:]
 
 
+def fetched_via(cluster, node: str) -> list[str]:
+    """How `node`'s agent fetched each snapshot it restored from a peer (its log's "snapshot fetched" lines)."""
+    lines = (cluster.root / f"{node}.log").read_text(errors="replace").splitlines()
+    return [json.loads(line)["via"] for line in lines if '"snapshot fetched"' in line]
+
+
 def test_a_lost_node_resumes_from_its_ranks_replica_on_another_node(cluster4, tmp_path, reference):
     job_id, out = start_snapshotting(cluster4, tmp_path)
     await_standbys(cluster4, job_id, job(cluster4, job_id)["spares"])
@@ -293,6 +299,7 @@ def test_a_lost_node_resumes_from_its_ranks_replica_on_another_node(cluster4, tm
     assert victim in j["evicted"]
     restore = next(e for e in events(cluster4, job_id) if e["kind"] == "job.snapshot_restore")["message"]
     assert restore.endswith(f"fetched from {j['nodes'][0]}"), restore  # the survivor held the lost ranks' replicas
+    assert fetched_via(cluster4, j["nodes"][1]) == ["bulk port"]  # the spare read its rank's snapshot
     logs = phalanx(cluster4, "logs", job_id, "--rank", "1").stdout
     assert "restored its in-memory snapshot of step" in logs and resumed_step(logs) > 0
     assert started_warm(logs, 2)  # on the spare, from the standby it held for the job
@@ -368,5 +375,6 @@ def test_a_lost_node_on_a_cluster_with_mutual_tls_resumes_from_a_replica_sent_ov
         served = [line for line in (tmp_path / "cluster" / f"{j['nodes'][0]}.log").read_text().splitlines()
                   if "snapshot service serving" in line]
         assert served and '"tls": true' in served[0], served
+        assert fetched_via(cluster, j["nodes"][1]) == ["bulk port"]  # over its mutual TLS too
     finally:
         cluster.close()

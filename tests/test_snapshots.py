@@ -2,11 +2,14 @@
 checked against their CRC-32 — and the controller's choice of which step a new generation restores."""
 
 import asyncio
+import socket
+import threading
 import time
 import zlib
 
 import pytest
 
+from agent import bulk
 from agent import snapshots as snaps
 from controller.recovery import snapshots as plan
 from phalanx.v1 import node_pb2
@@ -108,10 +111,27 @@ def test_a_new_life_of_the_same_job_id_never_sees_the_old_ones_snapshots(tmp_pat
     assert store.held() == []
 
 
-async def serving(tmp_path, name):
+BULK_SERVERS: list[bulk.BulkServer] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_bulk_servers():
+    yield
+    while BULK_SERVERS:
+        BULK_SERVERS.pop().close()
+
+
+def bulk_server(tls_files: bulk.TlsFiles | None = None) -> bulk.BulkServer:
+    BULK_SERVERS.append(bulk.BulkServer("127.0.0.1", 0, tls_files))
+    return BULK_SERVERS[-1]
+
+
+async def serving(tmp_path, name, bulk_port=True):
+    """A node's snapshot service as its agent serves it: with a bulk port unless told otherwise."""
     store = snaps.SnapshotStore(tmp_path / name, budget_bytes=1 << 30)
     events = []
-    server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(store, lambda *a, **k: events.append(a)))
+    server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(
+        store, lambda *a, **k: events.append(a), bulk_server=bulk_server() if bulk_port else None))
     return store, server, address, events
 
 
@@ -195,6 +215,75 @@ def test_a_replica_that_arrives_corrupt_or_torn_is_not_kept(tmp_path):
         assert store.held() == [] and not list((tmp_path / "replica").rglob("*.pt*"))
 
     asyncio.run(scenario())
+
+
+def test_a_restore_reads_the_bulk_port_and_streams_when_the_peer_has_none_or_it_cannot_be_reached(tmp_path):
+    async def scenario():
+        data = bytes(range(256)) * 40_000  # 10 MB: several of the receiver's reads
+        stores, servers, fetched = {}, [], []
+        for name, bulk_port in (("bulk", True), ("stream", False), ("closed", True)):
+            store, server, address, _ = await serving(tmp_path, name, bulk_port)
+            write(store, key(5), data)
+            stores[name], servers = (store, address, BULK_SERVERS[-1] if bulk_port else None), [*servers, server]
+        BULK_SERVERS[-1].close()  # "closed": its port refuses connections, as a firewall would
+        for name in ("bulk", "stream", "closed"):
+            here = snaps.SnapshotStore(tmp_path / f"here-{name}", budget_bytes=1 << 30)
+            replicator = snaps.Replicator(here, lambda *x, **k: None)
+            held = await replicator.fetch(f"{name}@{stores[name][1]}", key(5))
+            fetched.append((held.path.read_bytes() == data, held.kind, here.held() == [held]))
+            await replicator.close()
+        assert fetched == [(True, snaps.REPLICA, True)] * 3
+        assert [s.served if s else None for _, _, s in stores.values()] == [1, None, 0]
+        for server in servers:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_the_bulk_port_sends_nothing_without_a_live_ticket_and_goes_on_serving(tmp_path):
+    """A ticket is good for one connection, within its time; a wrong, reused or missing token gets the connection
+    closed without a byte of the file; a torn transfer is an error the fetch can fall back from."""
+    data = b"rank 0 at step 3 " * 10_000
+    store = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+    held = write(store, key(3), data)
+    server = bulk_server()
+
+    def read_with(token: bytes, close_early: bool = False) -> bytes:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(token)
+            if close_early:
+                return b""
+            out = b""
+            while more := sock.recv(1 << 16):
+                out += more
+            return out
+
+    token = server.ticket(held.path, held.size)
+    assert read_with(bulk.secrets.token_bytes(bulk.TOKEN_BYTES)) == b""  # not a ticket's
+    assert read_with(token[:5], close_early=True) == b""  # the client went away mid-token
+    assert read_with(token) == data
+    assert read_with(token) == b""  # used
+    expired = server.ticket(held.path, held.size)
+    server._tickets[expired].expires = time.monotonic() - 1
+    assert read_with(expired) == b""
+    received = tmp_path / "received"
+    assert bulk.receive("127.0.0.1", server.port, server.ticket(held.path, held.size), held.size,
+                        received) == (len(data), zlib.crc32(data))
+    assert received.read_bytes() == data and server.served == 2
+
+    # a peer that dies mid-transfer: the receiver says how far it got
+    half = socket.create_server(("127.0.0.1", 0))
+
+    def send_half():
+        conn, _ = half.accept()
+        with conn:
+            conn.recv(bulk.TOKEN_BYTES)
+            conn.sendall(data[: len(data) // 2])
+
+    threading.Thread(target=send_half, daemon=True).start()
+    with pytest.raises(bulk.BulkError, match=f"after {len(data) // 2} of {len(data)} bytes"):
+        bulk.receive("127.0.0.1", half.getsockname()[1], token, len(data), tmp_path / "torn")
+    half.close()
 
 
 def held(job, generation, rank, step, replica=False):
@@ -467,12 +556,17 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
     def identity(name):
         return tls.Identity.load(str(ca / "ca.crt"), str(ca / f"{name}.crt"), str(ca / f"{name}.key"))
 
+    def files(name):
+        return bulk.TlsFiles(str(ca / "ca.crt"), str(ca / f"{name}.crt"), str(ca / f"{name}.key"))
+
     assert tls.serves_tls(identity("node-b").cert) and not tls.serves_tls(identity("alice").cert)
 
     async def scenario():
         b = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+        b_bulk = bulk_server(files("node-b"))
         server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(b, lambda *x, **k: None,
-                                                                                  nodes_only=True),
+                                                                                  nodes_only=True,
+                                                                                  bulk_server=b_bulk),
                                             tls.server_credentials(identity("node-b")))
         a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
         held = write(a, key(7), bytes(range(256)) * 8000)
@@ -496,8 +590,18 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
             me = identity("node-a")
             fetcher = snaps.Replicator(snaps.SnapshotStore(tmp_path / "c", budget_bytes=1 << 30),
                                        lambda *x, **k: None, tls.channel_credentials(me.ca, me.cert, me.key))
+            fetcher.tls_files = files("node-a")
             fetched = await fetcher.fetch(f"node-b@{address}", key(7))
             assert fetched.path.read_bytes() == held.path.read_bytes()
+            assert b_bulk.served == 1  # over the bulk port, under the same mutual TLS
+            # the bulk port checks certificates as the service does: a user's gets nothing even with a live ticket,
+            # and a server that is not the node named is not read from
+            b_held = b.find(key(7))
+            for who, server_node in (("alice", "node-b"), ("node-a", "node-c")):
+                with pytest.raises(bulk.BulkError):
+                    bulk.receive("127.0.0.1", b_bulk.port, b_bulk.ticket(b_held.path, b_held.size), b_held.size,
+                                 tmp_path / "stolen", files(who), server_node)
+            assert b_bulk.served == 1
             await fetcher.close()
         finally:
             await server.stop(None)

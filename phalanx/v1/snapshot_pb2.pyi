@@ -29,6 +29,18 @@ class SnapshotChunk(_message.Message):
     data: bytes
     def __init__(self, key: _Optional[_Union[SnapshotKey, _Mapping]] = ..., size: _Optional[int] = ..., crc32: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class BulkTicket(_message.Message):
+    __slots__ = ("size", "crc32", "port", "token")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    crc32: int
+    port: int
+    token: bytes
+    def __init__(self, size: _Optional[int] = ..., crc32: _Optional[int] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
 class PutReply(_message.Message):
     __slots__ = ("ok", "error")
     OK_FIELD_NUMBER: _ClassVar[int]
