@@ -42,7 +42,13 @@ BUFFER = 4 << 20  # the receiver's read size: 4 MiB measured fastest on loopback
 
 
 class BulkError(Exception):
-    """A bulk transfer that did not happen or did not complete; the message says why."""
+    """A bulk transfer that did not happen or did not complete; the message says why. `started`: part of the file
+    came (the peer failed or went away mid-transfer), else none did (the port refused, filtered, a handshake that
+    failed, a ticket refused, one connection too many)."""
+
+    def __init__(self, message: str, started: bool = False) -> None:
+        super().__init__(message)
+        self.started = started
 
 
 @dataclass(frozen=True)
@@ -194,7 +200,7 @@ def receive(host: str, port: int, token: bytes, size: int, into: Path, tls_files
                 while got < size:
                     n = conn.recv_into(buffer, min(len(buffer), size - got))
                     if not n:
-                        raise BulkError(f"the peer closed the bulk connection after {got} of {size} bytes")
+                        raise BulkError(f"the peer closed the bulk connection after {got} of {size} bytes", got > 0)
                     chunk = buffer[:n]
                     crc = zlib.crc32(chunk, crc)
                     while chunk:
@@ -203,5 +209,5 @@ def receive(host: str, port: int, token: bytes, size: int, into: Path, tls_files
             finally:
                 os.close(fd)
     except (OSError, ssl.SSLError) as e:
-        raise BulkError(f"bulk transfer from {host}:{port} failed after {got} of {size} bytes: {e}") from e
+        raise BulkError(f"bulk transfer from {host}:{port} failed after {got} of {size} bytes: {e}", got > 0) from e
     return got, crc

@@ -515,13 +515,17 @@ class Replicator:
 
     async def fetch(self, source: str, key: Key) -> Held:
         """Get `key` from the SnapshotService at `source` into this node's replicas: from its bulk port, else (a
-        peer without one, a port the network does not let through) as a gRPC stream. Raises SnapshotError."""
+        peer without one, a port the network does not let through) as a gRPC stream. Raises SnapshotError (a
+        transfer that fails midway too: the caller asks the next node that holds it)."""
         started, via = time.monotonic(), "bulk port"
         try:
             held = await self.fetch_bulk(source, key)
         except bulk.BulkError as e:
-            logger.warning("snapshot bulk fetch failed; streaming it instead", source=source, job=key.job,
-                           rank=key.rank, step=key.step, error=str(e))
+            if e.started:  # the peer failed mid-transfer: likely gone, and the next holder is the better bet
+                raise SnapshotError(f"fetching rank {key.rank} of {key.job} step {key.step} from {source} failed: "
+                                    f"{e}") from e
+            logger.warning("snapshot bulk port not reached; streaming the snapshot instead", source=source,
+                           job=key.job, rank=key.rank, step=key.step, error=str(e))
             held = None
         if held is None:
             started, via = time.monotonic(), "gRPC stream"

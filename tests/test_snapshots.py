@@ -240,6 +240,37 @@ def test_a_restore_reads_the_bulk_port_and_streams_when_the_peer_has_none_or_it_
     asyncio.run(scenario())
 
 
+def test_a_holder_that_fails_midway_through_a_bulk_transfer_is_left_for_the_next_one(tmp_path, monkeypatch):
+    """Part of the file came, then the peer went: asking it again by stream would likely wait on a dead peer, so
+    the restore moves on to the next node holding the snapshot."""
+    async def scenario():
+        data = bytes(range(256)) * 8_000
+        holders = {}
+        for name in ("b", "c"):
+            store, server, address, _ = await serving(tmp_path, name)
+            write(store, key(4), data)
+            holders[name] = (server, address, BULK_SERVERS[-1])
+        b_port, send = holders["b"][2].port, bulk._send
+
+        def half_from_b(conn, file, size):
+            return send(conn, file, size // 2 if conn.getsockname()[1] == b_port else size)
+
+        monkeypatch.setattr(bulk, "_send", half_from_b)
+        d = snaps.SnapshotStore(tmp_path / "d", budget_bytes=1 << 30)
+        events = []
+        d_side = snaps.Snapshots(d, snaps.Replicator(d, lambda *x, **k: None), lambda *x, **k: events.append(x))
+        with pytest.raises(snaps.SnapshotError, match=f"after {len(data) // 2} of {len(data)} bytes"):
+            await d_side.replicator.fetch(f"b@{holders['b'][1]}", key(4))
+        fetched = await d_side.fetch(key(4), f"b@{holders['b'][1]},c@{holders['c'][1]}")
+        assert fetched.path.read_bytes() == data and not events
+        assert [h[2].served for h in holders.values()] == [0, 1]  # c's copy, not b's by stream
+        for server, _, _ in holders.values():
+            await server.stop(None)
+        await d_side.replicator.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_bulk_port_sends_nothing_without_a_live_ticket_and_goes_on_serving(tmp_path):
     """A ticket is good for one connection, within its time; a wrong, reused or missing token gets the connection
     closed without a byte of the file; a torn transfer is an error the fetch can fall back from."""

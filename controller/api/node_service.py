@@ -285,7 +285,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     event = message.event
                     if not event.kind or not event.kind.replace("_", "").replace("-", "").isalnum():
                         raise InvalidArgument(f"event kind {event.kind[:40]!r} must be a non-empty word")
-                    await registry.agent_event(entry, event.kind, event.message, dict(event.fields))
+                    job = event.fields.get("job", "")  # about a job (a snapshot restored...): filed under it
+                    await registry.agent_event(entry, event.kind, event.message, dict(event.fields),
+                                               job if self._jobs.involves(job, entry.record.name) else "")
                 elif body == "gpu_event":
                     if message.gpu_event.gpu_index >= validation.MAX_GPUS:
                         raise InvalidArgument(f"gpu_event.gpu_index {message.gpu_event.gpu_index} is out of range")

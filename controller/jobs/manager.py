@@ -150,6 +150,13 @@ class JobManager:
         except KeyError:
             raise NotFound(f"no job {job_id!r}; `phalanx jobs` lists them") from None
 
+    def involves(self, job_id: str, node: str) -> bool:
+        """Whether `node` runs `job_id`, spares or holds standbys for it, or was evicted from it: the jobs a node's
+        own event may be filed under (any other node's word about a job is its own, not the job's)."""
+        entry = self.entries.get(job_id)
+        return entry is not None and node in {*entry.job.nodes, *entry.job.spares, *entry.job.evicted,
+                                              *entry.standbys}
+
     def list(self, states: set[int]) -> list[pb.Job]:
         jobs = [e.job for e in self.entries.values() if not states or e.job.state in states]
         return sorted(jobs, key=lambda j: int(j.id.removeprefix("job-")))

@@ -28,7 +28,6 @@ from controller.obs.stats import DETECTION_BUCKETS_S, DETECTION_KINDS, LAG_BUCKE
 from controller.store.base import EventRecord, NodeRecord, Store
 from phalanx import log
 from phalanx.clock import Clock
-from phalanx.names import NAME
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ADMIT_BATCH = 500  # registrations admitted in one store commit at most
@@ -557,11 +556,13 @@ class Registry:
                                 f"({len(inventory.gpus)} GPUs)", record.name)
             await self._commit([(entry, record)], [event])
 
-    async def agent_event(self, entry: NodeEntry, kind: str, message: str, fields: dict[str, str]) -> None:
+    async def agent_event(self, entry: NodeEntry, kind: str, message: str, fields: dict[str, str],
+                          job: str = "") -> None:
+        """Log a node's own event; with `job` (one the node has a part in), under that job too: `events --job`."""
         async with self._lock:
             event = self._event(f"agent.{kind}", message, entry.record.name, **fields)
-            if NAME.fullmatch(fields.get("job", "")):  # about a job (a snapshot restored...): `events --job` shows it
-                event = replace(event, job=fields["job"])
+            if job:
+                event = replace(event, job=job)
             committed = await self._store.commit(events=[event])
             self._hub.publish(committed.events)
 

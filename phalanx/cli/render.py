@@ -171,7 +171,7 @@ def health_text(nodes: Sequence[common_pb2.NodeHealth], detail: bool) -> str:
 def event_line(event: common_pb2.Event) -> str:
     stamp = iso(event.time_unix_ns) or "-"
     by = event.fields.get("by")
-    return f"{event.seq:>6}  {stamp}  {event.kind:<16}  {event.message}" + (f"  [by {by}]" if by else "")
+    return f"{event.seq:>6}  {stamp}  {event.kind:<24}  {event.message}" + (f"  [by {by}]" if by else "")
 
 
 def dumps(value: Any) -> str:
