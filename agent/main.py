@@ -333,7 +333,7 @@ class Agent:
         bulk_server = self._serve_bulk(listen.rpartition(":")[0], self.snapshots.replicator.tls_files)
         try:
             service = snaps.SnapshotService(self.snapshots.store, self._emit, nodes_only=server_credentials is not None,
-                                            bulk_server=bulk_server)
+                                            bulk_server=bulk_server, puller=self.snapshots.replicator)
             server, address = await snaps.serve(listen, service, server_credentials)
         except (OSError, RuntimeError) as e:
             if bulk_server is not None:
@@ -342,6 +342,8 @@ class Agent:
             return None
         self.snapshots.bulk = bulk_server
         host, _, port = address.rpartition(":")
+        if bulk_server is not None:  # peers read this node's replicas from its bulk port (Pull)
+            self.snapshots.replicator.own_port = int(port)
         # On all addresses: the controller tells peers the address it knows this node by.
         self._static.snapshot_address = f":{port}" if host in ("0.0.0.0", "[::]", "::") else address
         logger.info("snapshot service serving", address=address, tls=server_credentials is not None,

@@ -42,13 +42,14 @@ from phalanx import log, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.names import NAME
 from phalanx.request_guard import RequestGuard
-from phalanx.rpc import CLIENT_OPTIONS, SERVER_OPTIONS
+from phalanx.rpc import CLIENT_OPTIONS, SERVER_OPTIONS, peer_host
 from phalanx.v1 import node_pb2, snapshot_pb2, snapshot_pb2_grpc
 
 logger = log.get("snapshots")
 
 KEEP_STEPS = 4
 RETAIN_S = 3.0  # snapshots younger than this are kept: over two heartbeat intervals of the controller's view
+MAX_CHANNELS = 64  # channels to peers kept open at once (the oldest closed for a new one)
 BULK_OPEN_S = 10.0  # asking a peer for a bulk ticket
 CHUNK = 512 << 10  # a stream message's data: well under MAX_REQUEST_BYTES with its header
 OWN, REPLICA = "own", "replica"
@@ -366,10 +367,11 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
     """Peers put replicas here and get snapshots back."""
 
     def __init__(self, store: SnapshotStore, emit: Callable[..., None], nodes_only: bool = False,
-                 bulk_server: bulk.BulkServer | None = None) -> None:
+                 bulk_server: bulk.BulkServer | None = None, puller: Replicator | None = None) -> None:
         self._store, self._emit = store, emit
         self._nodes_only = nodes_only  # served with mutual TLS: only the cluster's nodes may put or get
         self._bulk = bulk_server  # None: Open is refused and restores stream over Get
+        self._puller = puller  # reads a Pull's snapshot from the caller's bulk port; None: Pull says "stream it"
 
     async def _refuse_non_nodes(self, context, request_stream: AsyncIterator | None = None) -> None:
         """PERMISSION_DENIED unless the peer presented a node certificate. A refused client stream is read to
@@ -442,6 +444,34 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
         return snapshot_pb2.BulkTicket(size=held.size, crc32=held.crc32, port=self._bulk.port, token=token)
 
 
+    async def Pull(self, request: snapshot_pb2.PullRequest, context) -> snapshot_pb2.PutReply:
+        """Keep a replica read from the caller's bulk port: at the address the call came from (only the port is
+        the caller's word), from the node its certificate names (with TLS)."""
+        await self._refuse_non_nodes(context)
+        if self._puller is None:
+            return snapshot_pb2.PutReply(ok=False, stream=True, error="this node does not read replicas from bulk "
+                                                                      "ports")
+        try:
+            key = Key.of(request.key)
+            if not 0 < request.port < 65536:
+                raise SnapshotError(f"port {request.port} is not a port")
+        except SnapshotError as e:
+            return snapshot_pb2.PutReply(ok=False, error=f"no snapshot to pull: {e}")
+        host = peer_host(context.peer())
+        who = tls.peer_identity(context) if self._nodes_only else None
+        address = f"[{host}]:{request.port}" if ":" in host else f"{host}:{request.port}"
+        source = f"{who[1]}@{address}" if who else address
+        try:
+            held = await self._puller.fetch_bulk(source, key)
+        except (bulk.BulkError, SnapshotError, OSError) as e:
+            # the caller's address unreachable from here (another interface), its port filtered, a refusal: the
+            # stream is the caller's fallback either way, and it gives a refusal (the budget) its final word
+            return snapshot_pb2.PutReply(ok=False, stream=True, error=str(e))
+        if held is None:
+            return snapshot_pb2.PutReply(ok=False, stream=True, error=f"{source} serves no bulk port")
+        return snapshot_pb2.PutReply(ok=True)
+
+
 class Replicator:
     """Streams each new own snapshot to the job's peer node, newest first: while a transfer runs, a newer
     snapshot of the same rank replaces any waiting one (a replica a step behind is worth more than a queue)."""
@@ -451,6 +481,9 @@ class Replicator:
         self._store, self._emit = store, emit
         self.credentials = credentials  # mutual TLS to peers with this node's certificate; None: plaintext
         self.tls_files: bulk.TlsFiles | None = None  # the same, for peers' bulk ports
+        self.own_port = 0  # this node's SnapshotService port, when it serves a bulk port: peers Pull replicas from it
+        self._stream_said = False
+        self._closing: set[asyncio.Task] = set()
         self.peers: dict[str, str] = {}  # job -> [NODE@]HOST:PORT of its peer's SnapshotService
         self._waiting: dict[tuple[str, int], Held] = {}
         self._busy: set[str] = set()
@@ -493,6 +526,11 @@ class Replicator:
             else:
                 channel = grpc.aio.secure_channel(address, self.credentials,
                                                   options=[*CLIENT_OPTIONS, *tls.target_name_options(node)])
+            if len(self._channels) >= MAX_CHANNELS:  # peers come and go over a node's life; Pull names any port
+                oldest = self._channels.pop(next(iter(self._channels)))
+                closing = asyncio.get_running_loop().create_task(oldest.close(grace=60))  # calls on it may finish
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
             self._channels[peer] = channel
         return snapshot_pb2_grpc.SnapshotServiceStub(channel)
 
@@ -500,7 +538,9 @@ class Replicator:
         if not peer:
             return
         try:
-            reply = await self._stub(peer).Put(_chunks_of(held.path, held.key, held.size, held.crc32), timeout=60)
+            reply = await self._pull(peer, held)
+            if reply is None:
+                reply = await self._stub(peer).Put(_chunks_of(held.path, held.key, held.size, held.crc32), timeout=60)
             error = "" if reply.ok else reply.error
         except Exception as e:  # gRPC's errors, a file dropped meanwhile: the next snapshot tries again
             error = f"{peer} unreachable: {e.code().name if isinstance(e, grpc.RpcError) else e}"
@@ -512,6 +552,27 @@ class Replicator:
             return
         self._failing.discard(held.key.job)
         self.sent += 1
+
+    async def _pull(self, peer: str, held: Held) -> snapshot_pb2.PutReply | None:
+        """Have the peer read `held` from this node's bulk port; None: Put it instead (this node serves no bulk
+        port, the peer's agent predates Pull, or it could not reach the port)."""
+        if not self.own_port:
+            return None
+        try:
+            reply = await self._stub(peer).Pull(snapshot_pb2.PullRequest(key=held.key.pb(), port=self.own_port),
+                                                timeout=60)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return None
+        if reply.stream:
+            if not self._stream_said:
+                self._stream_said = True
+                logger.warning("a snapshot peer did not read this node's bulk port; the replica goes by stream "
+                               "(said once)",
+                               peer=peer, reason=reply.error)
+            return None
+        return reply
 
     async def fetch(self, source: str, key: Key) -> Held:
         """Get `key` from the SnapshotService at `source` into this node's replicas: from its bulk port, else (a

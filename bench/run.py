@@ -297,7 +297,8 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
         p = s["peer"]
         rows.append(("snapshots", f"peer restore over loopback ({p['size_mb']} MB)", ">= 1 GB/s",
                      f"{p['get_gbps']} GB/s" + (f" median of {p['get_gbps_each']}" if "get_gbps_each" in p else "")
-                     + f" (gRPC stream {p.get('stream_gbps', '-')} GB/s; replica put {p['put_gbps']} GB/s)"
+                     + f" (gRPC stream {p.get('stream_gbps', '-')} GB/s; replica {p['put_gbps']} GB/s pulled from "
+                     f"the bulk port, {p.get('put_stream_gbps', '-')} GB/s by stream)"
                      f"{_verdict(p['get_gbps'] >= s['restore_goal_gbps'])}"))
     f = results.get("failover")
     if f and "error" not in f:

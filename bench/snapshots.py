@@ -123,8 +123,9 @@ async def main():
             f.write(block)
             crc = zlib.crc32(block, crc)
     store.accept_own(key, str(path), path.stat().st_size, crc)
-    server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(store, lambda *a, **k: None,
-                                                                        bulk_server=bulk.BulkServer("127.0.0.1")))
+    server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(
+        store, lambda *a, **k: None, bulk_server=bulk.BulkServer("127.0.0.1"),
+        puller=snaps.Replicator(store, lambda *a, **k: None)))
     print(address, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await server.stop(None)
@@ -139,6 +140,7 @@ async def peer_restore(mb: int) -> dict:
     import subprocess
     import sys
 
+    from agent import bulk
     from agent import snapshots as snaps
     root = Path(tempfile.mkdtemp(prefix="phalanx-bench-peer-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     repo = str(Path(__file__).resolve().parent.parent)
@@ -165,15 +167,30 @@ async def peer_restore(mb: int) -> dict:
         c_path.parent.mkdir(parents=True)
         shutil.copyfile(fetched.path, c_path)
         held = here.accept_own(c_key, str(c_path), fetched.size, fetched.crc32)
+        # this side serves its snapshots as an agent does, so that the peer can pull the replica from its bulk port
+        here_bulk = bulk.BulkServer("127.0.0.1")
+        here_server, here_address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(
+            here, lambda *x, **k: None, bulk_server=here_bulk))
         pusher = snaps.Replicator(here, lambda *x, **k: None)
+        pusher.own_port = int(here_address.rsplit(":", 1)[1])
         started = time.perf_counter()
         await pusher._send(address, held)
         put_s = time.perf_counter() - started
-        await fetcher.close()
-        await pusher.close()
+        if here_bulk.served != 1:
+            raise RuntimeError("the peer did not pull the replica from the bulk port")
+        streamer = snaps.Replicator(here, lambda *x, **k: None)  # no bulk port: Put by stream, for the ratio
+        started = time.perf_counter()
+        await streamer._send(address, held)
+        put_stream_s = time.perf_counter() - started
+        await here_server.stop(None)
+        here_bulk.close()
+        for replicator in (fetcher, pusher, streamer):
+            await replicator.close()
         return {"size_mb": round(fetched.size / 1e6), "get_gbps": round(fetched.size / get_s / 1e9, 2),
                 "stream_gbps": round(fetched.size / stream_s / 1e9, 2),
-                "put_gbps": round(fetched.size / put_s / 1e9, 2), "replicated": pusher.sent == 1}
+                "put_gbps": round(fetched.size / put_s / 1e9, 2),
+                "put_stream_gbps": round(fetched.size / put_stream_s / 1e9, 2),
+                "replicated": pusher.sent == 1 and streamer.sent == 1}
     finally:
         peer.stdin.close()
         peer.wait(timeout=60)
@@ -198,8 +215,10 @@ async def run(quick: bool = False) -> dict:
     peer = {**trials[0], "get_gbps": statistics.median(t["get_gbps"] for t in trials),
             "put_gbps": statistics.median(t["put_gbps"] for t in trials),
             "stream_gbps": statistics.median(t["stream_gbps"] for t in trials),
+            "put_stream_gbps": statistics.median(t["put_stream_gbps"] for t in trials),
             "replicated": all(t["replicated"] for t in trials),
             "get_gbps_each": [t["get_gbps"] for t in trials], "put_gbps_each": [t["put_gbps"] for t in trials]}
     log(f"snapshots: peer restore {peer['get_gbps']} GB/s from the bulk port (median; each {peer['get_gbps_each']}),"
-        f" {peer['stream_gbps']} GB/s as a gRPC stream; replica put {peer['put_gbps']} GB/s")
+        f" {peer['stream_gbps']} GB/s as a gRPC stream; replica {peer['put_gbps']} GB/s pulled from the bulk port, "
+        f"{peer['put_stream_gbps']} GB/s put by stream")
     return {"overhead": results, "peer": peer, "budget_pct": 3.0, "restore_goal_gbps": 1.0}

@@ -54,3 +54,9 @@ SESSION_KEEPALIVE = [
     # after its default minute.
     ("grpc.http2.ping_timeout_ms", 2_000),
 ]
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string: "ipv4:10.0.0.7:52344" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1"."""
+    address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    return address.rsplit(":", 1)[0].strip("[]")

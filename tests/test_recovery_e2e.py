@@ -300,6 +300,8 @@ def test_a_lost_node_resumes_from_its_ranks_replica_on_another_node(cluster4, tm
     restore = next(e for e in events(cluster4, job_id) if e["kind"] == "job.snapshot_restore")["message"]
     assert restore.endswith(f"fetched from {j['nodes'][0]}"), restore  # the survivor held the lost ranks' replicas
     assert fetched_via(cluster4, j["nodes"][1]) == ["bulk port"]  # the spare read its rank's snapshot
+    assert not [n for n in NODES if "did not read this node's bulk port" in cluster4.log(n, lines=10_000)]  # nor
+    # did any replica go by stream: peers pulled them from the bulk ports
     logs = phalanx(cluster4, "logs", job_id, "--rank", "1").stdout
     assert "restored its in-memory snapshot of step" in logs and resumed_step(logs) > 0
     assert started_warm(logs, 2)  # on the spare, from the standby it held for the job
@@ -376,5 +378,6 @@ def test_a_lost_node_on_a_cluster_with_mutual_tls_resumes_from_a_replica_sent_ov
                   if "snapshot service serving" in line]
         assert served and '"tls": true' in served[0], served
         assert fetched_via(cluster, j["nodes"][1]) == ["bulk port"]  # over its mutual TLS too
+        assert not [n for n in NODES[:3] if "did not read this node's bulk port" in cluster.log(n, lines=10_000)]
     finally:
         cluster.close()

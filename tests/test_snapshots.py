@@ -126,22 +126,36 @@ def bulk_server(tls_files: bulk.TlsFiles | None = None) -> bulk.BulkServer:
     return BULK_SERVERS[-1]
 
 
+PULLERS: list[snaps.Replicator] = []
+
+
 async def serving(tmp_path, name, bulk_port=True):
-    """A node's snapshot service as its agent serves it: with a bulk port unless told otherwise."""
+    """A node's snapshot service as its agent serves it: with a bulk port and pulling replicas from peers' unless
+    told otherwise (`close_pullers()` at the end)."""
     store = snaps.SnapshotStore(tmp_path / name, budget_bytes=1 << 30)
     events = []
+    PULLERS.append(snaps.Replicator(store, lambda *a, **k: None))
     server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(
-        store, lambda *a, **k: events.append(a), bulk_server=bulk_server() if bulk_port else None))
+        store, lambda *a, **k: events.append(a), bulk_server=bulk_server() if bulk_port else None,
+        puller=PULLERS[-1] if bulk_port else None))
     return store, server, address, events
+
+
+async def close_pullers():
+    while PULLERS:
+        await PULLERS.pop().close()
 
 
 def test_a_snapshot_is_replicated_to_the_peer_and_fetched_back_by_a_third_node(tmp_path):
     async def scenario():
         a, a_server, a_address, _ = await serving(tmp_path, "a")
+        a_bulk = BULK_SERVERS[-1]
         b, b_server, b_address, _ = await serving(tmp_path, "b")
+        b_bulk = BULK_SERVERS[-1]
         c, c_server, _, _ = await serving(tmp_path, "c")
         events = []
         a_side = snaps.Snapshots(a, snaps.Replicator(a, lambda *x, **k: events.append(x)), lambda *x, **k: None)
+        a_side.replicator.own_port = int(a_address.rsplit(":", 1)[1])  # b pulls it from a's bulk port
         a_side.launched("job-1", 1, b_address)
         data = bytes(range(256)) * 20_000  # 5 MB: several chunks
         path = a.path(snaps.OWN, key(7))
@@ -155,12 +169,14 @@ def test_a_snapshot_is_replicated_to_the_peer_and_fetched_back_by_a_third_node(t
         c_side = snaps.Snapshots(c, snaps.Replicator(c, lambda *x, **k: None), lambda *x, **k: None)
         fetched = await c_side.fetch(key(7), b_address)  # a is lost: its replica on b serves
         assert fetched.path.read_bytes() == data
+        assert (a_bulk.served, b_bulk.served) == (1, 1)  # the replica and the restore both read from bulk ports
         with pytest.raises(snaps.SnapshotError, match="NOT_FOUND: no snapshot of rank 0 of job-1 step 8"):
             await c_side.fetch(key(8), a_address)
         for server in (a_server, b_server, c_server):
             await server.stop(None)
         await a_side.replicator.close()
         await c_side.replicator.close()
+        await close_pullers()
 
     asyncio.run(scenario())
 
@@ -196,6 +212,7 @@ def test_a_restore_whose_copy_fails_its_crc_fetches_the_next_copy(tmp_path):
             await server.stop(None)
         for side in (a_side, d_side, e_side):
             await side.replicator.close()
+        await close_pullers()
 
     asyncio.run(scenario())
 
@@ -236,6 +253,7 @@ def test_a_restore_reads_the_bulk_port_and_streams_when_the_peer_has_none_or_it_
         assert [s.served if s else None for _, _, s in stores.values()] == [1, None, 0]
         for server in servers:
             await server.stop(None)
+        await close_pullers()
 
     asyncio.run(scenario())
 
@@ -267,6 +285,7 @@ def test_a_holder_that_fails_midway_through_a_bulk_transfer_is_left_for_the_next
         for server, _, _ in holders.values():
             await server.stop(None)
         await d_side.replicator.close()
+        await close_pullers()
 
     asyncio.run(scenario())
 
@@ -593,11 +612,18 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
     assert tls.serves_tls(identity("node-b").cert) and not tls.serves_tls(identity("alice").cert)
 
     async def scenario():
+        def replicator(store, who):
+            me = identity(who)
+            out = snaps.Replicator(store, lambda *x, **k: None, tls.channel_credentials(me.ca, me.cert, me.key))
+            out.tls_files = files(who)
+            return out
+
         b = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
-        b_bulk = bulk_server(files("node-b"))
+        b_bulk, b_puller = bulk_server(files("node-b")), replicator(b, "node-b")
         server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(b, lambda *x, **k: None,
                                                                                   nodes_only=True,
-                                                                                  bulk_server=b_bulk),
+                                                                                  bulk_server=b_bulk,
+                                                                                  puller=b_puller),
                                             tls.server_credentials(identity("node-b")))
         a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
         held = write(a, key(7), bytes(range(256)) * 8000)
@@ -634,8 +660,23 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
                                  tmp_path / "stolen", files(who), server_node)
             assert b_bulk.served == 1
             await fetcher.close()
+
+            # node-a serving a bulk port too: node-b pulls the replica from it, checking it is node-a
+            a_bulk = bulk_server(files("node-a"))
+            a_service = snaps.SnapshotService(a, lambda *x, **k: None, nodes_only=True, bulk_server=a_bulk)
+            a_creds = tls.server_credentials(identity("node-a"))
+            a_server, a_address = await snaps.serve("127.0.0.1:0", a_service, a_creds)
+            pusher = replicator(a, "node-a")
+            pusher.own_port = int(a_address.rsplit(":", 1)[1])
+            newer = write(a, key(8), bytes(range(256)) * 9000)
+            await pusher._send(f"node-b@{address}", newer)
+            assert pusher.sent == 1 and a_bulk.served == 1
+            assert b.find(key(8)).path.read_bytes() == newer.path.read_bytes()
+            await pusher.close()
+            await a_server.stop(None)
         finally:
             await server.stop(None)
+            await b_puller.close()
 
     asyncio.run(scenario())
 
@@ -752,3 +793,17 @@ def test_a_copy_that_cannot_get_its_buffers_is_skipped_and_training_goes_on(tmp_
     assert snapshotter.offer({"w": torch.zeros(4)}, 2, 0.01)  # the next one, with memory again, is taken
     snapshotter.wait()
     assert [r.step for r in agent.taken] == [2]
+
+
+def test_a_replicator_keeps_a_bounded_number_of_peer_channels(tmp_path):
+    """A node's peers change over its life, and any node may have it Pull from any port of its own host: the channels
+    kept open are bounded, the oldest closed first."""
+    async def scenario():
+        replicator = snaps.Replicator(snaps.SnapshotStore(tmp_path, budget_bytes=1 << 20), lambda *x, **k: None)
+        peers = [f"127.0.0.1:{20_000 + i}" for i in range(snaps.MAX_CHANNELS + 5)]
+        for peer in peers:
+            replicator._stub(peer)
+        assert list(replicator._channels) == peers[5:]
+        await replicator.close()
+
+    asyncio.run(scenario())

@@ -34,6 +34,7 @@ from controller.recovery.table import (
 )
 from phalanx import clock as clocks
 from phalanx import log, slurm
+from phalanx.rpc import peer_host
 from phalanx.v1 import node_pb2
 
 if TYPE_CHECKING:
@@ -273,7 +274,7 @@ class Executor:
         try:
             master = registry.get(job.nodes[0])
             port = (await _session(master).request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
-            address = master.inventory().address or _peer_host(master.peer)
+            address = master.inventory().address or peer_host(master.peer)
             nodes = registry.entries_by_name()
             restore = await self._restore_plan(entry, nodes)
             await asyncio.gather(*(self._launch_node(job, i, nodes, address, port, restore)
@@ -450,15 +451,9 @@ def _snapshot_peer(node: NodeEntry) -> str:
     NODE). An agent serving on all its addresses says only ":PORT"; the host is the one the node is known by."""
     address = node.inventory().snapshot_address
     if address.startswith(":"):
-        host = node.inventory().address or _peer_host(node.peer)
+        host = node.inventory().address or peer_host(node.peer)
         address = f"[{host}]{address}" if ":" in host and not host.startswith("[") else f"{host}{address}"  # IPv6
     return f"{node.record.name}@{address}"
-
-
-def _peer_host(peer: str) -> str:
-    """The host part of a gRPC peer string: "ipv4:10.0.0.7:52344" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1"."""
-    address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
-    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def _session(entry):

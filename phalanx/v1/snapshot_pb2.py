@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19phalanx/v1/snapshot.proto\x12\nphalanx.v1\"J\n\x0bSnapshotKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\"`\n\rSnapshotChunk\x12$\n\x03key\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SnapshotKey\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"F\n\nBulkTicket\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\x0c\"%\n\x08PutReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t2\xc1\x01\n\x0fSnapshotService\x12\x38\n\x03Put\x12\x19.phalanx.v1.SnapshotChunk\x1a\x14.phalanx.v1.PutReply(\x01\x12;\n\x03Get\x12\x17.phalanx.v1.SnapshotKey\x1a\x19.phalanx.v1.SnapshotChunk0\x01\x12\x37\n\x04Open\x12\x17.phalanx.v1.SnapshotKey\x1a\x16.phalanx.v1.BulkTicketb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19phalanx/v1/snapshot.proto\x12\nphalanx.v1\"A\n\x0bPullRequest\x12$\n\x03key\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SnapshotKey\x12\x0c\n\x04port\x18\x02 \x01(\r\"J\n\x0bSnapshotKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\"`\n\rSnapshotChunk\x12$\n\x03key\x18\x01 \x01(\x0b\x32\x17.phalanx.v1.SnapshotKey\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"F\n\nBulkTicket\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\x0c\"5\n\x08PutReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06stream\x18\x03 \x01(\x08\x32\xf8\x01\n\x0fSnapshotService\x12\x38\n\x03Put\x12\x19.phalanx.v1.SnapshotChunk\x1a\x14.phalanx.v1.PutReply(\x01\x12;\n\x03Get\x12\x17.phalanx.v1.SnapshotKey\x1a\x19.phalanx.v1.SnapshotChunk0\x01\x12\x37\n\x04Open\x12\x17.phalanx.v1.SnapshotKey\x1a\x16.phalanx.v1.BulkTicket\x12\x35\n\x04Pull\x12\x17.phalanx.v1.PullRequest\x1a\x14.phalanx.v1.PutReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'phalanx.v1.snapshot_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SNAPSHOTKEY']._serialized_start=41
-  _globals['_SNAPSHOTKEY']._serialized_end=115
-  _globals['_SNAPSHOTCHUNK']._serialized_start=117
-  _globals['_SNAPSHOTCHUNK']._serialized_end=213
-  _globals['_BULKTICKET']._serialized_start=215
-  _globals['_BULKTICKET']._serialized_end=285
-  _globals['_PUTREPLY']._serialized_start=287
-  _globals['_PUTREPLY']._serialized_end=324
-  _globals['_SNAPSHOTSERVICE']._serialized_start=327
-  _globals['_SNAPSHOTSERVICE']._serialized_end=520
+  _globals['_PULLREQUEST']._serialized_start=41
+  _globals['_PULLREQUEST']._serialized_end=106
+  _globals['_SNAPSHOTKEY']._serialized_start=108
+  _globals['_SNAPSHOTKEY']._serialized_end=182
+  _globals['_SNAPSHOTCHUNK']._serialized_start=184
+  _globals['_SNAPSHOTCHUNK']._serialized_end=280
+  _globals['_BULKTICKET']._serialized_start=282
+  _globals['_BULKTICKET']._serialized_end=352
+  _globals['_PUTREPLY']._serialized_start=354
+  _globals['_PUTREPLY']._serialized_end=407
+  _globals['_SNAPSHOTSERVICE']._serialized_start=410
+  _globals['_SNAPSHOTSERVICE']._serialized_end=658
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PullRequest(_message.Message):
+    __slots__ = ("key", "port")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    key: SnapshotKey
+    port: int
+    def __init__(self, key: _Optional[_Union[SnapshotKey, _Mapping]] = ..., port: _Optional[int] = ...) -> None: ...
+
 class SnapshotKey(_message.Message):
     __slots__ = ("job", "generation", "rank", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -42,9 +50,11 @@ class BulkTicket(_message.Message):
     def __init__(self, size: _Optional[int] = ..., crc32: _Optional[int] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class PutReply(_message.Message):
-    __slots__ = ("ok", "error")
+    __slots__ = ("ok", "error", "stream")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    stream: bool
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., stream: _Optional[bool] = ...) -> None: ...

@@ -49,6 +49,11 @@ class SnapshotServiceStub:
                 request_serializer=phalanx_dot_v1_dot_snapshot__pb2.SnapshotKey.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_snapshot__pb2.BulkTicket.FromString,
                 _registered_method=True)
+        self.Pull = channel.unary_unary(
+                '/phalanx.v1.SnapshotService/Pull',
+                request_serializer=phalanx_dot_v1_dot_snapshot__pb2.PullRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_snapshot__pb2.PutReply.FromString,
+                _registered_method=True)
 
 
 class SnapshotServiceServicer:
@@ -77,6 +82,14 @@ class SnapshotServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pull(self, request, context):
+        """Keep a replica of the caller's snapshot, read from the caller's bulk port (Open there, then the port)
+        at the host this call came from. A reply with `stream` set: send it by Put instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_SnapshotServiceServicer_to_server(servicer, server):
                     servicer.Open,
                     request_deserializer=phalanx_dot_v1_dot_snapshot__pb2.SnapshotKey.FromString,
                     response_serializer=phalanx_dot_v1_dot_snapshot__pb2.BulkTicket.SerializeToString,
+            ),
+            'Pull': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=phalanx_dot_v1_dot_snapshot__pb2.PullRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_snapshot__pb2.PutReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +195,33 @@ class SnapshotService:
             '/phalanx.v1.SnapshotService/Open',
             phalanx_dot_v1_dot_snapshot__pb2.SnapshotKey.SerializeToString,
             phalanx_dot_v1_dot_snapshot__pb2.BulkTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phalanx.v1.SnapshotService/Pull',
+            phalanx_dot_v1_dot_snapshot__pb2.PullRequest.SerializeToString,
+            phalanx_dot_v1_dot_snapshot__pb2.PutReply.FromString,
             options,
             channel_credentials,
             insecure,
