@@ -26,6 +26,7 @@ import ssl
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -36,9 +37,16 @@ logger = log.get("snapshots")
 
 TOKEN_BYTES = 32
 TICKET_S = 15.0  # a ticket not used within this is dropped (with the file it holds open)
+MAX_TICKETS = 64  # tickets outstanding at once; Open is refused beyond (the client streams)
+CONNECT_S = 3.0  # reaching a peer's bulk port; a filtered one is given up on soon (the stream is the fallback)
+HELLO_S = 5.0  # from a connection to its token, handshake included: no slot is held by a client that trickles
 IO_TIMEOUT_S = 15.0  # no byte either way for this long: the peer is gone (as gRPC's keepalive would tell)
-MAX_CONNECTIONS = 8  # transfers served at once; more is refused (the client falls back to the stream)
+MAX_CONNECTIONS = 8  # transfers served (or received) at once; more is refused (the client falls back to the stream)
 BUFFER = 4 << 20  # the receiver's read size: 4 MiB measured fastest on loopback (1 MiB: ~10 % slower)
+
+
+# the threads receives run on: their own, so that transfers never wait on (or hold up) the collectors' threads
+RECEIVERS = ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="snapshot-bulk-receive")
 
 
 class BulkError(Exception):
@@ -83,8 +91,14 @@ class BulkServer:
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._active = 0
-        self._sock = socket.create_server((host.strip("[]"), port), family=socket.AF_INET6 if ":" in host
-                                          else socket.AF_INET, backlog=MAX_CONNECTIONS)
+        self._closed = False
+        host = host.strip("[]")
+        if ":" in host:  # every address of IPv6 takes IPv4 too, as gRPC's [::] does
+            self._sock = socket.create_server((host, port), family=socket.AF_INET6, backlog=MAX_CONNECTIONS,
+                                              dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
+        else:
+            self._sock = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
+        self._sock.settimeout(1.0)  # the accept loop wakes each second to drop expired tickets
         self.port: int = self._sock.getsockname()[1]
         self.served = 0
         self._thread = threading.Thread(target=self._accept, name="snapshot-bulk", daemon=True)
@@ -92,15 +106,24 @@ class BulkServer:
 
     def ticket(self, path: Path, size: int) -> bytes:
         """A token for one connection that reads `path` (opened now: a file reclaimed meanwhile is still sent
-        whole). Raises OSError when the file is gone."""
+        whole). Raises OSError when the file is gone, BulkError when too many tickets are outstanding."""
+        with self._lock:
+            if len(self._tickets) >= MAX_TICKETS:
+                raise BulkError(f"{MAX_TICKETS} bulk tickets outstanding")
         file = open(path, "rb")  # noqa: SIM115 (closed when the ticket is used or expires)
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
-            self._expire(time.monotonic())
             self._tickets[token] = _Ticket(file, size, time.monotonic() + TICKET_S)
         return token
 
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._tickets)
+
     def close(self) -> None:
+        """Stop accepting and drop the tickets; transfers under way end on their own (their threads are daemons)."""
+        self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -120,11 +143,19 @@ class BulkServer:
             return self._tickets.pop(token, None)
 
     def _accept(self) -> None:
-        while True:
+        while not self._closed:
+            with self._lock:
+                self._expire(time.monotonic())
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return  # closed
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._closed:
+                    return
+                logger.warning("snapshot bulk port: accept failed; trying again", error=str(e))  # EMFILE...
+                time.sleep(0.5)
+                continue
             with self._lock:
                 busy = self._active >= MAX_CONNECTIONS
                 if not busy:
@@ -133,20 +164,29 @@ class BulkServer:
                 logger.warning("snapshot bulk port: too many transfers at once; one refused", peer=peer[0])
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer[0]), name="snapshot-bulk-send", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer[0]), name="snapshot-bulk-send",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had
+                logger.warning("snapshot bulk port: no thread for a transfer; one refused", error=str(e))
+                with self._lock:
+                    self._active -= 1
+                conn.close()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
-            conn.settimeout(IO_TIMEOUT_S)
+            conn.settimeout(HELLO_S)  # the handshake's steps; the token has HELLO_S in all
             framed.tune(conn)
+            hello_by = time.monotonic() + HELLO_S
             if self._tls is not None:
                 conn = self._tls.server_context().wrap_socket(conn, server_side=True)
                 who = tls.der_identity(conn.getpeercert(binary_form=True) or b"")
                 if who is None or who[0] != "node":
                     raise BulkError(f"a peer without a node certificate ({who})")
-            ticket = self._take(_read_exact(conn, TOKEN_BYTES))
+            ticket = self._take(_read_exact(conn, TOKEN_BYTES, hello_by))
             if ticket is None:
                 raise BulkError("an unknown or expired ticket")
+            conn.settimeout(IO_TIMEOUT_S)
             with ticket.file:
                 sent = _send(conn, ticket.file, ticket.size)
             if sent != ticket.size:
@@ -171,9 +211,13 @@ def _send(conn: socket.socket, file: BinaryIO, size: int) -> int:
     return sent
 
 
-def _read_exact(conn: socket.socket, n: int) -> bytes:
+def _read_exact(conn: socket.socket, n: int, by: float) -> bytes:
     data = b""
     while len(data) < n:
+        left = by - time.monotonic()
+        if left <= 0:
+            raise BulkError(f"{len(data)} of {n} bytes of the token in {HELLO_S:.0f} s")
+        conn.settimeout(left)
         more = conn.recv(n - len(data))
         if not more:
             raise BulkError(f"the connection closed after {len(data)} of {n} bytes")
@@ -181,33 +225,72 @@ def _read_exact(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def receive(host: str, port: int, token: bytes, size: int, into: Path, tls_files: TlsFiles | None = None,
-            server_node: str = "") -> tuple[int, int]:
-    """Read a ticket's file from `host`:`port` into `into` (blocking: run it on a worker thread); the bytes
-    written and their CRC-32. With `tls_files`, the server must present the certificate of `server_node` (else
-    of `host`). Raises BulkError (OSError and TLS errors included): the caller may fall back to the stream."""
-    crc, got = 0, 0
-    buffer = memoryview(bytearray(min(BUFFER, max(size, 1))))
-    try:
-        with contextlib.closing(socket.create_connection((host.strip("[]"), port), timeout=IO_TIMEOUT_S)) as sock:
-            framed.tune(sock)
-            conn: socket.socket = sock
-            if tls_files is not None:
-                conn = tls_files.client_context().wrap_socket(sock, server_hostname=server_node or host.strip("[]"))
-            conn.sendall(token)
-            fd = os.open(into, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                while got < size:
-                    n = conn.recv_into(buffer, min(len(buffer), size - got))
+class Receiver:
+    """Reads one ticket's file from a peer's bulk port, on a worker thread; `cancel()` (from any thread) ends it at
+    once by shutting its connection down, so a fetch given up on does not go on reading into a file nobody keeps."""
+
+    def __init__(self, host: str, port: int, token: bytes, size: int, tls_files: TlsFiles | None = None,
+                 server_node: str = "") -> None:
+        self.host, self.port, self.token, self.size = host.strip("[]"), port, token, size
+        self.tls_files, self.server_node = tls_files, server_node
+        self._sock: socket.socket | None = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def into(self, path: Path) -> tuple[int, int]:
+        """Read the file into `path` (made empty first, opened and closed here: a receive given up on writes only
+        into its own file); the bytes written and their CRC-32. With TLS, the server must present the certificate
+        of `server_node` (else of the host). Raises BulkError (OSError and TLS errors included): the caller may
+        fall back to the stream."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise BulkError(f"cannot write {path}: {e.strerror}") from e
+        try:
+            return self._into(fd)
+        finally:
+            os.close(fd)
+
+    def _into(self, fd: int) -> tuple[int, int]:
+        crc, got = 0, 0
+        buffer = memoryview(bytearray(min(BUFFER, max(self.size, 1))))
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=CONNECT_S)
+            self._sock = sock
+            with contextlib.closing(sock):
+                if self._cancelled:
+                    raise BulkError("cancelled")
+                sock.settimeout(IO_TIMEOUT_S)
+                framed.tune(sock)
+                conn: socket.socket = sock
+                if self.tls_files is not None:
+                    conn = self.tls_files.client_context().wrap_socket(sock, server_hostname=self.server_node
+                                                                       or self.host)
+                conn.sendall(self.token)
+                while got < self.size:
+                    n = conn.recv_into(buffer, min(len(buffer), self.size - got))
                     if not n:
-                        raise BulkError(f"the peer closed the bulk connection after {got} of {size} bytes", got > 0)
+                        raise BulkError(f"the peer closed the bulk connection after {got} of {self.size} bytes",
+                                        got > 0)
                     chunk = buffer[:n]
                     crc = zlib.crc32(chunk, crc)
                     while chunk:
                         chunk = chunk[os.write(fd, chunk):]
                     got += n
-            finally:
-                os.close(fd)
-    except (OSError, ssl.SSLError) as e:
-        raise BulkError(f"bulk transfer from {host}:{port} failed after {got} of {size} bytes: {e}", got > 0) from e
-    return got, crc
+        except (OSError, ssl.SSLError) as e:
+            why = "cancelled" if self._cancelled else str(e)
+            raise BulkError(f"bulk transfer from {self.host}:{self.port} failed after {got} of {self.size} bytes: "
+                            f"{why}", got > 0) from e
+        return got, crc
+
+
+def receive(host: str, port: int, token: bytes, size: int, into: Path, tls_files: TlsFiles | None = None,
+            server_node: str = "") -> tuple[int, int]:
+    """Receiver(...).into(`into`) (blocking)."""
+    return Receiver(host, port, token, size, tls_files, server_node).into(into)

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -51,6 +52,7 @@ KEEP_STEPS = 4
 RETAIN_S = 3.0  # snapshots younger than this are kept: over two heartbeat intervals of the controller's view
 MAX_CHANNELS = 64  # channels to peers kept open at once (the oldest closed for a new one)
 BULK_OPEN_S = 10.0  # asking a peer for a bulk ticket
+NO_BULK_S = 60.0  # a peer whose bulk port was not reached (or that could not pull) is streamed to for this long
 CHUNK = 512 << 10  # a stream message's data: well under MAX_REQUEST_BYTES with its header
 OWN, REPLICA = "own", "replica"
 _STEP = re.compile(r"^s(\d+)\.pt$")
@@ -173,7 +175,11 @@ class SnapshotStore:
         self._fit(key, size, REPLICA)
         path = self.path(REPLICA, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
+        # a name of its own: two receives of one key (a restore asked again while the first, given up on, still
+        # runs on its thread) never write into one file
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
         try:
             written, crc = await fill(tmp)
             if written != size or crc != crc32:
@@ -441,6 +447,8 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             token = self._bulk.ticket(held.path, held.size)
         except OSError as e:  # reclaimed since it was found
             await context.abort(grpc.StatusCode.NOT_FOUND, f"snapshot {held.path} is gone: {e.strerror}")
+        except bulk.BulkError as e:  # too many outstanding: this one streams
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}; use Get")
         return snapshot_pb2.BulkTicket(size=held.size, crc32=held.crc32, port=self._bulk.port, token=token)
 
 
@@ -483,6 +491,9 @@ class Replicator:
         self.tls_files: bulk.TlsFiles | None = None  # the same, for peers' bulk ports
         self.own_port = 0  # this node's SnapshotService port, when it serves a bulk port: peers Pull replicas from it
         self._stream_said = False
+        self._no_bulk: dict[str, float] = {}  # source -> until when its bulk port is not tried (it was not reached)
+        self._no_pull: dict[str, float] = {}  # peer -> until when it is not asked to Pull (it could not)
+        self._receiving = 0  # bulk receives under way
         self._closing: set[asyncio.Task] = set()
         self.peers: dict[str, str] = {}  # job -> [NODE@]HOST:PORT of its peer's SnapshotService
         self._waiting: dict[tuple[str, int], Held] = {}
@@ -528,7 +539,8 @@ class Replicator:
                                                   options=[*CLIENT_OPTIONS, *tls.target_name_options(node)])
             if len(self._channels) >= MAX_CHANNELS:  # peers come and go over a node's life; Pull names any port
                 oldest = self._channels.pop(next(iter(self._channels)))
-                closing = asyncio.get_running_loop().create_task(oldest.close(grace=60))  # calls on it may finish
+                # calls on it may finish (a Get has 120 s)
+                closing = asyncio.get_running_loop().create_task(oldest.close(grace=150))
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
             self._channels[peer] = channel
@@ -556,7 +568,7 @@ class Replicator:
     async def _pull(self, peer: str, held: Held) -> snapshot_pb2.PutReply | None:
         """Have the peer read `held` from this node's bulk port; None: Put it instead (this node serves no bulk
         port, the peer's agent predates Pull, or it could not reach the port)."""
-        if not self.own_port:
+        if not self.own_port or self._no_pull.get(peer, 0.0) > time.monotonic():
             return None
         try:
             reply = await self._stub(peer).Pull(snapshot_pb2.PullRequest(key=held.key.pb(), port=self.own_port),
@@ -566,6 +578,7 @@ class Replicator:
                 raise
             return None
         if reply.stream:
+            self._no_pull[peer] = time.monotonic() + NO_BULK_S
             if not self._stream_said:
                 self._stream_said = True
                 logger.warning("a snapshot peer did not read this node's bulk port; the replica goes by stream "
@@ -597,8 +610,11 @@ class Replicator:
         return held
 
     async def fetch_bulk(self, source: str, key: Key) -> Held | None:
-        """`key` read from the bulk port of `source`; None when it has none. Raises BulkError when the transfer
+        """`key` read from the bulk port of `source`; None when it has none, when its port could not be reached in
+        the last NO_BULK_S, or when this node receives MAX_CONNECTIONS already. Raises BulkError when the transfer
         fails, SnapshotError when the peer does not have the snapshot or sends a corrupt one."""
+        if self._no_bulk.get(source, 0.0) > time.monotonic() or self._receiving >= bulk.MAX_CONNECTIONS:
+            return None
         node, _, address = source.rpartition("@")
         try:
             ticket = await self._stub(source).Open(key.pb(), timeout=BULK_OPEN_S)
@@ -607,13 +623,25 @@ class Replicator:
                 return None
             raise SnapshotError(f"fetching rank {key.rank} of {key.job} step {key.step} from {source} failed: "
                                 f"{e.code().name}: {e.details()}") from e
-        host, loop = address.rpartition(":")[0], asyncio.get_running_loop()
+        receiver = bulk.Receiver(address.rpartition(":")[0], ticket.port, ticket.token, ticket.size, self.tls_files,
+                                 node)
 
-        def fill(tmp: Path) -> Awaitable[tuple[int, int]]:  # on a worker thread: the event loop beats on
-            return loop.run_in_executor(None, bulk.receive, host, ticket.port, ticket.token, ticket.size, tmp,
-                                        self.tls_files, node)
+        async def fill(tmp: Path) -> tuple[int, int]:  # on a thread of its own: the event loop beats on
+            try:
+                return await asyncio.get_running_loop().run_in_executor(bulk.RECEIVERS, receiver.into, tmp)
+            except asyncio.CancelledError:  # given up on (the rank's call, a Pull's deadline): stop reading now
+                receiver.cancel()
+                raise
 
-        return await self._store.accept_replica_by(key, ticket.size, ticket.crc32, fill)
+        self._receiving += 1
+        try:
+            return await self._store.accept_replica_by(key, ticket.size, ticket.crc32, fill)
+        except bulk.BulkError as e:
+            if not e.started:  # its port refused or filtered: the stream, for a while, without asking again
+                self._no_bulk[source] = time.monotonic() + NO_BULK_S
+            raise
+        finally:
+            self._receiving -= 1
 
     async def fetch_stream(self, source: str, key: Key) -> Held:
         """`key` streamed from `source` over gRPC. Raises SnapshotError."""

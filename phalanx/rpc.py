@@ -57,6 +57,9 @@ SESSION_KEEPALIVE = [
 
 
 def peer_host(peer: str) -> str:
-    """The host part of a gRPC peer string: "ipv4:10.0.0.7:52344" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1"."""
+    """The host part of a gRPC peer string: "ipv4:10.0.0.7:52344" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1" (which
+    gRPC writes URL-escaped: "ipv6:%5B::1%5D:5")."""
+    from urllib.parse import unquote
+    peer = unquote(peer)
     address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
     return address.rsplit(":", 1)[0].strip("[]")

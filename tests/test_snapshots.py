@@ -807,3 +807,101 @@ def test_a_replicator_keeps_a_bounded_number_of_peer_channels(tmp_path):
         await replicator.close()
 
     asyncio.run(scenario())
+
+
+def test_a_bulk_receive_given_up_on_stops_at_once_and_never_touches_the_next_attempts_file(tmp_path, monkeypatch):
+    """A fetch is cancelled when the rank's call goes away or a Pull's deadline passes. Its receive ran on a thread
+    that went on (into the temporary file every attempt shared, emptying the next attempt's: a replica with a hole of
+    zeros was kept, its CRC taken of the bytes received). Now the receive is shut down, and each has a file of its
+    own."""
+    async def scenario():
+        data = bytes(range(256)) * 40_000
+        a, a_server, a_address, _ = await serving(tmp_path, "a")
+        write(a, key(7), data)
+        r = snaps.SnapshotStore(tmp_path / "r", budget_bytes=1 << 30)
+        replicator = snaps.Replicator(r, lambda *x, **k: None)
+        connected, go_on, real = threading.Event(), threading.Event(), bulk.socket.create_connection
+
+        def held_up(*args, **kwargs):  # the first receive connects, then stalls before it reads
+            sock = real(*args, **kwargs)
+            if not connected.is_set():
+                connected.set()
+                go_on.wait(30)
+            return sock
+
+        monkeypatch.setattr(bulk.socket, "create_connection", held_up)
+        finished, into = threading.Event(), bulk.Receiver.into
+
+        def into_then_say(self, path):
+            try:
+                return into(self, path)
+            finally:
+                finished.set()
+
+        monkeypatch.setattr(bulk.Receiver, "into", into_then_say)
+        first = asyncio.create_task(replicator.fetch_bulk(a_address, key(7)))
+        await asyncio.get_running_loop().run_in_executor(None, connected.wait, 30)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        kept = await replicator.fetch_stream(a_address, key(7))  # the next attempt, while the first is stalled
+        go_on.set()
+        assert await asyncio.get_running_loop().run_in_executor(None, finished.wait, 30)  # the stalled one ended
+        assert kept.path.read_bytes() == data
+        assert sorted(p.name for p in kept.path.parent.iterdir()) == ["s7.pt", "s7.pt.json"]  # nothing left over
+        await a_server.stop(None)
+        await replicator.close()
+        await close_pullers()
+
+    asyncio.run(scenario())
+
+
+def test_a_ticket_never_used_lets_its_file_go_within_its_time(tmp_path, monkeypatch):
+    """A ticket holds its file open (a snapshot reclaimed meanwhile is still sent whole); one never used (the
+    receiver refused the snapshot after asking, its budget full) closed it only at the next ticket, hours later."""
+    monkeypatch.setattr(bulk, "TICKET_S", 0.2)
+    store = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+    held = write(store, key(3), b"x" * 1000)
+    server = bulk_server()
+    server.ticket(held.path, held.size)
+    assert server.outstanding == 1
+    deadline = time.monotonic() + 30
+    while server.outstanding and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.outstanding == 0
+
+
+def test_gRPC_peers_are_parsed_for_their_host_ipv6_included():
+    from phalanx.rpc import peer_host
+    assert peer_host("ipv4:10.0.0.7:52344") == "10.0.0.7"
+    assert peer_host("ipv6:%5B::1%5D:37642") == "::1"  # as grpcio writes it
+    assert peer_host("ipv6:[fe80::1]:5") == "fe80::1"
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_a_replica_is_pulled_and_a_snapshot_fetched_over_ipv6(tmp_path):
+    async def scenario():
+        try:
+            a_bulk = bulk.BulkServer("[::1]")
+        except OSError:
+            pytest.skip("no IPv6 loopback")
+        BULK_SERVERS.append(a_bulk)
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        held = write(a, key(7), bytes(range(256)) * 4000)
+        a_server, a_address = await snaps.serve("[::1]:0", snaps.SnapshotService(a, lambda *x, **k: None,
+                                                                                  bulk_server=a_bulk))
+        b = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+        puller = snaps.Replicator(b, lambda *x, **k: None)
+        b_server, b_address = await snaps.serve("[::1]:0", snaps.SnapshotService(
+            b, lambda *x, **k: None, bulk_server=bulk_server(), puller=puller))
+        pusher = snaps.Replicator(a, lambda *x, **k: None)
+        pusher.own_port = int(a_address.rsplit(":", 1)[1])
+        await pusher._send(b_address, held)
+        assert pusher.sent == 1 and a_bulk.served == 1  # pulled from a's port at the caller's IPv6 address
+        assert b.find(key(7)).path.read_bytes() == held.path.read_bytes()
+        for server in (a_server, b_server):
+            await server.stop(None)
+        for replicator in (puller, pusher):
+            await replicator.close()
+
+    asyncio.run(scenario())
