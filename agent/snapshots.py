@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -115,6 +114,10 @@ class SnapshotStore:
             (root / kind).mkdir(parents=True, exist_ok=True)
         os.chmod(self.own_dir, 0o1777)  # ranks write their own snapshots here (sticky, like /tmp)
         self._rescan()
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
 
     @property
     def used(self) -> int:
@@ -487,6 +490,7 @@ class Replicator:
     def __init__(self, store: SnapshotStore, emit: Callable[..., None],
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self._store, self._emit = store, emit
+        self._clock = store.clock
         self.credentials = credentials  # mutual TLS to peers with this node's certificate; None: plaintext
         self.tls_files: bulk.TlsFiles | None = None  # the same, for peers' bulk ports
         self.own_port = 0  # this node's SnapshotService port, when it serves a bulk port: peers Pull replicas from it
@@ -568,7 +572,7 @@ class Replicator:
     async def _pull(self, peer: str, held: Held) -> snapshot_pb2.PutReply | None:
         """Have the peer read `held` from this node's bulk port; None: Put it instead (this node serves no bulk
         port, the peer's agent predates Pull, or it could not reach the port)."""
-        if not self.own_port or self._no_pull.get(peer, 0.0) > time.monotonic():
+        if not self.own_port or self._no_pull.get(peer, 0.0) > self._clock.monotonic():
             return None
         try:
             reply = await self._stub(peer).Pull(snapshot_pb2.PullRequest(key=held.key.pb(), port=self.own_port),
@@ -578,7 +582,7 @@ class Replicator:
                 raise
             return None
         if reply.stream:
-            self._no_pull[peer] = time.monotonic() + NO_BULK_S
+            self._no_pull[peer] = self._clock.monotonic() + NO_BULK_S
             if not self._stream_said:
                 self._stream_said = True
                 logger.warning("a snapshot peer did not read this node's bulk port; the replica goes by stream "
@@ -591,7 +595,7 @@ class Replicator:
         """Get `key` from the SnapshotService at `source` into this node's replicas: from its bulk port, else (a
         peer without one, a port the network does not let through) as a gRPC stream. Raises SnapshotError (a
         transfer that fails midway too: the caller asks the next node that holds it)."""
-        started, via = time.monotonic(), "bulk port"
+        started, via = self._clock.monotonic(), "bulk port"
         try:
             held = await self.fetch_bulk(source, key)
         except bulk.BulkError as e:
@@ -602,9 +606,9 @@ class Replicator:
                            job=key.job, rank=key.rank, step=key.step, error=str(e))
             held = None
         if held is None:
-            started, via = time.monotonic(), "gRPC stream"
+            started, via = self._clock.monotonic(), "gRPC stream"
             held = await self.fetch_stream(source, key)
-        took = max(time.monotonic() - started, 1e-6)
+        took = max(self._clock.monotonic() - started, 1e-6)
         logger.info("snapshot fetched", source=source, job=key.job, rank=key.rank, step=key.step, via=via,
                     mb=round(held.size / 1e6, 1), seconds=round(took, 3), gbps=round(held.size / took / 1e9, 2))
         return held
@@ -613,7 +617,7 @@ class Replicator:
         """`key` read from the bulk port of `source`; None when it has none, when its port could not be reached in
         the last NO_BULK_S, or when this node receives MAX_CONNECTIONS already. Raises BulkError when the transfer
         fails, SnapshotError when the peer does not have the snapshot or sends a corrupt one."""
-        if self._no_bulk.get(source, 0.0) > time.monotonic() or self._receiving >= bulk.MAX_CONNECTIONS:
+        if self._no_bulk.get(source, 0.0) > self._clock.monotonic() or self._receiving >= bulk.MAX_CONNECTIONS:
             return None
         node, _, address = source.rpartition("@")
         try:
@@ -638,7 +642,7 @@ class Replicator:
             return await self._store.accept_replica_by(key, ticket.size, ticket.crc32, fill)
         except bulk.BulkError as e:
             if not e.started:  # its port refused or filtered: the stream, for a while, without asking again
-                self._no_bulk[source] = time.monotonic() + NO_BULK_S
+                self._no_bulk[source] = self._clock.monotonic() + NO_BULK_S
             raise
         finally:
             self._receiving -= 1
