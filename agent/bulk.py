@@ -117,6 +117,12 @@ class BulkServer:
         return token
 
     @property
+    def transfers(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return self._active
+
+    @property
     def outstanding(self) -> int:
         with self._lock:
             return len(self._tickets)

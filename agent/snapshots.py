@@ -110,6 +110,7 @@ class SnapshotStore:
         self.own_dir = root / OWN
         self._held: dict[tuple[str, Key], Held] = {}
         self._pins: dict[str, tuple[int, int]] = {}  # job -> (generation, step) kept beyond the newest steps
+        self._lives: dict[str, int] = {}  # job -> times launched or forgotten here (see accept_replica_by)
         for kind in (OWN, REPLICA):
             (root / kind).mkdir(parents=True, exist_ok=True)
         os.chmod(self.own_dir, 0o1777)  # ranks write their own snapshots here (sticky, like /tmp)
@@ -183,11 +184,18 @@ class SnapshotStore:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         tmp = Path(name)
+        lives = self._lives.get(key.job, 0)
         try:
             written, crc = await fill(tmp)
             if written != size or crc != crc32:
                 raise SnapshotError(f"replica of rank {key.rank} of {key.job} step {key.step} arrived torn or "
                                     f"corrupt ({written} of {size} bytes, CRC-32 {crc:08x}, expected {crc32:08x})")
+            # what happened while it arrived: a generation launched here or the job forgotten (what was on its way
+            # may be of another life of the job id), a newer generation pinned or held
+            if self._lives.get(key.job, 0) != lives:
+                raise SnapshotError(f"replica of rank {key.rank} of {key.job} step {key.step} arrived after the job "
+                                    "was launched again or ended here: not kept")
+            self._check_current(key, REPLICA)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -223,6 +231,7 @@ class SnapshotStore:
     def launched(self, job: str, generation: int) -> None:
         """A generation of `job` starts here: anything held of it or a later generation comes from another life
         of the same job id (a controller whose store was reset) and must never be restored."""
+        self._lives[job] = self._lives.get(job, 0) + 1
         for held in [h for h in self._held.values() if h.key.job == job and h.key.generation >= generation]:
             self._drop(held)
         if self._pins.get(job, (0, 0))[0] >= generation:
@@ -239,6 +248,7 @@ class SnapshotStore:
                 shutil.rmtree(self.root / kind / job, ignore_errors=True)
         for job in gone:
             self._pins.pop(job, None)
+            self._lives[job] = self._lives.get(job, 0) + 1
         return gone
 
     # -- internals -----------------------------------------------------------------------------
@@ -246,10 +256,7 @@ class SnapshotStore:
     def _fit(self, key: Key, size: int, kind: str) -> None:
         """Make room for `size` bytes by dropping what the new snapshot supersedes; SnapshotError if it cannot fit
         (or a newer generation's snapshot of the rank is held already: this one is stale)."""
-        if any(hk.job == key.job and hk.rank == key.rank and hk.generation > key.generation and k == kind
-               for k, hk in self._held):
-            raise SnapshotError(f"snapshot of rank {key.rank} of {key.job} is of generation {key.generation}, and a "
-                                "newer generation's is held: stale")
+        self._check_current(key, kind)
         if size > self.budget:
             raise SnapshotError(f"a snapshot of rank {key.rank} of {key.job} takes {size / 1e6:.1f} MB, more than this "
                                 f"node's whole snapshot budget of {self.budget / 1e6:.1f} MB (agent "
@@ -267,6 +274,13 @@ class SnapshotStore:
                 break
             self._drop(held)
             free += held.size
+
+    def _check_current(self, key: Key, kind: str) -> None:
+        """SnapshotError if `key` is stale: a newer generation's snapshot of the rank is held, or pinned."""
+        if any(hk.job == key.job and hk.rank == key.rank and hk.generation > key.generation and k == kind
+               for k, hk in self._held) or self._pins.get(key.job, (0, 0))[0] > key.generation:
+            raise SnapshotError(f"snapshot of rank {key.rank} of {key.job} is of generation {key.generation}, and a "
+                                "newer generation's is held: stale")
 
     def _reclaimable(self, key: Key, kind: str) -> list[Held]:
         """What may go to make room for `key`, of key's job only (another job's steps may be the ones a restore of

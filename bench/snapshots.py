@@ -6,13 +6,15 @@
   the steady state is measured, once that interval has settled, over whole intervals (each with its copy),
   and the interval it chose is reported. The steps of the tuning itself (a copy at 1, 2, 4, ... steps while
   the interval grows) are reported apart.
-- Peer restore: a 1 GB snapshot streamed from one agent's SnapshotService (a process of its own, as on
-  another node) to another's store over loopback gRPC (the path a rank on a spare takes), CRC-checked on
-  arrival, in GB/s (the median of PEER_TRIALS); and the replica stream the other way (Put).
+- Peer restore: a 1 GB snapshot read from one agent's bulk port (its SnapshotService hands out the ticket; a
+  process of its own, as on another node) into another's store over loopback (the path a rank on a spare
+  takes), CRC-checked on arrival, in GB/s (the median of PEER_TRIALS), and the same over the gRPC stream it
+  falls back to; and a replica the other way, pulled by the peer from this side's bulk port, and put by stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import statistics
 import tempfile
@@ -176,6 +178,8 @@ async def peer_restore(mb: int) -> dict:
         started = time.perf_counter()
         await pusher._send(address, held)
         put_s = time.perf_counter() - started
+        while here_bulk.transfers:  # its thread counts the file just after the peer has it all
+            await asyncio.sleep(0.005)
         if here_bulk.served != 1:
             raise RuntimeError("the peer did not pull the replica from the bulk port")
         streamer = snaps.Replicator(here, lambda *x, **k: None)  # no bulk port: Put by stream, for the ratio

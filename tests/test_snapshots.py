@@ -129,6 +129,15 @@ def bulk_server(tls_files: bulk.TlsFiles | None = None) -> bulk.BulkServer:
 PULLERS: list[snaps.Replicator] = []
 
 
+def served(*servers: bulk.BulkServer | None) -> list[int | None]:
+    """How many files each bulk server sent whole, once it is done with what it serves (its thread counts a file
+    just after the receiver has it all)."""
+    deadline = time.monotonic() + 30
+    while any(s is not None and s.transfers for s in servers) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return [s.served if s is not None else None for s in servers]
+
+
 async def serving(tmp_path, name, bulk_port=True):
     """A node's snapshot service as its agent serves it: with a bulk port and pulling replicas from peers' unless
     told otherwise (`close_pullers()` at the end)."""
@@ -169,7 +178,7 @@ def test_a_snapshot_is_replicated_to_the_peer_and_fetched_back_by_a_third_node(t
         c_side = snaps.Snapshots(c, snaps.Replicator(c, lambda *x, **k: None), lambda *x, **k: None)
         fetched = await c_side.fetch(key(7), b_address)  # a is lost: its replica on b serves
         assert fetched.path.read_bytes() == data
-        assert (a_bulk.served, b_bulk.served) == (1, 1)  # the replica and the restore both read from bulk ports
+        assert served(a_bulk, b_bulk) == [1, 1]  # the replica and the restore both read from bulk ports
         with pytest.raises(snaps.SnapshotError, match="NOT_FOUND: no snapshot of rank 0 of job-1 step 8"):
             await c_side.fetch(key(8), a_address)
         for server in (a_server, b_server, c_server):
@@ -250,7 +259,7 @@ def test_a_restore_reads_the_bulk_port_and_streams_when_the_peer_has_none_or_it_
             fetched.append((held.path.read_bytes() == data, held.kind, here.held() == [held]))
             await replicator.close()
         assert fetched == [(True, snaps.REPLICA, True)] * 3
-        assert [s.served if s else None for _, _, s in stores.values()] == [1, None, 0]
+        assert served(*(s for _, _, s in stores.values())) == [1, None, 0]
         for server in servers:
             await server.stop(None)
         await close_pullers()
@@ -281,7 +290,7 @@ def test_a_holder_that_fails_midway_through_a_bulk_transfer_is_left_for_the_next
             await d_side.replicator.fetch(f"b@{holders['b'][1]}", key(4))
         fetched = await d_side.fetch(key(4), f"b@{holders['b'][1]},c@{holders['c'][1]}")
         assert fetched.path.read_bytes() == data and not events
-        assert [h[2].served for h in holders.values()] == [0, 1]  # c's copy, not b's by stream
+        assert served(*(h[2] for h in holders.values())) == [0, 1]  # c's copy, not b's by stream
         for server, _, _ in holders.values():
             await server.stop(None)
         await d_side.replicator.close()
@@ -319,7 +328,7 @@ def test_the_bulk_port_sends_nothing_without_a_live_ticket_and_goes_on_serving(t
     received = tmp_path / "received"
     assert bulk.receive("127.0.0.1", server.port, server.ticket(held.path, held.size), held.size,
                         received) == (len(data), zlib.crc32(data))
-    assert received.read_bytes() == data and server.served == 2
+    assert received.read_bytes() == data and served(server) == [2]
 
     # a peer that dies mid-transfer: the receiver says how far it got
     half = socket.create_server(("127.0.0.1", 0))
@@ -650,7 +659,7 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
             fetcher.tls_files = files("node-a")
             fetched = await fetcher.fetch(f"node-b@{address}", key(7))
             assert fetched.path.read_bytes() == held.path.read_bytes()
-            assert b_bulk.served == 1  # over the bulk port, under the same mutual TLS
+            assert served(b_bulk) == [1]  # over the bulk port, under the same mutual TLS
             # the bulk port checks certificates as the service does: a user's gets nothing even with a live ticket,
             # and a server that is not the node named is not read from
             b_held = b.find(key(7))
@@ -658,7 +667,7 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
                 with pytest.raises(bulk.BulkError):
                     bulk.receive("127.0.0.1", b_bulk.port, b_bulk.ticket(b_held.path, b_held.size), b_held.size,
                                  tmp_path / "stolen", files(who), server_node)
-            assert b_bulk.served == 1
+            assert served(b_bulk) == [1]
             await fetcher.close()
 
             # node-a serving a bulk port too: node-b pulls the replica from it, checking it is node-a
@@ -670,7 +679,7 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
             pusher.own_port = int(a_address.rsplit(":", 1)[1])
             newer = write(a, key(8), bytes(range(256)) * 9000)
             await pusher._send(f"node-b@{address}", newer)
-            assert pusher.sent == 1 and a_bulk.served == 1
+            assert pusher.sent == 1 and served(a_bulk) == [1]
             assert b.find(key(8)).path.read_bytes() == newer.path.read_bytes()
             await pusher.close()
             await a_server.stop(None)
@@ -897,11 +906,34 @@ def test_a_replica_is_pulled_and_a_snapshot_fetched_over_ipv6(tmp_path):
         pusher = snaps.Replicator(a, lambda *x, **k: None)
         pusher.own_port = int(a_address.rsplit(":", 1)[1])
         await pusher._send(b_address, held)
-        assert pusher.sent == 1 and a_bulk.served == 1  # pulled from a's port at the caller's IPv6 address
+        assert pusher.sent == 1 and served(a_bulk) == [1]  # pulled from a's port at the caller's IPv6 address
         assert b.find(key(7)).path.read_bytes() == held.path.read_bytes()
         for server in (a_server, b_server):
             await server.stop(None)
         for replicator in (puller, pusher):
             await replicator.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_arrives_after_its_job_was_launched_again_or_pinned_past_is_not_kept(tmp_path):
+    """The checks made before a replica's bytes arrive are made again after: a generation launched here meanwhile
+    (what was on its way may be of another life of the job id) or a newer generation pinned makes it stale."""
+    async def scenario():
+        store = snaps.SnapshotStore(tmp_path, budget_bytes=1 << 20)
+        data = b"0123456789"
+
+        async def arriving_while(change):
+            async def fill(tmp):
+                change()
+                tmp.write_bytes(data)
+                return len(data), zlib.crc32(data)
+            return await store.accept_replica_by(key(3, generation=2), len(data), zlib.crc32(data), fill)
+
+        with pytest.raises(snaps.SnapshotError, match="launched again or ended here"):
+            await arriving_while(lambda: store.launched("job-1", 2))
+        with pytest.raises(snaps.SnapshotError, match="stale"):
+            await arriving_while(lambda: store.pin("job-1", 3, 1))
+        assert store.held() == [] and not [p for p in (tmp_path / "replica").rglob("*") if p.is_file()]
 
     asyncio.run(scenario())
