@@ -110,6 +110,29 @@ class AgentView:
     sessions: Callable[[], int]
     heartbeats: Callable[[], int]
     ranks: Callable[[], list[node_pb2.RankStatus]]
+    snapshots: Callable[[], SnapshotStats | None] = lambda: None
+
+
+@dataclass(frozen=True)
+class SnapshotStats:
+    """The node's in-memory snapshots: what it holds against its budget, and how they travelled."""
+
+    budget: int
+    held: dict[str, int]  # own / replica -> bytes
+    replicas_sent: int
+    fetched: dict[str, int]  # "bulk port" / "gRPC stream" -> snapshots fetched from peers
+    bulk_sent: int  # files sent whole from this node's bulk port (restores and replicas pulled)
+
+
+def snapshot_stats(agent: Agent) -> SnapshotStats | None:
+    snapshots = agent.snapshots
+    if snapshots is None:
+        return None
+    held = dict.fromkeys(("own", "replica"), 0)
+    for h in snapshots.store.held():
+        held[h.kind] += h.size
+    return SnapshotStats(snapshots.store.budget, held, snapshots.replicator.sent, dict(snapshots.replicator.fetched),
+                         snapshots.bulk.served if snapshots.bulk is not None else 0)
 
 
 def view(agent: Agent) -> AgentView:
@@ -120,7 +143,8 @@ def view(agent: Agent) -> AgentView:
         inventory=agent.backend.inventory, telemetry=agent.gpu_telemetry, host=lambda: agent.last_host,
         xids=agent.xids, verdict=lambda: link.state.health, connected=lambda: link.state.connected,
         node_state=lambda: link.state.state, sessions=lambda: link.state.sessions,
-        heartbeats=lambda: link.heartbeats_sent, ranks=agent.supervisor.statuses)
+        heartbeats=lambda: link.heartbeats_sent, ranks=agent.supervisor.statuses,
+        snapshots=lambda: snapshot_stats(agent))
 
 
 @dataclass(frozen=True)
@@ -141,6 +165,7 @@ class Snapshot:
     heartbeats: int
     ranks: dict[str, int]  # by state
     on_gpu: dict[int, tuple[str, str]] = field(default_factory=dict)  # GPU -> (job, its ranks there) running now
+    snapshots: SnapshotStats | None = None
 
 
 def take_snapshot(v: AgentView) -> Snapshot:
@@ -151,7 +176,7 @@ def take_snapshot(v: AgentView) -> Snapshot:
         host=v.host(), xid_last=dict(v.xids.last), xid_counts=dict(v.xids.counts), verdict=v.verdict(),
         connected=v.connected(), node_state=v.node_state(), sessions=v.sessions(), heartbeats=v.heartbeats(),
         ranks=dict(Counter(common_pb2.RankState.Name(r.state).removeprefix("RANK_STATE_") for r in statuses)),
-        on_gpu=_on_gpu(statuses))
+        on_gpu=_on_gpu(statuses), snapshots=v.snapshots())
 
 
 def _on_gpu(statuses: list[node_pb2.RankStatus]) -> dict[int, tuple[str, str]]:
@@ -188,7 +213,29 @@ def families(s: Snapshot) -> Iterator[Metric]:
     if s.host is not None:
         yield GaugeMetricFamily("phalanx_agent_checkpoint_free_bytes", "Free bytes in the checkpoint directory.",
                                 value=s.host.checkpoint_free_bytes)
+    if s.snapshots is not None:
+        yield from _snapshots(s.snapshots)
     yield from _gpus(s)
+
+
+def _snapshots(s: SnapshotStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily("phalanx_agent_snapshot_budget_bytes", "Host memory this node's in-memory snapshots "
+                            "may take (snapshot_budget_mb).", value=s.budget)
+    held = _gauge("phalanx_agent_snapshot_bytes", "In-memory snapshots held: own (this node's ranks') and replica "
+                  "(peers').", ["kind"])
+    for kind, size in sorted(s.held.items()):
+        held.add_metric([kind], size)
+    yield held
+    yield CounterMetricFamily("phalanx_agent_snapshot_replicas_sent", "Snapshots of this node's ranks kept by "
+                              "their peer node.", value=s.replicas_sent)
+    fetched = CounterMetricFamily("phalanx_agent_snapshot_fetches", "Snapshots fetched from peers to restore a "
+                                  "rank, by the way they came: bulk port, or gRPC stream (its fallback).",
+                                  labels=["via"])
+    for via in ("bulk port", "gRPC stream"):
+        fetched.add_metric([via.split()[0].lower()], s.fetched.get(via, 0))
+    yield fetched
+    yield CounterMetricFamily("phalanx_agent_snapshot_bulk_sent", "Snapshot files sent whole from this node's bulk "
+                              "port (restores, and replicas peers pulled).", value=s.bulk_sent)
 
 
 def _gpus(s: Snapshot) -> Iterator[Metric]:

@@ -31,6 +31,7 @@ import re
 import shutil
 import tempfile
 import zlib
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -512,6 +513,7 @@ class Replicator:
         self._no_bulk: dict[str, float] = {}  # source -> until when its bulk port is not tried (it was not reached)
         self._no_pull: dict[str, float] = {}  # peer -> until when it is not asked to Pull (it could not)
         self._receiving = 0  # bulk receives under way
+        self.fetched: Counter[str] = Counter()  # how fetches came: "bulk port", "gRPC stream"
         self._closing: set[asyncio.Task] = set()
         self.peers: dict[str, str] = {}  # job -> [NODE@]HOST:PORT of its peer's SnapshotService
         self._waiting: dict[tuple[str, int], Held] = {}
@@ -623,6 +625,7 @@ class Replicator:
             started, via = self._clock.monotonic(), "gRPC stream"
             held = await self.fetch_stream(source, key)
         took = max(self._clock.monotonic() - started, 1e-6)
+        self.fetched[via] += 1
         logger.info("snapshot fetched", source=source, job=key.job, rank=key.rank, step=key.step, via=via,
                     mb=round(held.size / 1e6, 1), seconds=round(took, 3), gbps=round(held.size / took / 1e9, 2))
         return held

@@ -377,6 +377,23 @@ def render(view) -> str:
     return generate_latest(server.registry).decode()
 
 
+def test_agent_metrics_show_the_nodes_snapshots_and_how_they_travelled():
+    stats = agent_metrics.SnapshotStats(budget=8 << 30, held={"own": 3 << 20, "replica": 5 << 20}, replicas_sent=4,
+                                        fetched={"bulk port": 2, "gRPC stream": 1}, bulk_sent=6)
+    view = agent_view(SimBackend(1, "n1", seed=1))
+    text = render(agent_metrics.AgentView(**{**view.__dict__, "snapshots": lambda: stats}))
+    assert value(text, "phalanx_agent_snapshot_budget_bytes") == 8 << 30
+    assert value(text, "phalanx_agent_snapshot_bytes", kind="own") == 3 << 20
+    assert value(text, "phalanx_agent_snapshot_bytes", kind="replica") == 5 << 20
+    assert value(text, "phalanx_agent_snapshot_replicas_sent_total") == 4
+    assert value(text, "phalanx_agent_snapshot_fetches_total", via="bulk") == 2
+    assert value(text, "phalanx_agent_snapshot_fetches_total", via="grpc") == 1
+    assert value(text, "phalanx_agent_snapshot_bulk_sent_total") == 6
+    assert value(render(view), "phalanx_agent_snapshot_budget_bytes") is None  # a node without snapshots
+    if PROMTOOL:
+        promtool_check(text)
+
+
 def test_agent_metrics_use_dcgm_exporter_names_and_labels():
     sim = SimBackend(3, "n1", seed=1)
     sim.inject(0, faults.parse("remap-pending"))
@@ -523,6 +540,7 @@ def test_scrapes_follow_a_jobs_states_and_its_recovery(cluster):
     wait_value(cluster, agent, "phalanx_agent_ranks", 1, "with generation 2 running", state="RUNNING")
     # the GPU's series say which job and rank run on it: no join needed to find the job on a failing GPU
     assert value(scrape(agent), "DCGM_FI_DEV_GPU_TEMP", gpu="0", hpc_job=job, rank="0") is not None
+    assert value(scrape(agent), "phalanx_agent_snapshot_budget_bytes") > 0  # the real agent's snapshot store
 
     assert cluster.cli("cancel", job).returncode == 0
     wait_value(cluster, controller, "phalanx_jobs", 1, "after the cancel", state="CANCELLED")
