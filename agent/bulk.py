@@ -197,7 +197,8 @@ class BulkServer:
                 sent = _send(conn, ticket.file, ticket.size)
             if sent != ticket.size:
                 raise BulkError(f"sent {sent} of {ticket.size} bytes (the file shrank)")
-            self.served += 1
+            with self._lock:
+                self.served += 1
         except (OSError, ssl.SSLError, BulkError, ValueError) as e:
             logger.warning("snapshot bulk transfer not served", peer=peer, error=str(e))
         finally:
