@@ -202,12 +202,33 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         return local_pb2.ParkReply(rejoin=True, env=env)
 
     async def CheckpointDone(self, request: local_pb2.CheckpointDoneRequest, context) -> local_pb2.CheckpointDoneReply:
+        """A rank committed the step a checkpoint request named: tell the controller. An in-memory commit (an
+        eviction's) counts once the snapshot's replica is kept on the job's peer node, so that losing this node
+        loses no step; until then the rank waits, and if none is kept it is told why (and saves durably). With
+        `check_only` the rank only asks whether its replica is kept, before its ranks agree on how to commit."""
+        if request.in_memory:
+            why = await self._replicated(request)
+            if why:
+                logger.warning("in-memory checkpoint cannot be taken: the ranks save durably", job=request.job,
+                               rank=request.rank, step=request.step, error=why)
+            if why or request.check_only:
+                return local_pb2.CheckpointDoneReply(error=why)
         logger.info("rank committed a checkpoint", job=request.job, rank=request.rank, step=request.step,
-                    request_id=request.request_id)
+                    request_id=request.request_id, in_memory=request.in_memory)
         self._send(node_pb2.AgentMessage(checkpoint_ack=node_pb2.CheckpointAck(
             job=request.job, generation=request.generation, rank=request.rank, request_id=request.request_id,
-            step=request.step)))
+            step=request.step, in_memory=request.in_memory)))
         return local_pb2.CheckpointDoneReply()
+
+    async def _replicated(self, request: local_pb2.CheckpointDoneRequest) -> str:
+        """"" when the rank's snapshot of the step it committed is kept here and on its peer node, else why not."""
+        if self._snapshots is None:
+            return "this node keeps no snapshots (agent snapshot_dir is empty)"
+        try:
+            key = snaps.Key.of(request)
+        except snaps.SnapshotError as e:
+            return str(e)
+        return await self._snapshots.replicator.replicated(key)
 
 
 async def serve(path: Path, service: LocalService, group: str = "") -> grpc.aio.Server:

@@ -184,6 +184,7 @@ class Agent:
         idle = {job for job in keys if now - self._snapshot_seen.get(job, now) > SNAPSHOT_IDLE_S}
         if idle:
             gone = self.snapshots.store.forget(set(keys) - idle)
+            self.snapshots.replicator.forget(gone)
             logger.info("snapshots of idle jobs dropped", jobs=",".join(gone))
             for job in idle:
                 self._snapshot_seen.pop(job, None)

@@ -40,7 +40,7 @@ import grpc
 
 from agent import bulk
 from phalanx import log, tls
-from phalanx.clock import Clock, RealClock
+from phalanx.clock import Clock, RealClock, wait_for
 from phalanx.names import NAME
 from phalanx.request_guard import RequestGuard
 from phalanx.rpc import CLIENT_OPTIONS, SERVER_OPTIONS, peer_host
@@ -54,6 +54,9 @@ MAX_CHANNELS = 64  # channels to peers kept open at once (the oldest closed for 
 BULK_OPEN_S = 10.0  # asking a peer for a bulk ticket
 NO_BULK_S = 60.0  # a peer whose bulk port was not reached (or that could not pull) is streamed to for this long
 CHUNK = 512 << 10  # a stream message's data: well under MAX_REQUEST_BYTES with its header
+REPLICA_WAIT_S = 10.0  # an eviction's in-memory checkpoint waits this long for its replica (then the ranks save
+# durably, within what is left of the controller's checkpoint deadline: 30 s by default)
+OUTCOMES_KEPT = 8  # per rank, the last replicas sent and how each went (a rank's writes may land out of order)
 OWN, REPLICA = "own", "replica"
 _STEP = re.compile(r"^s(\d+)\.pt$")
 
@@ -521,11 +524,19 @@ class Replicator:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._failing: set[str] = set()  # jobs whose last transfer failed (said once until one succeeds)
         self.sent = 0
+        # (job, rank) -> the last keys sent to the peer, each with "" if the peer kept it, else why not
+        self._outcome: dict[tuple[str, int], dict[Key, str]] = {}
+        self._watchers: dict[Key, list[asyncio.Future[str]]] = {}  # keys whose replica someone awaits
 
     def offer(self, held: Held) -> None:
         peer = self.peers.get(held.key.job)
         if not peer:
             return
+        replaced = self._waiting.get((held.key.job, held.key.rank))
+        if replaced is not None and replaced.key != held.key:
+            if (replaced.key.generation, replaced.key.step) > (held.key.generation, held.key.step):
+                return  # a newer one waits already (a rank's writes may land out of order)
+            self._settle(replaced.key, f"superseded by step {held.key.step} before it was sent")
         self._waiting[(held.key.job, held.key.rank)] = held
         if held.key.job not in self._busy:
             self._busy.add(held.key.job)
@@ -539,6 +550,7 @@ class Replicator:
                     return
                 held = self._waiting.pop(ready[0])
                 if self._store.find(held.key) is None:
+                    self._settle(held.key, "dropped from this node before it was sent")
                     continue  # superseded meanwhile
                 await self._send(self.peers.get(job, ""), held)
         finally:
@@ -566,9 +578,43 @@ class Replicator:
             self._channels[peer] = channel
         return snapshot_pb2_grpc.SnapshotServiceStub(channel)
 
+    async def replicated(self, key: Key, timeout: float = REPLICA_WAIT_S) -> str:
+        """"" once the job's peer node keeps the replica of `key` (sent already or still to be), else why not: no
+        peer, the transfer failed, or not within `timeout` seconds."""
+        sent = self._outcome.get((key.job, key.rank), {})
+        if key in sent:
+            return sent[key]
+        if not self.peers.get(key.job):
+            return f"{key.job} has no peer node on which to keep a replica"
+        if self._store.find(key) is None:
+            return f"snapshot of rank {key.rank} step {key.step} is not held on this node"
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._watchers.setdefault(key, []).append(waiter)
+        try:
+            return await wait_for(self._clock, asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            return f"its replica was not kept by {self.peers.get(key.job)} within {timeout:g}s"
+        finally:
+            watchers = self._watchers.get(key, [])
+            if waiter in watchers:
+                watchers.remove(waiter)
+            if not watchers:
+                self._watchers.pop(key, None)
+
+    def _settle(self, key: Key, error: str) -> None:
+        for waiter in self._watchers.pop(key, []):
+            if not waiter.done():
+                waiter.set_result(error)
+
     async def _send(self, peer: str, held: Held) -> None:
-        if not peer:
-            return
+        error = await self._transfer(peer, held) if peer else "no peer node"
+        sent = self._outcome.setdefault((held.key.job, held.key.rank), {})
+        sent[held.key] = error
+        while len(sent) > OUTCOMES_KEPT:
+            del sent[next(iter(sent))]
+        self._settle(held.key, error)
+
+    async def _transfer(self, peer: str, held: Held) -> str:
         try:
             reply = await self._pull(peer, held)
             if reply is None:
@@ -581,9 +627,18 @@ class Replicator:
                 self._failing.add(held.key.job)
                 self._emit("snapshot_replica_failed", f"replica of {held.key.job} rank {held.key.rank} step "
                            f"{held.key.step} not kept by {peer}: {error}", job=held.key.job)
-            return
+            return error
         self._failing.discard(held.key.job)
         self.sent += 1
+        return ""
+
+    def forget(self, jobs: Iterable[str]) -> None:
+        """Jobs whose snapshots this node gave back: nothing of theirs is sent or awaited any more."""
+        gone = set(jobs)
+        for job in gone:
+            self.peers.pop(job, None)
+        for job_rank in [k for k in self._outcome if k[0] in gone]:
+            del self._outcome[job_rank]
 
     async def _pull(self, peer: str, held: Held) -> snapshot_pb2.PutReply | None:
         """Have the peer read `held` from this node's bulk port; None: Put it instead (this node serves no bulk

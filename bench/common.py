@@ -73,11 +73,13 @@ def secure_controller_toml(address: str, root: Path, pki: Path, session_listen: 
             f'cert_file = "{pki / "controller.crt"}"\nkey_file = "{pki / "controller.key"}"\n')
 
 
-def agent_toml(name: str, address: str, root: Path, gpus: int = 8) -> str:
+def agent_toml(name: str, address: str, root: Path, gpus: int = 8, snapshots: Path | None = None) -> str:
+    """An agent's config under `root`, its snapshots in `snapshots` / name when given (a tmpfs, as in production)."""
     node = root / name
     return (f'node_name = "{name}"\ncontroller = "{address}"\nstate_dir = "{node / "state"}"\n'
             'security.insecure = true\n'
-            f'checkpoint_dir = "{node / "checkpoints"}"\nsnapshot_dir = "{node / "snapshots"}"\n'
+            f'checkpoint_dir = "{node / "checkpoints"}"\n'
+            f'snapshot_dir = "{snapshots / name if snapshots else node / "snapshots"}"\n'
             f'\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n')
 
 

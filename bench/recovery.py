@@ -21,6 +21,11 @@ A third system (issue 16): the same script under torchrun with `--rdzv-backend=p
 agents on three Phalanx nodes for --nnodes=2 (the third waits as the spare); the faults hit a member node,
 and for predictable ones its trainlib workers checkpoint one agreed step before the round restarts.
 
+Then remap-pending again with 128 MB of state a rank (`--state-mb`), three times each way, alternating: the
+checkpoint before the eviction committed as in-memory snapshots (each replicated to the other node), and
+durably (PHALANX_EVICTION_CHECKPOINT=durable; snapshots are taken all along either way). Besides the fault's
+figures, the seconds from the request to every rank's commit (the `job.checkpointed` event).
+
 Measured per fault: seconds from the fault to the first training step after it, and steps computed twice
 (the last step done before the fault minus the step training resumed from). "never" means no step
 within the observation window. Phalanx runs each fault REPEATS times (median and max); torchrun once.
@@ -31,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +55,8 @@ REPEATS = 5
 WINDOW_S = 90.0  # after a fault: how long we wait for training to resume before saying "never"
 STEP_LINE = re.compile(r"^step (\d+) loss \S+ at ([\d.]+)$", re.M)
 RESUMED = re.compile(r"resumed from step (\d+)")
+COMMITTED = re.compile(r"committed step \d+ (.*) \(([\d.]+)s after the request\)")
+EVICTION_STATE_MB = 128  # the eviction checkpoint compared in host memory and durably, with this much state a rank
 FAULTS = ("crash", "xid-79", "node-loss", "hang", "remap-pending", "crash-cold", "crash-rejoin")
 GPU_FAULTS = {"xid-79": "xid=79", "remap-pending": "remap-pending"}  # injected into the simulated GPU
 
@@ -264,7 +273,7 @@ def _cli(address: str, *args: str) -> str:
                           timeout=120, env=env).stdout
 
 
-def phalanx_trial(fault: str, root: Path) -> dict:
+def phalanx_trial(fault: str, root: Path, train_extra: tuple[str, ...] = (), env: tuple[str, ...] = ()) -> dict:
     import json
     address = f"127.0.0.1:{free_port()}"
     procs: dict[str, subprocess.Popen] = {}
@@ -277,17 +286,21 @@ def phalanx_trial(fault: str, root: Path) -> dict:
     spawn("controller", "controller.main", controller_toml(address, root) +
           "[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n")
     time.sleep(1.5)
+    # the agents' snapshots on a tmpfs, as the agent's default (/dev/shm/phalanx) puts them
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="phalanx-bench-")) if Path("/dev/shm").is_dir() else None
     for i in range(3):
-        spawn(f"node-{i}", "agent.main", 'nvrx_socket = ""\n' + agent_toml(f"node-{i}", address, root, gpus=2))
+        spawn(f"node-{i}", "agent.main", 'nvrx_socket = ""\n' + agent_toml(f"node-{i}", address, root, gpus=2,
+                                                                          snapshots=shm))
     try:
         deadline = time.time() + 60
         while len(json.loads(_cli(address, "nodes", "--json") or "[]")) < 3 and time.time() < deadline:
             time.sleep(0.3)
         cold = fault.endswith("-cold")
         job = _cli(address, "submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(root / "ckpt"),
-                   *(("--env", "PHALANX_WARM_START=0") if cold else ()), "--",
-                   sys.executable, *_train_args(root / "ckpt"), *(("--rejoin",) if fault == "crash-rejoin" else ())
-                   ).strip()
+                   *(("--env", "PHALANX_WARM_START=0") if cold else ()), *(a for kv in env for a in ("--env", kv)),
+                   "--",
+                   sys.executable, *_train_args(root / "ckpt"), *(("--rejoin",) if fault == "crash-rejoin" else ()),
+                   *train_extra).strip()
 
         def read() -> str:
             return _cli(address, "logs", job, "--rank", "0")
@@ -315,6 +328,11 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         result["incident"] = info["incident"]
         logs = read()
         result["warm"] = "(warm) ---" in logs or "rejoining in the same process" in logs
+        if fault == "remap-pending":  # how long the ranks took to commit the agreed step, and how
+            events = json.loads(_cli(address, "events", "--job", job, "--json") or "[]")
+            committed = [e["message"] for e in events if e["kind"] == "job.checkpointed"]
+            if committed and (said := COMMITTED.search(committed[0])):
+                result["commit_s"], result["committed"] = float(said.group(2)), said.group(1)
         if result.get("steps_lost"):  # more than none: say why, for the results file (which step, from where)
             events = json.loads(_cli(address, "events", "--job", job, "--json") or "[]")
             result["restore"] = [e["message"] for e in events if e["kind"].startswith("job.snapshot")]
@@ -330,6 +348,8 @@ def phalanx_trial(fault: str, root: Path) -> dict:
         for p in procs.values():
             _kill_tree(p.pid, signal.SIGKILL)
             p.wait()
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
 
 
 def _trial(system: str, trial, fault: str) -> dict:
@@ -360,6 +380,10 @@ def _summary(trials: list[dict]) -> dict:
         out["seconds_in_state"] = done[-1].get("seconds_in_state", {})
     else:
         out.update(resumed_s=None, steps_lost=None)
+    commits = [t["commit_s"] for t in trials if "commit_s" in t]
+    if commits:
+        out.update(commit_s=statistics.median(commits), commit_max_s=max(commits),
+                   committed=sorted({t["committed"] for t in trials if "committed" in t}))
     return out
 
 
@@ -370,6 +394,16 @@ def run(quick: bool = False) -> dict:
         results[fault] = {"phalanx": _summary([_trial("phalanx", phalanx_trial, fault) for _ in range(repeats)]),
                           "torchrun": _trial("torchrun", torchrun_trial, fault),
                           "torchrun + phalanx rendezvous": _trial("torchrun-phalanx", torchrun_phalanx_trial, fault)}
+    # The checkpoint before an eviction, with a state large enough for its save to count: an in-memory snapshot
+    # (replicated) against a durable save, alternating; snapshots are taken all along either way
+    big = ("--state-mb", str(EVICTION_STATE_MB))
+    modes = {"phalanx, in-memory commit": (), "phalanx, durable commit": ("PHALANX_EVICTION_CHECKPOINT=durable",)}
+    trials: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for _ in range(1 if quick else 3):
+        for mode, env in modes.items():
+            trials[mode].append(_trial("phalanx", lambda f, r, env=env: phalanx_trial(f, r, big, env),
+                                       "remap-pending"))
+    results[f"remap-pending, {EVICTION_STATE_MB} MB a rank"] = {mode: _summary(t) for mode, t in trials.items()}
     return {"faults": results, "window_s": WINDOW_S, "repeats": repeats,
             "job": "2 nodes x 1 rank, gloo on CPU, 0.05 s steps, a durable checkpoint every 500 steps, "
                    "Phalanx: an in-memory snapshot every step"}

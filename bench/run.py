@@ -396,6 +396,9 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                     result = (f"median {o['resumed_s']:.1f} s (max {o['resumed_max_s']:.1f}) to training, "
                               f"{o['steps_lost']:g} steps computed twice (max {o['steps_lost_max']}); "
                               f"{o['resumed']} of {o['of']} resumed" + (f", {o['warm']} warm" if "warm" in o else ""))
+                if o.get("commit_s") is not None:
+                    result += (f"; every rank committed in median {o['commit_s']:.2f} s (max {o['commit_max_s']:.2f}) "
+                               f"after the request, {' / '.join(o['committed'])}")
                 if o.get("seconds_in_state"):
                     states = {k: v for k, v in o["seconds_in_state"].items()
                               if k in ("CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING")}

@@ -39,6 +39,8 @@ def main() -> int:
                         "sooner (0 = at --steps): with a large --steps, the run ends only once a recovery happened")
     parser.add_argument("--no-snapshots", action="store_true", help="no in-memory snapshots: a restart resumes from "
                         "the newest durable checkpoint")
+    parser.add_argument("--state-mb", type=int, default=0, help="carry this many MB of untrained state per rank "
+                        "in every checkpoint and snapshot (for benchmarks: the cost of saving a large model)")
     parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
     parser.add_argument("--out-steps", default="", help="rank 0 writes the number of steps the model was trained "
                         "for here (what an uninterrupted run needs as --steps to end with the same model)")
@@ -60,15 +62,19 @@ def train(args: argparse.Namespace) -> int:
     model = torch.nn.Linear(16, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scratch = torch.ones(256, 256)
+    ballast = torch.zeros(args.state_mb << 18)  # float32: 4 bytes each
     first = 0
 
     def training_state() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                **({"ballast": ballast} if args.state_mb else {})}
 
     loaded = trainlib.load_latest()
     if loaded is not None:
         model.load_state_dict(loaded.state["model"])
         optimizer.load_state_dict(loaded.state["optimizer"])
+        if args.state_mb:
+            ballast.copy_(loaded.state["ballast"])
         first = loaded.step + 1
         print(f"rank {ctx.rank}: resumed from step {loaded.step} (generation {ctx.generation})", flush=True)
     steps = args.steps

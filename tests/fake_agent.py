@@ -24,6 +24,9 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
         self.stale = threading.Event()  # set by the test: answer every report with stale
         self.slow_factor = 0.0  # set by the test: the slow=F fault every reply hands on
         self.gate: threading.Event | None = None  # set by the test: a report's reply waits until it is set
+        self.snapshots: list[local_pb2.SnapshotTakenRequest] = []  # snapshots handed in, kept
+        self.done: list[local_pb2.CheckpointDoneRequest] = []  # checkpoints committed
+        self.done_error = ""  # set by the test: why an in-memory commit is refused (no replica kept)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         local_pb2_grpc.add_LocalServiceServicer_to_server(self, self._server)
         self._server.add_insecure_port(f"unix://{socket}")
@@ -38,8 +41,13 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
             self.gate.wait(60)
         return local_pb2.ReportReply(stale=self.stale.is_set(), slow_factor=self.slow_factor)
 
+    def SnapshotTaken(self, request, context):
+        self.snapshots.append(request)
+        return local_pb2.SnapshotTakenReply()
+
     def CheckpointDone(self, request, context):
-        return local_pb2.CheckpointDoneReply()
+        self.done.append(request)
+        return local_pb2.CheckpointDoneReply(error=self.done_error if request.in_memory else "")
 
     def close(self) -> None:
         self._server.stop(grace=None)

@@ -78,6 +78,7 @@ class Sim:
         self.slow: set[str] = set()  # nodes whose ranks compute 50% slower (and so the job's steps, when they run)
         self.pace_factor = 1.0  # the whole job's steps this much slower, whatever its ranks (a slow dataset)
         self.step_of: dict[int, int] = {}
+        self.in_memory: set[int] = set()  # ranks that commit a checkpoint as an in-memory snapshot (replicated)
         spec = pb.JobSpec(command=["train"], nodes=job_nodes, ranks_per_node=ranks_per_node, spares=spares)
         self.job = pb.Job(id="job-1", spec=spec, state=pb.JOB_STATE_PENDING, state_since_unix_ns=int(self.now * 1e9))
         self.at(self.now, self.report)
@@ -221,7 +222,7 @@ class Sim:
         for rank in self.job.ranks:
             if rank.rank not in self.hung and self._running(rank):
                 acks[rank.rank] = at_step
-        p.checkpoint = lifecycle.CheckpointView(request_id, acks)
+        p.checkpoint = lifecycle.CheckpointView(request_id, acks, len(self.in_memory & set(acks)))
 
     def _running(self, rank) -> bool:
         node = self.nodes[rank.node]
@@ -549,6 +550,19 @@ def test_a_checkpoint_some_ranks_never_commit_is_given_up_at_its_deadline_in_vir
     asked = next(i for i, (k, _) in enumerate(sim.events) if k == "job.checkpoint")
     assert "job.checkpointed" not in [k for k, _ in sim.events[asked:]]
     assert sim.job.phase_times and dict((p.phase, p.seconds) for p in sim.job.phase_times)["CHECKPOINTING"] >= 30
+
+
+@pytest.mark.parametrize("in_memory, said", [({0, 1, 2, 3}, "in host memory, each with a replica on another node"),
+                                              ({1}, "1 of 4 in host memory, the others durably"),
+                                              (set(), "durably")])
+def test_the_checkpoint_before_an_eviction_says_how_the_ranks_committed_it(in_memory, said):
+    sim = Sim()
+    start(sim)
+    sim.in_memory = in_memory
+    inject(sim, "gpu-failing")
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    committed = [m for k, m in sim.events if k == "job.checkpointed"]
+    assert len(committed) == 1 and f" {said} (" in committed[0], committed
 
 
 def test_a_second_predictable_incident_soon_after_the_first_asks_for_a_new_checkpoint():

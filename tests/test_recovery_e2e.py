@@ -122,8 +122,14 @@ def finish(cluster, job_id, out, reference):
     return j
 
 
-def test_a_failing_gpu_is_checkpointed_then_evicted_with_no_step_lost(cluster4, tmp_path, reference):
-    job_id, out = start(cluster4, tmp_path)
+@pytest.mark.parametrize("commit", ["in host memory, each with a replica on another node", "durably"],
+                         ids=["in-memory", "durable"])
+def test_a_failing_gpu_is_checkpointed_then_evicted_with_no_step_lost(cluster4, tmp_path, reference, commit):
+    """A predictable failure: every rank commits the agreed step before the eviction. A job that snapshots commits
+    it as in-memory snapshots (each replicated to the other node of the job), and the spare's rank fetches its own
+    from the node that is being drained, or its replica; a job that says PHALANX_EVICTION_CHECKPOINT=durable, with
+    a durable save (its snapshots go on all the same)."""
+    job_id, out = start(cluster4, tmp_path, env=("PHALANX_EVICTION_CHECKPOINT=durable",) if commit == "durably" else ())
     victim = job(cluster4, job_id)["nodes"][1]
     assert phalanx(cluster4, "inject", victim, "--gpu", "0", "remap-pending").returncode == 0
     j = finish(cluster4, job_id, out, reference)
@@ -133,9 +139,14 @@ def test_a_failing_gpu_is_checkpointed_then_evicted_with_no_step_lost(cluster4, 
         < kinds.index("job.rendezvous") < kinds.index("job.restarting")
     committed = next(e for e in events(cluster4, job_id) if e["kind"] == "job.checkpointed")["message"]
     step = int(committed.split("committed step ")[1].split()[0])
+    assert f"committed step {step} {commit} (" in committed, committed
     logs = phalanx(cluster4, "logs", job_id).stdout
     assert f"resumed from step {step} (generation 2)" in logs  # zero lost: generation 1 stopped right there
     assert "CHECKPOINTING" in j["seconds_in_state"] and "EVICTING" in j["seconds_in_state"]
+    if commit != "durably":  # (a durable job's ranks may snapshot every step, step S too: either would do then)
+        restored = [e["message"] for e in events(cluster4, job_id) if e["kind"] == "job.snapshot_restore"]
+        assert len(restored) == 1 and f"in-memory snapshot of step {step} (generation 1" in restored[0], restored
+        assert "restored its in-memory snapshot of step" in logs, logs[-3000:]
 
 
 def test_an_xid_79_resumes_from_the_in_memory_snapshots_recomputing_a_few_steps_at_most(cluster4, tmp_path,

@@ -937,3 +937,103 @@ def test_a_replica_that_arrives_after_its_job_was_launched_again_or_pinned_past_
         assert store.held() == [] and not [p for p in (tmp_path / "replica").rglob("*") if p.is_file()]
 
     asyncio.run(scenario())
+
+
+def test_an_eviction_checkpoint_in_memory_counts_only_once_its_replica_is_kept_on_the_peer(tmp_path):
+    """An eviction's checkpoint may be answered by a rank's in-memory snapshot instead of a durable save: the agent
+    tells the controller only once the peer keeps the replica (losing this node must lose no step), and otherwise
+    tells the rank why, and nothing goes to the controller (the rank saves durably instead)."""
+    from agent.local_server import LocalService, LocalState
+    from phalanx.v1 import local_pb2
+
+    async def scenario():
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        b, b_server, b_address, _ = await serving(tmp_path, "b")
+        a_side = snaps.Snapshots(a, snaps.Replicator(a, lambda *x, **k: None), lambda *x, **k: None)
+        sent = []
+        service = LocalService(LocalState(), current_generation=lambda job: 1, send=sent.append, snapshots=a_side)
+
+        def done(job, step, check_only=False):
+            return service.CheckpointDone(local_pb2.CheckpointDoneRequest(
+                job=job, generation=1, rank=0, request_id=4, step=step, in_memory=True, check_only=check_only), None)
+
+        a_side.launched("job-1", 1, b_address)
+        data = bytes(range(256)) * 4_000
+        path = a.path(snaps.OWN, key(7))
+        path.parent.mkdir(parents=True)
+        path.write_bytes(data)
+        assert a_side.taken(key(7), str(path), len(data), zlib.crc32(data)) == ""
+        # asked while the replica is still on its way: answered once it is kept, and the controller told nothing yet
+        reply = await done("job-1", 7, check_only=True)
+        assert reply.error == "" and [(h.kind, h.key) for h in b.held()] == [(snaps.REPLICA, key(7))] and not sent
+        assert (await done("job-1", 7)).error == ""  # the ranks agreed: now it is committed
+        assert [(m.checkpoint_ack.step, m.checkpoint_ack.in_memory) for m in sent] == [(7, True)]
+        assert await a_side.replicator.replicated(key(7), timeout=0.001) == ""  # kept already: said at once
+
+        assert "not held on this node" in (await done("job-1", 8)).error
+        a_side.launched("job-2", 1, "")  # a job of one node: no other node to hold a replica
+        assert "no peer node" in (await done("job-2", 7)).error
+        with socket.socket() as s:  # a port nothing listens on: the peer's agent is gone
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"
+        a_side.launched("job-3", 1, dead)
+        k3 = key(5, job="job-3")
+        a.path(snaps.OWN, k3).parent.mkdir(parents=True)
+        a.path(snaps.OWN, k3).write_bytes(data)
+        assert a_side.taken(k3, str(a.path(snaps.OWN, k3)), len(data), zlib.crc32(data)) == ""
+        reply = await service.CheckpointDone(local_pb2.CheckpointDoneRequest(
+            job="job-3", generation=1, rank=0, request_id=4, step=5, in_memory=True), None)
+        assert "unreachable" in reply.error, reply.error
+        assert len(sent) == 1  # none of the refused ones reached the controller
+
+        durable = await service.CheckpointDone(local_pb2.CheckpointDoneRequest(
+            job="job-3", generation=1, rank=0, request_id=4, step=5), None)
+        assert durable.error == "" and not sent[-1].checkpoint_ack.in_memory and len(sent) == 2
+        await b_server.stop(None)
+        await a_side.replicator.close()
+        await close_pullers()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_not_kept_in_time_is_said_so_and_the_wait_is_forgotten(tmp_path):
+    async def scenario():
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        replicator = snaps.Replicator(a, lambda *x, **k: None)
+        replicator.peers["job-1"] = "127.0.0.1:1"
+        write(a, key(3), b"x" * 100)  # held, never offered: nothing will send it
+        assert "not kept by 127.0.0.1:1 within 0.05s" in await replicator.replicated(key(3), timeout=0.05)
+        assert not replicator._watchers
+        replicator.forget(["job-1"])
+        assert "no peer node" in await replicator.replicated(key(3), timeout=0.05)
+        await replicator.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_older_snapshot_landing_late_neither_displaces_the_newer_one_waiting_nor_is_forgotten_as_sent(tmp_path):
+    """A rank's writes may land out of order (an eviction's snapshot is written beside an older one still being
+    written): the older one does not take the newer one's place in the queue, and a wait for a replica that went
+    out before a later one still finds how it went."""
+    async def scenario():
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        b, b_server, b_address, _ = await serving(tmp_path, "b", bulk_port=False)
+        replicator = snaps.Replicator(a, lambda *x, **k: None)
+        replicator.peers["job-1"] = b_address
+        replicator._busy.add("job-1")  # hold the queue: nothing is sent until it is released below
+        newer, older = write(a, key(9), b"n" * 1000), write(a, key(5), b"o" * 1000)
+        replicator.offer(newer)
+        replicator.offer(older)
+        assert [h.key for h in replicator._waiting.values()] == [key(9)]
+        replicator._busy.discard("job-1")
+        replicator.offer(newer)
+        assert await replicator.replicated(key(9)) == ""
+        replicator.offer(older)  # the queue is free now: it goes too
+        assert await replicator.replicated(key(5)) == ""
+        assert await replicator.replicated(key(9), timeout=0.001) == ""  # still known after a later one went
+        assert sorted(h.key.step for h in b.held()) == [5, 9]
+        await b_server.stop(None)
+        await replicator.close()
+        await close_pullers()
+
+    asyncio.run(scenario())

@@ -435,7 +435,8 @@ def test_a_failing_nodes_round_checkpoints_through_trainlib_then_resumes_on_the_
         assert "rendezvous.restart: round 1 of rendezvous 'ckpt' restarts without node node-b" in said, said
         text = {name: logs[name].read_text(errors="replace") for name in NAMES}
         for name in ("node-a", "node-b"):  # the first round's two workers committed the agreed step, and no later one
-            assert f"trainlib: step {at_step} committed; waiting to be stopped" in text[name], text[name][-3000:]
+            said = f"trainlib: step {at_step} committed durably; waiting to be stopped"
+            assert said in text[name], text[name][-3000:]
         first_round = text["node-a"].split(f"resumed from step {at_step}")[0] + text["node-b"]
         assert f"step {at_step + 1} loss" not in first_round  # paused after the agreed step: no step thrown away
         resumed = {name: f"resumed from step {at_step}" in text[name] for name in ("node-a", "node-c")}

@@ -333,3 +333,86 @@ def test_a_stale_answer_about_a_generation_the_rank_has_left_does_not_end_it(age
     assert exits == [] and not _runtime._stale
     _runtime._flush()  # stale about the generation it is in: that ends it
     assert exits == [STALE_EXIT_CODE] and _runtime._stale
+
+
+def under_phalanx_with_snapshots(agent, monkeypatch, tmp_path):
+    """This process as rank 1 of job-7 generation 3, its agent `agent`, snapshots every 4 steps."""
+    from trainlib import _runtime
+    monkeypatch.setattr(_runtime, "_ctx", _runtime.Context(
+        active=True, job="job-7", generation=3, rank=1, local_rank=1, world_size=4, checkpoint_dir=str(tmp_path),
+        agent_socket=str(agent.socket)))
+    for name in ("_stub", "_snapshotter", "_requested", "_request_id", "_pause_after", "_at_step", "_last_step",
+                 "_handled", "_head", "_eviction_said", "_steps_seen", "_last_end"):
+        monkeypatch.setattr(_runtime, name, getattr(_runtime, name))
+    _runtime._stub, _runtime._snapshotter, _runtime._handled = None, None, set()
+    monkeypatch.setattr(_runtime, "EVICTION_WAIT_S", 0.0)  # no stop is coming here
+    monkeypatch.setenv("PHALANX_SNAPSHOT_DIR", str(tmp_path / "snapshots"))
+    monkeypatch.setenv("PHALANX_SNAPSHOT_EVERY", "4")
+    return _runtime
+
+
+@pytest.mark.parametrize("outcome", ["committed", "replica not kept", "another rank's not kept"])
+def test_an_eviction_checkpoint_is_answered_by_the_snapshot_of_the_agreed_step(agent, monkeypatch, tmp_path, capsys,
+                                                                              outcome):
+    """A checkpoint request before an eviction (pause) is answered by the in-memory snapshot of the agreed step,
+    taken whatever the snapshot interval: the rank asks its agent whether the replica is kept, the ranks agree
+    that every one's is, and only then does each commit it (no durable save). If any rank's is not kept, no rank
+    commits in memory: the request stays for every rank's save() to answer durably."""
+    import torch
+
+    runtime = under_phalanx_with_snapshots(agent, monkeypatch, tmp_path)
+    votes = []
+    monkeypatch.setattr(runtime, "_agreement", lambda: lambda ok: votes.append(ok) or (
+        ok and outcome != "another rank's not kept"))
+    agent.done_error = "its replica was not kept by node-b within 10s" if outcome == "replica not kept" else ""
+    for step in range(6):
+        runtime.step(step)
+        runtime.snapshot({"w": torch.tensor([step])}, step)
+    runtime._snapshotter.wait()
+    assert [r.step for r in agent.snapshots] == [0, 4]
+    runtime._heed_request(9, 6, True)
+    runtime.step(6)
+    assert runtime.snapshot(lambda: {"w": torch.tensor([6])}, 6)  # step 6 is no multiple of 4: taken for the request
+    assert [r.step for r in agent.snapshots] == [0, 4, 6]
+    assert torch.load(agent.snapshots[-1].path)["w"].tolist() == [6]
+    asked = [(d.request_id, d.step, d.in_memory, d.check_only) for d in agent.done]
+    err = capsys.readouterr().err
+    if outcome == "committed":
+        assert votes == [True] and asked == [(9, 6, True, True), (9, 6, True, False)]
+        assert not runtime.checkpoint_requested() and 9 in runtime._handled
+        assert "step 6 committed in host memory, replicated; waiting to be stopped" in err
+        return
+    assert asked == [(9, 6, True, True)]  # asked whether it could, never committed
+    assert runtime.checkpoint_requested()  # every rank's save() answers it, durably
+    assert votes == [outcome != "replica not kept"]
+    why = "its replica was not kept by node-b within 10s" if outcome == "replica not kept" else \
+        "another rank could not keep its snapshot of step 6"
+    assert f"checkpoint request 9 is not answered in memory ({why}); every rank saves durably" in err, err
+
+
+def test_a_rank_that_keeps_no_snapshots_still_votes_on_an_eviction_checkpoint(agent, monkeypatch, tmp_path, capsys):
+    """Its agent keeps no snapshots (no PHALANX_SNAPSHOT_DIR): it votes no, rather than leaving the others waiting
+    in the collective."""
+    runtime = under_phalanx_with_snapshots(agent, monkeypatch, tmp_path)
+    monkeypatch.delenv("PHALANX_SNAPSHOT_DIR")
+    votes = []
+    monkeypatch.setattr(runtime, "_agreement", lambda: lambda ok: votes.append(ok) or ok)
+    runtime._heed_request(9, 6, True)
+    runtime.step(6)
+    assert not runtime.snapshot({"w": 1}, 6)
+    assert votes == [False] and not agent.done and runtime.checkpoint_requested()
+    assert "(this node keeps no snapshots); every rank saves durably" in capsys.readouterr().err
+
+
+def test_an_eviction_checkpoint_is_saved_durably_when_the_job_says_so(agent, monkeypatch, tmp_path, capsys):
+    import torch
+
+    runtime = under_phalanx_with_snapshots(agent, monkeypatch, tmp_path)
+    monkeypatch.setenv("PHALANX_EVICTION_CHECKPOINT", "durable")
+    runtime._heed_request(9, 6, True)
+    runtime.step(6)
+    assert not runtime.snapshot({"w": torch.tensor([6])}, 6)  # not due, and not asked to answer the request
+    assert runtime.checkpoint_requested() and not agent.snapshots and not agent.done
+    monkeypatch.setenv("PHALANX_EVICTION_CHECKPOINT", "disk")
+    assert runtime._eviction_in_memory() and runtime._eviction_in_memory()
+    assert capsys.readouterr().err.count("PHALANX_EVICTION_CHECKPOINT='disk' is not one of memory, durable") == 1

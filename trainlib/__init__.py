@@ -9,8 +9,8 @@
         trainlib.compute_done()            # optional: just before the gradient synchronisation
         ...all-reduce, optimizer step...
         trainlib.step(step)                # the per-step hook: ~0.5 us, no system call
-        trainlib.snapshot(state, step)     # in host memory, replicated to a peer: a restart loses <= 1 step
-        if trainlib.checkpoint_requested():
+        trainlib.snapshot(state, step)     # in host memory, replicated to a peer: a restart loses <= 1 step;
+        if trainlib.checkpoint_requested():  # before an eviction, the agreed step's snapshot answers instead
             trainlib.save(state, step)     # durable, atomic; tells Phalanx which step is safe
 
 Outside Phalanx (no PHALANX_JOB in the environment) every hook is a no-op, with one warning, and

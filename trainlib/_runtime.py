@@ -350,10 +350,10 @@ def _end_fatal(reason: str) -> None:
     os._exit(FATAL_EXIT_CODE)
 
 
-def _wait_for_eviction(step_number: int) -> None:
+def _wait_for_eviction(step_number: int, how: str = "durably") -> None:
     """Phalanx checkpointed this rank to evict it: take no further step (none would be kept) and wait for
     the stop. If no stop comes (the eviction was called off), carry on after the deadline."""
-    print(f"trainlib: step {step_number} committed; waiting to be stopped for an eviction", file=sys.stderr,
+    print(f"trainlib: step {step_number} committed {how}; waiting to be stopped for an eviction", file=sys.stderr,
           flush=True)
     deadline = time.monotonic() + EVICTION_WAIT_S
     while time.monotonic() < deadline:
@@ -379,15 +379,17 @@ def snapshot(state: dict | Callable[[], dict], step_number: int) -> bool:
     `step_number` in host memory that outlives this process, replicated to another node,
     when a snapshot is due (every step while that costs at most 3% of a step; see trainlib._snapshot). Blocks only
     for the copy into host memory. True if one was taken; always False outside Phalanx or without an agent that
-    keeps snapshots. Call it after trainlib.step(step_number), with the state a restart would need."""
+    keeps snapshots. Call it on every rank after trainlib.step(step_number), with the state a restart would need.
+
+    At the step a checkpoint before an eviction names, it answers the request instead (see _commit_in_memory):
+    every rank writes that step's snapshot and waits for its replica, then for the other ranks (a collective), and
+    then for the eviction, as trainlib.save() would. checkpoint_requested() is then False, unless some rank's
+    snapshot could not be kept: then every rank saves durably."""
     global _snapshotter
     ctx = _ctx
     if ctx is None or not ctx.active or not ctx.agent_socket or _stale:
         return False
-    if _snapshotter is None:
-        directory = os.environ.get("PHALANX_SNAPSHOT_DIR", "")
-        if not directory:
-            return False
+    if _snapshotter is None and (directory := os.environ.get("PHALANX_SNAPSHOT_DIR", "")):
         from pathlib import Path
 
         from trainlib._snapshot import Snapshotter
@@ -395,7 +397,74 @@ def snapshot(state: dict | Callable[[], dict], step_number: int) -> bool:
         _snapshotter = Snapshotter(Path(directory), ctx.job, ctx.generation, ctx.rank,
                                    lambda request: _agent().SnapshotTaken(request, timeout=RPC_TIMEOUT_S),
                                    int(every) if every.strip().isdigit() else None)
-    return _snapshotter.offer(state, step_number, _ring_step_s[(_head - 1) % RING] if _head else 0.0)
+    step_s = _ring_step_s[(_head - 1) % RING] if _head else 0.0
+    # every rank that calls snapshot() takes part, one that keeps no snapshots too (it votes no): the vote is a
+    # collective, which a rank left out of would leave the others waiting in
+    if _pause_after and checkpoint_requested() and _eviction_in_memory():
+        return _commit_in_memory(_snapshotter, state, step_number, step_s)
+    return _snapshotter.offer(state, step_number, step_s) if _snapshotter is not None else False
+
+
+IN_MEMORY_COMMIT_S = 15.0  # the agent waits up to 10 s for a replica (agent.snapshots.REPLICA_WAIT_S)
+EVICTION_CHECKPOINT = ("memory", "durable")  # PHALANX_EVICTION_CHECKPOINT: how a rank commits before an eviction
+_eviction_said = False
+
+
+def _eviction_in_memory() -> bool:
+    """Whether an eviction's checkpoint is answered by the in-memory snapshot (PHALANX_EVICTION_CHECKPOINT=memory,
+    the default) or by the script's durable save ("durable": where the checkpoint storage takes the state faster
+    than a write into tmpfs and one copy to another node do)."""
+    global _eviction_said
+    how = os.environ.get("PHALANX_EVICTION_CHECKPOINT", "").strip().lower() or "memory"
+    if how not in EVICTION_CHECKPOINT:
+        if not _eviction_said:
+            _eviction_said = True
+            print(f"trainlib: PHALANX_EVICTION_CHECKPOINT={how!r} is not one of {', '.join(EVICTION_CHECKPOINT)}; "
+                  "using memory", file=sys.stderr, flush=True)
+        how = "memory"
+    return how == "memory"
+
+
+def _commit_in_memory(snapshotter: Any, state: dict | Callable[[], dict], step_number: int, step_s: float) -> bool:
+    """Answer an eviction's checkpoint request with the in-memory snapshot of `step_number` instead of a durable
+    save: it costs a write into the agent's tmpfs and a replica on the job's peer node, not a write of the whole
+    state to shared storage. Each rank writes its snapshot and asks its agent whether the replica is kept; the
+    ranks then agree (a collective) that every one of them has both, and only then does each commit, so that the
+    eviction loses nothing if the node then dies. If any rank's cannot be kept, none commits in memory: the
+    request stays, and every rank's save() answers it durably (a save waits for every rank). True if a snapshot
+    was taken."""
+    global _requested
+    request_id, ctx = _request_id, _ctx
+    assert ctx is not None
+    from phalanx.v1 import local_pb2
+
+    def done(check_only: bool) -> str:
+        try:
+            return _agent().CheckpointDone(local_pb2.CheckpointDoneRequest(
+                job=ctx.job, generation=ctx.generation, rank=ctx.rank, request_id=request_id, step=step_number,
+                in_memory=True, check_only=check_only), timeout=IN_MEMORY_COMMIT_S).error
+        except Exception as e:  # the agent restarting, an older agent: the durable path still answers
+            return f"the agent did not confirm it: {e}"
+
+    taken = snapshotter is not None and snapshotter.offer(state, step_number, step_s, force=True)
+    why = done(True) if taken else (
+        "this node keeps no snapshots" if snapshotter is None else snapshotter.disabled or "it was not kept")
+    agree = _agreement()
+    if agree is None or not agree(not why):
+        print(f"trainlib: rank {ctx.rank}: checkpoint request {request_id} is not answered in memory ("
+              f"{why or 'another rank could not keep its snapshot of step ' + str(step_number)}); every rank saves "
+              "durably", file=sys.stderr, flush=True)
+        return taken
+    why = done(False)
+    if why:  # its replica was kept a moment ago: only an agent restarted meanwhile says otherwise
+        print(f"trainlib: rank {ctx.rank}: the agent did not take the in-memory checkpoint of step {step_number} it "
+              f"had confirmed: {why}", file=sys.stderr, flush=True)
+    _requested = False
+    if request_id:
+        _handled.add(request_id)
+    if step_number == _at_step:
+        _wait_for_eviction(step_number, "in host memory, replicated")
+    return True
 
 
 def _agreement() -> Callable[[bool], bool] | None:

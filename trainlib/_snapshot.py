@@ -70,17 +70,28 @@ class Snapshotter:
         self._said = 0  # the interval last printed
         self._made_dir = False  # the writer makes the directory once
 
-    def offer(self, state: Any, step: int, step_s: float) -> bool:
+    def offer(self, state: Any, step: int, step_s: float, force: bool = False) -> bool:
         """Snapshot `state` (a state tree, or a function returning one: called only when a snapshot is due) as of
         `step` if one is due and the writer is free; True if a copy was taken. `step_s`: the step's time, which
-        takes in the copy made after the previous step, if one was."""
+        takes in the copy made after the previous step, if one was. `force`: take it whatever the interval, and
+        return True only once the agent keeps it (an eviction's checkpoint: the training thread waits for it, so
+        host memory is written straight from where it is, with no copy into host buffers first; GPU memory is
+        copied to the host, so that a restore finds what the other snapshots hold)."""
         own = step_s - (self._last_copy_s if self._last == step - 1 else 0.0)
         if own > 0:
             self._steps.append(own)
             self.step_s = statistics.median(self._steps)
             self._tune()
-        if self.disabled or step % self.interval:
+        if self.disabled or (step % self.interval and not force):
             return False
+        if force:
+            from trainlib.checkpoint import snapshot_to_cpu
+
+            # written here, beside any write of an earlier step the writer thread is still busy with
+            kept = self._write(snapshot_to_cpu(state() if callable(state) else state, staging=_HostAsIs()), step, None)
+            if kept:
+                self._last, self.taken = step, self.taken + 1
+            return kept
         from trainlib.checkpoint import Staging, snapshot_to_cpu
 
         free = next((i for i, w in enumerate(self._writes) if w is None or w.done()), None)
@@ -142,14 +153,16 @@ class Snapshotter:
         """Host memory this rank keeps for its copies (both buffers)."""
         return sum(s.nbytes for s in self._stagings)
 
-    def _write(self, copy: dict[str, Any], step: int, staging: Any) -> None:
+    def _write(self, copy: dict[str, Any], step: int, staging: Any) -> bool:
+        """Write the copy of `step` out and hand it to the agent: True if the agent keeps it."""
         from phalanx.v1 import local_pb2
         from trainlib._atomic import make_dirs_durable, write_atomic
         from trainlib.checkpoint import _torch_save
 
         path = self.directory / f"s{step}.pt"
         try:
-            self._device_s = staging.ready()  # a GPU's copy into pinned memory has landed
+            if staging is not None:
+                self._device_s = staging.ready()  # a GPU's copy into pinned memory has landed
             if not self._made_dir:
                 make_dirs_durable(self.directory)
                 self._made_dir = True
@@ -163,10 +176,21 @@ class Snapshotter:
                 print(f"trainlib: in-memory snapshot of step {step} not kept: {type(e).__name__}: {e}",
                       file=sys.stderr, flush=True)
             self.failed += 1
-            return
+            return False
         if reply.error:  # the agent refused it (over the node's budget): it would refuse the next ones too
             self.disabled = reply.error
             print(f"trainlib: in-memory snapshots off for this rank: {reply.error}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+
+class _HostAsIs:
+    """For snapshot_to_cpu: host memory as it is (the training thread waits while it is written), GPU memory copied
+    to the host."""
+
+    @staticmethod
+    def take(storage: Any) -> Any:
+        return storage if storage.device.type == "cpu" else storage.cpu()
 
 
 def parse_restore(spec: str) -> tuple[int, int, str]:
@@ -187,9 +211,12 @@ def restore(ctx: Any, checkpointer: Any, agent: Any, map_location: Any, agree: A
     if not spec:
         return None
     if agree is None:
-        print("trainlib: an in-memory snapshot is restored only when torch.distributed is initialized before "
-              "load_latest() (the ranks must agree on it); loading the newest durable checkpoint", file=sys.stderr,
-              flush=True)
+        why = ("an in-memory snapshot is restored only when torch.distributed is initialized before load_latest() "
+               "(the ranks must agree on it)")
+        print(f"trainlib: {why}; loading the newest durable checkpoint", file=sys.stderr, flush=True)
+        if ctx.rank == 0:
+            tell("snapshot_fallback", f"{ctx.job} generation {ctx.generation}: {why}; every rank loads the newest "
+                                      "durable checkpoint instead")
         return None
     state, why = None, ""
     try:

@@ -264,6 +264,7 @@ class JobManager:
         if pending is None or (pending.request_id, pending.generation) != (ack.request_id, ack.generation):
             return  # unasked, or from a stale generation: fenced, never counted
         pending.acks[ack.rank] = ack.step
+        (pending.in_memory.add if ack.in_memory else pending.in_memory.discard)(ack.rank)
         if len(pending.acks) >= pending.ranks:
             if pending.future is not None and not pending.future.done():
                 pending.future.set_result(min(pending.acks.values()))

@@ -51,13 +51,14 @@ class PendingCheckpoint:
     generation: int
     ranks: int
     acks: dict[int, int] = field(default_factory=dict)  # rank -> committed step
+    in_memory: set[int] = field(default_factory=set)  # ranks that committed an in-memory snapshot, replicated
     future: asyncio.Future | None = None  # a user's `phalanx checkpoint` waits on it
     job: str = ""
     request: object = None  # the lifecycle's JobCheckpoint: told again to the nodes it has not reached
     untold: set[str] = field(default_factory=set)  # nodes whose agent it has not reached (not connected then)
 
     def view(self) -> lifecycle.CheckpointView:
-        return lifecycle.CheckpointView(self.request_id, dict(self.acks))
+        return lifecycle.CheckpointView(self.request_id, dict(self.acks), len(self.in_memory & set(self.acks)))
 
 
 MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a pass, not a recovery

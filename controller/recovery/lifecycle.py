@@ -63,6 +63,7 @@ class CheckpointView:
 
     request_id: int
     acks: Mapping[int, int] = field(default_factory=dict)
+    in_memory: int = 0  # of the acks, those committed as in-memory snapshots (replicated), not durable saves
 
 
 @dataclass(frozen=True)
@@ -464,7 +465,9 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
     if len(seen.acks) >= len(job.ranks):
         step_done = min(seen.acks.values())
         note = f"every rank committed step {step_done} in {max(0.0, now - asked_at):.2f}s"
-        return [Event("job.checkpointed", f"{job.id}: every rank committed step {step_done} "
+        how = "in host memory, each with a replica on another node" if seen.in_memory == len(seen.acks) else \
+            f"{seen.in_memory} of {len(seen.acks)} in host memory, the others durably" if seen.in_memory else "durably"
+        return [Event("job.checkpointed", f"{job.id}: every rank committed step {step_done} {how} "
                       f"({max(0.0, now - asked_at):.2f}s after the request)"),
                 Commit(moved(job, EVICTING, note, now), "job.evicting",
                        f"{job.id}: {note}; evicting {', '.join(job.incident_nodes) or 'nothing (restart in place)'}")]

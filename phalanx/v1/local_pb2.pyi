@@ -170,19 +170,25 @@ class TellReply(_message.Message):
     def __init__(self) -> None: ...
 
 class CheckpointDoneRequest(_message.Message):
-    __slots__ = ("job", "generation", "rank", "request_id", "step")
+    __slots__ = ("job", "generation", "rank", "request_id", "step", "in_memory", "check_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
     request_id: int
     step: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    in_memory: bool
+    check_only: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ..., in_memory: _Optional[bool] = ..., check_only: _Optional[bool] = ...) -> None: ...
 
 class CheckpointDoneReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...

@@ -62,18 +62,20 @@ class AgentMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[_common_pb2.NodeInventory, _Mapping]] = ..., event: _Optional[_Union[AgentEvent, _Mapping]] = ..., gpu_event: _Optional[_Union[_common_pb2.GpuEvent, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., checkpoint_ack: _Optional[_Union[CheckpointAck, _Mapping]] = ...) -> None: ...
 
 class CheckpointAck(_message.Message):
-    __slots__ = ("job", "generation", "rank", "request_id", "step")
+    __slots__ = ("job", "generation", "rank", "request_id", "step", "in_memory")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
     request_id: int
     step: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    in_memory: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ..., in_memory: _Optional[bool] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("node_name", "incarnation", "standby")
