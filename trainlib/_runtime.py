@@ -397,12 +397,13 @@ def snapshot(state: dict | Callable[[], dict], step_number: int) -> bool:
         _snapshotter = Snapshotter(Path(directory), ctx.job, ctx.generation, ctx.rank,
                                    lambda request: _agent().SnapshotTaken(request, timeout=RPC_TIMEOUT_S),
                                    int(every) if every.strip().isdigit() else None)
-    step_s = _ring_step_s[(_head - 1) % RING] if _head else 0.0
     # every rank that calls snapshot() takes part, one that keeps no snapshots too (it votes no): the vote is a
     # collective, which a rank left out of would leave the others waiting in
     if _pause_after and checkpoint_requested() and _eviction_in_memory():
-        return _commit_in_memory(_snapshotter, state, step_number, step_s)
-    return _snapshotter.offer(state, step_number, step_s) if _snapshotter is not None else False
+        return _commit_in_memory(_snapshotter, state, step_number)
+    if _snapshotter is None:
+        return False
+    return _snapshotter.offer(state, step_number, _ring_step_s[(_head - 1) % RING] if _head else 0.0)
 
 
 IN_MEMORY_COMMIT_S = 15.0  # the agent waits up to 10 s for a replica (agent.snapshots.REPLICA_WAIT_S)
@@ -425,7 +426,7 @@ def _eviction_in_memory() -> bool:
     return how == "memory"
 
 
-def _commit_in_memory(snapshotter: Any, state: dict | Callable[[], dict], step_number: int, step_s: float) -> bool:
+def _commit_in_memory(snapshotter: Any, state: dict | Callable[[], dict], step_number: int) -> bool:
     """Answer an eviction's checkpoint request with the in-memory snapshot of `step_number` instead of a durable
     save: it costs a write into the agent's tmpfs and a replica on the job's peer node, not a write of the whole
     state to shared storage. Each rank writes its snapshot and asks its agent whether the replica is kept; the
@@ -443,10 +444,10 @@ def _commit_in_memory(snapshotter: Any, state: dict | Callable[[], dict], step_n
             return _agent().CheckpointDone(local_pb2.CheckpointDoneRequest(
                 job=ctx.job, generation=ctx.generation, rank=ctx.rank, request_id=request_id, step=step_number,
                 in_memory=True, check_only=check_only), timeout=IN_MEMORY_COMMIT_S).error
-        except Exception as e:  # the agent restarting, an older agent: the durable path still answers
+        except Exception as e:  # the agent restarting: the durable path still answers
             return f"the agent did not confirm it: {e}"
 
-    taken = snapshotter is not None and snapshotter.offer(state, step_number, step_s, force=True)
+    taken = snapshotter is not None and snapshotter.commit(state, step_number)
     why = done(True) if taken else (
         "this node keeps no snapshots" if snapshotter is None else snapshotter.disabled or "it was not kept")
     agree = _agreement()

@@ -70,28 +70,17 @@ class Snapshotter:
         self._said = 0  # the interval last printed
         self._made_dir = False  # the writer makes the directory once
 
-    def offer(self, state: Any, step: int, step_s: float, force: bool = False) -> bool:
+    def offer(self, state: Any, step: int, step_s: float) -> bool:
         """Snapshot `state` (a state tree, or a function returning one: called only when a snapshot is due) as of
         `step` if one is due and the writer is free; True if a copy was taken. `step_s`: the step's time, which
-        takes in the copy made after the previous step, if one was. `force`: take it whatever the interval, and
-        return True only once the agent keeps it (an eviction's checkpoint: the training thread waits for it, so
-        host memory is written straight from where it is, with no copy into host buffers first; GPU memory is
-        copied to the host, so that a restore finds what the other snapshots hold)."""
+        takes in the copy made after the previous step, if one was."""
         own = step_s - (self._last_copy_s if self._last == step - 1 else 0.0)
         if own > 0:
             self._steps.append(own)
             self.step_s = statistics.median(self._steps)
             self._tune()
-        if self.disabled or (step % self.interval and not force):
+        if self.disabled or step % self.interval:
             return False
-        if force:
-            from trainlib.checkpoint import snapshot_to_cpu
-
-            # written here, beside any write of an earlier step the writer thread is still busy with
-            kept = self._write(snapshot_to_cpu(state() if callable(state) else state, staging=_HostAsIs()), step, None)
-            if kept:
-                self._last, self.taken = step, self.taken + 1
-            return kept
         from trainlib.checkpoint import Staging, snapshot_to_cpu
 
         free = next((i for i, w in enumerate(self._writes) if w is None or w.done()), None)
@@ -124,6 +113,20 @@ class Snapshotter:
         self._tune()
         self._writes[free] = self._writer.submit(self._write, copy, step, staging)
         return True
+
+    def commit(self, state: Any, step: int) -> bool:
+        """The snapshot of `step`, whatever the interval, written on this thread beside any write of an earlier step
+        the writer thread is still busy with: True once the agent keeps it (an eviction's checkpoint). The training
+        thread waits for it, so host memory is written from where it is, with no copy into host buffers first; GPU
+        memory is copied to the host, so that a restore finds what the other snapshots hold."""
+        if self.disabled:
+            return False
+        from trainlib.checkpoint import snapshot_to_cpu
+
+        kept = self._write(snapshot_to_cpu(state() if callable(state) else state, staging=_HostAsIs()), step, None)
+        if kept:
+            self._last, self.taken = step, self.taken + 1
+        return kept
 
     def wait(self) -> None:
         """Wait for the snapshot being written, if any (tests, and a clean exit)."""
