@@ -30,6 +30,7 @@ logger = log.get("local")
 
 
 MAX_SAMPLES = 64  # per rank per heartbeat: enough for straggler statistics, bounded for the controller
+NO_SNAPSHOTS = "this node keeps no snapshots (agent snapshot_dir is empty)"
 
 
 @dataclass
@@ -148,14 +149,18 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         reply.slow_factor = self._slow_factor(job, generation, rank)
         pending = self._state.requests.get(job)
         if pending is not None and pending.generation == generation:
-            reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(id=pending.request_id, deadline_s=pending.deadline_s,
-                                                                  reason=pending.reason, pause=pending.pause,
-                                                                  at_step=pending.at_step))
+            reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(
+                id=pending.request_id, deadline_s=pending.deadline_s, reason=pending.reason, pause=pending.pause,
+                at_step=pending.at_step, no_in_memory=self._no_in_memory(job) if pending.pause else ""))
         return reply
+
+    def _no_in_memory(self, job: str) -> str:
+        """Why an eviction's checkpoint of `job` cannot be kept in host memory on this node, or ""."""
+        return NO_SNAPSHOTS if self._snapshots is None else self._snapshots.replicator.no_peer(job)
 
     async def SnapshotTaken(self, request: local_pb2.SnapshotTakenRequest, context) -> local_pb2.SnapshotTakenReply:
         if self._snapshots is None:
-            return local_pb2.SnapshotTakenReply(error="this node keeps no snapshots (agent snapshot_dir is empty)")
+            return local_pb2.SnapshotTakenReply(error=NO_SNAPSHOTS)
         try:
             key = snaps.Key.of(request)
         except snaps.SnapshotError as e:
@@ -164,7 +169,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
 
     async def FetchSnapshot(self, request: local_pb2.FetchSnapshotRequest, context) -> local_pb2.FetchSnapshotReply:
         if self._snapshots is None:
-            return local_pb2.FetchSnapshotReply(error="this node keeps no snapshots (agent snapshot_dir is empty)")
+            return local_pb2.FetchSnapshotReply(error=NO_SNAPSHOTS)
         try:
             held = await self._snapshots.fetch(snaps.Key.of(request), request.source)
         except snaps.SnapshotError as e:
@@ -223,12 +228,13 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
     async def _replicated(self, request: local_pb2.CheckpointDoneRequest) -> str:
         """"" when the rank's snapshot of the step it committed is kept here and on its peer node, else why not."""
         if self._snapshots is None:
-            return "this node keeps no snapshots (agent snapshot_dir is empty)"
+            return NO_SNAPSHOTS
         try:
             key = snaps.Key.of(request)
         except snaps.SnapshotError as e:
             return str(e)
-        return await self._snapshots.replicator.replicated(key)
+        wait_s = request.wait_s if 0 < request.wait_s < snaps.REPLICA_WAIT_S else snaps.REPLICA_WAIT_S  # NaN: ours
+        return await self._snapshots.replicator.replicated(key, wait_s)
 
 
 async def serve(path: Path, service: LocalService, group: str = "") -> grpc.aio.Server:

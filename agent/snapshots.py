@@ -578,14 +578,18 @@ class Replicator:
             self._channels[peer] = channel
         return snapshot_pb2_grpc.SnapshotServiceStub(channel)
 
+    def no_peer(self, job: str) -> str:
+        """"" when `job` has a peer node to keep its ranks' replicas, else why not."""
+        return "" if self.peers.get(job) else f"{job} has no peer node on which to keep a replica"
+
     async def replicated(self, key: Key, timeout: float = REPLICA_WAIT_S) -> str:
         """"" once the job's peer node keeps the replica of `key` (sent already or still to be), else why not: no
         peer, the transfer failed, or not within `timeout` seconds."""
         sent = self._outcome.get((key.job, key.rank), {})
         if key in sent:
             return sent[key]
-        if not self.peers.get(key.job):
-            return f"{key.job} has no peer node on which to keep a replica"
+        if why := self.no_peer(key.job):
+            return why
         if self._store.find(key) is None:
             return f"snapshot of rank {key.rank} step {key.step} is not held on this node"
         waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()

@@ -996,6 +996,51 @@ def test_an_eviction_checkpoint_in_memory_counts_only_once_its_replica_is_kept_o
     asyncio.run(scenario())
 
 
+def test_an_eviction_request_says_when_the_node_cannot_keep_its_checkpoint_in_memory_and_waits_as_the_rank_says(
+        tmp_path, monkeypatch):
+    """A rank hears with an eviction's request whether its agent could keep the checkpoint in host memory at all
+    (a job on one node has no peer for the replica), and the agent waits for a replica no longer than the rank
+    asks (it keeps the rest of the deadline for a durable save), and never longer than its own limit."""
+    from agent.local_server import NO_SNAPSHOTS, LocalService, LocalState
+    from phalanx.v1 import local_pb2, node_pb2
+
+    async def scenario():
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        a_side = snaps.Snapshots(a, snaps.Replicator(a, lambda *x, **k: None), lambda *x, **k: None)
+        state = LocalState()
+        service = LocalService(state, current_generation=lambda job: 1, send=lambda m: None, snapshots=a_side)
+        bare = LocalService(state, current_generation=lambda job: 1, send=lambda m: None)
+
+        async def told(of, job):
+            reply = await of.Report(local_pb2.ReportRequest(job=job, generation=1, rank=0), None)
+            return reply.checkpoint.id, reply.checkpoint.no_in_memory
+
+        a_side.launched("job-1", 1, "127.0.0.1:1")
+        a_side.launched("job-2", 1, "")
+        for job, pause in (("job-1", True), ("job-2", True), ("job-3", False)):
+            state.ask(node_pb2.RequestCheckpoint(job=job, generation=1, request_id=5, deadline_s=30, at_step=9,
+                                                 pause=pause))
+        assert await told(service, "job-1") == (5, "")
+        assert await told(service, "job-2") == (5, "job-2 has no peer node on which to keep a replica")
+        assert await told(service, "job-3") == (5, "")  # not an eviction: always durable
+        assert await told(bare, "job-1") == (5, NO_SNAPSHOTS)
+
+        write(a, key(3), b"x" * 100)  # held, never offered: nothing will send its replica
+
+        async def check(wait_s):
+            return (await service.CheckpointDone(local_pb2.CheckpointDoneRequest(
+                job="job-1", generation=1, rank=0, request_id=5, step=3, in_memory=True, check_only=True,
+                wait_s=wait_s), None)).error
+
+        assert "within 0.05s" in await check(0.05)
+        monkeypatch.setattr(snaps, "REPLICA_WAIT_S", 0.1)
+        for wait_s in (0.0, 100.0, float("nan"), -1.0):  # not said, or not a wait the agent takes: its own
+            assert "within 0.1s" in await check(wait_s)
+        await a_side.replicator.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_not_kept_in_time_is_said_so_and_the_wait_is_forgotten(tmp_path):
     async def scenario():
         a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)

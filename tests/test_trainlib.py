@@ -342,7 +342,7 @@ def under_phalanx_with_snapshots(agent, monkeypatch, tmp_path):
         active=True, job="job-7", generation=3, rank=1, local_rank=1, world_size=4, checkpoint_dir=str(tmp_path),
         agent_socket=str(agent.socket)))
     for name in ("_stub", "_snapshotter", "_requested", "_request_id", "_pause_after", "_at_step", "_last_step",
-                 "_handled", "_head", "_eviction_said", "_steps_seen", "_last_end"):
+                 "_handled", "_head", "_eviction_said", "_steps_seen", "_last_end", "_deadline", "_no_in_memory"):
         monkeypatch.setattr(_runtime, name, getattr(_runtime, name))
     _runtime._stub, _runtime._snapshotter, _runtime._handled = None, None, set()
     monkeypatch.setattr(_runtime, "EVICTION_WAIT_S", 0.0)  # no stop is coming here
@@ -376,6 +376,7 @@ def test_an_eviction_checkpoint_is_answered_by_the_snapshot_of_the_agreed_step(a
     assert [r.step for r in agent.snapshots] == [0, 4, 6]
     assert torch.load(agent.snapshots[-1].path)["w"].tolist() == [6]
     asked = [(d.request_id, d.step, d.in_memory, d.check_only) for d in agent.done]
+    assert 9 < agent.done[0].wait_s <= 10  # no deadline said: the agent's own limit
     err = capsys.readouterr().err
     if outcome == "committed":
         assert votes == [True] and asked == [(9, 6, True, True), (9, 6, True, False)]
@@ -402,6 +403,33 @@ def test_a_rank_that_keeps_no_snapshots_still_votes_on_an_eviction_checkpoint(ag
     assert not runtime.snapshot({"w": 1}, 6)
     assert votes == [False] and not agent.done and runtime.checkpoint_requested()
     assert "(this node keeps no snapshots); every rank saves durably" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["no peer", "past its deadline", "due in 4s"])
+def test_an_eviction_checkpoint_leaves_the_durable_save_its_time_and_skips_a_snapshot_that_cannot_be_kept(
+        agent, monkeypatch, tmp_path, capsys, case):
+    """The in-memory attempt takes at most half the time left to commit (the rest is for the durable save, should
+    any rank's fail), and a rank whose agent says the job has no peer node for the replica writes nothing: it
+    votes for the durable save at once."""
+    import torch
+
+    runtime = under_phalanx_with_snapshots(agent, monkeypatch, tmp_path)
+    votes = []
+    monkeypatch.setattr(runtime, "_agreement", lambda: lambda ok: votes.append(ok) or ok)
+    no_peer = "job-7 has no peer node on which to keep a replica"
+    runtime._heed_request(9, 6, True, {"no peer": 30.0, "past its deadline": 1e-9, "due in 4s": 4.0}[case],
+                          no_peer if case == "no peer" else "")
+    runtime.step(6)
+    taken = runtime.snapshot(lambda: {"w": torch.tensor([6])}, 6)
+    err = capsys.readouterr().err
+    if case == "due in 4s":
+        assert taken and votes == [True] and [d.check_only for d in agent.done] == [True, False]
+        assert 0 < agent.done[0].wait_s <= 2.0  # half of the 4 s, less the write
+        return
+    assert not taken and not agent.snapshots and not agent.done and votes == [False]
+    assert runtime.checkpoint_requested()  # every rank's save() answers it
+    why = no_peer if case == "no peer" else "the checkpoint's deadline has passed"
+    assert f"checkpoint request 9 is not answered in memory ({why}); every rank saves durably" in err, err
 
 
 def test_an_eviction_checkpoint_is_saved_durably_when_the_job_says_so(agent, monkeypatch, tmp_path, capsys):

@@ -94,6 +94,8 @@ _requested = False
 _request_id = 0
 _pause_after = False  # the pending request precedes an eviction: stop stepping once committed
 _at_step = 0  # the pending request is for the end of this step (every rank saves the same one)
+_deadline = 0.0  # time.monotonic() by which the pending request must be committed (0: none said)
+_no_in_memory = ""  # why the agent cannot keep the pending eviction's checkpoint in host memory ("": it can)
 _last_step = -1
 _handled: set[int] = set()
 _callback: Callable[[int], None] | None = None
@@ -238,21 +240,25 @@ def on_checkpoint_request(callback: Callable[[int], None]) -> None:
     _callback = callback
 
 
-def _request(request_id: int, pause: bool = False, at_step: int = 0) -> None:
-    global _requested, _request_id, _pause_after, _at_step
+def _request(request_id: int, pause: bool = False, at_step: int = 0, deadline_s: float = 0.0,
+             no_in_memory: str = "") -> None:
+    global _requested, _request_id, _pause_after, _at_step, _deadline, _no_in_memory
     _requested, _request_id, _pause_after, _at_step = True, request_id, pause, at_step
+    _deadline = time.monotonic() + deadline_s if deadline_s > 0 else 0.0
+    _no_in_memory = no_in_memory
     if _callback is not None:
         _callback(request_id)
 
 
-def _heed_request(request_id: int, at_step: int, pause: bool) -> None:
-    """A checkpoint request from the controller (pushed, reported or polled): taken once."""
+def _heed_request(request_id: int, at_step: int, pause: bool, deadline_s: float = 0.0, no_in_memory: str = "") -> None:
+    """A checkpoint request from the controller (pushed, reported or polled): taken once. `deadline_s`: the seconds
+    left to commit it; `no_in_memory`: why the agent cannot keep an eviction's checkpoint in host memory."""
     if request_id and request_id not in _handled and (not _requested or _request_id != request_id):
         if at_step and _last_step > at_step:  # the ranks that heard it in time save at_step; this one a later step
             print(f"trainlib: checkpoint request {request_id} (after step {at_step}) reached rank "
                   f"{_ctx.rank if _ctx else '?'} only at step {_last_step}: its save will not match the other ranks' "
                   "(recovery.checkpoint_lead_s may be too short for this machine)", file=sys.stderr, flush=True)
-        _request(request_id, pause, at_step)
+        _request(request_id, pause, at_step, deadline_s, no_in_memory)
 
 
 PACE_SAMPLES = 32  # the recent step times a torchrun worker's pace is the median of
@@ -406,7 +412,10 @@ def snapshot(state: dict | Callable[[], dict], step_number: int) -> bool:
     return _snapshotter.offer(state, step_number, _ring_step_s[(_head - 1) % RING] if _head else 0.0)
 
 
-IN_MEMORY_COMMIT_S = 15.0  # the agent waits up to 10 s for a replica (agent.snapshots.REPLICA_WAIT_S)
+REPLICA_WAIT_S = 10.0  # the longest the agent waits for a replica (agent.snapshots.REPLICA_WAIT_S)
+AGENT_ANSWER_S = 5.0  # what the agent's answer on an in-memory commit may take beyond its wait for the replica
+IN_MEMORY_SHARE = 0.5  # of the time left to commit an eviction's checkpoint, what the in-memory attempt may take: if
+# it fails, every rank's durable save has the rest
 EVICTION_CHECKPOINT = ("memory", "durable")  # PHALANX_EVICTION_CHECKPOINT: how a rank commits before an eviction
 _eviction_said = False
 
@@ -432,24 +441,38 @@ def _commit_in_memory(snapshotter: Any, state: dict | Callable[[], dict], step_n
     state to shared storage. Each rank writes its snapshot and asks its agent whether the replica is kept; the
     ranks then agree (a collective) that every one of them has both, and only then does each commit, so that the
     eviction loses nothing if the node then dies. If any rank's cannot be kept, none commits in memory: the
-    request stays, and every rank's save() answers it durably (a save waits for every rank). True if a snapshot
+    request stays, and every rank's save() answers it durably (a save waits for every rank). The attempt takes at
+    most IN_MEMORY_SHARE of the time left to commit, so that the durable save has the rest. True if a snapshot
     was taken."""
     global _requested
     request_id, ctx = _request_id, _ctx
     assert ctx is not None
     from phalanx.v1 import local_pb2
+    start = time.monotonic()
+    until = start + (_deadline - start) * IN_MEMORY_SHARE if _deadline else start + REPLICA_WAIT_S
 
-    def done(check_only: bool) -> str:
+    def done(check_only: bool, wait_s: float = 0.0) -> str:
         try:
             return _agent().CheckpointDone(local_pb2.CheckpointDoneRequest(
                 job=ctx.job, generation=ctx.generation, rank=ctx.rank, request_id=request_id, step=step_number,
-                in_memory=True, check_only=check_only), timeout=IN_MEMORY_COMMIT_S).error
+                in_memory=True, check_only=check_only, wait_s=wait_s), timeout=wait_s + AGENT_ANSWER_S).error
         except Exception as e:  # the agent restarting: the durable path still answers
             return f"the agent did not confirm it: {e}"
 
-    taken = snapshotter is not None and snapshotter.commit(state, step_number)
-    why = done(True) if taken else (
-        "this node keeps no snapshots" if snapshotter is None else snapshotter.disabled or "it was not kept")
+    taken = False
+    if snapshotter is None:
+        why = "this node keeps no snapshots"
+    elif _no_in_memory:  # no write that could not be kept (a job on one node has no peer for the replica)
+        why = _no_in_memory
+    elif until <= start:
+        why = "the checkpoint's deadline has passed"
+    elif not (taken := snapshotter.commit(state, step_number)):
+        why = snapshotter.disabled or "it was not kept"
+    elif (wait_s := min(REPLICA_WAIT_S, until - time.monotonic())) <= 0:
+        why = (f"the snapshot took {time.monotonic() - start:.1f}s to write, with the checkpoint due "
+               f"{_deadline - start:.1f}s after the step: no time left to wait for its replica")
+    else:
+        why = done(True, wait_s)
     agree = _agreement()
     if agree is None or not agree(not why):
         print(f"trainlib: rank {ctx.rank}: checkpoint request {request_id} is not answered in memory ("
@@ -541,7 +564,8 @@ def _heed(reply: Any, ctx: Context) -> None:
     if reply.stale:
         _end_stale(ctx)
     _slow = reply.slow_factor
-    _heed_request(reply.checkpoint.id, reply.checkpoint.at_step, reply.checkpoint.pause)
+    request = reply.checkpoint
+    _heed_request(request.id, request.at_step, request.pause, request.deadline_s, request.no_in_memory)
 
 
 def _watch_loop(ctx: Context) -> None:

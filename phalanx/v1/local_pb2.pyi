@@ -70,18 +70,20 @@ class ReportRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ..., fatal: _Optional[str] = ..., saving: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("id", "deadline_s", "reason", "pause", "at_step")
+    __slots__ = ("id", "deadline_s", "reason", "pause", "at_step", "no_in_memory")
     ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NO_IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
     id: int
     deadline_s: float
     reason: str
     pause: bool
     at_step: int
-    def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ...) -> None: ...
+    no_in_memory: str
+    def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ..., no_in_memory: _Optional[str] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("checkpoint", "stale", "slow_factor")
@@ -170,7 +172,7 @@ class TellReply(_message.Message):
     def __init__(self) -> None: ...
 
 class CheckpointDoneRequest(_message.Message):
-    __slots__ = ("job", "generation", "rank", "request_id", "step", "in_memory", "check_only")
+    __slots__ = ("job", "generation", "rank", "request_id", "step", "in_memory", "check_only", "wait_s")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class CheckpointDoneRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -185,7 +188,8 @@ class CheckpointDoneRequest(_message.Message):
     step: int
     in_memory: bool
     check_only: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ..., in_memory: _Optional[bool] = ..., check_only: _Optional[bool] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., request_id: _Optional[int] = ..., step: _Optional[int] = ..., in_memory: _Optional[bool] = ..., check_only: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointDoneReply(_message.Message):
     __slots__ = ("error",)
