@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from agent import snapshots as snaps
 from phalanx import __version__
 from phalanx.metrics_http import MetricsServer, standard_registry
 from phalanx.v1 import common_pb2, node_pb2
@@ -120,7 +121,7 @@ class SnapshotStats:
     budget: int
     held: dict[str, int]  # own / replica -> bytes
     replicas_sent: int
-    fetched: dict[str, int]  # "bulk port" / "gRPC stream" -> snapshots fetched from peers
+    fetched: dict[str, int]  # snaps.VIA_BULK / VIA_STREAM -> snapshots fetched from peers
     bulk_sent: int  # files sent whole from this node's bulk port (restores and replicas pulled)
 
 
@@ -128,7 +129,7 @@ def snapshot_stats(agent: Agent) -> SnapshotStats | None:
     snapshots = agent.snapshots
     if snapshots is None:
         return None
-    held = dict.fromkeys(("own", "replica"), 0)
+    held = dict.fromkeys((snaps.OWN, snaps.REPLICA), 0)
     for h in snapshots.store.held():
         held[h.kind] += h.size
     return SnapshotStats(snapshots.store.budget, held, snapshots.replicator.sent, dict(snapshots.replicator.fetched),
@@ -231,8 +232,8 @@ def _snapshots(s: SnapshotStats) -> Iterator[Metric]:
     fetched = CounterMetricFamily("phalanx_agent_snapshot_fetches", "Snapshots fetched from peers to restore a "
                                   "rank, by the way they came: bulk port, or gRPC stream (its fallback).",
                                   labels=["via"])
-    for via in ("bulk port", "gRPC stream"):
-        fetched.add_metric([via.split()[0].lower()], s.fetched.get(via, 0))
+    for via, label in ((snaps.VIA_BULK, "bulk"), (snaps.VIA_STREAM, "grpc")):
+        fetched.add_metric([label], s.fetched.get(via, 0))
     yield fetched
     yield CounterMetricFamily("phalanx_agent_snapshot_bulk_sent", "Snapshot files sent whole from this node's bulk "
                               "port (restores, and replicas peers pulled).", value=s.bulk_sent)

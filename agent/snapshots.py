@@ -58,6 +58,7 @@ REPLICA_WAIT_S = 10.0  # an eviction's in-memory checkpoint waits this long for 
 # durably, within what is left of the controller's checkpoint deadline: 30 s by default)
 OUTCOMES_KEPT = 8  # per rank, the last replicas sent and how each went (a rank's writes may land out of order)
 OWN, REPLICA = "own", "replica"
+VIA_BULK, VIA_STREAM = "bulk port", "gRPC stream"  # how a snapshot was fetched from a peer (the latter a fallback)
 _STEP = re.compile(r"^s(\d+)\.pt$")
 
 
@@ -516,7 +517,7 @@ class Replicator:
         self._no_bulk: dict[str, float] = {}  # source -> until when its bulk port is not tried (it was not reached)
         self._no_pull: dict[str, float] = {}  # peer -> until when it is not asked to Pull (it could not)
         self._receiving = 0  # bulk receives under way
-        self.fetched: Counter[str] = Counter()  # how fetches came: "bulk port", "gRPC stream"
+        self.fetched: Counter[str] = Counter()  # how fetches came: VIA_BULK, VIA_STREAM
         self._closing: set[asyncio.Task] = set()
         self.peers: dict[str, str] = {}  # job -> [NODE@]HOST:PORT of its peer's SnapshotService
         self._waiting: dict[tuple[str, int], Held] = {}
@@ -670,7 +671,7 @@ class Replicator:
         """Get `key` from the SnapshotService at `source` into this node's replicas: from its bulk port, else (a
         peer without one, a port the network does not let through) as a gRPC stream. Raises SnapshotError (a
         transfer that fails midway too: the caller asks the next node that holds it)."""
-        started, via = self._clock.monotonic(), "bulk port"
+        started, via = self._clock.monotonic(), VIA_BULK
         try:
             held = await self.fetch_bulk(source, key)
         except bulk.BulkError as e:
@@ -681,7 +682,7 @@ class Replicator:
                            job=key.job, rank=key.rank, step=key.step, error=str(e))
             held = None
         if held is None:
-            started, via = self._clock.monotonic(), "gRPC stream"
+            started, via = self._clock.monotonic(), VIA_STREAM
             held = await self.fetch_stream(source, key)
         took = max(self._clock.monotonic() - started, 1e-6)
         self.fetched[via] += 1
