@@ -642,8 +642,11 @@ class Replicator:
         gone = set(jobs)
         for job in gone:
             self.peers.pop(job, None)
+        self._failing -= gone
         for job_rank in [k for k in self._outcome if k[0] in gone]:
             del self._outcome[job_rank]
+        for job_rank in [k for k in self._waiting if k[0] in gone]:  # a send under way ends after its transfer
+            self._settle(self._waiting.pop(job_rank).key, "its job's snapshots were dropped from this node")
 
     async def _pull(self, peer: str, held: Held) -> snapshot_pb2.PutReply | None:
         """Have the peer read `held` from this node's bulk port; None: Put it instead (this node serves no bulk

@@ -1049,7 +1049,10 @@ def test_a_replica_not_kept_in_time_is_said_so_and_the_wait_is_forgotten(tmp_pat
         write(a, key(3), b"x" * 100)  # held, never offered: nothing will send it
         assert "not kept by 127.0.0.1:1 within 0.05s" in await replicator.replicated(key(3), timeout=0.05)
         assert not replicator._watchers
+        replicator._failing.add("job-1")
+        replicator._waiting[("job-1", 0)] = a.find(key(3))  # as if queued behind a transfer under way
         replicator.forget(["job-1"])
+        assert not replicator._failing and not replicator._waiting
         assert "no peer node" in await replicator.replicated(key(3), timeout=0.05)
         await replicator.close()
 
