@@ -51,11 +51,17 @@ class LocalState:
 
     progress: dict[tuple[str, int, int], _Progress] = field(default_factory=dict)
     requests: dict[str, node_pb2.RequestCheckpoint] = field(default_factory=dict)  # job -> pending request
+    due_ns: dict[str, int] = field(default_factory=dict)  # job -> when its pending request is due (Unix ns, here)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def ask(self, request: node_pb2.RequestCheckpoint) -> None:
-        """Hand a checkpoint request to the job's ranks: pushed to their Watch streams at once."""
+    def ask(self, request: node_pb2.RequestCheckpoint, received_ns: int = 0) -> None:
+        """Hand a checkpoint request, received at `received_ns` (this host's Unix ns; 0: unknown), to the job's
+        ranks: pushed to their Watch streams at once."""
         self.requests[request.job] = request
+        if received_ns:  # the ranks, on this host's clock, then know what is left of the deadline whenever they hear
+            self.due_ns[request.job] = received_ns + int(max(request.deadline_s, 0.0) * 1e9)
+        else:
+            self.due_ns.pop(request.job, None)
         self.notify()
 
     def notify(self) -> None:
@@ -151,7 +157,8 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         if pending is not None and pending.generation == generation:
             reply.checkpoint.CopyFrom(local_pb2.CheckpointRequest(
                 id=pending.request_id, deadline_s=pending.deadline_s, reason=pending.reason, pause=pending.pause,
-                at_step=pending.at_step, no_in_memory=self._no_in_memory(job) if pending.pause else ""))
+                at_step=pending.at_step, no_in_memory=self._no_in_memory(job) if pending.pause else "",
+                due_unix_ns=self._state.due_ns.get(job, 0)))
         return reply
 
     def _no_in_memory(self, job: str) -> str:

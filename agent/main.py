@@ -272,7 +272,7 @@ class Agent:
                 return node_pb2.CommandResult(ok=True)
             if body == "checkpoint":
                 request = command.checkpoint
-                self.local.ask(request)
+                self.local.ask(request, self.clock.wall_ns())
                 ranks = [r.rank for r in self.supervisor.statuses()
                          if r.job == request.job and r.generation == request.generation]
                 return node_pb2.CommandResult(ok=True, message=f"checkpoint request {request.request_id} for "

@@ -23,6 +23,7 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
         self.fatal = threading.Event()  # a report with `fatal` arrived
         self.stale = threading.Event()  # set by the test: answer every report with stale
         self.slow_factor = 0.0  # set by the test: the slow=F fault every reply hands on
+        self.checkpoint = local_pb2.CheckpointRequest()  # set by the test: the checkpoint request every reply hands on
         self.gate: threading.Event | None = None  # set by the test: a report's reply waits until it is set
         self.snapshots: list[local_pb2.SnapshotTakenRequest] = []  # snapshots handed in, kept
         self.done: list[local_pb2.CheckpointDoneRequest] = []  # checkpoints committed
@@ -39,7 +40,8 @@ class FakeAgent(local_pb2_grpc.LocalServiceServicer):
             self.fatal.set()
         if self.gate is not None:
             self.gate.wait(60)
-        return local_pb2.ReportReply(stale=self.stale.is_set(), slow_factor=self.slow_factor)
+        return local_pb2.ReportReply(stale=self.stale.is_set(), slow_factor=self.slow_factor,
+                                     checkpoint=self.checkpoint)
 
     def SnapshotTaken(self, request, context):
         self.snapshots.append(request)

@@ -1019,7 +1019,10 @@ def test_an_eviction_request_says_when_the_node_cannot_keep_its_checkpoint_in_me
         a_side.launched("job-2", 1, "")
         for job, pause in (("job-1", True), ("job-2", True), ("job-3", False)):
             state.ask(node_pb2.RequestCheckpoint(job=job, generation=1, request_id=5, deadline_s=30, at_step=9,
-                                                 pause=pause))
+                                                 pause=pause), received_ns=1_000_000_000)
+        # when it is due, on this host's clock: a rank hearing it late knows what is left
+        reply = await service.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0), None)
+        assert reply.checkpoint.due_unix_ns == 31_000_000_000 and reply.checkpoint.deadline_s == 30
         assert await told(service, "job-1") == (5, "")
         assert await told(service, "job-2") == (5, "job-2 has no peer node on which to keep a replica")
         assert await told(service, "job-3") == (5, "")  # not an eviction: always durable

@@ -9,9 +9,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 
+from phalanx.v1 import local_pb2
 from tests.fake_agent import serving
 from trainlib._runtime import STALE_EXIT_CODE
 
@@ -342,7 +344,8 @@ def under_phalanx_with_snapshots(agent, monkeypatch, tmp_path):
         active=True, job="job-7", generation=3, rank=1, local_rank=1, world_size=4, checkpoint_dir=str(tmp_path),
         agent_socket=str(agent.socket)))
     for name in ("_stub", "_snapshotter", "_requested", "_request_id", "_pause_after", "_at_step", "_last_step",
-                 "_handled", "_head", "_eviction_said", "_steps_seen", "_last_end", "_deadline", "_no_in_memory"):
+                 "_handled", "_head", "_eviction_said", "_steps_seen", "_last_end", "_deadline", "_no_in_memory",
+                 "_tail", "_slow"):
         monkeypatch.setattr(_runtime, name, getattr(_runtime, name))
     _runtime._stub, _runtime._snapshotter, _runtime._handled = None, None, set()
     monkeypatch.setattr(_runtime, "EVICTION_WAIT_S", 0.0)  # no stop is coming here
@@ -408,17 +411,20 @@ def test_a_rank_that_keeps_no_snapshots_still_votes_on_an_eviction_checkpoint(ag
 @pytest.mark.parametrize("case", ["no peer", "past its deadline", "due in 4s"])
 def test_an_eviction_checkpoint_leaves_the_durable_save_its_time_and_skips_a_snapshot_that_cannot_be_kept(
         agent, monkeypatch, tmp_path, capsys, case):
-    """The in-memory attempt takes at most half the time left to commit (the rest is for the durable save, should
-    any rank's fail), and a rank whose agent says the job has no peer node for the replica writes nothing: it
-    votes for the durable save at once."""
+    """The ranks wait for their replicas until half the time left to commit has passed (the rest is for the durable
+    save, should any rank's fail), and a rank whose agent says the job has no peer node for the replica writes
+    nothing: it votes for the durable save at once. Both come with the request in the agent's reply."""
     import torch
 
     runtime = under_phalanx_with_snapshots(agent, monkeypatch, tmp_path)
     votes = []
     monkeypatch.setattr(runtime, "_agreement", lambda: lambda ok: votes.append(ok) or ok)
     no_peer = "job-7 has no peer node on which to keep a replica"
-    runtime._heed_request(9, 6, True, {"no peer": 30.0, "past its deadline": 1e-9, "due in 4s": 4.0}[case],
-                          no_peer if case == "no peer" else "")
+    due_in_s = {"no peer": 30.0, "past its deadline": -1.0, "due in 4s": 4.0}[case]
+    agent.checkpoint = local_pb2.CheckpointRequest(id=9, at_step=6, pause=True, deadline_s=30.0,
+                                                   due_unix_ns=time.time_ns() + int(due_in_s * 1e9),
+                                                   no_in_memory=no_peer if case == "no peer" else "")
+    runtime._flush()
     runtime.step(6)
     taken = runtime.snapshot(lambda: {"w": torch.tensor([6])}, 6)
     err = capsys.readouterr().err

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -240,19 +241,21 @@ def on_checkpoint_request(callback: Callable[[int], None]) -> None:
     _callback = callback
 
 
-def _request(request_id: int, pause: bool = False, at_step: int = 0, deadline_s: float = 0.0,
+def _request(request_id: int, pause: bool = False, at_step: int = 0, deadline_s: float | None = None,
              no_in_memory: str = "") -> None:
     global _requested, _request_id, _pause_after, _at_step, _deadline, _no_in_memory
     _requested, _request_id, _pause_after, _at_step = True, request_id, pause, at_step
-    _deadline = time.monotonic() + deadline_s if deadline_s > 0 else 0.0
+    _deadline = time.monotonic() + deadline_s if deadline_s is not None and math.isfinite(deadline_s) else 0.0
     _no_in_memory = no_in_memory
     if _callback is not None:
         _callback(request_id)
 
 
-def _heed_request(request_id: int, at_step: int, pause: bool, deadline_s: float = 0.0, no_in_memory: str = "") -> None:
+def _heed_request(request_id: int, at_step: int, pause: bool, deadline_s: float | None = None,
+                  no_in_memory: str = "") -> None:
     """A checkpoint request from the controller (pushed, reported or polled): taken once. `deadline_s`: the seconds
-    left to commit it; `no_in_memory`: why the agent cannot keep an eviction's checkpoint in host memory."""
+    left to commit it (None: not said); `no_in_memory`: why the agent cannot keep an eviction's checkpoint in host
+    memory."""
     if request_id and request_id not in _handled and (not _requested or _request_id != request_id):
         if at_step and _last_step > at_step:  # the ranks that heard it in time save at_step; this one a later step
             print(f"trainlib: checkpoint request {request_id} (after step {at_step}) reached rank "
@@ -413,6 +416,7 @@ def snapshot(state: dict | Callable[[], dict], step_number: int) -> bool:
 
 
 REPLICA_WAIT_S = 10.0  # the longest the agent waits for a replica (agent.snapshots.REPLICA_WAIT_S)
+COMMIT_WAIT_S = 1.0  # the commit's wait for a replica the agent confirmed a moment ago (only a restart lost it)
 AGENT_ANSWER_S = 5.0  # what the agent's answer on an in-memory commit may take beyond its wait for the replica
 IN_MEMORY_SHARE = 0.5  # of the time left to commit an eviction's checkpoint, what the in-memory attempt may take: if
 # it fails, every rank's durable save has the rest
@@ -441,15 +445,15 @@ def _commit_in_memory(snapshotter: Any, state: dict | Callable[[], dict], step_n
     state to shared storage. Each rank writes its snapshot and asks its agent whether the replica is kept; the
     ranks then agree (a collective) that every one of them has both, and only then does each commit, so that the
     eviction loses nothing if the node then dies. If any rank's cannot be kept, none commits in memory: the
-    request stays, and every rank's save() answers it durably (a save waits for every rank). The attempt takes at
-    most IN_MEMORY_SHARE of the time left to commit, so that the durable save has the rest. True if a snapshot
-    was taken."""
+    request stays, and every rank's save() answers it durably (a save waits for every rank). The ranks wait for
+    their replicas only until IN_MEMORY_SHARE of the time left to commit has passed, so that a durable save has
+    the rest. True if a snapshot was taken."""
     global _requested
     request_id, ctx = _request_id, _ctx
     assert ctx is not None
     from phalanx.v1 import local_pb2
     start = time.monotonic()
-    until = start + (_deadline - start) * IN_MEMORY_SHARE if _deadline else start + REPLICA_WAIT_S
+    until = start + (_deadline - start) * IN_MEMORY_SHARE if _deadline else math.inf
 
     def done(check_only: bool, wait_s: float = 0.0) -> str:
         try:
@@ -479,7 +483,7 @@ def _commit_in_memory(snapshotter: Any, state: dict | Callable[[], dict], step_n
               f"{why or 'another rank could not keep its snapshot of step ' + str(step_number)}); every rank saves "
               "durably", file=sys.stderr, flush=True)
         return taken
-    why = done(False)
+    why = done(False, COMMIT_WAIT_S)
     if why:  # its replica was kept a moment ago: only an agent restarted meanwhile says otherwise
         print(f"trainlib: rank {ctx.rank}: the agent did not take the in-memory checkpoint of step {step_number} it "
               f"had confirmed: {why}", file=sys.stderr, flush=True)
@@ -565,7 +569,9 @@ def _heed(reply: Any, ctx: Context) -> None:
         _end_stale(ctx)
     _slow = reply.slow_factor
     request = reply.checkpoint
-    _heed_request(request.id, request.at_step, request.pause, request.deadline_s, request.no_in_memory)
+    if request.id:  # what is left of the deadline: an older agent says only how long it was when it came
+        left = (request.due_unix_ns - time.time_ns()) / 1e9 if request.due_unix_ns else request.deadline_s
+        _heed_request(request.id, request.at_step, request.pause, left, request.no_in_memory)
 
 
 def _watch_loop(ctx: Context) -> None:

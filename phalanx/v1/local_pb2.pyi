@@ -70,20 +70,22 @@ class ReportRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ..., fatal: _Optional[str] = ..., saving: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("id", "deadline_s", "reason", "pause", "at_step", "no_in_memory")
+    __slots__ = ("id", "deadline_s", "reason", "pause", "at_step", "no_in_memory", "due_unix_ns")
     ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     NO_IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DUE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     id: int
     deadline_s: float
     reason: str
     pause: bool
     at_step: int
     no_in_memory: str
-    def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ..., no_in_memory: _Optional[str] = ...) -> None: ...
+    due_unix_ns: int
+    def __init__(self, id: _Optional[int] = ..., deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., pause: _Optional[bool] = ..., at_step: _Optional[int] = ..., no_in_memory: _Optional[str] = ..., due_unix_ns: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("checkpoint", "stale", "slow_factor")
