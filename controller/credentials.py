@@ -215,8 +215,10 @@ class Credentials:
         now = self.clock.wall_ns()
         if serial:
             digits = serial.lower().removeprefix("0x").replace(":", "")
-            if not digits or any(c not in "0123456789abcdef" for c in digits) or name:
-                raise InvalidArgument("give a name, or a serial in hex (as `openssl x509 -serial` prints it), not both")
+            if name:
+                raise InvalidArgument("give a name, or a serial, not both")
+            if not digits or any(c not in "0123456789abcdef" for c in digits):
+                raise InvalidArgument(f"serial {serial!r} is not hex: give it as `openssl x509 -serial` prints it")
             serial = format(int(digits, 16), "x")  # openssl pads to whole bytes: 0A1B is a1b
             key, what = f"revoked/serial/{serial}", f"certificate {serial}"
         else:

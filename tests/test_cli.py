@@ -109,6 +109,13 @@ def test_usage_errors_exit_2(home):
         assert "usage:" in result.stderr
     watch = phalanx("jobs", "--watch", "abc", env=home)  # a refresh interval: say seconds, not days
     assert watch.returncode == 2 and "'abc' is not a number of seconds, e.g. 2 or 0.5" in watch.stderr
+    for deadline, why in (("-5", "'-5' must be more than 0"), ("nan", "'nan' must be more than 0"),
+                          ("1e12", "'1e12' is longer than the controller allows (3600 s)")):
+        # refused here, not sent for the controller to refuse (or to wait on for ever)
+        result = phalanx("checkpoint", "job-1", "--deadline", deadline, env=home)
+        assert result.returncode == 2 and why in result.stderr, result.stderr
+    missing = phalanx("slurm-healthcheck", "--agent-config", "/nonexistent/agent.toml", env=home)
+    assert missing.returncode == 2 and "--agent-config /nonexistent/agent.toml: no such file" in missing.stderr
 
 
 def test_no_controller_is_a_clear_error(home):

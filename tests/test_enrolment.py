@@ -176,7 +176,7 @@ def test_a_certificate_issued_by_hand_is_revoked_by_serial_and_bad_revocations_a
     assert c.cli("nodes").returncode == 0  # the operator's own certificate is not touched
     for args, message in ((("certs", "revoke"), "give NAME or --serial HEX"),
                           (("certs", "revoke", "x", "--serial", "ab"), "give NAME or --serial HEX"),
-                          (("certs", "revoke", "--serial", "zz"), "a serial in hex"),
+                          (("certs", "revoke", "--serial", "zz"), "serial 'zz' is not hex"),
                           (("certs", "revoke", "bad name"), "name 'bad name'")):
         out = c.cli(*args)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)

@@ -1,6 +1,8 @@
 """How `phalanx job` shows a job's ranks: the table for people and the JSON for scripts."""
 
-from phalanx.cli.render import job_dict, job_text
+import time
+
+from phalanx.cli.render import job_dict, job_text, seconds_in_state
 from phalanx.v1 import common_pb2
 
 
@@ -47,3 +49,17 @@ def test_the_time_spent_in_each_state_is_shown_as_the_json_gives_it():
     assert "  in state:    RUNNING 13m, RESTARTING 1.2s" in job_text(job).splitlines()
     assert job_dict(job)["seconds_in_state"] == {"RUNNING": 754.2, "RESTARTING": 1.234}
     assert not any(line.startswith("  in state:") for line in job_text(a_job()).splitlines())
+
+
+def test_the_time_in_each_state_counts_the_current_state_so_far_but_not_a_finished_jobs():
+    job = a_job()
+    job.phase_times.add(phase="STARTING", seconds=2.5)
+    job.state_since_unix_ns = 1_000_000_000
+    assert seconds_in_state(job, now_ns=9_000_000_000) == {"STARTING": 2.5, "RUNNING": 8.0}
+    job.phase_times.add(phase="RUNNING", seconds=4.0)  # it ran before: the time adds up
+    assert seconds_in_state(job, now_ns=9_000_000_000) == {"STARTING": 2.5, "RUNNING": 12.0}
+    job.state = common_pb2.JOB_STATE_SUCCEEDED
+    assert seconds_in_state(job, now_ns=9_000_000_000) == {"STARTING": 2.5, "RUNNING": 4.0}
+    running = a_job()
+    running.state_since_unix_ns = time.time_ns()
+    assert any(line.startswith("  in state:    RUNNING ") for line in job_text(running).splitlines())

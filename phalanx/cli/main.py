@@ -143,6 +143,18 @@ def add_output(p: argparse.ArgumentParser, *choices: str) -> None:
     p.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
 
 
+MAX_CHECKPOINT_DEADLINE_S = 3600.0  # the controller refuses a longer one (CheckpointJob)
+
+
+def _checkpoint_deadline(text: str) -> float:
+    """checkpoint --deadline: seconds the ranks have to commit (a unit, 2m, is taken too), an hour at most."""
+    value = _duration(text, "a number of seconds, e.g. 120")
+    if value > MAX_CHECKPOINT_DEADLINE_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than the controller allows "
+                                         f"({MAX_CHECKPOINT_DEADLINE_S:g} s)")
+    return value
+
+
 def _interval(text: str) -> float:
     """--watch's SECONDS: a number of seconds (a unit, 30s or 1m, is taken too)."""
     return _duration(text, "a number of seconds, e.g. 2 or 0.5")
@@ -881,7 +893,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("checkpoint", help="ask every rank of a running job to checkpoint now (trainlib)")
     p.add_argument("job")
-    p.add_argument("--deadline", type=float, default=120.0, help="seconds the ranks have (default 120)")
+    p.add_argument("--deadline", type=_checkpoint_deadline, default=120.0, metavar="S",
+                   help="seconds the ranks have, up to 3600 (default 120)")
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("cancel", help="stop every rank of a job")

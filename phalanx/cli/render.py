@@ -186,6 +186,20 @@ def rank_state(value: int) -> str:
     return common_pb2.RankState.Name(value).removeprefix("RANK_STATE_").replace("UNSPECIFIED", "-")
 
 
+FINISHED = frozenset({common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED})
+
+
+def seconds_in_state(job: common_pb2.Job, now_ns: int | None = None) -> dict[str, float]:
+    """Seconds the job spent in each state over its life, its current state's so far included (not a finished
+    job's: its time is up)."""
+    spent = {p.phase: p.seconds for p in job.phase_times}
+    if job.state_since_unix_ns and job.state not in FINISHED:
+        current = job_state(job.state)
+        now = now_ns or time.time_ns()
+        spent[current] = spent.get(current, 0.0) + max(0.0, (now - job.state_since_unix_ns) / 1e9)
+    return {phase: round(seconds, 3) for phase, seconds in spent.items()}
+
+
 def job_dict(job: common_pb2.Job) -> dict[str, Any]:
     spec = job.spec
     return {
@@ -205,7 +219,7 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "hang_culprit": {"rank": job.culprit.rank, "node": job.culprit.node, "process_group": job.culprit.process_group,
                          "op": job.culprit.op, "seq": job.culprit.seq, "state": job.culprit.state,
                          "peers_seq": job.culprit.peers_seq} if job.HasField("culprit") else None,
-        "seconds_in_state": {p.phase: round(p.seconds, 3) for p in job.phase_times},
+        "seconds_in_state": seconds_in_state(job),
         "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu,
                    "state": rank_state(r.state), "pid": r.pid or None, "wrapper_pid": r.wrapper_pid or None,
                    "exit_code": r.exit_code}

@@ -33,6 +33,7 @@ from phalanx.v1 import common_pb2, control_pb2
 WARN_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FIND_JOB_S = 120.0  # how long another task of `srun phalanx run` waits for task 0's job to appear
+DEFAULT_AGENT_CONFIG = "/etc/phalanx/agent.toml"  # where the Debian package and the systemd unit keep it
 
 
 def _say(text: str) -> None:
@@ -161,14 +162,17 @@ def cmd_slurm_healthcheck(args: argparse.Namespace) -> int:
     from phalanx.errors import ConfigError
     from phalanx.nvhcd import nvhcd_pb2, nvhcd_pb2_grpc
 
+    path = args.agent_config or DEFAULT_AGENT_CONFIG
+    if args.agent_config and not os.path.exists(path):  # only the default may be absent: the agent's defaults then
+        raise CliError(f"--agent-config {path}: no such file", USAGE)
     try:
-        cfg = agent_config.load(args.agent_config if os.path.exists(args.agent_config) else None)
+        cfg = agent_config.load(path if os.path.exists(path) else None)
     except ConfigError as e:
-        raise CliError(f"{args.agent_config}: {e}", USAGE) from None
+        raise CliError(f"{path}: {e}", USAGE) from None
     node = args.node or cfg.name
     sock = args.socket or cfg.nvrx_socket
     if not sock:
-        raise CliError(f"{args.agent_config} turns the agent's health socket off (nvrx_socket is empty); give "
+        raise CliError(f"{path} turns the agent's health socket off (nvrx_socket is empty); give "
                        "--socket", USAGE)
     try:
         with grpc.insecure_channel(f"unix://{sock}") as channel:
@@ -238,8 +242,9 @@ def add_parsers(sub, count, positive, env_pair) -> None:
 
     p = sub.add_parser("slurm-healthcheck", help="Slurm's HealthCheckProgram: drain this node in Slurm when its "
                        "agent says FAILING or FAILED, resume it when healthy if this check drained it")
-    p.add_argument("--agent-config", default="/etc/phalanx/agent.toml",
-                   help="the agent's config, for its node name and health socket (default /etc/phalanx/agent.toml)")
+    p.add_argument("--agent-config", metavar="FILE",
+                   help=f"the agent's config, for its node name and health socket (default {DEFAULT_AGENT_CONFIG}, "
+                   "or the agent's defaults where there is none)")
     p.add_argument("--node", help="the node's name in Slurm (default: the agent's node_name)")
     p.add_argument("--socket", help="the agent's health socket (default: the config's nvrx_socket)")
     p.add_argument("--scontrol", default="scontrol", help="the scontrol command (default scontrol)")
