@@ -55,6 +55,13 @@ def test_local_cluster_lifecycle(home):
     # one checkpoint directory for all, as a shared filesystem: a job without --checkpoint-dir can checkpoint
     assert {n["host"]["checkpoint_dir"] for n in nodes} == {str(Path(home["PHALANX_HOME"]) / "local" / "checkpoints")}
 
+    # a relative --checkpoint-dir is the one under the directory submit ran in, not under each rank's
+    submitted = phalanx("submit", "--checkpoint-dir", "runs/ckpt", "--", "true", env=home)
+    assert submitted.returncode == 0, submitted.stderr
+    job = json.loads(phalanx("job", submitted.stdout.strip(), "-o", "json", env=home).stdout)
+    assert job["checkpoint_dir"] == os.path.join(os.getcwd(), "runs", "ckpt")
+    assert phalanx("wait", job["id"], env=home).returncode == 0
+
     drained = phalanx("drain", "node-1", "--reason", "PSU fan", env=home)
     assert drained.returncode == 0 and drained.stdout.strip() == "node-1: DRAINED (drain reason: PSU fan)"
     table = phalanx("nodes", env=home).stdout.splitlines()

@@ -850,7 +850,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_positive, default=1, help="nodes in the gang (default 1)")
     p.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per node (default 1)")
     p.add_argument("--spares", type=_count, default=0, help="hot spare nodes reserved in the job's topology domain")
-    p.add_argument("--checkpoint-dir", help="where ranks checkpoint (default: each agent's checkpoint_dir/JOB)")
+    p.add_argument("--checkpoint-dir", type=os.path.abspath, metavar="DIR",
+                   help="where ranks checkpoint, shared by the job's nodes; a relative DIR is taken from the current "
+                   "directory (default: each agent's checkpoint_dir/JOB)")
     p.add_argument("--name", help="a name to know the job by")
     p.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
     p.add_argument("--segment", type=_count, default=0, help="block topologies: nodes per segment")

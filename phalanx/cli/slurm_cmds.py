@@ -229,7 +229,9 @@ def add_parsers(sub, count, positive, env_pair) -> None:
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
     p.add_argument("--ranks-per-node", type=positive, default=int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1,
                    help="ranks (GPUs) per node (default: SLURM_GPUS_ON_NODE, else 1)")
-    p.add_argument("--checkpoint-dir", help="where ranks checkpoint (default: each agent's checkpoint_dir/JOB)")
+    p.add_argument("--checkpoint-dir", type=os.path.abspath, metavar="DIR",
+                   help="where ranks checkpoint, shared by the job's nodes; a relative DIR is taken from the current "
+                   "directory (default: each agent's checkpoint_dir/JOB)")
     p.add_argument("--env", action="append", type=env_pair, metavar="K=V", help="environment for every rank")
     p.add_argument("--grace", type=float, default=20.0, metavar="SECONDS",
                    help="how long the ranks have to checkpoint when Slurm signals (scancel, the time limit, "
