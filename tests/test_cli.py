@@ -121,6 +121,9 @@ def test_usage_errors_exit_2(home):
         # refused here, not sent for the controller to refuse (or to wait on for ever)
         result = phalanx("checkpoint", "job-1", "--deadline", deadline, env=home)
         assert result.returncode == 2 and why in result.stderr, result.stderr
+    unknown = phalanx("submit", "--nodez", "2", "--", "true", env=home)  # said with the command's own usage
+    assert unknown.returncode == 2 and "phalanx submit: error: unrecognized arguments: --nodez" in unknown.stderr
+    assert unknown.stderr.startswith("usage: phalanx submit ")
     missing = phalanx("slurm-healthcheck", "--agent-config", "/nonexistent/agent.toml", env=home)
     assert missing.returncode == 2 and "--agent-config /nonexistent/agent.toml: no such file" in missing.stderr
 

@@ -705,12 +705,24 @@ def _global_options() -> argparse.ArgumentParser:
     return common
 
 
-class _Commands:
-    """A subparsers action whose every parser also takes the global options."""
+class _StrictParser(argparse.ArgumentParser):
+    """A command's parser: what it does not know is an error said with its own usage, not the top level's."""
 
-    def __init__(self, action: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-        self.action, self.common = action, common
-        self.choices = action.choices
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+class _Commands:
+    """The commands (or actions) of `parser`, each of whose parsers also takes the global options."""
+
+    def __init__(self, parser: argparse.ArgumentParser, dest: str, metavar: str,
+                 common: argparse.ArgumentParser) -> None:
+        self.action = parser.add_subparsers(dest=dest, metavar=metavar, required=True, parser_class=_StrictParser)
+        self.common = common
+        self.choices = self.action.choices
 
     def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
         return self.action.add_parser(name, parents=[self.common], **kwargs)
@@ -721,10 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Phalanx: keep multi-node GPU training alive.",
                                      parents=[common])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = _Commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True), common)
+    sub = _Commands(parser, "command", "COMMAND", common)
 
     p_certs = sub.add_parser("certs", help="the cluster CA and certificates for mutual TLS")
-    certs_sub = _Commands(p_certs.add_subparsers(dest="certs_command", metavar="ACTION", required=True), common)
+    certs_sub = _Commands(p_certs, "certs_command", "ACTION", common)
     p = certs_sub.add_parser("init", help="create the cluster CA (ca.crt, ca.key) in DIR")
     p.add_argument("--dir", default=os.environ.get("PHALANX_PKI", tls.DEFAULT_PKI_DIR),
                    help="where certificates live (default: $PHALANX_PKI, then %(default)s)")
@@ -744,7 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=_positive, default=pki.LEAF_DAYS, help="validity (default %(default)s)")
     p.set_defaults(func=cmd_certs_issue)
     p = certs_sub.add_parser("token", help="bootstrap tokens for nodes to enrol themselves")
-    token_sub = _Commands(p.add_subparsers(dest="token_command", metavar="ACTION", required=True), common)
+    token_sub = _Commands(p, "token_command", "ACTION", common)
     p = token_sub.add_parser("create", help="make a bootstrap token; prints it with the CA's hash")
     p.add_argument("--ttl", type=_duration, default=86_400.0, metavar="DURATION",
                    help="how long it is good for: 30m, 24h, 7d or seconds (default 24h, at most 7d)")
@@ -775,7 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_certs_revoke)
 
     p_local = sub.add_parser("local", help="a whole cluster on loopback")
-    local_sub = _Commands(p_local.add_subparsers(dest="local_command", metavar="ACTION", required=True), common)
+    local_sub = _Commands(p_local, "local_command", "ACTION", common)
     p = local_sub.add_parser("up", help="start a controller and N agents on this machine")
     p.add_argument("--nodes", type=_positive, required=True, help="number of agents (nodes)")
     p.add_argument("--gpus-per-node", type=_sim_gpus, default=8, help="simulated GPUs per node (1 to 64; default 8)")
