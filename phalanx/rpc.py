@@ -10,6 +10,9 @@ DEFAULT_TIMEOUT_S = 5.0
 MAX_REQUEST_BYTES = 1 << 20
 MAX_TRANSPORT_BYTES = 16 << 20
 MAX_EVENTS_PAGE = 10_000  # the most events one ListEvents answers with (a client reads more in pages)
+# CheckpointJob: the seconds the ranks have to commit when the request does not say, and the most it may say
+DEFAULT_CHECKPOINT_DEADLINE_S = 120.0
+MAX_CHECKPOINT_DEADLINE_S = 3600.0
 
 _KEEPALIVE = [
     # Ping an idle connection every 10 s and give up after 5 s without an answer, so a dead peer

@@ -116,7 +116,7 @@ def test_usage_errors_exit_2(home):
         assert "usage:" in result.stderr
     watch = phalanx("jobs", "--watch", "abc", env=home)  # a refresh interval: say seconds, not days
     assert watch.returncode == 2 and "'abc' is not a number of seconds, e.g. 2 or 0.5" in watch.stderr
-    for deadline, why in (("-5", "'-5' must be more than 0"), ("nan", "'nan' must be more than 0"),
+    for deadline, why in (("-5", "'-5' must be more than 0"), ("nan", "'nan' is not a number of seconds"),
                           ("1e12", "'1e12' is longer than the controller allows (3600 s)")):
         # refused here, not sent for the controller to refuse (or to wait on for ever)
         result = phalanx("checkpoint", "job-1", "--deadline", deadline, env=home)
@@ -124,8 +124,19 @@ def test_usage_errors_exit_2(home):
     unknown = phalanx("submit", "--nodez", "2", "--", "true", env=home)  # said with the command's own usage
     assert unknown.returncode == 2 and "phalanx submit: error: unrecognized arguments: --nodez" in unknown.stderr
     assert unknown.stderr.startswith("usage: phalanx submit ")
-    missing = phalanx("slurm-healthcheck", "--agent-config", "/nonexistent/agent.toml", env=home)
-    assert missing.returncode == 2 and "--agent-config /nonexistent/agent.toml: no such file" in missing.stderr
+    for config in ("/nonexistent/agent.toml", ""):  # named but not there: not the agent's defaults in silence
+        missing = phalanx("slurm-healthcheck", "--agent-config", config, env=home)
+        assert missing.returncode == 2 and f"--agent-config {config!r}: no such file" in missing.stderr
+    # an unset variable in a batch script (--checkpoint-dir "$CKPT"): not the current directory in silence
+    empty = phalanx("submit", "--checkpoint-dir", "", "--", "true", env=home)
+    assert empty.returncode == 2 and "--checkpoint-dir: '' is empty: give a directory" in empty.stderr
+
+
+def test_a_checkpoint_directory_is_made_whole_against_the_current_one_and_the_home_directory():
+    from phalanx.cli.main import directory
+    assert directory("runs/ckpt") == os.path.join(os.getcwd(), "runs", "ckpt")
+    assert directory("~/ckpt") == os.path.join(os.path.expanduser("~"), "ckpt")
+    assert directory("/shared/ckpt/") == "/shared/ckpt"
 
 
 def test_no_controller_is_a_clear_error(home):

@@ -19,10 +19,10 @@ from controller.nodes.registry import Registry
 from controller.obs.events import EventHub, WatcherOverflow
 from controller.store.base import EventRecord, Store
 from phalanx import faults
+from phalanx.rpc import DEFAULT_CHECKPOINT_DEADLINE_S, MAX_CHECKPOINT_DEADLINE_S
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc, node_pb2
 
 _REPLAY_PAGE = 1000
-DEFAULT_CHECKPOINT_DEADLINE_S = 120.0
 LAG_REFRESH_S = 1.0  # GetStats recomputes the heartbeat lag percentiles at most this often (a view for people)
 
 
@@ -236,8 +236,8 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
     @unary
     async def CheckpointJob(self, request: control_pb2.CheckpointJobRequest, context):
         deadline = request.deadline_s or DEFAULT_CHECKPOINT_DEADLINE_S
-        if not 0 < deadline <= 3600:
-            raise InvalidArgument(f"deadline_s ({deadline}) must be between 0 and 3600")
+        if not 0 < deadline <= MAX_CHECKPOINT_DEADLINE_S:
+            raise InvalidArgument(f"deadline_s ({deadline}) must be between 0 and {MAX_CHECKPOINT_DEADLINE_S:g}")
         job = self._jobs.get(validation.job_id(request.id))
         access.require_owner(job.user, job.id)
         with access.acting(_caller()):

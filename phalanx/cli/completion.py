@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 GLOBAL_WITH_VALUE = ("--controller", "--ca", "--cert", "--key")
-FILE_OPTIONS = {"--ca", "--cert", "--key", "--plot", "--replay", "--checkpoint-dir", "--dir"}
+FILE_OPTIONS = {"--ca", "--cert", "--key", "--plot", "--replay", "--checkpoint-dir", "--dir", "--agent-config"}
 NODE_DESTS = {"node", "nodes", "member"}
 JOB_DESTS = {"job"}
 FILE_DESTS = {"scenario"}

@@ -10,6 +10,7 @@ import argparse
 import collections
 import getpass
 import json
+import math
 import os
 import signal
 import sys
@@ -22,7 +23,13 @@ import grpc
 from phalanx import __version__, faults, hostlist, leader, pki, tls
 from phalanx.cli import local, render
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.rpc import CLIENT_OPTIONS, DEFAULT_TIMEOUT_S, MAX_EVENTS_PAGE
+from phalanx.rpc import (
+    CLIENT_OPTIONS,
+    DEFAULT_CHECKPOINT_DEADLINE_S,
+    DEFAULT_TIMEOUT_S,
+    MAX_CHECKPOINT_DEADLINE_S,
+    MAX_EVENTS_PAGE,
+)
 from phalanx.tls import ClientSecurity
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
@@ -143,9 +150,6 @@ def add_output(p: argparse.ArgumentParser, *choices: str) -> None:
     p.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
 
 
-MAX_CHECKPOINT_DEADLINE_S = 3600.0  # the controller refuses a longer one (CheckpointJob)
-
-
 def _checkpoint_deadline(text: str) -> float:
     """checkpoint --deadline: seconds the ranks have to commit (a unit, 2m, is taken too), an hour at most."""
     value = _duration(text, "a number of seconds, e.g. 120")
@@ -153,6 +157,15 @@ def _checkpoint_deadline(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is longer than the controller allows "
                                          f"({MAX_CHECKPOINT_DEADLINE_S:g} s)")
     return value
+
+
+def directory(text: str) -> str:
+    """--checkpoint-dir: a directory, made whole against the current one (and ~ expanded); an empty one (an unset
+    variable in a batch script) is refused rather than taken for the current directory or the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: give a directory, or leave the option out for each "
+                                         "agent's checkpoint_dir/JOB")
+    return os.path.abspath(os.path.expanduser(text))
 
 
 def _interval(text: str) -> float:
@@ -468,7 +481,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     return watched(args, show)
 
 
-TERMINAL = {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
+TERMINAL = render.FINISHED
 
 
 def job_exit_code(job: common_pb2.Job) -> int:
@@ -862,7 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_positive, default=1, help="nodes in the gang (default 1)")
     p.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per node (default 1)")
     p.add_argument("--spares", type=_count, default=0, help="hot spare nodes reserved in the job's topology domain")
-    p.add_argument("--checkpoint-dir", type=os.path.abspath, metavar="DIR",
+    p.add_argument("--checkpoint-dir", type=directory, metavar="DIR",
                    help="where ranks checkpoint, shared by the job's nodes; a relative DIR is taken from the current "
                    "directory (default: each agent's checkpoint_dir/JOB)")
     p.add_argument("--name", help="a name to know the job by")
@@ -907,8 +920,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("checkpoint", help="ask every rank of a running job to checkpoint now (trainlib)")
     p.add_argument("job")
-    p.add_argument("--deadline", type=_checkpoint_deadline, default=120.0, metavar="S",
-                   help="seconds the ranks have, up to 3600 (default 120)")
+    p.add_argument("--deadline", type=_checkpoint_deadline, default=DEFAULT_CHECKPOINT_DEADLINE_S, metavar="S",
+                   help=f"seconds the ranks have, up to {MAX_CHECKPOINT_DEADLINE_S:g} (default %(default)g)")
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("cancel", help="stop every rank of a job")
@@ -966,6 +979,8 @@ def _duration(text: str, what: str = "a duration such as 30m, 24h or 7d") -> flo
         value = float(number) * units[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
     return value

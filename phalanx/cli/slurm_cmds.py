@@ -24,6 +24,7 @@ from phalanx.cli.main import (
     WAIT_POLL_S,
     CliError,
     call,
+    directory,
     job_exit_code,
 )
 from phalanx.v1 import common_pb2, control_pb2
@@ -162,13 +163,13 @@ def cmd_slurm_healthcheck(args: argparse.Namespace) -> int:
     from phalanx.errors import ConfigError
     from phalanx.nvhcd import nvhcd_pb2, nvhcd_pb2_grpc
 
-    path = args.agent_config or DEFAULT_AGENT_CONFIG
-    if args.agent_config and not os.path.exists(path):  # only the default may be absent: the agent's defaults then
-        raise CliError(f"--agent-config {path}: no such file", USAGE)
+    path = DEFAULT_AGENT_CONFIG if args.agent_config is None else args.agent_config
+    if args.agent_config is not None and not os.path.isfile(path):  # only the default may be absent (then defaults)
+        raise CliError(f"--agent-config {path!r}: no such file", USAGE)
     try:
         cfg = agent_config.load(path if os.path.exists(path) else None)
-    except ConfigError as e:
-        raise CliError(f"{path}: {e}", USAGE) from None
+    except ConfigError as e:  # it names the file
+        raise CliError(str(e), USAGE) from None
     node = args.node or cfg.name
     sock = args.socket or cfg.nvrx_socket
     if not sock:
@@ -229,7 +230,7 @@ def add_parsers(sub, count, positive, env_pair) -> None:
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
     p.add_argument("--ranks-per-node", type=positive, default=int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1,
                    help="ranks (GPUs) per node (default: SLURM_GPUS_ON_NODE, else 1)")
-    p.add_argument("--checkpoint-dir", type=os.path.abspath, metavar="DIR",
+    p.add_argument("--checkpoint-dir", type=directory, metavar="DIR",
                    help="where ranks checkpoint, shared by the job's nodes; a relative DIR is taken from the current "
                    "directory (default: each agent's checkpoint_dir/JOB)")
     p.add_argument("--env", action="append", type=env_pair, metavar="K=V", help="environment for every rank")
