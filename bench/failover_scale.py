@@ -159,10 +159,102 @@ async def _wait(predicate, what: str, timeout_s: float) -> float:
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-async def run(steps: list[int], session_port: bool = False) -> dict:
+class _Plane:
+    """The three controllers of the bench, each pinned to CPU 0; the standbys at STANDBY_NICE."""
+
+    def __init__(self, procs: Procs, root: Path, etcd: str, sport: int) -> None:
+        self.procs, self.root, self.etcd, self.sport = procs, root, etcd, sport
+        self.addresses = {f"c{i}": f"127.0.0.{i + 1 if sport else 1}:{free_port()}" for i in range(3)}
+        self.pids: dict[str, int] = {}
+
+    def spawn(self, name: str) -> None:
+        self.pids[name] = self.procs.spawn(name, "controller.main", controller_toml(
+            self.addresses[name], self.root, name, self.etcd, self.sport), cpu=0).pid
+
+    async def leader(self) -> tuple[str, str, int] | None:
+        return await _leader(list(self.addresses.values()))
+
+    async def kill_leader(self, gen: _Fleet, n: int, settle_seq: int) -> tuple[dict, int]:
+        """Wait until every node is parked at both standbys and the fleet is whole, kill -9 the leader, time the
+        takeover and count what was declared; start the killed controller again as a standby. The step's figures,
+        and the event log's last seq after the window."""
+        name, address, epoch = await self.leader()
+        standbys = [a for a in self.addresses.values() if a != address]
+        t_park = time.monotonic()
+        await _wait(lambda: _parked_at_least(standbys, n), f"{n} sessions parked at each standby", 600)
+        parked_s = time.monotonic() - t_park
+        log(f"failover at scale: {n} sessions parked at each standby after {parked_s:.0f} s")
+        whole_s = await _whole(address, n)
+        log(f"failover at scale: the fleet whole at the leader (every session open, none declared for "
+            f"{QUIET_S:g} s) after {whole_s:.0f} s" if whole_s >= 0 else
+            f"failover at scale: the fleet never stayed whole for {QUIET_S:g} s within {WHOLE_TIMEOUT_S:g} s; "
+            "killing the leader anyway")
+        seq = await _last_seq(address)  # what the log holds before the kill: counted from here on
+        # Nodes the leader declared before the kill, after the ramp, and whether the generator (all the nodes
+        # in one process, on a core it shares with etcd) was late sending their heartbeats meanwhile: the
+        # leader judges what it hears, and a generator behind its schedule is silent nodes to it.
+        before, _, _, before_sample = await _suspect_or_down(address, settle_seq)
+        sending = await gen.call({"cmd": "stats", "reset": True})  # from here on: after the kill
+        log(f"failover at scale: before the kill the leader declared {before} nodes SUSPECT/DOWN "
+            f"{before_sample[:1]}; the generator sent heartbeats up to {sending.get('late_max_ms', 0):.0f} ms "
+            f"late (p99 {sending.get('late_p99_ms', 0):.0f} ms)")
+        self.procs.kill(self.pids[name], signal.SIGKILL)
+        t_kill, killed_at = time.monotonic(), time.time()
+        others = [a for a in self.addresses.values() if a != address]
+        reniced: set[str] = set()
+
+        async def new_leader_with_all() -> bool:
+            now = await _leader(others)
+            if now and now[2] > epoch and now[0] not in reniced:
+                reniced.add(now[0])
+                renice(self.pids[now[0]], 0)
+            return bool(now and now[2] > epoch and await _sessions(now[1]) >= n)
+
+        back_s = await _wait(new_leader_with_all, f"a new leader with all {n} nodes", 300)
+        new_name, new_address, _ = await _leader(others)
+        await asyncio.sleep(WINDOW_S)
+        down, named, seq, sample = await _suspect_or_down(new_address, seq)
+        stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
+        generated = await gen.call({"cmd": "stats", "reset": False})
+        phases = _takeover_phases(self.procs.log_path(new_name), killed_at)
+        step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
+                "declared_before_kill": before, "generator_late_max_ms": sending.get("late_max_ms", 0),
+                "parked_s": round(parked_s, 1), "whole_before_kill_s": round(whole_s, 1),
+                "state_events_naming_suspect_or_down": named, "naming_sample": sample,
+                "taken_up_total": generated.get("taken_up", 0),
+                # StandingBy messages naming a new leader on parked sessions: none when the winner held
+                # as many sessions parked as the losing standby (controller/ha.py Standby._new_leader)
+                "leader_named_total": generated.get("named", 0),
+                # a node declared while its generator was late sending its heartbeats is the generator's
+                # silence (one process for thousands of nodes, on a core shared with etcd), not the leader's
+                "generator_late_max_after_ms": generated.get("late_max_ms", 0),
+                "generator_late_p99_after_ms": generated.get("late_p99_ms", 0),
+                # what the generators spent from just before the kill (CPU seconds, their slowest GC pause) and
+                # the tasks they hold: the load they put on their core, kill after kill
+                "generator_cpu_s": round(generated.get("cpu_s", 0) - sending.get("cpu_s", 0), 2),
+                "generator_gc_pause_max_ms": generated.get("gc_pause_max_ms", 0),
+                "generator_tasks": generated.get("tasks", 0), "generator_rss_mb": generated.get("rss_mb", 0),
+                "lag_p99_ms": round(stats.heartbeat_lag_p99_ms, 1), "leader": f"{name} -> {new_name}",
+                "since_kill_s": round(time.monotonic() - t_kill, 1),
+                **phases}
+        log(f"failover at scale: N={n}: every node back at {new_name} {back_s:.2f} s after the kill; "
+            f"declared SUSPECT/DOWN: {down} (node.state events naming either: {named}); "
+            f"heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms; the generator sent heartbeats up to "
+            f"{generated.get('late_max_ms', 0):.0f} ms late after the kill (p99 "
+            f"{generated.get('late_p99_ms', 0):.0f} ms); its CPU {step['generator_cpu_s']} s, GC pause max "
+            f"{step['generator_gc_pause_max_ms']} ms, {step['generator_tasks']} tasks, {step['generator_rss_mb']} MB"
+            + (f"; e.g. {sample}" if sample else "") + f"; the new leader {phases}")
+        self.spawn(name)
+        await asyncio.sleep(0.5)  # its threads started
+        renice(self.pids[name], STANDBY_NICE)
+        return step, seq
+
+
+async def run(steps: list[int], session_port: bool = False, kills: int = 1) -> dict:
     """session_port: the nodes' sessions (and parked ones) in frames on the controllers' session port. An agent
     finds it at the same port on each controller's host, so here each controller has a loopback address of its
-    own (127.0.0.1, .2, .3)."""
+    own (127.0.0.1, .2, .3). kills: the leader is killed this many times per step; each killed controller is
+    started again and stands by, and every node parks a session at it before the next kill."""
     out: dict = {"steps": [], "window_s": WINDOW_S, "transport": "session port" if session_port else "grpc"}
     raise_fd_limit()  # the generators and controllers (children) inherit it
     with temp_root("phalanx-failover-scale-") as d:
@@ -174,22 +266,20 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
         try:
             etcdlocal.wait_healthy(members)
             sport = free_port("") if session_port else 0
-            addresses = {f"c{i}": f"127.0.0.{i + 1 if sport else 1}:{free_port()}" for i in range(3)}
-            pids = {}
-            for name, address in addresses.items():
-                pids[name] = procs.spawn(name, "controller.main",
-                                         controller_toml(address, root, name, members[0].endpoint, sport), cpu=0).pid
-            await _wait(lambda: _leader(list(addresses.values())), "a leader", 60)
-            first, _, _ = await _leader(list(addresses.values()))
-            for name, pid in pids.items():
+            plane = _Plane(procs, root, members[0].endpoint, sport)
+            for name in plane.addresses:
+                plane.spawn(name)
+            await _wait(plane.leader, "a leader", 60)
+            first, _, _ = await plane.leader()
+            for name, pid in plane.pids.items():
                 if name != first:
                     renice(pid, STANDBY_NICE)
             count = SESSION_GENERATORS if sport else 1
             gen = _Fleet([])
             for i in range(count):
                 proc = await procs.spawn_piped(f"loadgen-{i}", "bench.loadgen", (
-                    "--target", ",".join(addresses.values()), "--per-channel", "50",
-                    "--concurrency", str(256 // count), "--index", str(i), "--stride", str(count),
+                    "--target", ",".join(plane.addresses.values()), "--per-channel", "50",
+                    "--concurrency", str(256 // count), "--index", str(i), "--stride", str(count), "--gc-off",
                     *(("--session-port", str(sport)) if sport else ())), cpu=1)
                 one = Generator(f"loadgen-{i}", proc)
                 gen.gens.append(one)
@@ -200,9 +290,9 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
             for n in steps:
                 t0 = time.monotonic()
                 await gen.call({"cmd": "stats", "reset": True})  # the generator's send lateness in the ramp
-                ramp_seq = await _last_seq((await _leader(list(addresses.values())))[1])
+                ramp_seq = await _last_seq((await plane.leader())[1])
                 await gen.call({"cmd": "grow", "total": n}, timeout_s=600)
-                _, leader_address, _ = await _leader(list(addresses.values()))
+                _, leader_address, _ = await plane.leader()
                 await _wait(lambda a=leader_address, n=n: _sessions_at_least(a, n), f"{n} sessions", 600)
                 ramp = await gen.call({"cmd": "stats", "reset": True})  # and from here on, in the settle
                 in_ramp, _, _, _ = await _suspect_or_down(leader_address, ramp_seq)
@@ -211,73 +301,10 @@ async def run(steps: list[int], session_port: bool = False) -> dict:
                     f"{ramp.get('late_max_ms', 0):.0f} ms late (p99 {ramp.get('late_p99_ms', 0):.0f} ms); settling")
                 settle_seq = await _last_seq(leader_address)
                 await asyncio.sleep(SETTLE_S)
-                name, address, epoch = await _leader(list(addresses.values()))
-                standbys = [a for a in addresses.values() if a != address]
-                t_park = time.monotonic()
-                await _wait(lambda s=standbys, n=n: _parked_at_least(s, n), f"{n} sessions parked at each standby",
-                            600)
-                log(f"failover at scale: {n} sessions parked at each standby after {time.monotonic() - t_park:.0f} s")
-                whole_s = await _whole(address, n)
-                log(f"failover at scale: the fleet whole at the leader (every session open, none declared for "
-                    f"{QUIET_S:g} s) after {whole_s:.0f} s" if whole_s >= 0 else
-                    f"failover at scale: the fleet never stayed whole for {QUIET_S:g} s within {WHOLE_TIMEOUT_S:g} s; "
-                    "killing the leader anyway")
-                seq = await _last_seq(address)  # what the log holds before the kill: counted from here on
-                # Nodes the leader declared before the kill, after the ramp, and whether the generator (all the nodes
-                # in one process, on a core it shares with etcd) was late sending their heartbeats meanwhile: the
-                # leader judges what it hears, and a generator behind its schedule is silent nodes to it.
-                before, _, _, before_sample = await _suspect_or_down(address, settle_seq)
-                sending = await gen.call({"cmd": "stats", "reset": True})  # from here on: after the kill
-                log(f"failover at scale: before the kill the leader declared {before} nodes SUSPECT/DOWN "
-                    f"{before_sample[:1]}; the generator sent heartbeats up to {sending.get('late_max_ms', 0):.0f} ms "
-                    f"late (p99 {sending.get('late_p99_ms', 0):.0f} ms)")
-                procs.kill(pids[name], signal.SIGKILL)
-                t_kill, killed_at = time.monotonic(), time.time()
-                others = [a for a in addresses.values() if a != address]
-
-                reniced: set[str] = set()
-
-                async def new_leader_with_all(others=others, epoch=epoch, n=n, reniced=reniced) -> bool:
-                    now = await _leader(others)
-                    if now and now[2] > epoch and now[0] not in reniced:
-                        reniced.add(now[0])
-                        renice(pids[now[0]], 0)
-                    return bool(now and now[2] > epoch and await _sessions(now[1]) >= n)
-
-                back_s = await _wait(new_leader_with_all, f"a new leader with all {n} nodes", 300)
-                new_name, new_address, _ = await _leader(others)
-                await asyncio.sleep(WINDOW_S)
-                down, named, seq, sample = await _suspect_or_down(new_address, seq)
-                stats = await _ask(new_address, lambda s, t: s.GetStats(control_pb2.GetStatsRequest(), timeout=t))
-                generated = await gen.call({"cmd": "stats", "reset": False})
-                phases = _takeover_phases(procs.log_path(new_name), killed_at)
-                step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
-                        "declared_in_ramp": in_ramp, "generator_late_max_in_ramp_ms": ramp.get("late_max_ms", 0),
-                        "declared_before_kill": before, "generator_late_max_ms": sending.get("late_max_ms", 0),
-                        "whole_before_kill_s": round(whole_s, 1),
-                        "state_events_naming_suspect_or_down": named, "naming_sample": sample,
-                        "taken_up_total": generated.get("taken_up", 0),
-                        # StandingBy messages naming a new leader on parked sessions: none when the winner held
-                        # as many sessions parked as the losing standby (controller/ha.py Standby._new_leader)
-                        "leader_named_total": generated.get("named", 0),
-                        # a node declared while its generator was late sending its heartbeats is the generator's
-                        # silence (one process for thousands of nodes, on a core shared with etcd), not the leader's
-                        "generator_late_max_after_ms": generated.get("late_max_ms", 0),
-                        "generator_late_p99_after_ms": generated.get("late_p99_ms", 0),
-                        "lag_p99_ms": round(stats.heartbeat_lag_p99_ms, 1), "leader": f"{name} -> {new_name}",
-                        "since_kill_s": round(time.monotonic() - t_kill, 1),
-                        **phases}
-                out["steps"].append(step)
-                log(f"failover at scale: N={n}: every node back at {new_name} {back_s:.2f} s after the kill; "
-                    f"declared SUSPECT/DOWN: {down} (node.state events naming either: {named}); "
-                    f"heartbeat lag p99 {stats.heartbeat_lag_p99_ms:.0f} ms; the generator sent heartbeats up to "
-                    f"{generated.get('late_max_ms', 0):.0f} ms late after the kill (p99 "
-                    f"{generated.get('late_p99_ms', 0):.0f} ms)" + (f"; e.g. {sample}" if sample else "")
-                    + f"; the new leader {phases}")
-                pids[name] = procs.spawn(name, "controller.main",
-                                         controller_toml(address, root, name, members[0].endpoint, sport), cpu=0).pid
-                await asyncio.sleep(0.5)  # its threads started
-                renice(pids[name], STANDBY_NICE)
+                for kill in range(1, kills + 1):
+                    step, settle_seq = await plane.kill_leader(gen, n, settle_seq)
+                    out["steps"].append({**step, "kill": kill, "declared_in_ramp": in_ramp,
+                                         "generator_late_max_in_ramp_ms": ramp.get("late_max_ms", 0)})
         finally:
             if gen is not None:
                 await gen.close()

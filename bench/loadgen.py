@@ -29,6 +29,7 @@ import contextlib
 import gc
 import json
 import math
+import resource
 import sys
 import time
 from pathlib import Path
@@ -94,7 +95,7 @@ def simulated_node(gid: int) -> tuple[str, common_pb2.NodeInventory, node_pb2.Ag
 
 class Gen:
     def __init__(self, target: str, index: int, stride: int, per_channel: int, concurrency: int,
-                 pki: str = "", session_port: int = 0) -> None:
+                 pki: str = "", session_port: int = 0, gc_off: bool = False) -> None:
         # Several controllers (a highly available control plane): every node goes to the one this process believes
         # leads; a standby's answer names the leader (phalanx-leader), and an unreachable one passes the turn on.
         self.targets = [t for t in target.split(",") if t]
@@ -128,6 +129,16 @@ class Gen:
         self.tasks: set[asyncio.Task] = set()
         self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
         self.errors: list[str] = []
+        self.gc_off = gc_off  # no garbage collections after a grow
+        self.gc_pauses: list[float] = []  # seconds each collection took since the last reset (the loop stands still)
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_pauses.append(time.perf_counter() - self._gc_start)
 
     def _secure_channel(self, name: str, target: str) -> grpc.aio.Channel:
         creds = grpc.ssl_channel_credentials((self.pki / "ca.crt").read_bytes(),
@@ -209,8 +220,17 @@ class Gen:
         self.nodes = max(self.nodes, total)
         if firsts:
             await asyncio.gather(*firsts)
-        gc.collect()
+        if gc.isenabled():
+            gc.collect()
         gc.freeze()  # the nodes just made live for the rest of the run: keep them out of later collections
+        if self.gc_off:
+            # ... and no collections from here on. A takeover ends thousands of sessions here at once, and their
+            # objects (calls, tasks, tracebacks: 670,000 in one process at 8,000 nodes) are cycles with long-lived
+            # ones, which only a collection of the older generations frees: one stopped this process for 2.3 s, so
+            # its nodes' heartbeats were late and the controller rightly found them silent (bench/run.py
+            # failover-scale --kills, from the third kill). Real agents are a process each. The garbage stays
+            # (its memory: "rss_mb").
+            gc.disable()
         return {"ok": "grown", "nodes": self.nodes, "sessions_open": self.sessions_open,
                 "open_failures": self.open_failures, "seconds": round(time.monotonic() - t0, 3)}
 
@@ -222,7 +242,8 @@ class Gen:
         backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
         incarnation = [0]  # as agent/link.py: a node that registered before resumes its session with it
         node = _Parking()
-        parks = []
+        parks: list[asyncio.Task] = []
+        parked_with = 0  # the incarnation the parked sessions were opened with
         try:
             while True:
                 taken_up = bool(node.promoted)
@@ -235,9 +256,14 @@ class Gen:
                     first.set_result(call is not None)
                     self.opening.pop(asyncio.current_task(), None)
                 if call is not None:
-                    if not parks and len(self.targets) > 1:
+                    if len(self.targets) > 1 and parked_with != incarnation[0]:
+                        # the first session, or one after registering again: as agent/link.py, park (again) with
+                        # this incarnation (no new leader would take up a session parked with an older one)
+                        for task in parks:
+                            task.cancel()
                         parks = [asyncio.create_task(self._park(name, local, t, incarnation, node))
                                  for t in self.targets]
+                        parked_with = incarnation[0]
                     backoff.reset()
                     self.sessions_open += 1
                     node.changed()
@@ -272,6 +298,7 @@ class Gen:
             if not node.target or target == node.target or not incarnation[0]:  # parked only beside a session
                 await node.wait()
                 continue
+            call = None  # a parked call not handed to the node's loop: closed if this task is cancelled
             try:
                 call = await self._session(local, name, target)
                 await call.write(node_pb2.AgentMessage(open=node_pb2.SessionOpen(
@@ -294,10 +321,13 @@ class Gen:
                 if reply is grpc.aio.EOF or reply.WhichOneof("body") != "accepted":
                     raise ConnectionError("the parked session ended")
                 node.promoted.append((target, call))
+                call = None
                 node.promotion.set()
                 while target != node.target:  # until the node's loop has taken it up
                     await node.wait()
             except asyncio.CancelledError:
+                if call is not None:
+                    call.cancel()
                 raise
             except Exception as e:
                 self._error(f"park {name}", e)
@@ -426,8 +456,9 @@ class Gen:
 
     def stats(self, reset: bool) -> dict:
         late, reg, acc = sorted(self.late), sorted(self.register_s), sorted(self.accept_s)
+        pauses = self.gc_pauses
         if reset:
-            self.late, self.register_s, self.accept_s = [], [], []
+            self.late, self.register_s, self.accept_s, self.gc_pauses = [], [], [], []
         n = len(late)
 
         def q(f: float, data: list[float] = late) -> float:
@@ -441,6 +472,10 @@ class Gen:
                 "late_samples": n, "late_p50_ms": q(0.5), "late_p99_ms": q(0.99), "late_max_ms": q(1.0),
                 "opened": len(acc), "resumes": self.resumes, "parked": self.parked, "taken_up": self.taken_up,
                 "named": self.named,
+                "cpu_s": round(time.process_time(), 3), "tasks": len(asyncio.all_tasks()),
+                "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                "gc_collections": len(pauses), "gc_pause_max_ms": round(1e3 * max(pauses, default=0.0), 1),
+                "gc_pause_total_ms": round(1e3 * sum(pauses), 1),
                 "register_p50_ms": q(0.5, reg), "register_max_ms": q(1.0, reg),
                 "accept_p50_ms": q(0.5, acc), "accept_max_ms": q(1.0, acc),
                 "errors": list(self.errors)}
@@ -460,7 +495,8 @@ def reply(obj: dict) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    gen = Gen(args.target, args.index, args.stride, args.per_channel, args.concurrency, args.pki, args.session_port)
+    gen = Gen(args.target, args.index, args.stride, args.per_channel, args.concurrency, args.pki, args.session_port,
+              args.gc_off)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -513,6 +549,9 @@ def cli() -> None:
     parser.add_argument("--pki", default="", help="mutual TLS: a directory with ca.crt and NODE.crt/NODE.key per node")
     parser.add_argument("--session-port", type=int, default=0,
                         help="sessions in frames on this port of each controller's host (its session_listen)")
+    parser.add_argument("--gc-off", action="store_true",
+                        help="no garbage collections after each grow (failover-scale: a takeover's garbage is "
+                        "hundreds of thousands of objects, and collecting it stops every node in the process)")
     args = parser.parse_args()
     try:
         import uvloop

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"{','.join(map(str, FULL_STEPS))}; quick {','.join(map(str, QUICK_STEPS))})")
     p.add_argument("--failover-steps", help="failover-scale: comma-separated node counts (default "
                    f"{','.join(map(str, FAILOVER_STEPS))}; quick {','.join(map(str, QUICK_FAILOVER_STEPS))})")
+    p.add_argument("--kills", type=int, default=1,
+                   help="failover-scale: kill the leader this many times per step, each killed controller started "
+                   "again as a standby and parked at by every node before the next kill (default 1)")
     p.add_argument("--hold", type=float, help="capacity: seconds each step is measured (default 15, quick 10)")
     p.add_argument("--settle", type=float, default=3.0, help="capacity: seconds after the ramp before measuring")
     p.add_argument("--generators", type=int, default=1, help="capacity: load generator processes (all on CPU 1)")
@@ -103,6 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
     args.benchmarks = [b for b in BENCHMARKS if b in args.benchmarks] or list(BENCHMARKS)
     args.trials = args.trials or (3 if args.quick else 10)
+    if args.kills < 1:
+        p.error(f"--kills must be at least 1, not {args.kills}")
     args.failover_steps = ([int(s) for s in args.failover_steps.split(",")] if args.failover_steps
                            else QUICK_FAILOVER_STEPS if args.quick else FAILOVER_STEPS)
     args.steps = [int(s) for s in args.steps.split(",")] if args.steps else (QUICK_STEPS if args.quick else FULL_STEPS)
@@ -139,7 +144,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
             elif name == "failover":
                 results[name] = failover.run(args.trials)
             elif name == "failover-scale":
-                results[name] = await failover_scale.run(args.failover_steps, session_port=args.session_port)
+                results[name] = await failover_scale.run(args.failover_steps, session_port=args.session_port,
+                                                           kills=args.kills)
             elif name == "takeup":
                 results[name] = await asyncio.to_thread(takeup.run, args.quick)  # a loop of its own
             elif name == "store-heartbeats":
@@ -324,12 +330,17 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
     fs = results.get("failover-scale")
     if fs and "error" not in fs:
         for st in fs["steps"]:
-            rows.append(("failover-scale", f"N={st['nodes']:,}: kill -9 of the leader -> all nodes back", "<= 3 s",
+            kill = f" (kill {st['kill']})" if st.get("kill", 1) > 1 else ""
+            what = f"N={st['nodes']:,}{kill}"
+            rows.append(("failover-scale", f"{what}: kill -9 of the leader -> all nodes back", "<= 3 s",
                          f"{st['all_back_s']:.2f} s{_verdict(st['all_back_s'] <= 3.0)}"))
             late = (f" (generator up to {st['generator_late_max_after_ms']:.0f} ms late sending)"
                     if "generator_late_max_after_ms" in st else "")
-            rows.append(("failover-scale", f"N={st['nodes']:,}: live nodes declared SUSPECT/DOWN", "0",
+            rows.append(("failover-scale", f"{what}: live nodes declared SUSPECT/DOWN", "0",
                          f"{st['wrongly_suspect_or_down']}{_verdict(st['wrongly_suspect_or_down'] == 0)}{late}"))
+            if "generator_cpu_s" in st and st.get("kill", 1) > 1:
+                rows.append(("failover-scale", f"{what}: the generators' CPU from the kill, their slowest GC", "",
+                             f"{st['generator_cpu_s']:.1f} s, {st['generator_gc_pause_max_ms']:.0f} ms"))
             if "state_events_naming_suspect_or_down" in st:
                 rows.append(("failover-scale", f"N={st['nodes']:,}: node.state events naming SUSPECT/DOWN", "",
                              f"{st['state_events_naming_suspect_or_down']} (leaving SUSPECT too)"))
