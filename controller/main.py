@@ -17,7 +17,8 @@ from controller.api.session_port import SessionPort
 from controller.errors import StoreError
 from controller.ha import Elector, Standby, advertise_address
 from controller.jobs.topology import TopologyError
-from controller.server import Controller, bind, interceptors, load_security
+from controller.obs import metrics
+from controller.server import Controller, bind, interceptors, load_security, serve_metrics
 from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence, NodeCache
 from controller.store.sqlite import SqliteStore
 from controller.switchboard import Methods, Switchboard
@@ -111,6 +112,13 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
     board = Switchboard()
     sessions: SessionPort | None = None
     nodes = NodeCache(etcd, store_cfg.etcd_prefix)
+    standby: Standby | None = None
+    # One /metrics for the process, standing by as well as leading: every member can be scraped, and "no member
+    # leads" is a query (monitoring/phalanx.rules.yml PhalanxNoLeader).
+    plane = metrics.ControlPlaneCollector(elector, lambda: standby.parked.waiting if standby is not None else 0)
+    plane_metrics = metrics.serving(plane)
+    if cfg.metrics_listen:
+        await serve_metrics(plane_metrics, cfg)
 
     async def stop_sessions() -> None:
         nonlocal sessions
@@ -174,9 +182,11 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
                                 unheard=registry.unheard)
             logger.info("taking up the sessions parked here", sessions=standby.parked.waiting)
             current[:] = [controller]
+            plane.term = controller.collector
             sdnotify.notify(f"STATUS=leader (epoch {term.epoch}) on {cfg.listen}")
             await first_of(holding, stop.wait())
             current.clear()
+            plane.term = None
             if stop.is_set():
                 await stop_sessions()
                 await server.stop(2.0)  # the calls under way may finish, as a lone controller's do
@@ -195,6 +205,7 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
         await stop_sessions()
         if server is not None:
             await server.stop(0)
+        await plane_metrics.close()
         sdnotify.notify("STOPPING=1")
         if watchdog is not None:
             watchdog.cancel()

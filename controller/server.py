@@ -145,7 +145,8 @@ class Controller:
         self.token_port = 0
         self.session_port: SessionPort | None = None  # a lone controller's own; on a board, main.py's
         self._load_security()
-        self.metrics = metrics.server(self.registry, self.jobs, self.hub, store, elector)
+        self.collector = metrics.ControllerCollector(self.registry, self.jobs, self.hub, store, elector)
+        self.metrics = metrics.serving(self.collector)  # on a board, main.py serves the collector for the process
 
     async def start(self, grace_s: float = 0.0) -> int:
         """Load state, bind, serve, start the loops. Returns the bound port. `grace_s`: added to every node's
@@ -155,12 +156,8 @@ class Controller:
         await self.credentials.load()
         if self.elector is not None and self.elector.term is not None:
             await self._log_takeover()
-        if self.cfg.metrics_listen:
-            sec = self.cfg.security
-            if not sec.insecure:
-                self.metrics.registry.register(metrics_http.CertificateExpiry([sec.ca_file, sec.cert_file]))
-            await self.metrics.serve(self.cfg.metrics_listen, lambda: metrics_http.access(
-                self.cfg.metrics, sec.ca_file, sec.cert_file, sec.key_file))
+        if self.cfg.metrics_listen and self.board is None:
+            await serve_metrics(self.metrics, self.cfg)
         interceptors = self._interceptors()
         server: grpc.aio.Server | Methods = (Methods() if self.board is not None else
                                              grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors))
@@ -306,3 +303,12 @@ class Controller:
         await self.metrics.close()
         await self.store.close()
         logger.info("controller stopped")
+
+
+async def serve_metrics(server: metrics_http.MetricsServer, cfg: ControllerConfig) -> None:
+    """`metrics_listen`, with the certificates' expiry where there are certificates, and [metrics]' access."""
+    sec = cfg.security
+    if not sec.insecure:
+        server.registry.register(metrics_http.CertificateExpiry([sec.ca_file, sec.cert_file]))
+    await server.serve(cfg.metrics_listen, lambda: metrics_http.access(cfg.metrics, sec.ca_file, sec.cert_file,
+                                                                      sec.key_file))

@@ -100,6 +100,8 @@ class HaCluster(Cluster):
             address = self.addresses[member]
             own = f'session_listen = "{framed.session_address(address, self.session_port)}"\n' \
                 if self.session_port else ""
+            if metrics:  # the same address when a member is started again
+                own += f'metrics_listen = "{self.metrics.setdefault(member, f"127.0.0.1:{free_port()}")}"\n'
             ns = self.netns.get(member)
             etcd = self.etcd_endpoint if ns is None else f"{ns.host_ip}:{self.etcd_endpoint.rpartition(':')[2]}"
             proc = self._spawn(member, "controller.main",

@@ -41,6 +41,40 @@ def events(c: HaCluster) -> list[control_pb2.Event]:
     return list(c.control.ListEvents(control_pb2.ListEventsRequest(limit=10_000)).events)
 
 
+
+def test_every_member_serves_metrics_standing_by_and_leading(ha):
+    """Prometheus scrapes every member of the control plane: a standby says it stands by, whose epoch it follows
+    and how many sessions are parked at it, and shows no fleet (that is the leader's); after a takeover, the
+    endpoint the new leader served while standing by shows the fleet, its epoch and the failover."""
+    from tests.test_metrics import promtool_check, scraped, value
+    ha.start_controller(metrics=True)
+    ha.start_agent("a")
+    ha.wait_states({"a": "UP"})
+    old, epoch = ha.leader()
+    standbys = [n for n in ha.names if n != old]
+    ha.wait_for(lambda: value(scraped(ha.metrics[old]), "phalanx_nodes", state="UP") == 1, "the leader's fleet")
+    for name in standbys:
+        ha.wait_for(lambda n=name: value(scraped(ha.metrics[n]), "phalanx_controller_parked_sessions") == 1,
+                    f"the agent's session parked at {name}, in its metrics")
+        text = scraped(ha.metrics[name])
+        assert value(text, "phalanx_controller_leader") == 0 and value(text, "phalanx_controller_epoch") == epoch
+        assert value(text, "phalanx_nodes", state="UP") is None and value(text, "phalanx_controller_info") == 1
+        promtool_check(text)
+    leading = scraped(ha.metrics[old])
+    assert value(leading, "phalanx_controller_leader") == 1 and value(leading, "phalanx_controller_epoch") == epoch
+    ha.kill(old)
+    ha.wait_for(lambda: (now := ha.leader()) is not None and now[0] != old, "a new leader")
+    new, new_epoch = ha.leader()
+    ha.wait_for(lambda: value(scraped(ha.metrics[new]), "phalanx_nodes", state="UP") == 1,
+                "the new leader's fleet, on the endpoint it served standing by")
+    text = scraped(ha.metrics[new])
+    assert value(text, "phalanx_controller_leader") == 1 and value(text, "phalanx_controller_epoch") == new_epoch
+    assert value(text, "phalanx_controller_failovers_total") == 1
+    other = next(n for n in standbys if n != new)
+    ha.wait_for(lambda: value(scraped(ha.metrics[other]), "phalanx_controller_epoch") == new_epoch,
+                "the other standby following the new leader's epoch")
+    assert value(scraped(ha.metrics[other]), "phalanx_controller_leader") == 0
+
 def test_a_standby_takes_over_from_a_killed_leader_and_nothing_is_lost(ha_transport):
     ha = ha_transport
     ha.start_controller()

@@ -10,7 +10,7 @@ latency in the registry, recovery duration in the jobs' recovery.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import (
@@ -107,9 +107,7 @@ def _histograms(name: str, doc: str, label: str, by_label: dict[str, Histogram])
 
 def families(s: Snapshot) -> Iterator[Metric]:
     """The metric families of a snapshot (pure: any thread)."""
-    info = InfoMetricFamily("phalanx_controller", "The controller: its version.")
-    info.add_metric([], {"version": __version__})
-    yield info
+    yield _info()
     states = Counter(state for _, state, _ in s.nodes)
     by_state = GaugeMetricFamily("phalanx_nodes", "Nodes by state.", labels=["state"])
     for state in NodeState:
@@ -181,15 +179,29 @@ def families(s: Snapshot) -> Iterator[Metric]:
         commit.add_metric([s.store], *s.store_commit)
         yield commit
     if s.leadership is not None:
-        leading, epoch, won, failovers = s.leadership
-        yield GaugeMetricFamily("phalanx_controller_leader", "1 while this controller leads the control plane "
-                                "(only the leader serves metrics).", value=int(leading))
-        yield GaugeMetricFamily("phalanx_controller_epoch", "The leadership epoch of this controller's term.",
-                                value=epoch)
-        yield CounterMetricFamily("phalanx_controller_terms", "Elections this controller process has won.",
-                                  value=won)
-        yield CounterMetricFamily("phalanx_controller_failovers", "Elections this controller process won from "
-                                  "another leader (takeovers).", value=failovers)
+        yield from leadership_families(*s.leadership)
+
+
+def _info() -> Metric:
+    info = InfoMetricFamily("phalanx_controller", "The controller: its version.")
+    info.add_metric([], {"version": __version__})
+    return info
+
+
+def leadership_families(leading: bool, epoch: int, won: int, failovers: int,
+                        parked: int | None = None) -> Iterator[Metric]:
+    """A member of a control plane on etcd: whether it leads, the epoch, its wins; standing by, the sessions
+    parked at it."""
+    yield GaugeMetricFamily("phalanx_controller_leader", "1 while this controller leads the control plane, 0 while "
+                            "it stands by.", value=int(leading))
+    yield GaugeMetricFamily("phalanx_controller_epoch", "The leadership epoch: of this controller's term while it "
+                            "leads, else of the leader it last saw (0: none seen).", value=epoch)
+    yield CounterMetricFamily("phalanx_controller_terms", "Elections this controller process has won.", value=won)
+    yield CounterMetricFamily("phalanx_controller_failovers", "Elections this controller process won from "
+                              "another leader (takeovers).", value=failovers)
+    if parked is not None:
+        yield GaugeMetricFamily("phalanx_controller_parked_sessions", "Agents' sessions parked at this standby, "
+                                "which it takes up if it is elected (one per agent when all is well).", value=parked)
 
 
 class ControllerCollector:
@@ -212,7 +224,43 @@ class ControllerCollector:
         return families(self._snapshot)
 
 
+class ControlPlaneCollector:
+    """The metrics of a controller on etcd (controller/main.py serve_ha), served from its start, whether it leads
+    or not, so that Prometheus may scrape every member: while it leads (`term` set), its term's
+    ControllerCollector; standing by, its leadership alone (leader 0, the epoch of the leader it last saw, the
+    sessions parked at it). A standby shows no nodes or jobs: those are the leader's, and a standby's would be
+    stale and counted twice."""
+
+    def __init__(self, elector: Elector, parked: Callable[[], int]) -> None:
+        self._elector = elector
+        self._parked = parked
+        self.term: ControllerCollector | None = None
+        self._render: Callable[[], Iterable[Metric]] | None = None
+
+    def snapshot(self) -> None:
+        term = self.term
+        if term is not None:
+            term.snapshot()
+            self._render = term.collect
+            return
+        e = self._elector
+        seen = e.leader.epoch if e.leader is not None else 0
+        standing = (e.leading(), seen, e.terms_won, e.failovers, self._parked())
+        self._render = lambda: [_info(), *leadership_families(*standing)]
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        if self._render is None:  # rendered without a scrape's snapshot (tests): this is the loop's thread
+            self.snapshot()
+        return self._render()
+
+
+def serving(collector: ControllerCollector | ControlPlaneCollector) -> MetricsServer:
+    return MetricsServer(standard_registry(collector), collector.snapshot)
+
+
 def server(registry: Registry, jobs: JobManager, hub: EventHub, store: TimedStore | None = None,
            elector: Elector | None = None) -> MetricsServer:
-    collector = ControllerCollector(registry, jobs, hub, store, elector)
-    return MetricsServer(standard_registry(collector), collector.snapshot)
+    return serving(ControllerCollector(registry, jobs, hub, store, elector))
