@@ -129,7 +129,16 @@ class Gen:
         self.tasks: set[asyncio.Task] = set()
         self.opening: dict[asyncio.Task, asyncio.Future] = {}  # nodes whose first open is under way
         self.errors: list[str] = []
-        self.gc_off = gc_off  # no garbage collections after a grow
+        if gc_off:
+            # No garbage collections in this process. A takeover ends thousands of its sessions at once, and their
+            # objects (calls, tasks, tracebacks: 670,000 at 8,000 nodes) are cycles with long-lived ones, which only
+            # a collection of the older generations frees: one stopped the process for 2.3 s, its nodes'
+            # heartbeats were that late, and the controller rightly found them silent (bench/run.py failover-scale
+            # --kills, from the third kill). In a ramp to 10,000 nodes, the collections made the heartbeats up to
+            # 1.2 s late, and the leader declared 700-6,500 nodes; without them, 57 ms and none. Real agents are a
+            # process each. The garbage stays: "rss_mb" (the peak) shows what it holds, about 14 kB per node per
+            # takeover.
+            gc.disable()
         self.gc_pauses: list[float] = []  # seconds each collection took since the last reset (the loop stands still)
         self._gc_start = 0.0
         gc.callbacks.append(self._gc)
@@ -220,17 +229,9 @@ class Gen:
         self.nodes = max(self.nodes, total)
         if firsts:
             await asyncio.gather(*firsts)
-        if gc.isenabled():
+        if gc.isenabled():  # (--gc-off: none)
             gc.collect()
         gc.freeze()  # the nodes just made live for the rest of the run: keep them out of later collections
-        if self.gc_off:
-            # ... and no collections from here on. A takeover ends thousands of sessions here at once, and their
-            # objects (calls, tasks, tracebacks: 670,000 in one process at 8,000 nodes) are cycles with long-lived
-            # ones, which only a collection of the older generations frees: one stopped this process for 2.3 s, so
-            # its nodes' heartbeats were late and the controller rightly found them silent (bench/run.py
-            # failover-scale --kills, from the third kill). Real agents are a process each. The garbage stays
-            # (its memory: "rss_mb").
-            gc.disable()
         return {"ok": "grown", "nodes": self.nodes, "sessions_open": self.sessions_open,
                 "open_failures": self.open_failures, "seconds": round(time.monotonic() - t0, 3)}
 
@@ -550,8 +551,8 @@ def cli() -> None:
     parser.add_argument("--session-port", type=int, default=0,
                         help="sessions in frames on this port of each controller's host (its session_listen)")
     parser.add_argument("--gc-off", action="store_true",
-                        help="no garbage collections after each grow (failover-scale: a takeover's garbage is "
-                        "hundreds of thousands of objects, and collecting it stops every node in the process)")
+                        help="no garbage collections (failover-scale: a takeover's garbage is hundreds of thousands "
+                        "of objects, and collecting it stops every node in the process for seconds)")
     args = parser.parse_args()
     try:
         import uvloop

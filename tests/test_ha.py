@@ -194,6 +194,7 @@ def test_local_up_ha_a_failover_by_hand(tmp_path):
     import os
     import subprocess
     import sys
+    import time
 
     from phalanx import etcdlocal
     try:
@@ -216,6 +217,28 @@ def test_local_up_ha_a_failover_by_hand(tmp_path):
         leader = listing["leader"]
         assert leader and listing["store"] == "etcd" and len(listing["members"]) == 3
         assert phalanx("local", "stop", "etcd-1").returncode == 0  # one etcd member of three: no effect
+        shown = {p["name"]: p["running"] for p in json.loads(phalanx("local", "status", "--json").stdout)}
+        assert not shown.pop("etcd-1") and all(shown.values()), shown
+        assert phalanx("drain", "node-0", "--reason", "two members of three").returncode == 0
+        assert phalanx("undrain", "node-0").returncode == 0
+        same = json.loads(phalanx("controllers", "--json").stdout)
+        assert (same["leader"], same["epoch"]) == (leader, listing["epoch"])
+        # an agent stopped and started again by hand: `local status` follows it, its node comes back UP
+        def node_0(connected: bool, state: str = "") -> None:
+            deadline = time.monotonic() + 120
+            while True:
+                node = {n["name"]: n for n in json.loads(phalanx("nodes", "--json").stdout)}["node-0"]
+                if node["connected"] == connected and node["state"] == (state or node["state"]):
+                    return
+                assert time.monotonic() < deadline, f"node-0 never {connected=} {state=}: {node}"
+                time.sleep(0.1)
+
+        assert phalanx("local", "stop", "node-0").returncode == 0
+        assert not {p["name"]: p["running"] for p in json.loads(phalanx("local", "status", "--json").stdout)}[
+            "node-0"]
+        node_0(connected=False)
+        assert phalanx("local", "start", "node-0").returncode == 0
+        node_0(connected=True, state="UP")
         stopped = phalanx("local", "stop", leader, "--kill")
         assert stopped.returncode == 0, stopped.stderr
         drained = phalanx("drain", "node-1", "--reason", "after failover")  # reaches whichever leads now
@@ -225,10 +248,15 @@ def test_local_up_ha_a_failover_by_hand(tmp_path):
         nodes = {n["name"]: n["state"] for n in json.loads(phalanx("nodes", "--json").stdout)}
         assert nodes == {"node-0": "UP", "node-1": "DRAINED"}
         assert phalanx("local", "start", leader).returncode == 0
+        assert phalanx("local", "start", "etcd-1").returncode == 0
         events = json.loads(phalanx("events", "--json").stdout)
         assert any(e["kind"] == "controller.leader" and e["fields"].get("previous") == leader for e in events)
+        status = json.loads(phalanx("local", "status", "--json").stdout)
+        assert all(p["running"] for p in status), status  # the processes started by hand are known too
+        pids = [p["pid"] for p in status]
     finally:
         phalanx("local", "down")
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
 def test_etcd_unavailable_nobody_decides_and_the_control_plane_catches_up(tmp_path):
