@@ -27,7 +27,7 @@ import grafana_dashboard  # noqa: E402
 def test_the_alert_rules_pass_promtool_check_and_their_unit_tests():
     check = subprocess.run([PROMTOOL, "check", "rules", "phalanx.rules.yml"], cwd=MONITORING, capture_output=True,
                            text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 9 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 10 rules found" in check.stdout, check.stdout + check.stderr
     tested = subprocess.run([PROMTOOL, "test", "rules", "phalanx.rules.test.yml"], cwd=MONITORING,
                             capture_output=True, text=True, timeout=60)
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -52,7 +52,8 @@ def exported_names() -> set[str]:
         connected=True, node_state=common_pb2.NODE_STATE_UP, sessions=1, heartbeats=1, ranks={"RUNNING": 1},
         on_gpu={0: ("job-1", "0")})
     names: set[str] = set()
-    families = [*controller_metrics.families(controller), *agent_metrics.families(agent),
+    families = [*controller_metrics.families(controller), *controller_metrics.leadership_families(False, 1, 1, 0, 5),
+                *agent_metrics.families(agent),
                 *CertificateExpiry([str(ROOT / "LICENSE")]).collect()]
     for family in families:
         names.add(family.name)
@@ -74,7 +75,7 @@ def queried() -> dict[str, tuple[str, set[str]]]:
 def test_every_metric_the_rules_and_the_dashboard_query_is_exported():
     known = exported_names()
     queries = queried()
-    assert sum(w.startswith("rule ") for w in queries) == 9 and len(queries) > 30
+    assert sum(w.startswith("rule ") for w in queries) == 10 and len(queries) > 30
     unknown = {where: names - known for where, (_, names) in queries.items() if names - known}
     assert not unknown, unknown
     # each queries one of ours, but the scrape's own `up`
