@@ -188,7 +188,8 @@ class _Plane:
         t_park = time.monotonic()
         await _wait(lambda: _parked_at_least(standbys, n), f"{n} sessions parked at each standby", 600)
         parked_s = time.monotonic() - t_park
-        log(f"failover at scale: {n} sessions parked at each standby after {parked_s:.0f} s")
+        parked = await _parked(standbys)
+        log(f"failover at scale: {n} sessions parked at each standby after {parked_s:.0f} s ({parked})")
         whole_s = await _whole(address, n)
         log(f"failover at scale: the fleet whole at the leader (every session open, none declared for "
             f"{QUIET_S:g} s) after {whole_s:.0f} s" if whole_s >= 0 else
@@ -224,7 +225,7 @@ class _Plane:
         phases = _takeover_phases(self.procs.log_path(new_name), killed_at)
         step = {"nodes": n, "all_back_s": round(back_s, 2), "wrongly_suspect_or_down": down,
                 "declared_before_kill": before, "generator_late_max_ms": sending.get("late_max_ms", 0),
-                "parked_s": round(parked_s, 1), "whole_before_kill_s": round(whole_s, 1),
+                "parked_s": round(parked_s, 1), "parked_at_standbys": parked, "whole_before_kill_s": round(whole_s, 1),
                 "state_events_naming_suspect_or_down": named, "naming_sample": sample,
                 "taken_up_total": generated.get("taken_up", 0),
                 # StandingBy messages naming a new leader on parked sessions: none when the winner held
@@ -330,6 +331,18 @@ async def _whole(address: str, n: int) -> float:
         if not declared and await _sessions(address) >= n:
             return time.monotonic() - t0
     return -1.0
+
+
+async def _parked(addresses: list[str]) -> list[int]:
+    """The sessions parked at each standby (-1: it did not answer)."""
+    out = []
+    for address in addresses:
+        try:
+            reply = await _ask(address, lambda s, t: s.ListControllers(control_pb2.ListControllersRequest(), timeout=t))
+            out.append(reply.parked_sessions)
+        except grpc.aio.AioRpcError:
+            out.append(-1)
+    return out
 
 
 async def _parked_at_least(addresses: list[str], n: int) -> bool:

@@ -292,6 +292,7 @@ class KillLoop:
 
         job = self.see.job(trial.job)
         trial.before = job.generation
+        logged = self.event_log()  # every event committed before the kill: none lost, none rewritten after it
         victim = self.fault(trial, job)
         trial.delay_s = self.delay(trial.aim, job.restarts_in_row)  # what the backoff counts
         # Aim: watch the store (what a restart loads) until the job is in the aimed state, then wait the delay.
@@ -318,6 +319,8 @@ class KillLoop:
         self.wait_for(lambda: (j := self.see.job(trial.job)) is not None and state_of(j) == "RUNNING"
                       and j.generation > trial.before, f"{trial.job} running again after trial {trial.number}")
         lap("to-running")
+        after = self.event_log()
+        assert after[:len(logged)] == logged, f"events lost or rewritten by the kill\n{self.why()}"
         job = self.see.job(trial.job)
         trial.after = job.generation
         self.check_generations(trial.job)
@@ -331,6 +334,14 @@ class KillLoop:
             self.repair(victim)
         self.wait_for(self.nodes_sane, "every node back, connected, UP and undrained")
         lap("nodes")
+
+    def event_log(self) -> list[tuple[int, str, str]]:
+        """The whole event log, as the controller serves it: (seq, kind, message)."""
+        out: list[tuple[int, str, str]] = []
+        while page := self.cluster.control.ListEvents(control_pb2.ListEventsRequest(
+                after_seq=out[-1][0] if out else 0, limit=1000), timeout=30).events:
+            out += [(e.seq, e.kind, e.message) for e in page]
+        return out
 
     def fault(self, trial: Trial, job: pb.Job) -> str:
         """Make the job fail; returns the node to repair afterwards ('' for none)."""
