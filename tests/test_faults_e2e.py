@@ -439,6 +439,49 @@ def test_the_leader_killed_during_recoveries_many_times(ha_cluster, tmp_path, re
     kill_loop(ha_cluster, tmp_path, reference, trials, SLOW_STEPS)
 
 
+def test_etcd_unavailable_training_goes_on_and_the_control_plane_catches_up(tmp_path, reference):
+    """The whole store (etcd, one member here) stopped under a running job: the leader stands down and every
+    controller says it cannot decide, while the ranks train on and keep checkpointing; etcd back: a leader is
+    elected, finds the job running in the generation it had (nothing restarted), and the job finishes with the
+    uninterrupted run's model."""
+    from phalanx import etcdlocal
+    try:
+        etcdlocal.etcd_binary()
+    except etcdlocal.EtcdMissing as e:
+        pytest.skip(str(e))
+    members = etcdlocal.plan(tmp_path / "etcd", 1)
+    etcdlocal.start(members[0], members)
+    c = HaCluster(tmp_path, members[0].endpoint)
+    try:
+        etcdlocal.wait_healthy(members)
+        c.start_controller(CONTROLLER)
+        for name in NODES[:3]:
+            c.start_agent(name, gpus=2)
+        c.wait_states(dict.fromkeys(NODES[:3], "UP"))
+        loop = KillLoop(c, tmp_path, reference, 0, SLOW_STEPS)
+        job_id = loop.submit()
+        step = loop.ready(job_id)
+        generation = loop.see.job(job_id).generation
+        _, ckpt, _ = loop.jobs[0]
+        etcdlocal.stop(members[0])
+        loop.wait_for(lambda: c.leader() is None, "no leader while etcd is down")
+        loop.wait_for(lambda: "etcd unavailable" in (((r := c.controllers()) and r.problem) or ""),
+                      "a controller saying it cannot decide")
+        loop.wait_for(lambda: loop.see.latest_checkpoint(ckpt) >= (step + 2 * EVERY, generation),
+                      "the ranks training and checkpointing on with nobody leading")
+        assert loop.see.latest_checkpoint(ckpt)[0] < SLOW_STEPS - 2 * EVERY, "the job nearly ended in the outage"
+        etcdlocal.start(members[0], members)  # the same data directory
+        etcdlocal.wait_healthy(members)
+        loop.wait_for(lambda: c.leader() is not None and loop.see.job(job_id) is not None, "a leader serving")
+        job = loop.see.job(job_id)
+        assert (state_of(job), job.generation) == ("RUNNING", generation), f"{job}\n{c.log(c.leader()[0], 60)}"
+        loop.finish(job_id)
+        assert loop.see.job(job_id).generation == generation  # it ran to its end in the one generation
+    finally:
+        c.close()
+        etcdlocal.stop(members[0])
+
+
 # -- a partitioned agent ------------------------------------------------------------------------------------
 
 

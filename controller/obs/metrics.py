@@ -245,7 +245,8 @@ class ControlPlaneCollector:
             return
         e = self._elector
         seen = e.leader.epoch if e.leader is not None else 0
-        standing = (e.leading(), seen, e.terms_won, e.failovers, self._parked())
+        leading = e.leading()  # (elected, its store still loading: no parked sessions to count, no fleet yet)
+        standing = (leading, seen, e.terms_won, e.failovers, None if leading else self._parked())
         self._render = lambda: [_info(), *leadership_families(*standing)]
 
     def describe(self) -> list[Metric]:
