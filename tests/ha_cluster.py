@@ -4,6 +4,7 @@ that know every controller. The test's own client follows the leader as the CLI 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+import pytest
 from aetcd import rpc
 
 from controller.store.etcd import prefix_end
@@ -182,3 +184,23 @@ class HaCluster(Cluster):
         if name == "controller":  # Cluster's messages name one controller: show every member's tail
             return "\n".join(f"--- {n}\n{super(HaCluster, self).log(n, lines)}" for n in self.names)
         return super().log(name, lines)
+
+
+@contextlib.contextmanager
+def with_own_etcd(root: Path):
+    """An etcd member of the test's own (one it may stop and start: `etcdlocal.stop/start(members[0], members)`)
+    and a control plane on it; skips where etcd is not installed. Yields (cluster, members)."""
+    from phalanx import etcdlocal
+    try:
+        etcdlocal.etcd_binary()
+    except etcdlocal.EtcdMissing as e:
+        pytest.skip(str(e))
+    members = etcdlocal.plan(root / "etcd", 1)
+    etcdlocal.start(members[0], members)
+    c = HaCluster(root, members[0].endpoint)
+    try:
+        etcdlocal.wait_healthy(members)
+        yield c, members
+    finally:
+        c.close()
+        etcdlocal.stop(members[0])

@@ -40,7 +40,7 @@ from phalanx.ports import free_port
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import control_pb2
 from tests.cluster import alive
-from tests.ha_cluster import HaCluster
+from tests.ha_cluster import HaCluster, with_own_etcd
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
 NODES = ["node-a", "node-b", "node-c", "node-d"]
@@ -445,15 +445,7 @@ def test_etcd_unavailable_training_goes_on_and_the_control_plane_catches_up(tmp_
     elected, finds the job running in the generation it had (nothing restarted), and the job finishes with the
     uninterrupted run's model."""
     from phalanx import etcdlocal
-    try:
-        etcdlocal.etcd_binary()
-    except etcdlocal.EtcdMissing as e:
-        pytest.skip(str(e))
-    members = etcdlocal.plan(tmp_path / "etcd", 1)
-    etcdlocal.start(members[0], members)
-    c = HaCluster(tmp_path, members[0].endpoint)
-    try:
-        etcdlocal.wait_healthy(members)
+    with with_own_etcd(tmp_path) as (c, members):
         c.start_controller(CONTROLLER)
         for name in NODES[:3]:
             c.start_agent(name, gpus=2)
@@ -477,9 +469,6 @@ def test_etcd_unavailable_training_goes_on_and_the_control_plane_catches_up(tmp_
         assert (state_of(job), job.generation) == ("RUNNING", generation), f"{job}\n{c.log(c.leader()[0], 60)}"
         loop.finish(job_id)
         assert loop.see.job(job_id).generation == generation  # it ran to its end in the one generation
-    finally:
-        c.close()
-        etcdlocal.stop(members[0])
 
 
 # -- a partitioned agent ------------------------------------------------------------------------------------

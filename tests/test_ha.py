@@ -10,7 +10,7 @@ import pytest
 
 from phalanx import framed
 from phalanx.v1 import control_pb2
-from tests.ha_cluster import HaCluster
+from tests.ha_cluster import HaCluster, with_own_etcd
 
 
 @pytest.fixture
@@ -269,15 +269,7 @@ def test_etcd_unavailable_nobody_decides_and_the_control_plane_catches_up(tmp_pa
     """etcd (one member here) stopped: the leader stands down, every controller says it cannot decide; etcd
     back: a leader is elected, the node is still UP, the drain made before is still there."""
     from phalanx import etcdlocal
-    try:
-        etcdlocal.etcd_binary()
-    except etcdlocal.EtcdMissing as e:
-        pytest.skip(str(e))
-    members = etcdlocal.plan(tmp_path / "etcd", 1)
-    etcdlocal.start(members[0], members)
-    c = HaCluster(tmp_path, members[0].endpoint)
-    try:
-        etcdlocal.wait_healthy(members)
+    with with_own_etcd(tmp_path) as (c, members):
         c.start_controller()
         c.start_agent("a")
         c.start_agent("b")
@@ -294,9 +286,6 @@ def test_etcd_unavailable_nobody_decides_and_the_control_plane_catches_up(tmp_pa
         c.wait_states({"a": "UP", "b": "DRAINED"})
         assert c.node("b").drain_reason == "kept"
         c.wait_for(lambda: c.control.GetStats(control_pb2.GetStatsRequest()).sessions == 2, "both agents back")
-    finally:
-        c.close()
-        etcdlocal.stop(members[0])
 
 
 def test_a_leader_cut_off_by_a_real_partition_is_replaced_and_fenced(tmp_path):
