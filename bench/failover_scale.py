@@ -346,14 +346,7 @@ async def _parked(addresses: list[str]) -> list[int]:
 
 
 async def _parked_at_least(addresses: list[str], n: int) -> bool:
-    for address in addresses:
-        try:
-            reply = await _ask(address, lambda s, t: s.ListControllers(control_pb2.ListControllersRequest(), timeout=t))
-        except grpc.aio.AioRpcError:
-            return False
-        if reply.parked_sessions < n:
-            return False
-    return True
+    return all(parked >= n for parked in await _parked(addresses))
 
 
 async def _sessions_at_least(address: str, n: int) -> bool:

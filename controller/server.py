@@ -146,7 +146,8 @@ class Controller:
         self.session_port: SessionPort | None = None  # a lone controller's own; on a board, main.py's
         self._load_security()
         self.collector = metrics.ControllerCollector(self.registry, self.jobs, self.hub, store, elector)
-        self.metrics = metrics.serving(self.collector)  # on a board, main.py serves the collector for the process
+        # a lone controller serves its own /metrics; on a board, main.py serves the collector for the process
+        self.metrics = metrics.serving(self.collector) if board is None else None
 
     async def start(self, grace_s: float = 0.0) -> int:
         """Load state, bind, serve, start the loops. Returns the bound port. `grace_s`: added to every node's
@@ -156,7 +157,7 @@ class Controller:
         await self.credentials.load()
         if self.elector is not None and self.elector.term is not None:
             await self._log_takeover()
-        if self.cfg.metrics_listen and self.board is None:
+        if self.cfg.metrics_listen and self.metrics is not None:
             await serve_metrics(self.metrics, self.cfg)
         interceptors = self._interceptors()
         server: grpc.aio.Server | Methods = (Methods() if self.board is not None else
@@ -300,7 +301,8 @@ class Controller:
             await self.session_port.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
-        await self.metrics.close()
+        if self.metrics is not None:
+            await self.metrics.close()
         await self.store.close()
         logger.info("controller stopped")
 
