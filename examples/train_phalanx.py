@@ -27,6 +27,11 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :4].sum(dim=1, keepdim=True).repeat(1, 4)
 
 
+def checksum(model: torch.nn.Module) -> str:
+    """The model's parameters' sha256: two runs that trained the same steps on the same data agree on it."""
+    return hashlib.sha256(repr([p.detach().tolist() for p in model.parameters()]).encode()).hexdigest()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
@@ -42,6 +47,8 @@ def main() -> int:
     parser.add_argument("--state-mb", type=int, default=0, help="carry this many MB of untrained state per rank "
                         "in every checkpoint and snapshot (for benchmarks: the cost of saving a large model)")
     parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
+    parser.add_argument("--digests", default="", help="rank 0 appends 'STEPS DIGEST' here after every step: the "
+                        "model's checksum after each number of steps trained (tests' reference of uninterrupted runs)")
     parser.add_argument("--out-steps", default="", help="rank 0 writes the number of steps the model was trained "
                         "for here (what an uninterrupted run needs as --steps to end with the same model)")
     parser.add_argument("--print-every", type=int, default=10, help="rank 0 prints the loss every N steps")
@@ -80,6 +87,7 @@ def train(args: argparse.Namespace) -> int:
     steps = args.steps
     if loaded is not None and args.steps_after_resume:
         steps = min(steps, first + args.steps_after_resume)  # every rank resumed from the same step: same end
+    digests = open(args.digests, "a") if ctx.rank == 0 and args.digests else None  # noqa: SIM115 - closed below
     for step in range(first, steps):
         if step == args.hang_at and ctx.rank == 1 and not os.path.exists(marker := os.path.join(
                 ctx.checkpoint_dir, f"hung-at-{step}")):
@@ -107,7 +115,11 @@ def train(args: argparse.Namespace) -> int:
             print(f"rank {ctx.rank}: checkpointed step {step}", flush=True)
         if ctx.rank == 0 and step % args.print_every == 0:
             print(f"step {step} loss {loss.item():.4f} at {time.time():.3f}", flush=True)
-    digest = hashlib.sha256(repr([p.detach().tolist() for p in model.parameters()]).encode()).hexdigest()
+        if digests is not None:
+            digests.write(f"{step + 1} {checksum(model)}\n")
+    if digests is not None:
+        digests.close()
+    digest = checksum(model)
     if ctx.rank == 0 and args.out:
         with open(args.out, "w") as f:
             f.write(digest + "\n")

@@ -17,14 +17,13 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from phalanx.cli import render
 from phalanx.cli.local import free_port
 from phalanx.cli.render import state_name
 from phalanx.pki import issue
 from phalanx.tls import channel_credentials
 from phalanx.v1 import control_pb2, control_pb2_grpc
-
-TIMEOUT_S = 60.0  # generous: CI machines are shared and slow; tests never assert on these timings
-
+from tests.eventually import TIMEOUT_S, eventually
 
 
 def alive(pid: int) -> bool:
@@ -105,8 +104,14 @@ class Cluster:
             return False
 
     def start_agent(self, name: str, gpus: int = 2, extra: str = "", metrics: bool = False) -> subprocess.Popen:
-        """`extra`: top-level keys, then any sections of its own (not [gpu] or [reconnect])."""
+        """`extra`: top-level keys, then any sections of its own (not [gpu] or [reconnect]).
+
+        Warm standbys are off unless `extra` sets `warm_start`: each imports torch ahead for every rank a node may
+        run, and on a test machine every "node" shares the same cores (and the suite runs in parallel), so they
+        would cost every test that is not about them seconds of CPU. Tests about warm starts set it."""
         node = self.root / name
+        if "warm_start" not in extra:
+            extra = f"warm_start = false\n{extra}"
         return self._spawn(name, "agent.main", self._metrics_listen(name, metrics) + (
             f'node_name = "{name}"\ncontroller = "{self.address}"\nstate_dir = "{node / "state"}"\n'
             f'checkpoint_dir = "{node / "ckpt"}"\nsnapshot_dir = "{node / "snapshots"}"\n'
@@ -142,6 +147,28 @@ class Cluster:
         return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
                               timeout=timeout, env=env)
 
+    # What `phalanx job --json`, `events --json` and `logs` print, read over this client's own channel: a wait loop
+    # polls these, and a CLI process per poll (0.25 s of CPU to start) costs more than what it waits for.
+    def job(self, job_id: str) -> dict:
+        return render.job_dict(self.control.GetJob(control_pb2.GetJobRequest(id=job_id), timeout=10))
+
+    def events(self, job: str = "", node: str = "", limit: int = 1000) -> list[dict]:
+        """The newest `limit` events (of `job`, of `node`), oldest first, as `phalanx events --json`."""
+        reply = self.control.ListEvents(control_pb2.ListEventsRequest(job=job, node=node, limit=limit, newest=True),
+                                        timeout=10)
+        return [render.event_dict(e) for e in reply.events]
+
+    def logs(self, job_id: str, rank: int = 0) -> str:
+        """Rank `rank`'s log so far, as `phalanx logs JOB --rank RANK`."""
+        data, offset = bytearray(), 0
+        while True:
+            chunk = self.control.ReadLogs(control_pb2.ReadLogsRequest(job=job_id, rank=rank, offset=offset),
+                                          timeout=10)
+            data += chunk.data
+            offset = chunk.next_offset
+            if offset >= chunk.size:
+                return data.decode(errors="replace")
+
     def states(self) -> dict[str, str]:
         try:
             reply = self.control.ListNodes(control_pb2.ListNodesRequest(), timeout=5)
@@ -163,17 +190,14 @@ class Cluster:
         self.wait_for(lambda: all(self.node(n).connected for n in names), f"the sessions of {', '.join(names)}")
 
     def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            for name, proc in self.procs.items():
-                if name == "controller" and proc.poll() is not None:
-                    raise AssertionError(f"controller exited ({proc.returncode}) while waiting for {what}:\n"
-                                         f"{self.log('controller')}")
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; nodes: {self.states()}\n"
-                             f"controller log:\n{self.log('controller')}")
+        eventually(predicate, what, timeout, describe=lambda: f"nodes: {self.states()}\ncontroller log:\n"
+                   f"{self.log('controller')}", abort=self._controller_exited)
+
+    def _controller_exited(self) -> str | None:
+        proc = self.procs.get("controller")
+        if proc is None or proc.poll() is None:
+            return None
+        return f"controller exited ({proc.returncode}):\n{self.log('controller')}"
 
     def log(self, name: str, lines: int = 20) -> str:
         path = self.root / f"{name}.log"

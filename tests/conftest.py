@@ -1,15 +1,49 @@
+import atexit
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.cluster import Cluster
 
+# The test pyramid. Every test has one tier, the heaviest thing it needs: its module's mark (`pytestmark`), or a
+# heavier one its fixtures bring (FIXTURE_TIERS). `pytest --tier inproc` (or `--tier procs,etcd`) runs those alone.
+TIERS = ("inproc", "procs", "etcd", "netns", "slurm")  # lightest first
+FIXTURE_TIERS = {"cluster": "procs", "etcd_server": "etcd", "ha_cluster": "etcd"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", default="", help=f"run only the tests of these tiers (comma-separated: "
+                     f"{', '.join(TIERS)}): in one process; real processes on loopback; with a real etcd; in network "
+                     "namespaces (root); with a real Slurm cluster")
+
+
+def tier_of(item) -> str | None:
+    named = {m.name for m in item.iter_markers() if m.name in TIERS}
+    named |= {FIXTURE_TIERS[f] for f in getattr(item, "fixturenames", ()) if f in FIXTURE_TIERS}
+    return max(named, key=TIERS.index) if named else None
+
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` run only when asked for: `-m slow` (or any -m naming it), or PHALANX_SLOW=1."""
+    """Every test must have a tier (a test module without one is an error that says so); `--tier` keeps only the
+    tiers asked for. Tests marked `slow` run only when asked for: `-m slow` (or any -m naming it), or
+    PHALANX_SLOW=1."""
+    untiered = sorted({item.nodeid.split("::")[0] for item in items if tier_of(item) is None})
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier: {', '.join(untiered)}; give each module a "
+                                f"`pytestmark = pytest.mark.TIER`, TIER one of {', '.join(TIERS)} (tests/conftest.py)")
+    if wanted := {t.strip() for t in config.getoption("tier").split(",") if t.strip()}:
+        if unknown := wanted - set(TIERS):
+            raise pytest.UsageError(f"--tier {', '.join(sorted(unknown))}: no such tier; the tiers: {', '.join(TIERS)}")
+        other = [item for item in items if tier_of(item) not in wanted]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if tier_of(item) in wanted]
     if os.environ.get("PHALANX_SLOW") == "1" or "slow" in (config.getoption("markexpr") or ""):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
@@ -19,13 +53,42 @@ def pytest_collection_modifyitems(config, items):
 
 
 EXIT_HANG_S = 60.0
+_exit_status = [0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """A short base temporary directory: the agent's unix sockets live under a test's tmp_path, and a socket's path
+    is limited to 107 bytes; pytest's own (/tmp/pytest-of-USER/pytest-N) under xdist's popen-gwN/ leaves too
+    little for a long test name (`Failed to bind to address unix://...`, seen). /tmp/phx-UID/N/gwK instead: the
+    same numbering and the same keeping of the last three runs as pytest's."""
+    if config.option.basetemp is not None:
+        worker = getattr(config, "workerinput", None)
+        if worker is not None:  # xdist's "<base>/popen-gwK": "<base>/gwK"
+            base = Path(config.option.basetemp)
+            if base.name.startswith("popen-"):
+                config.option.basetemp = str(base.with_name(base.name.removeprefix("popen-")))
+        return
+    from _pytest.pathlib import LOCK_TIMEOUT, make_numbered_dir_with_cleanup  # pytest's own, as its tmpdir uses it
+    root = Path(tempfile.gettempdir()) / f"phx-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    config.option.basetemp = str(make_numbered_dir_with_cleanup(prefix="", root=root, keep=3, mode=0o700,
+                                                                lock_timeout=LOCK_TIMEOUT, register=atexit.register))
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _exit_status[0] = int(exitstatus)
+
+
+def pytest_unconfigure(config):
     """A gRPC aio server or channel a failed test left behind can hang the interpreter's exit for good (seen on
-    CI: the suite's summary printed, then nothing until the job's time ran out). Past EXIT_HANG_S the process
-    says so and exits with the suite's own status, so a hang costs a minute, not the CI run."""
-    status = int(exitstatus)
+    CI: the suite's summary printed, then nothing until the job's time ran out). Past EXIT_HANG_S after pytest's
+    own end (its summary printed) the process says so and exits with the suite's own status, so a hang costs a
+    minute, not the CI run. Under xdist, in the controlling process only: a worker that is done idles until the
+    last one is, and xdist ends the workers itself."""
+    if hasattr(config, "workerinput"):
+        return
+    status = _exit_status[0]
 
     def watchdog() -> None:
         time.sleep(EXIT_HANG_S)
@@ -59,3 +122,50 @@ def etcd_server(tmp_path_factory):
         yield members[0]
     finally:
         etcdlocal.stop(members[0])
+
+
+TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """`reference(steps)`: the checksum of examples/train_phalanx.py's model trained `steps` steps uninterrupted, as 2
+    ranks on loopback (torch's own launch). One run gives every step count's (--digests), and the table is shared
+    by the whole run (xdist's workers included: a file under the run's base directory, made under a lock), so the
+    reference model is trained once per run, not once per test or module; longer when a test needs more steps."""
+    import fcntl
+
+    from phalanx.ports import free_port
+    base = tmp_path_factory.getbasetemp()
+    if base.name.startswith("gw"):  # an xdist worker's: the run's is its parent
+        base = base.parent
+    table_path, known = base / "reference-digests.txt", {}
+
+    def load() -> dict[int, str]:
+        if not table_path.exists():
+            return {}
+        return {int(n): d for n, d in (line.split() for line in table_path.read_text().splitlines())}
+
+    def train(steps: int) -> None:
+        scratch = tmp_path_factory.mktemp("reference")
+        digests, port = scratch / "digests.txt", free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+        procs = [subprocess.Popen([sys.executable, TRAIN, "--steps", str(steps), "--digests", str(digests)],
+                                  env={**env, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(port)}, cwd=scratch, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE) for rank in range(2)]
+        for p in procs:
+            assert p.wait(timeout=600) == 0, p.stderr.read()
+        os.replace(digests, table_path)  # whole, or not there
+
+    def at(steps: int) -> str:
+        if steps not in known:
+            with open(base / "reference.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                known.update(load())
+                if steps not in known:
+                    train(max(steps, 2 * max(known, default=200)))
+                    known.update(load())
+        return known[steps]
+
+    return at

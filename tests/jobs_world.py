@@ -23,6 +23,7 @@ from controller.obs.events import EventHub
 from controller.store.memory import MemoryStore
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, node_pb2
+from tests.eventually import eventually_async
 
 pb = common_pb2
 BEAT_S = 0.01  # real seconds between a fake agent's heartbeats
@@ -116,12 +117,7 @@ class World:
         return job.id
 
     async def until(self, predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not predicate():
-            if loop.time() > deadline:
-                raise AssertionError(f"timed out waiting for {what}; job: {self._describe()}")
-            await asyncio.sleep(0.01)
+        await eventually_async(predicate, what, timeout, describe=lambda: f"job: {self._describe()}")
 
     def _describe(self) -> str:
         try:

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from tests.eventually import eventually
+
 _serial = itertools.count(1)
 
 # Job states past which a job never changes again (scontrol's JobState names).
@@ -440,16 +442,15 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def _wait(self, cond: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
         """Poll `cond` until true; past `timeout` seconds a TimeoutError saying `what()` with the logs' tails."""
-        deadline = time.monotonic() + timeout
-        delay = 0.05
-        while not cond():
+        def exited() -> str | None:
             for name, p in self._slurmd.items():
                 if p.poll() is not None:
                     raise SlurmError(f"{name}'s slurmd exited {p.returncode}: {self._tails()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what()} within {timeout:.0f} s\n{self._tails()}")
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
+            return None
+        try:
+            eventually(cond, "Slurm", timeout, interval=0.1, abort=exited)
+        except AssertionError:
+            raise TimeoutError(f"{what()} within {timeout:.0f} s\n{self._tails()}") from None
 
     def _tails(self, lines: int = 15) -> str:
         out = []

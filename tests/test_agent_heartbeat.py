@@ -20,6 +20,8 @@ from phalanx import faults
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 def run(test):
     """Each test is a coroutine run on a fresh event loop."""

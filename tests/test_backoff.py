@@ -1,6 +1,10 @@
 import random
 
+import pytest
+
 from agent.backoff import Backoff
+
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
 
 
 def test_delays_grow_jittered_within_bounds_and_reset():

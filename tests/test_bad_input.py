@@ -10,6 +10,8 @@ from controller.nodes.session import COMMAND_TIMEOUT_S
 from phalanx.rpc import MAX_REQUEST_BYTES, MAX_TRANSPORT_BYTES
 from phalanx.v1 import common_pb2, control_pb2, node_pb2, node_pb2_grpc
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -12,6 +12,8 @@ import pytest
 from agent.cgroups import CgroupError, Cgroups
 from phalanx.v1 import common_pb2
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 CGROUP_FS = Path("/sys/fs/cgroup")
 needs_cgroups = pytest.mark.skipif(
     os.geteuid() != 0 or not Cgroups(str(CGROUP_FS), f"phalanx-probe-{os.getpid()}").enabled,

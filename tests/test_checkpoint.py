@@ -27,6 +27,8 @@ from trainlib.checkpoint import (
     snapshot_to_cpu,
 )
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 VICTIM = Path(__file__).with_name("ckpt_victim.py")
 REPO = Path(__file__).resolve().parent.parent
 

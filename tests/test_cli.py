@@ -13,6 +13,9 @@ import pytest
 
 from phalanx.cli import local
 from tests.cluster import alive
+from tests.eventually import eventually
+
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 
 def phalanx(*args, env=None, timeout=120):
@@ -90,9 +93,11 @@ def test_local_cluster_lifecycle(home):
 
     # --follow prints what is there, then what happens next, one JSON object per line
     follow = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "events", "--follow", "--json", "--after",
-                               str(events[-1]["seq"])], stdout=subprocess.PIPE, text=True, env=home)
+                               str(events[-1]["seq"] - 1)], stdout=subprocess.PIPE, text=True, env=home)
     try:
-        time.sleep(1.0)  # (most likely following by now; if not, --after replays the drain: the same lines)
+        # what is there first (the last event before), then it follows (a drain before it does is replayed by
+        # --after all the same: the same lines)
+        assert json.loads(follow.stdout.readline())["seq"] == events[-1]["seq"]
         assert phalanx("drain", "node-2", "--reason", "follow me", env=home).returncode == 0
         # (--after replays what came meanwhile; other events, say a node SUSPECT on a busy machine, may come first)
         line = next(e for e in map(json.loads, follow.stdout) if e["kind"] == "node.drain")
@@ -206,10 +211,7 @@ def test_local_status_and_down_find_a_controller_restarted_by_hand(home, tmp_pat
 
 
 def wait_until(predicate, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    eventually(predicate, what, timeout)
 
 
 def test_local_up_with_the_session_port(home):

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from phalanx import hostlist
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 NODES = [f"gpu{i:03d}" for i in (1, 2, 3, 4)]
 
 

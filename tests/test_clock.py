@@ -6,6 +6,8 @@ import pytest
 
 from phalanx.clock import FakeClock, RealClock, wait_for
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 def run(test):
     """Each test is a coroutine run on a fresh event loop."""

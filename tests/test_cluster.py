@@ -4,7 +4,11 @@ import os
 import signal
 import time
 
+import pytest
+
 from phalanx.v1 import control_pb2
+
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 NODES = ["node-a", "node-b", "node-c"]
 

@@ -17,6 +17,8 @@ from controller.jobs.topology import (
     merged,
 )
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 SLURM_GUIDE = """\
 # topology.conf
 # Switch Configuration

@@ -10,6 +10,8 @@ from controller import config as controller_config
 from phalanx.config import default_toml
 from phalanx.errors import ConfigError
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 
 def write(tmp_path, text):
     path = tmp_path / "c.toml"

@@ -4,6 +4,10 @@ step past the end of the run, the job simply finished) must fail the demo, namin
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 spec = importlib.util.spec_from_file_location("demo", Path(__file__).resolve().parent.parent / "examples" / "demo.py")
 demo = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(demo)

@@ -16,6 +16,8 @@ from phalanx.ports import free_port
 from phalanx.v1 import control_pb2
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 
 @pytest.fixture
 def enrolling(tmp_path):

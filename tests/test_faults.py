@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 from agent.collectors.sim import SimBackend
 from phalanx import faults
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 @pytest.mark.parametrize("text,message", [
     # a rate of infinity (or one that reaches it) left the simulated GPU unable to report: the agent's

@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import sqlite3
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -36,11 +35,12 @@ import grpc
 import psutil
 import pytest
 
-from phalanx.ports import free_port
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import control_pb2
 from tests.cluster import alive
 from tests.ha_cluster import HaCluster, with_own_etcd
+
+pytestmark = pytest.mark.netns  # the tier (tests/conftest.py)
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
 NODES = ["node-a", "node-b", "node-c", "node-d"]
@@ -62,30 +62,6 @@ SLOW_STEPS = 1500
 
 def state_of(job: pb.Job) -> str:
     return pb.JobState.Name(job.state).removeprefix("JOB_STATE_")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The checksum of the training run uninterrupted, as 2 ranks on loopback (torch's own launch), by steps."""
-    done: dict[int, str] = {}
-
-    def get(steps: int) -> str:
-        if steps not in done:
-            out = tmp_path_factory.mktemp("reference") / "checksum.txt"
-            port = free_port()
-            procs = []
-            for rank in range(2):
-                env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-                env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                procs.append(subprocess.Popen([sys.executable, TRAIN, "--steps", str(steps), "--out", str(out)],
-                                              env=env, cwd=out.parent, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.PIPE))
-            for p in procs:
-                assert p.wait(timeout=WAIT_S) == 0, p.stderr.read()
-            done[steps] = out.read_text().strip()
-        return done[steps]
-
-    return get
 
 
 # -- reading the cluster from outside: the store, the agents' files, the processes ----------------------

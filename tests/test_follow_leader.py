@@ -24,6 +24,8 @@ from phalanx.ports import free_port
 from phalanx.v1 import control_pb2, control_pb2_grpc
 from tests.cluster import TIMEOUT_S, Cluster
 
+pytestmark = pytest.mark.etcd  # the tier (tests/conftest.py)
+
 LIST_CONTROLLERS = "/phalanx.v1.ControlService/ListControllers"
 
 

@@ -8,6 +8,8 @@ from agent.collectors.sim import SimBackend
 from phalanx.v1 import common_pb2
 from tests.fake_pynvml import FakeNvml
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 def test_nvml_reads_identity_and_telemetry():
     backend = NvmlBackend(FakeNvml(count=2))

@@ -12,6 +12,8 @@ from phalanx import framed
 from phalanx.v1 import control_pb2
 from tests.ha_cluster import HaCluster, with_own_etcd
 
+pytestmark = pytest.mark.netns  # the tier (tests/conftest.py)
+
 
 @pytest.fixture
 def ha(tmp_path, etcd_server):

@@ -3,9 +3,12 @@
 import json
 
 import grpc
+import pytest
 
 from phalanx.nvhcd import nvhcd_pb2, nvhcd_pb2_grpc
 from phalanx.v1 import common_pb2, control_pb2
+
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 
 def phalanx(cluster, *args):

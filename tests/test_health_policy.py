@@ -6,6 +6,8 @@ from controller.config import HealthConfig
 from controller.nodes.health import DEGRADED, FAILED, FAILING, HEALTHY, GpuHistory, evaluate_gpu, evaluate_node
 from phalanx.v1 import common_pb2
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 CFG = HealthConfig()
 
 

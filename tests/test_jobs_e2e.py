@@ -1,15 +1,15 @@
 """Gang jobs on a real 4-node local cluster, with real torch (gloo, CPU) ranks."""
 
-import json
 import signal
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.cluster import alive
+
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_gloo.py")
 NODES = ["node-a", "node-b", "node-c", "node-d"]
@@ -20,7 +20,8 @@ def phalanx(cluster, *args, timeout=180):
 
 
 def job(cluster, job_id):
-    return json.loads(phalanx(cluster, "job", job_id, "--json").stdout)
+    """What `phalanx job JOB --json` says, over gRPC: the waits poll it (the CLI's own is tested in test_cli)."""
+    return cluster.job(job_id)
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ def test_an_agent_restart_leaves_ranks_running_and_readopts_them(four):
     j = job(four, job_id)
     node, pid = j["ranks"][0]["node"], j["ranks"][0]["pid"]
     four.kill(node, signal.SIGKILL)  # the agent dies; its ranks live in sessions of their own
-    time.sleep(1.0)
+    four.wait_for(lambda: not four.node(node).connected, "the controller to see the agent's session end")
     assert psutil.pid_exists(pid)
     four.start_agent(node, gpus=2)
     four.wait_for(lambda: four.node(node).connected and four.node(node).running_ranks == 1, "ranks re-adopted")

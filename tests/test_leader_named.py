@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from agent.backoff import Backoff
 from agent.link import Link
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
+
+pytestmark = pytest.mark.etcd  # the tier (tests/conftest.py)
 
 TAKEOVER_S = 3600.0  # what the standby promises: far longer than any test waits
 

@@ -11,6 +11,8 @@ import pytest
 from controller import ha
 from controller.ha import Elector, leader_gone
 
+pytestmark = pytest.mark.etcd  # the tier (tests/conftest.py)
+
 
 class Listener:
     """A port that accepts connections and keeps them, like a controller's; `die()` closes it all at once."""

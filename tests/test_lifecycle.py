@@ -28,6 +28,8 @@ from controller.recovery.detectors import NodeView
 from controller.recovery.progress import RankTrack
 from phalanx.v1 import common_pb2 as pb
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 START = 1_700_000_000.0
 STEP_S = 0.1  # a training step
 REPORT_S = 0.5  # trainlib reports twice a second

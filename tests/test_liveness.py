@@ -15,6 +15,8 @@ from controller.store.memory import MemoryStore
 from phalanx.clock import FakeClock
 from phalanx.v1 import common_pb2, node_pb2
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 POLICY = LivenessConfig()  # 1 s heartbeats, SUSPECT after 2 s, DOWN after 3 s
 
 

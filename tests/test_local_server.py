@@ -15,6 +15,8 @@ from agent import local_server
 from agent.local_server import LocalService, LocalState
 from phalanx.v1 import local_pb2, node_pb2
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 
 def report(service, job, generation, rank, *steps):
     request = local_pb2.ReportRequest(job=job, generation=generation, rank=rank,

@@ -11,6 +11,8 @@ import structlog
 
 from phalanx import log
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def _reset():

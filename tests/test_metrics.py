@@ -32,6 +32,8 @@ from phalanx.clock import FakeClock
 from phalanx.errors import ConfigError
 from phalanx.v1 import common_pb2, node_pb2
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian package "
                                     "`prometheus`; tools/install-system-deps installs it)")

@@ -16,6 +16,8 @@ from controller.obs import metrics as controller_metrics
 from phalanx.metrics_http import CertificateExpiry
 from phalanx.v1 import common_pb2
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "monitoring"
 PROMTOOL = shutil.which("promtool")

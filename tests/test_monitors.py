@@ -9,6 +9,8 @@ from controller.config import RecoveryConfig
 from controller.recovery.lifecycle import REQUEST_LATENCY_S, checkpoint_step
 from controller.recovery.progress import WARMUP_STEPS, RankTrack, hung, stragglers
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 CFG = RecoveryConfig()
 
 

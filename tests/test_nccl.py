@@ -25,6 +25,8 @@ from agent.collectors.nccl import DumpParseError, FlightRecorderWatcher, culprit
 from phalanx.v1 import common_pb2
 from tests import fr_dumps
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 T0 = fr_dumps.BASE_NS + 10**9  # file mtimes in watcher tests: virtual time, set with os.utime
 SETTLED = T0 + 2 * nccl.SETTLE_NS

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Pure decisions: state and `now` in, actions out.

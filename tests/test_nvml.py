@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import record_nvml_fixture  # noqa: E402
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 FIXTURES = sorted((ROOT / "tests" / "fixtures").glob("nvml_*.json"))
 OPTIONAL = [f.name for f in common_pb2.GpuTelemetry.DESCRIPTOR.fields if f.has_presence]
 

@@ -22,6 +22,8 @@ from controller.jobs.topology import ClusterTopology
 from controller.nodes.health import Health
 from controller.nodes.states import NodeState
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 # --- builders ---------------------------------------------------------------------------------------
 
 

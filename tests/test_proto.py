@@ -6,11 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import genproto  # noqa: E402
+
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 
 def test_committed_stubs_are_fresh():

@@ -25,6 +25,8 @@ from phalanx.v1 import common_pb2, local_pb2, node_pb2
 from tests.cluster import alive
 from tests.grpc_busy import busy_grpc
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 ROOT = str(Path(__file__).resolve().parent.parent)
 # The wrapper's own main(), with a Popen that is hit by a SIGTERM as it returns: the agent's stop landing
 # while the rank is being started. The rank's pid goes to a file, so the test can look for it.

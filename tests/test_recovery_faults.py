@@ -19,6 +19,8 @@ from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import node_pb2
 from tests.jobs_world import World
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 NODES = ("node-a", "node-b", "node-c")
 FAST = RecoveryConfig(restart_backoff_s=0.001, max_restarts=10)
 
@@ -91,7 +93,10 @@ async def _kill_during(world: World, target: str, how: str) -> None:
         agent.hold.clear()
         agent.mute.clear()
     await world.start()
-    await asyncio.sleep(0.2)  # the restarted controller's first stops find nobody: the agents come back later
+    # the agents come back later: the restarted controller's first stops find nobody. "Later" on the world's own
+    # clock, which turns only as the controller's loops do (tests/jobs_world.py), not on a busy machine's
+    restarted = world.clock.monotonic()
+    await world.until(lambda: world.clock.monotonic() >= restarted + 0.2, "the restarted controller's first turns")
     for agent in world.agents.values():
         await agent.connect()
     await check_consistent(world, job_id, before)

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
+
 from phalanx.v1 import control_pb2
+
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 
 def reload_lines(cluster) -> list[dict]:

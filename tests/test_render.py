@@ -2,8 +2,12 @@
 
 import time
 
+import pytest
+
 from phalanx.cli.render import job_dict, job_text, seconds_in_state
 from phalanx.v1 import common_pb2
+
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
 
 
 def a_job() -> common_pb2.Job:

@@ -25,6 +25,8 @@ from controller.rendezvous.book import (
 )
 from phalanx.clock import FakeClock
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 RUN = "job"
 TWO = Settings(min_nodes=2, max_nodes=2, last_call_s=2.0)
 

@@ -27,6 +27,8 @@ from phalanx.ports import free_port
 from phalanx.v1 import control_pb2, control_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.cluster import TIMEOUT_S, Cluster
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 TOKEN = "0123456789abcdef0123456789abcdef"
 
 

@@ -20,6 +20,8 @@ from phalanx.request_guard import RequestGuard
 from phalanx.v1 import node_pb2
 from tests.cluster import TIMEOUT_S, Cluster
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def ca(tmp_path_factory):

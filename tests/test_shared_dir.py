@@ -13,6 +13,8 @@ from tests.fake_agent import serving
 from trainlib import shared_dir
 from trainlib._runtime import FATAL_EXIT_CODE
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 
 class VirtualTime:
     def __init__(self) -> None:

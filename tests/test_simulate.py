@@ -11,6 +11,8 @@ from controller.sim import replay, report
 from controller.sim import scenario as sc
 from phalanx.errors import ConfigError
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 
 def scenario(**overrides):
     return sc.build(sc.with_overrides({}, overrides))

@@ -7,14 +7,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import remove_cgroups
+from tests.eventually import eventually
 from tests.slurm_cluster import TERMINAL, SlurmCluster, available
-from tests.test_recovery_e2e import CONTROLLER, STEPS, TRAIN, reference  # noqa: F401  (reference: a fixture)
+from tests.test_recovery_e2e import CONTROLLER, TRAIN, trained_as, until_resumed
+
+pytestmark = pytest.mark.slurm  # the tier (tests/conftest.py)
 
 needs_slurm = pytest.mark.skipif(bool(available()), reason=available() or "Slurm can run here")
 PORT = 7370  # the hub namespace is the test's own: nothing else listens there
@@ -50,6 +52,7 @@ class Fleet:
             f'node_name = "{node}"\ncontroller = "{self.address}"\nadvertise_address = "{self.sc.ip(node)}"\n'
             f'state_dir = "{d / "state"}"\ncheckpoint_dir = "{d / "ckpt"}"\nsnapshot_dir = "{d / "snapshots"}"\n'
             f'nvrx_socket = "{d / "nvhcd.sock"}"\ncgroup_parent = "{self.cgroup_parent}"\nlog_format = "console"\n'
+            'warm_start = false\n'  # warm standbys: tests/cluster.py start_agent
             '[gpu]\nbackend = "sim"\nsim_count = 2\n[reconnect]\nmax_backoff_s = 1.0\n[security]\ninsecure = true\n')
         self.logs[node] = d / "agent.log"
         self.sc.popen_in(node, [sys.executable, "-m", "agent.main", "--config", str(self.agent_config(node))],
@@ -69,14 +72,8 @@ class Fleet:
         return {n["name"]: n for n in json.loads(out.stdout)} if out.returncode == 0 else {}
 
     def wait_for(self, predicate, what: str, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.5)
-        tails = "\n".join(f"--- {name}:\n{path.read_text()[-3000:]}" for name, path in self.logs.items()
-                          if path.exists())
-        raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{tails}")
+        eventually(predicate, what, timeout, interval=0.2, describe=lambda: "\n".join(
+            f"--- {name}:\n{path.read_text()[-3000:]}" for name, path in self.logs.items() if path.exists()))
 
     def sbatch_run(self, tmp_path: Path, run_args: str, train_args: str, *sbatch_args: str) -> tuple[int, dict]:
         """Submit an sbatch script that `exec`s `phalanx run RUN_ARGS -- python TRAIN TRAIN_ARGS`; wait for its
@@ -125,11 +122,11 @@ def watching_fleet(tmp_path):
 
 
 def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resumed_on_its_spare(
-        fleet, tmp_path, reference):  # noqa: F811  (the fixture imported above)
+        fleet, tmp_path, reference):
     sc = fleet.sc
     out = tmp_path / "checksum.txt"
-    slurm_job, job = fleet.sbatch_run(tmp_path, "--spares 1", f"--steps {STEPS} --step-time 0.05 --every 20 "
-                                      f"--out {out}", "-N", "3")
+    slurm_job, job = fleet.sbatch_run(tmp_path, "--spares 1", " ".join(until_resumed(out)) + " --step-time 0.05 "
+                                      "--every 20", "-N", "3")
     assert sorted(job["nodes"] + job["spares"]) == sc.node_names and len(job["spares"]) == 1
 
     victim = job["nodes"][1]
@@ -140,7 +137,8 @@ def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resum
     story = "\n".join(f"{e['kind']}: {e['message']}" for e in fleet.json("events", "--job", job["id"]))
     assert (j["state"], j["generation"], j["restarts"]) == ("SUCCEEDED", 2, 1), story
     assert victim in j["evicted"] and sorted(j["nodes"]) == sorted(set(sc.node_names) - {victim}), story
-    assert out.read_text().strip() == reference  # the model of an uninterrupted run
+    checksum, uninterrupted = trained_as(out, reference)
+    assert checksum == uninterrupted  # the model of an uninterrupted run
     kinds = [e["kind"] for e in fleet.json("events", "--job", job["id"])]
     assert kinds.index("job.checkpointed") < kinds.index("job.evicting") < kinds.index("job.restarting"), story
     info = sc.node_info(victim)
@@ -332,11 +330,12 @@ def test_the_controller_cancels_a_job_only_once_slurm_says_its_allocation_has_be
     assert why["job-9"].startswith("its Slurm job 4343 ended (requeued: RUNNING again, restart 1)"), why
 
 
-def test_torchrun_elastic_in_an_sbatch_job_checkpoints_is_drained_and_resumes_on_the_spare_node(fleet, tmp_path):
+def test_torchrun_elastic_in_an_sbatch_job_checkpoints_is_drained_and_resumes_on_the_spare_node(fleet, tmp_path,
+                                                                                                 reference):
     """torchrun --rdzv-backend=phalanx on each of three Slurm nodes (srun) for a job of two: the third waits as
     the spare. A GPU fault on a member: its trainlib workers checkpoint one agreed step, the health check drains
     the node in Slurm, the round restarts with the spare and ends with the model of an uninterrupted run."""
-    from tests.test_torchrun import torchrun, uninterrupted
+    from tests.test_torchrun import torchrun
     sc = fleet.sc
     out = tmp_path / "out"
     out.mkdir()
@@ -379,4 +378,4 @@ def test_torchrun_elastic_in_an_sbatch_job_checkpoints_is_drained_and_resumes_on
     assert len(formed) == 2 and spare in formed[1] and victim not in formed[1], story
     steps = int((out / "steps").read_text())
     assert steps == at_step + 1 + 40, story  # resumed after the agreed step: none computed twice
-    assert (out / "checksum").read_text().strip() == uninterrupted(tmp_path, steps)
+    assert (out / "checksum").read_text().strip() == reference(steps)

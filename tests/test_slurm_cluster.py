@@ -17,7 +17,8 @@ import pytest
 from tests import slurm_cluster
 from tests.slurm_cluster import SlurmCluster
 
-pytestmark = pytest.mark.skipif(bool(slurm_cluster.available()), reason=slurm_cluster.available() or "available")
+pytestmark = [pytest.mark.slurm,  # the tier (tests/conftest.py)
+              pytest.mark.skipif(bool(slurm_cluster.available()), reason=slurm_cluster.available() or "available")]
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from agent import snapshots as snaps
 from controller.recovery import snapshots as plan
 from phalanx.v1 import node_pb2
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 def write(store: snaps.SnapshotStore, key: snaps.Key, data: bytes) -> snaps.Held:
     path = store.path(snaps.OWN, key)

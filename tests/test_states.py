@@ -16,6 +16,8 @@ from controller.nodes.states import (
 )
 from phalanx.v1 import common_pb2
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 def test_every_state_has_a_row_and_no_self_loops():
     assert set(TRANSITIONS) == set(NodeState)

@@ -13,6 +13,8 @@ from controller.store.base import CredentialRecord
 from controller.store.etcd import Etcd, EtcdStore, EtcdTls, Fence, NodeCache, NotLeader
 from phalanx.ports import free_port
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 @pytest.fixture(params=["memory", "sqlite", "etcd"])
 def make_store(request, tmp_path):

@@ -10,6 +10,8 @@ import pytest
 
 from controller.switchboard import Methods, Switchboard
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 
 def handler(method: str, behaviour, streaming: bool = False) -> grpc.GenericRpcHandler:
     factory = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler

@@ -12,6 +12,8 @@ import pytest
 
 from phalanx import sdnotify
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

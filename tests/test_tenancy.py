@@ -19,6 +19,8 @@ from phalanx.errors import ConfigError
 from phalanx.v1 import control_pb2
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 ACCOUNTS = ("phx-alice", "phx-bob")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                 reason="makes local accounts: needs root and useradd")

@@ -14,6 +14,8 @@ from agent.collectors.topology import PciPlace, nearest_nics, parse_cpulist, pci
 from phalanx.cli.topo import render_topology, topology_dict
 from tests.sysfs_tree import DGX_GPU_BDFS, NODE0_CPUS, NODE1_CPUS, SysfsTree, broken, dgx_h100
 
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
 LABELS = ["GPU0", "GPU1", "GPU2", "GPU3", "GPU4", "GPU5", "GPU6", "GPU7", "eno1",
           "mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7"]
 #                    GPU0 GPU1 GPU2 GPU3 GPU4 GPU5 GPU6 GPU7 eno1 mlx0 mlx1 mlx2 mlx3 mlx4 mlx5 mlx6 mlx7

@@ -17,6 +17,8 @@ from phalanx.v1 import local_pb2
 from tests.fake_agent import serving
 from trainlib._runtime import STALE_EXIT_CODE
 
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
+
 
 def run(code: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCH_NCCL_", "TORCH_FR_"))}

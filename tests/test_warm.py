@@ -6,7 +6,6 @@ standby that cannot start turns its recipe cold, once."""
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,10 @@ from agent.supervisor import Supervisor
 from agent.warm import COLD_AFTER, HOLD_S, QUIET_S, WarmPool, recipe, split_command
 from phalanx.clock import FakeClock
 from phalanx.v1 import node_pb2
+from tests.eventually import eventually
 from tests.grpc_busy import busy_grpc
+
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 PY = sys.executable
 # A module that says, once, which process imported it: the standby (ahead) or the rank (cold).
@@ -36,11 +38,7 @@ sys.exit(int(os.environ.get("CODE", "0")))
 
 
 def wait_until(predicate, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
+    return eventually(predicate, what, timeout, interval=0.02)
 
 
 @pytest.fixture
