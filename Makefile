@@ -20,7 +20,7 @@ lint: $(STAMP)
 # The suite runs once, in parallel: twice as many pytest-xdist workers as cores, so the tests contend for the CPU
 # as on a busy shared machine (tests wait for events, never for time); the 15 slowest items are printed.
 WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
-PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15
+PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist load --durations=15
 
 test: lint
 	$(PYTEST)

@@ -455,7 +455,7 @@ class Agent:
         watchdog = asyncio.create_task(self._watchdog(interval)) if interval else None
         ranks = asyncio.create_task(self._watch_ranks())
         renew = asyncio.create_task(renewal.run(self.identity, self.name, self.cfg.controllers(),
-                                                self.cfg.security.server_name, stop)) \
+                                                self.cfg.security.server_name, stop, clock=self.clock)) \
             if self.identity is not None and self.cfg.security.renew else None
         try:
             await self.link.run(stop)

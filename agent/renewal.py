@@ -17,7 +17,9 @@ from pathlib import Path
 
 import grpc
 
+from phalanx import clock as clocks
 from phalanx import log, pki, tls
+from phalanx.clock import Clock, RealClock
 from phalanx.rpc import CLIENT_OPTIONS
 from phalanx.v1 import node_pb2, node_pb2_grpc
 
@@ -75,15 +77,17 @@ async def renew_once(identity: tls.ReloadingIdentity, node: str, controller: str
 
 
 async def run(identity: tls.ReloadingIdentity, node: str, controllers: list[str], server_name: str,
-              stop: asyncio.Event, now=lambda: datetime.datetime.now(datetime.UTC)) -> None:
-    """Renew whenever it is due, until `stop`."""
+              stop: asyncio.Event, now=lambda: datetime.datetime.now(datetime.UTC),
+              clock: Clock | None = None) -> None:
+    """Renew whenever it is due, until `stop`; waits on `clock` (the certificate's dates are wall-clock `now`)."""
+    clock = clock or RealClock()
     attempt = 0
     while not stop.is_set():
         due = renew_at(identity.current())
         wait = max(0.0, (due - now()).total_seconds()) if due is not None else REFUSED_RETRY_S
         if wait > 0:
             try:
-                await asyncio.wait_for(stop.wait(), min(wait, 3600.0))
+                await clocks.wait_for(clock, stop.wait(), min(wait, 3600.0))
                 return
             except TimeoutError:
                 continue
@@ -105,7 +109,7 @@ async def run(identity: tls.ReloadingIdentity, node: str, controllers: list[str]
             logger.error("renewed certificate not written; the old one stays", error=str(e))
             delay = RETRY_S
         try:
-            await asyncio.wait_for(stop.wait(), delay)
+            await clocks.wait_for(clock, stop.wait(), delay)
             return
         except TimeoutError:
             pass

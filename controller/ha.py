@@ -38,6 +38,7 @@ from aetcd import rpc
 from controller.api.node_service import ParkedSessions
 from controller.errors import StoreError
 from controller.store.etcd import REQUIRE_LEADER, Etcd, prefix_end
+from phalanx import clock as clocks
 from phalanx import log
 from phalanx.clock import Clock, RealClock
 from phalanx.leader import LEADER_METADATA
@@ -78,7 +79,7 @@ def advertise_address(listen: str, advertise: str) -> str:
     return f"{host}:{port}"
 
 
-async def leader_gone(address: str) -> None:
+async def leader_gone(address: str, clock: Clock | None = None) -> None:
     """Returns once the process serving `address` (HOST:PORT) is gone: a connection to it was open, it closed,
     and the next one was refused (no process listens on the port any more: on the leader's host, its process
     ended). Anything else proves nothing and never returns: a port that refused from the start (a wrong
@@ -88,21 +89,21 @@ async def leader_gone(address: str) -> None:
     the connection was open to (not from another address of the name, a moved DNS record or a shared name)."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    loop = asyncio.get_running_loop()
+    clock = clock or RealClock()
     was_open = False  # the last connection was made, and has closed
     while True:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), PROBE_CONNECT_S)
+            reader, writer = await clocks.wait_for(clock, asyncio.open_connection(host, int(port)), PROBE_CONNECT_S)
         except ConnectionRefusedError:
             if was_open:
                 return
-            await asyncio.sleep(PROBE_PAUSE_S)
+            await clock.sleep(PROBE_PAUSE_S)
             continue
         except (OSError, TimeoutError, ValueError):
             was_open = False
-            await asyncio.sleep(PROBE_PAUSE_S)
+            await clock.sleep(PROBE_PAUSE_S)
             continue
-        opened = loop.time()
+        opened = clock.monotonic()
         peer = writer.get_extra_info("peername")
         if peer:
             host, port = peer[0], peer[1]
@@ -114,8 +115,8 @@ async def leader_gone(address: str) -> None:
         finally:
             writer.close()
         was_open = True
-        if loop.time() - opened < PROBE_PAUSE_S:  # a server that closes every connection at once: not a loop
-            await asyncio.sleep(PROBE_PAUSE_S)
+        if clock.monotonic() - opened < PROBE_PAUSE_S:  # a server that closes every connection at once: not a loop
+            await clock.sleep(PROBE_PAUSE_S)
 
 
 class Elector:
@@ -144,6 +145,11 @@ class Elector:
         self.watches_cancelled = 0  # leader-key watches etcd cancelled (compacted past their start): each is a retry
         self._valid_lock = threading.Lock()  # valid_until: written by the renewing thread (hold)
         self._loop_seen = 0.0  # monotonic: the event loop last said it runs (hold)
+
+    @property
+    def clock(self) -> Clock:
+        """What its loops wait on (the standby's parked sessions and leader probe too)."""
+        return self._clock
 
     def leading(self) -> bool:
         return self.term is not None and self._clock.monotonic() < self.valid_until
@@ -219,7 +225,7 @@ class Elector:
         leader, lease = self.leader, self._leader_lease
         probe = None
         if self.probe and leader is not None and lease and leader.name != self.name:
-            probe = asyncio.create_task(leader_gone(leader.address), name="leader probe")
+            probe = asyncio.create_task(leader_gone(leader.address, self._clock), name="leader probe")
         try:
             gone = await self._watch_vacant(probe)
         finally:
@@ -397,7 +403,7 @@ class Elector:
                 logger.debug("member record not renewed", error=str(e))
                 lease = 0
             try:
-                await asyncio.wait_for(stop.wait(), MEMBER_TTL_S / 3)
+                await clocks.wait_for(self._clock, stop.wait(), MEMBER_TTL_S / 3)
             except TimeoutError:
                 pass
         if lease:
@@ -441,7 +447,8 @@ class Standby:
         self.elector = elector
         # A dead leader's lease lapses after its TTL (etcd looks for expired leases twice a second); then the new
         # leader loads the store and takes the parked sessions up at its event loop's pace (seconds, for 10,000).
-        self.parked = ParkedSessions(elector.name, self.refuse, self._leader_address, elector.ttl_s + 5.0)
+        self.parked = ParkedSessions(elector.name, self.refuse, self._leader_address, elector.ttl_s + 5.0,
+                                     elector.clock)
         elector.on_new_leader = self._new_leader
         elector.parked_count = lambda: self.parked.waiting
 

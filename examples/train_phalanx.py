@@ -32,6 +32,14 @@ def checksum(model: torch.nn.Module) -> str:
     return hashlib.sha256(repr([p.detach().tolist() for p in model.parameters()]).encode()).hexdigest()
 
 
+def until(path: str, world_size: int) -> bool:
+    """Whether any rank sees `path`: every rank learns it at the same step (one more all-reduce a step)."""
+    seen = torch.tensor([1.0 if os.path.exists(path) else 0.0])
+    if world_size > 1:
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
@@ -47,6 +55,8 @@ def main() -> int:
     parser.add_argument("--state-mb", type=int, default=0, help="carry this many MB of untrained state per rank "
                         "in every checkpoint and snapshot (for benchmarks: the cost of saving a large model)")
     parser.add_argument("--out", default="", help="rank 0 writes the final checksum here")
+    parser.add_argument("--until-file", default="", help="the run ends after the first step at which this file "
+                        "exists, every rank agreeing on the step (or at --steps): a run that ends by an event")
     parser.add_argument("--digests", default="", help="rank 0 appends 'STEPS DIGEST' here after every step: the "
                         "model's checksum after each number of steps trained (tests' reference of uninterrupted runs)")
     parser.add_argument("--out-steps", default="", help="rank 0 writes the number of steps the model was trained "
@@ -117,6 +127,9 @@ def train(args: argparse.Namespace) -> int:
             print(f"step {step} loss {loss.item():.4f} at {time.time():.3f}", flush=True)
         if digests is not None:
             digests.write(f"{step + 1} {checksum(model)}\n")
+        if args.until_file and until(args.until_file, ctx.world_size):
+            steps = step + 1
+            break
     if digests is not None:
         digests.close()
     digest = checksum(model)

@@ -200,6 +200,7 @@ class KillLoop:
         self.seed = seed
         self.rng = random.Random(seed)
         self.steps = steps
+        self.until: Path | None = None  # given: jobs also end at the step at which this file appears
         self.see = Observer(cluster)
         self.jobs: list[tuple[str, Path, Path]] = []  # (job, checkpoint dir, checksum file)
         self.trials: list[Trial] = []
@@ -215,7 +216,9 @@ class KillLoop:
         ckpt, out = self.tmp / f"ckpt-{n}", self.tmp / f"checksum-{n}.txt"
         result = self.cluster.cli("submit", "--nodes", "2", "--spares", "1", "--checkpoint-dir", str(ckpt), "--",
                                   sys.executable, TRAIN, "--steps", str(self.steps), "--step-time", STEP_TIME,
-                                  "--every", str(EVERY), "--print-every", "50", "--out", str(out))
+                                  "--every", str(EVERY), "--print-every", "50", "--out", str(out),
+                                  "--out-steps", str(out.with_suffix(".steps")),
+                                  *(("--until-file", str(self.until)) if self.until else ()))
         assert result.returncode == 0, result.stderr
         job_id = result.stdout.strip()
         self.jobs.append((job_id, ckpt, out))
@@ -228,7 +231,8 @@ class KillLoop:
         job = self.see.job(job_id)
         story = "\n".join(f"{k}: {m}" for k, m in self.see.events(job_id))
         assert state_of(job) == "SUCCEEDED", f"{job_id}: {job.reason}\n{story}\n{self.why()}"
-        assert out.read_text().strip() == self.reference(self.steps), f"{job_id}: a different model\n{self.why()}"
+        steps = int(out.with_suffix(".steps").read_text())  # self.steps, or fewer where self.until ended it
+        assert out.read_text().strip() == self.reference(steps), f"{job_id}: a different model\n{self.why()}"
         self.check_generations(job_id)
 
     def run(self, trials: int) -> list[Trial]:
@@ -427,6 +431,7 @@ def test_etcd_unavailable_training_goes_on_and_the_control_plane_catches_up(tmp_
             c.start_agent(name, gpus=2)
         c.wait_states(dict.fromkeys(NODES[:3], "UP"))
         loop = KillLoop(c, tmp_path, reference, 0, SLOW_STEPS)
+        loop.until = tmp_path / "enough"  # the job ends by event: once the leader is back (not by its length)
         job_id = loop.submit()
         step = loop.ready(job_id)
         generation = loop.see.job(job_id).generation
@@ -443,6 +448,9 @@ def test_etcd_unavailable_training_goes_on_and_the_control_plane_catches_up(tmp_
         loop.wait_for(lambda: c.leader() is not None and loop.see.job(job_id) is not None, "a leader serving")
         job = loop.see.job(job_id)
         assert (state_of(job), job.generation) == ("RUNNING", generation), f"{job}\n{c.log(c.leader()[0], 60)}"
+        before = loop.see.latest_checkpoint(ckpt)[0]
+        loop.wait_for(lambda: loop.see.latest_checkpoint(ckpt)[0] > before, "a checkpoint under the new leader")
+        loop.until.touch()
         loop.finish(job_id)
         assert loop.see.job(job_id).generation == generation  # it ran to its end in the one generation
 

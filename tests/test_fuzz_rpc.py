@@ -46,8 +46,9 @@ from phalanx.v1 import common_pb2, control_pb2, local_pb2, node_pb2, rendezvous_
 from tests import proto_strategies as ps
 from tests.cluster import Cluster
 
-# the tier (tests/conftest.py); one xdist worker: the last test checks what every fuzz test sent
-pytestmark = [pytest.mark.procs, pytest.mark.xdist_group("fuzz")]
+# the tier (tests/conftest.py); the module runs on one xdist worker (tests/conftest.py SAME_WORKER): its last test
+# checks what every fuzz test before it sent
+pytestmark = pytest.mark.procs
 
 QUICK_CASES = 2_000
 FULL_CASES = 10_000

@@ -11,7 +11,7 @@ import pytest
 
 from agent.backoff import Backoff
 from agent.link import Link
-from phalanx.clock import FakeClock
+from phalanx.clock import FakeClock, RealClock
 from phalanx.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 pytestmark = pytest.mark.etcd  # the tier (tests/conftest.py)
@@ -171,7 +171,7 @@ def test_a_standby_names_the_new_leader_only_if_fewer_sessions_were_parked_there
     monkeypatch.setattr(node_service, "NAME_DELAY_S", 3600.0)  # (the names themselves are not sent here)
 
     async def go():
-        elector = SimpleNamespace(name="c2", ttl_s=2.0, problem="", leader=None)
+        elector = SimpleNamespace(name="c2", ttl_s=2.0, problem="", leader=None, clock=RealClock())
         standby = Standby(elector)
         standby.parked._waiters.extend(node_service._Parked() for _ in range(3))
         assert elector.parked_count() == 3

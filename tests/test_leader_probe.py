@@ -211,7 +211,7 @@ def test_a_probe_that_fails_is_passed_over_and_the_standby_waits_on_the_key_alon
 
     failed = asyncio.Event()
 
-    async def broken(address: str) -> None:
+    async def broken(address: str, clock=None) -> None:
         failed.set()
         raise RuntimeError("a bug of the probe's")
 

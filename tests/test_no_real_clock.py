@@ -25,6 +25,7 @@ LOOPS = [
     "controller/server.py", "controller/jobs/manager.py", "controller/recovery/executor.py",
     "controller/api/control_service.py", "controller/api/rendezvous_service.py", "controller/nodes/registry.py",
     "agent/link.py", "agent/main.py", "agent/supervisor.py", "agent/snapshots.py", "agent/warm.py",
+    "agent/renewal.py", "controller/ha.py", "controller/nodes/session.py",
 ]
 FORBIDDEN = {("time", "time"), ("time", "monotonic"), ("time", "time_ns"), ("time", "monotonic_ns"),
              ("time", "sleep"), ("asyncio", "sleep"), ("asyncio", "wait_for"), ("datetime", "now"),

@@ -133,7 +133,9 @@ def test_a_standby_names_the_leader_and_says_when_etcd_no_longer_answers(problem
     from types import SimpleNamespace
 
     from controller.ha import LEADER_METADATA, LeaderInfo, Standby
-    elector = SimpleNamespace(name="c2", ttl_s=2.0, problem=problem, leader=LeaderInfo("c1", "127.0.0.1:7001", 5, 0))
+    from phalanx.clock import RealClock
+    elector = SimpleNamespace(name="c2", ttl_s=2.0, problem=problem, leader=LeaderInfo("c1", "127.0.0.1:7001", 5, 0),
+                              clock=RealClock())
     context = _Context()
 
     async def refuse():

@@ -17,6 +17,7 @@ from controller.jobs.manager import JobManager
 from controller.nodes.registry import NodeEntry, Registry
 from controller.nodes.session import Session
 from phalanx import log
+from phalanx.clock import Clock, RealClock
 from phalanx.errors import BadRequest
 from phalanx.v1 import node_pb2, node_pb2_grpc
 
@@ -78,8 +79,9 @@ class ParkedSessions:
     controller is elected meanwhile, `name_leader` sends each parked session StandingBy again, naming it."""
 
     def __init__(self, name: str, refuse: Callable[[grpc.aio.ServicerContext], Awaitable[None]],
-                 leader: Callable[[], str], takeover_s: float) -> None:
+                 leader: Callable[[], str], takeover_s: float, clock: Clock | None = None) -> None:
         self._name = name
+        self._clock = clock or RealClock()  # the take-up's pacing
         self._takeover_s = takeover_s
         self._refuse = refuse  # ends a call with the standby's UNAVAILABLE naming the leader
         self._leader = leader  # the leader's address, or ""
@@ -141,11 +143,11 @@ class ParkedSessions:
         self._naming = asyncio.get_running_loop().create_task(self._name_all(), name="name-leader")
 
     async def _name_all(self) -> None:
-        await asyncio.sleep(NAME_DELAY_S)  # (cancelled if this controller leads or stops standing by: _decide)
+        await self._clock.sleep(NAME_DELAY_S)  # (cancelled if this controller leads or stops standing by: _decide)
         for i, parked in enumerate(list(self._waiters)):
             parked.wake.set()
             if i % TAKE_BATCH == TAKE_BATCH - 1:
-                await asyncio.sleep(TAKE_PAUSE_S)
+                await self._clock.sleep(TAKE_PAUSE_S)
 
     async def _finish(self, context: grpc.aio.ServicerContext, first: node_pb2.AgentMessage) -> None:
         if self._serve is None:
@@ -178,20 +180,20 @@ class ParkedSessions:
                 done()
 
     async def _release_all(self, unheard: Callable[[], int] | None) -> None:
-        loop = asyncio.get_running_loop()
+        clock = self._clock
         while self._waiters:
-            deadline = loop.time() + TAKE_WAIT_MAX_S
-            while unheard is not None and unheard() >= TAKE_AHEAD and loop.time() < deadline:
-                await asyncio.sleep(TAKE_PAUSE_S)
+            deadline = clock.monotonic() + TAKE_WAIT_MAX_S
+            while unheard is not None and unheard() >= TAKE_AHEAD and clock.monotonic() < deadline:
+                await clock.sleep(TAKE_PAUSE_S)
             for _ in range(min(TAKE_BATCH, len(self._waiters))):
                 parked = self._waiters.popleft()
                 parked.taken = True
                 parked.wake.set()
-            asked = loop.time()
-            await asyncio.sleep(TAKE_PAUSE_S)
-            late = loop.time() - asked - TAKE_PAUSE_S  # how far behind the loop runs: the work the batch made
+            asked = clock.monotonic()
+            await clock.sleep(TAKE_PAUSE_S)
+            late = clock.monotonic() - asked - TAKE_PAUSE_S  # how far behind the loop runs: the work the batch made
             if late > TAKE_PAUSE_S:
-                await asyncio.sleep(2 * late)
+                await clock.sleep(2 * late)
 
 
 class NodeService(node_pb2_grpc.NodeServiceServicer):
@@ -223,7 +225,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
     async def serve(self, context: grpc.aio.ServicerContext, first: node_pb2.AgentMessage) -> None:
         """The session whose first message was `first`: opened here, or parked at this controller while it stood
         by (ParkedSessions). A SessionOpen with `standby` is answered as any other: this controller leads."""
-        session = Session(context.peer(), self._registry.epoch, self._registry.leading)
+        session = Session(context.peer(), self._registry.epoch, self._registry.leading, self._registry.clock)
         try:
             if first.WhichOneof("body") != "open":
                 raise InvalidArgument("the first session message must be `open` (SessionOpen)")

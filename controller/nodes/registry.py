@@ -165,6 +165,12 @@ class Registry:
             self._track(entry)
         logger.info("registry loaded", nodes=len(self._nodes))
 
+
+    @property
+    def clock(self) -> Clock:
+        """The controller's clock (sessions' command deadlines wait on it too)."""
+        return self._clock
+
     def get(self, name: str) -> NodeEntry:
         try:
             return self._nodes[name]

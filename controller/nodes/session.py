@@ -10,6 +10,8 @@ import grpc
 
 from controller.api.rpc import details
 from controller.errors import FailedPrecondition
+from phalanx import clock as clocks
+from phalanx.clock import Clock, RealClock
 from phalanx.v1 import node_pb2
 
 COMMAND_TIMEOUT_S = 5.0
@@ -28,8 +30,10 @@ class NotLeading(FailedPrecondition):
 
 
 class Session:
-    def __init__(self, peer: str, epoch: int = 0, leading: Callable[[], bool] = _always) -> None:
+    def __init__(self, peer: str, epoch: int = 0, leading: Callable[[], bool] = _always,
+                 clock: Clock | None = None) -> None:
         self.peer = peer
+        self._clock = clock or RealClock()  # commands' deadlines
         self.epoch = epoch  # the leader's epoch, stamped on every command
         self._leading = leading
         self.outbox: asyncio.Queue[node_pb2.ControllerMessage | None] = asyncio.Queue()  # None: closed
@@ -83,7 +87,7 @@ class Session:
         future: asyncio.Future[node_pb2.CommandResult] = asyncio.get_running_loop().create_future()
         self._pending[command.id] = future
         try:
-            result = await asyncio.wait_for(future, timeout)
+            result = await clocks.wait_for(self._clock, future, timeout)
         except TimeoutError:
             raise FailedPrecondition(f"the agent did not answer within {timeout:g}s") from None
         finally:
