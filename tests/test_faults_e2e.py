@@ -200,7 +200,7 @@ class KillLoop:
         self.seed = seed
         self.rng = random.Random(seed)
         self.steps = steps
-        self.until: Path | None = None  # given: jobs also end at the step at which this file appears
+        self.until = tmp_path / "enough"  # jobs also end at the step at which this file appears (by event)
         self.see = Observer(cluster)
         self.jobs: list[tuple[str, Path, Path]] = []  # (job, checkpoint dir, checksum file)
         self.trials: list[Trial] = []
@@ -218,7 +218,7 @@ class KillLoop:
                                   sys.executable, TRAIN, "--steps", str(self.steps), "--step-time", STEP_TIME,
                                   "--every", str(EVERY), "--print-every", "50", "--out", str(out),
                                   "--out-steps", str(out.with_suffix(".steps")),
-                                  *(("--until-file", str(self.until)) if self.until else ()))
+                                  "--until-file", str(self.until))
         assert result.returncode == 0, result.stderr
         job_id = result.stdout.strip()
         self.jobs.append((job_id, ckpt, out))
@@ -246,6 +246,7 @@ class KillLoop:
             self.trials.append(trial)
             self.trial(trial)
             print(trial, flush=True)
+        self.until.touch()  # the trials are done: the job ends at its next step, not at its length
         self.finish(job_id)
         return self.trials
 
@@ -431,7 +432,6 @@ def test_etcd_unavailable_training_goes_on_and_the_control_plane_catches_up(tmp_
             c.start_agent(name, gpus=2)
         c.wait_states(dict.fromkeys(NODES[:3], "UP"))
         loop = KillLoop(c, tmp_path, reference, 0, SLOW_STEPS)
-        loop.until = tmp_path / "enough"  # the job ends by event: once the leader is back (not by its length)
         job_id = loop.submit()
         step = loop.ready(job_id)
         generation = loop.see.job(job_id).generation
@@ -450,7 +450,7 @@ def test_etcd_unavailable_training_goes_on_and_the_control_plane_catches_up(tmp_
         assert (state_of(job), job.generation) == ("RUNNING", generation), f"{job}\n{c.log(c.leader()[0], 60)}"
         before = loop.see.latest_checkpoint(ckpt)[0]
         loop.wait_for(lambda: loop.see.latest_checkpoint(ckpt)[0] > before, "a checkpoint under the new leader")
-        loop.until.touch()
+        loop.until.touch()  # the job ends by event: once it trained on under the new leader, not at its length
         loop.finish(job_id)
         assert loop.see.job(job_id).generation == generation  # it ran to its end in the one generation
 

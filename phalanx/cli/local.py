@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,13 @@ def controller_config(address: str, root: Path, metrics: str = "", etcd: str = "
     return text
 
 
+def local_cgroup_parent(root: Path) -> str:
+    """The ranks' cgroups of this local cluster: apart from a real agent's (`phalanx`) and from every other local
+    cluster's on the machine. An agent removes, at its start, the ranks' cgroups under its parent that it has no
+    record of (killing what runs in them): two local clusters under one parent would kill each other's ranks."""
+    return f"phalanx-local/{zlib.crc32(str(root.resolve()).encode()):08x}"
+
+
 def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, labels: dict[str, str],
                  metrics: str = "", session_port: int = 0) -> str:
     node = root / "nodes" / name
@@ -173,7 +181,7 @@ def agent_config(name: str, address: str, root: Path, backend: str, gpus: int, l
     # without --checkpoint-dir uses <checkpoint_dir>/<job> on each of its nodes, and all must see the same one.
     lines = [f'node_name = "{name}"', f'controller = "{address}"', f'state_dir = "{node / "state"}"',
              f'checkpoint_dir = "{root / "checkpoints"}"', f'snapshot_dir = "{node / "snapshots"}"',
-             f'nvrx_socket = "{node / "nvhcd.sock"}"',
+             f'nvrx_socket = "{node / "nvhcd.sock"}"', f'cgroup_parent = "{local_cgroup_parent(root)}"',
              f'metrics_listen = "{metrics}"', *([f"session_port = {session_port}"] if session_port else []),
              "", "[gpu]", f'backend = "{backend}"',
              f"sim_count = {gpus}", "", "[reconnect]", "max_backoff_s = 1.0", "", "[security]", "insecure = true"]
