@@ -63,6 +63,7 @@ LONG_FIRST = ("test_faults_e2e", "test_slurm", "test_recovery_e2e", "test_torchr
 SAME_WORKER = ("tests/test_fuzz_rpc.py",)
 
 
+@pytest.hookimpl(optionalhook=True)  # (xdist's hook: unknown where xdist is not loaded)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's load scheduling, one test at a time in the order above, but a SAME_WORKER module as one unit (its
     tests in order on one worker). (Its own `--dist loadgroup` cannot do it with this pytest: xdist 3.8 renames the
