@@ -1,4 +1,3 @@
-import atexit
 import os
 import subprocess
 import sys
@@ -90,9 +89,11 @@ _exit_status = [0]
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """A short base temporary directory: the agent's unix sockets live under a test's tmp_path, and a socket's path
-    is limited to 107 bytes; pytest's own (/tmp/pytest-of-USER/pytest-N) under xdist's popen-gwN/ leaves too
-    little for a long test name (`Failed to bind to address unix://...`, seen). /tmp/phx-UID/N/gwK instead: the
-    same numbering and the same keeping of the last three runs as pytest's."""
+    is limited to 107 bytes; pytest's own (/tmp/pytest-of-USER/pytest-N) under xdist's popen-gwK/ leaves too
+    little for a long test name (`Failed to bind to address unix://...`, seen). /tmp/phx-UID/PID/gwK instead, one
+    per run by the run's pid: the three newest runs that have ended are kept, and a run still going (its pid
+    alive) is never removed, whatever else starts meanwhile (pytest's numbering removed a running run's files
+    when three more had started)."""
     if config.option.basetemp is not None:
         worker = getattr(config, "workerinput", None)
         if worker is not None:  # xdist's "<base>/popen-gwK": "<base>/gwK"
@@ -100,11 +101,19 @@ def pytest_configure(config):
             if base.name.startswith("popen-"):
                 config.option.basetemp = str(base.with_name(base.name.removeprefix("popen-")))
         return
-    from _pytest.pathlib import LOCK_TIMEOUT, make_numbered_dir_with_cleanup  # pytest's own, as its tmpdir uses it
+    import shutil
+
+    import psutil
     root = Path(tempfile.gettempdir()) / f"phx-{os.getuid()}"
     root.mkdir(mode=0o700, exist_ok=True)
-    config.option.basetemp = str(make_numbered_dir_with_cleanup(prefix="", root=root, keep=3, mode=0o700,
-                                                                lock_timeout=LOCK_TIMEOUT, register=atexit.register))
+    if root.is_symlink() or root.stat().st_uid != os.getuid():  # someone else's: pytest's own place then
+        return
+    ended = sorted((d for d in root.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()
+                    and int(d.name) != os.getpid() and not psutil.pid_exists(int(d.name))),
+                   key=lambda d: d.stat().st_mtime)
+    for old in ended[:-3]:
+        shutil.rmtree(old, ignore_errors=True)
+    config.option.basetemp = str(root / str(os.getpid()))
 
 
 def pytest_sessionfinish(session, exitstatus):
