@@ -165,7 +165,6 @@ class Registry:
             self._track(entry)
         logger.info("registry loaded", nodes=len(self._nodes))
 
-
     @property
     def clock(self) -> Clock:
         """The controller's clock (sessions' command deadlines wait on it too)."""
