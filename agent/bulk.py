@@ -104,13 +104,15 @@ class BulkServer:
         self._thread = threading.Thread(target=self._accept, name="snapshot-bulk", daemon=True)
         self._thread.start()
 
-    def ticket(self, path: Path, size: int) -> bytes:
-        """A token for one connection that reads `path` (opened now: a file reclaimed meanwhile is still sent
-        whole). Raises OSError when the file is gone, BulkError when too many tickets are outstanding."""
+    def ticket(self, fd: int, size: int) -> bytes:
+        """A token for one connection that reads the file open at `fd` (opened by the caller, who checked it: a
+        file reclaimed meanwhile is still sent whole); the ticket owns `fd` from here on, refused or not. Raises
+        BulkError when too many tickets are outstanding."""
         with self._lock:
             if len(self._tickets) >= MAX_TICKETS:
+                os.close(fd)
                 raise BulkError(f"{MAX_TICKETS} bulk tickets outstanding")
-        file = open(path, "rb")  # noqa: SIM115 (closed when the ticket is used or expires)
+        file = open(fd, "rb")  # noqa: SIM115 (closed when the ticket is used or expires)
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
             self._tickets[token] = _Ticket(file, size, time.monotonic() + TICKET_S)

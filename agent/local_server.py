@@ -179,9 +179,13 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
             return local_pb2.FetchSnapshotReply(error=NO_SNAPSHOTS)
         try:
             held = await self._snapshots.fetch(snaps.Key.of(request), request.source)
+            # a replica is the agent's (0600): a rank that runs as an account gets a copy of its own
+            path = await asyncio.to_thread(self._snapshots.store.hand_over, held)
         except snaps.SnapshotError as e:
             return local_pb2.FetchSnapshotReply(error=str(e))
-        return local_pb2.FetchSnapshotReply(path=str(held.path), crc32=held.crc32)
+        except OSError as e:
+            return local_pb2.FetchSnapshotReply(error=f"the snapshot cannot be handed to the rank: {e}")
+        return local_pb2.FetchSnapshotReply(path=str(path), crc32=held.crc32)
 
     async def Tell(self, request: local_pb2.TellRequest, context) -> local_pb2.TellReply:
         kind = request.kind if request.kind.replace("_", "").isalnum() else "trainlib"

@@ -9,7 +9,8 @@ rank's parent and cannot wait() for it — still learns the rank's pid and how i
 environment in ENV_FILE (read, then removed), while the wrapper keeps the agent's rights and a
 minimal environment of the agent's making. With `--cgroup DIR` (once per hierarchy) the wrapper
 moves into the rank's cgroup before starting it; with `--nofile N` the rank may open N files; with
-`--cpus 0,1,...` the rank runs on those CPUs.
+`--cpus 0,1,...` the rank runs on those CPUs; with `--cwd DIR` it starts in DIR, entered after the uid and
+gid changed when `--as` is given (a job's working directory is its account's to reach: root never enters it).
 
 The wrapper, not the agent, pins, moves and limits itself: the agent starts it without a `preexec_fn`.
 Python code between fork and exec in the agent, a process with gRPC's threads, runs gRPC's fork handlers
@@ -45,7 +46,7 @@ def write_status(path: str, code: int) -> None:
 
 
 USAGE = "usage: python -I rankwrap.py EXIT_FILE [--as UID:GID:GROUPS ENV_FILE] [--cgroup DIR]... " \
-        "[--nofile N] [--cpus LIST] -- COMMAND..."
+        "[--nofile N] [--cpus LIST] [--cwd DIR] -- COMMAND..."
 
 
 def main(argv: list[str]) -> int:
@@ -53,6 +54,7 @@ def main(argv: list[str]) -> int:
     cgroups: list[str] = []
     nofile = 0
     cpus: list[int] = []
+    cwd = ""
     rest = argv[1:]
     try:
         while rest and rest[0] != "--":
@@ -75,6 +77,9 @@ def main(argv: list[str]) -> int:
                 rest = rest[1:]
             elif option == "--cpus":
                 cpus = [int(c) for c in rest[0].split(",")]
+                rest = rest[1:]
+            elif option == "--cwd":
+                cwd = rest[0]
                 rest = rest[1:]
             else:
                 raise ValueError(option)
@@ -116,7 +121,17 @@ def main(argv: list[str]) -> int:
             except OSError as e:  # CPUs outside this container's cpuset, say: the rank runs, unpinned, and says so
                 print(f"phalanx: rank not pinned to CPUs {','.join(map(str, cpus))} (its GPU's NUMA-local ones): {e}",
                       file=sys.stderr, flush=True)
-        child = subprocess.Popen(command, **identity)  # exec resets the handlers: the rank gets the default ones
+        where: dict = {}
+        if cwd and identity:  # Popen's cwd is entered before the uid changes; preexec_fn runs after (one thread here)
+            where = {"preexec_fn": lambda: os.chdir(cwd)}
+        elif cwd:
+            where = {"cwd": cwd}
+        child = subprocess.Popen(command, **identity, **where)  # exec resets the handlers: the rank gets the defaults
+    except subprocess.SubprocessError:  # the chdir as the account failed (preexec_fn): say what it was
+        print(f"phalanx: cannot start {command[0]!r}: the job's account cannot enter its working directory {cwd}",
+              file=sys.stderr, flush=True)
+        write_status(exit_file, 127)
+        return 127
     except (OSError, ValueError) as e:  # ValueError: an open-files limit above what this host allows (nr_open)
         print(f"phalanx: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
         write_status(exit_file, 127)

@@ -7,11 +7,18 @@ agent keeps it within the node's budget and streams a replica to the agent of an
 restored, its node's agent hands it the file — from its own directory, or fetched from the node that
 holds it — after checking the CRC-32 recorded when it was taken.
 
-Layout under `root`::
+Layout under `root`, a tree only root (the agent's user) can change, checked component by component when the
+agent starts (agent/safefs.py)::
 
-    own/<job>/g<generation>/r<rank>/s<step>.pt        written by the rank (renamed into place when complete)
-    replica/<job>/g<generation>/r<rank>/s<step>.pt    written by this agent from a peer's stream
-    ...s<step>.pt.json                                size and CRC-32: the file counts as held only with it
+    own/<job>/g<generation>/r<rank>/s<step>.pt        written by the rank (renamed into place when complete);
+                                                      own/<job> is made by the agent, owned by the job's account
+    own/<job>/restore-r<rank>.pt                      a replica handed to a rank that runs as an account
+    replica/<job>/g<generation>/r<rank>/s<step>.pt    written by this agent from a peer's stream (0700)
+    meta/<own|replica>/<job>/g<gen>/r<rank>/s<step>.pt.json   size and CRC-32: the file counts as held only with it
+
+The ranks may write under own/<job>, so the agent never follows a path there: it walks down from own/ with
+O_NOFOLLOW and reads, checks and removes what it opened (a regular file owned by the job directory's owner), by
+descriptor. What it writes of its own (metadata, replicas) is in directories no rank can write.
 
 Per (job, rank) and kind, only the newest generation is kept (a restore uses the generation that just
 ended), and of it the steps taken in the last RETAIN_S seconds, at least the newest KEEP_STEPS, and the
@@ -38,7 +45,7 @@ from pathlib import Path
 
 import grpc
 
-from agent import bulk
+from agent import bulk, safefs
 from phalanx import log, tls
 from phalanx.clock import Clock, RealClock, wait_for
 from phalanx.names import NAME
@@ -97,9 +104,10 @@ class Held:
     at: float = 0.0  # when this node took it in (monotonic)
 
 
-def file_crc32(path: Path) -> int:
+def file_crc32(fd: int) -> int:
+    """The CRC-32 of what the open descriptor `fd` holds, read from its start; `fd` is closed."""
     crc = 0
-    with open(path, "rb") as f:
+    with open(fd, "rb") as f:
         while chunk := f.read(CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -110,15 +118,19 @@ class SnapshotStore:
 
     def __init__(self, root: Path, budget_bytes: int, keep: int = KEEP_STEPS, clock: Clock | None = None,
                  retain_s: float = RETAIN_S) -> None:
+        root = Path(os.path.abspath(root))
         self.root, self.budget, self.keep, self.retain_s = root, budget_bytes, keep, retain_s
         self._clock = clock or RealClock()
         self.own_dir = root / OWN
         self._held: dict[tuple[str, Key], Held] = {}
         self._pins: dict[str, tuple[int, int]] = {}  # job -> (generation, step) kept beyond the newest steps
         self._lives: dict[str, int] = {}  # job -> times launched or forgotten here (see accept_replica_by)
-        for kind in (OWN, REPLICA):
-            (root / kind).mkdir(parents=True, exist_ok=True)
-        os.chmod(self.own_dir, 0o1777)  # ranks write their own snapshots here (sticky, like /tmp)
+        # raises safefs.UnsafePath: a tree another account could change is not used at all
+        safefs.secure_dir(root)
+        for kind, mode in ((OWN, 0o755), (REPLICA, 0o700), ("meta", 0o700)):
+            safefs.secure_dir(root / kind, mode)
+            with safefs.closing_fd(safefs.open_dir(root / kind)) as fd:
+                os.fchmod(fd, mode)  # an older agent's own/ was 1777 (its ranks made their own directories)
         self._rescan()
 
     @property
@@ -142,6 +154,67 @@ class SnapshotStore:
     def path(self, kind: str, key: Key) -> Path:
         return self.root / kind / key.relative()
 
+    def _meta(self, kind: str, key: Key) -> Path:
+        return self.root / "meta" / kind / key.relative().with_name(f"s{key.step}.pt.json")
+
+    def claim(self, job: str, uid: int, gid: int) -> Path:
+        """own/<job>, made (or taken back) as a directory of the account `uid`:`gid`, mode 0700, where the job's ranks
+        write their snapshots. Only root can create or replace names in own/, so it is the agent's to give."""
+        if not NAME.fullmatch(job):
+            raise SnapshotError(f"job {job[:80]!r} is not a job id")
+        with safefs.closing_fd(safefs.open_dir(self.own_dir)) as own, \
+                safefs.closing_fd(safefs.walk(own, [job], create=0o700)) as fd:
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, 0o700)
+        return self.own_dir / job
+
+    def _own_file(self, key: Key) -> tuple[int, int]:
+        """(a descriptor of rank `key.rank`'s directory of the step, one of the step's file) under own/, walked with
+        O_NOFOLLOW; the file must be a regular file owned by own/<job>'s owner (the job's account). Raises OSError
+        (safefs.UnsafePath for a link, a FIFO or a file of another account's)."""
+        with safefs.closing_fd(safefs.open_dir(self.own_dir)) as own, \
+                safefs.closing_fd(safefs.walk(own, [key.job])) as job:
+            owner = os.fstat(job).st_uid
+            directory = safefs.walk(job, [f"g{key.generation}", f"r{key.rank}"])
+        try:
+            return directory, safefs.open_regular(directory, f"s{key.step}.pt", owner)
+        except BaseException:
+            os.close(directory)
+            raise
+
+    def open(self, held: Held) -> int:
+        """A read descriptor of the held snapshot's file (an own one opened without following any path a rank can
+        write). Raises OSError."""
+        if held.kind == REPLICA:
+            return os.open(held.path, safefs.FILE_FLAGS & ~os.O_NONBLOCK)
+        directory, fd = self._own_file(held.key)
+        os.close(directory)
+        return fd
+
+    def hand_over(self, held: Held) -> Path:
+        """The path a rank of the job reads `held` from: the file itself, unless it is a replica (0600, the agent's)
+        and the job runs as an account; then a copy the agent writes into the job's own directory, by descriptor
+        (O_EXCL, never through a name the ranks made), owned by that account. Raises OSError."""
+        if held.kind == OWN:
+            return held.path
+        with safefs.closing_fd(safefs.open_dir(self.own_dir)) as own:
+            try:
+                job = safefs.walk(own, [held.key.job])
+            except FileNotFoundError:
+                return held.path  # no directory made for an account: the ranks run as the agent's user
+            with safefs.closing_fd(job):
+                st = os.fstat(job)
+                if st.st_uid == os.geteuid():
+                    return held.path
+                name = f"restore-r{held.key.rank}.pt"
+                safefs.unlink_in(job, name)
+                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=job)
+                with open(out, "wb") as dst, open(self.open(held), "rb") as src:
+                    os.fchown(out, st.st_uid, st.st_gid)
+                    shutil.copyfileobj(src, dst, CHUNK)
+        return self.own_dir / held.key.job / name
+
     def accept_own(self, key: Key, path: str, size: int, crc32: int) -> Held:
         """A rank's new snapshot, written where its key says. Raises SnapshotError (the file at the key's path is
         removed, unless the rank named another)."""
@@ -150,15 +223,22 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot of rank {key.rank} of {key.job} step {key.step} is at {path}, not "
                                 f"{expected}")
         try:
-            actual = expected.stat().st_size
+            directory, fd = self._own_file(key)
+        except OSError as e:  # a link, a FIFO, another account's file: nothing is removed, the rank's to clean
+            self._held.pop((OWN, key), None)
+            raise SnapshotError(f"snapshot {expected} is refused: {e.strerror or e}") from e
+        try:
+            actual = os.fstat(fd).st_size
             if actual != size:
                 raise SnapshotError(f"snapshot {expected} holds {actual} bytes, not the {size} its rank wrote")
             self._fit(key, size, OWN)
         except (SnapshotError, OSError) as e:
             self._held.pop((OWN, key), None)  # a step written again and refused: what was held of it is gone too
-            with contextlib.suppress(OSError):
-                expected.unlink()
+            safefs.unlink_in(directory, expected.name)
             raise SnapshotError(str(e)) from e
+        finally:
+            os.close(fd)
+            os.close(directory)
         return self._keep(Held(key, OWN, expected, size, crc32, self._clock.monotonic()))
 
     async def accept_replica(self, key: Key, size: int, crc32: int, chunks: AsyncIterator[bytes]) -> Held:
@@ -214,7 +294,12 @@ class SnapshotStore:
         if held is None:
             raise SnapshotError(f"no snapshot of rank {key.rank} of {key.job} step {key.step} (generation "
                                 f"{key.generation}) here")
-        if await asyncio.to_thread(file_crc32, held.path) != held.crc32:
+        try:
+            fd = self.open(held)
+        except OSError as e:
+            self._drop(held)
+            raise SnapshotError(f"snapshot {held.path} cannot be read: {e.strerror or e}; dropped") from e
+        if await asyncio.to_thread(file_crc32, fd) != held.crc32:
             self._drop(held)
             raise SnapshotError(f"snapshot {held.path} does not match its CRC-32 (corrupt); dropped")
         return held
@@ -249,8 +334,9 @@ class SnapshotStore:
         for held in [h for h in self._held.values() if h.key.job in gone]:
             self._drop(held)
         for kind in (OWN, REPLICA):
-            for job in gone:
+            for job in gone:  # rmtree works by descriptor and never follows a link the ranks made
                 shutil.rmtree(self.root / kind / job, ignore_errors=True)
+                shutil.rmtree(self.root / "meta" / kind / job, ignore_errors=True)
         for job in gone:
             self._pins.pop(job, None)
             self._lives[job] = self._lives.get(job, 0) + 1
@@ -335,7 +421,8 @@ class SnapshotStore:
                       key=lambda h: (h.key.generation, h.key.step))
 
     def _keep(self, held: Held) -> Held:
-        meta = held.path.with_name(held.path.name + ".json")
+        meta = self._meta(held.kind, held.key)  # in the agent's own tree: no rank can put a link in its way
+        meta.parent.mkdir(parents=True, exist_ok=True)
         tmp = meta.with_name(f".{meta.name}.tmp")
         tmp.write_text(json.dumps({"size": held.size, "crc32": held.crc32}))
         os.replace(tmp, meta)
@@ -346,40 +433,66 @@ class SnapshotStore:
 
     def _drop(self, held: Held) -> None:
         self._held.pop((held.kind, held.key), None)
-        for path in (held.path.with_name(held.path.name + ".json"), held.path):
+        with contextlib.suppress(FileNotFoundError):
+            self._meta(held.kind, held.key).unlink()
+        if held.kind == REPLICA:
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+                held.path.unlink()
+            return
+        with contextlib.suppress(OSError), safefs.closing_fd(safefs.open_dir(self.own_dir)) as own, \
+                safefs.closing_fd(safefs.walk(own, [held.key.job, f"g{held.key.generation}", f"r{held.key.rank}"])) \
+                as directory:
+            safefs.unlink_in(directory, held.path.name)  # a link the rank put there goes, not what it points to
 
     def _rescan(self) -> None:
-        """An agent that restarts finds the snapshots it held (tmpfs outlives it); torn files are removed."""
+        """An agent that restarts finds the snapshots it held (tmpfs outlives it), from its own metadata; torn
+        files and metadata without the other are removed."""
         for kind in (OWN, REPLICA):
+            base = self.root / "meta" / kind
+            for top, _dirs, files in os.walk(base):  # the agent's own tree; os.walk follows no link
+                for name in files:
+                    meta_path = Path(top) / name
+                    m = re.fullmatch(r"s(\d+)\.pt\.json", name)
+                    try:
+                        job, gen, rank = meta_path.relative_to(base).parts[:3]
+                        key = Key(job, int(gen[1:]), int(rank[1:]), int(m.group(1)))
+                        meta = json.loads(meta_path.read_text())
+                        held = Held(key, kind, self.path(kind, key), int(meta["size"]), int(meta["crc32"]),
+                                    self._clock.monotonic())
+                        with open(self.open(held)) as f:
+                            if os.fstat(f.fileno()).st_size == held.size:
+                                self._held[(kind, key)] = held
+                                continue
+                    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                        pass
+                    with contextlib.suppress(OSError):
+                        meta_path.unlink()
+        for kind in (OWN, REPLICA):
+            # what is not held is a write that never finished or was never handed in: removed, by descriptor (fwalk
+            # opens each directory beneath the last and follows no link; a link is removed, not what it points to)
             base = self.root / kind
-            for path in base.glob("*/g*/r*/*"):
-                m = _STEP.match(path.name)
-                if m is None:
-                    if not path.name.endswith(".pt.json"):
-                        with contextlib.suppress(OSError):
-                            path.unlink()  # a temporary file of a write that never finished
+            for top, _dirs, files, top_fd in os.fwalk(base, follow_symlinks=False):
+                parts = Path(top).relative_to(base).parts
+                if len(parts) != 3:
                     continue
-                try:
-                    job, gen, rank = path.relative_to(base).parts[:3]
-                    meta = json.loads(path.with_name(path.name + ".json").read_text())
-                    key = Key(job, int(gen[1:]), int(rank[1:]), int(m.group(1)))
-                    if path.stat().st_size == meta["size"]:
-                        self._held[(kind, key)] = Held(key, kind, path, meta["size"], meta["crc32"],
-                                                       self._clock.monotonic())
-                        continue
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                for name in files:
+                    m = _STEP.match(name)
+                    try:
+                        held = m is not None and (kind, Key(parts[0], int(parts[1][1:]), int(parts[2][1:]),
+                                                            int(m.group(1)))) in self._held
+                    except ValueError:
+                        held = False
+                    if not held:
+                        with contextlib.suppress(OSError):
+                            safefs.unlink_in(top_fd, name)
 
 
 # -- between agents ------------------------------------------------------------------------------
 
-async def _chunks_of(path: Path, key: Key, size: int, crc32: int) -> AsyncIterator[snapshot_pb2.SnapshotChunk]:
+async def _chunks_of(fd: int, key: Key, size: int, crc32: int) -> AsyncIterator[snapshot_pb2.SnapshotChunk]:
+    """The chunks of the snapshot open at `fd` (closed at the end)."""
     first = True
-    with open(path, "rb") as f:
+    with open(fd, "rb") as f:
         while True:
             data = f.read(CHUNK)
             if first:
@@ -456,7 +569,11 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
         so reading it twice here would only halve the throughput)."""
         await self._refuse_non_nodes(context)
         held = await self._held(request, context)
-        async for chunk in _chunks_of(held.path, held.key, held.size, held.crc32):
+        try:
+            fd = self._store.open(held)
+        except OSError as e:  # reclaimed since it was found
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"snapshot {held.path} is gone: {e.strerror or e}")
+        async for chunk in _chunks_of(fd, held.key, held.size, held.crc32):
             yield chunk
 
     async def Open(self, request: snapshot_pb2.SnapshotKey, context) -> snapshot_pb2.BulkTicket:
@@ -466,9 +583,9 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no snapshot bulk port; use Get")
         held = await self._held(request, context)
         try:
-            token = self._bulk.ticket(held.path, held.size)
+            token = self._bulk.ticket(self._store.open(held), held.size)
         except OSError as e:  # reclaimed since it was found
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"snapshot {held.path} is gone: {e.strerror}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"snapshot {held.path} is gone: {e.strerror or e}")
         except bulk.BulkError as e:  # too many outstanding: this one streams
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}; use Get")
         return snapshot_pb2.BulkTicket(size=held.size, crc32=held.crc32, port=self._bulk.port, token=token)
@@ -623,7 +740,8 @@ class Replicator:
         try:
             reply = await self._pull(peer, held)
             if reply is None:
-                reply = await self._stub(peer).Put(_chunks_of(held.path, held.key, held.size, held.crc32), timeout=60)
+                reply = await self._stub(peer).Put(_chunks_of(self._store.open(held), held.key, held.size, held.crc32),
+                                                   timeout=60)
             error = "" if reply.ok else reply.error
         except Exception as e:  # gRPC's errors, a file dropped meanwhile: the next snapshot tries again
             error = f"{peer} unreachable: {e.code().name if isinstance(e, grpc.RpcError) else e}"

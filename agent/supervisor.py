@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from agent import rankwrap
+from agent import rankwrap, safefs
 from agent.cgroups import CgroupError, Cgroups, RankCgroup
 from agent.warm import HOLD_S, Recipe, WarmPool, recipe
 from phalanx import log
@@ -76,26 +76,32 @@ class Account:
 
     def own(self, path: Path) -> None:
         """Make `path` (the job's directory under the agent's own checkpoint_dir, whose parent only root may
-        change) this account's, created if missing; a symlink there is not followed."""
-        path.mkdir(parents=True, exist_ok=True)
-        os.chown(path, self.uid, self.gid, follow_symlinks=False)
+        change) this account's, mode 0700 (its checkpoints are nobody else's), created if missing; by descriptor
+        beneath the parent, so a link there is not followed."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with safefs.closing_fd(safefs.open_dir(path.parent)) as parent, \
+                safefs.closing_fd(safefs.walk(parent, [path.name], create=0o700)) as fd:
+            os.fchown(fd, self.uid, self.gid)
+            os.fchmod(fd, 0o700)
 
     def claim(self, path: Path) -> None:
-        """Make `path` a directory of this account's, mode 0700, in a directory others may write to (the snapshot
-        directory is sticky, as /tmp): whatever another account put there first, a link or a directory of its
-        own, is removed, so that the job's files go nowhere but here."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, self.uid)):
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(path)  # never follows the links in it
-            else:
-                path.unlink()
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chown(path, self.uid, self.gid, follow_symlinks=False)
-        os.chmod(path, 0o700, follow_symlinks=False)
+        """Make `path` a directory of this account's, mode 0700, in a directory of the agent's (the snapshot
+        directory's own/, the NCCL dumps' directory): whatever else is there, a link, a file or a directory of
+        another account's, is removed first, so that the job's files go nowhere but here. Done by descriptor
+        beneath the parent (agent/safefs.py): no link is followed."""
+        with safefs.closing_fd(safefs.open_dir(path.parent)) as parent:
+            try:
+                st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, self.uid)):
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(path.name, dir_fd=parent)  # by descriptor: never follows the links in it
+                else:
+                    safefs.unlink_in(parent, path.name)
+            with safefs.closing_fd(safefs.walk(parent, [path.name], create=0o700)) as fd:
+                os.fchown(fd, self.uid, self.gid)
+                os.fchmod(fd, 0o700)
 
 
 def resolve_account(name: str) -> Account:
@@ -213,6 +219,9 @@ class Supervisor:
         """Keep standbys for a job this node may be asked to run (a spare of it)."""
         if self.warm is None or not self.warm.enabled:
             return "warm starts are off on this node"
+        if request.run_as:  # a standby runs the job's code as the agent's user (root) before any rank is handed to it
+            return (f"{request.job}'s ranks start cold: it runs as {request.run_as!r}, and standbys run as the agent's "
+                    "user")
         kind = recipe(request.job, request.command, self._env(base_env, request.env), self._workdir(request.workdir))
         if kind is None:
             return f"{request.job}'s ranks start cold (not a python program, or PHALANX_WARM_START=0)"
@@ -292,13 +301,13 @@ class Supervisor:
                     env_fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
                     with open(env_fd, "w") as f:
                         json.dump(env, f)
-                    options += ["--as", account.spec(), str(env_file)]
+                    options += ["--as", account.spec(), str(env_file), "--cwd", workdir]
                     wrapper_env = {"PATH": "/usr/bin:/bin"}  # the wrapper runs with the agent's rights
                 try:
                     proc = subprocess.Popen(
                         [sys.executable, "-I", WRAPPER, str(exit_file), *options, "--", *request.command],
-                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env, cwd=workdir,
-                        start_new_session=True)
+                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env,
+                        cwd=workdir if account is None else "/", start_new_session=True)
                 except BaseException:
                     if cgroup is not None:
                         cgroup.remove()

@@ -2,6 +2,7 @@
 checked against their CRC-32 — and the controller's choice of which step a new generation restores."""
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -35,7 +36,8 @@ def test_a_rank_keeps_its_newest_steps_of_its_newest_generation(tmp_path):
     assert [h.key.step for h in store.held()] == [3, 4, 5]
     write(store, key(7, generation=2), b"y" * 100)  # a new generation: the old one's are never restored again
     assert [(h.key.generation, h.key.step) for h in store.held()] == [(2, 7)]
-    assert sorted(p.name for p in (tmp_path / "own" / "job-1").rglob("s*")) == ["s7.pt", "s7.pt.json"]
+    assert sorted(p.name for p in (tmp_path / "own" / "job-1").rglob("s*")) == ["s7.pt"]
+    assert sorted(p.name for p in (tmp_path / "meta" / "own" / "job-1").rglob("s*")) == ["s7.pt.json"]
     with pytest.raises(snaps.SnapshotError, match="newer generation's is held: stale"):
         write(store, key(9, generation=1), b"z")
 
@@ -319,16 +321,16 @@ def test_the_bulk_port_sends_nothing_without_a_live_ticket_and_goes_on_serving(t
                 out += more
             return out
 
-    token = server.ticket(held.path, held.size)
+    token = server.ticket(os.open(held.path, os.O_RDONLY), held.size)
     assert read_with(bulk.secrets.token_bytes(bulk.TOKEN_BYTES)) == b""  # not a ticket's
     assert read_with(token[:5], close_early=True) == b""  # the client went away mid-token
     assert read_with(token) == data
     assert read_with(token) == b""  # used
-    expired = server.ticket(held.path, held.size)
+    expired = server.ticket(os.open(held.path, os.O_RDONLY), held.size)
     server._tickets[expired].expires = time.monotonic() - 1
     assert read_with(expired) == b""
     received = tmp_path / "received"
-    assert bulk.receive("127.0.0.1", server.port, server.ticket(held.path, held.size), held.size,
+    assert bulk.receive("127.0.0.1", server.port, server.ticket(os.open(held.path, os.O_RDONLY), held.size), held.size,
                         received) == (len(data), zlib.crc32(data))
     assert received.read_bytes() == data and served(server) == [2]
 
@@ -667,7 +669,8 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
             b_held = b.find(key(7))
             for who, server_node in (("alice", "node-b"), ("node-a", "node-c")):
                 with pytest.raises(bulk.BulkError):
-                    bulk.receive("127.0.0.1", b_bulk.port, b_bulk.ticket(b_held.path, b_held.size), b_held.size,
+                    ticket = b_bulk.ticket(os.open(b_held.path, os.O_RDONLY), b_held.size)
+                    bulk.receive("127.0.0.1", b_bulk.port, ticket, b_held.size,
                                  tmp_path / "stolen", files(who), server_node)
             assert served(b_bulk) == [1]
             await fetcher.close()
@@ -859,7 +862,7 @@ def test_a_bulk_receive_given_up_on_stops_at_once_and_never_touches_the_next_att
         go_on.set()
         assert await asyncio.get_running_loop().run_in_executor(None, finished.wait, 30)  # the stalled one ended
         assert kept.path.read_bytes() == data
-        assert sorted(p.name for p in kept.path.parent.iterdir()) == ["s7.pt", "s7.pt.json"]  # nothing left over
+        assert sorted(p.name for p in kept.path.parent.iterdir()) == ["s7.pt"]  # nothing left over
         await a_server.stop(None)
         await replicator.close()
         await close_pullers()
@@ -874,7 +877,7 @@ def test_a_ticket_never_used_lets_its_file_go_within_its_time(tmp_path, monkeypa
     store = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
     held = write(store, key(3), b"x" * 1000)
     server = bulk_server()
-    server.ticket(held.path, held.size)
+    server.ticket(os.open(held.path, os.O_RDONLY), held.size)
     assert server.outstanding == 1
     deadline = time.monotonic() + 30
     while server.outstanding and time.monotonic() < deadline:

@@ -243,6 +243,21 @@ def test_a_spare_prepared_by_the_controller_holds_standbys(tmp_path, job_dir):
         pool.close()
 
 
+def test_no_standby_runs_the_code_of_a_job_that_runs_as_another_account(tmp_path, job_dir):
+    """A standby imports the job's program (and what lies beside it) as the agent's user, root on a node: a job
+    that runs as a tenant's account must never get one, whatever the controller asks (issue 39)."""
+    pool = WarmPool(tmp_path / "state", FakeClock())
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock(), warm=pool)
+    try:
+        said = supervisor.prepare(node_pb2.PrepareRanks(job="j", command=[PY, "train.py"], workdir=str(job_dir),
+                                                        count=2, hold_s=60, run_as="phx-alice"), base_env(tmp_path))
+        assert "start cold" in said and "phx-alice" in said
+        pool.tend({"j"})  # where the standbys wanted are started
+        assert pool.counts() == {}
+    finally:
+        pool.close()
+
+
 def test_a_parked_rank_rejoins_the_next_launch_here_or_is_told_to_exit(tmp_path, job_dir):
     """trainlib.run's side is in test_recovery_e2e; this is the agent's: the parked rank's generation ends in its
     record at once, the next launch of its rank hands the process the new environment, and a park nothing claims

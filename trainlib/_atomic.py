@@ -27,6 +27,7 @@ _SMALL = 1 << 20  # writes below this are gathered in a buffer (torch.save emits
 _CHUNK = 8 << 20  # the hasher reads back this much at a time
 _WRITEBACK_EVERY = 32 << 20  # start writeback of hashed ranges every this many bytes
 _TEMP_MARK = ".tmp."
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # a job's checkpoints are its account's only: nothing for other accounts
 
 
 class _Crc32:
@@ -91,8 +92,9 @@ def make_dirs_durable(path: Path) -> None:
     while not current.is_dir():
         missing.append(current)
         current = current.parent
-    path.mkdir(parents=True, exist_ok=True)
-    for created in reversed(missing):
+    for created in reversed(missing):  # 0700: a job's checkpoints are its account's only (issue 39)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(created, PRIVATE_DIR)
         fsync_dir(created.parent)
 
 
@@ -199,7 +201,7 @@ def write_atomic(path: Path, fill: Callable[[HashingWriter], None]) -> Digest:
     On any failure the temp file is removed and `path` is untouched (old content or absent).
     """
     tmp = temp_name(path)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
     writer = HashingWriter(fd)
     try:
         try:
@@ -245,7 +247,7 @@ def file_digest(path: Path, algorithm: str = CHECKSUM) -> Digest:
 @contextlib.contextmanager
 def locked(path: Path, exclusive: bool) -> Iterator[None]:
     """flock on `path` (created if missing): shared for readers that act on a check, exclusive to change."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield

@@ -220,10 +220,16 @@ def _summarise(name: str, desc: str, entries: list[dict[str, Any]], status: dict
 
 
 def read_dump(path: Path) -> DumpSummary:
-    """Read and summarise one dump file, refusing oversized ones before reading them."""
+    """Read and summarise one dump file, refusing oversized ones before reading them. The file is in a directory
+    the job's ranks write: it is opened without following a link and without blocking on a FIFO (either may have
+    replaced the regular file the scan saw), and what was opened must be a regular file."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise DumpParseError("not a regular file")
+            size = st.st_size
             if size > MAX_DUMP_BYTES:
                 raise DumpParseError(f"{size} bytes is over the {MAX_DUMP_BYTES}-byte limit for a dump")
             data = f.read(MAX_DUMP_BYTES + 1)

@@ -253,7 +253,7 @@ class Command(_message.Message):
     def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ...) -> None: ...
 
 class PrepareRanks(_message.Message):
-    __slots__ = ("job", "command", "env", "workdir", "count", "hold_s")
+    __slots__ = ("job", "command", "env", "workdir", "count", "hold_s", "run_as")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -267,13 +267,15 @@ class PrepareRanks(_message.Message):
     WORKDIR_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_AS_FIELD_NUMBER: _ClassVar[int]
     job: str
     command: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.ScalarMap[str, str]
     workdir: str
     count: int
     hold_s: float
-    def __init__(self, job: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., count: _Optional[int] = ..., hold_s: _Optional[float] = ...) -> None: ...
+    run_as: str
+    def __init__(self, job: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., count: _Optional[int] = ..., hold_s: _Optional[float] = ..., run_as: _Optional[str] = ...) -> None: ...
 
 class PinSnapshot(_message.Message):
     __slots__ = ("job", "generation", "step")

@@ -1,0 +1,194 @@
+"""The root agent and the files a tenant's ranks can write (issue 39): the snapshot tree is the agent's, checked
+component by component; under a job's own directory no link, FIFO or file of another account's is ever
+followed, read, written or removed through. Each test is an attack that worked before: a rank (the account
+TENANT here) plants something, the agent acts, and the victim, a root-only file or directory, is untouched."""
+
+import asyncio
+import os
+import stat
+import subprocess
+import zlib
+from pathlib import Path
+
+import pytest
+
+from agent import safefs
+from agent import snapshots as snaps
+from agent.supervisor import Account
+
+pytestmark = [pytest.mark.inproc,  # the tier (tests/conftest.py)
+              pytest.mark.skipif(os.geteuid() != 0, reason="plays a tenant's account by chown: needs root")]
+
+TENANT = 54321  # a uid no account has: the files a tenant's rank makes are its
+
+
+def key(step: int, rank: int = 0, generation: int = 1, job: str = "job-1") -> snaps.Key:
+    return snaps.Key(job, generation, rank, step)
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = snaps.SnapshotStore(tmp_path / "snap", budget_bytes=1 << 20)
+    store.claim("job-1", TENANT, TENANT)  # as a launch of a job that runs as the account does
+    return store
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A root-only file and directory the tenant would like changed or gone."""
+    directory = tmp_path / "victim"
+    directory.mkdir(mode=0o700)
+    secret = directory / "agent-state.json"
+    secret.write_text("root's")
+    secret.chmod(0o600)
+    return secret
+
+
+def as_tenant(path: Path) -> Path:
+    """`path` and the directories above it up to own/<job> made the tenant's, as its rank would have made them."""
+    for p in [path, *path.parents]:
+        if p.name.startswith("snap") or p.name == "own":
+            break
+        os.chown(p, TENANT, TENANT, follow_symlinks=False)
+    return path
+
+
+def rank_writes(store: snaps.SnapshotStore, k: snaps.Key, data: bytes) -> Path:
+    path = store.path(snaps.OWN, k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return as_tenant(path)
+
+
+def test_the_agent_writes_its_records_where_no_rank_can_put_a_link(store, victim):
+    """A rank linked own/JOB/g1/r0/.s5.pt.json.tmp to a root-only file: root rewrote it with values the tenant
+    chose. The agent's records of a snapshot now live in its own tree (meta/, 0700)."""
+    k = key(5)
+    link = store.path(snaps.OWN, k).parent / ".s5.pt.json.tmp"
+    rank_writes(store, k, b"state")
+    link.symlink_to(victim)
+    store.accept_own(k, str(store.path(snaps.OWN, k)), 5, zlib.crc32(b"state"))
+    assert victim.read_text() == "root's"
+    assert stat.S_IMODE((store.root / "meta").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("plant", ["link", "fifo", "another account's file"])
+def test_a_snapshot_that_is_not_the_tenants_regular_file_is_refused_and_nothing_is_followed(store, victim, plant):
+    k = key(5)
+    path = store.path(snaps.OWN, k)
+    rank_writes(store, key(4), b"x")  # the rank's directories
+    if plant == "link":
+        path.symlink_to(victim)
+    elif plant == "fifo":
+        os.mkfifo(path)  # an open for reading would block the agent's loop for good
+    else:
+        path.write_bytes(b"root's")  # left its owner: root's, not the tenant's
+    size = 6 if plant != "fifo" else 0
+    with pytest.raises(snaps.SnapshotError, match="refused"):
+        store.accept_own(k, str(path), size, 0)
+    assert victim.read_text() == "root's" and snaps.OWN not in {h.kind for h in store.held() if h.key == k}
+
+
+def test_a_restarting_agent_never_deletes_through_a_linked_generation_directory(store, tmp_path, victim):
+    """_rescan globbed through a symlinked g*: pointed at the agent's own state, it deleted every rank record."""
+    held = store.path(snaps.OWN, key(1))
+    rank_writes(store, key(1), b"state")
+    store.accept_own(key(1), str(held), 5, zlib.crc32(b"state"))
+    (store.own_dir / "job-1" / "g2").symlink_to(victim.parent, target_is_directory=True)
+    (victim.parent / "r0").mkdir()
+    (victim.parent / "r0" / "s9.pt").write_text("root's too")
+    again = snaps.SnapshotStore(store.root, budget_bytes=1 << 20)
+    assert victim.read_text() == "root's" and (victim.parent / "r0" / "s9.pt").exists()
+    assert [h.key for h in again.held()] == [key(1)]
+    assert (store.own_dir / "job-1" / "g2").is_symlink()  # the tenant's link, left as it is, never followed
+
+
+@pytest.mark.parametrize("where", ["own", "root"])
+def test_a_snapshot_tree_another_account_could_change_is_not_used(tmp_path, victim, where):
+    """A local account made SNAPSHOT_DIR/NODE/own a link (in /dev/shm, 1777 and emptied at boot) before the agent's
+    first start: the agent chmodded its target 1777. Now every component is checked and none is made 1777."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    root = shm / "phalanx" / "node-a"
+    if where == "own":
+        root.mkdir(parents=True)
+        (root / "own").symlink_to(victim.parent, target_is_directory=True)
+        os.chown(root / "own", TENANT, TENANT, follow_symlinks=False)
+        match = "not a directory|link"
+    else:
+        (shm / "phalanx").mkdir()
+        os.chown(shm / "phalanx", TENANT, TENANT)  # the account made the directory first
+        match = f"owned by uid {TENANT}"
+    with pytest.raises(OSError, match=match):
+        snaps.SnapshotStore(root, budget_bytes=1 << 20)
+    assert stat.S_IMODE(victim.parent.stat().st_mode) == 0o700
+
+
+def test_the_snapshot_tree_is_made_with_nothing_writable_by_others(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    store = snaps.SnapshotStore(shm / "phalanx" / "node-a", budget_bytes=1 << 20)
+    for p in [store.root, *(store.root / kind for kind in ("own", "replica", "meta"))]:
+        assert not p.stat().st_mode & 0o022, p  # sticky 1777 is gone: ranks write in directories the agent gives
+    store.claim("job-2", TENANT, TENANT)
+    st = (store.own_dir / "job-2").stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (TENANT, 0o700)
+    writable = tmp_path / "open"
+    writable.mkdir()
+    writable.chmod(0o777)  # writable by all and not sticky: anyone could swap what is below
+    with pytest.raises(safefs.UnsafePath, match="writable by other accounts"):
+        snaps.SnapshotStore(writable / "node-a", budget_bytes=1 << 20)
+
+
+def test_a_replica_is_handed_to_a_tenants_rank_as_a_copy_of_its_own(store, victim):
+    """Replicas are the agent's, 0600: a job that ran as an account never restored from memory after a node loss.
+    The copy is made by descriptor: a link the rank planted at its name is replaced, never written through."""
+    data = b"replica bytes"
+    k = key(7)
+
+    async def fill(tmp: Path) -> tuple[int, int]:
+        tmp.write_bytes(data)
+        return len(data), zlib.crc32(data)
+
+    held = asyncio.run(store.accept_replica_by(k, len(data), zlib.crc32(data), fill))
+    planted = store.own_dir / "job-1" / "restore-r0.pt"
+    planted.symlink_to(victim)
+    path = store.hand_over(held)
+    assert path == planted and not path.is_symlink() and victim.read_text() == "root's"
+    st = path.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (TENANT, 0o600)
+    for d in path.parents:  # the account traverses to its directory (pytest's tmp is 0700)
+        if d == Path("/"):
+            break
+        d.chmod(d.stat().st_mode | 0o011)
+    read = subprocess.run(["cat", str(path)], user=TENANT, capture_output=True, timeout=30)
+    assert read.returncode == 0 and read.stdout == data
+    assert store.hand_over(held) == path  # asked again (a retry): a fresh copy, same place
+
+
+def test_claiming_a_directory_replaces_what_another_account_put_there(tmp_path, victim):
+    parent = tmp_path / "nccl"
+    parent.mkdir()
+    (parent / "job-1").symlink_to(victim.parent, target_is_directory=True)
+    account = Account("phx-t", TENANT, TENANT, (), "/", "/bin/sh")
+    account.claim(parent / "job-1")
+    st = os.lstat(parent / "job-1")
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == TENANT
+    assert stat.S_IMODE(victim.parent.stat().st_mode) == 0o700 and victim.parent.stat().st_uid == 0
+
+
+@pytest.mark.parametrize("plant", ["link", "fifo"])
+def test_the_nccl_dump_reader_opens_only_the_regular_file_it_saw(tmp_path, victim, plant):
+    """The scan saw a regular file and opened the name afterwards: a rank that swapped it for a FIFO hung the
+    agent's collector, for a link made root read the target."""
+    from agent.collectors import nccl
+
+    path = tmp_path / "dump-0"
+    if plant == "link":
+        path.symlink_to(victim)
+    else:
+        os.mkfifo(path)
+    with pytest.raises(nccl.DumpParseError):
+        nccl.read_dump(path)
