@@ -50,6 +50,13 @@ METHODS: dict[str, str] = {
     "DrainNode": ADMIN, "UndrainNode": ADMIN, "InjectFault": ADMIN, "CreateEnrolToken": ADMIN,
     "RevokeCertificate": ADMIN,
 }
+# RendezvousService method -> what it takes: a torchrun run is a job, its rounds a user's (or an admin's); the
+# identity that first joins a run owns it, and only it or an admin may join, report to or close it (the service
+# checks the owner: `require_owner`). Node certificates take no part once an access file is in force.
+RENDEZVOUS_METHODS: dict[str, str] = {
+    "Join": USER, "AwaitRound": USER, "NumNodesWaiting": USER, "SetClosed": USER, "Leave": USER,
+    "ReportWorker": USER, "GetRun": VIEWER,
+}
 
 
 @dataclass(frozen=True)
@@ -72,15 +79,32 @@ class Policy:
                                    f"adds [identities.{name}] with a role (admin, user or viewer)")
         return found
 
-    def admit(self, name: str, method: str) -> Identity:
-        """The caller's identity if its role may call `method`; raises PermissionDenied naming the rule."""
+    def admit(self, name: str, method: str, table: dict[str, str] = METHODS) -> Identity:
+        """The caller's identity if its role may call `method` (of the service whose rules `table` holds); raises
+        PermissionDenied naming the rule."""
         who = self.identity(name)
-        need = METHODS.get(method, ADMIN)
+        need = table.get(method, ADMIN)
         if _RANK[who.role] < _RANK[need]:
             what = {VIEWER: "viewers and above", USER: "users and admins", OWN: "a job's owner or an admin",
                     ADMIN: "admins"}[need]
             raise PermissionDenied(f"{name!r} is a {who.role}; {method} is for {what}")
         return who
+
+    def launchable(self, user: str, run_as: str) -> str:
+        """'' if a job of `user` may run as `run_as` now; else why not. Checked at every launch, not only at
+        submit: the stored record is not trusted (anything that could write the store could have set it), and
+        the access file may have changed since."""
+        try:
+            who = self.identity(user)
+            if _RANK[who.role] < _RANK[USER]:
+                raise PermissionDenied(f"{user!r} is a {who.role} and runs no jobs")
+            if not run_as:
+                raise PermissionDenied("the job names no account to run as (every job does under an access file)")
+            if self.account(who, run_as) != run_as:
+                raise PermissionDenied(f"{user!r} may not run jobs as {run_as!r}")
+        except PermissionDenied as e:
+            return f"not launched: {e}"
+        return ""
 
     def account(self, who: Identity, asked: str) -> str:
         """The account a job of `who` runs as (`asked`, or its default). Raises PermissionDenied."""

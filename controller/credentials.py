@@ -61,6 +61,7 @@ class Credentials:
         self.store, self.clock = store, clock
         self.ca_file, self.ca_key_file, self.enrol_days = ca_file, ca_key_file, enrol_days
         self.publish = publish
+        self.reserved: frozenset[str] = frozenset({"controller"})  # names no node may enrol as (server.py: its own)
         self.records: dict[str, CredentialRecord] = {}
         self._revocations = 0  # revoked/... records: none, and a call's certificate is not even parsed
         self._lock = asyncio.Lock()  # one change at a time: each reads the record it replaces
@@ -153,11 +154,14 @@ class Credentials:
         """(certificate PEM, CA PEM, not-after in Unix ns) for the node the CSR names. Raises PermissionDenied,
         InvalidArgument, FailedPrecondition; nothing is recorded unless a certificate is given."""
         from cryptography.hazmat.primitives import serialization
-        csr, name, spki = _read_csr(csr_pem)
-        public = csr.public_key()
-        ca_cert, ca_key = self._ca()
         async with self._lock:
+            # the token first: no CSR parsing and no CA-key work for a caller without one
             token_id, token_data = self._spend(token)
+            csr, name, spki = _read_csr(csr_pem)
+            if problem := pki.node_name_problem(name, self.reserved):
+                raise InvalidArgument(problem)
+            public = csr.public_key()
+            ca_cert, ca_key = self._ca()
             enrolled = self._data(f"node/{name}")
             revoked = self._data(f"revoked/name/node/{name}")
             if enrolled is not None and enrolled["spki_sha256"] != spki and \

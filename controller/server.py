@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,7 +34,7 @@ from controller.store.base import EventRecord, Store
 from controller.store.etcd import NotLeader
 from controller.store.timed import TimedStore
 from controller.switchboard import Methods, Switchboard
-from phalanx import log, metrics_http, tls
+from phalanx import log, metrics_http, pki, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
 from phalanx.rpc import SERVER_OPTIONS
@@ -137,6 +139,9 @@ class Controller:
         sec = cfg.security
         self.credentials = Credentials(store, self.clock, sec.ca_file, sec.ca_key_file, sec.enrol_days,
                                        self.hub.publish)
+        if sec.cert_file and not sec.insecure:  # no node may enrol under a name the controller answers to
+            with contextlib.suppress(OSError, ValueError):
+                self.credentials.reserved |= pki.certificate_names(Path(sec.cert_file).read_bytes())
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._authorizer: auth.Authorizer | None = None
@@ -224,6 +229,7 @@ class Controller:
     def _load_security(self) -> None:
         self._identity, self._credentials, self._tokens = load_security(self.cfg)
         self.policy = access.load(self.cfg.security.access_file)
+        self.jobs.access_policy = self.policy
         if self.policy is None and not self.cfg.security.insecure:
             logger.warning("no security.access_file: every authenticated client is an admin and ranks run as the "
                            "agent's user")

@@ -491,3 +491,4 @@ def test_a_node_whose_health_a_takeover_has_not_judged_yet_is_not_placed_on():
         await world.stop()
 
     run(go())
+

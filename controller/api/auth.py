@@ -36,6 +36,8 @@ SERVICE_ROLES: dict[str, frozenset[str]] = {
     # torchrun's handler runs beside the ranks on a node, or wherever a user starts it.
     "phalanx.v1.RendezvousService": frozenset({CLIENT, NODE}),
 }
+# With an access file, the rules of each of these services' methods (controller/access.py): clients only.
+POLICED = {"phalanx.v1.ControlService": access.METHODS, "phalanx.v1.RendezvousService": access.RENDEZVOUS_METHODS}
 # EnrolService: a node that has no certificate yet proves itself with the bootstrap token in its request.
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "phalanx.v1.EnrolService"})
 
@@ -154,11 +156,15 @@ async def _admit(authorizer: Authorizer, roles: frozenset[str], metadata, servic
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                             f"{peer} may not call {service} (allowed: {', '.join(sorted(roles)) or 'nobody'})")
     _peer.set(peer)
-    if authorizer.policy is not None and service == "phalanx.v1.ControlService" and peer.role == CLIENT:
-        try:
-            access.set_caller(authorizer.policy.admit(peer.name, method.rsplit("/", 1)[-1]))
-        except PermissionDenied as e:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+    if authorizer.policy is None or service not in POLICED:
+        return
+    try:
+        if peer.role != CLIENT:  # a node's certificate speaks for its agent, never for a user's torchrun
+            raise PermissionDenied(f"{peer} may not call {service} when an access file is in force: torchrun's "
+                                   "handler uses its user's certificate or token (PHALANX_CERT/KEY, PHALANX_TOKEN)")
+        access.set_caller(authorizer.policy.admit(peer.name, method.rsplit("/", 1)[-1], POLICED[service]))
+    except PermissionDenied as e:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
 
 
 def _guarded(handler: grpc.RpcMethodHandler, authorizer: Authorizer, roles: frozenset[str], metadata,

@@ -43,6 +43,22 @@ async def newest_events(store: Store, after_seq: int, limit: int, node: str = ""
     return found[-limit:]
 
 
+def _shown(job: common_pb2.Job) -> common_pb2.Job:
+    """The job as the caller may see it: its environment's values (tokens, passwords) only to its owner and admins;
+    a viewer or another user sees the names, each value "<hidden>"."""
+    who = access.caller()
+    if who is None or who.role == access.ADMIN or who.name == job.user or not job.spec.env:
+        return job
+    shown = common_pb2.Job()
+    shown.CopyFrom(job)
+    for name in shown.spec.env:
+        shown.spec.env[name] = HIDDEN
+    return shown
+
+
+HIDDEN = "<hidden>"
+
+
 class ControlService(control_pb2_grpc.ControlServiceServicer):
     def __init__(self, registry: Registry, store: Store, hub: EventHub, jobs: JobManager,
                  controllers: Callable[[], Awaitable[control_pb2.ListControllersResponse]] | None = None,
@@ -200,12 +216,12 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         if unknown:
             raise InvalidArgument(f"states: {unknown[0]} is not a job state")
         torchrun = [j for j in self._torchrun_jobs() if not states or j.state in states]
-        return control_pb2.ListJobsResponse(jobs=[*self._jobs.list(states), *torchrun])
+        return control_pb2.ListJobsResponse(jobs=[_shown(j) for j in (*self._jobs.list(states), *torchrun)])
 
     @unary
     async def GetJob(self, request: control_pb2.GetJobRequest, context):
         torchrun = self._torchrun_job(request.id)
-        return torchrun if torchrun is not None else self._jobs.get(validation.job_id(request.id))
+        return _shown(torchrun if torchrun is not None else self._jobs.get(validation.job_id(request.id)))
 
     def _torchrun_job(self, job_id: str) -> common_pb2.Job | None:
         """The torchrun run `job_id` names (torchrun-RUN_ID), or None if it names none."""

@@ -296,7 +296,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     await registry.gpu_event(entry, message.gpu_event)
                     self._jobs.wake()
                 elif body == "checkpoint_ack":
-                    self._jobs.checkpoint_ack(message.checkpoint_ack)
+                    self._jobs.checkpoint_ack(entry.record.name, message.checkpoint_ack)
                 elif body == "result":
                     session.resolve(message.result)
                 elif body == "open":

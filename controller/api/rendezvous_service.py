@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from controller import access
 from controller.api.rpc import unary
 from controller.errors import InvalidArgument, NotFound
 from controller.nodes.health import Health
@@ -17,6 +18,7 @@ from controller.nodes.states import DOWN
 from controller.rendezvous.book import (
     MAX_ID_CHARS,
     MAX_NODES,
+    MAX_RUNS,
     MAX_WAIT_S,
     MAX_WORKERS,
     RELEARN_GRACE_S,
@@ -78,7 +80,7 @@ def _store(s: rendezvous_pb2.StoreAddress) -> StoreAddress:
     return StoreAddress(host, s.port)
 
 
-def run_job(run: Run) -> common_pb2.Job:
+def run_job(run: Run, owner: str = "") -> common_pb2.Job:
     formed, waiting = run.formed, list(run.open.waiting.values()) if run.open else []
     if run.closed:
         state, reason = common_pb2.JOB_STATE_SUCCEEDED, "torchrun rendezvous closed (a node finished or shut down)"
@@ -95,6 +97,7 @@ def run_job(run: Run) -> common_pb2.Job:
                          generation=formed.number if formed else 0,
                          nodes=[p.node or p.id for p in ranks], spares=[p.node or p.id for p in waiting])
     job.spec.name = run.id[:63]
+    job.user = owner
     job.spec.command.append("torchrun")
     job.spec.nodes = settings.max_nodes if settings else 0
     return job
@@ -110,6 +113,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         self._registry = registry
         self._log = log  # (kind, message, run id) -> committed to the event log
         self._logging: set[asyncio.Task] = set()
+        self._owners: dict[str, str] = {}  # run id -> the identity that owns it (with an access file)
         # Request ids from the wall clock (ms): a restarted controller never reuses one a worker already answered.
         self.book = RendezvousBook(on_change=self._wake, fit=self._fit, on_event=self._event,
                                    first_ask_id=clock.wall_ns() // 1_000_000,
@@ -141,7 +145,23 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
 
     def jobs(self) -> list[common_pb2.Job]:
         """The torchrun runs, as `phalanx jobs` lists them: the running round's nodes, the waiting ones as spares."""
-        return [run_job(run) for run in self.book.runs()]
+        return [run_job(run, self._owners.get(run.id, "")) for run in self.book.runs()]
+
+    def _authorize(self, run_id: str) -> None:
+        """Raise PermissionDenied unless the caller may act on the run: with an access file, the identity that
+        first joined (or reported to) it owns it, and only that identity or an admin may join, report to or close
+        it. A run this controller does not hold (new, forgotten, or not yet re-learned after a takeover) goes to
+        the first identity that acts on it."""
+        who = access.caller()
+        if who is None:  # no access file: every client is an admin
+            return
+        owner = self._owners.get(run_id)
+        if owner is None or self.book.get(run_id) is None:
+            if len(self._owners) >= 2 * MAX_RUNS:
+                self._owners = {r: o for r, o in self._owners.items() if self.book.get(r) is not None}
+            self._owners[run_id] = who.name
+            return
+        access.require_owner(owner, f"torchrun run {run_id!r}")
 
     def _wake(self, run_id: str) -> None:
         event = self._events.pop(run_id, None)
@@ -151,6 +171,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     @unary
     async def Join(self, request: rendezvous_pb2.JoinRequest, context) -> rendezvous_pb2.RoundReply:
         run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        self._authorize(run_id)
         pid = _text(request.participant_id, "participant_id", "give a name unique to this torchrun agent")
         settings = _settings(request.settings)
         join_timeout = _seconds(request.join_timeout_s, "join_timeout_s", 0.001, 7 * 86400)
@@ -163,6 +184,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     @unary
     async def AwaitRound(self, request: rendezvous_pb2.AwaitRoundRequest, context) -> rendezvous_pb2.RoundReply:
         run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        self._authorize(run_id)
         pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
         wait_s = _seconds(request.wait_s, "wait_s", 0, MAX_WAIT_S)
         start = self._clock.monotonic()
@@ -185,6 +207,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     async def NumNodesWaiting(self, request: rendezvous_pb2.NumNodesWaitingRequest,
                               context) -> rendezvous_pb2.NumNodesWaitingReply:
         run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        self._authorize(run_id)
         pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
         member = None
         if request.HasField("member"):
@@ -202,7 +225,9 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
 
     @unary
     async def SetClosed(self, request: rendezvous_pb2.SetClosedRequest, context) -> rendezvous_pb2.SetClosedReply:
-        self.book.close(_text(request.run_id, "run_id", "pass --rdzv-id"), self._clock.monotonic())
+        run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        self._authorize(run_id)
+        self.book.close(run_id, self._clock.monotonic())
         return rendezvous_pb2.SetClosedReply()
 
     @unary
@@ -220,6 +245,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     @unary
     async def Leave(self, request: rendezvous_pb2.LeaveRequest, context) -> rendezvous_pb2.LeaveReply:
         run_id = _text(request.run_id, "run_id", "pass --rdzv-id")
+        self._authorize(run_id)
         pid = _text(request.participant_id, "participant_id", "give the id this participant joined with")
         self.book.leave(run_id, pid, request.round, request.close_run, self._clock.monotonic())
         return rendezvous_pb2.LeaveReply()
@@ -227,6 +253,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     @unary
     async def ReportWorker(self, request: rendezvous_pb2.WorkerReport, context) -> rendezvous_pb2.WorkerReply:
         run_id = _text(request.run_id, "run_id", "the worker's $PHALANX_RDZV_RUN (its torchrun --rdzv-id)")
+        self._authorize(run_id)
         if not 1 <= request.world_size <= MAX_WORKERS:
             raise InvalidArgument(f"world_size ({request.world_size}) must be between 1 and {MAX_WORKERS}")
         if request.rank >= request.world_size:

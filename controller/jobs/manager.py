@@ -83,6 +83,13 @@ class JobEntry:
             self.launch = None
 
 
+
+def runs_here(job: pb.Job, rank: int, node: str) -> bool:
+    """Whether `node` runs rank `rank` of the job's current generation: the only node whose reports about that rank
+    (its state, progress, NCCL state, checkpoint acks) are believed. The ranks are in rank order (rank_table)."""
+    ranks = job.ranks
+    return 0 <= rank < len(ranks) and ranks[rank].rank == rank and ranks[rank].node == node
+
 class JobManager:
     INCIDENT_KINDS = detectors.KINDS
 
@@ -109,6 +116,8 @@ class JobManager:
         self.restarts_by_cause: Counter[str] = Counter()
         self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
         self.executor = Executor(self)
+
+    access_policy: access.Policy | None = None  # the access file (server.py sets it): run_as checked at each launch
 
     def policy(self) -> lifecycle.Policy:
         return lifecycle.Policy(self.recovery_cfg, self.cfg)
@@ -258,11 +267,17 @@ class JobManager:
         while not lifecycle.pace_known(entry.tracks, entry.reported) and self.clock.monotonic() < deadline:
             await self.clock.sleep(0.1)
 
-    def checkpoint_ack(self, ack: node_pb2.CheckpointAck) -> None:
+    def checkpoint_ack(self, node: str, ack: node_pb2.CheckpointAck) -> None:
+        """Rank `ack.rank` committed a checkpoint, says `node`: counted only from the node that runs that rank of
+        the generation the request was for (another node's certificate cannot speak for it)."""
         entry = self.entries.get(ack.job)
         pending = entry.checkpoint if entry is not None else None
         if pending is None or (pending.request_id, pending.generation) != (ack.request_id, ack.generation):
             return  # unasked, or from a stale generation: fenced, never counted
+        if not runs_here(entry.job, ack.rank, node):
+            logger.warning("checkpoint ack from a node that does not run the rank: ignored", job=ack.job,
+                           rank=ack.rank, node=node)
+            return
         pending.acks[ack.rank] = ack.step
         (pending.in_memory.add if ack.in_memory else pending.in_memory.discard)(ack.rank)
         if len(pending.acks) >= pending.ranks:
@@ -285,7 +300,8 @@ class JobManager:
         for status in heartbeat.ranks:
             entry = self.entries.get(status.job)
             if entry is not None and entry.job.state in ACTIVE and status.generation == entry.job.generation:
-                reported[(status.job, status.rank)] = status
+                if runs_here(entry.job, status.rank, name):  # a node speaks for its own ranks only
+                    reported[(status.job, status.rank)] = status
             elif status.state == pb.RANK_STATE_RUNNING:
                 stale = True
             elif entry is not None and entry.job.state in TERMINAL and status.generation == entry.job.generation:
@@ -294,7 +310,8 @@ class JobManager:
         now = self.now()
         for report in heartbeat.progress:
             entry = self.entries.get(report.job)
-            if entry is None or entry.job.generation != report.generation or entry.job.state not in ACTIVE:
+            if entry is None or entry.job.generation != report.generation or entry.job.state not in ACTIVE or \
+                    not runs_here(entry.job, report.rank, name):
                 continue
             if not entry.tracks:  # trainlib speaks for this job: follow every rank's progress from now on
                 entry.reported = True
@@ -305,7 +322,7 @@ class JobManager:
                               report.saving, report.last_step_unix_ns / 1e9)
         for nccl in heartbeat.nccl:
             entry = self.entries.get(nccl.job)
-            if entry is not None and entry.job.state in ACTIVE:
+            if entry is not None and entry.job.state in ACTIVE and runs_here(entry.job, nccl.rank, name):
                 entry.nccl[nccl.rank] = nccl
         for job_id in self._on_node.get(name, ()):
             entry = self.entries[job_id]
@@ -462,9 +479,11 @@ class JobManager:
             return
         entry.prepared[spare] = now
         spec = entry.job.spec
+        if spec.run_as:  # its ranks start cold: a standby would run its code as the agent's user
+            return
         self.executor.send(spare, node_pb2.Command(prepare=node_pb2.PrepareRanks(
             job=entry.job.id, command=spec.command, env=spec.env, workdir=spec.workdir,
-            count=spec.ranks_per_node if count is None else count, hold_s=PREPARE_HOLD_S)),
+            count=spec.ranks_per_node if count is None else count, hold_s=PREPARE_HOLD_S, run_as=spec.run_as)),
             f"prepare-{entry.job.id}-{spare}")
 
     def _pin(self, entry: JobEntry) -> None:

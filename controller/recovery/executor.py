@@ -273,6 +273,10 @@ class Executor:
         job = entry.job
         registry = self.jobs.registry
         try:
+            policy = self.jobs.access_policy  # the record is not trusted: its run_as is checked every time
+            refused = policy.launchable(job.user, job.spec.run_as) if policy is not None else ""
+            if refused:
+                raise FailedPrecondition(refused)
             master = registry.get(job.nodes[0])
             port = (await _session(master).request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
             address = master.inventory().address or peer_host(master.peer)

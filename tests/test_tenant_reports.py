@@ -1,0 +1,108 @@
+"""What a node or a job's spec can make the controller do, in process (tests/jobs_world.py): a node speaks only
+for the ranks it runs, and no standby runs the code of a job that runs as an account (issue 39). The real-process
+attacks on the same rules are in tests/test_attacks.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from phalanx.v1 import common_pb2 as pb
+from phalanx.v1 import node_pb2
+from tests.jobs_world import World
+from tests.test_recovery_faults import asked, cluster, run, state
+
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
+
+def test_a_node_cannot_speak_for_a_rank_it_does_not_run():
+    """Issue 39: with node-b's own certificate and no rank of the job on it, forged checkpoint acks made `phalanx
+    checkpoint` say every rank committed step 4242, and forged progress and rank states were taken in. Reports
+    about a rank are believed only from the node that runs it, in the generation they name."""
+
+    async def go():
+        world = World()
+        job_id = await cluster(world)
+        job = world.job(job_id)
+        a, b = (world.agents[n] for n in job.nodes)
+        spare = world.agents[job.spares[0]]
+        forged = spare.session is not None and world.registry.get(spare.name)
+        # the spare says rank 0 (node a's) exited and made progress: neither is believed
+        heartbeat = node_pb2.Heartbeat(
+            ranks=[node_pb2.RankStatus(job=job_id, generation=1, rank=0, state=pb.RANK_STATE_EXITED, exit_code=1)],
+            progress=[node_pb2.RankProgress(job=job_id, generation=1, rank=0, last_step=4242, steps=10,
+                                            mean_step_s=0.01)])
+        world.jobs.observe(forged, heartbeat)
+        assert state(world, job_id) == "RUNNING" and not world.jobs.entries[job_id].tracks
+        assert [r.state for r in world.job(job_id).ranks] == [pb.RANK_STATE_RUNNING] * 2
+        # a user's checkpoint: the spare's acks for both ranks are not counted; the ranks' own are
+        asking = asyncio.create_task(world.jobs.checkpoint(job_id, 30))
+        await world.until(lambda: asked(a) and asked(b), "the request at the job's nodes")
+        request_id = asked(a)[-1].request_id
+        for rank in (0, 1):
+            world.jobs.checkpoint_ack(spare.name, node_pb2.CheckpointAck(job=job_id, generation=1, rank=rank,
+                                                                         request_id=request_id, step=4242))
+        assert not world.jobs.entries[job_id].checkpoint.acks and not asking.done()
+        world.jobs.checkpoint_ack(a.name, node_pb2.CheckpointAck(job=job_id, generation=1, rank=1,
+                                                                 request_id=request_id, step=4242))  # b's rank
+        for agent, rank in ((a, 0), (b, 1)):
+            world.jobs.checkpoint_ack(agent.name, node_pb2.CheckpointAck(job=job_id, generation=1, rank=rank,
+                                                                         request_id=request_id, step=7))
+        step, _ = await asking
+        assert step == 7
+        await world.stop()
+
+    run(go())
+
+
+
+def test_no_spare_is_asked_to_keep_standbys_of_a_job_that_runs_as_an_account():
+    """A standby runs the job's program as the agent's user (root): a `user` whose job ran as its account got root
+    on the spare through a torch.py beside its script. Of two jobs with a spare each, only the one that runs as the
+    agent's user is prepared."""
+
+    async def go():
+        world = World()
+        await world.start()
+        for name in ("node-a", "node-b", "node-c", "node-d"):
+            await world.add(name).connect()
+        tenant = await world.jobs.submit(pb.JobSpec(command=["python", "train.py"], nodes=1, ranks_per_node=1,
+                                                    spares=1, run_as="phx-alice"), "alice")
+        trial = await world.jobs.submit(pb.JobSpec(command=["python", "train.py"], nodes=1, ranks_per_node=1,
+                                                   spares=1), "tester")
+        await world.until(lambda: all(world.job(j.id).state == pb.JOB_STATE_RUNNING for j in (tenant, trial)),
+                          "both jobs running")
+        prepared = lambda: [c.prepare for a in world.agents.values() for c in a.commands  # noqa: E731
+                            if c.WhichOneof("body") == "prepare"]
+        await world.until(lambda: any(p.job == trial.id for p in prepared()), "the trial job's spare prepared")
+        assert {p.job for p in prepared()} == {trial.id}
+        assert all(p.run_as == "" for p in prepared())
+        await world.stop()
+
+    run(go())
+
+
+@pytest.mark.parametrize("run_as", ["", "root", "phx-bob"])
+def test_a_job_record_is_launched_only_as_an_account_its_user_may_use(run_as):
+    """run_as was checked only at submit: a record written to the store by anything else (a stolen certificate
+    with write access to etcd, an older controller) with an empty run_as was launched as root by the next leader.
+    The access file is asked again at every launch."""
+    from controller.access import Identity, Policy
+
+    async def go():
+        world = World()
+        await world.start()
+        world.jobs.access_policy = Policy({"alice": Identity("alice", "user", ("phx-alice",))}, "access.toml")
+        for name in ("node-a", "node-b"):
+            await world.add(name).connect()
+        job = await world.jobs.submit(pb.JobSpec(command=["train"], nodes=1, ranks_per_node=1, run_as=run_as),
+                                      "alice")
+        await world.until(lambda: "not launched" in world.job(job.id).reason, "the launch refused")
+        assert not [a for a in world.agents.values() if "launch" in a.received]
+        ok = await world.jobs.submit(pb.JobSpec(command=["train"], nodes=1, ranks_per_node=1, run_as="phx-alice"),
+                                     "alice")
+        await world.until(lambda: world.job(ok.id).state == pb.JOB_STATE_RUNNING, "alice's own account launched")
+        await world.stop()
+
+    run(go())
