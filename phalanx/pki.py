@@ -128,6 +128,39 @@ def _san_entries(x509, names: list[str]):
     return entries
 
 
+def certificate_names(pem: bytes) -> frozenset[str]:
+    """The names a certificate vouches for: its common name and every DNS and IP SAN. Raises ValueError."""
+    x509 = _x509()[0]
+    from cryptography.x509.oid import NameOID
+    cert = x509.load_pem_x509_certificate(pem)
+    names = {str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)}
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names |= set(sans.get_values_for_type(x509.DNSName)) | {str(ip) for ip in sans.get_values_for_type(
+            x509.IPAddress)}
+    except x509.ExtensionNotFound:
+        pass
+    return frozenset(names)
+
+
+def node_name_problem(name: str, reserved: frozenset[str] = frozenset()) -> str:
+    """Why `name` may not be a node certificate's name, or "". A node's certificate is also a server certificate
+    (for its snapshot port) whose SAN is its name: a node named like an address ("10.0.0.1", "localhost") or like
+    a controller (`reserved`: the controller's own names) would be a certificate the controller's clients accept
+    as the controller."""
+    try:
+        ipaddress.ip_address(name)
+        return f"{name!r} is an IP address; a node's name must not be one (its certificate would vouch for it)"
+    except ValueError:
+        pass
+    lowered = name.lower()
+    if lowered == "localhost" or lowered.endswith(".localhost"):
+        return f"{name!r} is reserved (localhost)"
+    if lowered in {r.lower() for r in reserved}:
+        return f"{name!r} is a controller's name; a node may not take it"
+    return ""
+
+
 def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str, ...] = (),
           days: int = LEAF_DAYS) -> Issued:
     """Create NAME.crt and NAME.key signed by the CA in directory."""
@@ -135,6 +168,8 @@ def issue(directory: str | Path, name: str, role: str = "node", sans: tuple[str,
         raise PkiError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     if not NAME.fullmatch(name):
         raise PkiError(f"bad certificate name {name!r}: {RULE} (a node's name, or a user's)")
+    if role == "node" and (problem := node_name_problem(name)):
+        raise PkiError(problem)
     _, _, serialization, ec, _, _ = _x509()
     d = Path(directory)
     ca_cert, ca_key = _load_ca(d)

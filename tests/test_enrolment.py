@@ -85,7 +85,7 @@ def test_a_node_enrols_itself_and_joins_with_a_key_made_on_it(enrolling, tmp_pat
     assert not (tmp_path / "thief" / "node.key").exists()
 
 
-@pytest.mark.parametrize("case", ["expired", "used-up", "unknown", "wrong-ca-hash", "bad-name"])
+@pytest.mark.parametrize("case", ["expired", "used-up", "unknown", "wrong-ca-hash", "bad-name", "address-name"])
 def test_enrolment_refusals_say_why_and_enrol_nothing(enrolling, tmp_path, case):
     c = enrolling
     t = token(c, "--ttl", "1s" if case == "expired" else "1h", "--uses", "1")
@@ -104,9 +104,12 @@ def test_enrolment_refusals_say_why_and_enrol_nothing(enrolling, tmp_path, case)
         pki.init_ca(other, cluster="elsewhere")
         ca_hash = pki.ca_hash((other / "ca.crt").read_bytes())
         expected = "not the " + ca_hash + " you were given: refusing it"
-    else:
+    elif case == "bad-name":
         name = "gpu 7"
         expected = "is not a node name"
+    else:  # its certificate would vouch for the controller's address (issue 39)
+        name = "127.0.0.1"
+        expected = "'127.0.0.1' is an IP address"
     before = len(events(c, "cert.enrolled"))
     out = enrol(c, tok, ca_hash, name, tmp_path / "node")
     assert out.returncode != 0 and expected in out.stderr, out.stderr
@@ -122,7 +125,7 @@ def _unix(iso: str) -> float:
 
 def test_a_revoked_node_is_cut_off_at_once_stays_out_after_a_restart_and_may_enrol_anew(enrolling, tmp_path):
     c = enrolling
-    t = token(c, "--ttl", "1h")
+    t = token(c, "--ttl", "1h", "--uses", "2")
     first = tmp_path / "first"
     assert enrol(c, t["token"], t["ca_hash"], "gpu301", first).returncode == 0
     start_enrolled(c, "gpu301", first)

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from phalanx import __version__, faults, hostlist, leader, pki, tls
-from phalanx.cli import local, render
+from phalanx.cli import local, render, terminal
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.rpc import (
     CLIENT_OPTIONS,
@@ -532,12 +532,13 @@ def cmd_wait(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     offset = 0
     out = sys.stdout.buffer
+    to_terminal = out.isatty()  # a log is anyone's text: escaped on a terminal, raw into a file or a pipe
     reached = [False]
     while True:
         request = control_pb2.ReadLogsRequest(job=args.job, rank=args.rank, offset=offset)
         read = lambda s, request=request: s.ReadLogs(request, timeout=DEFAULT_TIMEOUT_S)  # noqa: E731
         chunk = _polled(args, read, reached) if args.follow else call(args, read)
-        out.write(chunk.data)
+        out.write(terminal.escape_bytes(chunk.data) if to_terminal else chunk.data)
         out.flush()
         offset = chunk.next_offset
         if offset < chunk.size:
@@ -771,9 +772,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = certs_sub.add_parser("token", help="bootstrap tokens for nodes to enrol themselves")
     token_sub = _Commands(p, "token_command", "ACTION", common)
     p = token_sub.add_parser("create", help="make a bootstrap token; prints it with the CA's hash")
-    p.add_argument("--ttl", type=_duration, default=86_400.0, metavar="DURATION",
-                   help="how long it is good for: 30m, 24h, 7d or seconds (default 24h, at most 7d)")
-    p.add_argument("--uses", type=_count, default=0, help="nodes it may enrol (default 0: any number until it expires)")
+    p.add_argument("--ttl", type=_duration, default=3_600.0, metavar="DURATION",
+                   help="how long it is good for: 30m, 24h, 7d or seconds (default 1h, at most 7d)")
+    p.add_argument("--uses", type=_count, default=1,
+                   help="nodes it may enrol (default 1: a token per node; 0: any number until it expires)")
     p.add_argument("--description", help="kept with it, in the event log")
     add_output(p, "text", "json")
     p.set_defaults(func=cmd_certs_token)
@@ -1040,6 +1042,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in GLOBAL_DEFAULTS.items():
         if not hasattr(args, key):
             setattr(args, key, value)
+    streams = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, terminal.Escaped):  # names, reasons and messages are other people's text
+        sys.stdout, sys.stderr = terminal.Escaped(sys.stdout), terminal.Escaped(sys.stderr)
     try:
         return args.func(args)
     except CliError as e:
@@ -1053,6 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return OK
     finally:
+        sys.stdout, sys.stderr = streams
         if getattr(args, "follower", None) is not None:
             args.follower.close()
 
