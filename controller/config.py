@@ -203,8 +203,13 @@ class StoreConfig:
                            choices=("sqlite", "etcd"))
     etcd_endpoints: str = setting("127.0.0.1:2379", "comma-separated host:port of the etcd members (the v3 API)")
     etcd_prefix: str = setting("/phalanx/", "key prefix of this cluster's records in etcd")
-    etcd_tls: bool = setting(True, "mutual TLS to etcd with security.ca_file, cert_file and key_file (the "
-                             "controller's own certificate); false = plaintext, only for etcd on loopback")
+    etcd_tls: bool = setting(True, "mutual TLS to etcd: with etcd_ca_file, etcd_cert_file and etcd_key_file, else "
+                             "security.ca_file, cert_file and key_file; false = plaintext, only for etcd on loopback")
+    etcd_ca_file: str = setting("", "the CA etcd trusts, one of its own that only controllers and etcd members hold "
+                                "(`phalanx certs init --dir /etc/phalanx/etcd-pki`): with the cluster CA, every node's "
+                                "and user's certificate could read and write etcd. Empty = security.ca_file (warned)")
+    etcd_cert_file: str = setting("", "this controller's client certificate for etcd, from etcd_ca_file's CA")
+    etcd_key_file: str = setting("", "its key")
     etcd_timeout_s: float = setting(2.0, "deadline of one etcd request")
     etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops: commits with more records are split into "
                                     "transactions of this size")
@@ -221,6 +226,9 @@ class StoreConfig:
                                  "lease instead of waiting out lease_ttl_s")
 
     def __post_init__(self) -> None:
+        given = [bool(f) for f in (self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file)]
+        require(all(given) or not any(given), "store.etcd_ca_file, etcd_cert_file and etcd_key_file go together: "
+                "give all three (etcd's own CA and this controller's certificate from it), or none")
         if self.backend == "etcd":
             require(bool(endpoints(self.etcd_endpoints)), "store.etcd_endpoints is empty")
             for e in endpoints(self.etcd_endpoints):

@@ -74,8 +74,14 @@ async def serve(cfg: controller_config.ControllerConfig, path: str | None = None
 def etcd_of(cfg: controller_config.ControllerConfig) -> Etcd:
     tls_files = None
     if cfg.store.etcd_tls:
-        sec = cfg.security
-        ident = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's (for etcd)", logger)
+        store, sec = cfg.store, cfg.security
+        if store.etcd_ca_file:
+            ident = tls.load_identity(store.etcd_ca_file, store.etcd_cert_file, store.etcd_key_file,
+                                      "the controller's for etcd (store.etcd_*)", logger)
+        else:
+            logger.warning("etcd trusts the cluster CA: every node's and user's certificate can read and write the "
+                           "store; give etcd a CA of its own (store.etcd_ca_file, etcd_cert_file, etcd_key_file)")
+            ident = tls.load_identity(sec.ca_file, sec.cert_file, sec.key_file, "the controller's (for etcd)", logger)
         tls_files = EtcdTls(ident.ca, ident.cert, ident.key)
     return Etcd(controller_config.endpoints(cfg.store.etcd_endpoints), tls_files, cfg.store.etcd_timeout_s)
 

@@ -479,3 +479,52 @@ def test_etcd_commits_larger_than_a_request_are_split_by_size(etcd_server):
         assert len(await store.load_nodes()) == 70
         await store.close()
     run(go())
+
+
+def test_etcd_with_a_ca_of_its_own_refuses_every_cluster_certificate(tmp_path):
+    """Issue 39: with etcd trusting the cluster CA, any node's or user's certificate could write a job record (an
+    empty run_as), delete revocations or hold the leader key. The documented set-up gives etcd a CA of its own that
+    only controllers and etcd members hold (store.etcd_*): the controller reaches it, a node's certificate does
+    not get past the handshake."""
+    from controller import config as controller_config
+    from controller.main import etcd_of
+    from phalanx import etcdlocal, pki
+    try:
+        etcdlocal.etcd_binary()
+    except etcdlocal.EtcdMissing as e:
+        pytest.skip(str(e))
+    cluster, own = tmp_path / "pki", tmp_path / "etcd-pki"
+    pki.init_ca(cluster, cluster="test")
+    pki.issue(cluster, "controller", "controller", ("127.0.0.1",))
+    pki.issue(cluster, "node-b", "node")
+    pki.init_ca(own, cluster="test-etcd")
+    pki.issue(own, "etcd", "etcd", ("127.0.0.1",))
+    pki.issue(own, "ctl1", "controller")
+    members = etcdlocal.plan(tmp_path, 1)
+    etcdlocal.start(members[0], members, pki=own)
+    try:
+        etcdlocal.wait_healthy(members, pki=own)
+        (tmp_path / "controller.toml").write_text(
+            f'[security]\nca_file = "{cluster / "ca.crt"}"\ncert_file = "{cluster / "controller.crt"}"\n'
+            f'key_file = "{cluster / "controller.key"}"\n[store]\nbackend = "etcd"\n'
+            f'etcd_endpoints = "{members[0].endpoint}"\netcd_ca_file = "{own / "ca.crt"}"\n'
+            f'etcd_cert_file = "{own / "ctl1.crt"}"\netcd_key_file = "{own / "ctl1.key"}"\n')
+        cfg = controller_config.load(str(tmp_path / "controller.toml"))
+
+        async def go():
+            store = EtcdStore(etcd_of(cfg), "/p/")
+            assert (await store.commit(nodes=[NodeRecord("n1", UP)])).nodes[0].revision > 0
+            await store.close()
+            # the node's own certificate and key, trusting etcd's server certificate: the handshake is refused
+            node = EtcdTls(*((own / "ca.crt").read_bytes(), (cluster / "node-b.crt").read_bytes(),
+                             (cluster / "node-b.key").read_bytes()))
+            stolen = EtcdStore(Etcd([members[0].endpoint], node, timeout_s=2), "/p/")
+            with pytest.raises(StoreError):
+                await stolen.load_nodes()
+            await stolen.close()
+        run(go())
+    finally:
+        etcdlocal.stop(members[0])
+    (tmp_path / "half.toml").write_text(f'[store]\netcd_ca_file = "{own / "ca.crt"}"\n')
+    with pytest.raises(Exception, match="go together"):
+        controller_config.load(str(tmp_path / "half.toml"))
