@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ logger = log.get("local")
 
 
 MAX_SAMPLES = 64  # per rank per heartbeat: enough for straggler statistics, bounded for the controller
+TELL_RATE, TELL_BURST = 20.0, 200.0  # events a second a job's ranks may send through the agent, and a burst of
+MAX_TELL_JOBS = 4096
 NO_SNAPSHOTS = "this node keeps no snapshots (agent snapshot_dir is empty)"
 
 
@@ -110,6 +113,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         self._slow_factor = slow_factor  # (job, generation, rank) -> the slow=F injected on its GPU, or 0.0
         self._park = park  # Supervisor.park: (request, deliver) -> "" or why the rank cannot wait here
         self.own_sockets: set[str] = set()  # jobs served on a socket of their own (serve_job_socket)
+        self._tells: dict[str, tuple[float, float]] = {}  # job -> (tokens left, when counted): Tell's rate per job
 
     async def Report(self, request: local_pb2.ReportRequest, context) -> local_pb2.ReportReply:
         key = (request.job, request.generation, request.rank)
@@ -188,9 +192,27 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         return local_pb2.FetchSnapshotReply(path=str(path), crc32=held.crc32)
 
     async def Tell(self, request: local_pb2.TellRequest, context) -> local_pb2.TellReply:
+        """An event from a rank for the controller's log. At most TELL_RATE a second per job (a burst of TELL_BURST):
+        the agent's outbox to the controller also carries every job's checkpoint acks and command results, which
+        one job's flood must not push out. Beyond it the event is dropped (logged here once a second)."""
+        if not self._tell_allowed(request.job):
+            return local_pb2.TellReply()
         kind = request.kind if request.kind.replace("_", "").isalnum() else "trainlib"
         self._emit(kind[:64], request.message[:2000], job=request.job[:256], rank=str(request.rank))
         return local_pb2.TellReply()
+
+    def _tell_allowed(self, job: str) -> bool:
+        now = time.monotonic()
+        if len(self._tells) > MAX_TELL_JOBS:  # job names are the caller's: the table stays bounded
+            self._tells = {j: t for j, t in self._tells.items() if now - t[1] < TELL_BURST / TELL_RATE}
+        tokens, then = self._tells.get(job, (TELL_BURST, now))
+        tokens = min(TELL_BURST, tokens + (now - then) * TELL_RATE)
+        allowed = tokens >= 1
+        self._tells[job] = (tokens - 1 if allowed else tokens, now)
+        if not allowed and int(now) != int(then):
+            logger.warning("a job's events are dropped: more than the agent forwards", job=job[:256],
+                           rate_per_s=TELL_RATE)
+        return allowed
 
     async def Park(self, request: local_pb2.ParkRequest, context) -> local_pb2.ParkReply:
         """Hold a rank whose generation ended until the next one is launched here with it (its environment), or

@@ -136,3 +136,21 @@ def test_a_slow_fault_on_a_ranks_gpu_reaches_that_rank_in_its_report_reply():
     assert [report(service, "job-1", 1, rank, 5).slow_factor for rank in (0, 1)] == [0.0, 0.5]
     slowed.clear()  # the fault ended (its rank was stopped, or hangs instead)
     assert report(service, "job-1", 1, 1, 6).slow_factor == 0.0
+
+
+def test_one_jobs_flood_of_events_is_cut_and_every_other_jobs_get_through():
+    """Issue 39: any rank could flood Tell and push other tenants' checkpoint acks and results out of the agent's
+    outbox. Each job gets TELL_BURST at once and TELL_RATE a second; the others are untouched."""
+    emitted = []
+    service = LocalService(LocalState(), current_generation=lambda job: 1, send=lambda message: None,
+                           emit=lambda kind, message, **labels: emitted.append(labels["job"]))
+
+    async def flood():
+        for i in range(5000):
+            await service.Tell(local_pb2.TellRequest(job="greedy", rank=0, kind="x", message=str(i)), None)
+        await service.Tell(local_pb2.TellRequest(job="quiet", rank=0, kind="x", message="hello"), None)
+
+    asyncio.run(flood())
+    assert "quiet" in emitted
+    # what a burst allows, plus what the rate refilled while the loop ran (far below the 5000 sent)
+    assert local_server.TELL_BURST <= emitted.count("greedy") < local_server.TELL_BURST + 1000
