@@ -52,8 +52,19 @@ class SecurityConfig:
     renew: bool = setting(True, "renew this node's certificate two thirds into its validity, from the controller "
                           "(which needs [security] ca_key_file), writing cert_file and key_file anew; false: "
                           "renewal is someone else's business (an external CA's agent)")
+    rank_accounts: str = setting("*", "the accounts this node runs ranks as when the controller names one: * = any "
+                                 "that exists here (root only with root_ranks); a comma-separated list = those only. "
+                                 "This node's own policy, whatever the controller's access file says")
+    root_ranks: bool = setting(False, "run ranks as root when the controller names the account root (an access "
+                               "file's allow_root); false = refused here, whatever the controller says")
+    agent_user_ranks: bool = setting(True, "run ranks of jobs that name no account as the agent's own user (a "
+                                     "cluster without an access file); false on a multi-tenant node: every job "
+                                     "must run as an account")
 
     def __post_init__(self) -> None:
+        if not comma_list(self.rank_accounts):
+            raise ConfigError("security.rank_accounts is empty: give * (any account) or the accounts' names, "
+                              "comma-separated")
         if self.socket_group:
             try:
                 grp.getgrnam(self.socket_group)

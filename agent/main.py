@@ -31,11 +31,11 @@ from agent.collectors.topology import parse_cpulist, read_topology
 from agent.guarded import Guarded
 from agent.link import Link
 from agent.local_server import LocalState
-from agent.supervisor import Supervisor, resolve_account
+from agent.supervisor import AccountPolicy, Supervisor, resolve_account
 from agent.warm import WarmPool
 from phalanx import __version__, daemon, faults, log, metrics_http, sdnotify, tls
 from phalanx.clock import Clock, RealClock, Timer
-from phalanx.config import default_toml
+from phalanx.config import comma_list, default_toml
 from phalanx.errors import ConfigError
 from phalanx.ports import free_port
 from phalanx.v1 import common_pb2, node_pb2
@@ -98,8 +98,11 @@ class Agent:
         warm = WarmPool(Path(cfg.state_dir), self.clock, cfg.warm_start,
                         lambda job, why: self._emit("warm_start_off", f"ranks of {job} on {self.name} start cold: "
                                                     f"{why}", job=job))
+        sec = cfg.security
         self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock, warm=warm,
-                                     cgroups=Cgroups(cfg.cgroup_root, cfg.cgroup_parent, self.name))
+                                     cgroups=Cgroups(cfg.cgroup_root, cfg.cgroup_parent, self.name),
+                                     accounts=AccountPolicy(tuple(comma_list(sec.rank_accounts)), sec.root_ranks,
+                                                            sec.agent_user_ranks))
         self.local = LocalState()
         self.snapshots: snaps.Snapshots | None = None
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)

@@ -104,6 +104,28 @@ class Account:
                 os.fchmod(fd, 0o700)
 
 
+@dataclass(frozen=True)
+class AccountPolicy:
+    """This node's own rules on whom ranks run as (agent [security] rank_accounts, root_ranks, agent_user_ranks):
+    the controller names an account, the node decides whether it runs anything as it."""
+
+    accounts: tuple[str, ...] = ("*",)
+    root: bool = False
+    agent_user: bool = True
+
+    def refusal(self, run_as: str) -> str:
+        """Why a job that runs as `run_as` ("" = the agent's user) is refused here, or ""."""
+        if not run_as:
+            return "" if self.agent_user else ("this node runs no ranks as the agent's own user (agent "
+                                               "security.agent_user_ranks = false): the job must name an account")
+        if run_as == "root" and not self.root:
+            return "this node runs no ranks as root (agent security.root_ranks = false)"
+        if "*" not in self.accounts and run_as not in self.accounts:
+            return f"this node runs ranks only as {', '.join(self.accounts)} (agent security.rank_accounts), " \
+                   f"not as {run_as!r}"
+        return ""
+
+
 def resolve_account(name: str) -> Account:
     """The account `name` on this node. Raises ValueError saying it is missing (or is root: the controller
     allows root only where its access file says so, and says so in the request)."""
@@ -155,8 +177,10 @@ class _Parked:
 
 class Supervisor:
     def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None,
-                 clock: Clock | None = None, warm: WarmPool | None = None, cgroups: Cgroups | None = None) -> None:
+                 clock: Clock | None = None, warm: WarmPool | None = None, cgroups: Cgroups | None = None,
+                 accounts: AccountPolicy | None = None) -> None:
         self._clock = clock or RealClock()
+        self._accounts = accounts or AccountPolicy(root=True)
         self._cgroups = cgroups
         self.warm = warm
         self._dir = state_dir / "ranks"
@@ -186,6 +210,9 @@ class Supervisor:
             existing = self._ranks.get(f"{request.job}.g{request.generation}.r{rank.rank}")
             if existing is not None and self._alive(existing):
                 raise ValueError(f"rank {rank.rank} of {request.job} generation {request.generation} already runs")
+        refused = self._accounts.refusal(request.run_as)
+        if refused:
+            raise ValueError(f"{request.job}: {refused}")
         account = resolve_account(request.run_as) if request.run_as else None
         limits = request.limits
         if (limits.memory_bytes or limits.tasks) and (self._cgroups is None or not self._cgroups.enabled):

@@ -192,3 +192,22 @@ def test_the_nccl_dump_reader_opens_only_the_regular_file_it_saw(tmp_path, victi
         os.mkfifo(path)
     with pytest.raises(nccl.DumpParseError):
         nccl.read_dump(path)
+
+
+def test_a_node_has_its_own_say_on_whom_ranks_run_as(tmp_path):
+    """The agent ran whatever account the controller named, root included: its own policy refuses first."""
+    from agent.supervisor import AccountPolicy, Supervisor
+    from phalanx.v1 import node_pb2
+
+    def launch(policy: AccountPolicy, run_as: str) -> str:
+        supervisor = Supervisor(tmp_path / "state", accounts=policy)
+        request = node_pb2.LaunchRanks(job="job-1", generation=1, command=["/bin/true"], run_as=run_as,
+                                       ranks=[node_pb2.RankLaunch(rank=0)])
+        with pytest.raises(ValueError) as e:
+            supervisor.launch(request, {})
+        return str(e.value)
+
+    assert "root_ranks = false" in launch(AccountPolicy(), "root")
+    assert "only as phx-alice" in launch(AccountPolicy(("phx-alice",)), "phx-bob")
+    assert "agent_user_ranks = false" in launch(AccountPolicy(agent_user=False), "")
+    assert AccountPolicy(root=True).refusal("root") == "" and AccountPolicy().refusal("") == ""
