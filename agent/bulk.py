@@ -81,6 +81,7 @@ class _Ticket:
     file: BinaryIO
     size: int
     expires: float
+    node: str = ""  # the node whose certificate may use it ("" = any node: no TLS)
 
 
 class BulkServer:
@@ -104,10 +105,10 @@ class BulkServer:
         self._thread = threading.Thread(target=self._accept, name="snapshot-bulk", daemon=True)
         self._thread.start()
 
-    def ticket(self, fd: int, size: int) -> bytes:
+    def ticket(self, fd: int, size: int, node: str = "") -> bytes:
         """A token for one connection that reads the file open at `fd` (opened by the caller, who checked it: a
         file reclaimed meanwhile is still sent whole); the ticket owns `fd` from here on, refused or not. Raises
-        BulkError when too many tickets are outstanding."""
+        BulkError when too many tickets are outstanding. With `node`, only that node's certificate may use it."""
         with self._lock:
             if len(self._tickets) >= MAX_TICKETS:
                 os.close(fd)
@@ -115,7 +116,7 @@ class BulkServer:
         file = open(fd, "rb")  # noqa: SIM115 (closed when the ticket is used or expires)
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
-            self._tickets[token] = _Ticket(file, size, time.monotonic() + TICKET_S)
+            self._tickets[token] = _Ticket(file, size, time.monotonic() + TICKET_S, node)
         return token
 
     @property
@@ -186,6 +187,7 @@ class BulkServer:
             conn.settimeout(HELLO_S)  # the handshake's steps; the token has HELLO_S in all
             framed.tune(conn)
             hello_by = time.monotonic() + HELLO_S
+            who = None
             if self._tls is not None:
                 conn = self._tls.server_context().wrap_socket(conn, server_side=True)
                 who = tls.der_identity(conn.getpeercert(binary_form=True) or b"")
@@ -194,6 +196,9 @@ class BulkServer:
             ticket = self._take(_read_exact(conn, TOKEN_BYTES, hello_by))
             if ticket is None:
                 raise BulkError("an unknown or expired ticket")
+            if ticket.node and (who is None or who[1] != ticket.node):  # a ticket is the node's that asked for it
+                ticket.file.close()
+                raise BulkError(f"a ticket of node {ticket.node!r} presented by {who[1] if who else 'no node'!r}")
             conn.settimeout(IO_TIMEOUT_S)
             with ticket.file:
                 sent = _send(conn, ticket.file, ticket.size)

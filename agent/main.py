@@ -267,6 +267,13 @@ class Agent:
                 return node_pb2.CommandResult(ok=True, port=free_port(""))  # reachable from other nodes
             if body == "read_log":
                 return self._read_log(command.read_log)
+            if body == "grant_snapshots":
+                grant = command.grant_snapshots
+                if self.snapshots is None:
+                    return node_pb2.CommandResult(ok=True, message=f"{self.name} keeps no snapshots")
+                self.snapshots.store.grant(grant.job, grant.nodes)
+                return node_pb2.CommandResult(ok=True, message=f"{grant.job}'s snapshots here: for "
+                                                               f"{', '.join(grant.nodes) or 'no node'}")
             if body == "pin_snapshot":
                 pin = command.pin_snapshot
                 if self.snapshots is None:

@@ -65,6 +65,7 @@ REPLICA_WAIT_S = 10.0  # an eviction's in-memory checkpoint waits this long for 
 # durably, within what is left of the controller's checkpoint deadline: 30 s by default)
 OUTCOMES_KEPT = 8  # per rank, the last replicas sent and how each went (a rank's writes may land out of order)
 OWN, REPLICA = "own", "replica"
+GRANTS = "grants.json"  # under meta/: job -> the nodes that may put and get its snapshots here
 VIA_BULK, VIA_STREAM = "bulk port", "gRPC stream"  # how a snapshot was fetched from a peer (the latter a fallback)
 _STEP = re.compile(r"^s(\d+)\.pt$")
 
@@ -125,6 +126,7 @@ class SnapshotStore:
         self._held: dict[tuple[str, Key], Held] = {}
         self._pins: dict[str, tuple[int, int]] = {}  # job -> (generation, step) kept beyond the newest steps
         self._lives: dict[str, int] = {}  # job -> times launched or forgotten here (see accept_replica_by)
+        self._grants: dict[str, frozenset[str]] = {}  # job -> the nodes that may put and get its snapshots here
         # raises safefs.UnsafePath: a tree another account could change is not used at all
         safefs.secure_dir(root)
         for kind, mode in ((OWN, 0o755), (REPLICA, 0o700), ("meta", 0o700)):
@@ -132,6 +134,7 @@ class SnapshotStore:
             with safefs.closing_fd(safefs.open_dir(root / kind)) as fd:
                 os.fchmod(fd, mode)  # an older agent's own/ was 1777 (its ranks made their own directories)
         self._rescan()
+        self._load_grants()
 
     @property
     def clock(self) -> Clock:
@@ -153,6 +156,39 @@ class SnapshotStore:
 
     def path(self, kind: str, key: Key) -> Path:
         return self.root / kind / key.relative()
+
+    # -- who may put and get a job's snapshots here (the controller says: GrantSnapshots) -----------------------
+
+    def grant(self, job: str, nodes: Iterable[str]) -> None:
+        """The nodes that may put and get `job`'s snapshots here from now on (replacing what was granted), kept in the
+        agent's own tree so that a restarted agent still knows."""
+        if not NAME.fullmatch(job):
+            raise SnapshotError(f"job {job[:80]!r} is not a job id")
+        granted = frozenset(n for n in nodes if NAME.fullmatch(n))
+        if self._grants.get(job) == granted:
+            return
+        self._grants[job] = granted
+        self._save_grants()
+
+    def granted(self, job: str, node: str) -> bool:
+        return node in self._grants.get(job, ())
+
+    def grantees(self, job: str) -> list[str]:
+        return sorted(self._grants.get(job, ()))
+
+    def _save_grants(self) -> None:
+        path = self.root / "meta" / GRANTS
+        tmp = path.with_name(f".{GRANTS}.tmp")
+        tmp.write_text(json.dumps({job: sorted(nodes) for job, nodes in self._grants.items()}))
+        os.replace(tmp, path)
+
+    def _load_grants(self) -> None:
+        try:
+            data = json.loads((self.root / "meta" / GRANTS).read_text())
+            self._grants = {job: frozenset(nodes) for job, nodes in data.items()
+                            if NAME.fullmatch(job) and isinstance(nodes, list)}
+        except (OSError, ValueError, AttributeError, TypeError):
+            self._grants = {}
 
     def _meta(self, kind: str, key: Key) -> Path:
         return self.root / "meta" / kind / key.relative().with_name(f"s{key.step}.pt.json")
@@ -340,6 +376,10 @@ class SnapshotStore:
         for job in gone:
             self._pins.pop(job, None)
             self._lives[job] = self._lives.get(job, 0) + 1
+        if any(job in self._grants for job in gone):
+            for job in gone:
+                self._grants.pop(job, None)
+            self._save_grants()
         return gone
 
     # -- internals -----------------------------------------------------------------------------
@@ -504,6 +544,12 @@ async def _chunks_of(fd: int, key: Key, size: int, crc32: int) -> AsyncIterator[
                 return
 
 
+async def _drain(request_stream: AsyncIterator | None) -> None:
+    if request_stream is not None:
+        async for _ in request_stream:
+            pass
+
+
 class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
     """Peers put replicas here and get snapshots back."""
 
@@ -514,25 +560,36 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
         self._bulk = bulk_server  # None: Open is refused and restores stream over Get
         self._puller = puller  # reads a Pull's snapshot from the caller's bulk port; None: Pull says "stream it"
 
-    async def _refuse_non_nodes(self, context, request_stream: AsyncIterator | None = None) -> None:
-        """PERMISSION_DENIED unless the peer presented a node certificate. A refused client stream is read to
-        its end first: grpc.aio reports INTERNAL instead of our status to a client whose write races the
-        status (grpc/grpc#36066), and only a misconfigured peer is ever refused, so the read costs nothing
-        that matters."""
+    async def _refuse_non_nodes(self, context, request_stream: AsyncIterator | None = None) -> str:
+        """The calling node's name; PERMISSION_DENIED unless the peer presented a node certificate ("" without
+        TLS: a trial cluster, no names to check). A refused client stream is read to its end first: grpc.aio
+        reports INTERNAL instead of our status to a client whose write races the status (grpc/grpc#36066), and
+        only a misconfigured peer is ever refused, so the read costs nothing that matters."""
         if not self._nodes_only:
-            return
+            return ""
         peer = tls.peer_identity(context)
         if peer is None or peer[0] != "node":
             who = f"{peer[0]} {peer[1]!r}" if peer else "a peer without a phalanx certificate"
-            if request_stream is not None:
-                async for _ in request_stream:
-                    pass
+            await _drain(request_stream)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"snapshot replicas are for the cluster's nodes only, not {who}")
+        return peer[1]
+
+    async def _require_grant(self, context, node: str, job: str, request_stream: AsyncIterator | None = None) -> None:
+        """PERMISSION_DENIED unless the controller granted `node` the job's snapshots here (GrantSnapshots): any
+        other node certificate, a stolen one included, reads and writes no job's snapshots but those of jobs it
+        runs or restores."""
+        if not self._nodes_only or self._store.granted(job, node):
+            return
+        await _drain(request_stream)
+        granted = ", ".join(self._store.grantees(job)) or "no node (no grant from the controller yet)"
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"node {node!r} may not put or get snapshots of {job} here: the controller granted "
+                            f"them to {granted}")
 
     async def Put(self, request_iterator, context) -> snapshot_pb2.PutReply:
         stream = request_iterator.__aiter__()
-        await self._refuse_non_nodes(context, stream)
+        node = await self._refuse_non_nodes(context, stream)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -541,6 +598,7 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             key = Key.of(first.key)
         except SnapshotError as e:
             return snapshot_pb2.PutReply(ok=False, error=f"the first chunk names no snapshot: {e}")
+        await self._require_grant(context, node, key.job, stream)
 
         async def data() -> AsyncIterator[bytes]:
             yield first.data
@@ -567,7 +625,7 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
     async def Get(self, request: snapshot_pb2.SnapshotKey, context):
         """Stream a held snapshot with its recorded CRC-32; the receiver checks it (a corrupt file is refused there,
         so reading it twice here would only halve the throughput)."""
-        await self._refuse_non_nodes(context)
+        await self._require_grant(context, await self._refuse_non_nodes(context), request.job)
         held = await self._held(request, context)
         try:
             fd = self._store.open(held)
@@ -577,13 +635,14 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             yield chunk
 
     async def Open(self, request: snapshot_pb2.SnapshotKey, context) -> snapshot_pb2.BulkTicket:
-        """A ticket to read a held snapshot from the bulk port (agent/bulk.py)."""
-        await self._refuse_non_nodes(context)
+        """A ticket to read a held snapshot from the bulk port (agent/bulk.py), for the calling node only."""
+        node = await self._refuse_non_nodes(context)
+        await self._require_grant(context, node, request.job)
         if self._bulk is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no snapshot bulk port; use Get")
         held = await self._held(request, context)
         try:
-            token = self._bulk.ticket(self._store.open(held), held.size)
+            token = self._bulk.ticket(self._store.open(held), held.size, node)
         except OSError as e:  # reclaimed since it was found
             await context.abort(grpc.StatusCode.NOT_FOUND, f"snapshot {held.path} is gone: {e.strerror or e}")
         except bulk.BulkError as e:  # too many outstanding: this one streams
@@ -594,7 +653,7 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
     async def Pull(self, request: snapshot_pb2.PullRequest, context) -> snapshot_pb2.PutReply:
         """Keep a replica read from the caller's bulk port: at the address the call came from (only the port is
         the caller's word), from the node its certificate names (with TLS)."""
-        await self._refuse_non_nodes(context)
+        node = await self._refuse_non_nodes(context)
         if self._puller is None:
             return snapshot_pb2.PutReply(ok=False, stream=True, error="this node does not read replicas from bulk "
                                                                       "ports")
@@ -604,6 +663,7 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
                 raise SnapshotError(f"port {request.port} is not a port")
         except SnapshotError as e:
             return snapshot_pb2.PutReply(ok=False, error=f"no snapshot to pull: {e}")
+        await self._require_grant(context, node, key.job)
         host = peer_host(context.peer())
         who = tls.peer_identity(context) if self._nodes_only else None
         address = f"[{host}]:{request.port}" if ":" in host else f"{host}:{request.port}"
@@ -744,7 +804,10 @@ class Replicator:
                                                    timeout=60)
             error = "" if reply.ok else reply.error
         except Exception as e:  # gRPC's errors, a file dropped meanwhile: the next snapshot tries again
-            error = f"{peer} unreachable: {e.code().name if isinstance(e, grpc.RpcError) else e}"
+            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                error = f"{peer} refused it: PERMISSION_DENIED: {e.details()}"
+            else:
+                error = f"{peer} unreachable: {e.code().name if isinstance(e, grpc.RpcError) else e}"
         if error:
             if held.key.job not in self._failing:
                 self._failing.add(held.key.job)

@@ -632,6 +632,7 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
             return out
 
         b = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+        b.grant("job-1", ["node-a", "node-b"])  # as the controller does before a launch (GrantSnapshots)
         b_bulk, b_puller = bulk_server(files("node-b")), replicator(b, "node-b")
         server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(b, lambda *x, **k: None,
                                                                                   nodes_only=True,
@@ -639,6 +640,7 @@ def test_replicas_go_over_mutual_tls_between_nodes_only(tmp_path):
                                                                                   puller=b_puller),
                                             tls.server_credentials(identity("node-b")))
         a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        a.grant("job-1", ["node-a", "node-b"])
         held = write(a, key(7), bytes(range(256)) * 8000)
 
         async def put(who, peer):
@@ -1091,5 +1093,76 @@ def test_an_older_snapshot_landing_late_neither_displaces_the_newer_one_waiting_
         await b_server.stop(None)
         await replicator.close()
         await close_pullers()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_reads_and_writes_only_the_snapshots_of_jobs_the_controller_granted_it(tmp_path):
+    """Issue 39: any node certificate read and wrote any job's snapshots on any node (a stolen one included). The
+    controller grants a job's snapshots on a node to the generation's nodes (GrantSnapshots, kept across an agent's
+    restart); every other node is refused by the service, and a bulk ticket is the asking node's only."""
+    from phalanx import pki, tls
+    ca = tmp_path / "pki"
+    pki.init_ca(ca)
+    for name in ("node-a", "node-b", "node-c"):
+        pki.issue(ca, name, "node")
+
+    def identity(name):
+        return tls.Identity.load(str(ca / "ca.crt"), str(ca / f"{name}.crt"), str(ca / f"{name}.key"))
+
+    def files(name):
+        return bulk.TlsFiles(str(ca / "ca.crt"), str(ca / f"{name}.crt"), str(ca / f"{name}.key"))
+
+    async def scenario():
+        b = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+        b.grant("job-1", ["node-a", "node-b"])
+        b_bulk = bulk_server(files("node-b"))
+        server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(
+            b, lambda *x, **k: None, nodes_only=True, bulk_server=b_bulk), tls.server_credentials(identity("node-b")))
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        held = write(a, key(7), bytes(range(256)) * 100)
+
+        async def put(who):
+            events = []
+            me = identity(who)
+            replicator = snaps.Replicator(a, lambda *x, **k: events.append(x),
+                                          tls.channel_credentials(me.ca, me.cert, me.key))
+            await replicator._send(f"node-b@{address}", held)
+            await replicator.close()
+            return replicator.sent, events
+
+        async def fetch(who):
+            me = identity(who)
+            fetcher = snaps.Replicator(snaps.SnapshotStore(tmp_path / who, budget_bytes=1 << 30),
+                                       lambda *x, **k: None, tls.channel_credentials(me.ca, me.cert, me.key))
+            fetcher.tls_files = files(who)
+            try:
+                return await fetcher.fetch(f"node-b@{address}", key(7))
+            finally:
+                await fetcher.close()
+
+        try:
+            sent, events = await put("node-c")
+            assert sent == 0 and "PERMISSION_DENIED" in events[0][1] and "granted them to node-a, node-b" in \
+                events[0][1]
+            assert b.held() == []
+            assert await put("node-a") == (1, [])
+            with pytest.raises(Exception, match="may not put or get snapshots of job-1"):
+                await fetch("node-c")
+            assert (await fetch("node-a")).size == held.size
+            # a ticket asked for by node-a is no good to node-c, even over a valid node certificate
+            b_held = b.find(key(7))
+            ticket = b_bulk.ticket(os.open(b_held.path, os.O_RDONLY), b_held.size, "node-a")
+            with pytest.raises(bulk.BulkError):
+                bulk.receive("127.0.0.1", b_bulk.port, ticket, b_held.size, tmp_path / "stolen", files("node-c"),
+                             "node-b")
+            assert not (tmp_path / "stolen").exists() or (tmp_path / "stolen").stat().st_size == 0
+        finally:
+            await server.stop(None)
+            b_bulk.close()
+        again = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)  # an agent restarted: grants kept
+        assert again.granted("job-1", "node-a") and not again.granted("job-1", "node-c")
+        again.forget(set())  # the job gone from this node: its grant too
+        assert not snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30).granted("job-1", "node-a")
 
     asyncio.run(scenario())

@@ -282,6 +282,7 @@ class Executor:
             address = master.inventory().address or peer_host(master.peer)
             nodes = registry.entries_by_name()
             restore = await self._restore_plan(entry, nodes)
+            await self._grant_snapshots(job, restore, nodes)
             await asyncio.gather(*(self._launch_node(job, i, nodes, address, port, restore)
                                    for i in range(len(job.nodes))))
             outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
@@ -293,6 +294,25 @@ class Executor:
         if entry.launch is not None and entry.launch.generation == generation:
             entry.launch = outcome
         self.wake()
+
+    async def _grant_snapshots(self, job, restore: snapshot_plan.Restore | None,
+                               nodes: dict[str, NodeEntry]) -> None:
+        """Tell the generation's nodes, and every node its ranks restore from, that the generation's nodes (and only
+        they) may put and get the job's snapshots there. Before the launch: a rank's first replica and a restore's
+        first read come after it. A node that cannot be told serves the job's snapshots to no one (a restore from
+        it falls back to the disk checkpoint, saying so)."""
+        targets = set(job.nodes)
+        if restore is not None:
+            targets |= set(restore.sources.values()) | {n for also in restore.also.values() for n in also}
+        grant = node_pb2.GrantSnapshots(job=job.id, nodes=list(job.nodes))
+        sessions = {name: nodes[name].session for name in sorted(targets)
+                    if name in nodes and nodes[name].session is not None}
+        results = await asyncio.gather(*(session.request(node_pb2.Command(grant_snapshots=grant),
+                                                         timeout=self.jobs.cfg.launch_timeout_s)
+                                         for session in sessions.values()), return_exceptions=True)
+        for name, result in zip(sessions, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("snapshot grant not delivered", job=job.id, node=name, error=str(result))
 
     async def _restore_plan(self, entry: JobEntry, nodes: dict[str, NodeEntry]) -> snapshot_plan.Restore | None:
         """Where each rank of the generation about to start finds its in-memory snapshot of the last one, if every

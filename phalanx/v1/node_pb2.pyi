@@ -229,7 +229,7 @@ class StandingBy(_message.Message):
     def __init__(self, controller: _Optional[str] = ..., leader: _Optional[str] = ..., takeover_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare")
+    __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare", "grant_snapshots")
     ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     INJECT_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class Command(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PIN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
+    GRANT_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     id: int
     epoch: int
     inject: InjectFault
@@ -250,7 +251,16 @@ class Command(_message.Message):
     checkpoint: RequestCheckpoint
     pin_snapshot: PinSnapshot
     prepare: PrepareRanks
-    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ...) -> None: ...
+    grant_snapshots: GrantSnapshots
+    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ..., grant_snapshots: _Optional[_Union[GrantSnapshots, _Mapping]] = ...) -> None: ...
+
+class GrantSnapshots(_message.Message):
+    __slots__ = ("job", "nodes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrepareRanks(_message.Message):
     __slots__ = ("job", "command", "env", "workdir", "count", "hold_s", "run_as")
