@@ -107,10 +107,16 @@ class Agent:
         self.snapshots: snaps.Snapshots | None = None
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)
         self._snapshot_keys: dict[str, set] = {}
+        self._snapshots_off = ""  # why this node keeps no snapshots though snapshot_dir is set
         if cfg.snapshot_dir:
             budget = cfg.snapshot_budget_mb * 1_000_000 or memory // 4
-            store = snaps.SnapshotStore(Path(cfg.snapshot_dir) / self.name, budget, clock=self.clock)
-            self.snapshots = snaps.Snapshots(store, snaps.Replicator(store, self._emit), self._emit)
+            try:
+                store = snaps.SnapshotStore(Path(cfg.snapshot_dir) / self.name, budget, clock=self.clock)
+            except OSError as e:  # safefs.UnsafePath: a tree another account could change; the node runs on
+                self._snapshots_off = f"snapshot_dir is not safe to use: {e}"
+                logger.error("in-memory snapshots off", reason=self._snapshots_off)
+            else:
+                self.snapshots = snaps.Snapshots(store, snaps.Replicator(store, self._emit), self._emit)
         self.nccl = FlightRecorderWatcher(Path(cfg.state_dir))
         self.dcgm = DcgmHealth.try_start() if nvml is not None else None
         self._dcgm_seen: set[tuple[int, str]] = set()
@@ -322,6 +328,8 @@ class Agent:
         certificate, the cluster CA; only nodes may put or get) on `snapshot_listen`, else on all addresses; plain
         gRPC on a trial cluster (security.insecure), on loopback unless told otherwise."""
         if self.snapshots is None:
+            if self._snapshots_off:
+                self._emit("snapshot_replicas_off", f"{self.name} keeps no in-memory snapshots: {self._snapshots_off}")
             return None
         sec = self.cfg.security
         server_credentials = None

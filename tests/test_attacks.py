@@ -168,3 +168,18 @@ def test_a_job_never_starts_in_a_directory_its_account_cannot_enter(fleet, tmp_p
                    "the rank refused its working directory")
     assert "root's notes" not in as_(fleet, "alice", "logs", job_id).stdout
     as_(fleet, "alice", "cancel", job_id)
+
+
+@needs_root
+def test_a_snapshot_directory_another_account_made_first_turns_snapshots_off_not_the_node(fleet):
+    """A local account that makes the agent's snapshot directory before its first start (in /dev/shm, emptied at
+    boot) got it chmodded 1777 or followed; now the agent refuses the tree, says so, and the node runs on."""
+    taken = fleet.root / "node-x" / "snapshots"
+    taken.mkdir(parents=True)
+    os.chown(taken, 54321, 54321)
+    fleet.start_agent("node-x", gpus=1)
+    fleet.wait_states({"node-a": "UP", "node-x": "UP"})
+    fleet.wait_for(lambda: any(e["kind"] == "agent.snapshot_replicas_off" and "owned by uid 54321" in e["message"]
+                               for e in fleet.events(node="node-x")), "the agent saying why it keeps no snapshots")
+    assert taken.stat().st_uid == 54321 and stat.S_IMODE(taken.stat().st_mode) == 0o755
+    fleet.kill("node-x")
