@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -167,6 +169,59 @@ def etcd_server(tmp_path_factory):
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_phalanx.py")
 
 
+def _run_base(tmp_path_factory) -> Path:
+    """The run's base temporary directory, shared by xdist's workers (each has gwN/ under it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if base.name.startswith("gw") else base
+
+
+TEST_ACCOUNTS = ("phx-alice", "phx-bob")
+
+
+@pytest.fixture(scope="session")
+def accounts(tmp_path_factory):
+    """Local accounts phx-alice and phx-bob (phx-alice also in group phx-data), for tests of ranks run as a user's
+    account: made by the first worker that needs them and removed by the last one done with them (a count under a
+    lock in the run's base directory), so that one module's teardown never removes them under another's tests."""
+    import fcntl
+    import pwd
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("makes local accounts: needs root and useradd")
+    base = _run_base(tmp_path_factory)
+    state = base / "accounts.json"
+
+    def change(step) -> None:
+        with open(base / "accounts.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            held = json.loads(state.read_text()) if state.exists() else {"users": 0, "made": []}
+            step(held)
+            state.write_text(json.dumps(held))
+
+    def enter(held) -> None:
+        if held["users"] == 0:
+            for name in TEST_ACCOUNTS:
+                try:
+                    pwd.getpwnam(name)
+                except KeyError:
+                    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+                    held["made"].append(name)
+            subprocess.run(["groupadd", "-f", "phx-data"], check=True)
+            subprocess.run(["usermod", "-aG", "phx-data", "phx-alice"], check=True)
+        held["users"] += 1
+
+    def leave(held) -> None:
+        held["users"] -= 1
+        if held["users"] == 0:
+            for name in held["made"]:
+                subprocess.run(["userdel", name], check=False)
+            subprocess.run(["groupdel", "phx-data"], check=False, capture_output=True)
+            held["made"] = []
+
+    change(enter)
+    yield {n: pwd.getpwnam(n) for n in TEST_ACCOUNTS}
+    change(leave)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """`reference(steps)`: the checksum of examples/train_phalanx.py's model trained `steps` steps uninterrupted, as 2
@@ -176,9 +231,7 @@ def reference(tmp_path_factory):
     import fcntl
 
     from phalanx.ports import free_port
-    base = tmp_path_factory.getbasetemp()
-    if base.name.startswith("gw"):  # an xdist worker's: the run's is its parent
-        base = base.parent
+    base = _run_base(tmp_path_factory)
     table_path, known = base / "reference-digests.txt", {}
 
     def load() -> dict[int, str]:

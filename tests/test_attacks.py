@@ -15,30 +15,15 @@ from phalanx import pki
 from phalanx.tls import channel_credentials
 from phalanx.v1 import control_pb2, control_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 from tests.cluster import Cluster
-from tests.test_tenancy import ACCESS, accounts, as_, job, needs_root  # noqa: F401 (accounts: a fixture)
+from tests.test_tenancy import as_, needs_root, start_fleet, traversable
 
 pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, accounts):  # noqa: F811
-    tmp = tmp_path_factory.mktemp("attacks")
-    ca = tmp / "pki"
-    pki.init_ca(ca, cluster="test")
-    for name in ("alice", "bob", "grafana", "mallory"):
-        pki.issue(ca, name, "client")
-    pki.issue(ca, "node-b", "node")
-    (tmp / "access.toml").write_text(ACCESS)
-    c = Cluster(tmp / "cluster", pki=ca)
-    c.root.mkdir()
-    for d in [c.root, *c.root.parents]:  # the accounts traverse to the agent's state (pytest's tmp is 0700)
-        if d == Path("/"):
-            break
-        d.chmod(d.stat().st_mode | 0o011)
-    c.start_controller(f'[security]\nca_file = "{ca / "ca.crt"}"\ncert_file = "{ca / "controller.crt"}"\n'
-                       f'key_file = "{ca / "controller.key"}"\naccess_file = "{tmp / "access.toml"}"\n')
-    c.start_agent("node-a", gpus=2)
-    c.wait_states({"node-a": "UP"})
+def fleet(tmp_path_factory, accounts):
+    c = start_fleet(tmp_path_factory.mktemp("attacks"))
+    pki.issue(c.pki, "node-b", "node")  # a node's certificate, for the calls a node must not make
     yield c
     c.close()
 
@@ -98,7 +83,7 @@ def test_only_a_runs_owner_or_an_admin_takes_part_in_its_torchrun_rounds(fleet):
 
 
 @needs_root
-def test_a_jobs_checkpoint_directory_and_secrets_are_its_owners_alone(fleet, accounts):  # noqa: F811
+def test_a_jobs_checkpoint_directory_and_secrets_are_its_owners_alone(fleet, accounts):
     """A job's checkpoint directory was 0755 (its steps too, shards 0644): another account listed, copied and
     loaded them. And viewers read every job's environment, tokens included."""
     submitted = as_(fleet, "alice", "submit", "--env", "API_TOKEN=s3cret", "--", "/bin/sh", "-c",
@@ -152,10 +137,7 @@ def test_a_job_never_starts_in_a_directory_its_account_cannot_enter(fleet, tmp_p
     secret.mkdir(mode=0o700)
     (secret / "note.txt").write_text("root's notes\n")
     (secret / "note.txt").chmod(0o644)
-    for d in tmp_path.parents:  # the account could reach the directory above it (pytest's tmp is 0700)
-        if d == Path("/"):
-            break
-        d.chmod(d.stat().st_mode | 0o011)
+    traversable(tmp_path)  # the account could reach the directory above it
     env = {**os.environ, "PHALANX_CONTROLLER": fleet.address, "PHALANX_CA": str(fleet.pki / "ca.crt"),
            "PHALANX_CERT": str(fleet.pki / "alice.crt"), "PHALANX_KEY": str(fleet.pki / "alice.key")}
     env.pop("PHALANX_INSECURE", None)

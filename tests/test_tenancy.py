@@ -3,7 +3,6 @@ and who did what in the event log. Real daemons on mutual TLS, real local accoun
 
 import json
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -21,26 +20,8 @@ from tests.cluster import Cluster
 
 pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
-ACCOUNTS = ("phx-alice", "phx-bob")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                 reason="makes local accounts: needs root and useradd")
-
-
-@pytest.fixture(scope="module")
-def accounts():
-    made = []
-    for name in ACCOUNTS:
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
-            made.append(name)
-    subprocess.run(["groupadd", "-f", "phx-data"], check=True)
-    subprocess.run(["usermod", "-aG", "phx-data", "phx-alice"], check=True)
-    yield {n: pwd.getpwnam(n) for n in ACCOUNTS}
-    for name in made:
-        subprocess.run(["userdel", name], check=False)
-    subprocess.run(["groupdel", "phx-data"], check=False)
 
 
 ACCESS = """
@@ -60,23 +41,34 @@ role = "viewer"
 """
 
 
-@pytest.fixture
-def fleet(tmp_path, accounts):
-    ca = tmp_path / "pki"
-    pki.init_ca(ca, cluster="test")
-    for name in ("alice", "bob", "grafana", "mallory"):
-        pki.issue(ca, name, "client")
-    (tmp_path / "access.toml").write_text(ACCESS)
-    c = Cluster(tmp_path / "cluster", pki=ca)
-    c.root.mkdir()
-    for d in [c.root, *c.root.parents]:  # the accounts traverse to the agent's state (pytest's tmp is 0700)
+def traversable(path: Path) -> None:
+    """Let every account traverse the directories above `path` (pytest's tmp is 0700)."""
+    for d in [path, *path.parents]:
         if d == Path("/"):
             break
         d.chmod(d.stat().st_mode | 0o011)
+
+
+def start_fleet(tmp: Path) -> Cluster:
+    """The documented multi-tenant set-up on loopback: mutual TLS, the access file ACCESS, node-a UP."""
+    ca = tmp / "pki"
+    pki.init_ca(ca, cluster="test")
+    for name in ("alice", "bob", "grafana", "mallory"):
+        pki.issue(ca, name, "client")
+    (tmp / "access.toml").write_text(ACCESS)
+    c = Cluster(tmp / "cluster", pki=ca)
+    c.root.mkdir()
+    traversable(c.root)  # the accounts reach the agent's state
     c.start_controller(f'[security]\nca_file = "{ca / "ca.crt"}"\ncert_file = "{ca / "controller.crt"}"\n'
-                       f'key_file = "{ca / "controller.key"}"\naccess_file = "{tmp_path / "access.toml"}"\n')
+                       f'key_file = "{ca / "controller.key"}"\naccess_file = "{tmp / "access.toml"}"\n')
     c.start_agent("node-a", gpus=2)
     c.wait_states({"node-a": "UP"})
+    return c
+
+
+@pytest.fixture
+def fleet(tmp_path, accounts):
+    c = start_fleet(tmp_path)
     yield c
     c.close()
 

@@ -15,6 +15,7 @@ import pytest
 from agent import safefs
 from agent import snapshots as snaps
 from agent.supervisor import Account
+from tests.test_tenancy import traversable
 
 pytestmark = [pytest.mark.inproc,  # the tier (tests/conftest.py)
               pytest.mark.skipif(os.geteuid() != 0, reason="plays a tenant's account by chown: needs root")]
@@ -159,10 +160,7 @@ def test_a_replica_is_handed_to_a_tenants_rank_as_a_copy_of_its_own(store, victi
     assert path == planted and not path.is_symlink() and victim.read_text() == "root's"
     st = path.stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (TENANT, 0o600)
-    for d in path.parents:  # the account traverses to its directory (pytest's tmp is 0700)
-        if d == Path("/"):
-            break
-        d.chmod(d.stat().st_mode | 0o011)
+    traversable(path.parent)  # the account reaches its directory
     read = subprocess.run(["cat", str(path)], user=TENANT, capture_output=True, timeout=30)
     assert read.returncode == 0 and read.stdout == data
     assert store.hand_over(held) == path  # asked again (a retry): a fresh copy, same place
