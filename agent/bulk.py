@@ -26,6 +26,7 @@ import ssl
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,7 @@ class BulkServer:
 
     def __init__(self, host: str, port: int = 0, tls_files: TlsFiles | None = None) -> None:
         self._tls = tls_files
+        self.revoked: Callable[[str, bytes], bool] = lambda node, der: False  # (node, its certificate) -> refused
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._active = 0
@@ -193,6 +195,8 @@ class BulkServer:
                 who = tls.der_identity(conn.getpeercert(binary_form=True) or b"")
                 if who is None or who[0] != "node":
                     raise BulkError(f"a peer without a node certificate ({who})")
+                if self.revoked(who[1], conn.getpeercert(binary_form=True) or b""):
+                    raise BulkError(f"node {who[1]!r} presented a revoked certificate")
             ticket = self._take(_read_exact(conn, TOKEN_BYTES, hello_by))
             if ticket is None:
                 raise BulkError("an unknown or expired ticket")

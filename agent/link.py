@@ -457,6 +457,8 @@ class Link:
         # be stale (a GPU reset since, say).
         s.health = reply.health if reply.HasField("health") else None
         s.state, s.drain_reason = reply.state, reply.drain_reason
+        if reply.HasField("revocations") and self._on_command is not None:  # for the node's own services
+            self._on_command(node_pb2.Command(revocations=reply.revocations))
         logger.info("session resumed" if resumed else "session open", controller=self.controller,
                     incarnation=reply.incarnation, state=common_pb2.NodeState.Name(reply.state),
                     drain_reason=reply.drain_reason, heartbeat_interval_s=interval)

@@ -270,10 +270,10 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         return await self._snapshots.replicator.replicated(key, wait_s)
 
 
-async def serve(path: Path, service: LocalService, group: str = "") -> grpc.aio.Server:
+async def serve(path: Path, service: LocalService, group: str = "", agent_user_jobs: bool = True) -> grpc.aio.Server:
     """Listen on the Unix socket `path` (mode 0660). Raises OSError if it cannot."""
     server = await unix_socket.serve(
-        path, lambda s: local_pb2_grpc.add_LocalServiceServicer_to_server(shared(service), s), group)
+        path, lambda s: local_pb2_grpc.add_LocalServiceServicer_to_server(shared(service, agent_user_jobs), s), group)
     logger.info("local service for trainlib serving", socket=str(path))
     return server
 
@@ -304,8 +304,13 @@ class Scoped:
         return unary
 
 
-def shared(service: LocalService) -> Scoped:
-    """The shared socket's service: every job but those with a socket of their own (they run as an account)."""
+def shared(service: LocalService, agent_user_jobs: bool = True) -> Scoped:
+    """The shared socket's service: every job but those with a socket of their own (they run as an account); none
+    at all on a node that runs no ranks as the agent's user (any member of socket_group could speak for them)."""
+    if not agent_user_jobs:
+        return Scoped(service, lambda job: False,
+                      lambda job: "this node runs no ranks as the agent's user (agent security.agent_user_ranks = "
+                                  "false): every job's ranks speak through their own socket ($PHALANX_AGENT_SOCKET)")
     return Scoped(service, lambda job: job not in service.own_sockets,
                   lambda job: f"{job} runs as its own account: its ranks speak through its own socket "
                               "($PHALANX_AGENT_SOCKET), which only that account can open")

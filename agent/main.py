@@ -273,6 +273,12 @@ class Agent:
                 return node_pb2.CommandResult(ok=True, port=free_port(""))  # reachable from other nodes
             if body == "read_log":
                 return self._read_log(command.read_log)
+            if body == "revocations":
+                revoked = command.revocations
+                if self.snapshots is not None:
+                    self.snapshots.store.revoke(revoked.serials, dict(revoked.names))
+                return node_pb2.CommandResult(ok=True, message=f"{len(revoked.serials) + len(revoked.names)} "
+                                                               "revocations known here")
             if body == "grant_snapshots":
                 grant = command.grant_snapshots
                 if self.snapshots is None:
@@ -375,11 +381,14 @@ class Agent:
         if self.cfg.snapshot_bulk_port < 0:
             return None
         try:
-            return bulk.BulkServer(host, self.cfg.snapshot_bulk_port, tls_files)
+            server = bulk.BulkServer(host, self.cfg.snapshot_bulk_port, tls_files)
         except OSError as e:
             logger.warning("snapshot bulk port not served; restores from this node stream over gRPC",
                            host=host, port=self.cfg.snapshot_bulk_port, error=str(e))
             return None
+        if self.snapshots is not None:
+            server.revoked = self.snapshots.store.revoked  # the node certificates the controller revoked
+        return server
 
     def _no_replicas(self, why: str) -> None:
         logger.error("snapshot replicas not served; this node's snapshots stay unreplicated", reason=why)
@@ -442,7 +451,8 @@ class Agent:
         try:
             self._local_service = self.local_service()
             local = await local_server.serve(Path(self.cfg.state_dir) / "agent.sock", self._local_service,
-                                             group=self.cfg.security.socket_group)
+                                             group=self.cfg.security.socket_group,
+                                             agent_user_jobs=self.cfg.security.agent_user_ranks)
             for record in adopted:
                 if record.run_as:
                     try:

@@ -46,7 +46,7 @@ from pathlib import Path
 import grpc
 
 from agent import bulk, safefs
-from phalanx import log, tls
+from phalanx import log, pki, tls
 from phalanx.clock import Clock, RealClock, wait_for
 from phalanx.names import NAME
 from phalanx.request_guard import RequestGuard
@@ -127,6 +127,7 @@ class SnapshotStore:
         self._pins: dict[str, tuple[int, int]] = {}  # job -> (generation, step) kept beyond the newest steps
         self._lives: dict[str, int] = {}  # job -> times launched or forgotten here (see accept_replica_by)
         self._grants: dict[str, frozenset[str]] = {}  # job -> the nodes that may put and get its snapshots here
+        self._revoked: tuple[frozenset[str], dict[str, int]] = (frozenset(), {})  # serials; node name -> when
         # raises safefs.UnsafePath: a tree another account could change is not used at all
         safefs.secure_dir(root)
         for kind, mode in ((OWN, 0o755), (REPLICA, 0o700), ("meta", 0o700)):
@@ -176,19 +177,35 @@ class SnapshotStore:
     def grantees(self, job: str) -> list[str]:
         return sorted(self._grants.get(job, ()))
 
+    def revoke(self, serials: Iterable[str], names: dict[str, int]) -> None:
+        """The node certificates the controller has revoked (the whole list): refused by this node's services."""
+        self._revoked = (frozenset(serials), dict(names))
+        self._save_grants()
+
+    def revoked(self, node: str, cert: bytes) -> bool:
+        """Whether node `node`'s certificate `cert` (PEM or DER) was revoked, as the controller last said."""
+        try:
+            return pki.revoked_by(*self._revoked, node, cert)
+        except ValueError:  # not a certificate: nothing TLS let through, but refuse it rather than guess
+            return True
+
     def _save_grants(self) -> None:
         path = self.root / "meta" / GRANTS
         tmp = path.with_name(f".{GRANTS}.tmp")
-        tmp.write_text(json.dumps({job: sorted(nodes) for job, nodes in self._grants.items()}))
+        tmp.write_text(json.dumps({"jobs": {job: sorted(nodes) for job, nodes in self._grants.items()},
+                                   "revoked": {"serials": sorted(self._revoked[0]), "names": self._revoked[1]}}))
         os.replace(tmp, path)
 
     def _load_grants(self) -> None:
         try:
             data = json.loads((self.root / "meta" / GRANTS).read_text())
-            self._grants = {job: frozenset(nodes) for job, nodes in data.items()
+            self._grants = {job: frozenset(nodes) for job, nodes in data["jobs"].items()
                             if NAME.fullmatch(job) and isinstance(nodes, list)}
-        except (OSError, ValueError, AttributeError, TypeError):
-            self._grants = {}
+            revoked = data["revoked"]
+            self._revoked = (frozenset(map(str, revoked["serials"])),
+                             {str(n): int(t) for n, t in revoked["names"].items()})
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
+            self._grants, self._revoked = {}, (frozenset(), {})
 
     def _meta(self, kind: str, key: Key) -> Path:
         return self.root / "meta" / kind / key.relative().with_name(f"s{key.step}.pt.json")
@@ -573,6 +590,11 @@ class SnapshotService(snapshot_pb2_grpc.SnapshotServiceServicer):
             await _drain(request_stream)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"snapshot replicas are for the cluster's nodes only, not {who}")
+        pem = context.auth_context().get("x509_pem_cert")
+        if not pem or self._store.revoked(peer[1], pem[0]):
+            await _drain(request_stream)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"the certificate of node {peer[1]!r} was revoked (the controller said so)")
         return peer[1]
 
     async def _require_grant(self, context, node: str, job: str, request_stream: AsyncIterator | None = None) -> None:

@@ -50,9 +50,7 @@ class Revocation:
 @lru_cache(maxsize=4096)
 def certificate_facts(pem: bytes) -> tuple[str, int]:
     """(serial in hex, not-before in Unix ns) of a PEM certificate; cached: every RPC's peer is looked up."""
-    from cryptography import x509
-    cert = x509.load_pem_x509_certificate(pem)
-    return format(cert.serial_number, "x"), int(cert.not_valid_before_utc.timestamp() * 1e9)
+    return pki.certificate_facts(pem)
 
 
 class Credentials:
@@ -236,6 +234,17 @@ class Credentials:
                                            node=name if role == "node" else "", serial=serial, role=role,
                                            name=name, by=by))
         return f"revoked {what}"
+
+    def node_revocations(self):
+        """The node certificates revoked so far, as agents are told them (node_pb2.Revocations)."""
+        from phalanx.v1 import node_pb2
+        out = node_pb2.Revocations()
+        for key in self.records:
+            if key.startswith("revoked/serial/"):
+                out.serials.append(key.removeprefix("revoked/serial/"))
+            elif key.startswith("revoked/name/node/"):
+                out.names[key.removeprefix("revoked/name/node/")] = self._data(key)["revoked_ns"]
+        return out
 
     def revocation(self, role: str, name: str, pem: bytes) -> Revocation | None:
         """Why the certificate `pem` of ROLE NAME may not be used, or None. Cheap: two dictionary looks."""

@@ -128,6 +128,25 @@ def _san_entries(x509, names: list[str]):
     return entries
 
 
+def certificate_facts(pem: bytes) -> tuple[str, int]:
+    """(serial in hex, not-before in Unix ns) of a certificate, PEM or DER."""
+    x509 = _x509()[0]
+    cert = x509.load_pem_x509_certificate(pem) if pem.lstrip().startswith(b"-----") else \
+        x509.load_der_x509_certificate(pem)
+    return format(cert.serial_number, "x"), int(cert.not_valid_before_utc.timestamp() * 1e9)
+
+
+def revoked_by(serials: frozenset[str], names: dict[str, int], name: str, cert: bytes) -> bool:
+    """Whether the certificate `cert` (PEM or DER) of node `name` is revoked: its serial listed, or its name revoked
+    at a time after it began (less BACKDATE: `sign` backdates every certificate by that much)."""
+    if not serials and not names:
+        return False
+    serial, not_before_ns = certificate_facts(cert)
+    revoked_ns = names.get(name)
+    return serial in serials or (revoked_ns is not None and
+                                 not_before_ns + int(BACKDATE.total_seconds() * 1e9) <= revoked_ns)
+
+
 def certificate_names(pem: bytes) -> frozenset[str]:
     """The names a certificate vouches for: its common name and every DNS and IP SAN. Raises ValueError."""
     x509 = _x509()[0]

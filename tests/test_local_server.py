@@ -154,3 +154,18 @@ def test_one_jobs_flood_of_events_is_cut_and_every_other_jobs_get_through():
     assert "quiet" in emitted
     # what a burst allows, plus what the rate refilled while the loop ran (far below the 5000 sent)
     assert local_server.TELL_BURST <= emitted.count("greedy") < local_server.TELL_BURST + 1000
+
+
+def test_on_a_node_that_runs_ranks_only_as_accounts_the_shared_socket_speaks_for_no_job():
+    """Issue 39: the shared socket trusts the job named in a request; any member of socket_group could speak for a
+    job that runs as the agent's user. A node with agent_user_ranks = false has no such job: it answers none."""
+    class Context:
+        async def abort(self, code, details):
+            raise PermissionError(details)
+
+    service = LocalService(LocalState(), current_generation=lambda job: 1, send=lambda message: None)
+    closed = local_server.shared(service, agent_user_jobs=False)
+    with pytest.raises(PermissionError, match="agent_user_ranks = false"):
+        asyncio.run(closed.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0), Context()))
+    open_ = local_server.shared(service)
+    assert asyncio.run(open_.Report(local_pb2.ReportRequest(job="job-1", generation=1, rank=0), Context())) is not None

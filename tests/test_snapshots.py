@@ -1166,3 +1166,60 @@ def test_a_node_reads_and_writes_only_the_snapshots_of_jobs_the_controller_grant
         assert not snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30).granted("job-1", "node-a")
 
     asyncio.run(scenario())
+
+
+def test_a_revoked_node_certificate_gets_nothing_from_another_nodes_snapshot_port(tmp_path):
+    """Issue 39: agents never learned of revocations, so a stolen node certificate, cut off at the controller, still
+    read and wrote snapshots on every other node. The controller tells each agent the revoked certificates (at each
+    session's start and after each revocation); its snapshot service and bulk port refuse them, and a certificate
+    issued to the same name later (the node re-enrolled) is accepted."""
+    import time as wall
+
+    from phalanx import pki, tls
+    ca = tmp_path / "pki"
+    pki.init_ca(ca)
+    for name in ("node-a", "node-b"):
+        pki.issue(ca, name, "node")
+
+    def identity(directory, name):
+        return tls.Identity.load(str(ca / "ca.crt"), str(directory / f"{name}.crt"), str(directory / f"{name}.key"))
+
+    async def scenario():
+        b = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
+        b.grant("job-1", ["node-a", "node-b"])
+        b.revoke([], {"node-a": wall.time_ns()})  # every node-a certificate issued until now
+        b_bulk = bulk_server(bulk.TlsFiles(str(ca / "ca.crt"), str(ca / "node-b.crt"), str(ca / "node-b.key")))
+        b_bulk.revoked = b.revoked
+        server, address = await snaps.serve("127.0.0.1:0", snaps.SnapshotService(
+            b, lambda *x, **k: None, nodes_only=True, bulk_server=b_bulk),
+            tls.server_credentials(identity(ca, "node-b")))
+        a = snaps.SnapshotStore(tmp_path / "a", budget_bytes=1 << 30)
+        held = write(a, key(7), bytes(range(256)) * 100)
+
+        async def put(me):
+            events = []
+            replicator = snaps.Replicator(a, lambda *x, **k: events.append(x),
+                                          tls.channel_credentials(me.ca, me.cert, me.key))
+            await replicator._send(f"node-b@{address}", held)
+            await replicator.close()
+            return replicator.sent, events
+
+        try:
+            sent, events = await put(identity(ca, "node-a"))
+            assert sent == 0 and "UNAUTHENTICATED" in events[0][1] and b.held() == []
+            b_held = write(b, key(3), b"x" * 100)
+            ticket = b_bulk.ticket(os.open(b_held.path, os.O_RDONLY), b_held.size, "node-a")
+            with pytest.raises(bulk.BulkError):
+                bulk.receive("127.0.0.1", b_bulk.port, ticket, b_held.size, tmp_path / "stolen",
+                             bulk.TlsFiles(str(ca / "ca.crt"), str(ca / "node-a.crt"), str(ca / "node-a.key")),
+                             "node-b")
+            b.revoke([], {"node-a": wall.time_ns() - 3600 * 10**9})  # revoked an hour ago: this one is newer
+            assert (await put(identity(ca, "node-a")))[0] == 1
+        finally:
+            await server.stop(None)
+            b_bulk.close()
+        cert = (ca / "node-a.crt").read_bytes()
+        b.revoke([pki.certificate_facts(cert)[0]], {})  # this certificate by its serial
+        assert snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30).revoked("node-a", cert)  # kept as last told
+
+    asyncio.run(scenario())

@@ -106,3 +106,22 @@ def test_a_job_record_is_launched_only_as_an_account_its_user_may_use(run_as):
         await world.stop()
 
     run(go())
+
+
+def test_the_controller_tells_agents_every_revoked_node_certificate():
+    """What each agent's snapshot port refuses (issue 39): the node certificates revoked, by serial and by name, and
+    no client's."""
+    from controller.credentials import Credentials
+    from controller.store.memory import MemoryStore
+    from phalanx.clock import FakeClock
+
+    async def go():
+        credentials = Credentials(MemoryStore(), FakeClock(), "", "", 365, lambda events: None)
+        await credentials.load()
+        await credentials.revoke("gpu7", "node", "", "stolen", "ops")
+        await credentials.revoke("", "node", "ab12", "lost", "ops")
+        await credentials.revoke("alice", "client", "", "left", "ops")
+        told = credentials.node_revocations()
+        assert list(told.serials) == ["ab12"] and dict(told.names) == {"gpu7": credentials.clock.wall_ns()}
+
+    run(go())

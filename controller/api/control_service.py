@@ -308,6 +308,11 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         if request.name and request.role in ("", "node") and self._registry.kick(
                 request.name, grpc.StatusCode.UNAUTHENTICATED, f"the certificate of node {request.name!r} was revoked"):
             cut = 1
+        if request.role in ("", "node"):  # every agent's snapshot port refuses it from now on, too
+            told = node_pb2.Command(revocations=self._credentials_or_fail().node_revocations())
+            for entry in self._registry.entries():
+                if entry.session is not None:
+                    self._jobs.executor.send(entry.record.name, told, f"revocations-{entry.record.name}")
         return control_pb2.RevokeCertificateResponse(message=message, sessions_cut=cut)
 
 

@@ -242,6 +242,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             incarnation=entry.record.incarnation, heartbeat_interval_s=registry.policy.heartbeat_interval_s,
             state=entry.record.state.to_proto(), drain_reason=entry.record.drain_reason, epoch=registry.epoch,
             inventory_crc32=zlib.crc32(entry.record.inventory))
+        if self._credentials is not None and auth.current_peer() is not None:  # its snapshot port checks peers too
+            accepted.revocations.CopyFrom(self._credentials.node_revocations())
         if entry.heartbeats and not entry.judge_deferred:  # judged here: the agent keeps the verdict (none is
             accepted.health.CopyFrom(entry.health_proto())  # pushed if unchanged)
         reader = None

@@ -229,7 +229,7 @@ class StandingBy(_message.Message):
     def __init__(self, controller: _Optional[str] = ..., leader: _Optional[str] = ..., takeover_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare", "grant_snapshots")
+    __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare", "grant_snapshots", "revocations")
     ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     INJECT_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class Command(_message.Message):
     PIN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     GRANT_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     id: int
     epoch: int
     inject: InjectFault
@@ -252,7 +253,23 @@ class Command(_message.Message):
     pin_snapshot: PinSnapshot
     prepare: PrepareRanks
     grant_snapshots: GrantSnapshots
-    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ..., grant_snapshots: _Optional[_Union[GrantSnapshots, _Mapping]] = ...) -> None: ...
+    revocations: Revocations
+    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ..., grant_snapshots: _Optional[_Union[GrantSnapshots, _Mapping]] = ..., revocations: _Optional[_Union[Revocations, _Mapping]] = ...) -> None: ...
+
+class Revocations(_message.Message):
+    __slots__ = ("serials", "names")
+    class NamesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SERIALS_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    serials: _containers.RepeatedScalarFieldContainer[str]
+    names: _containers.ScalarMap[str, int]
+    def __init__(self, serials: _Optional[_Iterable[str]] = ..., names: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GrantSnapshots(_message.Message):
     __slots__ = ("job", "nodes")
@@ -416,7 +433,7 @@ class CommandResult(_message.Message):
     def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., port: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
-    __slots__ = ("incarnation", "heartbeat_interval_s", "state", "drain_reason", "epoch", "health", "inventory_crc32")
+    __slots__ = ("incarnation", "heartbeat_interval_s", "state", "drain_reason", "epoch", "health", "inventory_crc32", "revocations")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +441,7 @@ class SessionAccepted(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_CRC32_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     heartbeat_interval_s: float
     state: _common_pb2.NodeState
@@ -431,7 +449,8 @@ class SessionAccepted(_message.Message):
     epoch: int
     health: _common_pb2.NodeHealth
     inventory_crc32: int
-    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., inventory_crc32: _Optional[int] = ...) -> None: ...
+    revocations: Revocations
+    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., drain_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., inventory_crc32: _Optional[int] = ..., revocations: _Optional[_Union[Revocations, _Mapping]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("state", "drain_reason", "health")
