@@ -149,7 +149,11 @@ def test_bad_submissions(four):
 
 def test_jobs_survive_a_controller_restart(four):
     job_id = submit(four, "--nodes", "2", "--", sys.executable, TRAIN, "--steps", "100000", "--step-time", "0.05")
-    four.wait_for(lambda: running_ranks(four, job_id), "ranks running")
+    # until each rank's own pid is known: before its wrapper has said it, a rank's pid is the wrapper's, and the
+    # new controller would then be told the rank's own (a test that killed the controller in that second failed)
+    four.wait_for(lambda: running_ranks(four, job_id) and all(r["pid"] != r["wrapper_pid"]
+                                                               for r in job(four, job_id)["ranks"]),
+                  "ranks running, each its own pid known")
     pids = [r["pid"] for r in job(four, job_id)["ranks"]]
     four.kill("controller", signal.SIGKILL)
     four.start_controller('[jobs]\nstop_grace_s = 5.0\n')
