@@ -210,17 +210,6 @@ class SnapshotStore:
     def _meta(self, kind: str, key: Key) -> Path:
         return self.root / "meta" / kind / key.relative().with_name(f"s{key.step}.pt.json")
 
-    def claim(self, job: str, uid: int, gid: int) -> Path:
-        """own/<job>, made (or taken back) as a directory of the account `uid`:`gid`, mode 0700, where the job's ranks
-        write their snapshots. Only root can create or replace names in own/, so it is the agent's to give."""
-        if not NAME.fullmatch(job):
-            raise SnapshotError(f"job {job[:80]!r} is not a job id")
-        with safefs.closing_fd(safefs.open_dir(self.own_dir)) as own, \
-                safefs.closing_fd(safefs.walk(own, [job], create=0o700)) as fd:
-            os.fchown(fd, uid, gid)
-            os.fchmod(fd, 0o700)
-        return self.own_dir / job
-
     def _own_file(self, key: Key) -> tuple[int, int]:
         """(a descriptor of rank `key.rank`'s directory of the step, one of the step's file) under own/, walked with
         O_NOFOLLOW; the file must be a regular file owned by own/<job>'s owner (the job's account). Raises OSError

@@ -85,9 +85,14 @@ class JobsConfig:
                                     "killed, say) is cancelled: its ranks must not run on nodes Slurm gave back; "
                                     "longer than Slurm's KillWait, so a `phalanx run` ending the job itself is "
                                     "not cut short")
+    max_active_per_user: int = setting(1000, "jobs one user may have that have not ended (pending, running, "
+                                       "recovering); a submission past it is refused: one user cannot fill the "
+                                       "store or the scheduler for everyone")
 
     def __post_init__(self) -> None:
         positive("jobs.schedule_interval_s", self.schedule_interval_s)
+        require(self.max_active_per_user >= 1,
+                f"jobs.max_active_per_user ({self.max_active_per_user}) must be at least 1")
         positive("jobs.launch_timeout_s", self.launch_timeout_s)
         require(self.missing_reports_lost >= 1,
                 f"jobs.missing_reports_lost ({self.missing_reports_lost}) must be at least 1")

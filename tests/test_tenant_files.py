@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.inproc,  # the tier (tests/conftest.py)
               pytest.mark.skipif(os.geteuid() != 0, reason="plays a tenant's account by chown: needs root")]
 
 TENANT = 54321  # a uid no account has: the files a tenant's rank makes are its
+TENANT_ACCOUNT = Account("phx-t", TENANT, TENANT, (), "/", "/bin/sh")
 
 
 def key(step: int, rank: int = 0, generation: int = 1, job: str = "job-1") -> snaps.Key:
@@ -30,7 +31,7 @@ def key(step: int, rank: int = 0, generation: int = 1, job: str = "job-1") -> sn
 @pytest.fixture
 def store(tmp_path):
     store = snaps.SnapshotStore(tmp_path / "snap", budget_bytes=1 << 20)
-    store.claim("job-1", TENANT, TENANT)  # as a launch of a job that runs as the account does
+    TENANT_ACCOUNT.claim(store.own_dir / "job-1")  # as a launch of a job that runs as the account does
     return store
 
 
@@ -133,7 +134,7 @@ def test_the_snapshot_tree_is_made_with_nothing_writable_by_others(tmp_path):
     store = snaps.SnapshotStore(shm / "phalanx" / "node-a", budget_bytes=1 << 20)
     for p in [store.root, *(store.root / kind for kind in ("own", "replica", "meta"))]:
         assert not p.stat().st_mode & 0o022, p  # sticky 1777 is gone: ranks write in directories the agent gives
-    store.claim("job-2", TENANT, TENANT)
+    TENANT_ACCOUNT.claim(store.own_dir / "job-2")
     st = (store.own_dir / "job-2").stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (TENANT, 0o700)
     writable = tmp_path / "open"
@@ -170,8 +171,7 @@ def test_claiming_a_directory_replaces_what_another_account_put_there(tmp_path, 
     parent = tmp_path / "nccl"
     parent.mkdir()
     (parent / "job-1").symlink_to(victim.parent, target_is_directory=True)
-    account = Account("phx-t", TENANT, TENANT, (), "/", "/bin/sh")
-    account.claim(parent / "job-1")
+    TENANT_ACCOUNT.claim(parent / "job-1")
     st = os.lstat(parent / "job-1")
     assert stat.S_ISDIR(st.st_mode) and st.st_uid == TENANT
     assert stat.S_IMODE(victim.parent.stat().st_mode) == 0o700 and victim.parent.stat().st_uid == 0

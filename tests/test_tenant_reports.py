@@ -125,3 +125,25 @@ def test_the_controller_tells_agents_every_revoked_node_certificate():
         assert list(told.serials) == ["ab12"] and dict(told.names) == {"gpu7": credentials.clock.wall_ns()}
 
     run(go())
+
+
+def test_one_user_cannot_fill_the_store_with_jobs():
+    """Issue 39: job records had no quota: one `user` could submit until etcd's space ran out (NOSPACE stops the
+    control plane for everyone). Past jobs.max_active_per_user unended jobs, a submission is refused, saying so;
+    another user's goes on, and so does the first's once one of its jobs ends."""
+    from controller.config import JobsConfig
+    from controller.errors import FailedPrecondition
+
+    async def go():
+        world = World(jobs=JobsConfig(schedule_interval_s=0.02, stop_grace_s=0.0, max_active_per_user=3))
+        await world.start()
+        spec = lambda: pb.JobSpec(command=["train"], nodes=4, ranks_per_node=1)  # noqa: E731 (never placed: 0 nodes)
+        jobs = [await world.jobs.submit(spec(), "alice") for _ in range(3)]
+        with pytest.raises(FailedPrecondition, match="alice has 3 jobs that have not ended"):
+            await world.jobs.submit(spec(), "alice")
+        await world.jobs.submit(spec(), "bob")
+        await world.jobs.cancel(jobs[0].id)
+        await world.jobs.submit(spec(), "alice")
+        await world.stop()
+
+    run(go())

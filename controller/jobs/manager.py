@@ -174,6 +174,10 @@ class JobManager:
         validation.job_spec(spec)
         spec.ranks_per_node = spec.ranks_per_node or 1
         async with self.lock:
+            active = sum(1 for e in self.entries.values() if e.job.user == user and e.job.state not in TERMINAL)
+            if active >= self.cfg.max_active_per_user:
+                raise FailedPrecondition(f"{user or 'this client'} has {active} jobs that have not ended, the most one "
+                                         f"user may have (jobs.max_active_per_user); cancel some, or wait for them")
             now_ns = self.clock.wall_ns()
             job = pb.Job(id=f"job-{self._next_id}", spec=spec, state=pb.JOB_STATE_PENDING,
                          reason="waiting for the scheduler", submitted_unix_ns=now_ns, user=user,
