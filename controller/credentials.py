@@ -53,6 +53,9 @@ def certificate_facts(pem: bytes) -> tuple[str, int]:
     return pki.certificate_facts(pem)
 
 
+LINEAGE_KEPT = 32  # serials a node's certificate was renewed from, kept with it (years of renewals)
+
+
 class Credentials:
     def __init__(self, store: Store, clock: Clock, ca_file: str, ca_key_file: str, enrol_days: int,
                  publish: Callable[[list[EventRecord]], None]) -> None:
@@ -197,7 +200,9 @@ class Credentials:
             serial = format(cert.serial_number, "x")
             not_after_ns = int(cert.not_valid_after_utc.timestamp() * 1e9)
             before = self._data(f"node/{name}") or {}
-            await self._commit({f"node/{name}": {**before, "spki_sha256": spki, "serial": serial,
+            # the serials this certificate was renewed from: revoking any of them revokes it too
+            lineage = [*before.get("lineage", []), before["serial"]][-LINEAGE_KEPT:] if "serial" in before else []
+            await self._commit({f"node/{name}": {**before, "spki_sha256": spki, "serial": serial, "lineage": lineage,
                                                  "not_after_ns": not_after_ns, "renewed_ns": self.clock.wall_ns(),
                                                  "enrolled_ns": before.get("enrolled_ns", self.clock.wall_ns())}},
                                self._event("cert.renewed", f"node {name} renewed its certificate from {peer}: "
@@ -236,7 +241,8 @@ class Credentials:
         return f"revoked {what}"
 
     def node_revocations(self):
-        """The node certificates revoked so far, as agents are told them (node_pb2.Revocations)."""
+        """The node certificates revoked so far, as agents are told them (node_pb2.Revocations): by serial (a
+        certificate renewed from a revoked one included), and by name."""
         from phalanx.v1 import node_pb2
         out = node_pb2.Revocations()
         for key in self.records:
@@ -244,14 +250,32 @@ class Credentials:
                 out.serials.append(key.removeprefix("revoked/serial/"))
             elif key.startswith("revoked/name/node/"):
                 out.names[key.removeprefix("revoked/name/node/")] = self._data(key)["revoked_ns"]
+            elif key.startswith("node/"):
+                record = self._data(key)
+                if "serial" in record and self._revoked_ancestor("node", key.removeprefix("node/"), record["serial"]):
+                    out.serials.append(record["serial"])
         return out
+
+    def _revoked_ancestor(self, role: str, name: str, serial: str) -> dict | None:
+        """The revocation of a certificate that node `name`'s current certificate (`serial`) was renewed from, if
+        any: renewing must not outlive revoking."""
+        if role != "node":
+            return None
+        record = self._data(f"node/{name}")
+        if record is None or record.get("serial") != serial:
+            return None
+        for ancestor in record.get("lineage", []):
+            revoked = self._data(f"revoked/serial/{ancestor}")
+            if revoked is not None:
+                return revoked
+        return None
 
     def revocation(self, role: str, name: str, pem: bytes) -> Revocation | None:
         """Why the certificate `pem` of ROLE NAME may not be used, or None. Cheap: two dictionary looks."""
         if not self._revocations:
             return None
         serial, not_before_ns = certificate_facts(pem)
-        by_serial = self._data(f"revoked/serial/{serial}")
+        by_serial = self._data(f"revoked/serial/{serial}") or self._revoked_ancestor(role, name, serial)
         if by_serial is not None:
             return Revocation(by_serial["revoked_ns"], by_serial["reason"])
         by_name = self._data(f"revoked/name/{role}/{name}")

@@ -147,3 +147,33 @@ def test_one_user_cannot_fill_the_store_with_jobs():
         await world.stop()
 
     run(go())
+
+
+def test_revoking_a_certificate_revokes_what_was_renewed_from_it(tmp_path):
+    """Issue 39: a node renewed its certificate, and revoking the stolen one by serial left the renewed one valid.
+    Each renewal keeps the serials it descends from; revoking any of them revokes it, at the controller and at
+    every agent's snapshot port."""
+    from controller.credentials import Credentials, certificate_facts
+    from controller.store.memory import MemoryStore
+    from phalanx import pki
+    from phalanx.clock import FakeClock
+
+    pki.init_ca(tmp_path, cluster="test")
+
+    async def go():
+        credentials = Credentials(MemoryStore(), FakeClock(), str(tmp_path / "ca.crt"), str(tmp_path / "ca.key"), 365,
+                                  lambda events: None)
+        await credentials.load()
+        token, _, _ = await credentials.create_token(3600, 1, "test", "ops")
+        _, csr = pki.new_key_and_csr("gpu7")
+        first, _, _ = await credentials.enrol(token, csr, "ipv4:10.0.0.7:1")
+        _, csr = pki.new_key_and_csr("gpu7")
+        second, _ = await credentials.renew("gpu7", csr, "ipv4:10.0.0.7:1", first)
+        _, csr = pki.new_key_and_csr("gpu7")
+        third, _ = await credentials.renew("gpu7", csr, "ipv4:10.0.0.7:1", second)
+        assert credentials.revocation("node", "gpu7", third) is None
+        await credentials.revoke("", "node", certificate_facts(first)[0], "stolen", "ops")
+        assert credentials.revocation("node", "gpu7", third) is not None
+        assert certificate_facts(third)[0] in credentials.node_revocations().serials
+
+    run(go())
