@@ -110,6 +110,9 @@ class AgentConfig:
                                       "snapshots from, faster than gRPC (mutual TLS as the service; a one-time "
                                       "ticket from the service); 0 = a free port, -1 = none (restores stream over "
                                       "gRPC)")
+    rank_log_max_mb: int = setting(1024, "a running rank's log is cut past this size (its last eighth kept in "
+                                   ".log.1): one job's output cannot fill the state disk every job shares; 0 = "
+                                   "never cut")
     warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
                                "here, or the controller asks a spare for), so a restart skips starting Python and "
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")

@@ -108,6 +108,7 @@ class Agent:
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)
         self._snapshot_keys: dict[str, set] = {}
         self._snapshots_off = ""  # why this node keeps no snapshots though snapshot_dir is set
+        self._tending_failed = False  # the last rank bookkeeping failed (a full state disk): said once
         if cfg.snapshot_dir:
             budget = cfg.snapshot_budget_mb * 1_000_000 or memory // 4
             try:
@@ -154,6 +155,26 @@ class Agent:
         inventory.gpus.extend(self.backend.inventory())
         return inventory
 
+    def _tend_ranks(self) -> None:
+        """Notice ranks that ended and keep the standbys wanted. Their bookkeeping writes files (exit records, rank
+        records): a full or failing state disk must not silence the node (every tenant's sessions would flap), so an
+        error is logged and said once while it lasts, and the heartbeat goes up with what is known."""
+        try:
+            self.supervisor.poll()
+            self.supervisor.tend_warm()
+            if self.cfg.rank_log_max_mb:
+                self.supervisor.cap_logs(self.cfg.rank_log_max_mb * 1_000_000)
+        except OSError as e:
+            if not self._tending_failed:
+                logger.error("rank bookkeeping failing; heartbeats go on", error=str(e))
+                self._emit("rank_bookkeeping_failing", f"{self.name} cannot keep its rank records ({e}); its "
+                           "heartbeats go on, and ranks that end meanwhile are noticed once it can")
+            self._tending_failed = True
+            return
+        if self._tending_failed:
+            logger.info("rank bookkeeping works again")
+        self._tending_failed = False
+
     async def heartbeat(self, budget_s: float) -> node_pb2.Heartbeat:
         """This second's heartbeat, built within `budget_s` of the clock's time. A collector that fails (a bug,
         a driver gone strange) or has not answered by then must not silence the node: its last good reading
@@ -164,8 +185,7 @@ class Agent:
         host, gpus, nccl, *dcgm = await asyncio.gather(*readers)
         if dcgm:
             self._report_dcgm(dcgm[0])
-        self.supervisor.poll()
-        self.supervisor.tend_warm()
+        self._tend_ranks()
         ranks = self.supervisor.statuses()
         held = []
         if self.snapshots is not None:

@@ -633,6 +633,38 @@ class Supervisor:
 
     # -- logs --------------------------------------------------------------------------------
 
+    def cap_logs(self, max_bytes: int) -> list[str]:
+        """Cut the log of every running rank that has grown past `max_bytes`: its last eighth goes to `.log.1`
+        (replacing the one before) and the log starts again (the rank writes with O_APPEND, so it writes on at the
+        new end), with a line saying so. A tenant's output cannot fill the node's state disk, which every job on it
+        shares. Returns the logs cut. By descriptor, without following a link: the file is the job's account's."""
+        cut = []
+        for record in self._live():
+            path = Path(record.log)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            with open(fd, "r+b") as log:
+                st = os.fstat(log.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_size <= max_bytes:
+                    continue
+                keep = max_bytes // 8
+                log.seek(st.st_size - keep)
+                tail = log.read(keep)
+                old = path.with_name(path.name + ".1")
+                old.unlink(missing_ok=True)
+                out = os.open(old, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+                os.fchown(out, st.st_uid, st.st_gid)
+                with open(out, "wb") as f:
+                    f.write(tail)
+                os.ftruncate(log.fileno(), 0)
+                log.write(f"--- phalanx: log cut at {st.st_size / 1e6:.0f} MB (agent rank_log_max_mb) at "
+                          f"{self._stamp()}; its last {keep / 1e6:.0f} MB are in {old.name} ---\n".encode())
+            cut.append(str(path))
+            logger.warning("rank log cut", job=record.job, rank=record.rank, bytes=st.st_size, kept=str(old))
+        return cut
+
     def log_path(self, job: str, rank: int) -> Path | None:
         path = self._logs / job / f"rank-{rank}.log"
         return path if path.exists() else None

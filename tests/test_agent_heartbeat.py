@@ -82,6 +82,26 @@ async def test_a_failing_gpu_collector_sends_its_last_reading_and_says_so_once(t
     assert len(events) == 3
 
 
+@run
+async def test_a_full_state_disk_does_not_silence_the_node(tmp_path):
+    """Issue 39 (and 41): the supervisor's bookkeeping ran unguarded inside the heartbeat, so one persistent error
+    (a full state disk, which a tenant's rank logs can cause) broke every heartbeat and every tenant's session on
+    the node flapped. The heartbeat goes up; the failure is said once, and its end is logged."""
+    agent, events = make_agent(tmp_path, FlakyBackend(), FakeClock())
+    full = OSError(28, "No space left on device")
+
+    def failing():
+        raise full
+    agent.supervisor.poll = failing
+    for _ in range(3):
+        beat = await agent.heartbeat(1.0)
+        assert len(beat.gpus) == 2
+    assert [kind for kind, _, _ in events] == ["rank_bookkeeping_failing"] and "No space left" in events[0][1]
+    del agent.supervisor.poll  # the disk has room again
+    await agent.heartbeat(1.0)
+    assert not agent._tending_failed and len(events) == 1
+
+
 class FakeCall:
     """The session's stream as the heartbeat loop sees it: what it writes is kept."""
 

@@ -209,3 +209,38 @@ def test_a_node_has_its_own_say_on_whom_ranks_run_as(tmp_path):
     assert "only as phx-alice" in launch(AccountPolicy(("phx-alice",)), "phx-bob")
     assert "agent_user_ranks = false" in launch(AccountPolicy(agent_user=False), "")
     assert AccountPolicy(root=True).refusal("root") == "" and AccountPolicy().refusal("") == ""
+
+
+def test_a_ranks_log_is_cut_before_it_fills_the_disk(tmp_path):
+    """Issue 39: rank logs were never capped: one tenant's output could fill the state disk every job on the node
+    shares. A running rank's log past the cap keeps its last eighth in .log.1 and starts again; the rank writes on
+    (O_APPEND) at the new end."""
+    import contextlib
+    import signal
+    import sys
+
+    from agent.supervisor import Supervisor
+    from phalanx.v1 import node_pb2
+    from tests.eventually import eventually
+
+    supervisor = Supervisor(tmp_path / "state")
+    script = "import sys, time\nfor i in range(10**9):\n    sys.stdout.write(f'line {i:08d}\\n' * 100); " \
+             "sys.stdout.flush()\n    if i == 200: open(sys.argv[1], 'w').close()\n    time.sleep(0.001)\n"
+    marker = tmp_path / "written"
+    supervisor.launch(node_pb2.LaunchRanks(job="job-1", generation=1, command=[sys.executable, "-c", script,
+                                                                                str(marker)],
+                                           ranks=[node_pb2.RankLaunch(rank=0)]), {"PATH": "/usr/bin:/bin"})
+    try:
+        eventually(marker.exists, "the rank's first 300 kB written")
+        log = supervisor.log_path("job-1", 0)
+        assert supervisor.cap_logs(100_000) == [str(log)]
+        kept = log.with_name(log.name + ".1").read_bytes()
+        assert len(kept) == 12_500 and b"line " in kept
+        grown = log.stat().st_size
+        eventually(lambda: log.stat().st_size > grown + 2_000, "the rank writing on into the cut log")
+        assert b"--- phalanx: log cut at " in log.read_bytes()[:10_000]  # the rank may write first, a line or two
+    finally:
+        for status in supervisor.statuses():  # the wrapper leads a process group of its own, the rank in it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(status.pid, signal.SIGKILL)
+        eventually(lambda: supervisor.poll() is not None and not supervisor._live(), "the rank stopped")

@@ -538,6 +538,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
         request = control_pb2.ReadLogsRequest(job=args.job, rank=args.rank, offset=offset)
         read = lambda s, request=request: s.ReadLogs(request, timeout=DEFAULT_TIMEOUT_S)  # noqa: E731
         chunk = _polled(args, read, reached) if args.follow else call(args, read)
+        if chunk.size < offset:  # the agent cut the log (rank_log_max_mb): it starts again from its beginning
+            offset = 0
+            continue
         out.write(terminal.escape_bytes(chunk.data) if to_terminal else chunk.data)
         out.flush()
         offset = chunk.next_offset
