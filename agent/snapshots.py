@@ -131,8 +131,17 @@ class SnapshotStore:
         # raises safefs.UnsafePath: a tree another account could change is not used at all
         safefs.secure_dir(root)
         for kind, mode in ((OWN, 0o755), (REPLICA, 0o700), ("meta", 0o700)):
-            safefs.secure_dir(root / kind, mode)
-            with safefs.closing_fd(safefs.open_dir(root / kind)) as fd:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(root / kind, mode)
+            try:
+                fd = safefs.open_dir(root / kind)  # a link there is refused, not followed
+            except OSError as e:
+                raise safefs.UnsafePath(f"{root / kind} is a link or not a directory ({e.strerror}): the agent does "
+                                        "not use it (remove it)") from None
+            with safefs.closing_fd(fd):
+                if os.fstat(fd).st_uid not in safefs.trusted_uids():
+                    raise safefs.UnsafePath(f"{root / kind} is owned by uid {os.fstat(fd).st_uid}, not by root or "
+                                            "the agent's user")
                 os.fchmod(fd, mode)  # an older agent's own/ was 1777 (its ranks made their own directories)
         self._rescan()
         self._load_grants()

@@ -244,3 +244,13 @@ def test_a_ranks_log_is_cut_before_it_fills_the_disk(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(status.pid, signal.SIGKILL)
         eventually(lambda: supervisor.poll() is not None and not supervisor._live(), "the rank stopped")
+
+
+def test_an_older_agents_snapshot_tree_is_taken_over_and_closed(tmp_path):
+    """Before, own/ was 1777 (ranks made their own directories): an agent upgraded in place makes it 0755 and runs
+    on with snapshots, rather than refusing its own tree."""
+    root = tmp_path / "snap"
+    (root / "own").mkdir(parents=True)
+    (root / "own").chmod(0o1777)
+    store = snaps.SnapshotStore(root, budget_bytes=1 << 20)
+    assert stat.S_IMODE(store.own_dir.stat().st_mode) == 0o755
