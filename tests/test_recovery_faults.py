@@ -14,6 +14,7 @@ import pytest
 from controller.config import RecoveryConfig
 from controller.errors import FailedPrecondition
 from controller.nodes.states import DOWN, DRAINED, UP
+from controller.recovery import lifecycle
 from controller.recovery.lifecycle import REQUEST_LATENCY_S
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import node_pb2
@@ -492,3 +493,36 @@ def test_a_node_whose_health_a_takeover_has_not_judged_yet_is_not_placed_on():
 
     run(go())
 
+
+
+def test_a_request_cancelled_while_its_commit_is_in_the_store_leaves_the_job_committable():
+    """The fuzzer's find: a `phalanx checkpoint` whose client gave up (a 0.05 s deadline) was cancelled between
+    the store's write of the job record and the manager's update of its revision; from then on every commit of
+    the job failed its revision check (UNAVAILABLE, for good). The commit and the update now run to the end."""
+
+    async def go():
+        world = World()
+        job_id = await cluster(world)
+        entry = world.jobs.entries[job_id]
+        inner = world.store.commit
+        in_store, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_commit(**records):
+            done = await inner(**records)  # written
+            in_store.set()
+            await release.wait()  # ... and the caller is cancelled before it hears so
+            return done
+        world.store.commit = slow_commit
+        saving = asyncio.create_task(world.jobs.save(entry, lifecycle.Commit(world.job(job_id), "job.test", "x")))
+        await in_store.wait()
+        saving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await saving
+        release.set()
+        world.store.commit = inner
+        await world.until(lambda: entry.revision == next(r.revision for r in world.store._jobs.values()
+                                                         if r.id == job_id), "memory caught up with the store")
+        await world.jobs.save(entry, lifecycle.Commit(world.job(job_id), "job.test", "again"))  # no conflict
+        await world.stop()
+
+    run(go())

@@ -417,7 +417,15 @@ class JobManager:
     # -- the store -------------------------------------------------------------------------------
 
     async def save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
-        """Commit the record with its event; memory follows only once the store has it. Lock held."""
+        """Commit the record with its event; memory follows only once the store has it. Lock held.
+
+        Shielded: the caller may be an RPC whose client gave up (a `phalanx checkpoint` with a short deadline)
+        and is cancelled while the store commits. Cancelled between the store's write and memory's update, the
+        entry kept the old revision, and every later commit of the job failed its revision check for good (the
+        fuzzer found it). The commit and the update run to the end together; the caller's cancel comes after."""
+        await asyncio.shield(self._save(entry, commit))
+
+    async def _save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
         job = commit.job
         job.progress_reported = entry.reported  # set by a heartbeat, kept for the next controller at the next commit
         event = self.event(commit.kind, commit.message, job.id)
