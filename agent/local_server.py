@@ -45,6 +45,7 @@ class _Progress:
     last_unix_ns: int = 0
     reports: int = 0
     saving: bool = False
+    finished: bool = False
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
 
@@ -90,7 +91,8 @@ class LocalState:
                                              steps=p.steps, mean_step_s=p.step_s / p.steps if p.steps else 0.0,
                                              mean_compute_s=p.compute_s / p.steps if p.steps else 0.0,
                                              last_step_unix_ns=p.last_unix_ns,
-                                             compute_samples=p.samples, reports=p.reports, saving=p.saving))
+                                             compute_samples=p.samples, reports=p.reports, saving=p.saving,
+                                             finished=p.finished))
             p.steps, p.step_s, p.compute_s, p.reports = 0, 0.0, 0.0, 0
             p.samples.clear()
         return out
@@ -123,6 +125,7 @@ class LocalService(local_pb2_grpc.LocalServiceServicer):
         p = self._state.progress.setdefault(key, _Progress())
         p.reports += 1
         p.saving = request.saving
+        p.finished = request.finished
         for sample in request.steps:
             p.steps += 1
             p.step_s += sample.step_s

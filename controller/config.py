@@ -126,6 +126,14 @@ class RecoveryConfig:
                                 "of the job writes a checkpoint, nor in a generation's first 10 steps)")
     hang_factor: float = setting(3.0, "... or this many times the job's typical step time (90th percentile of "
                                  "recent ones), if longer")
+    exit_grace_s: float = setting(120.0, "once training has ended in a rank (trainlib says so at "
+                                  "destroy_process_group and at exit, or the rank exited 0), how long every rank of "
+                                  "the job has to exit (a final save, the teardown); no hang or straggler verdict "
+                                  "meanwhile. A rank still running then is stopped: the job SUCCEEDED if every rank "
+                                  "had finished training, else FAILED")
+    evicted_wait_s: float = setting(1800.0, "a job that waits for nodes because those its own recovery evicted stay "
+                                    "drained (and no others are free) fails after waiting this long, saying so, "
+                                    "rather than waiting without end")
     startup_s: float = setting(180.0, "seconds a rank may take to its first step before it counts as hung")
     straggler_ratio: float = setting(1.05, "compute time against the other ranks' median counted as slow (a "
                                      "10% slower rank is found; healthy noise is not; the verdict also needs the "
@@ -147,7 +155,8 @@ class RecoveryConfig:
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, f"recovery.max_restarts ({self.max_restarts}) must not be negative")
         for key in ("restart_backoff_s", "restart_window_s", "checkpoint_deadline_s", "hang_min_s", "hang_factor",
-                    "startup_s", "checkpoint_lead_s", "pace_wait_s", "evict_margin_s", "silent_s"):
+                    "startup_s", "checkpoint_lead_s", "pace_wait_s", "evict_margin_s", "silent_s", "exit_grace_s",
+                    "evicted_wait_s"):
             positive(f"recovery.{key}", getattr(self, key))
         require(self.straggler_ratio > 1.0, f"recovery.straggler_ratio ({self.straggler_ratio}) must be above 1")
         require(1 <= self.straggler_min_samples <= self.straggler_window,

@@ -60,10 +60,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # torch 2.13 (CPU, gloo) aborts ~1 exit in 15 after destroy_process_group with "terminate called without an
-    # active exception" (a thread still joinable in a static destructor), turning a clean exit into SIGABRT.
-    # Flush and leave without running those destructors.
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

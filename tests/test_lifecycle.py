@@ -77,6 +77,7 @@ class Sim:
         self.on_state: dict[str, callable] = {}  # state -> run 50 ms after the job enters it
         self.on_commit: dict[str, callable] = {}  # state -> run at once on the commit that enters it
         self.hung: set[int] = set()  # ranks that stopped (SIGSTOP): they step no more and fall silent
+        self.done: set[int] = set()  # ranks whose training ended: they step no more and say so (trainlib.finish)
         self.slow: set[str] = set()  # nodes whose ranks compute 50% slower (and so the job's steps, when they run)
         self.pace_factor = 1.0  # the whole job's steps this much slower, whatever its ranks (a slow dataset)
         self.step_of: dict[int, int] = {}
@@ -241,10 +242,11 @@ class Sim:
                 if rank.rank in self.hung:
                     continue
                 track = p.tracks.setdefault(rank.rank, RankTrack(last_advance=self.now, last_report=self.now))
-                steps = 0 if stuck else int(REPORT_S / STEP_S)
+                steps = 0 if stuck or self.done else int(REPORT_S / STEP_S)
                 self.step_of[rank.rank] = self.step_of.get(rank.rank, 0) + steps
                 compute = [STEP_S * (1.5 if rank.node in self.slow else 1.0)] * steps
-                track.observe(self.step_of[rank.rank], step_s if steps else 0.0, compute, self.now, steps)
+                track.observe(self.step_of[rank.rank], step_s if steps else 0.0, compute, self.now, steps,
+                              finished=rank.rank in self.done)
         self.at(self.now + REPORT_S, self.report)
 
     def controller_restart(self) -> None:
@@ -770,3 +772,142 @@ def test_a_job_in_an_allocation_waits_for_a_disconnected_node_but_ends_when_too_
     assert sim.job.state == pb.JOB_STATE_FAILED and sim.job.reason.startswith(
         f"no healthy node left to replace {other} in Slurm job 17's allocation: 1 of its 3 nodes usable"), \
         sim.job.reason
+
+
+# -- the end of a job (issue 40): training that ended is never a hang, and no false verdict cascades -------------
+
+def exit_ranks(sim: Sim, codes: dict[int, int]) -> None:
+    for rank in sim.job.ranks:
+        if rank.rank in codes:
+            sim.nodes[rank.node].ranks[(sim.job.generation, rank.rank)] = f"exited:{codes[rank.rank]}"
+
+
+def test_ranks_that_ended_training_are_never_hung_and_the_job_succeeds_when_they_exit():
+    sim = Sim()
+    start(sim)
+    sim.done = {r.rank for r in sim.job.ranks}  # the loop is over: barrier, a final save, the teardown
+    sim.run_for(60.0)  # twelve times hang_min_s without a step
+    assert running(sim) and not sim.incidents, sim.events
+    assert [k for k, _ in sim.events].count("job.ending") == 1, sim.events
+    exit_ranks(sim, {r.rank: 0 for r in sim.job.ranks})
+    sim.run_until(lambda: sim.job.state == pb.JOB_STATE_SUCCEEDED)
+    assert sim.launched == [1] and not any(n.drained for n in sim.nodes.values())
+
+
+def test_one_rank_exiting_0_ends_the_hang_rule_for_the_ranks_still_saving_the_final_model():
+    sim = Sim()
+    start(sim)
+    sim.done = {0}  # rank 0 writes the final model (no trainlib.finish); the others are done and exit
+    exit_ranks(sim, {1: 0, 2: 0, 3: 0})
+    sim.done = {1, 2, 3}
+    sim.run_for(60.0)
+    assert running(sim) and not sim.incidents, sim.events
+    exit_ranks(sim, {0: 0})
+    sim.run_until(lambda: sim.job.state == pb.JOB_STATE_SUCCEEDED)
+
+
+def test_a_rank_that_finished_but_does_not_exit_is_stopped_after_the_grace_and_no_node_is_blamed():
+    policy = lifecycle.Policy(dataclasses.replace(POLICY.recovery, exit_grace_s=30.0), POLICY.jobs)
+    sim = Sim(policy=policy)
+    start(sim)
+    sim.done = {r.rank for r in sim.job.ranks}
+    exit_ranks(sim, {0: 0, 1: 0, 2: 0})  # rank 3 hangs in its teardown (an NCCL communicator's destroy)
+    began = sim.now
+    sim.run_until(lambda: sim.job.state in table.TERMINAL, limit_s=120)
+    assert sim.job.state == pb.JOB_STATE_SUCCEEDED, sim.describe()
+    assert sim.now - began == pytest.approx(30.0, abs=1.0)
+    slow = [m for k, m in sim.events if k == "job.slow_exit"]
+    assert slow and "rank 3" in slow[0] and "no node is blamed" in slow[0], sim.events
+    assert not any(n.drained for n in sim.nodes.values()) and sim.launched == [1] and not sim.incidents
+    sim.run_for(1.0)
+    assert sim.nodes["b"].ranks[(1, 3)] == "exited:-15"  # stopped
+
+
+def test_a_rank_that_never_finishes_after_the_others_did_fails_the_job_after_the_grace():
+    policy = lifecycle.Policy(dataclasses.replace(POLICY.recovery, exit_grace_s=30.0), POLICY.jobs)
+    sim = Sim(policy=policy)
+    start(sim)
+    sim.done = {1, 2, 3}
+    exit_ranks(sim, {1: 0, 2: 0, 3: 0})  # rank 0 reports on but never finishes
+    sim.run_until(lambda: sim.job.state in table.TERMINAL, limit_s=120)
+    assert sim.job.state == pb.JOB_STATE_FAILED and "rank 0 had not finished training 30s after" in sim.job.reason
+    assert not any(n.drained for n in sim.nodes.values()) and not sim.incidents
+
+
+def test_a_signal_in_the_teardown_after_training_ended_is_not_a_crash():
+    sim = Sim()
+    start(sim)
+    sim.done = {r.rank for r in sim.job.ranks}
+    sim.run_for(1.0)
+    exit_ranks(sim, {0: 0, 1: -6, 2: 0, 3: 0})  # "terminate called without an active exception"
+    sim.run_until(lambda: sim.job.state in table.TERMINAL)
+    assert sim.job.state == pb.JOB_STATE_SUCCEEDED and sim.launched == [1], sim.events
+    assert any(k == "job.teardown_failed" and "rank 1" in m for k, m in sim.events), sim.events
+
+
+def test_a_script_that_fails_after_training_ended_fails_the_job_without_a_restart():
+    sim = Sim()
+    start(sim)
+    sim.done = {r.rank for r in sim.job.ranks}
+    sim.run_for(1.0)
+    exit_ranks(sim, {0: 1, 1: 0, 2: 0, 3: 0})  # rank 0's final save raised
+    sim.run_until(lambda: sim.job.state in table.TERMINAL)
+    assert sim.job.state == pb.JOB_STATE_FAILED and sim.launched == [1], sim.events
+    assert "exited with code 1 after its training ended" in sim.job.reason
+
+
+def test_a_step_after_the_end_means_training_goes_on():
+    sim = Sim()
+    start(sim)
+    sim.done = {r.rank for r in sim.job.ranks}
+    sim.run_for(3.0)
+    sim.done = set()  # a script that destroyed its process group and made a new one
+    sim.run_for(3.0)
+    assert sim.job.ending_since_unix_ns == 0 and "job.training" in [k for k, _ in sim.events]
+    sim.hung.add(1)
+    sim.run_until(lambda: sim.incidents)
+    assert sim.incidents == ["hang"]
+
+
+def test_every_rank_silent_at_once_names_no_culprit_and_drains_no_node():
+    sim = Sim()
+    start(sim)
+    sim.hung = {r.rank for r in sim.job.ranks}  # e.g. the job's own storage stalls every rank at once
+    sim.run_until(lambda: sim.incidents)
+    incident = next(m for k, m in sim.events if k == "job.incident")
+    assert "every rank's trainlib fell silent at once" in incident, incident
+    sim.hung = set()
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    assert list(sim.job.nodes) == ["a", "b"] and not any(n.drained for n in sim.nodes.values())
+
+
+def test_the_same_hang_at_the_same_step_in_the_next_generation_ends_the_job_instead_of_evicting_again():
+    sim = Sim(nodes=("a", "b", "c", "d"), spares=2)
+    start(sim)
+    first_b = next(r.rank for r in sim.job.ranks if r.node == "b")
+    sim.hung.add(first_b)
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    step = sim.job.incident_step
+    assert step > 0 and sim.nodes["b"].drained
+    sim.hung = set()
+    # the next generation resumes just before that step and stops at it again, on another rank (node a's)
+    sim.step_of = {r.rank: step - int(REPORT_S / STEP_S) for r in sim.job.ranks}
+    first_a = next(r.rank for r in sim.job.ranks if r.node == "a")
+    sim.at(sim.now + REPORT_S + 0.01, sim.hung.add, first_a)
+    sim.run_until(lambda: sim.job.state in table.TERMINAL)
+    assert sim.job.state == pb.JOB_STATE_FAILED, sim.describe()
+    assert f"hang again at step {step}, as in generation 1" in sim.job.reason, sim.job.reason
+    assert not sim.nodes["a"].drained and sim.launched == [1, 2]
+
+
+def test_a_job_that_ran_out_of_nodes_through_its_own_evictions_says_so_and_fails_after_the_bound():
+    policy = lifecycle.Policy(dataclasses.replace(POLICY.recovery, evicted_wait_s=60.0), POLICY.jobs)
+    sim = Sim(nodes=("a", "b"), spares=0, policy=policy)
+    start(sim)
+    sim.hung.add(next(r.rank for r in sim.job.ranks if r.node == "b"))
+    sim.run_until(lambda: sim.job.state == pb.JOB_STATE_RENDEZVOUS and "evicted" in sim.job.reason)
+    assert "1 node this job evicted stay drained (b)" in sim.job.reason and "recovery.evicted_wait_s" in sim.job.reason
+    began = sim.now
+    sim.run_until(lambda: sim.job.state in table.TERMINAL, limit_s=100)
+    assert sim.job.state == pb.JOB_STATE_FAILED and "no nodes for 60s" in sim.job.reason, sim.job.reason
+    assert sim.now - began <= 61

@@ -452,3 +452,43 @@ def test_an_eviction_checkpoint_is_saved_durably_when_the_job_says_so(agent, mon
     monkeypatch.setenv("PHALANX_EVICTION_CHECKPOINT", "disk")
     assert runtime._eviction_in_memory() and runtime._eviction_in_memory()
     assert capsys.readouterr().err.count("PHALANX_EVICTION_CHECKPOINT='disk' is not one of memory, durable") == 1
+
+
+
+def test_destroying_the_process_group_says_at_once_that_training_has_ended(agent, tmp_path):
+    """Issue 40: the end of a job (a barrier, a final save, the teardown, the exit) makes no step progress; unless
+    the controller hears that training ended, it judges the end a hang. The script is a user's, as written: it calls
+    dist.destroy_process_group(), nothing of Phalanx's. The report is in before the call returns."""
+    rank = start_rank(f"""
+        import threading, torch.distributed as dist, trainlib
+        trainlib.init()
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        trainlib.step(0)
+        dist.destroy_process_group()
+        print("destroyed", flush=True)
+        threading.Event().wait()  # not exiting: the exit would say it too
+    """, {**UNDER_PHALANX, "WORLD_SIZE": "1", "PHALANX_AGENT_SOCKET": str(agent.socket),
+          "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+    try:
+        assert rank.stdout.readline() == "destroyed\n", rank.stderr.read()
+        assert [r.finished for r in agent.reports if r.finished], [r.finished for r in agent.reports]
+    finally:
+        rank.kill()
+        rank.communicate()
+
+
+def test_a_step_after_the_end_undoes_it_and_the_exit_says_it_again(agent, monkeypatch, tmp_path):
+    from trainlib import _runtime
+    monkeypatch.setattr(_runtime, "_ctx", _runtime.Context(
+        active=True, job="job-7", generation=3, rank=1, local_rank=1, world_size=4, checkpoint_dir=str(tmp_path),
+        agent_socket=str(agent.socket)))
+    for name in ("_stub", "_tail", "_head", "_finished", "_last_step", "_steps_seen", "_last_end"):
+        monkeypatch.setattr(_runtime, name, getattr(_runtime, name))
+    _runtime._stub = None
+    _runtime.finish()
+    assert agent.reports[-1].finished
+    _runtime.step(5)  # a script that made a new process group and trains on
+    _runtime._flush()
+    assert not agent.reports[-1].finished and agent.reports[-1].steps[-1].step == 5
+    _runtime._flush_at_exit()
+    assert agent.reports[-1].finished

@@ -12,6 +12,8 @@
         trainlib.snapshot(state, step)     # in host memory, replicated to a peer: a restart loses <= 1 step;
         if trainlib.checkpoint_requested():  # before an eviction, the agreed step's snapshot answers instead
             trainlib.save(state, step)     # durable, atomic; tells Phalanx which step is safe
+    trainlib.finish()                      # optional: training is over (said by itself at destroy_process_group
+                                           # and at exit): the job is no longer judged hung while it ends
 
 Outside Phalanx (no PHALANX_JOB in the environment) every hook is a no-op, with one warning, and
 `save`/`load_latest` use ./checkpoints, so the same script still runs alone. Under torchrun with
@@ -26,6 +28,7 @@ from trainlib._runtime import (
     GenerationEnded,
     checkpoint_requested,
     compute_done,
+    finish,
     init,
     load_latest,
     on_checkpoint_request,
@@ -35,5 +38,5 @@ from trainlib._runtime import (
     step,
 )
 
-__all__ = ["Context", "GenerationEnded", "checkpoint_requested", "compute_done", "init", "load_latest",
+__all__ = ["Context", "GenerationEnded", "checkpoint_requested", "compute_done", "finish", "init", "load_latest",
            "on_checkpoint_request", "run", "save", "snapshot", "step"]

@@ -110,6 +110,8 @@ _snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is f
 _slow = 0.0  # a slow=F fault on this rank's GPU, from the agent's replies: each step's compute takes (1 + F)x
 _ending = False  # a stop came: the training function is unwinding (a second stop changes nothing)
 _parked = False  # waiting for the agent to say whether this process rejoins (a stop now ends it)
+_finished = False  # training has ended here: the default process group is being destroyed or the interpreter exits
+_flush_lock = threading.Lock()  # one report at a time: the reporter's, or the one that says training has ended
 # Held while this process parks or takes its next generation, and by a reply's "stale" while it decides to end the
 # process: a stale answer about a generation the process has already left must not end it in its next one.
 _generation_lock = threading.Lock()
@@ -169,6 +171,7 @@ def init() -> Context:
             _reporter = threading.Thread(target=_report_loop, name="trainlib-reporter", daemon=True)
             _reporter.start()
             atexit.register(_flush_at_exit)
+        _hook_destroy()
         threading.Thread(target=_watch_loop, args=(_ctx,), name="trainlib-watcher", daemon=True).start()
     return _ctx
 
@@ -199,8 +202,9 @@ def flight_recorder_env() -> str:
 
 def step(number: int | None = None) -> None:
     """Mark the end of a training step. Cheap enough for every step: no lock, no allocation, no system call."""
-    global _last_end, _compute_mark, _steps_seen, _head, _last_step
+    global _last_end, _compute_mark, _steps_seen, _head, _last_step, _finished
     now = time.perf_counter()
+    _finished = False  # a step after a process group's teardown: training goes on (a script that makes a new one)
     if _slow and _compute_mark <= _last_end:  # slow=F, and the script marks no compute: the whole step is slowed
         now = _throttle(_last_end, now)
     slot = _head % RING
@@ -539,6 +543,11 @@ def _agent():
 
 
 def _flush(at_exit: bool = False) -> None:
+    with _flush_lock:
+        _flush_locked(at_exit)
+
+
+def _flush_locked(at_exit: bool) -> None:
     global _tail
     from phalanx.v1 import local_pb2
     ctx = _ctx
@@ -553,7 +562,8 @@ def _flush(at_exit: bool = False) -> None:
                                           compute_s=_ring_compute_s[slot], end_unix_ns=_ring_end_ns[slot]))
     _tail = head
     reply = _agent().Report(local_pb2.ReportRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank,
-                                                    steps=batch, pid=os.getpid(), saving=_saving),
+                                                    steps=batch, pid=os.getpid(), saving=_saving,
+                                                    finished=_finished),
                             timeout=RPC_TIMEOUT_S)
     if not at_exit:
         _heed(reply, ctx)
@@ -606,16 +616,57 @@ def _end_stale(ctx: Context) -> None:
 
 
 def _flush_at_exit() -> None:
+    global _finished
+    if not _parked:  # the interpreter is exiting: no step will come (a parked rank said how it ended already)
+        _finished = True
     try:
         _flush(at_exit=True)
     except Exception:  # the agent may be gone already; the last half second of timings is all we lose
         pass
 
 
+def finish() -> None:
+    """Tell Phalanx that training has ended in this rank: no step will follow (what is left is a final save, the
+    teardown, the exit). From then on the job is not judged hung or slow, and its ranks have the controller's
+    recovery.exit_grace_s to exit. trainlib says so by itself when the script destroys its default process group
+    (torch.distributed.destroy_process_group) and when the interpreter exits; call this only where a long end (a
+    final save of a large model by one rank while the others wait) comes before either. A step after it undoes it."""
+    global _finished
+    ctx = _ctx
+    if _finished or ctx is None or not ctx.active or not ctx.agent_socket or _ending or _parked:
+        return
+    _finished = True
+    try:  # at once, not at the next report: the teardown (an NCCL communicator's takes seconds) is no hang
+        _flush(at_exit=True)
+    except Exception:  # the next report says it
+        pass
+
+
+def _hook_destroy() -> None:
+    """Have torch.distributed.destroy_process_group() of the default group say that training has ended (before it
+    tears down: that can take seconds). Only if the script has imported torch.distributed (trainlib does not import
+    torch for it); a script that destroys the group between generations under trainlib.run is not ending (_park)."""
+    dist = sys.modules.get("torch.distributed")
+    original = getattr(dist, "destroy_process_group", None) if dist is not None else None
+    if original is None or getattr(original, "_trainlib_hook", False):
+        return
+
+    def destroy_process_group(group: Any = None) -> Any:
+        if group is None or group is getattr(getattr(dist, "GroupMember", None), "WORLD", None):
+            finish()
+        return original(group)
+
+    destroy_process_group.__doc__ = original.__doc__
+    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    destroy_process_group._trainlib_hook = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+
+
 def _report_loop() -> None:
     warned = False
     while True:
         time.sleep(REPORT_INTERVAL_S)
+        _hook_destroy()  # a script that imported torch.distributed only after init()
         try:
             _flush()
             warned = False
@@ -721,6 +772,7 @@ def _next_generation(env: dict[str, str]) -> None:
     """Take the next generation's environment and start trainlib afresh for it."""
     global _ctx, _head, _tail, _steps_seen, _requested, _request_id, _pause_after, _at_step, _last_step, _handled
     global _checkpointer, _saving, _stale, _shared_checked, _snapshotter, _slow, _last_end, _compute_mark, _parked
+    global _finished
     os.environ.clear()
     os.environ.update(env)
     with _generation_lock:
@@ -728,6 +780,7 @@ def _next_generation(env: dict[str, str]) -> None:
     _tail = _head  # the old generation's samples are not the new one's
     _steps_seen, _requested, _request_id, _pause_after, _at_step, _last_step = 0, False, 0, False, 0, -1
     _handled, _saving, _stale, _shared_checked, _slow = set(), False, False, False, 0.0
+    _finished = False
     _last_end = _compute_mark = time.perf_counter()
     _parked = False
     ctx = init()

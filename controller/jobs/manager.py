@@ -323,7 +323,7 @@ class JobManager:
             track = entry.tracks.get(report.rank)
             if track is not None:
                 track.observe(report.last_step, report.mean_step_s, list(report.compute_samples), now, report.steps,
-                              report.saving, report.last_step_unix_ns / 1e9)
+                              report.saving, report.last_step_unix_ns / 1e9, report.finished)
         for nccl in heartbeat.nccl:
             entry = self.entries.get(nccl.job)
             if entry is not None and entry.job.state in ACTIVE and runs_here(entry.job, nccl.rank, name):

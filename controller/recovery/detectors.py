@@ -99,11 +99,20 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     if failed:
         return Incident("gpu-failed", False, tuple(failed),
                         f"node {failed[0]} FAILED: {nodes[failed[0]].health_reason}")
+    over = training_over(ranks, tracks)
     for rank in ranks:
         if rank.state == pb.RANK_STATE_LOST or (rank.state == pb.RANK_STATE_EXITED and rank.exit_code != 0):
             how = "was lost" if rank.state == pb.RANK_STATE_LOST else f"exited with code {rank.exit_code}"
             code = rank.exit_code if rank.state == pb.RANK_STATE_EXITED and 0 < rank.exit_code < 256 else 1
+            if rank.rank in over and rank.state == pb.RANK_STATE_EXITED and rank.exit_code < 0:
+                continue  # killed by a signal in its teardown, training done: lifecycle says so, no restart mends it
+            if rank.rank in over:  # the script itself failed after training (a final save, say): a restart redoes
+                return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how} after its training "
+                                f"ended", code, fatal=True)  # nothing of the training; the job fails with the reason
             return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how}", code)
+    if over:
+        return None  # the job's training has ended (a synchronous job's ranks all took the last step): its ranks are
+        # tearing down, saving the final model, exiting; lifecycle bounds how long (recovery.exit_grace_s)
     hangs = monitors.hung(tracks, now, cfg)
     if hangs and any(v.quiet for v in nodes.values()):
         hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first
@@ -115,6 +124,9 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
                             culprit=culprit)
         heard = {r.rank: nodes[r.node].heard_at or now for r in ranks if r.node in nodes}
         silent = monitors.culprits(tracks, heard, now, cfg.silent_s)
+        if silent and len(silent) == len(ranks) > 1:
+            return Incident("hang", False, (), f"{hangs[0].reason}; every rank's trainlib fell silent at once (no "
+                                               "culprit: the job's own doing, not a node's): restart in place")
         if silent:
             bad = tuple(sorted({node_of[r] for r in silent if r in node_of}))
             quiet = ", ".join(f"rank {r} for {now - tracks[r].last_report:.1f}s" for r in silent)
@@ -134,6 +146,14 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         node = node_of.get(slow[0].rank, "")
         return Incident("straggler", True, (node,) if node else (), f"{slow[0].reason} (on {node})")
     return None
+
+
+def training_over(ranks: Iterable[pb.RankInfo], tracks: Mapping[int, monitors.RankTrack]) -> set[int]:
+    """The ranks whose training has ended: trainlib said so (no step since), or the rank exited 0. In a synchronous
+    job one such rank means every rank took the last step: what is left (a barrier, a final save, the process group's
+    teardown, the interpreter's exit) makes no step progress and is no hang."""
+    return {r.rank for r in ranks if r.state == pb.RANK_STATE_EXITED and r.exit_code == 0} | \
+        {rank for rank, t in tracks.items() if t.finished}
 
 
 def backoff(restarts: int, cfg: RecoveryConfig) -> float:

@@ -21,7 +21,7 @@ from controller.jobs.placement import Candidate, GangRequest, Unplaceable, place
 from controller.jobs.topology import ClusterTopology
 from controller.nodes.health import FAILED as HEALTH_FAILED
 from controller.recovery import progress
-from controller.recovery.detectors import Incident, NodeView, backoff, detect
+from controller.recovery.detectors import Incident, NodeView, backoff, detect, training_over
 from controller.recovery.table import (
     CANCELLED,
     CANCELLING,
@@ -364,9 +364,18 @@ def _stop_all(job: pb.Job) -> list[Action]:
 def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     if all_exited_zero(job):
         return [finished(job, SUCCEEDED, "every rank exited 0", 0, now)]
+    over = training_over(job.ranks, view.tracks)
+    if len(over) == len(job.ranks):  # what befalls a node now costs no training: nothing to recover
+        return _ending(job, now, policy, over)
     nodes = {n: view.nodes[n] if n in view.nodes else NodeView(n, True, HEALTH_FAILED, "node unknown")
              for n in job.nodes}
     incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal)
+    if incident is None and over:
+        return _ending(job, now, policy, over)
+    if incident is None and job.ending_since_unix_ns and any(
+            t.last_advance > job.ending_since_unix_ns / 1e9 for t in view.tracks.values()):
+        return [Commit(copied(job, ending_since_unix_ns=0), "job.training", f"{job.id} generation {job.generation}: "
+                       "training goes on (a step after the ranks said it had ended)")]
     if incident is None:
         more = replenish(job, view) if policy.jobs.keep_spares else []
         if not more:
@@ -383,6 +392,50 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
             return [Commit(copied(job, straggler_held=held.split(" (")[0]), "job.straggler_held",
                            f"{job.id}: straggler verdict held back: {incident.reason}: {held}")]
     return _incident(job, incident, now, policy, view)
+
+
+def _ending(job: pb.Job, now: float, policy: Policy, over: set[int]) -> list[Action]:
+    """The job's training has ended in the ranks `over` (they said so, or exited 0): no hang or straggler verdict
+    now, and every rank has recovery.exit_grace_s from the first such rank to exit. A rank still running then is
+    stopped; the job has SUCCEEDED if every rank finished training (a slow or failed teardown is said in an event,
+    not blamed on a node), else FAILED with the ranks that never finished."""
+    grace = policy.recovery.exit_grace_s
+    if not job.ending_since_unix_ns:
+        return [Commit(copied(job, ending_since_unix_ns=int(now * 1e9)), "job.ending",
+                       f"{job.id} generation {job.generation}: training has ended in {_ranks(over)}; no hang or "
+                       f"straggler verdict from now on, and every rank has {grace:g}s (recovery.exit_grace_s) to exit"),
+                WakeAt(now + grace)]
+    failed = [r for r in job.ranks if r.state == RANK_EXITED and r.exit_code > 0]
+    if failed:  # the script itself said it failed after its training (a final save that raised): no restart redoes
+        r = failed[0]  # what went wrong there, and the training is done
+        return [finished(job, FAILED, f"rank {r.rank} on {r.node} exited with code {r.exit_code} after its training "
+                         "ended", r.exit_code if r.exit_code < 256 else 1, now), *_stop_all(job)]
+    since = job.ending_since_unix_ns / 1e9
+    left = [r.rank for r in job.ranks if r.state != RANK_EXITED]
+    unfinished = sorted({r.rank for r in job.ranks} - over)
+    torn = [r for r in job.ranks if r.state == RANK_EXITED and r.exit_code != 0]
+    if not left and not unfinished:  # every rank exited, some killed by a signal in their teardown
+        said = "; ".join(f"rank {r.rank} on {r.node} exited with code {r.exit_code}" for r in torn[:8])
+        return [Event("job.teardown_failed", f"{job.id}: training ended in every rank, but {said} in its teardown "
+                      "(after its training ended: the job's result stands)"),
+                finished(job, SUCCEEDED, f"every rank finished training ({len(torn)} killed by a signal in its "
+                         "teardown)", 0, now)]
+    if now < since + grace:
+        return [WakeAt(since + grace)]
+    if not unfinished:
+        return [Event("job.slow_exit", f"{job.id}: training ended in every rank, but {_ranks(left)} had not exited "
+                      f"{grace:g}s after it ended (recovery.exit_grace_s): stopped; no node is blamed"),
+                finished(job, SUCCEEDED, f"every rank finished training; {_ranks(left)} did not exit within {grace:g}s "
+                         "and was stopped", 0, now), *_stop_all(job)]
+    return [finished(job, FAILED, f"{_ranks(unfinished)} had not finished training {grace:g}s after {_ranks(over)} "
+                     "had (recovery.exit_grace_s): stopped", 1, now), *_stop_all(job)]
+
+
+def _ranks(ranks: Sequence[int] | set[int]) -> str:
+    """`rank 3`, `ranks 0, 1, 2`, `ranks 0, 1, 2, 3, 4, 5, 6, 7 and 56 more`."""
+    ranks = sorted(ranks)
+    shown = ", ".join(str(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank{'s' * (len(ranks) > 1)} {shown}"
 
 
 def replenish(job: pb.Job, view: JobView) -> list[str]:
@@ -412,6 +465,9 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
     calm_s = now - job.state_since_unix_ns / 1e9
     if job.restarts_in_row and job.state == RUNNING and calm_s >= policy.recovery.restart_window_s:
         job = copied(job, restarts_in_row=0)
+    at_step = max((t.last_step for t in view.tracks.values()), default=-1) if view is not None else -1
+    if not incident.fatal and (again := repeated(job, incident, at_step)):
+        incident = Incident(incident.kind, False, (), again, incident.exit_code, incident.culprit, fatal=True)
     if incident.fatal or job.restarts_in_row >= policy.recovery.max_restarts:
         why = incident.reason if incident.fatal else f"gave up after {job.restarts_in_row} restarts: {incident.reason}"
         new = finished(job, FAILED, why, incident.exit_code, now)
@@ -419,7 +475,7 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
         return [Commit(new.job, new.kind, new.message, incident=incident.kind), *_stop_all(job)]
     target = CHECKPOINTING if incident.predictable else EVICTING
     new = moved(job, target, incident.reason, now, incident=incident.reason, incident_predictable=incident.predictable,
-                incident_kind=incident.kind)
+                incident_kind=incident.kind, incident_step=at_step)
     if incident.kind == "straggler" and view is not None:
         new.straggler_evictions_unix_ns.append(int(now * 1e9))
         new.straggler_step_s = progress.job_step_s(view.tracks)
@@ -432,6 +488,21 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
         "sudden: resume from the newest in-memory snapshot every rank has, else the last committed checkpoint"
     return [Commit(new, "job.incident", f"{job.id} generation {job.generation}: {incident.kind}: {incident.reason} "
                    f"({what})", incident=incident.kind)]
+
+
+REPEATABLE = ("crash", "hang", "straggler")  # verdicts on the job's behaviour (not a node's health) that can repeat
+
+
+def repeated(job: pb.Job, incident: Incident, at_step: int) -> str:
+    """Why `incident` ends the job instead of another recovery ("" if it does not): the same kind of verdict on the
+    job's own behaviour at the same step as the one that ended the previous generation. A script or its data that
+    hangs (or crashes, or slows) at one step does so on any node: evicting node after node for it would drain the
+    fleet. `at_step` is the newest step any rank reported (-1, or 0 in an older record: unknown, no verdict)."""
+    if incident.kind not in REPEATABLE or at_step <= 0 or job.generation < 2 or job.incident_kind != incident.kind \
+            or job.incident_step != at_step:
+        return ""
+    return (f"{incident.kind} again at step {at_step}, as in generation {job.generation - 1}: a fault of the job "
+            f"itself (its script or data), not of a node, so no node is evicted for it: {incident.reason}")
 
 
 def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
@@ -562,6 +633,17 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
         return [finished(job, FAILED, why, 1, now)]
     if isinstance(chosen, str):
         wait = [WakeAt(now + RENDEZVOUS_RETRY_S)]
+        candidates = {c.name: c for c in view.candidates}
+        own = sorted(n for n in {*job.evicted, *job.incident_nodes} if n in candidates and not candidates[n].schedulable)
+        if own:  # it ran out of nodes through its own evictions: say so, and do not wait for ever
+            bound = policy.recovery.evicted_wait_s
+            waited = now - ready_at
+            chosen = (f"{chosen}; {len(own)} node{'s' * (len(own) > 1)} this job evicted stay drained "
+                      f"({hostlist.compress(own)}): undrain one, or the job fails {bound:g}s after it began to wait "
+                      "(recovery.evicted_wait_s)")
+            if waited >= bound:
+                return [finished(job, FAILED, f"no nodes for {waited:.0f}s: {chosen}", 1, now)]
+            wait = [WakeAt(min(now + RENDEZVOUS_RETRY_S, ready_at + bound))]
         if job.reason == chosen:
             return wait
         return [Commit(copied(job, reason=chosen), "job.waiting", f"{job.id}: {chosen}"), *wait]
@@ -572,7 +654,8 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     # one after a crash that leaves a node found down since (a node loss seen first as its peer's crash).
     in_row = job.restarts_in_row if replacing else job.restarts_in_row + 1
     new = moved(job, RESTARTING, f"restarting on {', '.join(nodes)}", now, generation=generation,
-                restarts=job.restarts + 1, restarts_in_row=in_row, launched_generation=generation)
+                restarts=job.restarts + 1, restarts_in_row=in_row, launched_generation=generation,
+                ending_since_unix_ns=0)
     new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
     with_nodes(new, nodes, spares)
     chosen_set = set(nodes)  # (a job of thousands of nodes: a list's `in` made this quadratic)

@@ -63,10 +63,12 @@ class RankTrack:
     saving: bool = False  # the newest report says the rank is writing a checkpoint
     saving_since: float = 0.0
     saved_at: float = 0.0  # when its last save ended: the other ranks waited for it in the next collective
+    finished: bool = False  # the newest report says training has ended in the rank (no step since)
 
     def observe(self, last_step: int, mean_step_s: float, compute_samples: list[float], now: float,
-                steps: int = 1, saving: bool = False, step_at: float = 0.0) -> None:
+                steps: int = 1, saving: bool = False, step_at: float = 0.0, finished: bool = False) -> None:
         self.last_report = now
+        self.finished = finished
         if saving and not self.saving:
             self.saving_since = now
         elif self.saving and not saving:

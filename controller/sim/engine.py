@@ -658,10 +658,11 @@ class Simulation:
             return
         step = job.shape.step_s
         tracks = {}
+        base = int(since / step)  # the steps go on from one generation to the next: no two hangs share a step
         for rank in list(job.job.ranks)[:4]:  # what the detector reads: reports that go on, steps that do not
             track = RankTrack(last_advance=since, last_report=since)
             for k in range(1, 6):
-                track.observe(30 * k, step, [step] * 30, since, 30)
+                track.observe(base + 30 * k, step, [step] * 30, since, 30)
             track.last_report = self.now
             tracks[rank.rank] = track
         view = job.view(None)
@@ -799,15 +800,16 @@ class Simulation:
         if other is None:
             return
         tracks = {}
+        base = int(self.now / step)  # the steps go on from one generation to the next
         for name, compute in ((node.name, slow), (other, step), *((n, step) for n in job.job.nodes[2:4]
                                                                   if n != node.name)):
             track = RankTrack(last_advance=self.now, last_report=self.now)
             # This generation's reports: two at the job's own pace (the first carries the start-up), then three
             # of 30 steps since the node turned slow, when every rank waits for the slow one each step.
-            track.observe(30, step, [step] * 30, self.now, 30)
-            track.observe(60, step, [step] * 30, self.now, 30)
+            track.observe(base + 30, step, [step] * 30, self.now, 30)
+            track.observe(base + 60, step, [step] * 30, self.now, 30)
             for k in range(3, 6):
-                track.observe(30 * k, slow, [compute] * 30, self.now, 30)
+                track.observe(base + 30 * k, slow, [compute] * 30, self.now, 30)
             tracks[rank_of[name]] = track
         view = job.view(None)
         view = lifecycle.JobView(nodes=view.nodes, tracks=tracks, launch=view.launch, checkpoint=view.checkpoint,

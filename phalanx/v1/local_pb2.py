@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16phalanx/v1/local.proto\x12\nphalanx.v1\"l\n\x0bParkRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x81\x01\n\tParkReply\x12\x0e\n\x06rejoin\x18\x01 \x01(\x08\x12+\n\x03\x65nv\x18\x02 \x03(\x0b\x32\x1e.phalanx.v1.ParkReply.EnvEntry\x12\x0b\n\x03why\x18\x03 \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"R\n\nStepSample\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"\x91\x01\n\rReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.phalanx.v1.StepSample\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\r\n\x05\x66\x61tal\x18\x06 \x01(\t\x12\x0e\n\x06saving\x18\x07 \x01(\x08\"\x8e\x01\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05pause\x18\x04 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x05 \x01(\x04\x12\x14\n\x0cno_in_memory\x18\x06 \x01(\t\x12\x13\n\x0b\x64ue_unix_ns\x18\x07 \x01(\x03\"d\n\x0bReportReply\x12\x31\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1d.phalanx.v1.CheckpointRequest\x12\r\n\x05stale\x18\x02 \x01(\x08\x12\x13\n\x0bslow_factor\x18\x03 \x01(\x01\"=\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"~\n\x14SnapshotTakenRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"#\n\x12SnapshotTakenReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"c\n\x14\x46\x65tchSnapshotRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0e\n\x06source\x18\x05 \x01(\t\"@\n\x12\x46\x65tchSnapshotReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"[\n\x0bTellRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x0b\n\tTellReply\"\x9f\x01\n\x15\x43heckpointDoneRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x11\n\tin_memory\x18\x06 \x01(\x08\x12\x12\n\ncheck_only\x18\x07 \x01(\x08\x12\x0e\n\x06wait_s\x18\x08 \x01(\x01\"$\n\x13\x43heckpointDoneReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t2\xf6\x03\n\x0cLocalService\x12<\n\x06Report\x12\x19.phalanx.v1.ReportRequest\x1a\x17.phalanx.v1.ReportReply\x12T\n\x0e\x43heckpointDone\x12!.phalanx.v1.CheckpointDoneRequest\x1a\x1f.phalanx.v1.CheckpointDoneReply\x12<\n\x05Watch\x12\x18.phalanx.v1.WatchRequest\x1a\x17.phalanx.v1.ReportReply0\x01\x12Q\n\rSnapshotTaken\x12 .phalanx.v1.SnapshotTakenRequest\x1a\x1e.phalanx.v1.SnapshotTakenReply\x12Q\n\rFetchSnapshot\x12 .phalanx.v1.FetchSnapshotRequest\x1a\x1e.phalanx.v1.FetchSnapshotReply\x12\x36\n\x04Tell\x12\x17.phalanx.v1.TellRequest\x1a\x15.phalanx.v1.TellReply\x12\x36\n\x04Park\x12\x17.phalanx.v1.ParkRequest\x1a\x15.phalanx.v1.ParkReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16phalanx/v1/local.proto\x12\nphalanx.v1\"l\n\x0bParkRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x81\x01\n\tParkReply\x12\x0e\n\x06rejoin\x18\x01 \x01(\x08\x12+\n\x03\x65nv\x18\x02 \x03(\x0b\x32\x1e.phalanx.v1.ParkReply.EnvEntry\x12\x0b\n\x03why\x18\x03 \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"R\n\nStepSample\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"\xa3\x01\n\rReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.phalanx.v1.StepSample\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\r\n\x05\x66\x61tal\x18\x06 \x01(\t\x12\x0e\n\x06saving\x18\x07 \x01(\x08\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\"\x8e\x01\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05pause\x18\x04 \x01(\x08\x12\x0f\n\x07\x61t_step\x18\x05 \x01(\x04\x12\x14\n\x0cno_in_memory\x18\x06 \x01(\t\x12\x13\n\x0b\x64ue_unix_ns\x18\x07 \x01(\x03\"d\n\x0bReportReply\x12\x31\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1d.phalanx.v1.CheckpointRequest\x12\r\n\x05stale\x18\x02 \x01(\x08\x12\x13\n\x0bslow_factor\x18\x03 \x01(\x01\"=\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"~\n\x14SnapshotTakenRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"#\n\x12SnapshotTakenReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"c\n\x14\x46\x65tchSnapshotRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0e\n\x06source\x18\x05 \x01(\t\"@\n\x12\x46\x65tchSnapshotReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x63rc32\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"[\n\x0bTellRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x0b\n\tTellReply\"\x9f\x01\n\x15\x43heckpointDoneRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x11\n\tin_memory\x18\x06 \x01(\x08\x12\x12\n\ncheck_only\x18\x07 \x01(\x08\x12\x0e\n\x06wait_s\x18\x08 \x01(\x01\"$\n\x13\x43heckpointDoneReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t2\xf6\x03\n\x0cLocalService\x12<\n\x06Report\x12\x19.phalanx.v1.ReportRequest\x1a\x17.phalanx.v1.ReportReply\x12T\n\x0e\x43heckpointDone\x12!.phalanx.v1.CheckpointDoneRequest\x1a\x1f.phalanx.v1.CheckpointDoneReply\x12<\n\x05Watch\x12\x18.phalanx.v1.WatchRequest\x1a\x17.phalanx.v1.ReportReply0\x01\x12Q\n\rSnapshotTaken\x12 .phalanx.v1.SnapshotTakenRequest\x1a\x1e.phalanx.v1.SnapshotTakenReply\x12Q\n\rFetchSnapshot\x12 .phalanx.v1.FetchSnapshotRequest\x1a\x1e.phalanx.v1.FetchSnapshotReply\x12\x36\n\x04Tell\x12\x17.phalanx.v1.TellRequest\x1a\x15.phalanx.v1.TellReply\x12\x36\n\x04Park\x12\x17.phalanx.v1.ParkRequest\x1a\x15.phalanx.v1.ParkReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPSAMPLE']._serialized_start=280
   _globals['_STEPSAMPLE']._serialized_end=362
   _globals['_REPORTREQUEST']._serialized_start=365
-  _globals['_REPORTREQUEST']._serialized_end=510
-  _globals['_CHECKPOINTREQUEST']._serialized_start=513
-  _globals['_CHECKPOINTREQUEST']._serialized_end=655
-  _globals['_REPORTREPLY']._serialized_start=657
-  _globals['_REPORTREPLY']._serialized_end=757
-  _globals['_WATCHREQUEST']._serialized_start=759
-  _globals['_WATCHREQUEST']._serialized_end=820
-  _globals['_SNAPSHOTTAKENREQUEST']._serialized_start=822
-  _globals['_SNAPSHOTTAKENREQUEST']._serialized_end=948
-  _globals['_SNAPSHOTTAKENREPLY']._serialized_start=950
-  _globals['_SNAPSHOTTAKENREPLY']._serialized_end=985
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=987
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1086
-  _globals['_FETCHSNAPSHOTREPLY']._serialized_start=1088
-  _globals['_FETCHSNAPSHOTREPLY']._serialized_end=1152
-  _globals['_TELLREQUEST']._serialized_start=1154
-  _globals['_TELLREQUEST']._serialized_end=1245
-  _globals['_TELLREPLY']._serialized_start=1247
-  _globals['_TELLREPLY']._serialized_end=1258
-  _globals['_CHECKPOINTDONEREQUEST']._serialized_start=1261
-  _globals['_CHECKPOINTDONEREQUEST']._serialized_end=1420
-  _globals['_CHECKPOINTDONEREPLY']._serialized_start=1422
-  _globals['_CHECKPOINTDONEREPLY']._serialized_end=1458
-  _globals['_LOCALSERVICE']._serialized_start=1461
-  _globals['_LOCALSERVICE']._serialized_end=1963
+  _globals['_REPORTREQUEST']._serialized_end=528
+  _globals['_CHECKPOINTREQUEST']._serialized_start=531
+  _globals['_CHECKPOINTREQUEST']._serialized_end=673
+  _globals['_REPORTREPLY']._serialized_start=675
+  _globals['_REPORTREPLY']._serialized_end=775
+  _globals['_WATCHREQUEST']._serialized_start=777
+  _globals['_WATCHREQUEST']._serialized_end=838
+  _globals['_SNAPSHOTTAKENREQUEST']._serialized_start=840
+  _globals['_SNAPSHOTTAKENREQUEST']._serialized_end=966
+  _globals['_SNAPSHOTTAKENREPLY']._serialized_start=968
+  _globals['_SNAPSHOTTAKENREPLY']._serialized_end=1003
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=1005
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1104
+  _globals['_FETCHSNAPSHOTREPLY']._serialized_start=1106
+  _globals['_FETCHSNAPSHOTREPLY']._serialized_end=1170
+  _globals['_TELLREQUEST']._serialized_start=1172
+  _globals['_TELLREQUEST']._serialized_end=1263
+  _globals['_TELLREPLY']._serialized_start=1265
+  _globals['_TELLREPLY']._serialized_end=1276
+  _globals['_CHECKPOINTDONEREQUEST']._serialized_start=1279
+  _globals['_CHECKPOINTDONEREQUEST']._serialized_end=1438
+  _globals['_CHECKPOINTDONEREPLY']._serialized_start=1440
+  _globals['_CHECKPOINTDONEREPLY']._serialized_end=1476
+  _globals['_LOCALSERVICE']._serialized_start=1479
+  _globals['_LOCALSERVICE']._serialized_end=1981
 # @@protoc_insertion_point(module_scope)

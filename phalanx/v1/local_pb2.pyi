@@ -52,7 +52,7 @@ class StepSample(_message.Message):
     def __init__(self, step: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., end_unix_ns: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("job", "generation", "rank", "steps", "pid", "fatal", "saving")
+    __slots__ = ("job", "generation", "rank", "steps", "pid", "fatal", "saving", "finished")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class ReportRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     FATAL_FIELD_NUMBER: _ClassVar[int]
     SAVING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -67,7 +68,8 @@ class ReportRequest(_message.Message):
     pid: int
     fatal: str
     saving: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ..., fatal: _Optional[str] = ..., saving: _Optional[bool] = ...) -> None: ...
+    finished: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., pid: _Optional[int] = ..., fatal: _Optional[str] = ..., saving: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("id", "deadline_s", "reason", "pause", "at_step", "no_in_memory", "due_unix_ns")

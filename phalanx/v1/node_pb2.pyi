@@ -142,7 +142,7 @@ class SnapshotHeld(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., size: _Optional[int] = ..., replica: _Optional[bool] = ...) -> None: ...
 
 class RankProgress(_message.Message):
-    __slots__ = ("job", "generation", "rank", "last_step", "steps", "mean_step_s", "mean_compute_s", "last_step_unix_ns", "compute_samples", "reports", "saving")
+    __slots__ = ("job", "generation", "rank", "last_step", "steps", "mean_step_s", "mean_compute_s", "last_step_unix_ns", "compute_samples", "reports", "saving", "finished")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class RankProgress(_message.Message):
     COMPUTE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     SAVING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -165,7 +166,8 @@ class RankProgress(_message.Message):
     compute_samples: _containers.RepeatedScalarFieldContainer[float]
     reports: int
     saving: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., last_step: _Optional[int] = ..., steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_compute_s: _Optional[float] = ..., last_step_unix_ns: _Optional[int] = ..., compute_samples: _Optional[_Iterable[float]] = ..., reports: _Optional[int] = ..., saving: _Optional[bool] = ...) -> None: ...
+    finished: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., last_step: _Optional[int] = ..., steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_compute_s: _Optional[float] = ..., last_step_unix_ns: _Optional[int] = ..., compute_samples: _Optional[_Iterable[float]] = ..., reports: _Optional[int] = ..., saving: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("job", "generation", "rank", "state", "pid", "exit_code", "gpu", "rank_pid", "fatal")
