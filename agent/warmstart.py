@@ -19,6 +19,7 @@ Run by path; imports the standard library only (and rankwrap, by its path). With
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import json
@@ -26,6 +27,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import types
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -63,6 +65,52 @@ def run_program(program: list[str]) -> None:
         runpy.run_path(program[0], run_name="__main__")
 
 
+def run_as_main(program: list[str]) -> int:
+    """Run PROGRAM and end as `python PROGRAM` would — the same exit status (SystemExit's code, or its message on
+    stderr and 1; an uncaught exception's traceback and 1), non-daemon threads joined, atexit handlers run, stdio
+    flushed — and return the status for os._exit, without the interpreter's teardown: a forked child would
+    otherwise dereference every object the standby imported (torch's, page by page out of memory it shares with
+    the standby) and run torch's static destructors, which can abort ("terminate called without an active
+    exception"). A KeyboardInterrupt ends the process by SIGINT, as the interpreter does."""
+    try:
+        run_program(program)
+        code = 0
+    except SystemExit as e:
+        code = exit_status(e.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing left to say there
+            pass
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def exit_status(code: object) -> int:
+    """The exit status of `sys.exit(code)`, as the interpreter makes it (printing a message that is not a number)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except Exception:
+        pass
+    return 1
+
+
 def assigned(spec: dict, program: list[str], rankwrap) -> int:
     """Become the rank's wrapper: the child runs PROGRAM; this process reports how it ended."""
     fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -98,8 +146,7 @@ def assigned(spec: dict, program: list[str], rankwrap) -> int:
         os.environ.clear()
         os.environ.update(spec["env"])
         os.chdir(spec["cwd"])
-        run_program(program)
-        sys.exit(0)
+        os._exit(run_as_main(program))
     child = pid
     rankwrap.write_status(rankwrap.pid_path(exit_file), pid)
     for signum in early:

@@ -130,6 +130,51 @@ def run_warm(tmp_path: Path, job_dir: Path, command: list[str], env: dict[str, s
         pool.close()
 
 
+ENDINGS = {  # how the script ends -> (exit status, what its log must say)
+    "sys.exit(main())": ("import sys\ndef main():\n    return 4\nsys.exit(main())\n", 4, ""),
+    "sys.exit('message')": ("import sys\nsys.exit('cannot go on')\n", 1, "cannot go on"),
+    "uncaught exception": ("raise ValueError('bad batch')\n", 1, "ValueError: bad batch"),
+    "falls off the end": ("x = 1\n", 0, ""),
+}
+ENDING_PRELUDE = """
+import atexit, os, threading, time
+atexit.register(lambda: open(os.environ['SAID'] + '.atexit', 'w').close())
+def late():
+    time.sleep(0.3)
+    open(os.environ['SAID'] + '.thread', 'w').close()
+threading.Thread(target=late).start()  # not a daemon: the interpreter waits for it before its atexit handlers
+class Teardown:
+    def __del__(self):  # only the interpreter's teardown of this module would call it
+        open(os.environ['SAID'] + '.teardown', 'w').close()
+kept = Teardown()
+"""
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_warm_started_rank_ends_as_python_would_without_the_interpreters_teardown(tmp_path, job_dir, ending):
+    """Issue 40: a warm rank is a forked child of the standby; it ends with the script's exit status, its non-daemon
+    threads joined and its atexit handlers run (trainlib says there that training ended), and then leaves by
+    os._exit: no teardown of every module the standby imported, nor torch's static destructors (which can abort)."""
+    code, expected_status, said = ENDINGS[ending]
+    (job_dir / "end.py").write_text(ENDING_PRELUDE + code)
+    env = base_env(tmp_path)
+    pool = WarmPool(tmp_path / "state", FakeClock())
+    kind = recipe("j", [PY, "end.py"], env, str(job_dir))
+    pool.want(kind, 1)
+    try:
+        warm_ready(pool, "j")
+        standby = pool.take(kind)
+        pool.assign(standby, {"env": env, "cwd": str(job_dir), "log": str(tmp_path / "log"),
+                              "exit_file": str(tmp_path / "exit"), "cpus": []})
+        assert standby.proc.wait(timeout=120) == expected_status
+        assert (tmp_path / "exit").read_text().strip() == str(expected_status)
+        assert said in (tmp_path / "log").read_text()
+        assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
+        assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
+    finally:
+        pool.close()
+
+
 def test_a_stop_reaches_a_warm_started_rank_and_its_end_is_written_down(tmp_path, job_dir):
     pool = WarmPool(tmp_path / "state", FakeClock())
     env = base_env(tmp_path)
