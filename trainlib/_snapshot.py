@@ -7,9 +7,11 @@ a peer node. The copy goes into host buffers kept from one snapshot to the next 
 pinned memory and an asynchronous device-to-host copy for GPU tensors, which the training thread only
 queues and the writer waits for. There are two sets of them (double-buffered), the second made only when
 a copy is due while the writer still works on the first: a step's copy never waits for the previous
-snapshot's write. A copy is taken at the steps that are multiples of `interval`: every step when the copy
-costs at most OVERHEAD_BUDGET of a step, else the smallest power of two that keeps it there, measured
-as training runs (PHALANX_SNAPSHOT_EVERY=N fixes it; 0 turns snapshots off). Multiples of powers of two
+snapshot's write. A copy is taken at the steps that are multiples of `interval`: every step when snapshots
+cost the job at most OVERHEAD_BUDGET of its step time, else the smallest power of two that keeps it there. The
+cost is measured as training runs, as the job's own slowdown with the background work (see PROBE_PERIOD);
+before the first measurement, the copy's time on the training thread sets the interval
+(PHALANX_SNAPSHOT_EVERY=N fixes it; 0 turns snapshots off). Multiples of powers of two
 line the ranks up: each tunes its own interval, and a restore needs a step every rank has; ranks that
 chose 4 and 8 both have every multiple of 8. While the writer is busy with both buffers (one being
 written, one queued), a due snapshot is skipped rather than waited for.
@@ -34,7 +36,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-OVERHEAD_BUDGET = 0.03  # share of a step's time the snapshot copy may cost
+OVERHEAD_BUDGET = 0.03  # share of the job's step time its snapshots may cost (the copy, and the work behind it)
+# What snapshots cost the job is measured, not assumed from the copy: once in every PROBE_PERIOD steps, the last
+# PROBE_STEPS of them take no snapshot, on every rank (the same step numbers: the ranks' collectives make one rank's
+# work every rank's cost), and the job's step time then is set against its step time the rest of the period,
+# background work included (the writer's serialization, the agent's replication). The first PROBE_SETTLE steps
+# of a probe are left out: the last snapshot's write may still be under way. A failure inside a probe recomputes
+# up to PROBE_STEPS more steps.
+PROBE_PERIOD = 512
+PROBE_STEPS = 16
+PROBE_SETTLE = 4
+CAP = 4.0  # a step time counts as at most this many times the median of its side (a GC pause, a slow batch)
+MAX_INTERVAL = 1 << 12
 # The copy's and the step's times are the medians of their last SAMPLES: one copy stalled by a busy machine (100 ms
 # against a 0.4 ms habit) used to move a moving average far enough to take a snapshot only every 16 steps, and
 # as the average decayed only when a snapshot was taken, it stayed there for seconds: a failure then lost up to
@@ -69,6 +82,10 @@ class Snapshotter:
         self._writes: list[Future | None] = []  # per staging, its write in flight (or done)
         self._said = 0  # the interval last printed
         self._made_dir = False  # the writer makes the directory once
+        self.cost: float | None = None  # what snapshots cost the job's step time, as measured at the last probe
+        self._floor = 1  # the interval the last probe asked for (the copy's own time may ask for more)
+        self._with: list[float] = []  # step times this period, outside the probe
+        self._without: list[float] = []  # step times in this period's probe, past its settling steps
 
     def offer(self, state: Any, step: int, step_s: float) -> bool:
         """Snapshot `state` (a state tree, or a function returning one: called only when a snapshot is due) as of
@@ -79,7 +96,7 @@ class Snapshotter:
             self._steps.append(own)
             self.step_s = statistics.median(self._steps)
             self._tune()
-        if self.disabled or step % self.interval:
+        if self._probe(step, step_s) or self.disabled or step % self.interval:
             return False
         from trainlib.checkpoint import Staging, snapshot_to_cpu
 
@@ -134,11 +151,45 @@ class Snapshotter:
             if write is not None:
                 write.result()
 
+    def _probe(self, step: int, step_s: float) -> bool:
+        """Count `step`'s time toward this period's measurement; True while the period's probe takes no snapshot."""
+        if self.fixed is not None or self.disabled or step_s <= 0:
+            return False
+        phase = step % PROBE_PERIOD
+        if phase < PROBE_PERIOD - PROBE_STEPS:
+            self._with.append(step_s)
+            return False
+        if phase >= PROBE_PERIOD - PROBE_STEPS + PROBE_SETTLE and all(w is None or w.done() for w in self._writes):
+            self._without.append(step_s)
+        if phase == PROBE_PERIOD - 1:
+            self._judge()
+        return True
+
+    def _judge(self) -> None:
+        """The end of a probe: what snapshots cost the job this period, and the interval that keeps it in budget."""
+        with_s, without_s = capped_mean(self._with), capped_mean(self._without)
+        self._with, self._without = [], []
+        if not with_s or not without_s or not self.taken:
+            return
+        self.cost = max(0.0, with_s / without_s - 1)
+        before = self.interval
+        if self.cost > OVERHEAD_BUDGET:  # the cost falls about as the interval grows
+            self._floor = min(MAX_INTERVAL, self.interval << max(1, math.ceil(math.log2(self.cost / OVERHEAD_BUDGET))))
+        elif self.cost < OVERHEAD_BUDGET / 4 and self._floor > 1:
+            self._floor //= 2
+        self._grown = -1  # the probe's word is taken at once
+        self._tune()
+        print(f"trainlib: in-memory snapshots every {before} step(s) cost the job {self.cost:.1%} of its step time "
+              f"({with_s * 1e3:.1f} ms a step with them, {without_s * 1e3:.1f} ms without, background work included; "
+              f"budget {OVERHEAD_BUDGET:.0%})" + (f": every {target} step(s) from now on"
+                                                  if (target := max(self.interval, self._floor)) != before else ""),
+              file=sys.stderr, flush=True)
+
     def _tune(self) -> None:
         if self.fixed is not None or self.step_s <= 0:
             return
         needed = self.copy_s / (OVERHEAD_BUDGET * self.step_s)
-        wanted = 1 << max(0, math.ceil(math.log2(needed))) if needed > 1 else 1
+        wanted = max(self._floor, 1 << max(0, math.ceil(math.log2(needed))) if needed > 1 else 1)
         if wanted > self.interval:  # at most twice as far apart per copy taken: a slow first copy (a new process,
             if self._grown == self.taken:  # its median a sample or two) cannot set it to hundreds of steps
                 wanted = self.interval
@@ -147,8 +198,9 @@ class Snapshotter:
         self.interval = wanted
         if self.taken >= SETTLE and (self._said == 0 or not 0.5 <= self.interval / self._said <= 2):
             self._said = self.interval
-            print(f"trainlib: in-memory snapshots every {self.interval} step(s): the copy takes "
-                  f"{self.copy_s * 1e3:.2f} ms of a {self.step_s * 1e3:.1f} ms step (budget "
+            print(f"trainlib: in-memory snapshots every {self.interval} step(s): the copy on the training thread "
+                  f"takes {self.copy_s * 1e3:.2f} ms of a {self.step_s * 1e3:.1f} ms step; what they cost the job, "
+                  f"background work included, is measured every {PROBE_PERIOD} steps (budget "
                   f"{OVERHEAD_BUDGET:.0%})", file=sys.stderr, flush=True)
 
     @property
@@ -185,6 +237,16 @@ class Snapshotter:
             print(f"trainlib: in-memory snapshots off for this rank: {reply.error}", file=sys.stderr, flush=True)
             return False
         return True
+
+
+def capped_mean(values: list[float]) -> float:
+    """The mean of the values, each counted as at most CAP x their median (0.0 for none): a snapshot every N steps
+    costs the job in one step of N, which a median or a trimmed mean would not see; a GC pause of seconds among
+    hundreds of steps counts no more than a slow step."""
+    if not values:
+        return 0.0
+    cap = CAP * statistics.median(values)
+    return sum(min(v, cap) for v in values) / len(values)
 
 
 class _HostAsIs:
