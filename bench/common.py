@@ -83,6 +83,22 @@ def agent_toml(name: str, address: str, root: Path, gpus: int = 8, snapshots: Pa
             f'\n[gpu]\nbackend = "sim"\nsim_count = {gpus}\n')
 
 
+def spawn_daemon(procs: dict, root: Path, name: str, module: str, config: str) -> None:
+    """Start `python -m module --config root/name.toml` (the config written from `config`) in a session of its own,
+    its output in root/name.log, as procs[name]."""
+    (root / f"{name}.toml").write_text(config)
+    with open(root / f"{name}.log", "ab") as out:
+        procs[name] = subprocess.Popen([sys.executable, "-m", module, "--config", str(root / f"{name}.toml")],
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def cli(address: str, *args: str, timeout: float = 120) -> str:
+    """`phalanx ARGS` against the insecure loopback controller at `address`: its stdout."""
+    env = {**os.environ, "PHALANX_CONTROLLER": address, "PHALANX_INSECURE": "1"}  # loopback
+    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env).stdout
+
+
 def pin_argv(argv: list[str], cpu: int | None) -> tuple[list[str], object]:
     """The argv and preexec_fn that start a child pinned to `cpu` (None: anywhere).
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.common import agent_toml, controller_toml, free_port, log, temp_root
+from bench.common import agent_toml, cli, controller_toml, free_port, log, spawn_daemon, temp_root
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train_phalanx.py"
@@ -268,9 +268,7 @@ def torchrun_phalanx_trial(fault: str, root: Path) -> dict:
 # -- Phalanx -------------------------------------------------------------------------------------
 
 def _cli(address: str, *args: str) -> str:
-    env = {**os.environ, "PHALANX_CONTROLLER": address, "PHALANX_INSECURE": "1"}  # loopback
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
-                          timeout=120, env=env).stdout
+    return cli(address, *args, timeout=120)
 
 
 def phalanx_trial(fault: str, root: Path, train_extra: tuple[str, ...] = (), env: tuple[str, ...] = ()) -> dict:
@@ -279,10 +277,7 @@ def phalanx_trial(fault: str, root: Path, train_extra: tuple[str, ...] = (), env
     procs: dict[str, subprocess.Popen] = {}
 
     def spawn(name: str, module: str, text: str) -> None:
-        (root / f"{name}.toml").write_text(text)
-        with open(root / f"{name}.log", "ab") as out:
-            procs[name] = subprocess.Popen([sys.executable, "-m", module, "--config", str(root / f"{name}.toml")],
-                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        spawn_daemon(procs, root, name, module, text)
     spawn("controller", "controller.main", controller_toml(address, root) +
           "[jobs]\nstop_grace_s = 3.0\n[recovery]\nrestart_backoff_s = 0.2\n")
     time.sleep(1.5)

@@ -34,6 +34,7 @@ from bench import (  # noqa: E402
     common,
     credentials,
     detection,
+    ending,
     failover,
     failover_scale,
     footprint,
@@ -49,7 +50,8 @@ from bench import (  # noqa: E402
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "failover", "failover-scale", "takeup", "store-heartbeats", "simulate", "credentials")
+              "recovery", "ending", "failover", "failover-scale", "takeup", "store-heartbeats", "simulate",
+              "credentials")
 STORE_STEPS, QUICK_STORE_STEPS = [2000, 6000], [2000]
 FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
 TLS_NODES, QUICK_TLS_NODES = 2000, 500
@@ -141,6 +143,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = await snapshots.run(quick=args.quick)
             elif name == "recovery":
                 results[name] = recovery.run(quick=args.quick)
+            elif name == "ending":
+                results[name] = await asyncio.to_thread(ending.run, args.quick)
             elif name == "failover":
                 results[name] = failover.run(args.trials)
             elif name == "failover-scale":
@@ -415,6 +419,17 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                               if k in ("CHECKPOINTING", "EVICTING", "RENDEZVOUS", "RESTARTING")}
                     result += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in states.items()) + ")"
                 rows.append(("recovery", f"{fault}: {system}", "", result))
+    e = results.get("ending")
+    if e and "error" not in e:
+        for name, o in e["summary"].items():
+            exits = ", ".join(f"{how} ranks median {o[f'exit_{how}_s']:.2f} s (max {o[f'exit_{how}_max_s']:.2f})"
+                              for how in ("cold", "warm") if o.get(f"exit_{how}_s") is not None)
+            rows.append(("ending", f"{name}: last line after training -> exit", "",
+                         f"{exits or 'n/a'}; {o['succeeded']} of {o['of']} SUCCEEDED, {o['false_verdicts']} false "
+                         f"verdicts; median step {o['step_s'] * 1e3:.1f} ms" if o.get("step_s") else "no steps"))
+        if e.get("snapshot_slowdown") is not None:
+            rows.append(("ending", "the job's step time, snapshots every step against none", "<= 3 %",
+                         f"{e['snapshot_slowdown']:+.1%}{_verdict(e['snapshot_slowdown'] <= 0.03)}"))
     return rows
 
 

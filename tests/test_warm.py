@@ -116,6 +116,12 @@ def test_a_standby_runs_modules_and_code_too(tmp_path, job_dir, program):
 
 def run_warm(tmp_path: Path, job_dir: Path, command: list[str], env: dict[str, str]):
     """Run `command` once as a warm rank (a standby made ready, then assigned); what it wrote to $SAID."""
+    assert assign_warm(tmp_path, job_dir, command, env) == 0, (tmp_path / "log").read_text()
+    return __import__("json").loads((tmp_path / "said.json").read_text())
+
+
+def assign_warm(tmp_path: Path, job_dir: Path, command: list[str], env: dict[str, str]) -> int:
+    """Run `command` once as a warm rank, its log in tmp_path/log and its exit file tmp_path/exit; its exit status."""
     pool = WarmPool(tmp_path / "state", FakeClock())
     kind = recipe("j", command, env, str(job_dir))
     pool.want(kind, 1)
@@ -123,9 +129,8 @@ def run_warm(tmp_path: Path, job_dir: Path, command: list[str], env: dict[str, s
         warm_ready(pool, "j")
         standby = pool.take(kind)
         pool.assign(standby, {"env": env, "cwd": str(job_dir), "log": str(tmp_path / "log"),
-                                  "exit_file": str(tmp_path / "exit"), "cpus": []})
-        assert standby.proc.wait(timeout=120) == 0, (tmp_path / "log").read_text()
-        return __import__("json").loads((tmp_path / "said.json").read_text())
+                              "exit_file": str(tmp_path / "exit"), "cpus": []})
+        return standby.proc.wait(timeout=120)
     finally:
         pool.close()
 
@@ -157,22 +162,11 @@ def test_a_warm_started_rank_ends_as_python_would_without_the_interpreters_teard
     os._exit: no teardown of every module the standby imported, nor torch's static destructors (which can abort)."""
     code, expected_status, said = ENDINGS[ending]
     (job_dir / "end.py").write_text(ENDING_PRELUDE + code)
-    env = base_env(tmp_path)
-    pool = WarmPool(tmp_path / "state", FakeClock())
-    kind = recipe("j", [PY, "end.py"], env, str(job_dir))
-    pool.want(kind, 1)
-    try:
-        warm_ready(pool, "j")
-        standby = pool.take(kind)
-        pool.assign(standby, {"env": env, "cwd": str(job_dir), "log": str(tmp_path / "log"),
-                              "exit_file": str(tmp_path / "exit"), "cpus": []})
-        assert standby.proc.wait(timeout=120) == expected_status
-        assert (tmp_path / "exit").read_text().strip() == str(expected_status)
-        assert said in (tmp_path / "log").read_text()
-        assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
-        assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
-    finally:
-        pool.close()
+    assert assign_warm(tmp_path, job_dir, [PY, "end.py"], base_env(tmp_path)) == expected_status
+    assert (tmp_path / "exit").read_text().strip() == str(expected_status)
+    assert said in (tmp_path / "log").read_text()
+    assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
+    assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
 
 
 def test_a_stop_reaches_a_warm_started_rank_and_its_end_is_written_down(tmp_path, job_dir):
