@@ -47,6 +47,7 @@ class Node:
     drained: bool = False
     ranks: dict[tuple[int, int], str] = field(default_factory=dict)  # (generation, rank) -> running|exited:<code>
     stopped_generation: int = 0  # the agent refuses to launch a generation it was told to stop (as the real one)
+    own_work: bool = False  # Phalanx's own work runs there now (standbys starting)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Sim:
         self.on_commit: dict[str, callable] = {}  # state -> run at once on the commit that enters it
         self.hung: set[int] = set()  # ranks that stopped (SIGSTOP): they step no more and fall silent
         self.done: set[int] = set()  # ranks whose training ended: they step no more and say so (trainlib.finish)
+        self.own_work_at: dict[str, float] = {}  # node -> when it last showed Phalanx's own work
         self.slow: set[str] = set()  # nodes whose ranks compute 50% slower (and so the job's steps, when they run)
         self.pace_factor = 1.0  # the whole job's steps this much slower, whatever its ranks (a slow dataset)
         self.step_of: dict[int, int] = {}
@@ -119,7 +121,10 @@ class Sim:
             how, when = p.stops.get(name, ("", 0.0))
             told = how == "sending" or (how == "taken" and self.now - when < lifecycle.RESTOP_S)
             views[name] = NodeView(name, n.down, n.health, n.reason, connected=not n.down, drained=n.drained,
-                                   stop_told=told, stopped=how == "taken" and not running, running=running)
+                                   stop_told=told, stopped=how == "taken" and not running, running=running,
+                                   own_work_at=self.now if n.own_work else self.own_work_at.get(name, 0.0))
+            if n.own_work:
+                self.own_work_at[name] = self.now
         candidates = [Candidate.of(n.name, DOWN if n.down else UP, n.health, True, 8, connected=not n.down,
                                    drained=n.drained) for n in self.nodes.values()]
         return lifecycle.JobView(nodes=views, tracks=p.tracks, launch=p.launch if p.launch and
@@ -911,3 +916,20 @@ def test_a_job_that_ran_out_of_nodes_through_its_own_evictions_says_so_and_fails
     sim.run_until(lambda: sim.job.state in table.TERMINAL, limit_s=100)
     assert sim.job.state == pb.JOB_STATE_FAILED and "no nodes for 60s" in sim.job.reason, sim.job.reason
     assert sim.now - began <= 61
+
+
+def test_phalanx_own_work_on_a_node_draws_no_straggler_verdict_against_it_until_the_window_is_past_it():
+    """Issue 40: standbys starting on a node (a Python and torch import each, beside its ranks) made healthy ranks
+    look 1.4-2x slower right after restarts, and their nodes were evicted. The compute times of a window that
+    overlaps such work are not held against the node; once the window is past it, a slow node is found as ever."""
+    sim = Sim()
+    start(sim)
+    sim.nodes["b"].own_work = True
+    sim.slow.add("b")  # as slow as a straggler, for as long as the work lasts
+    sim.run_for(30.0)
+    assert running(sim) and not sim.incidents, sim.events
+    sim.nodes["b"].own_work = False  # the work is done, and b stays slow: now it is b's own
+    sim.run_until(lambda: sim.incidents)
+    assert sim.incidents == ["straggler"] and "on b" in sim.job.incident
+    own = sim.own_work_at["b"]
+    assert sim.now - own >= POLICY.recovery.straggler_window * STEP_S * 1.5, sim.now - own

@@ -109,6 +109,9 @@ class JobManager:
         self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
         self._snapshots_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds snapshots of
         self._standbys_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds standbys of
+        # node -> when (self.now()) its heartbeat last showed Phalanx's own work there: standbys starting (a Python
+        # and torch import each); a straggler verdict against the node then could be that work's, not its GPU's
+        self.own_work_at: dict[str, float] = {}
         # ids of jobs that ended (FAILED) with ranks still running, stopped since: their records are saved with
         # how those ranks ended (the executor's next pass)
         self.ended_ranks: set[str] = set()
@@ -459,7 +462,9 @@ class JobManager:
                 self._pin(entry)
 
     def _fold_standbys(self, node: str, standbys) -> None:
-        """How many warm standbys of each job `node` holds ready now."""
+        """How many warm standbys of each job `node` holds ready now, and whether any is starting there."""
+        if any(s.starting for s in standbys):
+            self.own_work_at[node] = self.now()
         if not standbys and node not in self._standbys_on:
             return
         self._fold_by_job(self._standbys_on, node, {s.job: s.ready for s in standbys if s.ready}, "standbys")

@@ -33,6 +33,8 @@ class NodeView:
     quiet: bool = False  # its heartbeats are late (over 1.5 intervals): its ranks' progress cannot arrive either
     heard_at: float = 0.0  # when its agent was last heard from, on the clock of `now` and the rank tracks (the
     # job manager's wall-clock seconds); 0.0: unknown, taken as now
+    own_work_at: float = 0.0  # when (same clock) its heartbeat last showed Phalanx's own work there (standbys
+    # starting); 0.0: never
 
 
 KINDS = ("node-lost", "gpu-failed", "crash", "hang", "gpu-failing", "straggler")
@@ -141,11 +143,18 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     if failing:
         return Incident("gpu-failing", True, tuple(failing),
                         f"node {failing[0]} FAILING: {nodes[failing[0]].health_reason}")
-    slow = monitors.stragglers(tracks, cfg)
-    if slow:
+    span = cfg.straggler_window * monitors.job_step_s(tracks) + OWN_WORK_MARGIN_S  # the time the verdict looks at
+    slow = [f for f in monitors.stragglers(tracks, cfg)
+            if not (v := nodes.get(node_of.get(f.rank, ""))) or not v.own_work_at or now - v.own_work_at > span]
+    if slow:  # (a rank on a node where Phalanx started standbys within the window may be slow from that work)
         node = node_of.get(slow[0].rank, "")
         return Incident("straggler", True, (node,) if node else (), f"{slow[0].reason} (on {node})")
     return None
+
+
+# Beyond the straggler window's own span, how long after Phalanx's own work on a node (standbys starting) its ranks'
+# compute times are still not held against it: the heartbeat that shows the work comes up to an interval late.
+OWN_WORK_MARGIN_S = 2.0
 
 
 def training_over(ranks: Iterable[pb.RankInfo], tracks: Mapping[int, monitors.RankTrack]) -> set[int]:

@@ -171,7 +171,8 @@ class Executor:
                         drained=bool(node.record.drain_reason), stop_told=told is None or recent,
                         stopped=taken and not running and _after(node, told), running=running,
                         quiet=silence > 1.5 * self.jobs.registry.policy.heartbeat_interval_s,
-                        heard_at=self.jobs.now() - silence)  # on the clock of the job's ranks' tracks
+                        heard_at=self.jobs.now() - silence,  # on the clock of the job's ranks' tracks
+                        own_work_at=self.jobs.own_work_at.get(name, 0.0))
 
     def candidates(self, exclude: str = "", within=()) -> list[Candidate]:
         """Every node as placement sees it (only those `within`, when given: a Slurm allocation); nodes held by

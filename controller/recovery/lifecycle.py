@@ -634,7 +634,8 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     if isinstance(chosen, str):
         wait = [WakeAt(now + RENDEZVOUS_RETRY_S)]
         candidates = {c.name: c for c in view.candidates}
-        own = sorted(n for n in {*job.evicted, *job.incident_nodes} if n in candidates and not candidates[n].schedulable)
+        own = sorted(n for n in {*job.evicted, *job.incident_nodes}
+                     if n in candidates and not candidates[n].schedulable)
         if own:  # it ran out of nodes through its own evictions: say so, and do not wait for ever
             bound = policy.recovery.evicted_wait_s
             waited = now - ready_at
