@@ -228,7 +228,7 @@ class Sim:
             return  # the ranks' answers went to a controller that is gone
         acks = dict(p.checkpoint.acks)
         for rank in self.job.ranks:
-            if rank.rank not in self.hung and self._running(rank):
+            if rank.rank not in self.hung and rank.rank not in self.done and self._running(rank):
                 acks[rank.rank] = at_step
         p.checkpoint = lifecycle.CheckpointView(request_id, acks, len(self.in_memory & set(acks)))
 
@@ -933,3 +933,15 @@ def test_phalanx_own_work_on_a_node_draws_no_straggler_verdict_against_it_until_
     assert sim.incidents == ["straggler"] and "on b" in sim.job.incident
     own = sim.own_work_at["b"]
     assert sim.now - own >= POLICY.recovery.straggler_window * STEP_S * 1.5, sim.now - own
+
+
+def test_a_job_whose_training_ends_before_its_eviction_checkpoint_ends_instead_of_restarting():
+    sim = Sim()
+    start(sim)
+    inject(sim, "gpu-failing")  # checkpoint first, at a step ahead...
+    sim.run_until(lambda: sim.job.state == pb.JOB_STATE_CHECKPOINTING)
+    sim.done = {r.rank for r in sim.job.ranks}  # ...which the ranks never reach: their loop was at its end
+    sim.run_for(5.0)
+    exit_ranks(sim, {r.rank: 0 for r in sim.job.ranks if r.rank != 3})
+    sim.run_until(lambda: sim.job.state in table.TERMINAL)
+    assert sim.job.state == pb.JOB_STATE_SUCCEEDED and sim.launched == [1], sim.events

@@ -508,6 +508,9 @@ def repeated(job: pb.Job, incident: Incident, at_step: int) -> str:
 def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     if all_exited_zero(job):  # it finished before the agreed step: nothing left to save or evict
         return [finished(job, SUCCEEDED, "every rank exited 0 (before the eviction checkpoint)", 0, now)]
+    over = training_over(job.ranks, view.tracks)
+    if len(over) == len(job.ranks):  # it finished training before the agreed step: no rank will ever save it
+        return _ending(job, now, policy, over)
     request = job.checkpoint
     asked_here = bool(request.id) and request.pause and request.generation == job.generation and \
         request.asked_unix_ns >= job.state_since_unix_ns
