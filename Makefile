@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-busy test-slow lint demo bench proto proto-check dist deb clean
+.PHONY: test test-busy test-slow lint demo bench docs proto proto-check dist deb clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: lint
 # The suite in one process while another keeps one core busy (the serial form of what `make test` proves).
 test-busy: lint
 	$(PY) tools/busy.py -- $(PY) -m pytest -q -p no:xdist
+
+# The docs site (docs/, mkdocs.yml) into site/: strict, so a broken link or a page left out of the nav fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The loops marked `slow` (deselected by `make test`; tests/conftest.py).
 test-slow: $(STAMP)

@@ -108,13 +108,13 @@ def test_daemon_bad_config_is_one_line_and_exit_2(tmp_path, module):
     assert lines[0].startswith(f"phalanx-{module.split('.')[0]}: config error: {path}: not valid TOML")
 
 
-def test_readme_documents_every_key_with_its_default():
+def test_the_configuration_page_documents_every_key_with_its_default():
     import json
     from pathlib import Path
 
     from phalanx.config import describe
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "configuration.md").read_text()
     for cls in (controller_config.ControllerConfig, agent_config.AgentConfig):
         for key, default, doc in describe(cls):
             shown = json.dumps(default) if not isinstance(default, bool) else str(default).lower()

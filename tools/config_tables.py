@@ -1,7 +1,8 @@
-"""Rewrite the configuration tables in README.md from the config classes (every key, its default, its doc).
+"""Rewrite the configuration tables in docs/reference/configuration.md from the config classes (every key, its
+default, its doc).
 
-    python tools/config_tables.py          # rewrite README.md
-    python tools/config_tables.py --check  # exit 1 if README.md is out of date
+    python tools/config_tables.py          # rewrite the page
+    python tools/config_tables.py --check  # exit 1 if the page is out of date
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from agent.config import AgentConfig
 from controller.config import ControllerConfig
 from phalanx.config import describe
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "configuration.md"
 TABLES = {"controller-config": ControllerConfig, "agent-config": AgentConfig}
 
 
@@ -31,20 +32,20 @@ def render(text: str) -> str:
     for name, cls in TABLES.items():
         pattern = re.compile(rf"(<!-- {name} -->\n).*?(\n<!-- /{name} -->)", re.S)
         if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- {name} --> ... <!-- /{name} --> markers")
+            raise SystemExit(f"{PAGE} has no <!-- {name} --> ... <!-- /{name} --> markers")
         text = pattern.sub(lambda m, cls=cls: m.group(1) + table(cls) + m.group(2), text)
     return text
 
 
 def main() -> int:
-    text = README.read_text()
+    text = PAGE.read_text()
     fresh = render(text)
     if "--check" in sys.argv:
         if fresh != text:
-            print("README.md's configuration tables are stale; run `python tools/config_tables.py`", file=sys.stderr)
+            print(f"{PAGE}'s configuration tables are stale; run `python tools/config_tables.py`", file=sys.stderr)
             return 1
         return 0
-    README.write_text(fresh)
+    PAGE.write_text(fresh)
     return 0
 
 
