@@ -428,8 +428,10 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                          f"{exits or 'n/a'}; {o['succeeded']} of {o['of']} SUCCEEDED, {o['false_verdicts']} false "
                          f"verdicts; median step {o['step_s'] * 1e3:.1f} ms" if o.get("step_s") else "no steps"))
         if e.get("snapshot_slowdown") is not None:
-            rows.append(("ending", "the job's step time, snapshots every step against none", "<= 3 %",
-                         f"{e['snapshot_slowdown']:+.1%}{_verdict(e['snapshot_slowdown'] <= 0.03)}"))
+            said = e["summary"].get("none, snapshots", {}).get("trainlib_said", [])
+            rows.append(("ending", "the job's step time with trainlib.snapshot() every step against without", "<= 3 %",
+                         f"{e['snapshot_slowdown']:+.1%}{_verdict(e['snapshot_slowdown'] <= 0.03)}; trainlib said "
+                         + (", ".join(f"{x:.1%}" for x in said) or "nothing")))
     return rows
 
 
