@@ -118,6 +118,65 @@ def trial(root: Path, fault: str, snapshots: bool) -> dict:
             shutil.rmtree(shm, ignore_errors=True)
 
 
+# Why a warm rank exited later than a cold one: a script (a model, an optimizer step: torch._dynamo imported) as a
+# cold `python -c` and as the child of a process that imported torch first (agent/warmstart.py's standby), ending
+# by the interpreter's teardown (as warm ranks did before issue 40) or by atexit and os._exit (as they do now).
+TEARDOWN_SCRIPT = """
+import time, torch, torch.distributed
+m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+o = torch.optim.SGD(m.parameters(), lr=0.1); m(torch.ones(2, 16)).sum().backward(); o.step()
+print(time.time(), flush=True)
+"""
+
+
+def _cold_exit() -> float:
+    p = subprocess.Popen([sys.executable, "-c", TEARDOWN_SCRIPT], stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    p.wait()
+    return time.time() - float(line)
+
+
+def _warm_exit(teardown: bool) -> float:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the standby: imports first, then forks the rank
+        import atexit
+
+        import torch
+        import torch._dynamo
+        import torch.distributed  # noqa: F401
+        child = os.fork()
+        if child == 0:
+            os.dup2(write, 1)
+            exec(compile(TEARDOWN_SCRIPT, "<script>", "exec"), {"__name__": "__main__"})
+            if teardown:
+                sys.exit(0)
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            os._exit(0)
+        os.waitpid(child, 0)
+        os.write(write, f"{time.time()}\n".encode())
+        os._exit(0)
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 4096):
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    printed, exited = (float(x) for x in data.split()[-2:])
+    return exited - printed
+
+
+def teardown(trials: int) -> dict:
+    out = {}
+    for name, measure in (("cold", _cold_exit), ("warm, interpreter teardown (before)", lambda: _warm_exit(True)),
+                          ("warm, os._exit after atexit (now)", lambda: _warm_exit(False))):
+        times = [measure() for _ in range(trials)]
+        out[name] = {"median_s": round(statistics.median(times), 3), "max_s": round(max(times), 3)}
+        log(f"ending: exit after the last line, {name}: {out[name]}")
+    return out
+
+
 def run(quick: bool = False) -> dict:
     trials: dict[str, list[dict]] = {}
     for _ in range(1 if quick else REPEATS):
@@ -147,4 +206,5 @@ def run(quick: bool = False) -> dict:
     plain, snap = summary.get("none, no snapshots", {}), summary.get("none, snapshots", {})
     slowdown = (snap["step_s"] / plain["step_s"] - 1) if plain.get("step_s") and snap.get("step_s") else None
     return {"summary": summary, "trials": trials, "snapshot_slowdown": slowdown,
+            "teardown": teardown(3 if quick else 9),
             "job": f"examples/train_user.py, 2 nodes x 2 ranks + 1 spare, {STEPS} steps of ~20 ms, warm standbys on"}

@@ -427,6 +427,9 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             rows.append(("ending", f"{name}: last line after training -> exit", "",
                          f"{exits or 'n/a'}; {o['succeeded']} of {o['of']} SUCCEEDED, {o['false_verdicts']} false "
                          f"verdicts; median step {o['step_s'] * 1e3:.1f} ms" if o.get("step_s") else "no steps"))
+        for name, t in e.get("teardown", {}).items():
+            rows.append(("ending", f"a script's last line -> exit, {name} (no cluster)", "",
+                         f"median {t['median_s']:.2f} s (max {t['max_s']:.2f})"))
         if e.get("snapshot_slowdown") is not None:
             said = e["summary"].get("none, snapshots", {}).get("trainlib_said", [])
             rows.append(("ending", "the job's step time with trainlib.snapshot() every step against without", "<= 3 %",
