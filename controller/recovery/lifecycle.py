@@ -426,7 +426,7 @@ def _ending(job: pb.Job, now: float, policy: Policy, over: set[int]) -> list[Act
         return [Event("job.slow_exit", f"{job.id}: training ended in every rank, but {_ranks(left)} had not exited "
                       f"{grace:g}s after it ended (recovery.exit_grace_s): stopped; no node is blamed"),
                 finished(job, SUCCEEDED, f"every rank finished training; {_ranks(left)} did not exit within {grace:g}s "
-                         "and was stopped", 0, now), *_stop_all(job)]
+                         f"and {'were' if len(left) > 1 else 'was'} stopped", 0, now), *_stop_all(job)]
     return [finished(job, FAILED, f"{_ranks(unfinished)} had not finished training {grace:g}s after {_ranks(over)} "
                      "had (recovery.exit_grace_s): stopped", 1, now), *_stop_all(job)]
 
