@@ -83,9 +83,13 @@ def run_as_main(program: list[str]) -> int:
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:  # what the interpreter does first: its threading hooks (a ThreadPoolExecutor's workers
+        shutdown()  # are told to finish there), then it joins the non-daemon threads
+    else:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

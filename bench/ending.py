@@ -168,12 +168,25 @@ def _warm_exit(teardown: bool) -> float:
 
 
 def teardown(trials: int) -> dict:
+    """The three ways of ending, measured in a fresh process of their own: a fork from a process with threads (the
+    benchmark runner's) can deadlock in the child."""
+    import json
+    done = subprocess.run([sys.executable, "-m", "bench.ending", "teardown", str(trials)], capture_output=True,
+                          text=True, timeout=1200, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"the teardown measurement failed: {done.stderr[-2000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, figures in out.items():
+        log(f"ending: exit after the last line, {name}: {figures}")
+    return out
+
+
+def _teardown_here(trials: int) -> dict:
     out = {}
     for name, measure in (("cold", _cold_exit), ("warm, interpreter teardown (before)", lambda: _warm_exit(True)),
                           ("warm, os._exit after atexit (now)", lambda: _warm_exit(False))):
         times = [measure() for _ in range(trials)]
         out[name] = {"median_s": round(statistics.median(times), 3), "max_s": round(max(times), 3)}
-        log(f"ending: exit after the last line, {name}: {out[name]}")
     return out
 
 
@@ -208,3 +221,8 @@ def run(quick: bool = False) -> dict:
     return {"summary": summary, "trials": trials, "snapshot_slowdown": slowdown,
             "teardown": teardown(3 if quick else 9),
             "job": f"examples/train_user.py, 2 nodes x 2 ranks + 1 spare, {STEPS} steps of ~20 ms, warm standbys on"}
+
+
+if __name__ == "__main__":  # python -m bench.ending teardown N: the exit measurement, in this fresh process
+    import json
+    print(json.dumps(_teardown_here(int(sys.argv[2]))))

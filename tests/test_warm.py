@@ -148,6 +148,9 @@ def late():
     time.sleep(0.3)
     open(os.environ['SAID'] + '.thread', 'w').close()
 threading.Thread(target=late).start()  # not a daemon: the interpreter waits for it before its atexit handlers
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(max_workers=1)  # as trainlib's snapshot writer: its idle worker ends at the interpreter's
+pool.submit(lambda: None).result()  # threading hook, or the process never exits
 class Teardown:
     def __del__(self):  # only the interpreter's teardown of this module would call it
         open(os.environ['SAID'] + '.teardown', 'w').close()
