@@ -945,3 +945,16 @@ def test_a_job_whose_training_ends_before_its_eviction_checkpoint_ends_instead_o
     exit_ranks(sim, {r.rank: 0 for r in sim.job.ranks if r.rank != 3})
     sim.run_until(lambda: sim.job.state in table.TERMINAL)
     assert sim.job.state == pb.JOB_STATE_SUCCEEDED and sim.launched == [1], sim.events
+
+
+def test_ranks_that_exit_1_on_their_way_out_of_a_failed_collective_are_a_crash_to_recover_not_an_end():
+    """A script with `finally: dist.destroy_process_group()` (or `sys.exit(1)` after catching the error) whose
+    collective failed when a peer died may say its training ended on the way out. While some rank has not ended
+    training, its non-zero exit is a crash like any other: the job recovers, it is not failed for good."""
+    sim = Sim()
+    start(sim)
+    sim.done = {0, 2, 3}  # rank 1 was killed; the controller has not heard of it yet
+    sim.run_for(0.6)
+    exit_ranks(sim, {0: 1, 2: 1, 3: 1})
+    sim.run_until(lambda: running(sim) and sim.job.generation == 2)
+    assert sim.incidents == ["crash"] and sim.job.state == pb.JOB_STATE_RUNNING, sim.events

@@ -492,3 +492,23 @@ def test_a_step_after_the_end_undoes_it_and_the_exit_says_it_again(agent, monkey
     assert not agent.reports[-1].finished and agent.reports[-1].steps[-1].step == 5
     _runtime._flush_at_exit()
     assert agent.reports[-1].finished
+
+
+def test_a_process_group_destroyed_on_the_way_out_of_an_exception_or_an_uncaught_one_is_no_end_of_training(
+        agent, tmp_path):
+    """`try: train() finally: dist.destroy_process_group()` after a collective failed (a peer died), then the
+    uncaught exception: a crash, which the controller must recover, not the end of training."""
+    rank = start_rank(f"""
+        import torch.distributed as dist, trainlib
+        trainlib.init()
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        trainlib.step(0)
+        try:
+            raise RuntimeError("Connection closed by peer")
+        finally:
+            dist.destroy_process_group()
+    """, {**UNDER_PHALANX, "WORLD_SIZE": "1", "PHALANX_AGENT_SOCKET": str(agent.socket),
+          "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+    _out, err = rank.communicate(timeout=120)
+    assert rank.returncode == 1 and "Connection closed by peer" in err, err
+    assert agent.reports and not any(r.finished for r in agent.reports), [r.finished for r in agent.reports]

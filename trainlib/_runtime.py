@@ -112,6 +112,7 @@ _ending = False  # a stop came: the training function is unwinding (a second sto
 _parked = False  # waiting for the agent to say whether this process rejoins (a stop now ends it)
 _finished = False  # training has ended here: the default process group is being destroyed or the interpreter exits
 _flush_lock = threading.Lock()  # one report at a time: the reporter's, or the one that says training has ended
+_crashed = False  # an exception reached the top of the main thread: the exit that follows is no end of training
 # Held while this process parks or takes its next generation, and by a reply's "stale" while it decides to end the
 # process: a stale answer about a generation the process has already left must not end it in its next one.
 _generation_lock = threading.Lock()
@@ -171,6 +172,7 @@ def init() -> Context:
             _reporter = threading.Thread(target=_report_loop, name="trainlib-reporter", daemon=True)
             _reporter.start()
             atexit.register(_flush_at_exit)
+            _hook_excepthook()
         _hook_destroy()
         threading.Thread(target=_watch_loop, args=(_ctx,), name="trainlib-watcher", daemon=True).start()
     return _ctx
@@ -617,8 +619,8 @@ def _end_stale(ctx: Context) -> None:
 
 def _flush_at_exit() -> None:
     global _finished
-    if not _parked:  # the interpreter is exiting: no step will come (a parked rank said how it ended already)
-        _finished = True
+    if not _parked and not _crashed:  # the interpreter is exiting: no step will come (a parked rank said how it
+        _finished = True  # ended already; an uncaught exception is a crash, not the end of training)
     try:
         _flush(at_exit=True)
     except Exception:  # the agent may be gone already; the last half second of timings is all we lose
@@ -642,6 +644,19 @@ def finish() -> None:
         pass
 
 
+def _hook_excepthook() -> None:
+    """Remember that an exception reached the top of the main thread (sys.excepthook runs before the atexit
+    handlers), so that the exit after it is not reported as the end of training."""
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        global _crashed
+        _crashed = True
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
 def _hook_destroy() -> None:
     """Have torch.distributed.destroy_process_group() of the default group say that training has ended (before it
     tears down: that can take seconds). Only if the script has imported torch.distributed (trainlib does not import
@@ -652,8 +667,9 @@ def _hook_destroy() -> None:
         return
 
     def destroy_process_group(group: Any = None) -> Any:
-        if group is None or group is getattr(getattr(dist, "GroupMember", None), "WORLD", None):
-            finish()
+        whole = group is None or group is getattr(getattr(dist, "GroupMember", None), "WORLD", None)
+        if whole and sys.exc_info()[0] is None:  # not on the way out of an exception (a `finally:` after a
+            finish()  # collective failed): that is a crash, not the end of training
         return original(group)
 
     destroy_process_group.__doc__ = original.__doc__

@@ -104,13 +104,14 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     over = training_over(ranks, tracks)
     for rank in ranks:
         if rank.state == pb.RANK_STATE_LOST or (rank.state == pb.RANK_STATE_EXITED and rank.exit_code != 0):
+            if rank.rank in over and rank.state == pb.RANK_STATE_EXITED and rank.exit_code < 0:
+                continue  # killed by a signal in its teardown after its training ended: once every rank has ended
+                # training, lifecycle says so and the job's result stands; until then the other ranks decide
+            # (a rank that said its training ended and then exits non-zero by itself, while some other rank has not
+            # ended training, is a crash like any other: a script whose collective failed when a peer died may well
+            # destroy its process group on the way out)
             how = "was lost" if rank.state == pb.RANK_STATE_LOST else f"exited with code {rank.exit_code}"
             code = rank.exit_code if rank.state == pb.RANK_STATE_EXITED and 0 < rank.exit_code < 256 else 1
-            if rank.rank in over and rank.state == pb.RANK_STATE_EXITED and rank.exit_code < 0:
-                continue  # killed by a signal in its teardown, training done: lifecycle says so, no restart mends it
-            if rank.rank in over:  # the script itself failed after training (a final save, say): a restart redoes
-                return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how} after its training "
-                                f"ended", code, fatal=True)  # nothing of the training; the job fails with the reason
             return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how}", code)
     if over:
         return None  # the job's training has ended (a synchronous job's ranks all took the last step): its ranks are
