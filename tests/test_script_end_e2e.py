@@ -106,7 +106,10 @@ def test_a_users_script_recovers_once_and_ends_succeeded_with_the_uninterrupted_
     # one recovery, and no verdict besides the fault's: no hang at the end, no straggler after the restart
     assert (j["generation"], j["restarts"]) == (2, 1), account(c, job_id)
     events = c.events(job=job_id)
-    assert len([e for e in events if e["kind"] == "job.incident"]) == 1, account(c, job_id)
+    incidents = [e["message"] for e in events if e["kind"] == "job.incident"]
+    kind = {"crash": "crash", "xid-79": "gpu-failed", "node-lost": "node-lost", "hang": "hang",
+            "predictable": "gpu-failing"}[fault]
+    assert len(incidents) == 1 and f": {kind}: " in incidents[0], account(c, job_id)  # the fault, seen as such
     assert not [e for e in events if e["kind"] in ("job.slow_exit", "job.teardown_failed")], account(c, job_id)
     assert j["evicted"] == ([] if fault == "crash" else [victim]), account(c, job_id)
     assert (ckpt / "final.pt.sha256").read_text().strip() == uninterrupted, account(c, job_id)

@@ -482,7 +482,7 @@ def test_a_step_after_the_end_undoes_it_and_the_exit_says_it_again(agent, monkey
     monkeypatch.setattr(_runtime, "_ctx", _runtime.Context(
         active=True, job="job-7", generation=3, rank=1, local_rank=1, world_size=4, checkpoint_dir=str(tmp_path),
         agent_socket=str(agent.socket)))
-    for name in ("_stub", "_tail", "_head", "_finished", "_last_step", "_steps_seen", "_last_end"):
+    for name in ("_stub", "_tail", "_head", "_finished_head", "_last_step", "_steps_seen", "_last_end"):
         monkeypatch.setattr(_runtime, name, getattr(_runtime, name))
     _runtime._stub = None
     _runtime.finish()

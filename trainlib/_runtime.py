@@ -110,7 +110,10 @@ _snapshotter: Any = None  # trainlib._snapshot.Snapshotter, once snapshot() is f
 _slow = 0.0  # a slow=F fault on this rank's GPU, from the agent's replies: each step's compute takes (1 + F)x
 _ending = False  # a stop came: the training function is unwinding (a second stop changes nothing)
 _parked = False  # waiting for the agent to say whether this process rejoins (a stop now ends it)
-_finished = False  # training has ended here: the default process group is being destroyed or the interpreter exits
+# _head when training was last said to have ended here (the default process group destroyed, the interpreter exiting,
+# trainlib.finish()); -1: never. Training has ended while no step came since: a step undoes it without the hook
+# writing anything more than it did.
+_finished_head = -1
 _flush_lock = threading.Lock()  # one report at a time: the reporter's, or the one that says training has ended
 _crashed = False  # an exception reached the top of the main thread: the exit that follows is no end of training
 # Held while this process parks or takes its next generation, and by a reply's "stale" while it decides to end the
@@ -204,9 +207,8 @@ def flight_recorder_env() -> str:
 
 def step(number: int | None = None) -> None:
     """Mark the end of a training step. Cheap enough for every step: no lock, no allocation, no system call."""
-    global _last_end, _compute_mark, _steps_seen, _head, _last_step, _finished
+    global _last_end, _compute_mark, _steps_seen, _head, _last_step
     now = time.perf_counter()
-    _finished = False  # a step after a process group's teardown: training goes on (a script that makes a new one)
     if _slow and _compute_mark <= _last_end:  # slow=F, and the script marks no compute: the whole step is slowed
         now = _throttle(_last_end, now)
     slot = _head % RING
@@ -565,7 +567,7 @@ def _flush_locked(at_exit: bool) -> None:
     _tail = head
     reply = _agent().Report(local_pb2.ReportRequest(job=ctx.job, generation=ctx.generation, rank=ctx.rank,
                                                     steps=batch, pid=os.getpid(), saving=_saving,
-                                                    finished=_finished),
+                                                    finished=_finished_head == head),
                             timeout=RPC_TIMEOUT_S)
     if not at_exit:
         _heed(reply, ctx)
@@ -618,9 +620,9 @@ def _end_stale(ctx: Context) -> None:
 
 
 def _flush_at_exit() -> None:
-    global _finished
+    global _finished_head
     if not _parked and not _crashed:  # the interpreter is exiting: no step will come (a parked rank said how it
-        _finished = True  # ended already; an uncaught exception is a crash, not the end of training)
+        _finished_head = _head  # ended already; an uncaught exception is a crash, not the end of training)
     try:
         _flush(at_exit=True)
     except Exception:  # the agent may be gone already; the last half second of timings is all we lose
@@ -633,11 +635,11 @@ def finish() -> None:
     recovery.exit_grace_s to exit. trainlib says so by itself when the script destroys its default process group
     (torch.distributed.destroy_process_group) and when the interpreter exits; call this only where a long end (a
     final save of a large model by one rank while the others wait) comes before either. A step after it undoes it."""
-    global _finished
+    global _finished_head
     ctx = _ctx
-    if _finished or ctx is None or not ctx.active or not ctx.agent_socket or _ending or _parked:
+    if _finished_head == _head or ctx is None or not ctx.active or not ctx.agent_socket or _ending or _parked:
         return
-    _finished = True
+    _finished_head = _head
     try:  # at once, not at the next report: the teardown (an NCCL communicator's takes seconds) is no hang
         _flush(at_exit=True)
     except Exception:  # the next report says it
@@ -788,7 +790,7 @@ def _next_generation(env: dict[str, str]) -> None:
     """Take the next generation's environment and start trainlib afresh for it."""
     global _ctx, _head, _tail, _steps_seen, _requested, _request_id, _pause_after, _at_step, _last_step, _handled
     global _checkpointer, _saving, _stale, _shared_checked, _snapshotter, _slow, _last_end, _compute_mark, _parked
-    global _finished
+    global _finished_head
     os.environ.clear()
     os.environ.update(env)
     with _generation_lock:
@@ -796,7 +798,7 @@ def _next_generation(env: dict[str, str]) -> None:
     _tail = _head  # the old generation's samples are not the new one's
     _steps_seen, _requested, _request_id, _pause_after, _at_step, _last_step = 0, False, 0, False, 0, -1
     _handled, _saving, _stale, _shared_checked, _slow = set(), False, False, False, 0.0
-    _finished = False
+    _finished_head = -1
     _last_end = _compute_mark = time.perf_counter()
     _parked = False
     ctx = init()

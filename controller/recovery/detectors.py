@@ -86,9 +86,10 @@ def describe_culprit(c: pb.HangCulprit) -> str:
 
 def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: Mapping[int, monitors.RankTrack],
            now: float, cfg: RecoveryConfig, nccl: Mapping[int, pb.NcclRankState] | None = None,
-           fatal: Mapping[int, str] | None = None) -> Incident | None:
+           fatal: Mapping[int, str] | None = None, over: set[int] | None = None) -> Incident | None:
     """The most urgent thing wrong with a running job, or None. Sudden failures come first; a rank that
-    said no restart can mend it comes before everything."""
+    said no restart can mend it comes before everything. `over`: training_over(ranks, tracks), when the caller
+    has it already."""
     ranks = list(ranks)
     node_of = {r.rank: r.node for r in ranks}
     for rank, why in sorted((fatal or {}).items()):
@@ -101,7 +102,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     if failed:
         return Incident("gpu-failed", False, tuple(failed),
                         f"node {failed[0]} FAILED: {nodes[failed[0]].health_reason}")
-    over = training_over(ranks, tracks)
+    over = training_over(ranks, tracks) if over is None else over
     for rank in ranks:
         if rank.state == pb.RANK_STATE_LOST or (rank.state == pb.RANK_STATE_EXITED and rank.exit_code != 0):
             if rank.rank in over and rank.state == pb.RANK_STATE_EXITED and rank.exit_code < 0:
@@ -144,10 +145,11 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     if failing:
         return Incident("gpu-failing", True, tuple(failing),
                         f"node {failing[0]} FAILING: {nodes[failing[0]].health_reason}")
-    span = cfg.straggler_window * monitors.job_step_s(tracks) + OWN_WORK_MARGIN_S  # the time the verdict looks at
-    slow = [f for f in monitors.stragglers(tracks, cfg)
-            if not (v := nodes.get(node_of.get(f.rank, ""))) or not v.own_work_at or now - v.own_work_at > span]
-    if slow:  # (a rank on a node where Phalanx started standbys within the window may be slow from that work)
+    slow = monitors.stragglers(tracks, cfg)
+    if slow:  # not one on a node where Phalanx started standbys within the window: it may be slow from that work
+        span = cfg.straggler_window * monitors.job_step_s(tracks) + OWN_WORK_MARGIN_S  # the time the verdict sees
+        slow = [f for f in slow if not (v := nodes.get(node_of.get(f.rank, ""))) or now - v.own_work_at > span]
+    if slow:
         node = node_of.get(slow[0].rank, "")
         return Incident("straggler", True, (node,) if node else (), f"{slow[0].reason} (on {node})")
     return None

@@ -369,7 +369,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
         return _ending(job, now, policy, over)
     nodes = {n: view.nodes[n] if n in view.nodes else NodeView(n, True, HEALTH_FAILED, "node unknown")
              for n in job.nodes}
-    incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal)
+    incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal, over)
     if incident is None and over:
         return _ending(job, now, policy, over)
     if incident is None and job.ending_since_unix_ns and any(
