@@ -330,9 +330,18 @@ class KillLoop:
             os.kill(self.see.rank_pid(job, self.rng.randrange(2)), signal.SIGKILL)
             return ""
         node = self.rng.choice(list(job.nodes))
-        self.cluster.control.InjectFault(control_pb2.InjectFaultRequest(node=node, gpu_index=0, fault="remap-pending"),
-                                         timeout=10)
-        return node
+        request = control_pb2.InjectFaultRequest(node=node, gpu_index=0, fault="remap-pending")
+        attempt = 1
+        while True:  # setting the flag twice is harmless; under this tier's load an agent can answer late
+            try:
+                self.cluster.control.InjectFault(request, timeout=10)
+                return node
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == 3:
+                    raise AssertionError(f"inject into {node}: {e.code().name}: {e.details()}\n{self.why()}\n"
+                                         f"{node}'s log:\n{self.cluster.log(node, 60)}") from e
+                print(f"trial {trial.number}: inject into {node} again ({e.details()})", flush=True)
+                attempt += 1
 
     def delay(self, aim: str, restarts_in_row: int) -> float:
         """A random delay into the aimed state, within about how long the job stays there."""
