@@ -361,9 +361,9 @@ def formed_with_spare(f):
     return formed.round
 
 
-def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1, saving=False):
+def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1, saving=False, finished=False):
     return f.book.report_worker(RUN, number, Worker(rank, world, step, step_s, f.clock.monotonic(), *done,
-                                                    saving=saving), f.clock.monotonic())
+                                                    saving=saving, finished=finished), f.clock.monotonic())
 
 
 def asked(f, step=5):
@@ -595,6 +595,24 @@ def test_a_round_whose_workers_stop_stepping_restarts_but_not_while_one_saves_or
     assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
     kind, message = f.events[-1]
     assert kind == "rendezvous.hang" and "worker 0 has been at step 49 for" in message and "(hung)" in message
+
+
+def test_the_end_of_training_is_no_hang_even_after_the_worker_that_said_it_exited():
+    """Worker 0 ended training at step 49 (destroy_process_group, exit) and went silent; worker 1 is still in its
+    teardown, at step 49, long past the hang floor: no verdict. A round whose training did not end is judged."""
+    for ended in (True, False):
+        f = Fleet()
+        number = formed_with_spare(f)
+        for step in range(50):
+            f.clock.advance(0.1)
+            report(f, number, 0, step)
+            report(f, number, 1, step)
+        report(f, number, 0, 49, finished=ended)
+        for _ in range(int(HANG_MIN_S) * 3):  # worker 0 has exited: only worker 1 reports
+            f.clock.advance(1.0)
+            report(f, number, 1, 49)
+        hung = f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+        assert hung is not ended, (ended, f.events)
 
 
 def test_the_hang_floor_comes_from_the_rounds_settings_and_grows_with_slow_steps():

@@ -516,11 +516,10 @@ def test_a_hung_round_of_trainlib_workers_restarts_and_resumes_from_its_last_che
            "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
     command = [*torchrun(), "--rdzv-backend=phalanx", f"--rdzv-endpoint={c.address}", "--rdzv-id=hung",
                "--nnodes=2", "--nproc-per-node=1", "--max-restarts=2", "--monitor-interval=0.5",
-               # hang_timeout: long enough for the end of a round (the barrier, the teardown, the interpreter's exit
-               # after the last step: up to ~3 s under make test's contention, which CI once saw judged a hang).
-               # The rendezvous does not yet hear trainlib's "training has ended" as jobs do (issue 40's part for
-               # torchrun rounds, left to issue 41's one policy core).
-               "--rdzv-conf=hang_timeout=8", TRAIN, "--steps", "100", "--every", "20", "--step-time", "0.02",
+               # hang_timeout 3 s: shorter than the end of a round under make test's contention (the barrier, the
+               # teardown, the interpreter's exit after the last step took up to ~3 s), which is no hang because
+               # trainlib tells the rendezvous that training has ended (WorkerReport.finished)
+               "--rdzv-conf=hang_timeout=3", TRAIN, "--steps", "100", "--every", "20", "--step-time", "0.02",
                "--hang-at", "60", "--no-snapshots", "--out", str(out / "checksum"), "--print-every", "1"]
     procs = {}
     for node in ("h1", "h2"):

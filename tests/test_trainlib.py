@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from phalanx.v1 import local_pb2
+from phalanx.v1 import local_pb2, rendezvous_pb2_grpc
 from tests.fake_agent import serving
 from trainlib._runtime import STALE_EXIT_CODE
 
@@ -512,3 +512,64 @@ def test_a_process_group_destroyed_on_the_way_out_of_an_exception_or_an_uncaught
     _out, err = rank.communicate(timeout=120)
     assert rank.returncode == 1 and "Connection closed by peer" in err, err
     assert agent.reports and not any(r.finished for r in agent.reports), [r.finished for r in agent.reports]
+
+
+class RecordingRendezvous(rendezvous_pb2_grpc.RendezvousServiceServicer):
+    """The controller's rendezvous service as a torchrun worker's trainlib sees it: records each ReportWorker."""
+
+    def __init__(self) -> None:
+        self.reports: list = []
+
+    def ReportWorker(self, request, context):
+        from phalanx.v1 import rendezvous_pb2
+        self.reports.append(request)
+        return rendezvous_pb2.WorkerReply()
+
+
+@pytest.mark.parametrize("ending", ["destroy", "exit", "crash"])
+def test_a_torchrun_workers_end_of_training_reaches_the_rendezvous_before_it_exits(tmp_path, ending):
+    """Issue 40 for torchrun: a worker's end of training (destroy_process_group, or the exit of `sys.exit(main())`)
+    is told to the controller's rendezvous at once, so that the round's end is no hang; an uncaught exception
+    is not the end of training."""
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    recorder = RecordingRendezvous()
+    rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    end = {"destroy": "dist.destroy_process_group()\n            print('destroyed', flush=True)\n"
+                      "            threading.Event().wait()",
+           "exit": "return 0",
+           "crash": "raise RuntimeError('Connection closed by peer')"}[ending]
+    worker = start_rank(f"""
+        import sys, threading, torch.distributed as dist, trainlib
+
+        def main():
+            trainlib.init()
+            dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+            for step in range(3):
+                trainlib.step(step)
+            {end}
+
+        sys.exit(main())
+    """, {"PHALANX_RDZV_RUN": "r", "PHALANX_RDZV_ROUND": "1", "PHALANX_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+          "TORCHELASTIC_RUN_ID": "r", "PHALANX_INSECURE": "1", "RANK": "0", "WORLD_SIZE": "1",
+          "PHALANX_NODE": "h1", "PHALANX_CHECKPOINT_DIR": str(tmp_path)})
+    try:
+        if ending == "destroy":
+            assert worker.stdout.readline() == "destroyed\n", worker.stderr.read()
+        else:
+            _out, err = worker.communicate(timeout=120)
+            assert worker.returncode == (0 if ending == "exit" else 1), err
+        said = [(r.step, r.finished) for r in recorder.reports]
+        if ending == "crash":
+            assert not any(finished for _, finished in said), said
+        else:
+            assert said and said[-1] == (2, True), said
+    finally:
+        worker.kill()
+        worker.communicate()
+        server.stop(None)

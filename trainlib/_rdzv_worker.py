@@ -47,8 +47,8 @@ class WorkerRound:
                    tuple(t for t in endpoint.split(",") if t))
 
 
-Progress = Callable[[], tuple[int, float, bool]]  # -> (the last step done or -1, the recent median step time
-#                                                     or 0, whether trainlib.save is writing)
+Progress = Callable[[], tuple[int, float, bool, bool]]  # -> (the last step done or -1, the recent median step
+#                                 time or 0, whether trainlib.save is writing, whether training has ended)
 Heed = Callable[[int, int, bool], None]      # (request id, at step, pause) -> trainlib's checkpoint request
 
 
@@ -61,6 +61,8 @@ class Reporter:
         self._heed = heed
         self._done = (0, -1)  # (request id, step) committed
         self._wake = threading.Event()
+        self._sent = threading.Condition()
+        self._started = self._ended = 0  # reports begun, and reports answered or failed (one at a time, in order)
         self._thread = threading.Thread(target=self._loop, name="trainlib-rdzv-reporter", daemon=True)
 
     def start(self) -> None:
@@ -70,6 +72,16 @@ class Reporter:
         """This worker committed `step` for `request_id`: report it now rather than at the next interval."""
         self._done = (request_id, step)
         self._wake.set()
+
+    def report_now(self, timeout_s: float = RPC_TIMEOUT_S) -> None:
+        """Report at once and wait (at most `timeout_s`) until that report has gone: the end of training is said
+        before the teardown and the exit, which a later report would miss."""
+        if not self._thread.is_alive():  # it could not reach the controller at all (said at its start)
+            return
+        with self._sent:
+            mark = self._started + 1  # not one under way, which may have read the progress before the change
+            self._wake.set()
+            self._sent.wait_for(lambda: self._ended >= mark, timeout_s)
 
     def _loop(self) -> None:
         from phalanx.leader import Follower
@@ -89,6 +101,8 @@ class Reporter:
         while True:
             self._wake.wait(REPORT_INTERVAL_S)
             self._wake.clear()
+            with self._sent:
+                self._started += 1
             try:
                 reply = controllers.call(lambda channel: rendezvous_pb2_grpc.RendezvousServiceStub(channel)
                                          .ReportWorker(self._request(), timeout=RPC_TIMEOUT_S), follow_s=0.0)
@@ -101,16 +115,19 @@ class Reporter:
                     print(f"trainlib: cannot report to the Phalanx controller at {','.join(rnd.targets)}: {detail}",
                           file=sys.stderr, flush=True)
                     warned = True
+            with self._sent:
+                self._ended += 1
+                self._sent.notify_all()
 
     def _request(self) -> Any:
         from phalanx.v1 import rendezvous_pb2
 
         rnd = self.round
-        step, step_s, saving = self._progress()
+        step, step_s, saving, finished = self._progress()
         done_id, done_step = self._done
         return rendezvous_pb2.WorkerReport(run_id=rnd.run_id, round=rnd.round, rank=rnd.rank,
                                            world_size=rnd.world_size, step=step, step_s=step_s, done_id=done_id,
-                                           done_step=done_step, node=rnd.node, saving=saving)
+                                           done_step=done_step, node=rnd.node, saving=saving, finished=finished)
 
 
 def start(env: Mapping[str, str] = os.environ, *, progress: Progress, heed: Heed) -> Reporter | None:

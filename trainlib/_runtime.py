@@ -149,7 +149,11 @@ def init() -> Context:
     if not active:
         from trainlib import _rdzv_worker
         if _rdzv is None:  # started by torchrun with Phalanx's rendezvous: checkpoint requests come from there
-            _rdzv = _rdzv_worker.start(env, progress=_progress, heed=_heed_request)
+            _rdzv = _rdzv_worker.start(env, progress=_rdzv_progress, heed=_heed_request)
+            if _rdzv is not None:  # its end of training is told as a Phalanx-launched rank's is
+                atexit.register(_flush_at_exit)
+                _hook_excepthook()
+                _hook_destroy()
         if _rdzv is not None:
             return _ctx
         warnings.warn("trainlib: not running under Phalanx (no PHALANX_JOB); step hooks are no-ops and checkpoints "
@@ -275,12 +279,13 @@ def _heed_request(request_id: int, at_step: int, pause: bool, deadline_s: float 
 PACE_SAMPLES = 32  # the recent step times a torchrun worker's pace is the median of
 
 
-def _progress() -> tuple[int, float, bool]:
-    """The last step done (-1: none yet), the median of the recent step times (0: none yet), and whether save() is
-    writing."""
+def _rdzv_progress() -> tuple[int, float, bool, bool]:
+    """For a torchrun worker's report: the last step done (-1: none yet), the median of the recent step times (0:
+    none yet), whether save() is writing, and whether training has ended."""
+    _hook_destroy()  # a script that imported torch.distributed only after init()
     head = _head
     times = sorted(_ring_step_s[i % RING] for i in range(max(0, head - PACE_SAMPLES), head))
-    return _last_step, times[len(times) // 2] if times else 0.0, _saving
+    return _last_step, times[len(times) // 2] if times else 0.0, _saving, _finished_head == head
 
 
 def _on_sigusr1(signum: int, frame: object) -> None:
@@ -624,7 +629,7 @@ def _flush_at_exit() -> None:
     if not _parked and not _crashed:  # the interpreter is exiting: no step will come (a parked rank said how it
         _finished_head = _head  # ended already; an uncaught exception is a crash, not the end of training)
     try:
-        _flush(at_exit=True)
+        _say_finished()
     except Exception:  # the agent may be gone already; the last half second of timings is all we lose
         pass
 
@@ -637,13 +642,22 @@ def finish() -> None:
     final save of a large model by one rank while the others wait) comes before either. A step after it undoes it."""
     global _finished_head
     ctx = _ctx
-    if _finished_head == _head or ctx is None or not ctx.active or not ctx.agent_socket or _ending or _parked:
+    reports = _rdzv is not None or (ctx is not None and ctx.active and bool(ctx.agent_socket))
+    if _finished_head == _head or ctx is None or not reports or _ending or _parked:
         return
     _finished_head = _head
     try:  # at once, not at the next report: the teardown (an NCCL communicator's takes seconds) is no hang
-        _flush(at_exit=True)
+        _say_finished()
     except Exception:  # the next report says it
         pass
+
+
+def _say_finished() -> None:
+    """Report now, to the agent or (a torchrun worker) to the controller's rendezvous, and wait until it has gone."""
+    if _rdzv is not None:
+        _rdzv.report_now()
+    else:
+        _flush(at_exit=True)
 
 
 def _hook_excepthook() -> None:

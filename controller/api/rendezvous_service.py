@@ -264,7 +264,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         step_s = _seconds(request.step_s, "step_s", 0, 3600)
         node = request.node if NAME.fullmatch(request.node) else ""
         worker = Worker(request.rank, request.world_size, request.step, step_s, self._clock.monotonic(),
-                        request.done_id, request.done_step, node, request.saving)
+                        request.done_id, request.done_step, node, request.saving, request.finished)
         ask = self.book.report_worker(run_id, request.round, worker, worker.heard)
         if ask is None:
             return rendezvous_pb2.WorkerReply()

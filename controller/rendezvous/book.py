@@ -124,6 +124,7 @@ class Worker:
     done_step: int = -1
     node: str = ""
     saving: bool = False  # inside trainlib.save
+    finished: bool = False  # training has ended in it: what follows (teardown, exit) is no hang
     moved_at: float = 0.0  # when its step last went up (the book sets it)
 
 
@@ -641,9 +642,11 @@ class RendezvousBook:
 def _hung(formed: Round, now: float) -> Worker | None:
     """A worker still reporting, past its first step and not saving, whose step has not gone up for
     max(the round's hang_s or HANG_MIN_S, HANG_FACTOR x its pace): a collective that will not complete (its peers
-    wait in it too, or a peer is stopped). None if there is none, or while any worker saves."""
+    wait in it too, or a peer is stopped). None if there is none, while any worker saves, and once any worker of
+    the round said that its training has ended (even one that has exited since: its peers are in their own
+    teardown), as the lifecycle judges a Phalanx-launched job (detectors.training_over)."""
     live = [w for w in formed.workers.values() if now - w.heard < WORKER_SILENT_S]
-    if not live or any(w.saving for w in live):
+    if not live or any(w.saving for w in live) or any(w.finished for w in formed.workers.values()):
         return None
     paces = [w.step_s for w in live if w.step_s > 0]
     floor = formed.settings.hang_s or HANG_MIN_S

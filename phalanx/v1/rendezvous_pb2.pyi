@@ -170,7 +170,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("run_id", "round", "rank", "world_size", "step", "step_s", "done_id", "done_step", "node", "saving")
+    __slots__ = ("run_id", "round", "rank", "world_size", "step", "step_s", "done_id", "done_step", "node", "saving", "finished")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class WorkerReport(_message.Message):
     DONE_STEP_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     SAVING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     rank: int
@@ -191,7 +192,8 @@ class WorkerReport(_message.Message):
     done_step: int
     node: str
     saving: bool
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., done_id: _Optional[int] = ..., done_step: _Optional[int] = ..., node: _Optional[str] = ..., saving: _Optional[bool] = ...) -> None: ...
+    finished: bool
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., done_id: _Optional[int] = ..., done_step: _Optional[int] = ..., node: _Optional[str] = ..., saving: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("checkpoint_id", "at_step", "pause", "reason")
