@@ -88,11 +88,18 @@ class JobsConfig:
     max_active_per_user: int = setting(1000, "jobs one user may have that have not ended (pending, running, "
                                        "recovering); a submission past it is refused: one user cannot fill the "
                                        "store or the scheduler for everyone")
+    ended_kept: int = setting(1000, "records of ended jobs kept in the store (`phalanx jobs`, `phalanx job`); the "
+                              "oldest beyond it are deleted (`job.forgotten`), their events stay in the event log")
+    ended_kept_s: float = setting(30 * 86400.0, "seconds an ended job's record is kept after it ended; 0 = no age "
+                                  "limit (ended_kept still applies)")
 
     def __post_init__(self) -> None:
         positive("jobs.schedule_interval_s", self.schedule_interval_s)
         require(self.max_active_per_user >= 1,
                 f"jobs.max_active_per_user ({self.max_active_per_user}) must be at least 1")
+        require(self.ended_kept >= 0, f"jobs.ended_kept ({self.ended_kept}) must not be negative")
+        require(self.ended_kept_s >= 0, f"jobs.ended_kept_s ({self.ended_kept_s}) must not be negative (0 = no age "
+                "limit)")
         positive("jobs.launch_timeout_s", self.launch_timeout_s)
         require(self.missing_reports_lost >= 1,
                 f"jobs.missing_reports_lost ({self.missing_reports_lost}) must be at least 1")

@@ -209,6 +209,41 @@ def test_messages_go_both_ways_and_the_handler_ends_when_the_agent_goes():
     assert all(peer.startswith("ipv4:127.0.0.1:") for peer in ended)
 
 
+def test_a_connection_whose_frames_are_not_taken_stops_being_read_at_a_few_megabytes():
+    """Issue 39: the port read up to 64 frames ahead of the handler whatever their size: 64 x 16 MiB, 1 GiB of
+    memory per connection for any node certificate. It stops reading at QUEUED_BYTES as well."""
+    from controller.api import session_port
+
+    frame = 1 << 20
+
+    async def stuck(requests, context):
+        await asyncio.Event().wait()  # takes no frame
+
+    async def main():
+        port = SessionPort(_port_with(stuck).resolve, None)
+        number = await port.start("127.0.0.1:0")
+        try:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", number)
+            payload = framed.frame(framed.MESSAGE, b"\0" * frame)
+            for _ in range(40):  # fewer frames than QUEUED_FRAMES, 40 MiB of them
+                writer.write(payload)
+            drained = asyncio.ensure_future(writer.drain())  # never done: the port stops reading
+            deadline = asyncio.get_running_loop().time() + TIMEOUT_S
+            while not any(not c.reading for c in port.connections):
+                assert asyncio.get_running_loop().time() < deadline, [c.queued for c in port.connections]
+                await asyncio.sleep(0.01)
+            (connection,) = port.connections
+            queued = connection.queued
+            drained.cancel()
+            writer.close()
+            return queued
+        finally:
+            await port.stop()
+
+    queued = asyncio.run(main())
+    assert session_port.QUEUED_BYTES <= queued < session_port.QUEUED_BYTES + 2 * frame, queued
+
+
 def test_a_session_port_that_cannot_listen_says_which_setting():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -95,6 +95,24 @@ def test_jobs_compare_and_set_with_nodes_in_one_transaction(make_store):
     run(go())
 
 
+def test_an_ended_jobs_record_is_deleted_on_its_revision_with_its_event(make_store):
+    async def go():
+        store = make_store()
+        a, b = (await store.commit(jobs=[JobRecord("job-1", "SUCCEEDED", b"a"), JobRecord("job-2", "RUNNING", b"b")]
+                                   )).jobs
+        with pytest.raises(RevisionConflict):  # a stale revision deletes nothing
+            await store.commit(jobs=[a.replace(revision=a.revision - 1, deleted=True)])
+        changed = (await store.commit(jobs=[b.replace(data=b"bb")])).jobs[0]
+        out = await store.commit(jobs=[a.replace(deleted=True)], events=[ev(kind="job.forgotten", node="",
+                                                                             job="job-1")])
+        assert out.events[0].kind == "job.forgotten"
+        assert await store.load_jobs() == [changed]
+        again = (await store.commit(jobs=[JobRecord("job-1", "PENDING", b"new")])).jobs[0]  # revision 0: gone
+        assert {j.id: j.data for j in await store.load_jobs()} == {"job-1": b"new", "job-2": b"bb"}
+        assert again.revision > 0
+    run(go())
+
+
 def test_credentials_compare_and_set_with_jobs_and_events(make_store):
     async def go():
         store = make_store()

@@ -149,6 +149,43 @@ def test_one_user_cannot_fill_the_store_with_jobs():
     run(go())
 
 
+def test_ended_jobs_records_are_deleted_past_the_retention_and_ids_are_never_reused():
+    """Issue 39: ended job records were never deleted: a `user` submitting and cancelling in a loop filled the
+    store (and ListJobs broke past 16 MiB). Past jobs.ended_kept records, or older than jobs.ended_kept_s, the
+    oldest ended ones are deleted with a `job.forgotten` event each; a running job never is, nor the newest job
+    (the next controller counts ids on from the records it loads), and a deleted job's id says it is gone."""
+    from controller.config import JobsConfig
+    from controller.errors import NotFound
+    from controller.jobs.manager import FORGET_EVERY_S
+
+    async def go():
+        world = World(jobs=JobsConfig(schedule_interval_s=0.02, stop_grace_s=0.0, ended_kept=2,
+                                      ended_kept_s=3600.0))
+        await world.start()
+        spec = lambda: pb.JobSpec(command=["train"], nodes=4, ranks_per_node=1)  # noqa: E731 (never placed: 0 nodes)
+        jobs = [(await world.jobs.submit(spec(), "alice")).id for _ in range(6)]
+        for job_id in jobs[:5]:  # job-6 stays pending
+            await world.jobs.cancel(job_id)
+            world.clock.advance(1.0)
+        world.clock.advance(FORGET_EVERY_S)
+        await world.until(lambda: len(world.jobs.entries) == 3, "the 3 oldest ended records deleted")
+        assert sorted(world.jobs.entries) == ["job-4", "job-5", "job-6"]
+        with pytest.raises(NotFound, match="job-1 is no longer kept"):
+            world.jobs.get("job-1")
+        assert "job.forgotten" in await world.kinds("job-1")
+        assert "job.submitted" in await world.kinds("job-1")  # its events stay
+        await world.restart()
+        assert sorted(world.jobs.entries) == ["job-4", "job-5", "job-6"]
+        await world.jobs.cancel("job-6")
+        world.clock.advance(3600.0 + FORGET_EVERY_S)  # all three past the age: all but the newest go
+        await world.until(lambda: sorted(world.jobs.entries) == ["job-6"], "every ended record but the newest gone")
+        await world.restart()
+        assert (await world.jobs.submit(spec(), "alice")).id == "job-7"
+        await world.stop()
+
+    run(go())
+
+
 def test_revoking_a_certificate_revokes_what_was_renewed_from_it(tmp_path):
     """Issue 39: a node renewed its certificate, and revoking the stolen one by serial left the renewed one valid.
     Each renewal keeps the serials it descends from; revoking any of them revokes it, at the controller and at

@@ -27,6 +27,8 @@ logger = log.get("session-port")
 
 SESSION_METHOD = "/phalanx.v1.NodeService/Session"
 QUEUED_FRAMES = 64  # frames read and not yet taken by the handler before the connection stops being read
+QUEUED_BYTES = 4 << 20  # or their bytes: a connection holds at most about this plus one frame (MAX_TRANSPORT_BYTES)
+#                         plus the frame being read, not QUEUED_FRAMES frames of the largest size (1 GiB)
 
 
 class _Details:
@@ -82,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self._port = port
         self._buffer = bytearray()
         self._frames: collections.deque[bytes | None] = collections.deque()
+        self.queued = 0  # bytes of the frames in _frames
         self._waiter: asyncio.Future | None = None
         self._writable: asyncio.Future | None = None
         self._reading = True
@@ -117,12 +120,17 @@ class _Connection(asyncio.Protocol):
                 break
             self._push(bytes(buffer[size:size + length]) if kind == framed.MESSAGE else None)
             del buffer[:size + length]
-        if len(self._frames) >= QUEUED_FRAMES and self._reading:
+        if (len(self._frames) >= QUEUED_FRAMES or self.queued >= QUEUED_BYTES) and self._reading:
             self._reading = False
             self._transport.pause_reading()
 
+    @property
+    def reading(self) -> bool:
+        return self._reading
+
     def _push(self, raw: bytes | None) -> None:
         self._frames.append(raw)
+        self.queued += len(raw or b"")
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -161,7 +169,8 @@ class _Connection(asyncio.Protocol):
         raw = self._frames[0]
         if raw is not None:  # the end stays, for every later read
             self._frames.popleft()
-        if not self._reading and len(self._frames) < QUEUED_FRAMES // 2:
+            self.queued -= len(raw)
+        if not self._reading and len(self._frames) < QUEUED_FRAMES // 2 and self.queued < QUEUED_BYTES // 2:
             self._reading = True
             self._transport.resume_reading()
         return raw

@@ -36,6 +36,8 @@ from phalanx.v1 import common_pb2, node_pb2
 logger = log.get("jobs")
 
 pb = common_pb2
+FORGET_EVERY_S = 60.0  # how often ended jobs' records are looked over for deletion (jobs.ended_kept)
+FORGET_BATCH = 100  # records deleted in one commit (an etcd transaction holds 128 operations)
 FENCE_REPEAT_S = 10.0  # a stale generation on a node is told to stop again after this long
 # A running job's spares are asked to hold standbys of its ranks (agent.warm) for PREPARE_HOLD_S, renewed this often.
 PREPARE_RENEW_S = 30.0
@@ -115,6 +117,7 @@ class JobManager:
         # ids of jobs that ended (FAILED) with ranks still running, stopped since: their records are saved with
         # how those ranks ended (the executor's next pass)
         self.ended_ranks: set[str] = set()
+        self._forgot_at = float("-inf")  # when forget_ended last looked (self.now())
         self.incidents: Counter[str] = Counter()  # by kind; these three feed controller.obs.metrics
         self.restarts_by_cause: Counter[str] = Counter()
         self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
@@ -160,6 +163,11 @@ class JobManager:
         try:
             return self.entries[job_id]
         except KeyError:
+            number = job_id.removeprefix("job-")
+            if number.isdigit() and int(number) < self._next_id:
+                raise NotFound(f"{job_id} is no longer kept: the records of ended jobs are deleted past "
+                               f"jobs.ended_kept ({self.cfg.ended_kept}) or jobs.ended_kept_s; its events remain "
+                               f"(`phalanx events --job {job_id}`)") from None
             raise NotFound(f"no job {job_id!r}; `phalanx jobs` lists them") from None
 
     def involves(self, job_id: str, node: str) -> bool:
@@ -386,6 +394,42 @@ class JobManager:
                         f"{job.id} ({state_name(job.state)}): its ranks have stopped" if not running else
                         f"{job.id} ({state_name(job.state)}): rank(s) {', '.join(map(str, running))} still to stop")))
             self.ended_ranks.discard(job_id)  # saved (a failed commit leaves it for the next pass)
+
+    async def forget_ended(self) -> int:
+        """Delete the records of ended jobs beyond `jobs.ended_kept` (the oldest first) or older than
+        `jobs.ended_kept_s`, at most FORGET_BATCH a commit (the next pass goes on with a backlog, else the next
+        look is FORGET_EVERY_S later), each with its `job.forgotten` event; how many. Never one
+        whose ranks may still run (its stop is not saved yet), and never the newest job, whose id the next
+        controller counts on from the records it loads."""
+        now = self.now()
+        if now - self._forgot_at < FORGET_EVERY_S:
+            return 0
+        self._forgot_at = now
+        async with self.lock:
+            ended = sorted((e for e in self.entries.values() if e.job.state in TERMINAL
+                            and e.job.id not in self.ended_ranks
+                            and not any(r.state == pb.RANK_STATE_RUNNING for r in e.job.ranks)),
+                           key=lambda e: (e.job.state_since_unix_ns, int(e.job.id.removeprefix("job-"))))
+            newest = f"job-{self._next_id - 1}"
+            over = len(ended) - self.cfg.ended_kept
+            cutoff_ns = (now - self.cfg.ended_kept_s) * 1e9 if self.cfg.ended_kept_s else float("-inf")
+            gone = [e for i, e in enumerate(ended) if (i < over or e.job.state_since_unix_ns < cutoff_ns)
+                    and e.job.id != newest][:FORGET_BATCH]
+            if not gone:
+                return 0
+            if len(gone) == FORGET_BATCH:
+                self._forgot_at = float("-inf")  # more to do: at the next pass
+            events = [self.event("job.forgotten", f"{e.job.id} ({state_name(e.job.state)}) no longer kept: past "
+                                 f"jobs.ended_kept ({self.cfg.ended_kept} records) or jobs.ended_kept_s "
+                                 f"({self.cfg.ended_kept_s:g}s); its events stay", e.job.id) for e in gone]
+            committed = await self.store.commit(events=events, jobs=[
+                JobRecord(e.job.id, state_name(e.job.state), b"", e.revision, deleted=True) for e in gone])
+            ids = [e.job.id for e in gone]
+            for job_id in ids:
+                del self.entries[job_id]
+            logger.info("ended jobs forgotten", jobs=len(ids), first=ids[0], last=ids[-1])
+            self.hub.publish(committed.events)
+            return len(ids)
 
     async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
         """Stop ranks running on `node` that belong to no current job generation: one stop per generation."""

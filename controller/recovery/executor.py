@@ -117,6 +117,7 @@ class Executor:
             except Exception:
                 logger.exception("job step failed; will retry", job=entry.job.id,
                                  generation=entry.job.generation)
+        await self.jobs.forget_ended()  # last: the records of ended jobs past the retention
 
     async def advance(self, entry: JobEntry) -> None:
         """Step one job until its step commits nothing more."""

@@ -35,6 +35,7 @@ class JobRecord:
     state: str
     data: bytes  # a serialized phalanx.v1.Job
     revision: int = 0
+    deleted: bool = False  # in a commit: remove the record (compared on `revision` like a write)
 
     def replace(self, **changes: object) -> JobRecord:
         return dataclasses.replace(self, **changes)
@@ -94,7 +95,8 @@ class Store(Protocol):
         """Atomically write `nodes`, `jobs` and `credentials` and append `events`.
 
         Each record is compared on its `revision` (0 = must not exist yet); if any differs from the
-        store's, nothing is written and RevisionConflict is raised. Returns the records with their
+        store's, nothing is written and RevisionConflict is raised. A job record with `deleted` set is
+        removed (an ended job's, past the retention). Returns the records with their
         new revisions and the events with their sequence numbers.
         """
         ...

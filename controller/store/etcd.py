@@ -221,14 +221,14 @@ class _Request:
     """One commit waiting for its transaction: (key, expected revision, value) per record, its events, and
     the future that gets ({key: revision}, events with their seqs)."""
 
-    writes: list[tuple[bytes, int, bytes]]
+    writes: list[tuple[bytes, int, bytes | None]]  # value None: delete the key
     events: list[EventRecord]
     future: asyncio.Future
 
     @property
     def nbytes(self) -> int:
         """About what it adds to a transaction's size (events at a generous 300 bytes each)."""
-        return sum(len(k) + len(v) for k, _, v in self.writes) + 300 * len(self.events)
+        return sum(len(k) + len(v or b"") for k, _, v in self.writes) + 300 * len(self.events)
 
 
 @dataclass(frozen=True)
@@ -391,8 +391,8 @@ class EtcdStore:
                 len({c.key for c in credentials}) != len(credentials):
             raise StoreError("one commit names the same record twice")
         writes = ([(self.key("nodes", r.name), r.revision, _node_value(r)) for r in nodes]
-                  + [(self.key("jobs", j.id), j.revision, json.dumps({"state": j.state, "data": _b64(j.data)}).encode())
-                     for j in jobs]
+                  + [(self.key("jobs", j.id), j.revision, None if j.deleted else
+                      json.dumps({"state": j.state, "data": _b64(j.data)}).encode()) for j in jobs]
                   + [(self.key("credentials", c.key), c.revision, c.data) for c in credentials])
         request = _Request(writes, list(events), asyncio.get_running_loop().create_future())
         self._queue.append(request)
@@ -441,7 +441,7 @@ class EtcdStore:
         pieces: list[list] = [[]]
         nbytes = 0
         for write in request.writes:
-            size = len(write[0]) + len(write[2])
+            size = len(write[0]) + len(write[2] or b"")
             if pieces[-1] and (len(pieces[-1]) >= room or nbytes + size > TXN_BYTES):
                 pieces.append([])
                 nbytes = 0
@@ -469,7 +469,8 @@ class EtcdStore:
                                                 mod_revision=revision) if revision else
                                     rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL,
                                                 create_revision=0))
-                    ops.append(rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)))
+                    ops.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)) if value is None
+                               else rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)))
                     failure.append(rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True)))
             last_seq, meta_revision = await self._load_meta()
             appended: list[list[EventRecord]] = []

@@ -59,7 +59,10 @@ class MemoryStore:
             self._nodes[record.name] = record
         written_jobs = [j.replace(revision=self._revision) for j in jobs]
         for job in written_jobs:
-            self._jobs[job.id] = job
+            if job.deleted:
+                del self._jobs[job.id]
+            else:
+                self._jobs[job.id] = job
         appended = []
         for event in events:
             self._seq += 1

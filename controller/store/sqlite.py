@@ -209,7 +209,8 @@ class SqliteStore:
         )
         written_jobs = [j.replace(revision=revision) for j in jobs]
         db.executemany("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?)",
-                       [(j.id, j.state, j.data, revision) for j in written_jobs])
+                       [(j.id, j.state, j.data, revision) for j in written_jobs if not j.deleted])
+        db.executemany("DELETE FROM jobs WHERE id=?", [(j.id,) for j in written_jobs if j.deleted])
         written_credentials = [c.replace(revision=revision) for c in credentials]
         db.executemany("INSERT OR REPLACE INTO credentials VALUES (?, ?, ?)",
                        [(c.key, c.data, revision) for c in written_credentials])
