@@ -147,6 +147,40 @@ def test_corrupted_shard_falls_back_to_previous_step(tmp_path, damage):
     assert_same(loaded.state, make_state(1))
 
 
+def test_one_ranks_corrupt_shard_makes_every_rank_resume_from_the_same_earlier_step(tmp_path):
+    """Issue 39's finding: rank 1's shard of step 2 is corrupt; rank 1 fell back to step 1 while rank 0 loaded step
+    2, and the job trained on from two different states. With a process group the ranks agree on the step."""
+    ranks = [ck(tmp_path, rank=rank, world_size=2) for rank in (0, 1)]
+    for step in (1, 2):
+        for rank in (1, 0):  # rank 0 commits the step once rank 1's shard is there
+            ranks[rank].save({"rank": rank, "step": step}, step)
+    assert ranks[0].latest_step() == 2
+    path = shard(tmp_path, 2, rank=1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    script = f"""
+import sys, torch.distributed as dist
+from trainlib.checkpoint import Checkpointer
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=rank, world_size=2)
+print(Checkpointer({str(tmp_path)!r}, rank=rank, world_size=2, generation=2).load_latest().state["step"])
+dist.destroy_process_group()
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO) for r in range(2)]
+    try:
+        steps = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+            steps.append(int(out.split()[-1]))
+    finally:
+        for p in procs:
+            p.kill()
+    assert steps == [1, 1]
+
+
 def _remark_with_sha256(step_dir: Path, wrong: bool = False) -> None:
     """Rewrite a step's markers and manifest the way trainlib before CRC-32 wrote them (sha256 per file)."""
     import hashlib

@@ -25,6 +25,7 @@ import copy
 import logging
 import re
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -376,13 +377,24 @@ class Checkpointer:
     def load_latest(self, map_location: Any = "cpu", *, weights_only: bool = True) -> Loaded | None:
         """This rank's state from the newest complete, valid step saved with `save`; None if there is none.
 
-        Steps without a manifest (partial, torn) are skipped; so is a step whose shard for this rank
-        fails its checksum — the previous complete step is used instead.
+        Steps without a manifest (partial, torn) are skipped; so is a step whose shard fails its checksum: the
+        previous complete step is used instead. With a process group (call it after init_process_group, as
+        every rank does) the ranks agree on the step, one collective per step tried, so that one rank's corrupt
+        shard makes every rank fall back together: no rank resumes from another step than its peers.
         """
+        agree = self._agreement()
         for n in self._steps_desc():
-            manifest, _ = self._validate(n, "torch", verify=True)
-            if manifest is None:
+            manifest, why = self._validate(n, "torch", verify=True)
+            if agree is not None:
+                if not agree(manifest is not None):
+                    continue
+            elif manifest is None:
+                if "does not match" in why:  # this rank's own shard is corrupt: its peers may load this step
+                    print(f"trainlib: rank {self.rank} skips step {n} ({why}); with no process group to agree "
+                          "through, the other ranks may resume from it: call load_latest after init_process_group",
+                          file=sys.stderr, flush=True)
                 continue
+            assert manifest is not None
             if manifest["world_size"] != self.world_size:
                 raise CheckpointError(f"step {n} was saved by {manifest['world_size']} ranks, this job has "
                                       f"{self.world_size}; use save_sharded/load_sharded to reshard")
@@ -475,6 +487,15 @@ class Checkpointer:
             raise CheckpointError(f"sharded checkpoints with world_size {self.world_size} need an initialized "
                                   "torch.distributed process group")
         return True
+
+    def _agreement(self) -> Callable[[bool], bool] | None:
+        """How the ranks agree on a yes/no: all of them through the process group, or this one alone when it is
+        the only rank; None when there are several and no process group."""
+        try:
+            alone = self._no_dist()
+        except CheckpointError:
+            return None
+        return (lambda ok: ok) if alone else self._all_ranks_agree
 
     def _all_ranks_agree(self, ok: bool) -> bool:
         if self._no_dist():
