@@ -134,7 +134,7 @@ class Sim:
     def decide(self) -> None:
         for _ in range(32):
             self.sync_ranks()
-            actions = lifecycle.step(self.job, self.view(), self.now, self.policy)
+            actions = lifecycle.plan(self.job, lambda fleet: self.view(), self.now, self.policy)  # the fleet always
             if not self.apply(actions):
                 return
         raise AssertionError(f"no quiet point after 32 steps: {self.describe()}")

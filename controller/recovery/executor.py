@@ -127,35 +127,29 @@ class Executor:
                     return
                 with _bound(entry):
                     now = self.jobs.now()
-                    view = self.view(entry)
-                    actions = lifecycle.step(entry.job, view, now, self.jobs.policy())
-                    if not view.fleet and not entry.job.spares and _straggler_incident(actions):
-                        # with no spare, may it evict? only the fleet says whether a free node could replace it
-                        actions = lifecycle.step(entry.job, self.view(entry, fleet=True), now, self.jobs.policy())
+                    actions = lifecycle.plan(entry.job, lambda fleet: self.view(entry, fleet), now,
+                                             self.jobs.policy())
                     committed = await self.apply(entry, actions, now)
             if not committed:
                 return
 
     # -- the view ------------------------------------------------------------------------------
 
-    def view(self, entry: JobEntry, fleet: bool = False) -> lifecycle.JobView:
-        """What lifecycle.step sees of the job. The fleet (every node as placement sees it) only where the step
-        needs it: placing, or holding spares again, or (`fleet`) judging whether a straggler could be replaced;
-        a scan of 10,000 nodes on every step of every job would cost more than the steps."""
+    def view(self, entry: JobEntry, fleet: bool) -> lifecycle.JobView:
+        """What lifecycle.step sees of the job: its own nodes, and with `fleet` every node as placement sees it
+        (lifecycle.plan says when)."""
         job = entry.job
         nodes = self.jobs.registry.entries_by_name()
         names = dict.fromkeys([*job.nodes, *job.spares, *job.incident_nodes])
         views = {n: self._node_view(entry, nodes[n]) for n in names if n in nodes}
-        placing = fleet or job.state in (PENDING, lifecycle.RENDEZVOUS) or (
-            job.state == RUNNING and len(job.spares) < job.spec.spares and self.jobs.policy().jobs.keep_spares)
         since_ns = job.state_since_unix_ns if job.state == RUNNING else 0
         return lifecycle.JobView(
             nodes=views, tracks=entry.tracks, fatal=dict(entry.fatal),
             nccl={r: s for r, s in entry.nccl.items() if s.dump_time_unix_ns >= since_ns},
             launch=entry.launch if entry.launch is not None and entry.launch.generation == job.generation else None,
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
-            candidates=self.candidates(exclude=job.id, within=job.spec.within) if placing else (),
-            topology=self.jobs.topology() if placing else None, fleet=placing, reported=entry.reported)
+            candidates=self.candidates(exclude=job.id, within=job.spec.within) if fleet else (),
+            topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported)
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
         job, name = entry.job, node.record.name
@@ -453,10 +447,6 @@ class Executor:
         except Exception as e:  # a checkpoint is told again (retell_checkpoint); a pin when the step moves on
             logger.warning("command not delivered", node=node, command=command.WhichOneof("body"), error=str(e))
             return False
-
-
-def _straggler_incident(actions: list) -> bool:
-    return any(isinstance(a, lifecycle.Commit) and a.incident == "straggler" for a in actions)
 
 
 def _after(node, told: tuple) -> bool:

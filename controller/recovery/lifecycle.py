@@ -13,7 +13,7 @@ abandoned by the same rules. Every state change goes through `controller.recover
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from controller.config import JobsConfig, RecoveryConfig
@@ -292,6 +292,27 @@ def step(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]
     """What to do next for `job`, given what is seen of it and the wall-clock time `now`."""
     decide = _BY_STATE.get(job.state)
     return decide(job, view, now, policy) if decide is not None else []  # a final state: nothing to do
+
+
+def needs_fleet(job: pb.Job, policy: Policy) -> bool:
+    """Whether a step of `job` must see every node as placement does (JobView.fleet: candidates and topology):
+    placing it, choosing its next generation's nodes, or holding spares again. Other steps see only the job's
+    own nodes; a scan of 10,000 nodes on every step of every job would cost more than the steps."""
+    return job.state in (PENDING, RENDEZVOUS) or (job.state == RUNNING and len(job.spares) < job.spec.spares
+                                                  and policy.jobs.keep_spares)
+
+
+def plan(job: pb.Job, view_of: Callable[[bool], JobView], now: float, policy: Policy) -> list[Action]:
+    """The step every driver takes (the controller's executor, the simulator, the tests): `step` with the view
+    `view_of(fleet)` builds, the fleet only where `needs_fleet` says, and once more with the fleet where a job
+    with no spare would evict a straggler: only the fleet says whether a free node could replace it, and with
+    none the straggler is held (`_running`), not evicted into a job that cannot restart."""
+    view = view_of(needs_fleet(job, policy))
+    actions = step(job, view, now, policy)
+    if not view.fleet and not job.spares and any(isinstance(a, Commit) and a.incident == "straggler"
+                                                 for a in actions):
+        actions = step(job, view_of(True), now, policy)
+    return actions
 
 
 def allocation_short(job: pb.Job, view: JobView, what: str) -> str:

@@ -20,7 +20,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from controller.config import HealthConfig
@@ -317,15 +317,25 @@ class SimJob:
         for _ in range(64):
             if self.job.state in table.TERMINAL:
                 return
-            view = self.view(None)
-            state = self.job.state
-            if state == table.PENDING or (state == table.RENDEZVOUS and self._needs_the_fleet(view)) or \
-                    (state == table.RUNNING and len(self.job.spares) < self.job.spec.spares and
-                     self.sim.policy.jobs.keep_spares):
-                view = self.view(self.sim.all_candidates(self))  # the spares do not do: the whole fleet
-            if not self.apply(lifecycle.step(self.job, view, self.sim.now, self.sim.policy)):
+            if not self.apply(lifecycle.plan(self.job, self._view_of, self.sim.now, self.sim.policy)):
                 return
         raise RuntimeError(f"{self.job.id}: no quiet point after 64 steps in {table.state_name(self.job.state)}")
+
+    def judge(self, tracks: dict[int, RankTrack]) -> None:
+        """A step that reads these progress tracks (the detectors' input: the simulated ranks send no reports),
+        taken as the controller takes every step (lifecycle.plan); then on to a quiet point."""
+        self.apply(lifecycle.plan(self.job, lambda fleet: replace(self._view_of(fleet), tracks=tracks),
+                                  self.sim.now, self.sim.policy))
+        self.decide()
+
+    def _view_of(self, fleet: bool) -> lifecycle.JobView:
+        """The view lifecycle.plan asks for. Choosing a next generation (RENDEZVOUS) sees the whole fleet only
+        where the job's own nodes and spares do not do: the choice is the same (own nodes come first), and a
+        whole-fleet look per recovery step would cost more than the rest of the simulation at 16,000 nodes."""
+        view = self.view(None)
+        if fleet and (self.job.state != table.RENDEZVOUS or self._needs_the_fleet(view)):
+            view = self.view(self.sim.all_candidates(self))
+        return view
 
     def _needs_the_fleet(self, view: lifecycle.JobView) -> bool:
         """Whether the next generation's nodes must be chosen from the whole fleet, as the controller does: its
@@ -665,11 +675,7 @@ class Simulation:
                 track.observe(base + 30 * k, step, [step] * 30, since, 30)
             track.last_report = self.now
             tracks[rank.rank] = track
-        view = job.view(None)
-        view = lifecycle.JobView(nodes=view.nodes, tracks=tracks, launch=view.launch, checkpoint=view.checkpoint,
-                                 candidates=view.candidates, topology=view.topology)
-        job.apply(lifecycle.step(job.job, view, self.now, self.policy))
-        job.decide()
+        job.judge(tracks)
 
     def _foretold(self, node: SimNode, lost: bool) -> None:
         """A fault that warns first: the warning now, the fault itself failures.warning_s later."""
@@ -811,8 +817,4 @@ class Simulation:
             for k in range(3, 6):
                 track.observe(base + 30 * k, slow, [compute] * 30, self.now, 30)
             tracks[rank_of[name]] = track
-        view = job.view(None)
-        view = lifecycle.JobView(nodes=view.nodes, tracks=tracks, launch=view.launch, checkpoint=view.checkpoint,
-                                 candidates=view.candidates, topology=view.topology)
-        job.apply(lifecycle.step(job.job, view, self.now, self.policy))
-        job.decide()
+        job.judge(tracks)
