@@ -298,12 +298,14 @@ def test_the_wire_protocol_is_versioned_and_its_enum_starts_unspecified():
 class Fleet:
     """Participants A, B, C on nodes node-a, node-b, node-c, with the controller's verdicts in `unfit`."""
 
-    def __init__(self) -> None:
+    def __init__(self, **policy) -> None:
+        from controller.config import RendezvousConfig
         self.clock = FakeClock()
         self.unfit: dict[str, str] = {}
         self.events: list[tuple[str, str]] = []
         self.book = RendezvousBook(fit=lambda node: self.unfit.get(node, ""),
-                                   on_event=lambda kind, message, run: self.events.append((kind, message)))
+                                   on_event=lambda kind, message, run: self.events.append((kind, message)),
+                                   policy=RendezvousConfig(**policy))
         self.attempts: dict[str, int] = {}
 
     def join(self, pid, settings=TWO):
@@ -613,6 +615,21 @@ def test_the_end_of_training_is_no_hang_even_after_the_worker_that_said_it_exite
             report(f, number, 1, 49)
         hung = f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
         assert hung is not ended, (ended, f.events)
+
+
+def test_the_controllers_rendezvous_config_sets_the_hang_rule():
+    """[rendezvous] hang_min_s and hang_factor are the operator's: a round at step 3 for 25 s is hung under the
+    default floor (10 s), not under a floor of 30 s; a factor of 20 on 2 s steps waits 40 s."""
+    for policy, quiet_s, hung in (({}, 25.0, True), ({"hang_min_s": 30.0}, 25.0, False),
+                                  ({"hang_factor": 20.0}, 35.0, False)):
+        f = Fleet(**policy)
+        number = formed_with_spare(f)
+        report(f, number, 0, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
+        report(f, number, 1, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
+        f.clock.advance(quiet_s)
+        report(f, number, 0, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
+        report(f, number, 1, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
+        assert (f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1) is hung, (policy, f.events)
 
 
 def test_the_hang_floor_comes_from_the_rounds_settings_and_grows_with_slow_steps():

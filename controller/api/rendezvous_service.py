@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 
 from controller import access
 from controller.api.rpc import unary
+from controller.config import RendezvousConfig
 from controller.errors import InvalidArgument, NotFound
 from controller.nodes.health import Health
 from controller.nodes.states import DOWN
 from controller.rendezvous.book import (
+    DEFAULT_POLICY,
     MAX_ID_CHARS,
     MAX_NODES,
     MAX_RUNS,
@@ -105,7 +107,8 @@ def run_job(run: Run, owner: str = "") -> common_pb2.Job:
 
 class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     def __init__(self, clock: Clock, registry: Registry | None = None,
-                 log: Callable[[str, str, str], Awaitable[None]] | None = None, restarted: bool = False) -> None:
+                 log: Callable[[str, str, str], Awaitable[None]] | None = None, restarted: bool = False,
+                 policy: RendezvousConfig = DEFAULT_POLICY) -> None:
         """`restarted`: this controller took over a fleet (its store knew nodes), so torchrun groups may be running:
         no round forms in its first RELEARN_GRACE_S, while their members re-teach it theirs."""
         self._clock = clock
@@ -117,7 +120,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         # Request ids from the wall clock (ms): a restarted controller never reuses one a worker already answered.
         self.book = RendezvousBook(on_change=self._wake, fit=self._fit, on_event=self._event,
                                    first_ask_id=clock.wall_ns() // 1_000_000,
-                                   hold_until=clock.monotonic() + RELEARN_GRACE_S if restarted else float("-inf"))
+                                   hold_until=clock.monotonic() + RELEARN_GRACE_S if restarted else float("-inf"),
+                                   policy=policy)
 
     def _fit(self, node: str) -> str:
         """'' if `node` may take part in a round; else why not, from the controller's view of it. A node the

@@ -53,6 +53,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from controller.config import RendezvousConfig
 from controller.errors import FailedPrecondition, NotFound
 from phalanx import log
 from phalanx.v1 import rendezvous_pb2
@@ -71,11 +72,12 @@ SWEEP_EVERY_S = 5.0
 MAX_WORKERS = 1 << 20    # WORLD_SIZE's bound in worker reports
 WORKER_REPORT_S = 0.5   # trainlib's report interval under torchrun: the request's way down takes up to this
 CHECKPOINT_LEAD_S = 1.0  # the agreed step is this far ahead (at the workers' pace) of where they are now
-CHECKPOINT_WAIT_S = 60.0  # the longest a restart for an unfit node waits for the workers' checkpoint
+CHECKPOINT_WAIT_S = RendezvousConfig.checkpoint_wait_s  # [rendezvous] in the controller's config: these
 WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for
-CHECKPOINT_STALL_S = 10.0  # workers below the agreed step that take no step for this long (hung) are not waited for
-HANG_MIN_S = 10.0       # a stepping worker whose step has not gone up for max(this, HANG_FACTOR x the pace) is hung
-HANG_FACTOR = 10.0
+CHECKPOINT_STALL_S = RendezvousConfig.checkpoint_stall_s  # are its defaults
+HANG_MIN_S = RendezvousConfig.hang_min_s
+HANG_FACTOR = RendezvousConfig.hang_factor
+DEFAULT_POLICY = RendezvousConfig()
 HANG_JUDGED_EVERY_S = 0.25  # every member asks each second: the round's workers are looked over at most this often
 RELEARN_GRACE_S = 3.0   # after a controller start or a re-learned round: the members' asks (every second) come in
 
@@ -281,7 +283,8 @@ class RendezvousBook:
     def __init__(self, on_change: Callable[[str], None] = lambda run_id: None,
                  fit: Callable[[str], str] = lambda node: "",
                  on_event: Callable[[str, str, str], None] = lambda kind, message, run_id: None,
-                 first_ask_id: int = 0, hold_until: float = float("-inf")) -> None:
+                 first_ask_id: int = 0, hold_until: float = float("-inf"),
+                 policy: RendezvousConfig = DEFAULT_POLICY) -> None:
         """`first_ask_id`: checkpoint request ids count up from it (the servicer passes the wall clock, so that a
         restarted controller never reuses one a worker already answered). `hold_until`: no round forms before it
         (the controller's start plus RELEARN_GRACE_S), so that members of a running round re-teach it first."""
@@ -292,6 +295,7 @@ class RendezvousBook:
         self._last_sweep = float("-inf")
         self._last_ask_id = first_ask_id
         self._hold_until = hold_until
+        self.policy = policy  # [rendezvous]: hang limits, the checkpoint's waits
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
@@ -465,7 +469,7 @@ class RendezvousBook:
                             + (f"; {ask.outcome}" if ask is not None else ""), run.id)
             return max(1, len(waiting))
         if now - formed.hang_judged[0] >= HANG_JUDGED_EVERY_S:
-            formed.hang_judged = (now, _hung(formed, now))
+            formed.hang_judged = (now, _hung(formed, now, self.policy))
         if (hung := formed.hang_judged[1]) is not None:  # torchrun restarts the workers: they would never finish
             if run.restart_told != formed.number:
                 run.restart_told = formed.number
@@ -534,18 +538,19 @@ class RendezvousBook:
         done = sum(1 for w in formed.workers.values() if w.done_id == ask.id and w.done_step == ask.at_step)
         if done >= ask.world_size:
             ask.outcome = f"every worker ({done}) committed the checkpoint of step {ask.at_step}"
-        elif now >= ask.asked_at + CHECKPOINT_WAIT_S:
+        elif now >= ask.asked_at + self.policy.checkpoint_wait_s:
             ask.outcome = (f"only {done} of {ask.world_size} workers committed the checkpoint of step {ask.at_step} "
-                           f"within {CHECKPOINT_WAIT_S:g}s")
+                           f"within {self.policy.checkpoint_wait_s:g}s (rendezvous.checkpoint_wait_s)")
         elif len(live) < ask.world_size:
             ask.outcome = (f"{ask.world_size - len(live)} of {ask.world_size} workers stopped reporting before the "
                            f"checkpoint of step {ask.at_step} ({done} committed it)")
         elif any(w.done_id == ask.id and w.done_step != ask.at_step for w in live) or ask.furthest > ask.at_step:
             ask.outcome = (f"a worker went past step {ask.at_step} before it heard of the checkpoint (it reached step "
                            f"{ask.furthest}); {done} of {ask.world_size} committed that step")
-        elif any(w.step < ask.at_step for w in live) and now >= ask.moved_at + CHECKPOINT_STALL_S:
-            ask.outcome = (f"the workers made no progress for {CHECKPOINT_STALL_S:g}s (at step {ask.furthest}) before "
-                           f"the checkpoint of step {ask.at_step}; {done} of {ask.world_size} committed it")
+        elif any(w.step < ask.at_step for w in live) and now >= ask.moved_at + self.policy.checkpoint_stall_s:
+            ask.outcome = (f"the workers made no progress for {self.policy.checkpoint_stall_s:g}s (at step "
+                           f"{ask.furthest}) before the checkpoint of step {ask.at_step}; {done} of {ask.world_size} "
+                           "committed it")
         else:
             return True
         self._event("rendezvous.checkpointed" if done >= ask.world_size else "rendezvous.checkpoint_failed",
@@ -639,7 +644,7 @@ class RendezvousBook:
             self._on_change(run.id)
 
 
-def _hung(formed: Round, now: float) -> Worker | None:
+def _hung(formed: Round, now: float, policy: RendezvousConfig) -> Worker | None:
     """A worker still reporting, past its first step and not saving, whose step has not gone up for
     max(the round's hang_s or HANG_MIN_S, HANG_FACTOR x its pace): a collective that will not complete (its peers
     wait in it too, or a peer is stopped). None if there is none, while any worker saves, and once any worker of
@@ -649,8 +654,8 @@ def _hung(formed: Round, now: float) -> Worker | None:
     if not live or any(w.saving for w in live) or any(w.finished for w in formed.workers.values()):
         return None
     paces = [w.step_s for w in live if w.step_s > 0]
-    floor = formed.settings.hang_s or HANG_MIN_S
-    limit = max(floor, HANG_FACTOR * statistics.median(paces)) if paces else floor
+    floor = formed.settings.hang_s or policy.hang_min_s
+    limit = max(floor, policy.hang_factor * statistics.median(paces)) if paces else floor
     stuck = [w for w in live if w.step >= 0 and now - w.moved_at > limit]
     return min(stuck, key=lambda w: w.moved_at) if stuck else None
 
