@@ -145,6 +145,8 @@ class Elector:
         self.watches_cancelled = 0  # leader-key watches etcd cancelled (compacted past their start): each is a retry
         self._valid_lock = threading.Lock()  # valid_until: written by the renewing thread (hold)
         self._loop_seen = 0.0  # monotonic: the event loop last said it runs (hold)
+        self._ended: asyncio.Future[str] | None = None  # the current term's end (hold), which depose may bring
+        self._stop_renewing: threading.Event | None = None  # the current term's renewing thread stops on it
 
     @property
     def clock(self) -> Clock:
@@ -292,6 +294,7 @@ class Elector:
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[str] = loop.create_future()
         stop = threading.Event()
+        self._ended, self._stop_renewing = ended, stop
         self._loop_seen = self._clock.monotonic()
 
         def renew() -> None:
@@ -317,6 +320,31 @@ class Elector:
             # Its last renewal may be in flight (at most until the deadline it had): a resign, or the next term's
             # thread, should not overlap it. Bounded, so a stop never hangs on it.
             await asyncio.shield(asyncio.to_thread(thread.join, self.ttl_s))
+
+    def depose(self, reason: str) -> None:
+        """End the term now (the store found the leader key is not this term's any more: replaced while the lease
+        lives, by a hand or another elector's bug): it sends no command from here on, and hold returns `reason`.
+        The fencing kept the store safe already; this keeps the agents safe and the control plane honest."""
+        with self._valid_lock:
+            if self._stop_renewing is not None:
+                self._stop_renewing.set()  # under the lock: no renewal in flight sets valid_until again
+            self.valid_until = 0.0
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(reason)
+
+    def _key_replaced(self, channel: grpc.Channel, term: Term, timeout: float) -> str | None:
+        """Why this term is over though its lease lives: the leader key is gone or is another's (replaced by a
+        hand on etcd). None while it is this term's, or when etcd does not answer (the renewals decide then)."""
+        try:
+            found = rpc.KVStub(channel).Range(rpc.RangeRequest(key=self.leader_key, keys_only=True),
+                                              timeout=max(0.05, timeout), metadata=REQUIRE_LEADER)
+        except grpc.RpcError:
+            return None
+        kv = found.kvs[0] if found.kvs else None
+        if kv is not None and kv.create_revision == term.epoch:
+            return None
+        return (f"the leader key was {'deleted' if kv is None else 'replaced'} while its lease lived (epoch "
+                f"{term.epoch}, the key now {'absent' if kv is None else kv.create_revision})")
 
     def _renew(self, term: Term, stop: threading.Event) -> str:
         """The lease's renewals, on the renewing thread (Elector.hold): blocking gRPC on a channel of its own (an
@@ -353,6 +381,8 @@ class Elector:
                     continue
                 if reply is None or reply.TTL <= 0:
                     return "its lease expired (etcd revoked it)"
+                if (replaced := self._key_replaced(channel, term, timeout)) is not None:
+                    return replaced
                 with self._valid_lock:
                     if stop.is_set():  # the term ended meanwhile: a later term's deadline is not this one's
                         break

@@ -164,7 +164,8 @@ async def serve_ha(cfg: controller_config.ControllerConfig, path: str | None) ->
                 standby.parked.release()
                 break
             store = EtcdStore(etcd, store_cfg.etcd_prefix, cfg.max_events, Fence(elector.leader_key, term.epoch),
-                              store_cfg.etcd_max_txn_ops, own_client=False, node_cache=nodes)
+                              store_cfg.etcd_max_txn_ops, own_client=False, node_cache=nodes,
+                              on_not_leader=elector.depose)
             controller = Controller(cfg, store, elector=elector, board=board)
             holding = asyncio.create_task(elector.hold(), name="lease")
             try:

@@ -427,3 +427,55 @@ def test_a_standby_waits_on_the_leader_key_after_etcd_compacted_past_it(etcd_ser
             await b_etcd.close()
 
     asyncio.run(main())
+
+
+def test_a_leader_whose_key_is_replaced_while_its_lease_lives_steps_down_at_its_next_commit(etcd_server):
+    """Issue 39: the leader key replaced while the leader's lease lives (a hand on etcd, another elector's bug):
+    the fenced store refused the leader's commits, but its term went on, sending commands to agents until the
+    lease lapsed, which it never did (the lease was still renewed). The store's NotLeader now ends the term."""
+    import asyncio
+    import uuid
+
+    from aetcd import rpc
+
+    from controller.ha import Elector
+    from controller.nodes.states import UP
+    from controller.store import NodeRecord
+    from controller.store.etcd import Etcd, EtcdStore, Fence, NotLeader
+
+    async def main() -> None:
+        etcd = Etcd([etcd_server.endpoint])
+        prefix = f"/test-replaced/{uuid.uuid4().hex}"
+        a = Elector(etcd, prefix, "c0", "127.0.0.1:1", 5, probe=False)
+        holding = None
+        try:
+            term = await a.campaign()
+            holding = asyncio.create_task(a.hold())
+            store = EtcdStore(etcd, prefix, fence=Fence(a.leader_key, term.epoch), own_client=False,
+                              on_not_leader=a.depose)
+            await store.commit(nodes=[NodeRecord("n1", UP)])
+            assert a.leading()
+            await etcd.call("kv", "DeleteRange", rpc.DeleteRangeRequest(key=a.leader_key))
+            await etcd.call("kv", "Put", rpc.PutRequest(key=a.leader_key, value=b"someone else"))
+            with pytest.raises(NotLeader):
+                await store.commit(nodes=[NodeRecord("n2", UP)])
+            assert not a.leading()  # at once: no command goes out from here on
+            reason = await asyncio.wait_for(holding, 30)  # the store's word, or a renewal's look at the key first
+            assert "not the leader any more" in reason or "while its lease lived" in reason, reason
+            # A quiet leader (no commit to find it): its next lease renewal reads the key too.
+            b = Elector(etcd, prefix + "-quiet", "c1", "127.0.0.1:2", 2, probe=False)
+            await b.campaign()
+            holding = asyncio.create_task(b.hold())
+            await etcd.call("kv", "Put", rpc.PutRequest(key=b.leader_key, value=b"someone else"))  # a new value
+            assert b.leading()  # only a put: the create revision is the same, the term too
+            await etcd.call("kv", "DeleteRange", rpc.DeleteRangeRequest(key=b.leader_key))
+            await etcd.call("kv", "Put", rpc.PutRequest(key=b.leader_key, value=b"someone else"))
+            reason = await asyncio.wait_for(holding, 30)
+            assert "while its lease lived" in reason, reason  # deleted, or replaced: whichever a renewal saw
+            assert not b.leading()
+        finally:
+            if holding is not None:
+                holding.cancel()
+            await etcd.close()
+
+    asyncio.run(main())

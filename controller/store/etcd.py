@@ -29,7 +29,7 @@ import asyncio
 import base64
 import collections
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -300,11 +300,12 @@ class EtcdStore:
 
     def __init__(self, etcd: Etcd, prefix: str = "/phalanx/", max_events: int = 100_000,
                  fence: Fence | None = None, max_txn_ops: int = 128, own_client: bool = True,
-                 node_cache: NodeCache | None = None) -> None:
+                 node_cache: NodeCache | None = None, on_not_leader: Callable[[str], None] | None = None) -> None:
         self.etcd = etcd
         self.prefix = _prefix(prefix)
         self._max_events = max_events
         self.fence = fence
+        self.on_not_leader = on_not_leader  # told when a commit finds the leader key is not the fence's any more
         self._max_txn_ops = max(8, max_txn_ops)
         self._own_client = own_client
         self.node_cache = node_cache  # a standby's, kept warm while it waited; None: load_nodes reads every record
@@ -524,8 +525,11 @@ class EtcdStore:
         if self.fence is not None:
             leader = found.pop()
             if leader is None or leader.create_revision != self.fence.revision:
-                raise NotLeader(f"not the leader any more (elected at revision {self.fence.revision}, "
-                                f"leader key now {'absent' if leader is None else leader.create_revision})")
+                error = NotLeader(f"not the leader any more (elected at revision {self.fence.revision}, "
+                                  f"leader key now {'absent' if leader is None else leader.create_revision})")
+                if self.on_not_leader is not None:
+                    self.on_not_leader(str(error))
+                raise error
         failed = []
         kvs = iter(found)
         for request in batch:
