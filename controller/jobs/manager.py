@@ -247,18 +247,13 @@ class JobManager:
             if job.state != RUNNING:
                 raise FailedPrecondition(f"{job_id} is {state_name(job.state)}; only a running job can checkpoint")
             now = self.now()
-            at_step = lifecycle.checkpoint_step(entry.tracks, self.recovery_cfg.checkpoint_lead_s, now)
-            latest, step_s = lifecycle.pace(entry.tracks)
-            ask = pb.JobCheckpoint(id=job.checkpoint.id + 1, at_step=at_step,
-                                   deadline_unix_ns=int((now + deadline_s) * 1e9), reason="requested",
-                                   generation=job.generation, asked_unix_ns=int(now * 1e9))
+            actions = lifecycle.ask_checkpoint(job, entry.tracks, now, self.recovery_cfg.checkpoint_lead_s,
+                                               deadline_s, pause=False, reason="requested")
+            sent = actions[-1]
+            assert isinstance(sent, lifecycle.RequestCheckpoint)
+            ask = sent.request
             future = asyncio.get_running_loop().create_future()
-            await self.executor.apply(entry, [
-                lifecycle.Commit(lifecycle.copied(job, checkpoint=ask), "job.checkpoint",
-                                 f"{job.id}: checkpoint {ask.id} requested from {len(job.ranks)} ranks after step "
-                                 f"{at_step} (deadline {deadline_s:g}s; last reported step {latest}, {step_s:.3f}s a "
-                                 "step): requested"),
-                lifecycle.RequestCheckpoint(job.id, job.generation, tuple(job.nodes), ask)], now)
+            await self.executor.apply(entry, actions, now)
             entry.checkpoint.future = future
             started = self.clock.monotonic()
         try:

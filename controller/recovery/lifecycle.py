@@ -294,6 +294,21 @@ def step(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]
     return decide(job, view, now, policy) if decide is not None else []  # a final state: nothing to do
 
 
+def ask_checkpoint(job: pb.Job, tracks: Mapping[int, progress.RankTrack], now: float, lead_s: float,
+                   deadline_s: float, pause: bool, reason: str) -> list[Action]:
+    """A checkpoint request to every rank of the running generation (before an eviction, with `pause`; or the
+    user's `phalanx checkpoint`): the step `lead_s` ahead at the ranks' pace, committed with the job (its id is
+    the stored counter plus one, so a restarted controller never reuses an id trainlib has handled), then sent."""
+    at_step = checkpoint_step(tracks, lead_s, now)
+    latest, step_s = pace(tracks)
+    ask = pb.JobCheckpoint(id=job.checkpoint.id + 1, at_step=at_step, deadline_unix_ns=int((now + deadline_s) * 1e9),
+                           pause=pause, reason=reason, generation=job.generation, asked_unix_ns=int(now * 1e9))
+    return [Commit(copied(job, checkpoint=ask), "job.checkpoint",
+                   f"{job.id}: checkpoint {ask.id} requested from {len(job.ranks)} ranks after step {at_step} "
+                   f"(deadline {deadline_s:g}s; last reported step {latest}, {step_s:.3f}s a step): {reason}"),
+            RequestCheckpoint(job.id, job.generation, tuple(job.nodes), ask)]
+
+
 def needs_fleet(job: pb.Job, policy: Policy) -> bool:
     """Whether a step of `job` must see every node as placement does (JobView.fleet: candidates and topology):
     placing it, choosing its next generation's nodes, or holding spares again. Other steps see only the job's
@@ -540,16 +555,8 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
                                                                policy.recovery.checkpoint_deadline_s)
         if not pace_known(view.tracks, view.reported) and now < wait_until:
             return [WakeAt(wait_until)]
-        at_step = checkpoint_step(view.tracks, policy.recovery.checkpoint_lead_s, now)
-        latest, step_s = pace(view.tracks)
-        deadline = policy.recovery.checkpoint_deadline_s
-        ask = pb.JobCheckpoint(id=request.id + 1, at_step=at_step, deadline_unix_ns=int((now + deadline) * 1e9),
-                               pause=True, reason=job.incident, generation=job.generation,
-                               asked_unix_ns=int(now * 1e9))
-        return [Commit(copied(job, checkpoint=ask), "job.checkpoint",
-                       f"{job.id}: checkpoint {ask.id} requested from {len(job.ranks)} ranks after step {at_step} "
-                       f"(deadline {deadline:g}s; last reported step {latest}, {step_s:.3f}s a step): {job.incident}"),
-                RequestCheckpoint(job.id, job.generation, tuple(job.nodes), ask)]
+        return ask_checkpoint(job, view.tracks, now, policy.recovery.checkpoint_lead_s,
+                              policy.recovery.checkpoint_deadline_s, pause=True, reason=job.incident)
     seen = view.checkpoint
     if seen is None or seen.request_id != request.id:
         note = (f"checkpoint {request.id} abandoned: the controller restarted while it was in flight; resuming "
