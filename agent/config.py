@@ -113,6 +113,9 @@ class AgentConfig:
     rank_log_max_mb: int = setting(1024, "a running rank's log is cut past this size (its last eighth kept in "
                                    ".log.1): one job's output cannot fill the state disk every job shares; 0 = "
                                    "never cut")
+    ended_logs_max_mb: int = setting(10240, "the rank logs of jobs that ended on this node (10 minutes after their "
+                                     "ranks' exit) are deleted, oldest job first, past this much in all; 0 = never "
+                                     "deleted")
     warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
                                "here, or the controller asks a spare for), so a restart skips starting Python and "
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")
@@ -152,6 +155,8 @@ class AgentConfig:
                     f"cgroup_parent ({self.cgroup_parent!r}) must be a relative cgroup path of letters, digits, "
                     "'.', '_', '-' and '/', e.g. phalanx")
         require(self.snapshot_budget_mb >= 0, f"snapshot_budget_mb ({self.snapshot_budget_mb}) must not be negative")
+        require(self.ended_logs_max_mb >= 0, f"ended_logs_max_mb ({self.ended_logs_max_mb}) must not be negative "
+                "(0 = never deleted)")
 
     @property
     def name(self) -> str:

@@ -42,6 +42,7 @@ from phalanx.v1 import common_pb2, node_pb2
 
 PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
+PRUNE_LOGS_EVERY_S = 60.0  # how often ended jobs' rank logs are measured against ended_logs_max_mb
 RANK_POLL_S = 0.1  # how often the agent looks for ranks that ended, to tell the controller at once
 SNAPSHOT_IDLE_S = 600.0  # a job's snapshots here that have not changed this long (and no rank of it runs) are dropped
 EVENT_BEAT_GAP_S = 0.25  # a GPU event sends a heartbeat at once, at most this often: an XID storm is no heartbeat storm
@@ -109,6 +110,7 @@ class Agent:
         self._snapshot_keys: dict[str, set] = {}
         self._snapshots_off = ""  # why this node keeps no snapshots though snapshot_dir is set
         self._tending_failed = False  # the last rank bookkeeping failed (a full state disk): said once
+        self._prune_logs_at = 0.0  # monotonic: when ended jobs' logs are next measured (ended_logs_max_mb)
         if cfg.snapshot_dir:
             budget = cfg.snapshot_budget_mb * 1_000_000 or memory // 4
             try:
@@ -164,6 +166,9 @@ class Agent:
             self.supervisor.tend_warm()
             if self.cfg.rank_log_max_mb:
                 self.supervisor.cap_logs(self.cfg.rank_log_max_mb * 1_000_000)
+            if self.cfg.ended_logs_max_mb and self.clock.monotonic() >= self._prune_logs_at:
+                self._prune_logs_at = self.clock.monotonic() + PRUNE_LOGS_EVERY_S
+                self.supervisor.prune_logs(self.cfg.ended_logs_max_mb * 1_000_000)
         except OSError as e:
             if not self._tending_failed:
                 logger.error("rank bookkeeping failing; heartbeats go on", error=str(e))

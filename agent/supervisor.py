@@ -665,6 +665,40 @@ class Supervisor:
             logger.warning("rank log cut", job=record.job, rank=record.rank, bytes=st.st_size, kept=str(old))
         return cut
 
+    def prune_logs(self, max_bytes: int) -> list[str]:
+        """Delete the log directories of jobs that have no rank record here (ended, and their records dropped),
+        oldest first, until those left take at most `max_bytes`: ended jobs' logs cannot fill the state disk over
+        weeks, whatever each one's size. Returns the jobs whose logs went. By descriptor beneath the logs directory
+        (no link in a job's directory is followed), sizes counted with lstat."""
+        with self._lock:
+            kept = {record.job for record in self._ranks.values()}
+        try:
+            parent = safefs.open_dir(self._logs)
+        except FileNotFoundError:
+            return []
+        removed = []
+        with safefs.closing_fd(parent):
+            ended = []
+            for name in os.listdir(parent):
+                if name in kept:
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        ended.append((st.st_mtime, name, _tree_bytes(name, parent)))
+                except OSError:  # gone meanwhile
+                    continue
+            total = sum(size for _, _, size in ended)
+            for _, name, size in sorted(ended):
+                if total <= max_bytes:
+                    break
+                shutil.rmtree(name, dir_fd=parent)  # by descriptor: never follows the links in it
+                total -= size
+                removed.append(name)
+        if removed:
+            logger.info("ended jobs' rank logs deleted", jobs=len(removed), first=removed[0], kept_bytes=total)
+        return removed
+
     def log_path(self, job: str, rank: int) -> Path | None:
         path = self._logs / job / f"rank-{rank}.log"
         return path if path.exists() else None
@@ -720,3 +754,16 @@ def _pin_threads(pid: int, cpus: list[int]) -> None:
     for tid in tids:
         with contextlib.suppress(OSError, ValueError):
             os.sched_setaffinity(int(tid), cpus)
+
+
+def _tree_bytes(name: str, parent: int) -> int:
+    """The bytes of the regular files beneath directory `name` of `parent`, walked by descriptor (links not
+    followed)."""
+    total = 0
+    for _, _, files, fd in os.fwalk(name, dir_fd=parent, follow_symlinks=False):
+        for file in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(file, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    return total

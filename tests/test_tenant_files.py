@@ -246,6 +246,46 @@ def test_a_ranks_log_is_cut_before_it_fills_the_disk(tmp_path):
         eventually(lambda: supervisor.poll() is not None and not supervisor._live(), "the rank stopped")
 
 
+def test_ended_jobs_logs_are_deleted_oldest_first_past_their_budget_and_no_link_is_followed(tmp_path):
+    """Issue 39: the logs of ended jobs were never deleted: over weeks of jobs (each rank's log up to
+    rank_log_max_mb) they filled the state disk every tenant shares. Past ended_logs_max_mb in all, the oldest
+    ended jobs' log directories go; a job with a rank here keeps its logs, and a link a tenant left in its
+    directory is removed, not followed."""
+    import contextlib
+    import signal
+    import sys
+
+    from agent.supervisor import Supervisor
+    from phalanx.v1 import node_pb2
+    from tests.eventually import eventually
+
+    supervisor = Supervisor(tmp_path / "state")
+    logs = tmp_path / "state" / "logs"
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"x" * 1000)
+    for age, job in enumerate(("job-4", "job-3", "job-2", "job-1")):  # job-1 the oldest
+        (logs / job).mkdir(parents=True)
+        (logs / job / "rank-0.log").write_bytes(b"y" * 40_000)
+        if job == "job-1":
+            (logs / job / "link").symlink_to(precious)
+        os.utime(logs / job, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
+    supervisor.launch(node_pb2.LaunchRanks(job="job-9", generation=1, command=[sys.executable, "-c",
+                                                                                "import time; time.sleep(600)"],
+                                           ranks=[node_pb2.RankLaunch(rank=0)]), {"PATH": "/usr/bin:/bin"})
+    try:
+        assert supervisor.prune_logs(1_000_000) == []  # 160 kB ended: under the budget
+        assert supervisor.prune_logs(90_000) == ["job-1", "job-2"]  # the oldest two go, 80 kB stay
+        assert sorted(p.name for p in logs.iterdir()) == ["job-3", "job-4", "job-9"]
+        assert precious.read_bytes() == b"x" * 1000
+        assert supervisor.prune_logs(0) == ["job-3", "job-4"]
+        assert [p.name for p in logs.iterdir()] == ["job-9"]  # a job with a rank here keeps its logs
+    finally:
+        for status in supervisor.statuses():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(status.pid, signal.SIGKILL)
+        eventually(lambda: supervisor.poll() is not None and not supervisor._live(), "the rank stopped")
+
+
 def test_an_older_agents_snapshot_tree_is_taken_over_and_closed(tmp_path):
     """Before, own/ was 1777 (ranks made their own directories): an agent upgraded in place makes it 0755 and runs
     on with snapshots, rather than refusing its own tree."""
