@@ -114,7 +114,8 @@ class AgentConfig:
                                    ".log.1): one job's output cannot fill the state disk every job shares; 0 = "
                                    "never cut")
     ended_logs_max_mb: int = setting(10240, "the rank logs of jobs that ended on this node (10 minutes after their "
-                                     "ranks' exit) are deleted, oldest job first, past this much in all; 0 = never "
+                                     "ranks' exit) are deleted, oldest job first, past this much in all, and so are "
+                                     "their NCCL flight-recorder dumps (a budget of the same size); 0 = never "
                                      "deleted")
     warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
                                "here, or the controller asks a spare for), so a restart skips starting Python and "

@@ -279,6 +279,12 @@ def test_ended_jobs_logs_are_deleted_oldest_first_past_their_budget_and_no_link_
         assert precious.read_bytes() == b"x" * 1000
         assert supervisor.prune_logs(0) == ["job-3", "job-4"]
         assert [p.name for p in logs.iterdir()] == ["job-9"]  # a job with a rank here keeps its logs
+        dumps = tmp_path / "state" / "nccl"  # the NCCL dumps of ended jobs, under the same rule
+        for job in ("job-7", "job-9"):
+            (dumps / job).mkdir(parents=True)
+            (dumps / job / "nccl_trace_rank_0").write_bytes(b"z" * 100)
+        assert supervisor.prune_logs(0, dumps) == ["job-7"]
+        assert [p.name for p in dumps.iterdir()] == ["job-9"]
     finally:
         for status in supervisor.statuses():
             with contextlib.suppress(ProcessLookupError):
