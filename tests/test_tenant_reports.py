@@ -186,6 +186,35 @@ def test_ended_jobs_records_are_deleted_past_the_retention_and_ids_are_never_reu
     run(go())
 
 
+def test_list_jobs_answers_in_pages_that_the_cli_follows(monkeypatch):
+    """Issue 39: ListJobs answered every job in one message, and past the transport's 16 MiB `phalanx jobs` broke
+    for everyone. It answers about 8 MiB a page, in id order, naming where the next page starts; the CLI follows
+    the pages; a page's last job deleted meanwhile (ended_kept) does not lose the rest."""
+    from controller.api import control_service
+    from phalanx.cli.main import every_job
+    from phalanx.v1 import control_pb2
+
+    monkeypatch.setattr(control_service, "LIST_PAGE_BYTES", 10_000)
+    jobs = [pb.Job(id=f"job-{n}", spec=pb.JobSpec(command=["x" * 1000])) for n in range(1, 41)]
+    jobs += [pb.Job(id="torchrun-a"), pb.Job(id="torchrun-b")]
+    pages = []
+
+    class Stub:
+        def ListJobs(self, request, timeout):
+            page = control_service._page(jobs, request.after_id)
+            pages.append(len(page.jobs))
+            return page
+
+    assert [j.id for j in every_job(lambda rpc: rpc(Stub()))] == [j.id for j in jobs]
+    assert len(pages) > 3 and all(n <= 10 for n in pages), pages
+    first = control_service._page(jobs, "")
+    gone = first.next_after_id  # deleted before the next page is asked for
+    rest = [j for j in jobs if j.id != gone]
+    assert control_service._page(rest, gone).jobs[0].id == jobs[len(first.jobs)].id
+    assert control_service._page(rest, "torchrun-a").jobs[0].id == "torchrun-b"
+    assert control_pb2.ListJobsResponse() == control_service._page([], "")
+
+
 def test_revoking_a_certificate_revokes_what_was_renewed_from_it(tmp_path):
     """Issue 39: a node renewed its certificate, and revoking the stolen one by serial left the renewed one valid.
     Each renewal keeps the serials it descends from; revoking any of them revokes it, at the controller and at

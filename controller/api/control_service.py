@@ -43,6 +43,37 @@ async def newest_events(store: Store, after_seq: int, limit: int, node: str = ""
     return found[-limit:]
 
 
+LIST_PAGE_BYTES = 8 << 20  # a ListJobs page: half the transport's message limit (phalanx.rpc.MAX_TRANSPORT_BYTES)
+
+
+def _page(jobs: list[common_pb2.Job], after_id: str) -> control_pb2.ListJobsResponse:
+    """The jobs after `after_id` (in the order given: by number, then torchrun runs by id), as many as fit in
+    LIST_PAGE_BYTES; next_after_id names the last one when more follow."""
+    if after_id:
+        ids = [j.id for j in jobs]
+        start = ids.index(after_id) + 1 if after_id in ids else _after(ids, after_id)
+        jobs = jobs[start:]
+    page, size = control_pb2.ListJobsResponse(), 0
+    for i, job in enumerate(jobs):
+        shown = _shown(job)
+        size += shown.ByteSize() + 8
+        if size > LIST_PAGE_BYTES and page.jobs:
+            page.next_after_id = jobs[i - 1].id
+            break
+        page.jobs.append(shown)
+    return page
+
+
+def _after(ids: list[str], after_id: str) -> int:
+    """Where the jobs after `after_id` start when it is gone (deleted since the page before): after every job
+    that sorts before it (job-N by N, then torchrun runs by id)."""
+    def key(job_id: str) -> tuple[int, int, str]:
+        number = job_id.removeprefix("job-")
+        return (0, int(number), "") if number.isdigit() else (1, 0, job_id)
+    mark = key(after_id)
+    return sum(1 for job_id in ids if key(job_id) <= mark)
+
+
 def _shown(job: common_pb2.Job) -> common_pb2.Job:
     """The job as the caller may see it: its environment's values (tokens, passwords) only to its owner and admins;
     a viewer or another user sees the names, each value "<hidden>"."""
@@ -215,8 +246,8 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         unknown = [s for s in states if s not in common_pb2.JobState.values() or s == 0]
         if unknown:
             raise InvalidArgument(f"states: {unknown[0]} is not a job state")
-        torchrun = [j for j in self._torchrun_jobs() if not states or j.state in states]
-        return control_pb2.ListJobsResponse(jobs=[_shown(j) for j in (*self._jobs.list(states), *torchrun)])
+        torchrun = sorted((j for j in self._torchrun_jobs() if not states or j.state in states), key=lambda j: j.id)
+        return _page([*self._jobs.list(states), *torchrun], request.after_id)
 
     @unary
     async def GetJob(self, request: control_pb2.GetJobRequest, context):

@@ -460,14 +460,28 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return OK
 
 
+def every_job(call_: Callable[[Callable], control_pb2.ListJobsResponse]) -> list[common_pb2.Job]:
+    """Every job the controller has, page by page (ListJobs answers about 8 MiB at a time); `call_(rpc)` makes
+    one call of `rpc(stub)` the way its command calls."""
+    jobs: list[common_pb2.Job] = []
+    after = ""
+    while True:
+        request = control_pb2.ListJobsRequest(after_id=after)
+        reply = call_(lambda s, r=request: s.ListJobs(r, timeout=DEFAULT_TIMEOUT_S))
+        jobs.extend(reply.jobs)
+        if not reply.next_after_id or not reply.jobs:
+            return jobs
+        after = reply.next_after_id
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     def show() -> tuple[str, bool]:
-        reply = call(args, lambda s: s.ListJobs(control_pb2.ListJobsRequest(), timeout=DEFAULT_TIMEOUT_S))
+        jobs = every_job(lambda rpc: call(args, rpc))
         if args.output == "json":
-            return render.dumps([render.job_dict(j) for j in reply.jobs]), False
+            return render.dumps([render.job_dict(j) for j in jobs]), False
         if args.output == "name":
-            return "\n".join(j.id for j in reply.jobs), False
-        return render.jobs_table(reply.jobs, wide=args.output == "wide"), False
+            return "\n".join(j.id for j in jobs), False
+        return render.jobs_table(jobs, wide=args.output == "wide"), False
 
     return watched(args, show)
 

@@ -25,6 +25,7 @@ from phalanx.cli.main import (
     CliError,
     call,
     directory,
+    every_job,
     job_exit_code,
 )
 from phalanx.v1 import common_pb2, control_pb2
@@ -126,7 +127,7 @@ def _follow_task(args: argparse.Namespace, name: str) -> int:
         signal.signal(sig, signal.SIG_IGN)  # task 0 turns them into a checkpoint; this one just waits
     deadline = time.monotonic() + FIND_JOB_S
     while True:
-        jobs = _steady(args, lambda s: s.ListJobs(control_pb2.ListJobsRequest(), timeout=DEFAULT_TIMEOUT_S)).jobs
+        jobs = every_job(lambda rpc: _steady(args, rpc))
         job = max((j for j in jobs if j.spec.name == name), key=lambda j: j.submitted_unix_ns, default=None)
         if job is not None and job.state in TERMINAL:
             return job_exit_code(job)
