@@ -24,7 +24,7 @@ import hmac
 import json
 import secrets
 import string
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -63,6 +63,9 @@ class Credentials:
         self.ca_file, self.ca_key_file, self.enrol_days = ca_file, ca_key_file, enrol_days
         self.publish = publish
         self.reserved: frozenset[str] = frozenset({"controller"})  # names no node may enrol as (server.py: its own)
+        # the other controllers' names and hosts, read at each enrolment (server.py: from etcd's members, with HA): a
+        # node enrolled at one controller as another's name would be a certificate its clients take for that one
+        self.peers: Callable[[], Awaitable[set[str]]] | None = None
         self.records: dict[str, CredentialRecord] = {}
         self._revocations = 0  # revoked/... records: none, and a call's certificate is not even parsed
         self._lock = asyncio.Lock()  # one change at a time: each reads the record it replaces
@@ -159,7 +162,8 @@ class Credentials:
             # the token first: no CSR parsing and no CA-key work for a caller without one
             token_id, token_data = self._spend(token)
             csr, name, spki = _read_csr(csr_pem)
-            if problem := pki.node_name_problem(name, self.reserved):
+            reserved = self.reserved | (await self.peers() if self.peers is not None else set())
+            if problem := pki.node_name_problem(name, frozenset(reserved)):
                 raise InvalidArgument(problem)
             public = csr.public_key()
             ca_cert, ca_key = self._ca()

@@ -142,6 +142,8 @@ class Controller:
         if sec.cert_file and not sec.insecure:  # no node may enrol under a name the controller answers to
             with contextlib.suppress(OSError, ValueError):
                 self.credentials.reserved |= pki.certificate_names(Path(sec.cert_file).read_bytes())
+        if self.elector is not None:  # and the other controllers' (their names, the hosts they advertise)
+            self.credentials.peers = self._controller_names
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._authorizer: auth.Authorizer | None = None
@@ -250,6 +252,14 @@ class Controller:
             if peer is None:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the session's caller is not identified")
         await self.node_service.serve(context, first)
+
+    async def _controller_names(self) -> set[str]:
+        """Every controller's name and advertised host, as etcd's members say: no node may enrol as one."""
+        names: set[str] = set()
+        for member in (await self.describe_controllers()).members:
+            names.add(member.name)
+            names.add(member.address.rpartition(":")[0].strip("[]"))
+        return names - {""}
 
     async def describe_controllers(self) -> control_pb2.ListControllersResponse:
         if self.elector is not None:

@@ -31,6 +31,7 @@ import struct
 import grpc
 
 from phalanx.rpc import MAX_TRANSPORT_BYTES
+from phalanx.tls import der_identity
 from phalanx.v1 import node_pb2
 
 HEADER = struct.Struct(">BI")
@@ -117,6 +118,15 @@ class FramedCall:
             raise _error(grpc.StatusCode.UNAVAILABLE, f"cannot reach the session port {address}: "
                          f"{e or type(e).__name__}{hint}") from None
         tune(writer.get_extra_info("socket"))
+        ssl_object = writer.get_extra_info("ssl_object") if context else None
+        if ssl_object is not None:  # verified by the CA; it must also be a controller's, not a node's (whose
+            der = ssl_object.getpeercert(binary_form=True)  # certificate is a server certificate too)
+            identity = der_identity(der) if der else None
+            if identity is None or identity[0] != "controller":
+                writer.close()
+                raise _error(grpc.StatusCode.UNAVAILABLE, f"the session port {address} presented the certificate of "
+                             f"{'a ' + identity[0] + ' ' + repr(identity[1]) if identity else 'no Phalanx role'}, not "
+                             "a controller's: refused")
         return cls(reader, writer, address)
 
     async def write(self, message) -> None:

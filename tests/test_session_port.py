@@ -244,6 +244,33 @@ def test_a_connection_whose_frames_are_not_taken_stops_being_read_at_a_few_megab
     assert session_port.QUEUED_BYTES <= queued < session_port.QUEUED_BYTES + 2 * frame, queued
 
 
+def test_an_agent_refuses_a_session_port_that_shows_a_nodes_certificate(ca, tmp_path):
+    """Issue 39 (controller impersonation): a node's certificate is a server certificate too (its snapshot port),
+    signed by the same CA; a node that takes a controller's place (an address, a name) passed the TLS check. The
+    agent's session client now also asks that the certificate be a controller's."""
+    for name in ("imposter", "honest"):
+        if not (ca / f"{name}.crt").exists():
+            pki.issue(ca, name, "node")
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(str(ca / "imposter.crt"), str(ca / "imposter.key"))
+    server_context.load_verify_locations(str(ca / "ca.crt"))
+    server_context.verify_mode = ssl.CERT_REQUIRED
+
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0, ssl=server_context)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await framed.FramedCall.open(f"127.0.0.1:{port}", context(ca, "honest"), server_name="imposter")
+            return info.value
+        finally:
+            server.close()
+
+    error = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "presented the certificate of a node 'imposter', not a controller's" in error.details(), error.details()
+
+
 def test_a_session_port_that_cannot_listen_says_which_setting():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -215,6 +215,40 @@ def test_list_jobs_answers_in_pages_that_the_cli_follows(monkeypatch):
     assert control_pb2.ListJobsResponse() == control_service._page([], "")
 
 
+def test_no_node_enrols_at_one_controller_under_another_controllers_name(tmp_path):
+    """Issue 39 (controller impersonation): enrolment refused only the enrolling controller's own names; with HA a
+    node could enrol at ctl01 as "ctl02", a server certificate for the name its clients dial to reach ctl02. Every
+    controller's name and advertised host (etcd's members) is refused now; other names still enrol."""
+    from controller.credentials import Credentials
+    from controller.errors import InvalidArgument
+    from controller.store.memory import MemoryStore
+    from phalanx import pki
+    from phalanx.clock import FakeClock
+
+    pki.init_ca(tmp_path, cluster="test")
+
+    async def go():
+        credentials = Credentials(MemoryStore(), FakeClock(), str(tmp_path / "ca.crt"), str(tmp_path / "ca.key"), 365,
+                                  lambda events: None)
+        await credentials.load()
+
+        async def peers() -> set[str]:
+            return {"ctl02", "ctl02.example.com", "ctl03"}
+
+        credentials.peers = peers
+        for name in ("ctl02", "CTL02.example.com"):
+            token, _, _ = await credentials.create_token(3600, 1, "test", "ops")
+            _, csr = pki.new_key_and_csr(name)
+            with pytest.raises(InvalidArgument, match="is a controller's name"):
+                await credentials.enrol(token, csr, "ipv4:10.0.0.7:1")
+        token, _, _ = await credentials.create_token(3600, 1, "test", "ops")
+        _, csr = pki.new_key_and_csr("gpu7")
+        cert, _, _ = await credentials.enrol(token, csr, "ipv4:10.0.0.7:1")
+        assert b"BEGIN CERTIFICATE" in cert
+
+    run(go())
+
+
 def test_revoking_a_certificate_revokes_what_was_renewed_from_it(tmp_path):
     """Issue 39: a node renewed its certificate, and revoking the stolen one by serial left the renewed one valid.
     Each renewal keeps the serials it descends from; revoking any of them revokes it, at the controller and at
