@@ -427,6 +427,9 @@ def test_a_failing_node_is_left_out_and_a_waiting_spare_torchrun_takes_its_place
         kill_all(procs)
 
 
+# slow tier (CI's test-slow stage): 110 s under make test's contention, its longest item; make test keeps the
+# same checkpoint-before-restart through the rendezvous in test_slurm's torchrun-in-sbatch test
+@pytest.mark.slow
 def test_a_failing_nodes_round_checkpoints_through_trainlib_then_resumes_on_the_spare_with_the_same_model(
         cluster, tmp_path, reference):
     """The trainlib training script under torchrun: node-b turns FAILING, every worker saves the same agreed step
