@@ -654,3 +654,33 @@ def test_the_hang_floor_comes_from_the_rounds_settings_and_grows_with_slow_steps
     g.clock.advance(6.0)
     report(g, number, 0, 3, step_s=2.0)
     assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) >= 1
+
+
+def test_a_torchrun_run_is_running_while_its_round_trains_and_shows_how_it_ended():
+    """The docs' torchrun tutorial, re-run: a node left out of the next round shut down and closed the
+    rendezvous, and `phalanx jobs` said SUCCEEDED while round 2 trained on; once the run ended it vanished. Now
+    it is RUNNING while members of its formed round remain, and ended it stays listed: SUCCEEDED when every
+    worker said training ended, FAILED when one never did."""
+    from controller.api.rendezvous_service import RendezvousService
+    from phalanx.v1 import common_pb2
+
+    for finished in (True, False):
+        service = RendezvousService(FakeClock())
+        f = Fleet()
+        f.book, f.clock = service.book, service._clock
+        f.book._fit = lambda node: f.unfit.get(node, "")
+        number = formed_with_spare(f)
+        report(f, number, 0, 9)
+        report(f, number, 1, 9)
+        f.book.leave(RUN, "C", number + 1, True, f.clock.monotonic())  # the waiting node's torchrun shuts down
+        (job,) = service.jobs()
+        assert job.state == common_pb2.JOB_STATE_RUNNING and "rendezvous closed" in job.reason, job
+        assert job.spec.ranks_per_node == 1
+        report(f, number, 0, 9, finished=finished)
+        report(f, number, 1, 9, finished=True)
+        for pid in ("A", "B"):
+            f.book.leave(RUN, pid, number, True, f.clock.monotonic())
+        assert f.book.get(RUN) is None  # forgotten by the book: everyone left
+        (job,) = service.jobs()
+        expected = common_pb2.JOB_STATE_SUCCEEDED if finished else common_pb2.JOB_STATE_FAILED
+        assert job.state == expected and job.id == f"torchrun-{RUN}", job

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from controller.nodes.registry import Registry
 
 TORCHRUN_PREFIX = "torchrun-"  # how `phalanx jobs` and the event log name a torchrun run: torchrun-RUN_ID
+ENDED_RUNS_KEPT = 100  # ended torchrun runs `phalanx jobs` still shows, the newest
+ENDED_RUN_TTL_S = 3600.0  # and for how long after they ended
 
 
 def job_name(run_id: str) -> str:
@@ -82,14 +84,29 @@ def _store(s: rendezvous_pb2.StoreAddress) -> StoreAddress:
     return StoreAddress(host, s.port)
 
 
-def run_job(run: Run, owner: str = "") -> common_pb2.Job:
+def run_job(run: Run, owner: str = "", seen_ns: int = 0, ended: bool = False) -> common_pb2.Job:
+    """A torchrun run as `phalanx jobs` shows it. RUNNING while members of its formed round are still there, even
+    once a node's torchrun closed the rendezvous (a node left out of the next round shuts down and closes it;
+    the others train on); ended (`ended`: every member gone) it is SUCCEEDED when its workers said training
+    ended, or did not report at all, and FAILED when some worker that reported never did."""
     formed, waiting = run.formed, list(run.open.waiting.values()) if run.open else []
-    if run.closed:
-        state, reason = common_pb2.JOB_STATE_SUCCEEDED, "torchrun rendezvous closed (a node finished or shut down)"
+    members = (formed.member_ids() - run.left) if formed is not None else set()
+    closed = " (rendezvous closed: no new round forms)" if run.closed else ""
+    if ended or (run.closed and not members):
+        workers = list(formed.workers.values()) if formed is not None else []
+        unfinished = sorted(w.rank for w in workers if not w.finished)
+        if workers and unfinished:
+            state = common_pb2.JOB_STATE_FAILED
+            said = ", ".join(map(str, unfinished[:8]))
+            reason = f"torchrun run ended in round {formed.number} before worker(s) {said} said training ended"
+        else:
+            state = common_pb2.JOB_STATE_SUCCEEDED
+            reason = "torchrun run ended" + (f": every worker of round {formed.number} said training ended"
+                                             if workers else " (its workers did not report: not trainlib's)")
     elif formed is not None:
         state = common_pb2.JOB_STATE_RUNNING
         reason = f"torchrun round {formed.number}: {len(formed.ranks)} nodes" + (
-            f", {len(waiting)} waiting (round {run.open.number})" if waiting else "")
+            f", {len(waiting)} waiting (round {run.open.number})" if waiting else "") + closed
     else:
         state = common_pb2.JOB_STATE_PENDING
         reason = f"torchrun round {run.open.number if run.open else 0} forming: {len(waiting)} joined"
@@ -102,6 +119,9 @@ def run_job(run: Run, owner: str = "") -> common_pb2.Job:
     job.user = owner
     job.spec.command.append("torchrun")
     job.spec.nodes = settings.max_nodes if settings else 0
+    if formed is not None and formed.world_size and formed.ranks:
+        job.spec.ranks_per_node = max(1, formed.world_size // len(formed.ranks))
+    job.submitted_unix_ns = seen_ns
     return job
 
 
@@ -117,11 +137,13 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         self._log = log  # (kind, message, run id) -> committed to the event log
         self._logging: set[asyncio.Task] = set()
         self._owners: dict[str, str] = {}  # run id -> the identity that owns it (with an access file)
+        self._seen_ns: dict[str, int] = {}  # run id -> when (wall) this controller first heard of it
+        self._ended: dict[str, tuple[float, common_pb2.Job]] = {}  # run id -> (when, how it ended), lately ended
         # Request ids from the wall clock (ms): a restarted controller never reuses one a worker already answered.
         self.book = RendezvousBook(on_change=self._wake, fit=self._fit, on_event=self._event,
                                    first_ask_id=clock.wall_ns() // 1_000_000,
                                    hold_until=clock.monotonic() + RELEARN_GRACE_S if restarted else float("-inf"),
-                                   policy=policy)
+                                   policy=policy, on_forget=self._forgotten)
 
     def _fit(self, node: str) -> str:
         """'' if `node` may take part in a round; else why not, from the controller's view of it. A node the
@@ -148,8 +170,20 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         task.add_done_callback(self._logging.discard)
 
     def jobs(self) -> list[common_pb2.Job]:
-        """The torchrun runs, as `phalanx jobs` lists them: the running round's nodes, the waiting ones as spares."""
-        return [run_job(run, self._owners.get(run.id, "")) for run in self.book.runs()]
+        """The torchrun runs, as `phalanx jobs` lists them: the running round's nodes, the waiting ones as spares;
+        and those that ended lately (ENDED_RUNS_KEPT, for ENDED_RUN_TTL_S) unless a new run took the id."""
+        now = self._clock.monotonic()
+        self._ended = {r: (t, j) for r, (t, j) in self._ended.items()
+                       if now - t < ENDED_RUN_TTL_S and self.book.get(r) is None}
+        live = [run_job(run, self._owners.get(run.id, ""), self._seen_ns.get(run.id, 0)) for run in self.book.runs()]
+        return live + [job for _, job in self._ended.values()]
+
+    def _forgotten(self, run: Run) -> None:
+        """The book forgets a run (everyone left, or abandoned): keep how it ended for `phalanx jobs` and `job`."""
+        self._ended[run.id] = (self._clock.monotonic(), run_job(run, self._owners.get(run.id, ""),
+                                                                 self._seen_ns.pop(run.id, 0), ended=True))
+        while len(self._ended) > ENDED_RUNS_KEPT:
+            self._ended.pop(next(iter(self._ended)))
 
     def _authorize(self, run_id: str) -> None:
         """Raise PermissionDenied unless the caller may act on the run: with an access file, the identity that
@@ -183,6 +217,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         node = request.node if not request.node or NAME.fullmatch(request.node) else ""
         reply = self.book.join(run_id, pid, request.attempt, settings, join_timeout, store, self._clock.monotonic(),
                                node)
+        if len(self._seen_ns) < 2 * MAX_RUNS:
+            self._seen_ns.setdefault(run_id, self._clock.wall_ns())
         return reply.to_proto()
 
     @unary

@@ -284,7 +284,8 @@ class RendezvousBook:
                  fit: Callable[[str], str] = lambda node: "",
                  on_event: Callable[[str, str, str], None] = lambda kind, message, run_id: None,
                  first_ask_id: int = 0, hold_until: float = float("-inf"),
-                 policy: RendezvousConfig = DEFAULT_POLICY) -> None:
+                 policy: RendezvousConfig = DEFAULT_POLICY,
+                 on_forget: Callable[[Run], None] = lambda run: None) -> None:
         """`first_ask_id`: checkpoint request ids count up from it (the servicer passes the wall clock, so that a
         restarted controller never reuses one a worker already answered). `hold_until`: no round forms before it
         (the controller's start plus RELEARN_GRACE_S), so that members of a running round re-teach it first."""
@@ -296,6 +297,7 @@ class RendezvousBook:
         self._last_ask_id = first_ask_id
         self._hold_until = hold_until
         self.policy = policy  # [rendezvous]: hang limits, the checkpoint's waits
+        self._on_forget = on_forget  # a run about to be forgotten (the servicer keeps how it ended)
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
@@ -639,6 +641,7 @@ class RendezvousBook:
         else:
             finished = True  # everyone left
         if finished:
+            self._on_forget(run)
             del self._runs[run.id]
             logger.info("rendezvous forgotten", run=run.id, idle_s=round(idle, 1), closed=run.closed)
             self._on_change(run.id)
