@@ -668,7 +668,6 @@ def test_a_torchrun_run_is_running_while_its_round_trains_and_shows_how_it_ended
         service = RendezvousService(FakeClock())
         f = Fleet()
         f.book, f.clock = service.book, service._clock
-        f.book._fit = lambda node: f.unfit.get(node, "")
         number = formed_with_spare(f)
         report(f, number, 0, 9)
         report(f, number, 1, 9)
