@@ -181,8 +181,7 @@ class Snapshotter:
         self._tune()
         print(f"trainlib: in-memory snapshots every {before} step(s) cost the job {self.cost:.1%} of its step time "
               f"({with_s * 1e3:.1f} ms a step with them, {without_s * 1e3:.1f} ms without, background work included; "
-              f"budget {OVERHEAD_BUDGET:.0%})" + (f": every {target} step(s) from now on"
-                                                  if (target := max(self.interval, self._floor)) != before else ""),
+              f"budget {OVERHEAD_BUDGET:.0%})" + _change(before, self.interval, max(self.interval, self._floor)),
               file=sys.stderr, flush=True)
 
     def _tune(self) -> None:
@@ -341,3 +340,12 @@ def _keep_as_own(ctx: Any, path: Path, step: int, crc32: int, agent: Any) -> Non
                                                            crc32=crc32), timeout=30)
     except Exception as e:  # only a lost head start: the first snapshot taken from here on will do
         print(f"trainlib: could not keep the restored snapshot for this generation: {e}", file=sys.stderr, flush=True)
+
+
+def _change(before: int, now: int, target: int) -> str:
+    """What a probe's verdict changes, said as it happens: the interval at most doubles per snapshot taken."""
+    if target == before:
+        return ""
+    if now == target:
+        return f": every {target} step(s) from now on"
+    return f": every {now} step(s) now, {target} within a few snapshots (the interval at most doubles per snapshot)"
