@@ -121,6 +121,10 @@ def watching_fleet(tmp_path):
                                                                       "slurm_orphan_s = 2.0\n"))
 
 
+# slow tier (CI's test-slow stage): 80 s under make test's contention, its longest item; make test keeps a
+# drain in Slurm and a resume (the health check's test) and an sbatch job checkpointed before its eviction
+# (torchrun's)
+@pytest.mark.slow
 def test_an_sbatch_job_run_by_phalanx_is_checkpointed_drained_in_slurm_and_resumed_on_its_spare(
         fleet, tmp_path, reference):
     sc = fleet.sc
