@@ -168,8 +168,8 @@ class Agent:
                 self.supervisor.cap_logs(self.cfg.rank_log_max_mb * 1_000_000)
             if self.cfg.ended_logs_max_mb and self.clock.monotonic() >= self._prune_logs_at:
                 self._prune_logs_at = self.clock.monotonic() + PRUNE_LOGS_EVERY_S
-                self.supervisor.prune_logs(self.cfg.ended_logs_max_mb * 1_000_000)
-                self.supervisor.prune_logs(self.cfg.ended_logs_max_mb * 1_000_000, Path(self.cfg.state_dir) / "nccl")
+                for root in (self.supervisor.logs_dir, Path(self.cfg.state_dir) / "nccl"):  # each its own budget
+                    self.supervisor.prune_ended(root, self.cfg.ended_logs_max_mb * 1_000_000)
         except OSError as e:
             if not self._tending_failed:
                 logger.error("rank bookkeeping failing; heartbeats go on", error=str(e))

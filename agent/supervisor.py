@@ -665,8 +665,8 @@ class Supervisor:
             logger.warning("rank log cut", job=record.job, rank=record.rank, bytes=st.st_size, kept=str(old))
         return cut
 
-    def prune_logs(self, max_bytes: int, root: Path | None = None) -> list[str]:
-        """Delete the per-job directories under `root` (the rank logs' by default; the NCCL dumps' too) of jobs
+    def prune_ended(self, root: Path, max_bytes: int) -> list[str]:
+        """Delete the per-job directories under `root` (the rank logs', `logs_dir`; the NCCL dumps') of jobs
         that have no rank record here (ended, and their records dropped), oldest first, until those left take at
         most `max_bytes`: ended jobs' files cannot fill the state disk over weeks, whatever each one's size.
         Returns the jobs whose directories went. By descriptor beneath `root` (no link in a job's directory is
@@ -674,7 +674,7 @@ class Supervisor:
         with self._lock:
             kept = {record.job for record in self._ranks.values()}
         try:
-            parent = safefs.open_dir(root or self._logs)
+            parent = safefs.open_dir(root)
         except FileNotFoundError:
             return []
         removed = []
@@ -697,9 +697,13 @@ class Supervisor:
                 total -= size
                 removed.append(name)
         if removed:
-            logger.info("ended jobs' files deleted", root=str(root or self._logs), jobs=len(removed), first=removed[0],
+            logger.info("ended jobs' files deleted", root=str(root), jobs=len(removed), first=removed[0],
                         kept_bytes=total)
         return removed
+
+    @property
+    def logs_dir(self) -> Path:
+        return self._logs
 
     def log_path(self, job: str, rank: int) -> Path | None:
         path = self._logs / job / f"rank-{rank}.log"

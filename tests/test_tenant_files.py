@@ -273,17 +273,17 @@ def test_ended_jobs_logs_are_deleted_oldest_first_past_their_budget_and_no_link_
                                                                                 "import time; time.sleep(600)"],
                                            ranks=[node_pb2.RankLaunch(rank=0)]), {"PATH": "/usr/bin:/bin"})
     try:
-        assert supervisor.prune_logs(1_000_000) == []  # 160 kB ended: under the budget
-        assert supervisor.prune_logs(90_000) == ["job-1", "job-2"]  # the oldest two go, 80 kB stay
+        assert supervisor.prune_ended(logs, 1_000_000) == []  # 160 kB ended: under the budget
+        assert supervisor.prune_ended(logs, 90_000) == ["job-1", "job-2"]  # the oldest two go, 80 kB stay
         assert sorted(p.name for p in logs.iterdir()) == ["job-3", "job-4", "job-9"]
         assert precious.read_bytes() == b"x" * 1000
-        assert supervisor.prune_logs(0) == ["job-3", "job-4"]
+        assert supervisor.prune_ended(logs, 0) == ["job-3", "job-4"]
         assert [p.name for p in logs.iterdir()] == ["job-9"]  # a job with a rank here keeps its logs
         dumps = tmp_path / "state" / "nccl"  # the NCCL dumps of ended jobs, under the same rule
         for job in ("job-7", "job-9"):
             (dumps / job).mkdir(parents=True)
             (dumps / job / "nccl_trace_rank_0").write_bytes(b"z" * 100)
-        assert supervisor.prune_logs(0, dumps) == ["job-7"]
+        assert supervisor.prune_ended(dumps, 0) == ["job-7"]
         assert [p.name for p in dumps.iterdir()] == ["job-9"]
     finally:
         for status in supervisor.statuses():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from controller import access
@@ -84,6 +84,20 @@ class JobEntry:
         if self.launch is not None and self.launch.generation != generation:
             self.launch = None
 
+
+
+def expired(entries: Iterable[JobEntry], stopping: set[str], newest: str, now: float, cfg: JobsConfig) -> list[str]:
+    """The ids of ended jobs whose records go (at most FORGET_BATCH, oldest ended first): those beyond
+    `jobs.ended_kept` and those that ended more than `jobs.ended_kept_s` before `now`. Never one whose ranks may
+    still run (`stopping`: its stop is not saved yet; or a rank recorded RUNNING), nor `newest`, whose id the
+    next controller counts on from the records it loads."""
+    ended = sorted((e.job for e in entries if e.job.state in TERMINAL and e.job.id not in stopping
+                    and not any(r.state == pb.RANK_STATE_RUNNING for r in e.job.ranks)),
+                   key=lambda j: (j.state_since_unix_ns, int(j.id.removeprefix("job-"))))
+    over = len(ended) - cfg.ended_kept
+    cutoff_ns = (now - cfg.ended_kept_s) * 1e9 if cfg.ended_kept_s else float("-inf")
+    return [j.id for i, j in enumerate(ended)
+            if (i < over or j.state_since_unix_ns < cutoff_ns) and j.id != newest][:FORGET_BATCH]
 
 
 def runs_here(job: pb.Job, rank: int, node: str) -> bool:
@@ -401,15 +415,8 @@ class JobManager:
             return 0
         self._forgot_at = now
         async with self.lock:
-            ended = sorted((e for e in self.entries.values() if e.job.state in TERMINAL
-                            and e.job.id not in self.ended_ranks
-                            and not any(r.state == pb.RANK_STATE_RUNNING for r in e.job.ranks)),
-                           key=lambda e: (e.job.state_since_unix_ns, int(e.job.id.removeprefix("job-"))))
-            newest = f"job-{self._next_id - 1}"
-            over = len(ended) - self.cfg.ended_kept
-            cutoff_ns = (now - self.cfg.ended_kept_s) * 1e9 if self.cfg.ended_kept_s else float("-inf")
-            gone = [e for i, e in enumerate(ended) if (i < over or e.job.state_since_unix_ns < cutoff_ns)
-                    and e.job.id != newest][:FORGET_BATCH]
+            ids = expired(self.entries.values(), self.ended_ranks, f"job-{self._next_id - 1}", now, self.cfg)
+            gone = [self.entries[job_id] for job_id in ids]
             if not gone:
                 return 0
             if len(gone) == FORGET_BATCH:
@@ -419,7 +426,6 @@ class JobManager:
                                  f"({self.cfg.ended_kept_s:g}s); its events stay", e.job.id) for e in gone]
             committed = await self.store.commit(events=events, jobs=[
                 JobRecord(e.job.id, state_name(e.job.state), b"", e.revision, deleted=True) for e in gone])
-            ids = [e.job.id for e in gone]
             for job_id in ids:
                 del self.entries[job_id]
             logger.info("ended jobs forgotten", jobs=len(ids), first=ids[0], last=ids[-1])

@@ -72,9 +72,10 @@ SWEEP_EVERY_S = 5.0
 MAX_WORKERS = 1 << 20    # WORLD_SIZE's bound in worker reports
 WORKER_REPORT_S = 0.5   # trainlib's report interval under torchrun: the request's way down takes up to this
 CHECKPOINT_LEAD_S = 1.0  # the agreed step is this far ahead (at the workers' pace) of where they are now
-CHECKPOINT_WAIT_S = RendezvousConfig.checkpoint_wait_s  # [rendezvous] in the controller's config: these
+# The defaults of [rendezvous] in the controller's config (RendezvousBook.policy), named for the tests:
+CHECKPOINT_WAIT_S = RendezvousConfig.checkpoint_wait_s
 WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for
-CHECKPOINT_STALL_S = RendezvousConfig.checkpoint_stall_s  # are its defaults
+CHECKPOINT_STALL_S = RendezvousConfig.checkpoint_stall_s
 HANG_MIN_S = RendezvousConfig.hang_min_s
 HANG_FACTOR = RendezvousConfig.hang_factor
 DEFAULT_POLICY = RendezvousConfig()
