@@ -45,8 +45,10 @@ class SecurityConfig:
     cert_file: str = setting("/etc/phalanx/pki/node.crt", "this node's certificate (`phalanx certs issue NODE`); "
                              "its name must be this node's name")
     key_file: str = setting("/etc/phalanx/pki/node.key", "this node's private key (mode 0600)")
-    server_name: str = setting("", "the name to expect in the controller's certificate when it is not the host "
-                               "in `controller` (e.g. dialling by IP address)")
+    server_name: str = setting("", "the name to expect in the controller's certificate instead of the one every "
+                               "controller certificate carries (controller.phalanx.invalid), which is how the agent "
+                               "knows a controller from a node: only for a controller certificate made before "
+                               "they did (set it to a host name in that certificate until it is issued again)")
     socket_group: str = setting("", "group allowed to use the trainlib and NVRx sockets (mode 0660), e.g. the "
                                 "group the ranks run as; empty = the agent's own group")
     renew: bool = setting(True, "renew this node's certificate two thirds into its validity, from the controller "

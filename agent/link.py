@@ -95,7 +95,7 @@ class Link:
         self._session_tls = session_tls  # None: plaintext (security.insecure)
         faster = {key for key, _ in SESSION_KEEPALIVE}
         self._options = [*(o for o in CLIENT_OPTIONS if o[0] not in faster), *SESSION_KEEPALIVE,
-                         *tls.target_name_options(server_name)]
+                         *tls.controller_name_options(server_name)]
         self.state = LinkState()
         self._seq = 0
         self._outbox: deque[node_pb2.AgentMessage] = deque(maxlen=MAX_QUEUED)
@@ -158,8 +158,10 @@ class Link:
                             controller=self.controller, details=str(e))
                 continue
             except grpc.aio.AioRpcError as e:
-                level = logger.info if e.code() == grpc.StatusCode.UNAVAILABLE else logger.warning
-                level("session ended", controller=self.controller, code=e.code().name, details=e.details())
+                problem = tls.controller_name_problem(e.details(), self._server_name)  # not a controller
+                level = logger.info if e.code() == grpc.StatusCode.UNAVAILABLE and not problem else logger.warning
+                level("session ended", controller=self.controller, code=e.code().name, details=e.details(),
+                      **({"problem": problem} if problem else {}))
                 self._move_on(e)
             except (TimeoutError, ConnectionError, asyncio.InvalidStateError) as e:
                 # InvalidStateError: a write raced the call's end (the controller went away, or a keepalive

@@ -111,6 +111,7 @@ class Agent:
         self._snapshots_off = ""  # why this node keeps no snapshots though snapshot_dir is set
         self._tending_failed = False  # the last rank bookkeeping failed (a full state disk): said once
         self._prune_logs_at = 0.0  # monotonic: when ended jobs' logs are next measured (ended_logs_max_mb)
+        self._pruning: asyncio.Future | None = None  # that measuring, in a thread while it runs
         if cfg.snapshot_dir:
             budget = cfg.snapshot_budget_mb * 1_000_000 or memory // 4
             try:
@@ -157,6 +158,14 @@ class Agent:
         inventory.gpus.extend(self.backend.inventory())
         return inventory
 
+    def _prune_ended(self) -> None:
+        """Ended jobs' rank logs and NCCL dumps past ended_logs_max_mb, each its own budget (in a thread)."""
+        for root in (self.supervisor.logs_dir, Path(self.cfg.state_dir) / "nccl"):
+            try:
+                self.supervisor.prune_ended(root, self.cfg.ended_logs_max_mb * 1_000_000)
+            except OSError as e:  # the next pass tries again
+                logger.warning("ended jobs' files not deleted", root=str(root), error=str(e))
+
     def _tend_ranks(self) -> None:
         """Notice ranks that ended and keep the standbys wanted. Their bookkeeping writes files (exit records, rank
         records): a full or failing state disk must not silence the node (every tenant's sessions would flap), so an
@@ -166,10 +175,11 @@ class Agent:
             self.supervisor.tend_warm()
             if self.cfg.rank_log_max_mb:
                 self.supervisor.cap_logs(self.cfg.rank_log_max_mb * 1_000_000)
-            if self.cfg.ended_logs_max_mb and self.clock.monotonic() >= self._prune_logs_at:
+            if (self.cfg.ended_logs_max_mb and self.clock.monotonic() >= self._prune_logs_at
+                    and (self._pruning is None or self._pruning.done())):
                 self._prune_logs_at = self.clock.monotonic() + PRUNE_LOGS_EVERY_S
-                for root in (self.supervisor.logs_dir, Path(self.cfg.state_dir) / "nccl"):  # each its own budget
-                    self.supervisor.prune_ended(root, self.cfg.ended_logs_max_mb * 1_000_000)
+                # a walk of every ended job's files: in a thread, never in the heartbeat's loop
+                self._pruning = asyncio.get_running_loop().run_in_executor(None, self._prune_ended)
         except OSError as e:
             if not self._tending_failed:
                 logger.error("rank bookkeeping failing; heartbeats go on", error=str(e))

@@ -56,7 +56,7 @@ async def renew_once(identity: tls.ReloadingIdentity, node: str, controller: str
     """Renew now; returns the new certificate's end. Raises grpc.RpcError, OSError."""
     current = identity.current()
     key_pem, csr_pem = pki.new_key_and_csr(node)
-    options = [*CLIENT_OPTIONS, *tls.target_name_options(server_name)]
+    options = [*CLIENT_OPTIONS, *tls.controller_name_options(server_name)]
     async with grpc.aio.secure_channel(controller, tls.channel_credentials(current.ca, current.cert, current.key),
                                        options=options) as channel:
         reply = await node_pb2_grpc.NodeServiceStub(channel).RenewCertificate(

@@ -158,11 +158,13 @@ class Credentials:
         """(certificate PEM, CA PEM, not-after in Unix ns) for the node the CSR names. Raises PermissionDenied,
         InvalidArgument, FailedPrecondition; nothing is recorded unless a certificate is given."""
         from cryptography.hazmat.primitives import serialization
+        # the token first: no store read, CSR parsing or CA-key work for a caller without one; the other
+        # controllers' names (a read of etcd's members) outside the lock, which other enrolments wait on
+        self._spend(token)
+        reserved = self.reserved | (await self.peers() if self.peers is not None else set())
         async with self._lock:
-            # the token first: no CSR parsing and no CA-key work for a caller without one
-            token_id, token_data = self._spend(token)
+            token_id, token_data = self._spend(token)  # again: an enrolment meanwhile may have used it up
             csr, name, spki = _read_csr(csr_pem)
-            reserved = self.reserved | (await self.peers() if self.peers is not None else set())
             if problem := pki.node_name_problem(name, frozenset(reserved)):
                 raise InvalidArgument(problem)
             public = csr.public_key()

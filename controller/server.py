@@ -142,6 +142,12 @@ class Controller:
         if sec.cert_file and not sec.insecure:  # no node may enrol under a name the controller answers to
             with contextlib.suppress(OSError, ValueError):
                 self.credentials.reserved |= pki.certificate_names(Path(sec.cert_file).read_bytes())
+                if pki.CONTROLLER_NAME not in self.credentials.reserved:
+                    logger.error(f"this controller's certificate does not carry {pki.CONTROLLER_NAME}, the name "
+                                 "agents, the CLI, torchrun's plugin and enrolling nodes check to know a controller "
+                                 "from a node: they refuse it. Issue it again (`phalanx certs issue NAME --role "
+                                 "controller --san HOST`), or meanwhile set security.server_name and "
+                                 "PHALANX_SERVER_NAME on the clients to a host name it carries", cert=sec.cert_file)
         if self.elector is not None:  # and the other controllers' (their names, the hosts they advertise)
             self.credentials.peers = self._controller_names
         self.health = HealthServicer()

@@ -4,7 +4,8 @@ One CA per cluster signs three kinds of certificate, told apart by the subject's
 unit (OU) and the extended key usage:
 
 - ``controller`` — serverAuth, with subject alternative names for every address agents and users
-  dial (``--san``); the controller presents it.
+  dial (``--san``) and CONTROLLER_NAME, which is what clients check (so a node's certificate, valid
+  for the node's name, never passes for a controller's); the controller presents it.
 - ``node`` — clientAuth, and serverAuth for the agent's snapshot replica service (peer agents dial
   it by the node name); the common name (CN) is the node name, and the controller only lets that
   node register under that name.
@@ -27,6 +28,11 @@ from phalanx.errors import PhalanxError
 from phalanx.names import NAME, RULE
 
 ROLES = ("node", "client", "controller", "etcd")
+# The name every controller's certificate carries besides its hosts, and the one name its clients (agents, the CLI,
+# torchrun's plugin, an enrolling node) expect of it: grpcio shows a client no peer certificate, so the role is
+# checked by name. Under .invalid (RFC 6761: never a real host), and no other certificate may carry it.
+CONTROLLER_NAME = "controller.phalanx.invalid"
+RESERVED_TLD = ".invalid"
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest validity browsers still accept; rotate with `issue` under a new name
 
@@ -175,6 +181,9 @@ def node_name_problem(name: str, reserved: frozenset[str] = frozenset()) -> str:
     lowered = name.lower()
     if lowered == "localhost" or lowered.endswith(".localhost"):
         return f"{name!r} is reserved (localhost)"
+    if lowered.endswith(RESERVED_TLD):
+        return (f"{name!r} is under {RESERVED_TLD}, which Phalanx keeps for its controllers' certificates "
+                f"({CONTROLLER_NAME})")
     if lowered in {r.lower() for r in reserved}:
         return f"{name!r} is a controller's name; a node may not take it"
     return ""
@@ -209,6 +218,9 @@ def sign(ca_cert, ca_key, public_key, name: str, role: str, sans: tuple[str, ...
          lifetime: datetime.timedelta | None = None):
     """A certificate for `public_key` as `name` in `role`, signed by the CA: what `issue` writes and what the
     controller gives an enrolling node (whose key never left it). `lifetime` instead of `days`: tests."""
+    if role != "controller" and any(n.lower().endswith(RESERVED_TLD) for n in (name, *sans)):
+        raise PkiError(f"names under {RESERVED_TLD} are only for controller certificates ({CONTROLLER_NAME} is how "
+                       "clients know a controller)")
     x509, hashes, _, _, EKU, NameOID = _x509()
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME,
                                             ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value),
@@ -216,7 +228,9 @@ def sign(ca_cert, ca_key, public_key, name: str, role: str, sans: tuple[str, ...
                          x509.NameAttribute(NameOID.COMMON_NAME, name)])
     usage = [EKU.SERVER_AUTH, EKU.CLIENT_AUTH] if role in ("controller", "node", "etcd") else [EKU.CLIENT_AUTH]
     # gRPC checks the name it dials against the SANs; a controller (an etcd member) is also reachable by its own name.
-    alt_names = list(dict.fromkeys([name, *sans])) if role in ("controller", "etcd") else [name]
+    # Every controller's also carries CONTROLLER_NAME, the name its clients check.
+    alt_names = (list(dict.fromkeys([name, *sans, CONTROLLER_NAME])) if role == "controller"
+                 else list(dict.fromkeys([name, *sans])) if role == "etcd" else [name])
     now = _now()
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
                .public_key(public_key).serial_number(x509.random_serial_number())

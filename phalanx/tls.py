@@ -250,6 +250,28 @@ def target_name_options(server_name: str) -> list[tuple[str, object]]:
     return [("grpc.ssl_target_name_override", server_name)] if server_name else []
 
 
+def controller_name_options(server_name: str = "") -> list[tuple[str, object]]:
+    """Channel options for dialling a controller: its certificate must carry pki.CONTROLLER_NAME, which only
+    controllers' certificates do (grpcio shows a client no peer certificate whose role it could read), whatever
+    address is dialled. `server_name` (security.server_name, PHALANX_SERVER_NAME) instead: for a controller
+    certificate made before controllers carried that name; any certificate of the CA naming it passes."""
+    from phalanx.pki import CONTROLLER_NAME
+    return target_name_options(server_name or CONTROLLER_NAME)
+
+
+def controller_name_problem(details: str, server_name: str = "") -> str:
+    """What a failed connection's `details` mean when the server's certificate lacked the name expected of a
+    controller (controller_name_options), said so a person can act; "" otherwise."""
+    if "Hostname Verification" not in (details or ""):
+        return ""
+    from phalanx.pki import CONTROLLER_NAME
+    if server_name:
+        return f"the server's certificate does not name {server_name} (security.server_name, PHALANX_SERVER_NAME)"
+    return (f"the server's certificate is of the cluster CA but does not carry {CONTROLLER_NAME}, which every "
+            "controller's does: it is not a controller, or its certificate was made before controllers' carried "
+            "that name (issue it again, or set PHALANX_SERVER_NAME / security.server_name to a host name it names)")
+
+
 def server_credentials(identity: Identity) -> grpc.ServerCredentials:
     """Mutual TLS: the peer must present a certificate signed by the cluster CA."""
     return grpc.ssl_server_credentials([(identity.key, identity.cert)], root_certificates=identity.ca,
@@ -304,7 +326,7 @@ class ClientSecurity:
         return cls(**values)  # type: ignore[arg-type]
 
     def options(self) -> list[tuple[str, object]]:
-        return [] if self.insecure else target_name_options(self.server_name)
+        return [] if self.insecure else controller_name_options(self.server_name)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """None for plaintext; raises ConfigError when files are missing or unusable."""

@@ -15,6 +15,7 @@ import pwd
 import stat
 import subprocess
 import sys
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -26,6 +27,7 @@ from phalanx.errors import ConfigError
 from phalanx.ports import free_port
 from phalanx.v1 import control_pb2, control_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.cluster import TIMEOUT_S, Cluster
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
@@ -105,7 +107,7 @@ def test_certs_init_and_issue_make_a_chain_the_handshake_accepts(tmp_path):
     ca_cert = x509.load_pem_x509_certificate((d / "ca.crt").read_bytes())
     cert.verify_directly_issued_by(ca_cert)
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert sans.get_values_for_type(x509.DNSName) == ["ctl", "ctl.example"]
+    assert sans.get_values_for_type(x509.DNSName) == ["ctl", "ctl.example", pki.CONTROLLER_NAME]
     assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["10.0.0.1"]
     assert cert.subject.rfc4514_string() == "CN=ctl,OU=controller,O=prod"
     assert stat.S_IMODE((d / "ctl.key").stat().st_mode) == 0o600
@@ -352,3 +354,93 @@ def test_server_streams_go_through_the_same_checks(secure, ca):
         stream = control_pb2_grpc.ControlServiceStub(channel).WatchEvents(control_pb2.WatchEventsRequest(), timeout=10)
         code, details = status_of(lambda: next(iter(stream)))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "may not call phalanx.v1.ControlService" in details
+
+
+# -- a certificate of the CA that is not a controller's is no controller --------------------------
+
+class Recorder(grpc.GenericRpcHandler):
+    """A server that only notes which methods reached it (and answers UNIMPLEMENTED)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def service(self, handler_call_details):
+        self.calls.append(handler_call_details.method)
+        return None
+
+
+def impostor(ca: Path, name: str, cert_pem: bytes, key_pem: bytes):
+    """A gRPC server on 127.0.0.1 that presents (cert_pem, key_pem) and asks clients for certificates of the CA."""
+    recorder = Recorder()
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[recorder])
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(key_pem, cert_pem)], root_certificates=(ca / "ca.crt").read_bytes(), require_client_auth=True))
+    server.start()
+    return server, f"127.0.0.1:{port}", recorder
+
+
+def node_certificate_for_loopback(ca: Path) -> tuple[bytes, bytes]:
+    """A node's certificate valid for 127.0.0.1: what a node named like the controller's address held before
+    enrolment refused such names, or one an admin issued by mistake. It is a server certificate (for the node's
+    snapshot port), so before clients checked the controller's name, it passed for the controller there."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    ca_cert, ca_key = pki._load_ca(ca)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = pki.sign(ca_cert, ca_key, key.public_key(), "127.0.0.1", "node")
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def test_clients_take_only_a_controllers_certificate_as_the_controller(secure, ca, tmp_path):
+    """A holder of a node's key who can make clients dial it (a DNS entry, an address it took over) posed as the
+    controller: the CLI sent it its calls, an agent its reports, torchrun's plugin its rendezvous. Now every client
+    expects pki.CONTROLLER_NAME, which only a controller's certificate carries, and refuses before a byte of a
+    call is sent; the same server with the controller's own certificate is reached (so the refusal is the name's)."""
+    env = {"PHALANX_CA": str(ca / "ca.crt"), "PHALANX_CERT": str(ca / "operator.crt"),
+           "PHALANX_KEY": str(ca / "operator.key"), "PHALANX_INSECURE": ""}
+    real, address, recorder = impostor(ca, "controller", (ca / "controller.crt").read_bytes(),
+                                       (ca / "controller.key").read_bytes())
+    try:
+        reached = run("-m", "phalanx.cli.main", "--controller", address, "nodes", env=env)
+        assert reached.returncode != 0 and "UNIMPLEMENTED" in reached.stderr, reached.stderr
+        assert recorder.calls == ["/phalanx.v1.ControlService/ListNodes"]
+    finally:
+        real.stop(None)
+
+    fake, address, recorder = impostor(ca, "127.0.0.1", *node_certificate_for_loopback(ca))
+    try:
+        refused = run("-m", "phalanx.cli.main", "--controller", address, "nodes", env=env)
+        assert refused.returncode != 0 and pki.CONTROLLER_NAME in refused.stderr, refused.stderr
+        assert "not a controller" in refused.stderr
+        # the agent: its session never opens, and it says why
+        c = Cluster(tmp_path, pki=ca)
+        try:
+            c.address = address
+            c.start_agent("node-c", gpus=1)
+            eventually(lambda: pki.CONTROLLER_NAME in c.log("node-c", 200), "the agent saying why it has no session",
+                       timeout=TIMEOUT_S)
+        finally:
+            c.close()
+        # torchrun's plugin (and every other client on ClientSecurity)
+        with tls.ClientSecurity.from_env(env).channel(address, []) as channel:
+            code, details = status_of(lambda: control_pb2_grpc.ControlServiceStub(channel).ListNodes(
+                control_pb2.ListNodesRequest(), timeout=10))
+        assert code == grpc.StatusCode.UNAVAILABLE and tls.controller_name_problem(details)
+        assert recorder.calls == []
+    finally:
+        fake.stop(None)
+
+
+def test_no_certificate_but_a_controllers_may_carry_the_controllers_name(tmp_path):
+    d = tmp_path / "pki"
+    pki.init_ca(d, cluster="test")
+    for name, role, sans in ((pki.CONTROLLER_NAME, "node", ()), ("x", "etcd", (pki.CONTROLLER_NAME,)),
+                             ("gpu.phalanx.invalid", "client", ())):
+        with pytest.raises(pki.PkiError, match=r"only for controller certificates|Phalanx keeps for its controllers"):
+            pki.issue(d, name, role, sans)
+    assert "Phalanx keeps" in pki.node_name_problem("node-1.phalanx.invalid")
+    issued = pki.issue(d, "ctl", "controller", ("10.0.0.1",))
+    assert pki.CONTROLLER_NAME in pki.certificate_names(issued.cert.read_bytes())
+    assert pki.CONTROLLER_NAME not in pki.certificate_names(pki.issue(d, "gpu-1", "node").cert.read_bytes())

@@ -11,11 +11,12 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 
 import grpc
 
-from phalanx import pki
+from phalanx import pki, tls
 from phalanx.rpc import CLIENT_OPTIONS
 from phalanx.v1 import enrol_pb2, enrol_pb2_grpc
 
@@ -40,8 +41,9 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _call(address: str, root: bytes, fn):
-    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root), CLIENT_OPTIONS)
+def _call(address: str, root: bytes, fn, options: tuple = ()):
+    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root),
+                                  [*CLIENT_OPTIONS, *options])
     try:
         return fn(enrol_pb2_grpc.EnrolServiceStub(channel))
     except grpc.RpcError as e:
@@ -82,6 +84,8 @@ def enrol(address: str, token: str, ca_hash: str, name: str, directory: str, ste
     pki.refuse_existing(directory, stem)  # before anything is asked: a node already enrolled keeps its files
     ca = fetch_ca(address, ca_hash)
     key_pem, csr_pem = pki.new_key_and_csr(name)
+    # the token goes only to a controller: a certificate of the CA that is a controller's (tls.controller_name_options)
     reply = _call(address, ca, lambda s: s.Enrol(enrol_pb2.EnrolRequest(token=token, csr_pem=csr_pem),
-                                                 timeout=TIMEOUT_S))
+                                                 timeout=TIMEOUT_S),
+                  tuple(tls.controller_name_options(os.environ.get("PHALANX_SERVER_NAME", ""))))
     return pki.write_identity(directory, stem, key_pem, reply.cert_pem, ca)  # the CA checked by its hash

@@ -100,9 +100,11 @@ def rpc_error(e: grpc.RpcError, args: argparse.Namespace) -> CliError:
         anonymous = security is not None and not security.insecure and not security.cert_file and not security.token
         # reached, then cut off (not a refused or unresolved address): what mutual TLS does to a caller without one
         anonymous = anonymous and any(w in (e.details() or "") for w in ("Socket closed", "andshake", "SSL", "reset"))
+        name = tls.controller_name_problem(e.details(), security.server_name if security is not None else "")
         return CliError(f"cannot reach the controller at {controller_address(args)}: {e.details()}" + (
             " (no client certificate or token was given, and a controller on mutual TLS closes such connections: "
-            "pass --cert and --key, or set PHALANX_TOKEN)" if anonymous else ""), transient=True)
+            "pass --cert and --key, or set PHALANX_TOKEN)" if anonymous else "") + (f" ({name})" if name else ""),
+            transient=True)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return CliError(f"the controller at {controller_address(args)} does not know you: {e.details()}")
     exit_code = USAGE if code == grpc.StatusCode.INVALID_ARGUMENT else FAILED
