@@ -137,6 +137,25 @@ class FakeClock:
 
     jump = advance  # Trio's name
 
+    async def autojump(self, idle_s: float = 0.001) -> None:
+        """Trio's `MockClock(autojump_threshold=0)` for asyncio: whenever no other task of the running loop can
+        run, jump to the next timer. Virtual time then moves exactly as fast as the work allows, and no task can be
+        outrun by it (a busy machine slows the world, never reorders it). Work in threads or on sockets is not
+        waited for (it is not on the loop's ready queue): this is for in-process worlds. Runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        ready = getattr(loop, "_ready", None)  # asyncio's queue of callbacks to run next (CPython's loops)
+        if ready is None:
+            raise RuntimeError("FakeClock.autojump needs asyncio's own event loop (it reads what is ready to run)")
+        while True:
+            await asyncio.sleep(0)  # behind everything runnable now
+            if ready:
+                continue  # someone can still run
+            deadline = self.next_deadline()
+            if deadline is None:
+                await asyncio.sleep(idle_s)  # nothing to jump to: a little real time, for a new timer
+            else:
+                self.advance(max(deadline - self._now, 0.0))
+
     async def run_for(self, seconds: float, settle: int = 20) -> None:
         """Advance `seconds`, timer by timer, letting woken tasks run (`settle` loop turns) after each."""
         target = self._now + seconds

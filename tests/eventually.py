@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -51,8 +51,11 @@ def eventually(check: Callable[[], T], what: str, timeout: float = TIMEOUT_S, in
 
 
 async def eventually_async(check: Callable[[], T], what: str, timeout: float = TIMEOUT_S,
-                           interval: float = 0.01, describe: Callable[[], str] | None = None) -> T:
-    """eventually() inside an event loop: the loop runs the world between polls (timeout on the loop's time)."""
+                           interval: float = 0.01, describe: Callable[[], str] | None = None,
+                           pause: Callable[[], Awaitable[object]] | None = None) -> T:
+    """eventually() inside an event loop: the loop runs the world between polls (timeout on the loop's real time).
+    `pause`: how to wait between polls instead of `interval` real seconds (a world on a virtual clock: a step of
+    it)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -61,4 +64,4 @@ async def eventually_async(check: Callable[[], T], what: str, timeout: float = T
             return value
         if loop.time() >= deadline:
             raise _failure(what, timeout, describe)
-        await asyncio.sleep(interval)
+        await (pause() if pause is not None else asyncio.sleep(interval))

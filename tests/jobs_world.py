@@ -26,8 +26,8 @@ from phalanx.v1 import common_pb2, node_pb2
 from tests.eventually import eventually_async
 
 pb = common_pb2
-BEAT_S = 0.01  # real seconds between a fake agent's heartbeats
-WAIT_S = 60.0  # generous: a shared machine may be slow; no test asserts on time
+BEAT_S = 0.01  # virtual seconds between a fake agent's heartbeats, and between two looks of `World.until`
+WAIT_S = 60.0  # real seconds: generous, a shared machine may be slow; no test asserts on time
 
 
 class FakeContext:
@@ -62,16 +62,16 @@ class World:
         await self.registry.load()
         await self.jobs.load()
         self._tasks = [asyncio.create_task(self.jobs.run(), name="scheduler"),
-                       asyncio.create_task(self._liveness(), name="liveness")]
+                       asyncio.create_task(self._liveness(), name="liveness"),
+                       asyncio.create_task(self.clock.autojump(), name="autojump")]
 
     async def _liveness(self) -> None:
-        """The liveness loop. Virtual time moves BEAT_S a turn of it, as fast as the event loop turns (the fake
-        agents beat once a turn too), so a busy machine slows the world down but never makes it miss a beat;
-        tests jump further with `clock.advance`."""
+        """The liveness loop, a tick every BEAT_S of virtual time. The clock jumps to its next timer whenever every
+        task is blocked (FakeClock.autojump), so a busy machine slows the world down but never makes anyone miss
+        a beat; tests may jump further with `clock.advance`."""
         while True:
             await self.registry.tick()
-            await asyncio.sleep(BEAT_S)
-            self.clock.advance(BEAT_S)
+            await self.clock.sleep(BEAT_S)
 
     async def kill(self) -> None:
         """kill -9: every task of the controller (scheduler, recoveries, launches, session readers, and whatever
@@ -117,7 +117,10 @@ class World:
         return job.id
 
     async def until(self, predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-        await eventually_async(predicate, what, timeout, describe=lambda: f"job: {self._describe()}")
+        """Look every BEAT_S of virtual time (the world cannot run past a state between two looks by more than a
+        beat) until `predicate` holds; fail after `timeout` real seconds."""
+        await eventually_async(predicate, what, timeout, describe=lambda: f"job: {self._describe()}",
+                               pause=lambda: self.clock.sleep(BEAT_S))
 
     def _describe(self) -> str:
         try:
@@ -195,12 +198,12 @@ class FakeAgent:
         while not session.closed.is_set():
             if not self.frozen:
                 context.inbox.put_nowait(node_pb2.AgentMessage(heartbeat=self.heartbeat()))
-            await asyncio.sleep(BEAT_S)
+            await self.world.clock.sleep(BEAT_S)
 
     async def _pump(self, session: Session, context: FakeContext) -> None:
         while True:
             while self.frozen:
-                await asyncio.sleep(BEAT_S)
+                await self.world.clock.sleep(BEAT_S)
             message = await session.outbox.get()
             if message is None:
                 return

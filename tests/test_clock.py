@@ -96,3 +96,27 @@ async def test_the_real_clock_sleeps_and_sets_timers():
     clock.call_later(0, fired.set)
     await clock.sleep(0)
     await asyncio.wait_for(fired.wait(), 10)
+
+
+@run
+async def test_autojump_moves_time_only_when_every_task_is_blocked():
+    """A task that keeps working (many loop turns, no sleep) is never overtaken: time does not move while it can
+    run, however long that takes in real time; once everyone waits, time jumps straight to the next timer."""
+    clock = FakeClock()
+    seen = []
+
+    async def worker():
+        for _ in range(2000):  # busy without sleeping on the clock: a slow machine's long step
+            await asyncio.sleep(0)
+        seen.append(("worked", clock.monotonic()))
+        await clock.sleep(30)
+        seen.append(("slept", clock.monotonic()))
+
+    jumper = asyncio.create_task(clock.autojump())
+    start = clock.monotonic()
+    try:
+        await asyncio.wait_for(asyncio.gather(worker(), clock.sleep(3600)), 30)
+    finally:
+        jumper.cancel()
+    assert seen == [("worked", start), ("slept", start + 30)]
+    assert clock.monotonic() == start + 3600

@@ -213,15 +213,8 @@ def test_heartbeats_are_read_while_a_fencing_stop_waits_for_its_answer():
 async def _partition(world: World, node: str, job_id: str) -> None:
     """SIGSTOP `node`'s agent until the controller declares the node DOWN: the fake clock moves on while
     the other agents keep beating."""
-    agent = world.agents[node]
-    agent.frozen = True
-    for _ in range(40):
-        await asyncio.sleep(0.03)  # real time for the others' heartbeats
-        world.clock.advance(0.1)
-        await world.registry.tick()
-        if world.registry.get(node).record.state is DOWN:
-            return
-    raise AssertionError(f"{node} never went DOWN")
+    world.agents[node].frozen = True
+    await world.until(lambda: world.registry.get(node).record.state is DOWN, f"{node} DOWN")
 
 
 def test_a_partitioned_agent_is_evicted_and_its_stale_ranks_are_fenced_when_it_returns():
