@@ -119,6 +119,13 @@ class AgentConfig:
                                      "ranks' exit) are deleted, oldest job first, past this much in all, and so are "
                                      "their NCCL flight-recorder dumps (a budget of the same size); 0 = never "
                                      "deleted")
+    park_hold_s: float = setting(60.0, "a rank that trainlib.run parked after its generation ended (it survived a "
+                                 "restart in its own process) waits this long for the next generation to be launched "
+                                 "here with its rank, then exits")
+    snapshot_idle_s: float = setting(600.0, "a job's in-memory snapshots here are dropped (their memory given back) "
+                                     "once they have not changed this long and no rank of the job runs here")
+    warm_quiet_s: float = setting(3.0, "no warm standby starts within this long of a launch on this node (a launch's "
+                                  "ranks get the CPU first)")
     warm_start: bool = setting(True, "keep each job's Python ranks started and imported ahead (as many as it runs "
                                "here, or the controller asks a spare for), so a restart skips starting Python and "
                                "importing torch; a job opts out with PHALANX_WARM_START=0 in its environment")
@@ -158,6 +165,8 @@ class AgentConfig:
                     f"cgroup_parent ({self.cgroup_parent!r}) must be a relative cgroup path of letters, digits, "
                     "'.', '_', '-' and '/', e.g. phalanx")
         require(self.snapshot_budget_mb >= 0, f"snapshot_budget_mb ({self.snapshot_budget_mb}) must not be negative")
+        for key in ("park_hold_s", "snapshot_idle_s", "warm_quiet_s"):
+            require(getattr(self, key) >= 0, f"{key} ({getattr(self, key)}) must not be negative")
         require(self.ended_logs_max_mb >= 0, f"ended_logs_max_mb ({self.ended_logs_max_mb}) must not be negative "
                 "(0 = never deleted)")
 

@@ -44,7 +44,6 @@ PROG = "phalanx-agent"
 READ_LOG_MAX = 1 << 20  # bytes per log read; the CLI pages through longer logs
 PRUNE_LOGS_EVERY_S = 60.0  # how often ended jobs' rank logs are measured against ended_logs_max_mb
 RANK_POLL_S = 0.1  # how often the agent looks for ranks that ended, to tell the controller at once
-SNAPSHOT_IDLE_S = 600.0  # a job's snapshots here that have not changed this long (and no rank of it runs) are dropped
 EVENT_BEAT_GAP_S = 0.25  # a GPU event sends a heartbeat at once, at most this often: an XID storm is no heartbeat storm
 TELEMETRY_STALE_S = 5.0  # a scrape reads the last heartbeat's GPU readings, and starts a sweep when they are older
 logger = log.get("agent")
@@ -98,12 +97,12 @@ class Agent:
                 cpus_for_gpu[locality.gpu_index] = parse_cpulist(locality.cpulist)
         warm = WarmPool(Path(cfg.state_dir), self.clock, cfg.warm_start,
                         lambda job, why: self._emit("warm_start_off", f"ranks of {job} on {self.name} start cold: "
-                                                    f"{why}", job=job))
+                                                    f"{why}", job=job), quiet_s=cfg.warm_quiet_s)
         sec = cfg.security
         self.supervisor = Supervisor(Path(cfg.state_dir), cpus_for_gpu, clock=self.clock, warm=warm,
                                      cgroups=Cgroups(cfg.cgroup_root, cfg.cgroup_parent, self.name),
                                      accounts=AccountPolicy(tuple(comma_list(sec.rank_accounts)), sec.root_ranks,
-                                                            sec.agent_user_ranks))
+                                                            sec.agent_user_ranks), park_hold_s=cfg.park_hold_s)
         self.local = LocalState()
         self.snapshots: snaps.Snapshots | None = None
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)
@@ -215,7 +214,7 @@ class Agent:
 
     def _forget_snapshots(self, ranks: list[node_pb2.RankStatus]) -> None:
         """Snapshots outlive their ranks (a restore needs them), not their job: a job with no rank here and no
-        new snapshot for SNAPSHOT_IDLE_S has ended or moved on, and its memory is given back."""
+        new snapshot for snapshot_idle_s has ended or moved on, and its memory is given back."""
         assert self.snapshots is not None
         now = self.clock.monotonic()
         keys: dict[str, set] = {}
@@ -226,7 +225,7 @@ class Agent:
             if job in running or held_keys != self._snapshot_keys.get(job):  # its ranks here or elsewhere go on
                 self._snapshot_seen[job] = now
         self._snapshot_keys = keys
-        idle = {job for job in keys if now - self._snapshot_seen.get(job, now) > SNAPSHOT_IDLE_S}
+        idle = {job for job in keys if now - self._snapshot_seen.get(job, now) > self.cfg.snapshot_idle_s}
         if idle:
             gone = self.snapshots.store.forget(set(keys) - idle)
             self.snapshots.replicator.forget(gone)

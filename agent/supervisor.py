@@ -36,7 +36,7 @@ from phalanx.v1 import common_pb2, node_pb2
 logger = log.get("supervisor")
 
 KEEP_EXITED_S = 600.0  # exited ranks stay reported this long, so the controller hears of them
-PARK_HOLD_S = 60.0  # a rank parked by trainlib.run waits this long for a next generation here, then exits
+PARK_HOLD_S = 60.0  # the default of the agent's park_hold_s
 # Run by path, isolated (-I: no working directory, script directory or PYTHONPATH on sys.path): a
 # user's `agent.py` or `agent/` in the job's working directory cannot shadow the wrapper.
 WRAPPER = str(Path(rankwrap.__file__).resolve())
@@ -178,8 +178,9 @@ class _Parked:
 class Supervisor:
     def __init__(self, state_dir: Path, cpus_for_gpu: dict[int, list[int]] | None = None,
                  clock: Clock | None = None, warm: WarmPool | None = None, cgroups: Cgroups | None = None,
-                 accounts: AccountPolicy | None = None) -> None:
+                 accounts: AccountPolicy | None = None, park_hold_s: float = PARK_HOLD_S) -> None:
         self._clock = clock or RealClock()
+        self._park_hold_s = park_hold_s  # agent park_hold_s
         self._accounts = accounts or AccountPolicy(root=True)
         self._cgroups = cgroups
         self.warm = warm
@@ -385,7 +386,7 @@ class Supervisor:
     def park(self, request, deliver: Callable[[dict[str, str] | None, str], bool]) -> str:
         """A rank run by trainlib.run ended its generation (`request.exit_code`: 0 stopped, else failed) and waits to
         rejoin the next. Its generation's record ends now, as if the process had exited with that code; the next
-        launch here with the same rank hands it the new environment (deliver), or, after PARK_HOLD_S, it is told to
+        launch here with the same rank hands it the new environment (deliver), or, after park_hold_s, it is told to
         exit. Returns why it cannot wait here, or ""."""
         record = self._ranks.get(f"{request.job}.g{request.generation}.r{request.rank}")
         if record is None or not self._alive(record):
@@ -398,8 +399,10 @@ class Supervisor:
         record.exit_code, record.exited_at = request.exit_code, wall_s(self._clock)
         self._end_slowness(record.key)
         self._save(record)
-        timer = self._clock.call_later(PARK_HOLD_S, lambda: self._release(
-            key, f"no generation of {request.job} was launched here with rank {request.rank} within {PARK_HOLD_S:g}s"))
+        hold = self._park_hold_s
+        timer = self._clock.call_later(hold, lambda: self._release(
+            key, f"no generation of {request.job} was launched here with rank {request.rank} within {hold:g}s "
+                 "(park_hold_s)"))
         self._parked[key] = _Parked(record, deliver, timer)
         logger.info("rank waits to rejoin", job=request.job, generation=request.generation, rank=request.rank,
                     exit_code=request.exit_code, reason=request.reason)

@@ -17,7 +17,7 @@ interpreter cannot start, say) its recipe turns cold: the agent says so once, wi
 last standby's output, and does not try again. One death is not enough: an import can crash once
 on a loaded machine (torch 2.13 on this 2-CPU machine did, with SIGSEGV, once in some hundred).
 
-Standbys start one at a time, not while a launch on this node is younger than QUIET_S, and (where the
+Standbys start one at a time, not while a launch on this node is younger than warm_quiet_s, and (where the
 agent may lift it again: as root) under SCHED_IDLE, so that their imports take only CPU time nobody
 else wants: a rank whose data loader or Python loop shared its cores with an import would look like a
 straggler. A standby is back at the normal policy before it forks its rank.
@@ -41,7 +41,7 @@ logger = log.get("warm")
 
 WARMSTART = str(Path(__file__).with_name("warmstart.py").resolve())
 HOLD_S = 120.0  # a job's standbys outlive its last launch (or spare request) here by this long
-QUIET_S = 3.0  # no standby starts within this long of a launch on this node
+QUIET_S = 3.0  # the default of the agent's warm_quiet_s: no standby starts within this long of a launch here
 COLD_AFTER = 3  # standbys of a recipe that died in a row before their rank came, and the recipe turns cold
 # torch._dynamo too: torch.optim.Optimizer imports it the first time one is made (its _disable_dynamo), 1.2-1.6 s
 # of every restart's first step on this machine, and ~70 MB more per standby. It starts no thread on import.
@@ -123,6 +123,7 @@ class WarmPool:
     clock: Clock
     enabled: bool = True
     on_cold: Callable[[str, str], None] = lambda job, why: None  # a recipe turned cold: (job, why), once
+    quiet_s: float = QUIET_S  # the agent's warm_quiet_s
     _wants: dict[Recipe, _Want] = field(default_factory=dict)
     _standbys: dict[Recipe, list[Standby]] = field(default_factory=dict)
     _cold: set[Recipe] = field(default_factory=set)
@@ -163,7 +164,7 @@ class WarmPool:
         return ended
 
     def launching(self) -> None:
-        """A launch on this node: standbys wait QUIET_S before starting."""
+        """A launch on this node: standbys wait warm_quiet_s before starting."""
         self._last_launch = self.clock.monotonic()
 
     def take(self, recipe: Recipe | None) -> Standby | None:
@@ -214,7 +215,7 @@ class WarmPool:
                     importing = True
                 else:
                     self._deaths.pop(standby.recipe, None)
-        if importing or now - self._last_launch < QUIET_S:
+        if importing or now - self._last_launch < self.quiet_s:
             return
         for recipe, want in self._wants.items():
             if recipe not in self._cold and len(self._standbys.get(recipe, [])) < want.count:

@@ -69,6 +69,8 @@ class JobsConfig:
                                  "agents' labels (switch, spine, block), else one domain")
     schedule_interval_s: float = setting(0.5, "seconds between scheduler passes (it also runs on every change)")
     launch_timeout_s: float = setting(30.0, "seconds an agent has to start its ranks")
+    fence_repeat_s: float = setting(10.0, "a node still running a generation that is no longer current "
+                                   "(a fenced one, after a partition) is told to stop it again after this long")
     missing_reports_lost: int = setting(5, "heartbeats in a row from a rank's node without news of the rank before "
                                         "the rank counts as lost")
     stop_grace_s: float = setting(30.0, "seconds between SIGTERM and SIGKILL when a job's ranks are stopped")
@@ -101,6 +103,7 @@ class JobsConfig:
         require(self.ended_kept_s >= 0, f"jobs.ended_kept_s ({self.ended_kept_s}) must not be negative (0 = no age "
                 "limit)")
         positive("jobs.launch_timeout_s", self.launch_timeout_s)
+        positive("jobs.fence_repeat_s", self.fence_repeat_s)
         require(self.missing_reports_lost >= 1,
                 f"jobs.missing_reports_lost ({self.missing_reports_lost}) must be at least 1")
         require(self.stop_grace_s >= 0, f"jobs.stop_grace_s ({self.stop_grace_s}) must not be negative")

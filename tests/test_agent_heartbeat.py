@@ -184,10 +184,10 @@ async def test_a_jobs_snapshots_are_reported_and_given_back_once_it_has_left_the
     import zlib
 
     from agent import snapshots as snaps
-    from agent.main import SNAPSHOT_IDLE_S
     clock = FakeClock()
     cfg = agent_config.AgentConfig(node_name="node-f", state_dir=str(tmp_path / "state"), nvrx_socket="",
-                                   snapshot_dir=str(tmp_path / "snap"), checkpoint_dir=str(tmp_path))
+                                   snapshot_dir=str(tmp_path / "snap"), checkpoint_dir=str(tmp_path),
+                                   snapshot_idle_s=300.0)  # snapshot_idle_s: ten minutes by default
     agent = Agent(cfg, SimBackend(2, "node-f", seed=1), clock=clock)
     agent.link.emit = lambda *a, **k: None
     key = snaps.Key("job-9", 1, 0, 5)
@@ -196,7 +196,7 @@ async def test_a_jobs_snapshots_are_reported_and_given_back_once_it_has_left_the
     path.write_bytes(b"state")
     assert agent.snapshots.taken(key, str(path), 5, zlib.crc32(b"state")) == ""
     assert [(s.job, s.step) for s in (await agent.heartbeat(1.0)).snapshots] == [("job-9", 5)]
-    clock.advance(SNAPSHOT_IDLE_S - 1)
+    clock.advance(300.0 - 1)
     assert len((await agent.heartbeat(1.0)).snapshots) == 1  # unchanged, but not for long enough
     clock.advance(2)
     assert not (await agent.heartbeat(1.0)).snapshots and not path.exists()  # its memory is given back

@@ -38,7 +38,6 @@ logger = log.get("jobs")
 pb = common_pb2
 FORGET_EVERY_S = 60.0  # how often ended jobs' records are looked over for deletion (jobs.ended_kept)
 FORGET_BATCH = 100  # records deleted in one commit (an etcd transaction holds 128 operations)
-FENCE_REPEAT_S = 10.0  # a stale generation on a node is told to stop again after this long
 # A running job's spares are asked to hold standbys of its ranks (agent.warm) for PREPARE_HOLD_S, renewed this often.
 PREPARE_RENEW_S = 30.0
 PREPARE_HOLD_S = 120.0
@@ -444,7 +443,8 @@ class JobManager:
             stale.setdefault((status.job, status.generation), []).append(status.rank)
         for (job_id, generation), ranks in stale.items():
             key = (node.record.name, job_id, generation)
-            if now - self._fenced.get(key, -FENCE_REPEAT_S) < FENCE_REPEAT_S or node.session is None:
+            repeat = self.cfg.fence_repeat_s
+            if now - self._fenced.get(key, -repeat) < repeat or node.session is None:
                 continue
             self._fenced[key] = now
             entry = self.entries.get(job_id)
