@@ -2,6 +2,15 @@
 
 from phalanx.errors import PhalanxError
 
+# gRPC carries a status message in a trailer, percent-encoded (up to 12 bytes a character), and clients refuse
+# trailers over 8 KiB: a longer message would reach the caller as RESOURCE_EXHAUSTED instead of itself.
+MAX_DETAILS_CHARS = 500
+
+
+def details(message: str) -> str:
+    """A status message short enough to arrive: messages cut what they quote, this is the backstop."""
+    return message if len(message) <= MAX_DETAILS_CHARS else message[:MAX_DETAILS_CHARS - 3] + "..."
+
 
 class ControllerError(PhalanxError):
     """Base of every error the controller raises on purpose."""

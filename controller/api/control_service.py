@@ -7,8 +7,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import psutil
 
-from controller import access
-from controller.api import validation
+from controller import access, validation
 from controller.api.auth import current_peer
 from controller.api.rendezvous_service import TORCHRUN_PREFIX
 from controller.api.rpc import unary

@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from controller.api import auth, validation
+from controller import validation
+from controller.api import auth
 from controller.api.rpc import status_for, unary
 from controller.credentials import Credentials
 from controller.errors import AlreadyInSession, ControllerError, FailedPrecondition, InvalidArgument

@@ -8,7 +8,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from controller.api.validation import request_size
 from controller.errors import (
     AlreadyInSession,
     ControllerError,
@@ -18,7 +17,9 @@ from controller.errors import (
     PermissionDenied,
     StoreError,
     Unavailable,
+    details,
 )
+from controller.validation import request_size
 from phalanx import log
 from phalanx.errors import BadRequest, PhalanxError
 
@@ -37,14 +38,6 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
 
 R = TypeVar("R")
 
-# gRPC carries a status message in a trailer, percent-encoded (up to 12 bytes a character), and clients refuse
-# trailers over 8 KiB: a longer message would reach the caller as RESOURCE_EXHAUSTED instead of itself.
-MAX_DETAILS_CHARS = 500
-
-
-def details(message: str) -> str:
-    """A status message short enough to arrive: messages cut what they quote, this is the backstop."""
-    return message if len(message) <= MAX_DETAILS_CHARS else message[:MAX_DETAILS_CHARS - 3] + "..."
 
 
 def status_for(error: PhalanxError) -> grpc.StatusCode:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
-from controller import access
-from controller.api import validation
+from controller import access, validation
 from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
 from controller.jobs.topology import ClusterTopology
@@ -25,7 +23,8 @@ from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
 from controller.recovery import detectors, lifecycle, table
 from controller.recovery import progress as monitors
 from controller.recovery import snapshots as snapshot_plan
-from controller.recovery.executor import Executor, PendingCheckpoint
+from controller.recovery.entry import JobEntry
+from controller.recovery.executor import Executor
 from controller.recovery.table import ACTIVE, RUNNING, TERMINAL, rank_may_move, state_name
 from controller.store.base import EventRecord, JobRecord, Store
 from phalanx import clock as clocks
@@ -43,46 +42,6 @@ PREPARE_RENEW_S = 30.0
 PREPARE_HOLD_S = 120.0
 
 __all__ = ["ACTIVE", "TERMINAL", "JobEntry", "JobManager", "state_name"]
-
-
-@dataclass
-class JobEntry:
-    job: pb.Job
-    revision: int = 0
-    # What this process sees of the current generation; reset when the generation changes.
-    generation: int = 0
-    missing: dict[int, int] = field(default_factory=dict)  # rank -> heartbeats without news of it
-    tracks: dict[int, monitors.RankTrack] = field(default_factory=dict)  # progress, from trainlib's reports
-    nccl: dict[int, pb.NcclRankState] = field(default_factory=dict)  # rank -> newest flight-recorder state
-    fatal: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
-    launch: lifecycle.LaunchView | None = None
-    launch_task: asyncio.Task | None = None
-    stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when, command id)
-    checkpoint: PendingCheckpoint | None = None
-    # trainlib has reported progress for some generation of this job (kept across generations, and stored as
-    # Job.progress_reported at the next commit for a controller that restarts or takes over): a request to a new
-    # generation waits for its pace rather than saying "at once"
-    reported: bool = False
-    incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
-    incident_kind: str = ""
-    # node -> the in-memory snapshots of this job it holds, from its newest heartbeat (kept across generations:
-    # a new generation restores from the last one's)
-    snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
-    pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
-    prepared: dict[str, float] = field(default_factory=dict)  # spare -> monotonic time it was last asked for standbys
-    standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there
-
-    def new_generation(self, generation: int) -> None:
-        if generation == self.generation:
-            return
-        if self.launch_task is not None and self.launch is not None and self.launch.generation != generation:
-            self.launch_task.cancel()
-        self.generation = generation
-        self.missing, self.tracks, self.nccl, self.fatal, self.stops = {}, {}, {}, {}, {}
-        self.checkpoint = None
-        if self.launch is not None and self.launch.generation != generation:
-            self.launch = None
-
 
 
 def expired(entries: Iterable[JobEntry], stopping: set[str], newest: str, now: float, cfg: JobsConfig) -> list[str]:

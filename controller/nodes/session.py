@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from controller.api.rpc import details
-from controller.errors import FailedPrecondition
+from controller.errors import FailedPrecondition, details
 from phalanx import clock as clocks
 from phalanx.clock import Clock, RealClock
 from phalanx.v1 import node_pb2

@@ -11,8 +11,7 @@ as the clock is moved.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from controller.errors import FailedPrecondition
 from controller.jobs.placement import Candidate
@@ -20,6 +19,7 @@ from controller.nodes.states import DOWN
 from controller.recovery import lifecycle
 from controller.recovery import snapshots as snapshot_plan
 from controller.recovery.detectors import NodeView
+from controller.recovery.entry import JobEntry, PendingCheckpoint
 from controller.recovery.table import (
     ACTIVE,
     CANCELLING,
@@ -38,28 +38,50 @@ from phalanx.rpc import peer_host
 from phalanx.v1 import node_pb2
 
 if TYPE_CHECKING:
-    from controller.jobs.manager import JobEntry, JobManager
-    from controller.nodes.registry import NodeEntry
+    from collections import Counter
+
+    from controller import access
+    from controller.config import JobsConfig
+    from controller.jobs.topology import ClusterTopology
+    from controller.nodes.registry import NodeEntry, Registry
+    from controller.obs.stats import Buckets
+    from phalanx.clock import Clock
+
+
+class Jobs(Protocol):
+    """What the executor needs of the job manager, which implements it (controller/jobs/manager.py): the jobs'
+    entries and their lock, the nodes, the clock, the store's commits and event log, and the counters for metrics.
+    The executor never imports the manager; the manager owns the executor."""
+
+    entries: dict[str, JobEntry]
+    registry: Registry
+    cfg: JobsConfig
+    clock: Clock
+    lock: asyncio.Lock
+    access_policy: access.Policy | None
+    own_work_at: dict[str, float]  # node -> when Phalanx last started its own work there (standbys)
+    ended_ranks: set[str]  # ended jobs whose running ranks ended since (save_ended_ranks)
+    incidents: Counter
+    restarts_by_cause: Counter
+    recovery_s: dict[str, Buckets]
+
+    def now(self) -> float: ...
+
+    def policy(self) -> lifecycle.Policy: ...
+
+    def topology(self) -> ClusterTopology: ...
+
+    def fenced(self, node: str, job: str, generation: int) -> None: ...
+
+    async def save(self, entry: JobEntry, commit: lifecycle.Commit) -> None: ...
+
+    async def log(self, event: lifecycle.Event, job: str) -> None: ...
+
+    async def save_ended_ranks(self) -> None: ...
+
+    async def forget_ended(self) -> None: ...
 
 logger = log.get("recovery")
-
-@dataclass
-class PendingCheckpoint:
-    """One checkpoint request of this process: the acknowledgements so far, and who waits for them."""
-
-    request_id: int
-    generation: int
-    ranks: int
-    acks: dict[int, int] = field(default_factory=dict)  # rank -> committed step
-    in_memory: set[int] = field(default_factory=set)  # ranks that committed an in-memory snapshot, replicated
-    future: asyncio.Future | None = None  # a user's `phalanx checkpoint` waits on it
-    job: str = ""
-    request: object = None  # the lifecycle's JobCheckpoint: told again to the nodes it has not reached
-    untold: set[str] = field(default_factory=set)  # nodes whose agent it has not reached (not connected then)
-
-    def view(self) -> lifecycle.CheckpointView:
-        return lifecycle.CheckpointView(self.request_id, dict(self.acks), len(self.in_memory & set(self.acks)))
-
 
 MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a pass, not a recovery
 # A job that ends waits this long at most for the Slurm drains of its evicted nodes (slurm.adrain: 3 tries of
@@ -68,7 +90,7 @@ SLURM_DRAIN_WAIT_S = 10.0
 
 
 class Executor:
-    def __init__(self, jobs: JobManager) -> None:
+    def __init__(self, jobs: Jobs) -> None:
         self.jobs = jobs
         self._wake = asyncio.Event()
         self._timer = None

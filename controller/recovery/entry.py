@@ -1,0 +1,74 @@
+"""What this controller process sees of one job beside its stored record: the current generation's missing
+reports, progress, flight-recorder states and fatal reasons, the launch and checkpoint under way, the stops sent,
+the snapshots held and standbys ready on its nodes. The job manager keeps one per job (controller/jobs/manager.py)
+and fills it from heartbeats; the executor builds the lifecycle's view from it (controller/recovery/executor.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from controller.recovery import lifecycle
+from controller.recovery import progress as monitors
+from phalanx.v1 import common_pb2, node_pb2
+
+pb = common_pb2
+
+
+@dataclass
+class PendingCheckpoint:
+    """One checkpoint request of this process: the acknowledgements so far, and who waits for them."""
+
+    request_id: int
+    generation: int
+    ranks: int
+    acks: dict[int, int] = field(default_factory=dict)  # rank -> committed step
+    in_memory: set[int] = field(default_factory=set)  # ranks that committed an in-memory snapshot, replicated
+    future: asyncio.Future | None = None  # a user's `phalanx checkpoint` waits on it
+    job: str = ""
+    request: object = None  # the lifecycle's JobCheckpoint: told again to the nodes it has not reached
+    untold: set[str] = field(default_factory=set)  # nodes whose agent it has not reached (not connected then)
+
+    def view(self) -> lifecycle.CheckpointView:
+        return lifecycle.CheckpointView(self.request_id, dict(self.acks), len(self.in_memory & set(self.acks)))
+
+
+
+@dataclass
+class JobEntry:
+    job: pb.Job
+    revision: int = 0
+    # What this process sees of the current generation; reset when the generation changes.
+    generation: int = 0
+    missing: dict[int, int] = field(default_factory=dict)  # rank -> heartbeats without news of it
+    tracks: dict[int, monitors.RankTrack] = field(default_factory=dict)  # progress, from trainlib's reports
+    nccl: dict[int, pb.NcclRankState] = field(default_factory=dict)  # rank -> newest flight-recorder state
+    fatal: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
+    launch: lifecycle.LaunchView | None = None
+    launch_task: asyncio.Task | None = None
+    stops: dict[str, tuple | None] = field(default_factory=dict)  # node -> (session, beats, when, command id)
+    checkpoint: PendingCheckpoint | None = None
+    # trainlib has reported progress for some generation of this job (kept across generations, and stored as
+    # Job.progress_reported at the next commit for a controller that restarts or takes over): a request to a new
+    # generation waits for its pace rather than saying "at once"
+    reported: bool = False
+    incident_at: float | None = None  # monotonic time the recovery under way began (this process), for metrics
+    incident_kind: str = ""
+    # node -> the in-memory snapshots of this job it holds, from its newest heartbeat (kept across generations:
+    # a new generation restores from the last one's)
+    snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
+    pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
+    prepared: dict[str, float] = field(default_factory=dict)  # spare -> monotonic time it was last asked for standbys
+    standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there
+
+    def new_generation(self, generation: int) -> None:
+        if generation == self.generation:
+            return
+        if self.launch_task is not None and self.launch is not None and self.launch.generation != generation:
+            self.launch_task.cancel()
+        self.generation = generation
+        self.missing, self.tracks, self.nccl, self.fatal, self.stops = {}, {}, {}, {}, {}
+        self.checkpoint = None
+        if self.launch is not None and self.launch.generation != generation:
+            self.launch = None
+
