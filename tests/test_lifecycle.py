@@ -958,3 +958,23 @@ def test_ranks_that_exit_1_on_their_way_out_of_a_failed_collective_are_a_crash_t
     exit_ranks(sim, {0: 1, 2: 1, 3: 1})
     sim.run_until(lambda: running(sim) and sim.job.generation == 2)
     assert sim.incidents == ["crash"] and sim.job.state == pb.JOB_STATE_RUNNING, sim.events
+
+
+def test_a_rank_whose_node_stops_telling_of_it_is_lost_by_the_step_and_stored_with_the_incident():
+    """The job manager only counts the heartbeats without news of a rank (JobView.missing); `step` decides the rank
+    LOST at jobs.missing_reports_lost and the crash incident's commit stores it. The record it was given is never
+    changed in place (it is the stored one)."""
+    sim = Sim()
+    start(sim)
+    limit = POLICY.jobs.missing_reports_lost
+    before = pb.Job()
+    before.CopyFrom(sim.job)
+    view = sim.view()
+    short = lifecycle.JobView(**{**view.__dict__, "missing": {1: limit - 1}})
+    assert not [a for a in lifecycle.step(sim.job, short, sim.now, POLICY) if isinstance(a, lifecycle.Commit)]
+    lost = lifecycle.JobView(**{**view.__dict__, "missing": {1: limit}})
+    commit = lifecycle.step(sim.job, lost, sim.now, POLICY)[0]
+    assert isinstance(commit, lifecycle.Commit) and commit.incident == "crash" and "rank 1" in commit.message
+    assert "was lost" in commit.message
+    assert [r.state for r in commit.job.ranks if r.rank == 1] == [pb.RANK_STATE_LOST]
+    assert sim.job == before  # decided on a copy

@@ -519,3 +519,28 @@ def test_a_request_cancelled_while_its_commit_is_in_the_store_leaves_the_job_com
         await world.stop()
 
     run(go())
+
+
+def test_a_rank_its_node_stops_telling_of_is_lost_and_the_job_restarts_with_the_loss_stored():
+    """A node that runs and beats but no longer reports one of its ranks (its wrapper gone without an exit file):
+    after jobs.missing_reports_lost heartbeats the step decides the rank LOST, and the restart's incident is stored
+    with it; the manager only counted the heartbeats."""
+    world = World(recovery=FAST)
+
+    async def main():
+        try:
+            job_id = await cluster(world)
+            victim = world.agents[world.job(job_id).nodes[1]]
+            gone = next(key for key, status in victim.ranks.items() if status.job == job_id)
+            del victim.ranks[gone]  # no exit seen: only silence about it
+            await world.until(lambda: world.job(job_id).generation == 2 and state(world, job_id) == "RUNNING",
+                              "generation 2 running")
+            records = {r.id: r for r in await world.store.load_jobs()}
+            incident = [e.message for e in await world.store.list_events(job=job_id, limit=1000)
+                        if e.kind == "job.incident"]
+            assert len(incident) == 1 and f"rank {gone[2]}" in incident[0] and "was lost" in incident[0], incident
+            assert records[job_id].state == "RUNNING"
+        finally:
+            await world.stop()
+
+    run(main())

@@ -319,11 +319,9 @@ class JobManager:
                 if rank.node != name or rank.state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
                     continue
                 status = reported.get((job.id, rank.rank))
-                if status is None:
+                if status is None:  # counted here; the lifecycle's step decides the rank LOST (ranks_lost)
                     entry.missing[rank.rank] = entry.missing.get(rank.rank, 0) + 1
                     if entry.missing[rank.rank] >= self.cfg.missing_reports_lost:
-                        table.check_rank(job.id, rank.rank, rank.state, pb.RANK_STATE_LOST)
-                        rank.state = pb.RANK_STATE_LOST
                         changed = True
                     continue
                 entry.missing.pop(rank.rank, None)

@@ -171,7 +171,8 @@ class Executor:
             launch=entry.launch if entry.launch is not None and entry.launch.generation == job.generation else None,
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
             candidates=self.candidates(exclude=job.id, within=job.spec.within) if fleet else (),
-            topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported)
+            topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported,
+            missing=dict(entry.missing))
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
         job, name = entry.job, node.record.name

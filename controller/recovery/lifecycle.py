@@ -30,13 +30,16 @@ from controller.recovery.table import (
     FAILED,
     PENDING,
     RANK_EXITED,
+    RANK_LOST,
     RANK_RUNNING,
+    RANK_UNKNOWN,
     RENDEZVOUS,
     RESTARTING,
     RUNNING,
     STARTING,
     SUCCEEDED,
     check,
+    check_rank,
     state_name,
 )
 from phalanx import hostlist, slurm
@@ -78,6 +81,8 @@ class JobView:
     topology: ClusterTopology | None = None
     fleet: bool = False  # `candidates` are every node of the fleet, not only the job's own
     reported: bool = False  # trainlib has reported progress for some generation of the job (it will for this one)
+    # rank -> heartbeats in a row from its node without news of it (this generation; the job manager counts them)
+    missing: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -291,7 +296,24 @@ def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
 def step(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     """What to do next for `job`, given what is seen of it and the wall-clock time `now`."""
     decide = _BY_STATE.get(job.state)
-    return decide(job, view, now, policy) if decide is not None else []  # a final state: nothing to do
+    if decide is None:
+        return []  # a final state: nothing to do
+    return decide(ranks_lost(job, view.missing, policy.jobs.missing_reports_lost), view, now, policy)
+
+
+def ranks_lost(job: pb.Job, missing: Mapping[int, int], limit: int) -> pb.Job:
+    """`job` with the ranks whose node has sent `limit` heartbeats in a row without news of them LOST (the node
+    runs, the rank is gone without an exit anyone saw): the job itself when there are none. What follows from a
+    lost rank (a crash incident) is decided on this job, and the commit that follows stores it."""
+    lost = {rank for rank, count in missing.items() if count >= limit}
+    if not lost or not any(r.rank in lost and r.state in (RANK_UNKNOWN, RANK_RUNNING) for r in job.ranks):
+        return job
+    new = copied(job)
+    for rank in new.ranks:
+        if rank.rank in lost and rank.state in (RANK_UNKNOWN, RANK_RUNNING):
+            check_rank(job.id, rank.rank, rank.state, RANK_LOST)
+            rank.state = RANK_LOST
+    return new
 
 
 def ask_checkpoint(job: pb.Job, tracks: Mapping[int, progress.RankTrack], now: float, lead_s: float,
