@@ -146,6 +146,8 @@ class FakeAgent:
         self.mute: set[str] = set()  # commands it carries out without the answer reaching the controller
         self.frozen = False  # SIGSTOP: no heartbeats, no commands read
         self.remap_pending: set[int] = set()  # GPUs with a pending row remap (FAILING)
+        self.gpus_lost: set[int] = set()  # GPUs fallen off the bus (FAILED)
+        self.ack_checkpoints = False  # its ranks commit every checkpoint asked of them, at the step asked
         self.snapshot_address = ""  # where it would serve snapshots (set before connect: a node that keeps them)
         self.snapshots: list[node_pb2.SnapshotHeld] = []  # the in-memory snapshots it says it holds
         self.session: Session | None = None
@@ -188,10 +190,12 @@ class FakeAgent:
 
     def heartbeat(self) -> node_pb2.Heartbeat:
         ranks = sorted(self.ranks.values(), key=lambda s: (s.job, s.generation, s.rank))
-        gpus = [pb.GpuTelemetry(index=i, remap_pending=i in self.remap_pending) for i in range(self.gpus)]
+        gpus = [pb.GpuTelemetry(index=i, remap_pending=i in self.remap_pending, lost=i in self.gpus_lost)
+                for i in range(self.gpus)]
         progress, self.progress = self.progress, []
         return node_pb2.Heartbeat(ranks=ranks, running_ranks=sum(s.state == pb.RANK_STATE_RUNNING for s in ranks),
-                                  gpus=gpus, health_digest=1 + sum(1 << i for i in self.remap_pending),
+                                  gpus=gpus, health_digest=1 + sum(1 << i for i in self.remap_pending)
+                                  + sum(1 << (8 + i) for i in self.gpus_lost),
                                   progress=progress, snapshots=self.snapshots)
 
     async def _beat(self, context: FakeContext, session: Session) -> None:
@@ -220,6 +224,13 @@ class FakeAgent:
             if command.WhichOneof("body") in self.mute:
                 continue
             context.inbox.put_nowait(node_pb2.AgentMessage(result=result))
+            if command.WhichOneof("body") == "checkpoint" and self.ack_checkpoints:
+                ask = command.checkpoint
+                for status in self.running(ask.job):
+                    if status.generation == ask.generation:
+                        context.inbox.put_nowait(node_pb2.AgentMessage(checkpoint_ack=node_pb2.CheckpointAck(
+                            job=ask.job, generation=ask.generation, rank=status.rank, request_id=ask.request_id,
+                            step=ask.at_step)))
 
     def carry_out(self, command: node_pb2.Command) -> node_pb2.CommandResult:
         body = command.WhichOneof("body")
