@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from agent import rankwrap, safefs
+from agent import rank_table, rankwrap, safefs
 from agent.cgroups import CgroupError, Cgroups, RankCgroup
 from agent.warm import HOLD_S, Recipe, WarmPool, recipe
 from phalanx import log
@@ -196,6 +196,7 @@ class Supervisor:
         # job -> the newest generation this agent was told to stop: a launch of it (or an older one) that
         # arrives later — sent by a controller that died before the stop — is refused (fencing).
         self._stopped: dict[str, int] = {}
+        self._unsaved: set[str] = set()  # records of ranks that ended whose end the disk has not taken yet
         self._parked: dict[tuple[str, int], _Parked] = {}  # (job, rank) -> a process waiting to rejoin as that rank
 
     # -- launching ---------------------------------------------------------------------------
@@ -431,42 +432,69 @@ class Supervisor:
             return False
 
     def poll(self) -> list[RankRecord]:
-        """Notice ranks that ended since the last call; returns them."""
-        ended = []
+        """Notice ranks that ended since the last call; returns them. Each record's look is agent/rank_table.py's
+        `decide`, then its actions. A look that fails (a record that cannot be written: a full state disk) is that
+        rank's alone: the other ranks are looked at, and the first failure is raised at the end for the caller to
+        say (the heartbeat goes up regardless); the failed rank is looked at again at the next call."""
+        ended: list[RankRecord] = []
+        failure: OSError | None = None
         now = wall_s(self._clock)
         with self._lock:
             records = list(self._ranks.values())
         for record in records:
-            if record.exit_code is not None or record.lost:
-                if now - record.exited_at > KEEP_EXITED_S:
-                    self._drop(record)
-                elif record.cgroup:  # what it left was killed as it ended, and leaves the cgroup a moment later
-                    self._clear_cgroup(record)
-                continue
-            self._learn_rank_pid(record)
-            if self._alive(record):
-                continue
-            child = self._children.pop(record.pid, None)
-            code = self._read_exit(record)
-            if code is None and child is not None and child.returncode is not None:
-                code = child.returncode  # the wrapper itself was killed (SIGKILL to the group): no exit file
-            record.exited_at = now
-            if code is None:
-                record.lost = True
-            else:
-                record.exit_code = code
-            self._end_slowness(record.key)
-            self._clear_cgroup(record)  # what the rank left running (a daemon it started) ends with it
-            self._save(record)
-            ended.append(record)
-            logger.info("rank ended", job=record.job, generation=record.generation, rank=record.rank,
-                        exit_code=record.exit_code, lost=record.lost)
+            try:
+                if self._look(record, now):
+                    ended.append(record)
+            except OSError as e:
+                failure = failure or e
         with self._lock:
             live = {r.pid for r in self._ranks.values() if r.exit_code is None and not r.lost}
         for pid, child in list(self._children.items()):  # a parked rank told to exit: reap its wrapper
             if pid not in live and child.poll() is not None:
                 self._children.pop(pid, None)
+        if failure is not None:
+            raise failure
         return ended
+
+    def _look(self, record: RankRecord, now: float) -> bool:
+        """One look at one record: rank_table.decide on what is seen, then its actions. True if the rank ended."""
+        if record.key in self._unsaved:  # its end, not written at the look that saw it
+            self._save(record)
+            self._unsaved.discard(record.key)
+        state = rank_table.state_of(record.exit_code, record.lost)
+        alive, code, child = True, None, None
+        if state is rank_table.RankState.RUNNING:
+            alive = self._alive(record)
+            if not alive:
+                child = self._children.get(record.pid)
+                code = self._read_exit(record)
+                if code is None and child is not None and child.returncode is not None:
+                    code = child.returncode  # the wrapper itself was killed (SIGKILL to the group): no exit file
+        seen = rank_table.Seen(alive=alive, exit_code=code, age_s=now - record.exited_at,
+                               has_cgroup=bool(record.cgroup), knows_rank_pid=bool(record.rank_pid))
+        after, actions = rank_table.decide(state, seen, KEEP_EXITED_S)
+        rank_table.check(state, after)
+        A = rank_table.Action
+        for action in actions:
+            if action is A.LEARN_RANK_PID:
+                self._learn_rank_pid(record)
+            elif action is A.END:
+                # known at once (the controller hears of the end with the next heartbeat, whatever the disk says);
+                # a record that cannot be written is written at a later look (_unsaved)
+                lost = after is rank_table.RankState.LOST
+                record.exited_at, record.lost, record.exit_code = now, lost, None if lost else code
+                self._children.pop(record.pid, None)
+                self._end_slowness(record.key)
+                self._unsaved.add(record.key)
+                self._save(record)
+                self._unsaved.discard(record.key)
+                logger.info("rank ended", job=record.job, generation=record.generation, rank=record.rank,
+                            exit_code=record.exit_code, lost=record.lost)
+            elif action is A.CLEAR_CGROUP:  # what the rank left running (a daemon it started) ends with it
+                self._clear_cgroup(record)
+            elif action is A.DROP:
+                self._drop(record)
+        return after is not state
 
     def _clear_cgroup(self, record: RankRecord) -> None:
         """Kill what is left in the rank's cgroup and remove it, once the rank's own process is gone (a parked

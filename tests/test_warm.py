@@ -3,6 +3,7 @@ as `python PROGRAM` would (argv, environment, sys.path, __main__, exit status, s
 like the cold wrapper; the supervisor hands launches to standbys of the same recipe and starts cold otherwise; a
 standby that cannot start turns its recipe cold, once."""
 
+import json
 import os
 import signal
 import sys
@@ -14,7 +15,7 @@ from agent import rankwrap
 from agent.supervisor import Supervisor
 from agent.warm import COLD_AFTER, HOLD_S, QUIET_S, WarmPool, recipe, split_command
 from phalanx.clock import FakeClock
-from phalanx.v1 import node_pb2
+from phalanx.v1 import common_pb2, node_pb2
 from tests.eventually import eventually
 from tests.grpc_busy import busy_grpc
 
@@ -377,3 +378,39 @@ def test_a_standby_imports_what_a_restarted_ranks_first_step_would_otherwise_wai
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)  # trainlib, as an installed one would be
     ahead = run_warm(tmp_path, job_dir, [PY, "first.py"], env)
     assert ahead == ["torch", "torch._dynamo", "torch.distributed", "trainlib"]
+
+
+def test_a_rank_whose_record_cannot_be_written_does_not_keep_the_others_from_ending(tmp_path, job_dir):
+    """Each rank's look is its own (agent/rank_table.py): a record that cannot be saved (here, one rank's, as a
+    full disk would refuse it) fails that look, raised at the end for the agent to say, while the other rank is
+    still seen to end. The failed one's end is known at once (the controller hears of it) and written to its
+    record at the next look that can."""
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock())
+    env = base_env(tmp_path)
+    two = node_pb2.LaunchRanks(job="j", generation=1, command=[PY, "train.py"], env=env, workdir=str(job_dir),
+                               ranks=[node_pb2.RankLaunch(rank=r, env={"RANK": str(r)}) for r in (0, 1)])
+    supervisor.launch(two, env)
+    save = supervisor._save
+    full = {"on": True}
+
+    def refusing(record):
+        if full["on"] and record.rank == 0 and record.exit_code is not None:
+            raise OSError(28, "No space left on device")
+        save(record)
+    supervisor._save = refusing
+
+    def states() -> dict[int, int]:
+        try:
+            supervisor.poll()
+        except OSError:
+            pass
+        return {s.rank: s.state for s in supervisor.statuses()}
+    with pytest.raises(OSError, match="No space left"):
+        wait_until(lambda: supervisor.poll() is None, "a look that fails")  # poll raises once rank 0 ended
+    wait_until(lambda: states() == {0: common_pb2.RANK_STATE_EXITED, 1: common_pb2.RANK_STATE_EXITED},
+               "rank 1 seen to end beside rank 0's failing record")
+    record = tmp_path / "state" / "ranks" / "j.g1.r0.json"
+    assert json.loads(record.read_text())["exit_code"] is None  # not written while the disk refuses
+    full["on"] = False
+    assert supervisor.poll() == []  # nothing newly ended: rank 0's end is only written now
+    assert json.loads(record.read_text())["exit_code"] == 0
