@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from phalanx import framed, log, tls
+from phalanx.clock import Clock, RealClock
 
 logger = log.get("snapshots")
 
@@ -88,8 +89,10 @@ class _Ticket:
 class BulkServer:
     """Serves tickets' files on `host`:`port` (0 = a free one) from threads of its own."""
 
-    def __init__(self, host: str, port: int = 0, tls_files: TlsFiles | None = None) -> None:
+    def __init__(self, host: str, port: int = 0, tls_files: TlsFiles | None = None, clock: Clock | None = None) -> None:
         self._tls = tls_files
+        # tickets expire on the injected clock (a decision); a connection's deadlines bound real socket waits
+        self._clock = clock or RealClock()
         self.revoked: Callable[[str, bytes], bool] = lambda node, der: False  # (node, its certificate) -> refused
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
@@ -118,7 +121,7 @@ class BulkServer:
         file = open(fd, "rb")  # noqa: SIM115 (closed when the ticket is used or expires)
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
-            self._tickets[token] = _Ticket(file, size, time.monotonic() + TICKET_S, node)
+            self._tickets[token] = _Ticket(file, size, self._clock.monotonic() + TICKET_S, node)
         return token
 
     @property
@@ -150,13 +153,13 @@ class BulkServer:
 
     def _take(self, token: bytes) -> _Ticket | None:
         with self._lock:
-            self._expire(time.monotonic())
+            self._expire(self._clock.monotonic())
             return self._tickets.pop(token, None)
 
     def _accept(self) -> None:
         while not self._closed:
             with self._lock:
-                self._expire(time.monotonic())
+                self._expire(self._clock.monotonic())
             try:
                 conn, peer = self._sock.accept()
             except TimeoutError:

@@ -15,6 +15,7 @@ from agent import bulk
 from agent import snapshots as snaps
 from controller.recovery import snapshots as plan
 from phalanx.v1 import node_pb2
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
 
@@ -126,8 +127,8 @@ def _close_bulk_servers():
         BULK_SERVERS.pop().close()
 
 
-def bulk_server(tls_files: bulk.TlsFiles | None = None) -> bulk.BulkServer:
-    BULK_SERVERS.append(bulk.BulkServer("127.0.0.1", 0, tls_files))
+def bulk_server(tls_files: bulk.TlsFiles | None = None, clock=None) -> bulk.BulkServer:
+    BULK_SERVERS.append(bulk.BulkServer("127.0.0.1", 0, tls_files, clock))
     return BULK_SERVERS[-1]
 
 
@@ -906,19 +907,20 @@ def test_a_bulk_receive_given_up_on_stops_at_once_and_never_touches_the_next_att
     asyncio.run(scenario())
 
 
-def test_a_ticket_never_used_lets_its_file_go_within_its_time(tmp_path, monkeypatch):
+def test_a_ticket_never_used_lets_its_file_go_within_its_time(tmp_path):
     """A ticket holds its file open (a snapshot reclaimed meanwhile is still sent whole); one never used (the
-    receiver refused the snapshot after asking, its budget full) closed it only at the next ticket, hours later."""
-    monkeypatch.setattr(bulk, "TICKET_S", 0.2)
+    receiver refused the snapshot after asking, its budget full) closed it only at the next ticket, hours later.
+    Its time is the injected clock's; the accept loop looks each second."""
+    from phalanx.clock import FakeClock
+    clock = FakeClock()
     store = snaps.SnapshotStore(tmp_path / "b", budget_bytes=1 << 30)
     held = write(store, key(3), b"x" * 1000)
-    server = bulk_server()
+    server = bulk_server(clock=clock)
     server.ticket(os.open(held.path, os.O_RDONLY), held.size)
-    assert server.outstanding == 1
-    deadline = time.monotonic() + 30
-    while server.outstanding and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.outstanding == 0
+    clock.advance(bulk.TICKET_S - 1)
+    assert server._take(b"not a token") is None and server.outstanding == 1  # a look: not yet
+    clock.advance(2)
+    eventually(lambda: server.outstanding == 0, "the ticket dropped at the accept loop's next look")
 
 
 def test_gRPC_peers_are_parsed_for_their_host_ipv6_included():
