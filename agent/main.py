@@ -434,7 +434,11 @@ class Agent:
         not at the next heartbeat."""
         while True:
             await self.clock.sleep(RANK_POLL_S)
-            if self.supervisor.poll():
+            try:
+                ended = bool(self.supervisor.poll())
+            except OSError:  # a rank's record the disk refused (the heartbeat's tending says so): a heartbeat now
+                ended = True  # tells what is known, and this watch goes on
+            if ended:
                 self.link.beat_now()
 
     def _job_socket(self, job: str, account_name: str) -> str:

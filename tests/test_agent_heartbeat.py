@@ -97,6 +97,18 @@ async def test_a_full_state_disk_does_not_silence_the_node(tmp_path):
         beat = await agent.heartbeat(1.0)
         assert len(beat.gpus) == 2
     assert [kind for kind, _, _ in events] == ["rank_bookkeeping_failing"] and "No space left" in events[0][1]
+    # the watch for ranks that end (every 0.1 s) goes on too, asking for a heartbeat with what is known
+    beats = []
+    agent.link.beat_now = lambda: beats.append(1)
+    watch = asyncio.ensure_future(agent._watch_ranks())
+    try:
+        for _ in range(3):
+            agent.clock.advance(0.1)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        assert not watch.done() and len(beats) >= 2
+    finally:
+        watch.cancel()
     del agent.supervisor.poll  # the disk has room again
     await agent.heartbeat(1.0)
     assert not agent._tending_failed and len(events) == 1
