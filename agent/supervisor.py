@@ -462,7 +462,7 @@ class Supervisor:
             self._save(record)
             self._unsaved.discard(record.key)
         state = rank_table.state_of(record.exit_code, record.lost)
-        alive, code, child = True, None, None
+        alive, code = True, None
         if state is rank_table.RankState.RUNNING:
             alive = self._alive(record)
             if not alive:
@@ -749,6 +749,7 @@ class Supervisor:
         os.replace(tmp, path)
 
     def _drop(self, record: RankRecord) -> None:
+        self._unsaved.discard(record.key)
         self._clear_cgroup(record)  # a parked rank's, once its process has gone
         with self._lock:
             self._ranks.pop(record.key, None)

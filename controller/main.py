@@ -257,8 +257,7 @@ class HaMember:
     def became(self, role: ha_role.Role, happened: ha_role.Happened) -> None:
         if role is ha_role.Role.LEADING and self.term is not None:
             sdnotify.notify(f"STATUS=leader (epoch {self.term.epoch}) on {self.cfg.listen}")
-        if role is not ha_role.Role.TAKING_OVER:
-            logger.debug("role", role=role.value, after=happened.value)
+        logger.debug("role", role=role.value, after=happened.value)
 
     async def _stop_sessions(self) -> None:
         if self.sessions is not None:

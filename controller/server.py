@@ -141,8 +141,9 @@ class Controller:
                                        self.hub.publish)
         if sec.cert_file and not sec.insecure:  # no node may enrol under a name the controller answers to
             with contextlib.suppress(OSError, ValueError):
-                self.credentials.reserved |= pki.certificate_names(Path(sec.cert_file).read_bytes())
-                if pki.CONTROLLER_NAME not in self.credentials.reserved:
+                own = pki.certificate_names(Path(sec.cert_file).read_bytes())
+                self.credentials.reserved |= own
+                if pki.CONTROLLER_NAME not in own:
                     logger.error(f"this controller's certificate does not carry {pki.CONTROLLER_NAME}, the name "
                                  "agents, the CLI, torchrun's plugin and enrolling nodes check to know a controller "
                                  "from a node: they refuse it. Issue it again (`phalanx certs issue NAME --role "

@@ -369,7 +369,7 @@ class Recorder(grpc.GenericRpcHandler):
         return None
 
 
-def impostor(ca: Path, name: str, cert_pem: bytes, key_pem: bytes):
+def impostor(ca: Path, cert_pem: bytes, key_pem: bytes):
     """A gRPC server on 127.0.0.1 that presents (cert_pem, key_pem) and asks clients for certificates of the CA."""
     recorder = Recorder()
     server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[recorder])
@@ -400,7 +400,7 @@ def test_clients_take_only_a_controllers_certificate_as_the_controller(secure, c
     call is sent; the same server with the controller's own certificate is reached (so the refusal is the name's)."""
     env = {"PHALANX_CA": str(ca / "ca.crt"), "PHALANX_CERT": str(ca / "operator.crt"),
            "PHALANX_KEY": str(ca / "operator.key"), "PHALANX_INSECURE": ""}
-    real, address, recorder = impostor(ca, "controller", (ca / "controller.crt").read_bytes(),
+    real, address, recorder = impostor(ca, (ca / "controller.crt").read_bytes(),
                                        (ca / "controller.key").read_bytes())
     try:
         reached = run("-m", "phalanx.cli.main", "--controller", address, "nodes", env=env)
@@ -409,7 +409,7 @@ def test_clients_take_only_a_controllers_certificate_as_the_controller(secure, c
     finally:
         real.stop(None)
 
-    fake, address, recorder = impostor(ca, "127.0.0.1", *node_certificate_for_loopback(ca))
+    fake, address, recorder = impostor(ca, *node_certificate_for_loopback(ca))
     try:
         refused = run("-m", "phalanx.cli.main", "--controller", address, "nodes", env=env)
         assert refused.returncode != 0 and pki.CONTROLLER_NAME in refused.stderr, refused.stderr

@@ -81,6 +81,7 @@ class Jobs(Protocol):
 
     async def forget_ended(self) -> None: ...
 
+
 logger = log.get("recovery")
 
 MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a pass, not a recovery
@@ -172,7 +173,7 @@ class Executor:
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
             candidates=self.candidates(exclude=job.id, within=job.spec.within) if fleet else (),
             topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported,
-            missing=dict(entry.missing))
+            missing=entry.missing)
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
         job, name = entry.job, node.record.name
