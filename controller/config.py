@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from phalanx import config
 from phalanx.config import MetricsAccessConfig, comma_list, host_port, positive, require, section, setting
@@ -186,24 +187,6 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
-class RendezvousConfig:
-    hang_min_s: float = setting(10.0, "torchrun rounds: a worker that reports (trainlib) and whose step has not gone "
-                                "up for max(this, hang_factor x the round's median step time) is hung, and the round "
-                                "restarts; a run's `--rdzv-conf hang_timeout` replaces this floor")
-    hang_factor: float = setting(10.0, "torchrun rounds: the hang limit in step times (see hang_min_s)")
-    checkpoint_wait_s: float = setting(60.0, "torchrun rounds: the longest a restart without an unfit node waits "
-                                       "for the workers to commit the checkpoint asked of them")
-    checkpoint_stall_s: float = setting(10.0, "torchrun rounds: workers short of the checkpoint's step that take no "
-                                        "step for this long are not waited for")
-
-    def __post_init__(self) -> None:
-        positive("rendezvous.hang_min_s", self.hang_min_s)
-        require(self.hang_factor >= 1, f"rendezvous.hang_factor ({self.hang_factor}) must be at least 1")
-        positive("rendezvous.checkpoint_wait_s", self.checkpoint_wait_s)
-        positive("rendezvous.checkpoint_stall_s", self.checkpoint_stall_s)
-
-
-@dataclass(frozen=True)
 class SecurityConfig:
     insecure: bool = setting(False, "plaintext gRPC with no authentication at all: only for a trial on loopback "
                              "(`phalanx local up` sets it); otherwise mutual TLS with the files below")
@@ -312,10 +295,12 @@ class ControllerConfig:
     health: HealthConfig = section(HealthConfig, "GPU and node health policy")
     jobs: JobsConfig = section(JobsConfig, "gang jobs: topology, scheduling, launching")
     recovery: RecoveryConfig = section(RecoveryConfig, "detecting hangs and stragglers; restarting jobs")
-    rendezvous: RendezvousConfig = section(RendezvousConfig, "torchrun rounds formed through Phalanx's rendezvous: "
-                                           "their hangs and checkpoints before a restart")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS, tokens, and who may call what")
     store: StoreConfig = section(StoreConfig, "where the controller keeps its state; high availability on etcd")
+
+    RETIRED: ClassVar[dict[str, str]] = {
+        "rendezvous": "torchrun rounds are judged by [recovery] as every job is (hang_min_s, hang_factor, "
+                      "checkpoint_deadline_s; docs/reference/configuration.md)"}
 
     def __post_init__(self) -> None:
         host_port("listen", self.listen, "0.0.0.0:7370")

@@ -64,6 +64,9 @@ def main() -> int:
     parser.add_argument("--print-every", type=int, default=10, help="rank 0 prints the loss every N steps")
     parser.add_argument("--hang-at", type=int, default=-1, help="for tests: rank 1 stops at this step, once (a file "
                         "hung-at-STEP in the checkpoint directory remembers it), as a rank stuck in a collective would")
+    parser.add_argument("--slow-node", default="", help="for tests: the rank on this node ($PHALANX_NODE) computes "
+                        "--slow-factor times longer each step (a throttled GPU, under torchrun)")
+    parser.add_argument("--slow-factor", type=float, default=1.5)
     parser.add_argument("--rejoin", action="store_true", help="run the training under trainlib.run: a rank that "
                         "survives a failure rejoins the next generation in this process instead of a new one")
     args = parser.parse_args()
@@ -98,6 +101,7 @@ def train(args: argparse.Namespace) -> int:
     if loaded is not None and args.steps_after_resume:
         steps = min(steps, first + args.steps_after_resume)  # every rank resumed from the same step: same end
     digests = open(args.digests, "a") if ctx.rank == 0 and args.digests else None  # noqa: SIM115 - closed below
+    slow = bool(args.slow_node) and os.environ.get("PHALANX_NODE") == args.slow_node
     for step in range(first, steps):
         if step == args.hang_at and ctx.rank == 1 and not os.path.exists(marker := os.path.join(
                 ctx.checkpoint_dir, f"hung-at-{step}")):
@@ -108,7 +112,7 @@ def train(args: argparse.Namespace) -> int:
         optimizer.zero_grad()
         loss.backward()
         if args.step_time:
-            time.sleep(args.step_time)
+            time.sleep(args.step_time * (args.slow_factor if slow else 1.0))
         for _ in range(args.work):
             torch.mm(scratch, scratch)
         trainlib.compute_done()

@@ -10,6 +10,7 @@ liveness.suspect_after_s (2.5)``.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import tomllib
 import types
 import typing
@@ -82,6 +83,10 @@ def build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Construct `cls` from a parsed TOML table, checking keys and types."""
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
+    retired = getattr(cls, "RETIRED", {})  # keys an older release read: said on stderr and skipped, not refused
+    for name in sorted(set(data) & set(retired) - set(fields)):
+        print(f"phalanx: config key '{prefix}{name}' is no longer read: {retired[name]}", file=sys.stderr, flush=True)
+    data = {k: v for k, v in data.items() if k not in retired or k in fields}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = prefix + unknown[0]

@@ -19,6 +19,14 @@ def write(tmp_path, text):
     return path
 
 
+def test_a_retired_table_is_said_and_skipped_not_refused(tmp_path, capsys):
+    """An earlier release's [rendezvous] (torchrun rounds follow [recovery] now): the controller still starts."""
+    cfg = controller_config.load(str(write(tmp_path, "[rendezvous]\nhang_min_s = 30.0\n[recovery]\nhang_min_s = 4.0")))
+    assert cfg.recovery.hang_min_s == 4.0
+    said = capsys.readouterr().err
+    assert "config key 'rendezvous' is no longer read: torchrun rounds are judged by [recovery]" in said
+
+
 def test_defaults_without_a_file():
     cfg = controller_config.load(None)
     assert (cfg.liveness.heartbeat_interval_s, cfg.liveness.down_after_s) == (1.0, 3.0)
@@ -27,8 +35,8 @@ def test_defaults_without_a_file():
 
 @pytest.mark.parametrize("text,message", [
     ('lisen = "x:1"', "unknown key 'lisen' (known keys: listen, state_db, max_events, log_level, log_format, "
-                      "metrics_listen, metrics, session_listen, liveness, health, jobs, recovery, rendezvous, "
-                      "security, store)"),
+                      "metrics_listen, metrics, session_listen, liveness, health, jobs, recovery, security, "
+                      "store)"),
     ("[health]\nremap_pending = \"IGNORE\"", "health.remap_pending ('IGNORE') must be one of: FAILING, DEGRADED"),
     ("[liveness]\ndown_after = 5", "unknown key 'liveness.down_after' (known keys: liveness.heartbeat_interval_s, "
                                    "liveness.suspect_after_s, liveness.down_after_s, liveness.tick_s)"),

@@ -2,11 +2,12 @@
 
 import pytest
 
+from controller.config import RecoveryConfig
 from controller.errors import FailedPrecondition, NotFound
+from controller.nodes.health import Health
+from controller.recovery.detectors import NodeView
 from controller.rendezvous.book import (
-    CHECKPOINT_WAIT_S,
     CLOSED_RUN_TTL_S,
-    HANG_MIN_S,
     IDLE_RUN_TTL_S,
     LEASE_S,
     RELEARN_GRACE_S,
@@ -20,7 +21,6 @@ from controller.rendezvous.book import (
     StaleParticipant,
     StoreAddress,
     Worker,
-    agreed_step,
     decide,
 )
 from phalanx.clock import FakeClock
@@ -295,18 +295,39 @@ def test_the_wire_protocol_is_versioned_and_its_enum_starts_unspecified():
 
 # --- health: a node the controller finds wanting is left out, and a round that has one restarts ----------------
 
+CFG = RecoveryConfig()
+
+
+def as_view(node: str, verdict: str) -> NodeView | None:
+    """The controller's view of a node from a verdict in words: 'it is DOWN', 'it is drained: why', 'it is FAILING:
+    why' (or FAILED)."""
+    if not verdict:
+        return None
+    if verdict.startswith("it is DOWN"):
+        return NodeView(node, True, Health.HEALTHY, "")
+    if verdict.startswith("it is drained"):
+        return NodeView(node, False, Health.HEALTHY, "", drained=True, drain_reason=verdict.partition(": ")[2])
+    health, _, reason = verdict.removeprefix("it is ").partition(": ")
+    return NodeView(node, False, Health[health], reason)
+
+
 class Fleet:
     """Participants A, B, C on nodes node-a, node-b, node-c, with the controller's verdicts in `unfit`."""
 
     def __init__(self, **policy) -> None:
-        from controller.config import RendezvousConfig
         self.clock = FakeClock()
         self.unfit: dict[str, str] = {}
         self.events: list[tuple[str, str]] = []
-        self.book = RendezvousBook(fit=lambda node: self.unfit.get(node, ""),
-                                   on_event=lambda kind, message, run: self.events.append((kind, message)),
-                                   policy=RendezvousConfig(**policy))
+        self.book = self.new_book(policy=RecoveryConfig(**policy))
         self.attempts: dict[str, int] = {}
+
+    def view(self, node: str) -> NodeView | None:
+        return as_view(node, self.unfit.get(node, ""))
+
+    def new_book(self, **kwargs) -> RendezvousBook:
+        """A book on this fleet's verdicts (the controller restarts: it knows nothing else)."""
+        return RendezvousBook(view=self.view, on_event=lambda kind, message, run: self.events.append((kind, message)),
+                              **kwargs)
 
     def join(self, pid, settings=TWO):
         self.attempts[pid] = self.attempts.get(pid, 0) + 1
@@ -363,9 +384,11 @@ def formed_with_spare(f):
     return formed.round
 
 
-def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1, saving=False, finished=False):
+def report(f, number, rank, step, done=(0, -1), world=2, step_s=0.1, saving=False, finished=False, compute=()):
+    """Worker `rank` reports; rank 0 runs on node-a, rank 1 on node-b (A and B formed the round, in that order)."""
     return f.book.report_worker(RUN, number, Worker(rank, world, step, step_s, f.clock.monotonic(), *done,
-                                                    saving=saving, finished=finished), f.clock.monotonic())
+                                                    node=f"node-{'abc'[rank]}", saving=saving, finished=finished,
+                                                    compute_s=tuple(compute)), f.clock.monotonic())
 
 
 def asked(f, step=5):
@@ -415,13 +438,13 @@ def test_a_round_without_reporting_workers_restarts_at_once_and_a_stuck_checkpoi
 
     g = Fleet()
     number = asked(g)
-    for i in range(int(CHECKPOINT_WAIT_S) + 1):  # the workers keep stepping, far slower than their pace said:
-        g.clock.advance(1.0)                     # the agreed step is not reached within the wait
+    for i in range(int(CFG.checkpoint_deadline_s) + 1):  # the workers keep stepping, far slower than their pace
+        g.clock.advance(1.0)                             # said: the agreed step is not reached by the deadline
         report(g, number, 0, 6 + i // 5)
         report(g, number, 1, 6 + i // 5)
         if g.book.num_waiting(RUN, "A", number, g.clock.monotonic()):
             break
-    assert g.clock.monotonic() >= CHECKPOINT_WAIT_S
+    assert g.clock.monotonic() >= CFG.checkpoint_deadline_s
     assert g.events[-2][0] == "rendezvous.checkpoint_failed" and "only 0 of 2 workers committed" in g.events[-2][1]
 
     h = Fleet()
@@ -444,18 +467,14 @@ def test_a_round_that_lost_a_worker_or_hangs_is_not_held_for_a_checkpoint():
     assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
     assert "rendezvous.checkpoint" not in [k for k, _ in f.events]
 
-    g = Fleet()
-    number = asked(g)
-    for _ in range(9):  # both report, at the same step: hung in a collective
-        g.clock.advance(1.0)
-        report(g, number, 0, 5)
-        report(g, number, 1, 5)
-        assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
-    g.clock.advance(1.0)
+    g = Fleet()  # a node that FAILED (xid 79): its GPU is gone, a collective can never complete: no checkpoint either
+    number = formed_with_spare(g)
     report(g, number, 0, 5)
     report(g, number, 1, 5)
+    g.unfit["node-b"] = "it is FAILED: GPU 1: XID 79 (fallen off the bus)"
     assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) >= 1
-    assert "the workers made no progress for 10s (at step 5)" in g.events[-2][1]
+    assert "rendezvous.checkpoint" not in [k for k, _ in g.events]
+    assert "without node node-b (it is FAILED: GPU 1: XID 79" in g.events[-1][1]
 
 
 def test_a_report_for_another_round_gets_no_request_and_the_agreed_step_reckons_with_time():
@@ -463,9 +482,14 @@ def test_a_report_for_another_round_gets_no_request_and_the_agreed_step_reckons_
     number = formed_with_spare(f)
     assert report(f, number + 1, 0, 5) is None and f.book.report_worker("other", 1, Worker(0, 1, 0, 0.1, 0.0),
                                                                         0.0) is None
-    now = 100.0
-    # 2 s since a report of step 10 at 0.1 s a step: the worker is at step 30 by now
-    assert agreed_step([Worker(0, 2, 10, 0.1, now - 2.0), Worker(1, 2, 29, 0.1, now)], now) == 30 + 15 + 2
+    report(f, number, 0, 10)
+    f.clock.advance(2.0)  # 2 s since worker 0's report of step 10, at 0.1 s a step: it is at step 30 by now
+    report(f, number, 1, 29)
+    f.unfit["node-b"] = "it is FAILING"
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    # the lifecycle's rule (lifecycle.checkpoint_step): recovery.checkpoint_lead_s (1 s) and the request's way down
+    # (a report interval, 0.5 s) ahead at the workers' pace, plus two
+    assert report(f, number, 0, 30).at_step == 30 + 15 + 2
 
 
 # --- a controller that restarted (or took over) re-learns running rounds from their members --------------------
@@ -481,8 +505,7 @@ def test_a_restarted_controller_relearns_a_running_round_from_its_members_and_st
     ranks = {pid: f.poll(pid, first.round).rank for pid in "AB"}
     spare = f.join("C")
     assert spare.outcome is Outcome.WAITING
-    f.book = RendezvousBook(fit=lambda node: f.unfit.get(node, ""),  # the controller restarts: nothing known
-                            on_event=lambda kind, message, run: f.events.append((kind, message)))
+    f.book = f.new_book()  # the controller restarts: nothing known
     with pytest.raises(NotFound):
         f.poll("C", spare.round)
     again = f.join("C")  # the spare re-joins before any member has asked: round 1 opens in the new book
@@ -522,8 +545,7 @@ def test_a_relearned_round_with_a_member_that_never_asks_restarts_after_the_grac
     f.join("A")
     first = f.join("B")
     f.join("C")
-    f.book = RendezvousBook(fit=lambda node: f.unfit.get(node, ""),
-                            on_event=lambda kind, message, run: f.events.append((kind, message)))
+    f.book = f.new_book()
     f.join("C")  # the spare re-joins; B's node died while the controller was away: it never asks
     assert f.book.num_waiting(RUN, "A", first.round, f.clock.monotonic(), member(f, "A", 0)) == 0
     f.clock.advance(RELEARN_GRACE_S)
@@ -557,7 +579,7 @@ def test_a_worker_past_the_agreed_step_or_one_that_saved_another_step_is_no_cons
 
 def test_a_round_that_has_not_stepped_yet_restarts_at_once_and_request_ids_start_where_the_book_is_told():
     f = Fleet()
-    f.book = RendezvousBook(fit=lambda node: f.unfit.get(node, ""), first_ask_id=1_000_000)
+    f.book = f.new_book(first_ask_id=1_000_000)
     number = formed_with_spare(f)
     report(f, number, 0, -1, step_s=0.0)  # just started: no step, no pace
     report(f, number, 1, 3)
@@ -565,7 +587,7 @@ def test_a_round_that_has_not_stepped_yet_restarts_at_once_and_request_ids_start
     assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
 
     g = Fleet()
-    g.book = RendezvousBook(fit=lambda node: g.unfit.get(node, ""), first_ask_id=1_000_000)
+    g.book = g.new_book(first_ask_id=1_000_000)
     number = formed_with_spare(g)
     report(g, number, 0, 3)
     report(g, number, 1, 3)
@@ -574,29 +596,36 @@ def test_a_round_that_has_not_stepped_yet_restarts_at_once_and_request_ids_start
     assert report(g, number, 0, 3).id == 1_000_001
 
 
+def stepped(f, number, steps=50, step_s=0.1, workers=2):
+    """Every worker steps `steps` times at `step_s`, reporting each step: past the start-up's first steps."""
+    for step in range(steps):
+        f.clock.advance(step_s)
+        for rank in range(workers):
+            report(f, number, rank, step, step_s=step_s)
+
+
 def test_a_round_whose_workers_stop_stepping_restarts_but_not_while_one_saves_or_before_the_first_step():
     f = Fleet()
     number = formed_with_spare(f)
-    report(f, number, 0, -1, step_s=0.0)  # loading: no step yet, however long it takes
+    report(f, number, 0, -1, step_s=0.0)  # loading: no step yet, for less than recovery.startup_s
     report(f, number, 1, -1, step_s=0.0)
-    f.clock.advance(HANG_MIN_S * 3)
+    f.clock.advance(CFG.startup_s - 1)
     report(f, number, 0, -1, step_s=0.0)
     report(f, number, 1, -1, step_s=0.0)
     assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
-    for step in range(50):  # stepping at 0.1 s
-        f.clock.advance(0.1)
-        report(f, number, 0, step)
-        report(f, number, 1, step)
-    for _ in range(int(HANG_MIN_S) - 1):  # a save at step 49 takes long: no hang
+    stepped(f, number)
+    for _ in range(10):  # a save at step 49 takes long (10 s; the hang limit is 2 s): no hang
         f.clock.advance(1.0)
         report(f, number, 0, 49, saving=True)
         report(f, number, 1, 49)
         assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
-    f.clock.advance(HANG_MIN_S + 1)
-    report(f, number, 0, 49)  # worker 1's process is stopped (SIGSTOP): silent; worker 0 waits in a collective
+    report(f, number, 0, 49)  # the save is over: its time was no hang (the others waited for it)
+    f.clock.advance(CFG.hang_min_s + 1)
+    report(f, number, 0, 49)  # both wait in a collective that will not complete
+    report(f, number, 1, 49)
     assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
     kind, message = f.events[-1]
-    assert kind == "rendezvous.hang" and "worker 0 has been at step 49 for" in message and "(hung)" in message
+    assert kind == "rendezvous.hang" and "restarts (hung): rank 0 made no progress for 3.0s" in message, message
 
 
 def test_the_end_of_training_is_no_hang_even_after_the_worker_that_said_it_exited():
@@ -605,30 +634,27 @@ def test_the_end_of_training_is_no_hang_even_after_the_worker_that_said_it_exite
     for ended in (True, False):
         f = Fleet()
         number = formed_with_spare(f)
-        for step in range(50):
-            f.clock.advance(0.1)
-            report(f, number, 0, step)
-            report(f, number, 1, step)
+        stepped(f, number)
         report(f, number, 0, 49, finished=ended)
-        for _ in range(int(HANG_MIN_S) * 3):  # worker 0 has exited: only worker 1 reports
+        for _ in range(int(CFG.hang_min_s) * 3):  # worker 0 has exited: only worker 1 reports
             f.clock.advance(1.0)
             report(f, number, 1, 49)
         hung = f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
         assert hung is not ended, (ended, f.events)
 
 
-def test_the_controllers_rendezvous_config_sets_the_hang_rule():
-    """[rendezvous] hang_min_s and hang_factor are the operator's: a round at step 3 for 25 s is hung under the
-    default floor (10 s), not under a floor of 30 s; a factor of 20 on 2 s steps waits 40 s."""
-    for policy, quiet_s, hung in (({}, 25.0, True), ({"hang_min_s": 30.0}, 25.0, False),
-                                  ({"hang_factor": 20.0}, 35.0, False)):
+def test_the_controllers_recovery_config_sets_the_hang_rule_for_torchrun_rounds_as_for_every_job():
+    """[recovery] hang_min_s and hang_factor (of the 90th percentile step time) judge a round as they judge a job
+    Phalanx launched: 5 s without a step is a hang under the defaults (2 s, 3 x 0.1 s), not under a floor of 10 s;
+    nor under a factor of 20 on 0.5 s steps (10 s)."""
+    for policy, step_s, hung in (({}, 0.1, True), ({"hang_min_s": 10.0}, 0.1, False), ({"hang_factor": 20.0}, 0.5,
+                                                                                      False)):
         f = Fleet(**policy)
         number = formed_with_spare(f)
-        report(f, number, 0, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
-        report(f, number, 1, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
-        f.clock.advance(quiet_s)
-        report(f, number, 0, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
-        report(f, number, 1, 3, step_s=2.0 if "hang_factor" in policy else 0.1)
+        stepped(f, number, 20, step_s)
+        f.clock.advance(5.0)
+        report(f, number, 0, 19, step_s=step_s)
+        report(f, number, 1, 19, step_s=step_s)
         assert (f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1) is hung, (policy, f.events)
 
 
@@ -637,23 +663,61 @@ def test_the_hang_floor_comes_from_the_rounds_settings_and_grows_with_slow_steps
     slow = Settings(min_nodes=2, max_nodes=2, last_call_s=2.0, hang_s=60.0)  # --rdzv-conf hang_timeout=60
     f.join("A", slow)
     number = f.join("B", slow).round
-    report(f, number, 0, 3)
-    report(f, number, 1, 3)
+    stepped(f, number, 20)
     f.clock.advance(30.0)
-    report(f, number, 0, 3)
-    report(f, number, 1, 3)
+    report(f, number, 0, 19)
+    report(f, number, 1, 19)
     assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
     g = Fleet()
     number = formed_with_spare(g)
-    report(g, number, 0, 3, step_s=2.0)  # 2 s steps: 10 x that is 20 s
-    report(g, number, 1, 3, step_s=2.0)
-    g.clock.advance(15.0)
-    report(g, number, 0, 3, step_s=2.0)
-    report(g, number, 1, 3, step_s=2.0)
+    stepped(g, number, 20, 2.0)  # 2 s steps: 3 x that is 6 s
+    g.clock.advance(5.0)
+    report(g, number, 0, 19, step_s=2.0)
+    report(g, number, 1, 19, step_s=2.0)
     assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
-    g.clock.advance(6.0)
-    report(g, number, 0, 3, step_s=2.0)
+    g.clock.advance(2.0)
+    report(g, number, 0, 19, step_s=2.0)
     assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) >= 1
+
+
+def straggling(f, number, steps=40, slow=1.5):
+    """Both workers step at 0.1 s; worker 1's compute takes `slow` x worker 0's (its GPU is throttled)."""
+    for step in range(steps):
+        f.clock.advance(0.1)
+        report(f, number, 0, step, compute=[0.06])
+        report(f, number, 1, step, compute=[0.06 * slow])
+
+
+def test_a_straggling_worker_is_found_as_in_any_job_and_its_node_leaves_the_run_after_a_checkpoint():
+    f = Fleet()
+    number = formed_with_spare(f)  # C waits: a spare to take the straggler's place
+    straggling(f, number)
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0  # predictable: checkpoint first
+    kind, message = f.events[-1]
+    assert kind == "rendezvous.checkpoint" and "without node node-b (rank 1 computes 1.50x slower" in message
+    ask = report(f, number, 0, 40, compute=[0.06])
+    report(f, number, 0, ask.at_step, done=(ask.id, ask.at_step))
+    report(f, number, 1, ask.at_step, done=(ask.id, ask.at_step))
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+    assert f.events[-1][0] == "rendezvous.restart" and "rank 1 computes 1.50x slower" in f.events[-1][1]
+    again = f.join("A")  # the next round forms of A and the spare C
+    assert again.outcome is Outcome.FORMED and f.poll("C", again.round).outcome is Outcome.FORMED
+    held = f.join("B")  # B's node is out of the run: it waits, and is told why
+    assert held.outcome is Outcome.WAITING and "node node-b is left out of rounds while it was evicted from " \
+        "rendezvous 'job' as a straggler" in held.message
+
+
+def test_a_straggler_verdict_is_held_while_no_torchrun_agent_waits_to_take_its_place():
+    f = Fleet()
+    f.join("A")
+    number = f.join("B").round  # no spare
+    straggling(f, number)
+    for _ in range(3):
+        assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+        straggling(f, number, 5)
+    held = [m for k, m in f.events if k == "rendezvous.straggler_held"]
+    assert len(held) == 1 and "no torchrun agent waits to take its node's place" in held[0], f.events  # said once
+    assert "rendezvous.checkpoint" not in [k for k, _ in f.events]
 
 
 def test_a_torchrun_run_is_running_while_its_round_trains_and_shows_how_it_ended():

@@ -47,8 +47,9 @@ class WorkerRound:
                    tuple(t for t in endpoint.split(",") if t))
 
 
-Progress = Callable[[], tuple[int, float, bool, bool]]  # -> (the last step done or -1, the recent median step
-#                                 time or 0, whether trainlib.save is writing, whether training has ended)
+Progress = Callable[[], tuple[int, float, bool, bool, list[float]]]  # -> (the last step done or -1, the recent
+# median step time or 0, whether trainlib.save is writing, whether training has ended, the compute time of each step
+# since the last call)
 Heed = Callable[[int, int, bool], None]      # (request id, at step, pause) -> trainlib's checkpoint request
 
 
@@ -123,11 +124,12 @@ class Reporter:
         from phalanx.v1 import rendezvous_pb2
 
         rnd = self.round
-        step, step_s, saving, finished = self._progress()
+        step, step_s, saving, finished, compute_s = self._progress()
         done_id, done_step = self._done
         return rendezvous_pb2.WorkerReport(run_id=rnd.run_id, round=rnd.round, rank=rnd.rank,
                                            world_size=rnd.world_size, step=step, step_s=step_s, done_id=done_id,
-                                           done_step=done_step, node=rnd.node, saving=saving, finished=finished)
+                                           done_step=done_step, node=rnd.node, saving=saving, finished=finished,
+                                           compute_s=compute_s)
 
 
 def start(env: Mapping[str, str] = os.environ, *, progress: Progress, heed: Heed) -> Reporter | None:

@@ -277,15 +277,21 @@ def _heed_request(request_id: int, at_step: int, pause: bool, deadline_s: float 
 
 
 PACE_SAMPLES = 32  # the recent step times a torchrun worker's pace is the median of
+RDZV_COMPUTE_SAMPLES = 256  # at most this many compute times a report (controller.rendezvous.book.MAX_COMPUTE_SAMPLES)
+_rdzv_tail = 0  # samples a torchrun worker's reports have taken the compute times of
 
 
-def _rdzv_progress() -> tuple[int, float, bool, bool]:
+def _rdzv_progress() -> tuple[int, float, bool, bool, list[float]]:
     """For a torchrun worker's report: the last step done (-1: none yet), the median of the recent step times (0:
-    none yet), whether save() is writing, and whether training has ended."""
+    none yet), whether save() is writing, whether training has ended, and the compute time of each step since the
+    previous report (the newest RDZV_COMPUTE_SAMPLES; 0.0 for a step whose compute the script did not mark)."""
+    global _rdzv_tail
     _hook_destroy()  # a script that imported torch.distributed only after init()
     head = _head
     times = sorted(_ring_step_s[i % RING] for i in range(max(0, head - PACE_SAMPLES), head))
-    return _last_step, times[len(times) // 2] if times else 0.0, _saving, _finished_head == head
+    compute = [_ring_compute_s[i % RING] for i in range(max(_rdzv_tail, head - RDZV_COMPUTE_SAMPLES), head)]
+    _rdzv_tail = head
+    return _last_step, times[len(times) // 2] if times else 0.0, _saving, _finished_head == head, compute
 
 
 def _on_sigusr1(signum: int, frame: object) -> None:

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 
 from controller import access
 from controller.api.rpc import unary
-from controller.config import RendezvousConfig
+from controller.config import RecoveryConfig
 from controller.errors import InvalidArgument, NotFound
-from controller.nodes.health import Health
 from controller.nodes.states import DOWN
+from controller.recovery.detectors import NodeView
 from controller.rendezvous.book import (
     DEFAULT_POLICY,
+    MAX_COMPUTE_SAMPLES,
     MAX_ID_CHARS,
     MAX_NODES,
     MAX_RUNS,
@@ -128,7 +129,7 @@ def run_job(run: Run, owner: str = "", seen_ns: int = 0, ended: bool = False) ->
 class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     def __init__(self, clock: Clock, registry: Registry | None = None,
                  log: Callable[[str, str, str], Awaitable[None]] | None = None, restarted: bool = False,
-                 policy: RendezvousConfig = DEFAULT_POLICY) -> None:
+                 policy: RecoveryConfig = DEFAULT_POLICY) -> None:
         """`restarted`: this controller took over a fleet (its store knew nodes), so torchrun groups may be running:
         no round forms in its first RELEARN_GRACE_S, while their members re-teach it theirs."""
         self._clock = clock
@@ -140,27 +141,24 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         self._seen_ns: dict[str, int] = {}  # run id -> when (wall) this controller first heard of it
         self._ended: dict[str, tuple[float, common_pb2.Job]] = {}  # run id -> (when, how it ended), lately ended
         # Request ids from the wall clock (ms): a restarted controller never reuses one a worker already answered.
-        self.book = RendezvousBook(on_change=self._wake, fit=self._fit, on_event=self._event,
+        self.book = RendezvousBook(on_change=self._wake, view=self._view, on_event=self._event,
                                    first_ask_id=clock.wall_ns() // 1_000_000,
                                    hold_until=clock.monotonic() + RELEARN_GRACE_S if restarted else float("-inf"),
                                    policy=policy, on_forget=self._forgotten)
 
-    def _fit(self, node: str) -> str:
-        """'' if `node` may take part in a round; else why not, from the controller's view of it. A node the
-        controller does not know (no Phalanx agent there) is not judged."""
+    def _view(self, node: str) -> NodeView | None:
+        """What recovery knows of `node`, from the controller's registry; None for a node it does not know (no
+        Phalanx agent there: not judged)."""
         if self._registry is None:
-            return ""
+            return None
         try:
             entry = self._registry.get(node)  # not entries_by_name(): every torchrun agent asks each second
         except NotFound:
-            return ""
-        if entry.record.state is DOWN:
-            return "it is DOWN (its agent is not heard from)"
-        if entry.verdict.health >= Health.FAILING:
-            return f"it is {entry.verdict.health.name}: {'; '.join(entry.verdict.reasons[:2]) or 'no reason given'}"
-        if entry.record.drain_reason:
-            return f"it is drained: {entry.record.drain_reason}"
-        return ""
+            return None
+        verdict = entry.verdict
+        return NodeView(node, entry.record.state is DOWN, verdict.health, "; ".join(verdict.reasons[:2]),
+                        connected=entry.session is not None, drained=bool(entry.record.drain_reason),
+                        drain_reason=entry.record.drain_reason)
 
     def _event(self, kind: str, message: str, run_id: str) -> None:
         if self._log is None:
@@ -303,10 +301,15 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
                                   "or more")
         step_s = _seconds(request.step_s, "step_s", 0, 3600)
         node = request.node if NAME.fullmatch(request.node) else ""
+        if len(request.compute_s) > MAX_COMPUTE_SAMPLES:
+            raise InvalidArgument(f"compute_s has {len(request.compute_s)} samples; at most {MAX_COMPUTE_SAMPLES} a "
+                                  "report (the steps since the last one)")
+        compute_s = tuple(_seconds(c, "compute_s", 0, 3600) for c in request.compute_s)
         worker = Worker(request.rank, request.world_size, request.step, step_s, self._clock.monotonic(),
-                        request.done_id, request.done_step, node, request.saving, request.finished)
+                        request.done_id, request.done_step, node, request.saving, request.finished,
+                        compute_s=compute_s)
         ask = self.book.report_worker(run_id, request.round, worker, worker.heard)
         if ask is None:
             return rendezvous_pb2.WorkerReply()
         return rendezvous_pb2.WorkerReply(checkpoint_id=ask.id, at_step=ask.at_step, pause=True,
-                                          reason=f"round {ask.round} restarts without {ask.why or 'an unfit node'}")
+                                          reason=f"round {ask.round} restarts without {ask.why}")

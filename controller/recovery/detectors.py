@@ -26,6 +26,7 @@ class NodeView:
     health_reason: str
     connected: bool = True
     drained: bool = False
+    drain_reason: str = ""  # why, when drained (an operator's or an eviction's words)
     stop_told: bool = False  # this controller process told its agent to stop the generation, on its current
     # session, and lately (lifecycle.RESTOP_S): a stop that raced a launch still in flight is sent again
     stopped: bool = False  # ... and a heartbeat since says none of the generation's ranks runs there

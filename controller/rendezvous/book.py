@@ -12,20 +12,29 @@ member of the running round is on such a node, every member is told that nodes a
 torchrun restarts its workers and the next round forms without that node, with a spare that was
 waiting (a node beyond --nnodes's MAX) in its place.
 
-Checkpoint first: the workers of a formed round whose scripts use trainlib report their progress here
-(`report_worker`, twice a second). When the round must restart for an unfit member and its workers
-report, they are first asked to checkpoint after a step every one of them can still reach (about a
-second ahead at their pace), and to take no step after it; the members hear that nodes are waiting
-only once every worker has committed that step, or the wait is over (CHECKPOINT_WAIT_S), or a worker
-has stopped reporting, or one went past the step before it heard (no consistent checkpoint can come
-of it), or the workers below it have taken no step for CHECKPOINT_STALL_S (hung; a long save at the
-step is not a hang). A round with no reporting workers, with one already silent (a node lost), or
-one that has not stepped yet (no pace to agree by), restarts at once, as before.
+The round is judged by the lifecycle's own rules (`controller.recovery.detectors.detect`, with the
+controller's [recovery] settings), as a job Phalanx launched: the workers of a formed round whose
+scripts use trainlib report their progress here (`report_worker`, twice a second: steps, step time, the
+compute time of each step, whether they save or have finished), and those reports become the same rank
+tracks a Phalanx-launched job's heartbeats fill. The incident comes from `detect`: a member's node lost
+(DOWN) or FAILED, a hang, a FAILING node, a straggler; besides, torchrun's own, a member's node drained.
 
-Hangs: a reporting worker past its first step whose step has not gone up for max(hang_timeout
-(HANG_MIN_S by default), HANG_FACTOR x the round's pace), while no worker saves, is hung (a collective
-that will not complete: its peers wait in it too, or one of them is stopped); the members then hear
-that nodes are waiting, and torchrun restarts the workers (`rendezvous.hang` event).
+Checkpoint first: a predictable incident (FAILING, drained, a straggler) first asks the workers to
+checkpoint after a step every one of them can still reach (`lifecycle.checkpoint_step`, the lead
+recovery.checkpoint_lead_s plus a report interval), and to take no step after it; the members hear that
+nodes are waiting only once every worker has committed that step, or recovery.checkpoint_deadline_s has
+passed, or a worker has stopped reporting, or one went past the step before it heard (no consistent
+checkpoint can come of it). A sudden incident (a lost or FAILED node, a hang), or a round with no
+reporting workers, one already silent or one that has not stepped yet (no pace to agree by), restarts at
+once. A straggler's node is left out of the run's later rounds (its torchrun agent is told TIMED_OUT with
+the reason), within lifecycle.straggler_hold's bounds: not while no participant waits to take its place,
+nor beyond recovery.straggler_max_evictions an hour, nor after an eviction that did not pay off.
+
+Hangs follow the same rule too (recovery.hang_min_s, hang_factor x the p90 step time, startup_s over
+the first steps, no hang while a worker saves or once one has finished training); a run's `--rdzv-conf
+hang_timeout` replaces hang_min_s for that run. One difference, torchrun's: a worker that stopped
+reporting is not named as a hang's culprit (its torchrun agent sees its exit and restarts the round), so
+a hang restarts the round in place.
 
 Each participant brings a fresh TCPStore of its own to every join, and the formed round hands out
 rank 0's. So no round ever sees keys of an earlier one (torchrun's relaunch broke on exactly that
@@ -48,15 +57,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controller.config import RendezvousConfig
+from controller.config import RecoveryConfig
 from controller.errors import FailedPrecondition, NotFound
+from controller.nodes.health import Health
+from controller.recovery import lifecycle
+from controller.recovery.detectors import Incident, NodeView, detect
+from controller.recovery.progress import RankTrack
 from phalanx import log
-from phalanx.v1 import rendezvous_pb2
+from phalanx.v1 import common_pb2, rendezvous_pb2
 
 logger = log.get("rendezvous")
 
@@ -71,15 +82,10 @@ MAX_GONE = 1000         # remembered reasons for dropped participants, per run
 SWEEP_EVERY_S = 5.0
 MAX_WORKERS = 1 << 20    # WORLD_SIZE's bound in worker reports
 WORKER_REPORT_S = 0.5   # trainlib's report interval under torchrun: the request's way down takes up to this
-CHECKPOINT_LEAD_S = 1.0  # the agreed step is this far ahead (at the workers' pace) of where they are now
-# The defaults of [rendezvous] in the controller's config (RendezvousBook.policy), named for the tests:
-CHECKPOINT_WAIT_S = RendezvousConfig.checkpoint_wait_s
-WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for
-CHECKPOINT_STALL_S = RendezvousConfig.checkpoint_stall_s
-HANG_MIN_S = RendezvousConfig.hang_min_s
-HANG_FACTOR = RendezvousConfig.hang_factor
-DEFAULT_POLICY = RendezvousConfig()
-HANG_JUDGED_EVERY_S = 0.25  # every member asks each second: the round's workers are looked over at most this often
+WORKER_SILENT_S = 5.0   # a worker not heard from for this long is not waited for (nor judged: it has exited)
+MAX_COMPUTE_SAMPLES = 256  # per report: a worker reports twice a second
+DEFAULT_POLICY = RecoveryConfig()
+JUDGED_EVERY_S = 0.25  # every member asks each second: the round is judged at most this often
 RELEARN_GRACE_S = 3.0   # after a controller start or a re-learned round: the members' asks (every second) come in
 
 
@@ -92,7 +98,7 @@ class Settings:
     min_nodes: int
     max_nodes: int
     last_call_s: float
-    hang_s: float = 0.0  # the floor of the hang rule (--rdzv-conf hang_timeout); 0 = HANG_MIN_S
+    hang_s: float = 0.0  # the floor of the hang rule (--rdzv-conf hang_timeout); 0 = recovery.hang_min_s
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,7 @@ class Worker:
     saving: bool = False  # inside trainlib.save
     finished: bool = False  # training has ended in it: what follows (teardown, exit) is no hang
     moved_at: float = 0.0  # when its step last went up (the book sets it)
+    compute_s: tuple[float, ...] = ()  # the compute time (before the gradient sync) of each step since its last report
 
 
 @dataclass
@@ -157,7 +164,9 @@ class Round:
     declared: int = 0  # re-learned: the world size its members say it has (not all of them may have asked yet)
     relearned_at: float = 0.0
     world_size: int = 0  # workers in the round, as the first worker report said (later reports must agree)
-    hang_judged: tuple[float, Worker | None] = (float("-inf"), None)  # (when, the hung worker then)
+    tracks: dict[int, RankTrack] = field(default_factory=dict)  # by global rank: the workers' progress, as a job's
+    judged: tuple[float, tuple, Incident | None, str] = (float("-inf"), (), None, "")  # when, the members' nodes
+    # as seen then, the incident, what its restart leaves out
 
     def member_ids(self) -> set[str]:
         return {p.id for p in self.ranks}
@@ -200,6 +209,10 @@ class Run:
     restart_told: int = 0  # the formed round whose members were told to restart for an unfit member
     ask: CheckpointAsk | None = None  # the formed round's checkpoint before its restart
     aliases: dict[int, int] = field(default_factory=dict)  # an open round renumbered past a re-learned one: old -> new
+    evicted: dict[str, str] = field(default_factory=dict)  # node -> why it is left out of this run's rounds (straggler)
+    straggler_evictions: list[float] = field(default_factory=list)  # when (the book's clock), for straggler_hold
+    straggler_step_s: float = 0.0  # the round's step time when a straggler was last evicted
+    straggler_held: str = ""  # why the last straggler verdict was held back (said once)
 
     def present(self) -> set[str]:
         waiting = set(self.open.waiting) if self.open else set()
@@ -265,6 +278,20 @@ def _unfit(p: Participant, fit: Callable[[str], str]) -> str:
     return fit(p.node) if p.node else ""
 
 
+def unfit(view: NodeView | None) -> str:
+    """'' if a node may take part in a round, else why not, from the controller's view of it (None: a node
+    without a Phalanx agent, not judged)."""
+    if view is None:
+        return ""
+    if view.down:
+        return "it is DOWN (its agent is not heard from)"
+    if view.health >= Health.FAILING:
+        return f"it is {view.health.name}: {view.health_reason or 'no reason given'}"
+    if view.drained:
+        return f"it is drained: {view.drain_reason or 'no reason given'}"
+    return ""
+
+
 def _timeout_message(run_id: str, rnd: Round) -> str:
     s = rnd.settings
     return (f"round {rnd.number} of rendezvous {run_id!r} did not form within the join timeout: "
@@ -282,26 +309,31 @@ class RendezvousBook:
     """Every run id's rounds. Methods take `now`; `on_change(run_id)` wakes whoever waits on a run."""
 
     def __init__(self, on_change: Callable[[str], None] = lambda run_id: None,
-                 fit: Callable[[str], str] = lambda node: "",
                  on_event: Callable[[str, str, str], None] = lambda kind, message, run_id: None,
                  first_ask_id: int = 0, hold_until: float = float("-inf"),
-                 policy: RendezvousConfig = DEFAULT_POLICY,
-                 on_forget: Callable[[Run], None] = lambda run: None) -> None:
+                 policy: RecoveryConfig = DEFAULT_POLICY,
+                 on_forget: Callable[[Run], None] = lambda run: None,
+                 view: Callable[[str], NodeView | None] = lambda node: None) -> None:
         """`first_ask_id`: checkpoint request ids count up from it (the servicer passes the wall clock, so that a
         restarted controller never reuses one a worker already answered). `hold_until`: no round forms before it
         (the controller's start plus RELEARN_GRACE_S), so that members of a running round re-teach it first."""
         self._runs: dict[str, Run] = {}
         self._on_change = on_change
-        self._fit = fit  # node -> "" if it may take part, else why not (the controller's verdict)
         self._event = on_event  # (kind, message, run id) -> the controller's event log
         self._last_sweep = float("-inf")
         self._last_ask_id = first_ask_id
         self._hold_until = hold_until
-        self.policy = policy  # [rendezvous]: hang limits, the checkpoint's waits
+        self.policy = policy  # [recovery], as for every job: hang and straggler rules, the checkpoint's lead, deadline
+        self._view = view  # node -> what recovery knows of it (None: no Phalanx agent there, taken as healthy)
         self._on_forget = on_forget  # a run about to be forgotten (the servicer keeps how it ended)
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
+
+    def _fit_in(self, run: Run) -> Callable[[str], str]:
+        """'' if a node may take part in the run's rounds, else why not: the controller's verdict on it
+        (`unfit`), or the run's own (a node evicted from it as a straggler)."""
+        return lambda node: run.evicted.get(node) or unfit(self._view(node))
 
     def runs(self) -> list[Run]:
         return list(self._runs.values())
@@ -321,7 +353,7 @@ class RendezvousBook:
 
     def advance(self, run: Run, now: float) -> list[Action]:
         """Apply what `decide` says; one log line per decision."""
-        actions = decide(run, now, self._fit)
+        actions = decide(run, now, self._fit_in(run))
         if now < self._hold_until:  # just started: a running round's members may not have asked yet
             actions = [a for a in actions if not isinstance(a, Form)]
         rnd = run.open
@@ -352,7 +384,7 @@ class RendezvousBook:
                 logger.info("rendezvous round formed", run=run.id, round=rnd.number, world_size=len(rnd.ranks),
                             rank0=rnd.ranks[0].id, store=f"{rnd.ranks[0].store.host}:{rnd.ranks[0].store.port}")
         if rnd is not None and run.open is rnd:
-            _update_quorum(rnd, now, self._fit)
+            _update_quorum(rnd, now, self._fit_in(run))
         if actions:
             self._on_change(run.id)
         return actions
@@ -388,7 +420,7 @@ class RendezvousBook:
             run.next_seq += 1
             logger.info("rendezvous participant joined", run=run_id, round=rnd.number, participant=pid,
                         joined=len(rnd.waiting), node=node or None)
-        _update_quorum(rnd, now, self._fit)
+        _update_quorum(rnd, now, self._fit_in(run))
         self._on_change(run_id)
         return self.poll(run_id, pid, rnd.number, now)
 
@@ -416,7 +448,7 @@ class RendezvousBook:
         if rnd is not None and rnd.number == number and pid in rnd.waiting:
             p = rnd.waiting[pid]
             p.last_seen = now
-            why = _unfit(p, self._fit)
+            why = _unfit(p, self._fit_in(run))
             return Reply(Outcome.WAITING, number, joined=len(rnd.waiting),
                          message=f"node {p.node} is left out of rounds while {why}" if why else "")
         if number == 0 or number > run.last_number:
@@ -457,29 +489,33 @@ class RendezvousBook:
                                 f"{missing} of its {formed.declared} nodes did not ask after the controller restarted "
                                 "(lost while it was away)", run.id)
                 return max(1, len(waiting))
-        unfit = [(p.node, why) for p in formed.ranks if p.id not in run.left and (why := _unfit(p, self._fit))]
+        if run.restart_told == formed.number:
+            return max(1, len(waiting))  # decided: every member restarts, whatever is seen since
         ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
-        if unfit or ask is not None:  # restart without it: the next round forms from the fit nodes and a spare
-            without = "; ".join(f"node {node} ({why})" for node, why in unfit)
-            if self._checkpoint_first(run, formed, without, now):
+        if ask is None:
+            nodes = self._nodes(run, formed)
+            if now - formed.judged[0] >= JUDGED_EVERY_S or nodes != formed.judged[1]:  # news of a node: at once
+                formed.judged = (now, nodes, *self._judge(run, formed, nodes, now))
+            incident = formed.judged[2]
+            if incident is not None and incident.kind == "straggler" and self._straggler_held(run, formed, incident,
+                                                                                              now):
+                incident = None
+        else:
+            incident = None
+        if incident is not None or ask is not None:  # restart: the next round forms from the fit nodes and a spare
+            why = ask.why if ask is not None else formed.judged[3]
+            if (ask is not None or incident.predictable) and self._checkpoint_first(run, formed, why, now):
                 return 0
-            if run.restart_told != formed.number:
-                run.restart_told = formed.number
-                ask = run.ask if run.ask is not None and run.ask.round == formed.number else None
-                self._event("rendezvous.restart", f"round {formed.number} of rendezvous {run.id!r} restarts without "
-                            + (without or "its unfit node")
-                            + (f"; {len(waiting)} node(s) waiting to take part" if waiting else "")
-                            + (f"; {ask.outcome}" if ask is not None else ""), run.id)
-            return max(1, len(waiting))
-        if now - formed.hang_judged[0] >= HANG_JUDGED_EVERY_S:
-            formed.hang_judged = (now, _hung(formed, now, self.policy))
-        if (hung := formed.hang_judged[1]) is not None:  # torchrun restarts the workers: they would never finish
-            if run.restart_told != formed.number:
-                run.restart_told = formed.number
-                self._event("rendezvous.hang", f"round {formed.number} of rendezvous {run.id!r} restarts: worker "
-                            f"{hung.rank}{f' on node {hung.node}' if hung.node else ''} has been at step {hung.step} "
-                            f"for {now - hung.moved_at:.1f}s (hung)"
-                            + (f"; {len(waiting)} node(s) waiting to take part" if waiting else ""), run.id)
+            run.restart_told = formed.number
+            cause = incident or formed.judged[2]  # (judged when the checkpoint was asked)
+            if cause is not None and cause.kind == "straggler":
+                self._evict(run, formed, cause, now)
+            hang = incident is not None and incident.kind == "hang"
+            self._event("rendezvous.hang" if hang else "rendezvous.restart",
+                        f"round {formed.number} of rendezvous {run.id!r} restarts "
+                        + (f"(hung): {why}" if hang else f"without {why}")
+                        + (f"; {len(waiting)} node(s) waiting to take part" if waiting else "")
+                        + (f"; {ask.outcome}" if ask is not None else ""), run.id)
             return max(1, len(waiting))
         members = formed.member_ids()
         if any(w in members for w in waiting) or max(len(members), formed.declared) < formed.settings.max_nodes:
@@ -518,6 +554,67 @@ class RendezvousBook:
         run.last_activity = now
         return run
 
+    def _nodes(self, run: Run, formed: Round) -> tuple[NodeView, ...]:
+        """The round's members' nodes as the controller sees them (a node without a Phalanx agent: healthy)."""
+        return tuple(self._view(p.node) or NodeView(p.node, False, Health.HEALTHY, "") for p in formed.ranks
+                     if p.node and p.id not in run.left)
+
+    def _judge(self, run: Run, formed: Round, views: tuple[NodeView, ...], now: float) -> tuple[Incident | None, str]:
+        """What is wrong with the running round, by the rules every job is judged by (detectors.detect), or None,
+        and what its restart leaves out, in words: its members' nodes as the controller sees them, its workers'
+        progress as their trainlib reported it. Only the workers still reporting are judged: one that stopped has
+        exited (torchrun restarts the round) or is stopped, and the round's hang then restarts it in place. A
+        drained node, torchrun's own, is predictable."""
+        nodes = {v.name: v for v in views}
+        live = {r: w for r, w in formed.workers.items() if now - w.heard < WORKER_SILENT_S}
+        ranks = [common_pb2.RankInfo(rank=r, node=w.node, state=common_pb2.RANK_STATE_RUNNING)
+                 for r, w in sorted(live.items())]
+        cfg = self.policy if not formed.settings.hang_s else \
+            dataclasses.replace(self.policy, hang_min_s=formed.settings.hang_s,
+                                silent_s=min(self.policy.silent_s, formed.settings.hang_s))
+        over = {r for r, t in formed.tracks.items() if t.finished}  # any worker's, silent ones too: training ended
+        incident = detect(ranks, nodes, {r: formed.tracks[r] for r in live if r in formed.tracks}, now, cfg,
+                          over=over)
+        if incident is not None and incident.kind == "hang":
+            return dataclasses.replace(incident, nodes=()), incident.reason  # no culprit named (the docstring)
+        if incident is None or incident.kind == "straggler":
+            drained = sorted(n for n, v in nodes.items() if v.drained)
+            if drained:
+                incident = Incident("drained", True, tuple(drained), f"node {drained[0]} is drained")
+        if incident is None or (incident.kind == "straggler" and not incident.nodes):
+            return None, ""  # (a straggler whose worker did not say its node: nothing to leave out)
+        if incident.kind == "straggler":
+            return incident, f"node {incident.nodes[0]} ({incident.reason})"
+        return incident, "; ".join(f"node {n} ({unfit(nodes[n]) or incident.reason})" for n in incident.nodes)
+
+    def _straggler_held(self, run: Run, formed: Round, incident: Incident, now: float) -> bool:
+        """Whether a straggler verdict must wait (lifecycle.straggler_hold, the rule for every job: not beyond
+        recovery.straggler_max_evictions in its window, not after an eviction that did not pay off, not without a
+        node to take its place: for a torchrun round, a participant waiting); said once in an event."""
+        waiting = [p.node or p.id for p in run.open.waiting.values()] if run.open else []
+        job = common_pb2.Job(id=f"rendezvous {run.id!r}", spares=waiting,
+                             straggler_evictions_unix_ns=[int(t * 1e9) for t in run.straggler_evictions],
+                             straggler_step_s=run.straggler_step_s)
+        held = lifecycle.straggler_hold(job, lifecycle.JobView(nodes={}, tracks=formed.tracks, fleet=True), now,
+                                        self.policy)
+        if held.startswith("no spare"):
+            held = ("no torchrun agent waits to take its node's place (one started beyond --nnodes's maximum): the "
+                    "round goes on at its pace until one does")
+        if held and run.straggler_held != held.split(" (")[0]:
+            run.straggler_held = held.split(" (")[0]
+            self._event("rendezvous.straggler_held", f"round {formed.number} of rendezvous {run.id!r}: straggler "
+                        f"verdict held back: {incident.reason}: {held}", run.id)
+        return bool(held)
+
+    def _evict(self, run: Run, formed: Round, incident: Incident, now: float) -> None:
+        """Leave the straggler's node out of the run's later rounds; remember when, for straggler_hold."""
+        for node in incident.nodes:
+            run.evicted[node] = f"it was evicted from rendezvous {run.id!r} as a straggler: {incident.reason}"
+        run.straggler_evictions = [t for t in run.straggler_evictions
+                                   if now - t < self.policy.straggler_evictions_window_s] + [now]
+        run.straggler_step_s = lifecycle.pace(formed.tracks)[1]
+        run.straggler_held = ""
+
     def _checkpoint_first(self, run: Run, formed: Round, without: str, now: float) -> bool:
         """True while `formed` must not restart yet: its workers are checkpointing (asked now if not yet)."""
         live = [w for w in formed.workers.values() if now - w.heard < WORKER_SILENT_S]
@@ -530,7 +627,9 @@ class RendezvousBook:
                 # not stepped yet (the round just started): no pace to agree a step by, and nothing to save. At once.
                 return False
             self._last_ask_id += 1
-            ask = run.ask = CheckpointAsk(self._last_ask_id, formed.number, agreed_step(live, now), world, now,
+            at_step = lifecycle.checkpoint_step({w.rank: formed.tracks[w.rank] for w in live},
+                                                self.policy.checkpoint_lead_s + WORKER_REPORT_S, now)
+            ask = run.ask = CheckpointAsk(self._last_ask_id, formed.number, at_step, world, now,
                                           without, furthest=max(w.step for w in live), moved_at=now)
             self._event("rendezvous.checkpoint", f"round {formed.number} of rendezvous {run.id!r}: {ask.world_size} "
                         f"workers asked to checkpoint after step {ask.at_step} before the round restarts without "
@@ -541,19 +640,15 @@ class RendezvousBook:
         done = sum(1 for w in formed.workers.values() if w.done_id == ask.id and w.done_step == ask.at_step)
         if done >= ask.world_size:
             ask.outcome = f"every worker ({done}) committed the checkpoint of step {ask.at_step}"
-        elif now >= ask.asked_at + self.policy.checkpoint_wait_s:
+        elif now >= ask.asked_at + self.policy.checkpoint_deadline_s:
             ask.outcome = (f"only {done} of {ask.world_size} workers committed the checkpoint of step {ask.at_step} "
-                           f"within {self.policy.checkpoint_wait_s:g}s (rendezvous.checkpoint_wait_s)")
+                           f"within {self.policy.checkpoint_deadline_s:g}s (recovery.checkpoint_deadline_s)")
         elif len(live) < ask.world_size:
             ask.outcome = (f"{ask.world_size - len(live)} of {ask.world_size} workers stopped reporting before the "
                            f"checkpoint of step {ask.at_step} ({done} committed it)")
         elif any(w.done_id == ask.id and w.done_step != ask.at_step for w in live) or ask.furthest > ask.at_step:
             ask.outcome = (f"a worker went past step {ask.at_step} before it heard of the checkpoint (it reached step "
                            f"{ask.furthest}); {done} of {ask.world_size} committed that step")
-        elif any(w.step < ask.at_step for w in live) and now >= ask.moved_at + self.policy.checkpoint_stall_s:
-            ask.outcome = (f"the workers made no progress for {self.policy.checkpoint_stall_s:g}s (at step "
-                           f"{ask.furthest}) before the checkpoint of step {ask.at_step}; {done} of {ask.world_size} "
-                           "committed it")
         else:
             return True
         self._event("rendezvous.checkpointed" if done >= ask.world_size else "rendezvous.checkpoint_failed",
@@ -579,6 +674,12 @@ class RendezvousBook:
         moved = before is None or worker.step > before.step
         worker = dataclasses.replace(worker, moved_at=now if moved else before.moved_at)
         formed.workers[worker.rank] = worker  # rank < world_size (the servicer checks): bounded
+        track = formed.tracks.get(worker.rank)
+        if track is None:
+            track = formed.tracks[worker.rank] = RankTrack(last_advance=now)  # started: the start-up allowance runs
+        track.observe(worker.step, worker.step_s, list(worker.compute_s[-MAX_COMPUTE_SAMPLES:]), now,
+                      steps=max(0, worker.step - track.last_step), saving=worker.saving, step_at=now,
+                      finished=worker.finished)
         ask = run.ask
         if ask is None or ask.round != number:
             return None
@@ -607,7 +708,7 @@ class RendezvousBook:
         if close:
             self._close(run, now, by=pid)
         if run.open is not None and run.open.number == number and run.open.waiting.pop(pid, None):
-            _update_quorum(run.open, now, self._fit)
+            _update_quorum(run.open, now, self._fit_in(run))
         if run.formed is not None and run.formed.number == number and pid in run.formed.member_ids():
             run.left.add(pid)
         logger.info("rendezvous participant left", run=run_id, round=number, participant=pid, closed=run.closed)
@@ -648,22 +749,6 @@ class RendezvousBook:
             self._on_change(run.id)
 
 
-def _hung(formed: Round, now: float, policy: RendezvousConfig) -> Worker | None:
-    """A worker still reporting, past its first step and not saving, whose step has not gone up for
-    max(the round's hang_s or HANG_MIN_S, HANG_FACTOR x its pace): a collective that will not complete (its peers
-    wait in it too, or a peer is stopped). None if there is none, while any worker saves, and once any worker of
-    the round said that its training has ended (even one that has exited since: its peers are in their own
-    teardown), as the lifecycle judges a Phalanx-launched job (detectors.training_over)."""
-    live = [w for w in formed.workers.values() if now - w.heard < WORKER_SILENT_S]
-    if not live or any(w.saving for w in live) or any(w.finished for w in formed.workers.values()):
-        return None
-    paces = [w.step_s for w in live if w.step_s > 0]
-    floor = formed.settings.hang_s or policy.hang_min_s
-    limit = max(floor, policy.hang_factor * statistics.median(paces)) if paces else floor
-    stuck = [w for w in live if w.step >= 0 and now - w.moved_at > limit]
-    return min(stuck, key=lambda w: w.moved_at) if stuck else None
-
-
 def _aliased(run: Run, pid: str, number: int) -> int:
     """The round `pid` means by `number`: its open round, renumbered past a re-learned one, unless it is a member of
     the round that bears the number now."""
@@ -671,14 +756,6 @@ def _aliased(run: Run, pid: str, number: int) -> int:
                                      and pid in run.formed.member_ids()):
         return number
     return run.aliases[number]
-
-
-def agreed_step(workers: list[Worker], now: float) -> int:
-    """The step after which every worker should save: where the furthest is now, reckoned at the workers' pace
-    from its last report, plus the request's way down (a report interval) and CHECKPOINT_LEAD_S."""
-    pace = max(statistics.median(w.step_s for w in workers), 1e-3)  # every worker has one (_checkpoint_first)
-    latest = max(w.step + math.floor(max(0.0, now - w.heard) / pace) for w in workers)
-    return max(latest, 0) + math.ceil((CHECKPOINT_LEAD_S + WORKER_REPORT_S) / pace) + 2
 
 
 def _update_quorum(rnd: Round, now: float, fit: Callable[[str], str] = lambda node: "") -> None:

@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -170,7 +171,7 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("run_id", "round", "rank", "world_size", "step", "step_s", "done_id", "done_step", "node", "saving", "finished")
+    __slots__ = ("run_id", "round", "rank", "world_size", "step", "step_s", "done_id", "done_step", "node", "saving", "finished", "compute_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +183,7 @@ class WorkerReport(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     SAVING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     rank: int
@@ -193,7 +195,8 @@ class WorkerReport(_message.Message):
     node: str
     saving: bool
     finished: bool
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., done_id: _Optional[int] = ..., done_step: _Optional[int] = ..., node: _Optional[str] = ..., saving: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
+    compute_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., done_id: _Optional[int] = ..., done_step: _Optional[int] = ..., node: _Optional[str] = ..., saving: _Optional[bool] = ..., finished: _Optional[bool] = ..., compute_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("checkpoint_id", "at_step", "pause", "reason")
