@@ -179,7 +179,9 @@ class Controller:
         self.node_service = NodeService(self.registry, self.jobs, self.credentials)
         node_pb2_grpc.add_NodeServiceServicer_to_server(self.node_service, server)
         rendezvous = RendezvousService(self.clock, self.registry, self._log_rendezvous,
-                                       restarted=bool(self.registry.entries()), policy=self.cfg.recovery)
+                                       restarted=bool(self.registry.entries()), policy=self.cfg.recovery,
+                                       store=self.store)
+        await rendezvous.load()
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
                            self.credentials, self.policy, rendezvous.jobs), server)

@@ -1,7 +1,11 @@
 """torchrun's rendezvous rounds in the controller, under a fake clock (no sleeps, no sockets)."""
 
+import asyncio
+
 import pytest
 
+from controller import access
+from controller.api.rendezvous_service import RendezvousService
 from controller.config import RecoveryConfig
 from controller.errors import FailedPrecondition, NotFound
 from controller.nodes.health import Health
@@ -23,7 +27,9 @@ from controller.rendezvous.book import (
     Worker,
     decide,
 )
+from controller.store.memory import MemoryStore
 from phalanx.clock import FakeClock
+from phalanx.v1 import common_pb2, rendezvous_pb2
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
 
@@ -747,3 +753,85 @@ def test_a_torchrun_run_is_running_while_its_round_trains_and_shows_how_it_ended
         (job,) = service.jobs()
         expected = common_pb2.JOB_STATE_SUCCEEDED if finished else common_pb2.JOB_STATE_FAILED
         assert job.state == expected and job.id == f"torchrun-{RUN}", job
+
+
+# --- a run is kept in the store: a restart or a takeover keeps its owner, its evictions and how it shows ---------
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """What the servicer's methods use of a gRPC context."""
+
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+    def peer(self) -> str:
+        return "test"
+
+
+def join_request(pid: str, node: str, port: int) -> rendezvous_pb2.JoinRequest:
+    return rendezvous_pb2.JoinRequest(
+        run_id=RUN, participant_id=pid, attempt=1, node=node, join_timeout_s=60,
+        settings=rendezvous_pb2.RoundSettings(min_nodes=2, max_nodes=2, last_call_s=0),
+        store=rendezvous_pb2.StoreAddress(host="127.0.0.1", port=port))
+
+
+async def as_(who, method, request):
+    access.set_caller(who)
+    return await method(request, Context())
+
+
+def test_a_takeover_keeps_a_torchrun_runs_owner_and_evictions_from_its_stored_record():
+    """The book lived in the leader's memory only: after a takeover a run was the first identity's that acted on
+    it, and it showed nowhere until its members asked. Now each run is a record in the store."""
+    alice, bob = access.Identity("alice", "user"), access.Identity("bob", "user")
+
+    async def story():
+        clock, store = FakeClock(), MemoryStore()
+        leader = RendezvousService(clock, store=store)
+        assert (await as_(alice, leader.Join, join_request("A", "node-a", 2001))).outcome == \
+            rendezvous_pb2.ROUND_OUTCOME_WAITING
+        formed = await as_(alice, leader.Join, join_request("B", "node-b", 2002))
+        assert formed.outcome == rendezvous_pb2.ROUND_OUTCOME_FORMED
+        leader.book.get(RUN).evicted["node-c"] = "it was evicted as a straggler"  # as _evict does
+        leader._mark(RUN)
+        await leader.flush()
+        [record] = [r for r in await store.load_jobs() if r.id == f"torchrun-{RUN}"]
+        stored = common_pb2.Job.FromString(record.data)
+        assert (stored.user, stored.state, list(stored.nodes), stored.generation) == (
+            "alice", common_pb2.JOB_STATE_RUNNING, ["node-a", "node-b"], formed.round)
+        assert list(stored.incident_nodes) == ["node-c"] and f"--rdzv-id={RUN}" in stored.spec.command
+
+        standby = RendezvousService(clock, store=store, restarted=True)  # takes over: its book knows nothing else
+        await standby.load()
+        shown = {j.id: j for j in standby.jobs()}[f"torchrun-{RUN}"]
+        assert (shown.user, shown.state, list(shown.nodes)) == ("alice", common_pb2.JOB_STATE_RUNNING,
+                                                                ["node-a", "node-b"])
+        with pytest.raises(Aborted, match="belongs to 'alice'"):  # not the first identity to act on it any more
+            await as_(bob, standby.Join, join_request("M", "node-m", 2009))
+        assert "node-c" in standby.book.get(RUN).evicted
+        member = rendezvous_pb2.RoundMember(rank=0, world_size=2, node="node-a", attempt=1,
+                                            store=rendezvous_pb2.StoreAddress(host="127.0.0.1", port=2001),
+                                            settings=rendezvous_pb2.RoundSettings(min_nodes=2, max_nodes=2))
+        await as_(alice, standby.NumNodesWaiting, rendezvous_pb2.NumNodesWaitingRequest(
+            run_id=RUN, participant_id="A", round=formed.round, member=member))
+        assert standby.book.get(RUN).formed.number == formed.round  # re-taught by its member
+
+        # a run whose members never come back is kept an hour for them, then shows as failed, and its id is free
+        lost = RendezvousService(clock, store=store, restarted=True)
+        await lost.load()
+        clock.advance(IDLE_RUN_TTL_S + SWEEP_EVERY_S)
+        lost.book.sweep(clock.monotonic())
+        ended = {j.id: j for j in lost.jobs()}[f"torchrun-{RUN}"]
+        assert ended.state == common_pb2.JOB_STATE_FAILED and "no member" in ended.reason
+        await lost.flush()
+        [record] = [r for r in await store.load_jobs() if r.id == f"torchrun-{RUN}"]
+        assert common_pb2.Job.FromString(record.data).state == common_pb2.JOB_STATE_FAILED
+        await as_(bob, lost.Join, join_request("M", "node-m", 2009))  # a new run of that id: bob's
+
+    try:
+        asyncio.run(story())
+    finally:
+        access.set_caller(None)

@@ -7,13 +7,14 @@ repeats, so no call outlives its deadline. The decisions are `controller.rendezv
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from controller import access
 from controller.api.rpc import unary
 from controller.config import RecoveryConfig
-from controller.errors import InvalidArgument, NotFound
+from controller.errors import InvalidArgument, NotFound, RevisionConflict
 from controller.nodes.states import DOWN
 from controller.recovery.detectors import NodeView
 from controller.rendezvous.book import (
@@ -33,13 +34,18 @@ from controller.rendezvous.book import (
     StoreAddress,
     Worker,
 )
+from controller.store.base import JobRecord
 from phalanx import clock as clocks
+from phalanx import log as logs
 from phalanx.clock import Clock
 from phalanx.names import NAME
 from phalanx.v1 import common_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 
 if TYPE_CHECKING:
     from controller.nodes.registry import Registry
+    from controller.store.base import Store
+
+logger = logs.get("rendezvous")
 
 TORCHRUN_PREFIX = "torchrun-"  # how `phalanx jobs` and the event log name a torchrun run: torchrun-RUN_ID
 ENDED_RUNS_KEPT = 100  # ended torchrun runs `phalanx jobs` still shows, the newest
@@ -50,6 +56,22 @@ def job_name(run_id: str) -> str:
     """The run's name as a job, for `phalanx jobs` and `phalanx events --job`; '' if the run id cannot be one."""
     name = f"{TORCHRUN_PREFIX}{run_id}"
     return name if NAME.fullmatch(name) else ""
+
+
+def record_id(run_id: str) -> str:
+    """The id of the run's record in the store: its job name, or for a run id that cannot be one, a digest of it
+    (the record's command holds the run id itself)."""
+    return job_name(run_id) or f"{TORCHRUN_PREFIX}{hashlib.sha256(run_id.encode()).hexdigest()[:32]}"
+
+
+def stored_run_id(job: common_pb2.Job) -> str:
+    """The run id a stored torchrun record is of ('' if the record says none: not one this controller wrote)."""
+    rdzv = [a for a in job.spec.command if a.startswith(RDZV_ID)]
+    return rdzv[0].removeprefix(RDZV_ID) if rdzv else ""
+
+
+RDZV_ID = "--rdzv-id="
+TERMINAL = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
 
 
 def _text(value: str, field_name: str, hint: str) -> str:
@@ -118,7 +140,10 @@ def run_job(run: Run, owner: str = "", seen_ns: int = 0, ended: bool = False) ->
                          nodes=[p.node or p.id for p in ranks], spares=[p.node or p.id for p in waiting])
     job.spec.name = run.id[:63]
     job.user = owner
-    job.spec.command.append("torchrun")
+    job.spec.command.extend(["torchrun", f"{RDZV_ID}{run.id}"])
+    job.incident_nodes.extend(sorted(run.evicted))  # left out of the run's rounds (stragglers): kept across takeovers
+    if run.evicted:
+        job.incident = "; ".join(f"node {n}: {why}" for n, why in sorted(run.evicted.items()))
     job.spec.nodes = settings.max_nodes if settings else 0
     if formed is not None and formed.world_size and formed.ranks:
         job.spec.ranks_per_node = max(1, formed.world_size // len(formed.ranks))
@@ -129,9 +154,10 @@ def run_job(run: Run, owner: str = "", seen_ns: int = 0, ended: bool = False) ->
 class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
     def __init__(self, clock: Clock, registry: Registry | None = None,
                  log: Callable[[str, str, str], Awaitable[None]] | None = None, restarted: bool = False,
-                 policy: RecoveryConfig = DEFAULT_POLICY) -> None:
+                 policy: RecoveryConfig = DEFAULT_POLICY, store: Store | None = None) -> None:
         """`restarted`: this controller took over a fleet (its store knew nodes), so torchrun groups may be running:
-        no round forms in its first RELEARN_GRACE_S, while their members re-teach it theirs."""
+        no round forms in its first RELEARN_GRACE_S, while their members re-teach it theirs. `store`: where each
+        run is kept as a job record (`load` reads them back after a restart or a takeover)."""
         self._clock = clock
         self._events: dict[str, asyncio.Event] = {}
         self._registry = registry
@@ -140,6 +166,11 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         self._owners: dict[str, str] = {}  # run id -> the identity that owns it (with an access file)
         self._seen_ns: dict[str, int] = {}  # run id -> when (wall) this controller first heard of it
         self._ended: dict[str, tuple[float, common_pb2.Job]] = {}  # run id -> (when, how it ended), lately ended
+        self._store = store
+        self._records: dict[str, tuple[int, bytes]] = {}  # record id -> (revision, data) as last stored
+        self._dirty: set[str] = set()  # runs whose record may have changed
+        self._writer: asyncio.Task | None = None
+        self._stored: dict[str, common_pb2.Job] = {}  # run id -> its record, for a run restored and not re-taught yet
         # Request ids from the wall clock (ms): a restarted controller never reuses one a worker already answered.
         self.book = RendezvousBook(on_change=self._wake, view=self._view, on_event=self._event,
                                    first_ask_id=clock.wall_ns() // 1_000_000,
@@ -160,6 +191,85 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
                         connected=entry.session is not None, drained=bool(entry.record.drain_reason),
                         drain_reason=entry.record.drain_reason)
 
+    async def load(self) -> None:
+        """The runs a previous controller stored (a restart, a takeover): those that ran keep their owner and the
+        nodes evicted from them, and show as they were until their members re-teach their round; those that had
+        ended show as ended."""
+        if self._store is None:
+            return
+        now = self._clock.monotonic()
+        for record in await self._store.load_jobs():
+            if not record.id.startswith(TORCHRUN_PREFIX):
+                continue
+            job = common_pb2.Job.FromString(record.data)
+            run_id = stored_run_id(job)
+            if not run_id or record_id(run_id) != record.id:
+                continue  # not a record this service wrote
+            self._records[record.id] = (record.revision, record.data)
+            if job.state in TERMINAL:
+                self._ended[run_id] = (now, job)
+                continue
+            why = f"it was evicted from rendezvous {run_id!r} (before this controller took over)"
+            self.book.restore(run_id, job.generation, dict.fromkeys(job.incident_nodes, why), now)
+            self._stored[run_id] = job
+            if job.user:
+                self._owners[run_id] = job.user
+            if job.submitted_unix_ns:
+                self._seen_ns[run_id] = job.submitted_unix_ns
+        if self._records:
+            logger.info("torchrun runs loaded", running=len(self._stored), ended=len(self._ended))
+
+    def _mark(self, run_id: str) -> None:
+        """The run's record may have changed: write it (one writer; it writes only what differs)."""
+        if self._store is None:
+            return
+        self._dirty.add(run_id)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_dirty(), name="rendezvous-records")
+
+    async def flush(self) -> None:
+        """Wait until every run's record is written (or its write has failed)."""
+        while self._writer is not None and not self._writer.done():
+            await asyncio.shield(self._writer)
+
+    def _record_of(self, run_id: str) -> common_pb2.Job | None:
+        """The run's record as it should be stored now; None: none (forgotten, and past its time as ended)."""
+        run = self.book.get(run_id)
+        if run is not None:
+            if run.restored and run_id in self._stored:
+                return self._stored[run_id]
+            return run_job(run, self._owners.get(run_id, ""), self._seen_ns.get(run_id, 0))
+        ended = self._ended.get(run_id)
+        return ended[1] if ended is not None else None
+
+    async def _write_dirty(self) -> None:
+        while self._dirty:
+            run_id = self._dirty.pop()
+            key = record_id(run_id)
+            job = self._record_of(run_id)
+            data = job.SerializeToString() if job is not None else None
+            known = self._records.get(key)
+            if (known[1] if known else None) == data:
+                continue
+            record = JobRecord(key, common_pb2.JobState.Name(job.state) if job is not None else "", data or b"",
+                               known[0] if known else 0, deleted=data is None)
+            try:
+                committed = await self._store.commit(jobs=[record])
+            except RevisionConflict:  # written meanwhile by another controller (a term before): take its revision
+                self._records.pop(key, None)
+                for r in await self._store.load_jobs():
+                    if r.id == key:
+                        self._records[key] = (r.revision, r.data)
+                self._dirty.add(run_id)
+                continue
+            except Exception as e:  # the store is unavailable: the rendezvous goes on; the next change writes it
+                logger.warning("could not store a torchrun run", run=run_id, error=str(e))
+                continue
+            if data is None:
+                self._records.pop(key, None)
+            else:
+                self._records[key] = (committed.jobs[0].revision, data)
+
     def _event(self, kind: str, message: str, run_id: str) -> None:
         if self._log is None:
             return
@@ -171,23 +281,34 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         """The torchrun runs, as `phalanx jobs` lists them: the running round's nodes, the waiting ones as spares;
         and those that ended lately (ENDED_RUNS_KEPT, for ENDED_RUN_TTL_S) unless a new run took the id."""
         now = self._clock.monotonic()
-        self._ended = {r: (t, j) for r, (t, j) in self._ended.items()
-                       if now - t < ENDED_RUN_TTL_S and self.book.get(r) is None}
-        live = [run_job(run, self._owners.get(run.id, ""), self._seen_ns.get(run.id, 0)) for run in self.book.runs()]
-        return live + [job for _, job in self._ended.values()]
+        kept = {r: (t, j) for r, (t, j) in self._ended.items()
+                if now - t < ENDED_RUN_TTL_S and self.book.get(r) is None}
+        for run_id in set(self._ended) - set(kept):
+            self._mark(run_id)  # its record goes too (or becomes the new run's)
+        self._ended = kept
+        live = [self._record_of(run.id) for run in self.book.runs()]
+        return [j for j in live if j is not None] + [job for _, job in self._ended.values()]
 
     def _forgotten(self, run: Run) -> None:
         """The book forgets a run (everyone left, or abandoned): keep how it ended for `phalanx jobs` and `job`."""
-        self._ended[run.id] = (self._clock.monotonic(), run_job(run, self._owners.get(run.id, ""),
-                                                                 self._seen_ns.pop(run.id, 0), ended=True))
+        if run.restored and run.id in self._stored:  # no member came back after the takeover
+            job = common_pb2.Job()
+            job.CopyFrom(self._stored.pop(run.id))
+            job.state = common_pb2.JOB_STATE_FAILED
+            job.reason = "no member of the torchrun run came back after the controller took over"
+            self._seen_ns.pop(run.id, None)
+        else:
+            job = run_job(run, self._owners.get(run.id, ""), self._seen_ns.pop(run.id, 0), ended=True)
+        self._ended[run.id] = (self._clock.monotonic(), job)
+        self._mark(run.id)
         while len(self._ended) > ENDED_RUNS_KEPT:
             self._ended.pop(next(iter(self._ended)))
 
     def _authorize(self, run_id: str) -> None:
         """Raise PermissionDenied unless the caller may act on the run: with an access file, the identity that
         first joined (or reported to) it owns it, and only that identity or an admin may join, report to or close
-        it. A run this controller does not hold (new, forgotten, or not yet re-learned after a takeover) goes to
-        the first identity that acts on it."""
+        it. The owner is kept in the run's record, so a restart or a takeover keeps it; a run this controller does
+        not hold (new, or forgotten) goes to the first identity that acts on it."""
         who = access.caller()
         if who is None:  # no access file: every client is an admin
             return
@@ -203,6 +324,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         event = self._events.pop(run_id, None)
         if event is not None:
             event.set()
+        self._mark(run_id)
 
     @unary
     async def Join(self, request: rendezvous_pb2.JoinRequest, context) -> rendezvous_pb2.RoundReply:

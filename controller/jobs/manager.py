@@ -35,6 +35,7 @@ from phalanx.v1 import common_pb2, node_pb2
 logger = log.get("jobs")
 
 pb = common_pb2
+TORCHRUN_RECORDS = "torchrun-"  # the prefix of torchrun runs' records in the jobs table (the rendezvous service's)
 FORGET_EVERY_S = 60.0  # how often ended jobs' records are looked over for deletion (jobs.ended_kept)
 FORGET_BATCH = 100  # records deleted in one commit (an etcd transaction holds 128 operations)
 # A running job's spares are asked to hold standbys of its ranks (agent.warm) for PREPARE_HOLD_S, renewed this often.
@@ -105,6 +106,8 @@ class JobManager:
 
     async def load(self) -> None:
         for record in await self.store.load_jobs():
+            if record.id.startswith(TORCHRUN_RECORDS):
+                continue  # a torchrun run's record: the rendezvous service's (controller/api/rendezvous_service.py)
             job = pb.Job.FromString(record.data)
             self.entries[job.id] = JobEntry(job, record.revision, generation=job.generation,
                                             reported=job.progress_reported)

@@ -213,6 +213,7 @@ class Run:
     straggler_evictions: list[float] = field(default_factory=list)  # when (the book's clock), for straggler_hold
     straggler_step_s: float = 0.0  # the round's step time when a straggler was last evicted
     straggler_held: str = ""  # why the last straggler verdict was held back (said once)
+    restored: bool = False  # from a record a previous controller stored: its members have not re-taught it yet
 
     def present(self) -> set[str]:
         waiting = set(self.open.waiting) if self.open else set()
@@ -330,6 +331,14 @@ class RendezvousBook:
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
 
+    def restore(self, run_id: str, last_number: int, evicted: dict[str, str], now: float) -> Run:
+        """A run a previous controller stored (it ran when this one took over): known, with the nodes evicted from
+        it, before its members re-teach its round (`num_waiting(..., member)`); a new round is numbered past
+        `last_number`. Kept IDLE_RUN_TTL_S for its members, however few come back."""
+        run = self._runs[run_id] = Run(run_id, last_activity=now, last_number=last_number, evicted=dict(evicted),
+                                       restored=True)
+        return run
+
     def _fit_in(self, run: Run) -> Callable[[str], str]:
         """'' if a node may take part in the run's rounds, else why not: the controller's verdict on it
         (`unfit`), or the run's own (a node evicted from it as a straggler)."""
@@ -376,7 +385,7 @@ class RendezvousBook:
                     run.gone[pid] = Drop(pid, rnd.number, message, timed_out=True)
                     self._event("rendezvous.left_out", message, run.id)
                 rnd.waiting.clear()
-                run.formed, run.open = rnd, None
+                run.formed, run.open, run.restored = rnd, None, False
                 run.left.clear()
                 nodes = ", ".join(p.node or p.id for p in rnd.ranks)
                 self._event("rendezvous.formed", f"round {rnd.number} of rendezvous {run.id!r} formed: "
@@ -534,6 +543,7 @@ class RendezvousBook:
                     return None
                 run = self._runs[run_id] = Run(run_id, last_activity=now)
             formed = run.formed = Round(number, member.settings, declared=member.world_size, relearned_at=now)
+            run.restored = False
             run.left.clear()
             run.restart_told, run.ask = 0, None
             if run.open is not None and run.open.number <= number:  # opened by a spare that re-joined first
@@ -736,8 +746,8 @@ class RendezvousBook:
 
     def _forget_if_finished(self, run: Run, now: float) -> None:
         idle = now - run.last_activity
-        if run.present():
-            finished = idle >= IDLE_RUN_TTL_S
+        if run.present() or (run.restored and run.formed is None and run.open is None and not run.closed):
+            finished = idle >= IDLE_RUN_TTL_S  # (a restored run: its members may not have found this controller)
         elif run.closed and run.formed is None and run.open is None:
             finished = idle >= CLOSED_RUN_TTL_S  # closed by hand before anyone came: keep it for latecomers
         else:
