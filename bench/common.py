@@ -95,7 +95,7 @@ def spawn_daemon(procs: dict, root: Path, name: str, module: str, config: str) -
 def cli(address: str, *args: str, timeout: float = 120) -> str:
     """`phalanx ARGS` against the insecure loopback controller at `address`: its stdout."""
     env = {**os.environ, "PHALANX_CONTROLLER": address, "PHALANX_INSECURE": "1"}  # loopback
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, env=env).stdout
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.common import log, temp_root
 from phalanx import pki
-from phalanx.cli import enrol
+from cli import enrol
 from phalanx.ports import free_port
 from phalanx.v1 import control_pb2
 from tests.cluster import Cluster

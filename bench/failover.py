@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 
 from bench.common import log, temp_root
-from phalanx.cli import local
+from cli import local
 from phalanx.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 GOAL_S = 3.0

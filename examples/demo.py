@@ -45,7 +45,7 @@ def say(text: str) -> None:
 
 
 def phalanx(*args: str, check: bool = True) -> str:
-    result = subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                             timeout=600)
     if check and result.returncode != 0:
         raise SystemExit(f"demo failed: phalanx {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
@@ -54,7 +54,7 @@ def phalanx(*args: str, check: bool = True) -> str:
 
 def reference(workdir: Path, steps: int) -> str:
     """The same training, uninterrupted: two ranks on loopback without Phalanx, for `steps` steps."""
-    from phalanx.cli.local import free_port
+    from cli.local import free_port
     out, port = workdir / "reference.txt", free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     procs = [subprocess.Popen([sys.executable, str(TRAIN), "--steps", str(steps), "--out", str(out)],
@@ -128,7 +128,7 @@ def main() -> int:
     try:
         say("$ phalanx local up --nodes 4 --gpus-per-node 2")
         phalanx("local", "up", "--nodes", "4", "--gpus-per-node", "2")
-        follow = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "events", "--follow", "--json"],
+        follow = subprocess.Popen([sys.executable, "-m", "cli.main", "events", "--follow", "--json"],
                                   stdout=subprocess.PIPE, text=True)
         timeline = Timeline(follow)
         out, out_steps = home / "result.txt", home / "steps.txt"
@@ -154,7 +154,7 @@ def main() -> int:
             say(f"no restart within {RECOVERY_DEADLINE_S}s of the fault; cancelling {job}")
             phalanx("cancel", job, check=False)
         say(f"$ phalanx wait {job}")
-        subprocess.run([sys.executable, "-m", "phalanx.cli.main", "wait", job, "-q"], timeout=END_DEADLINE_S)
+        subprocess.run([sys.executable, "-m", "cli.main", "wait", job, "-q"], timeout=END_DEADLINE_S)
         final = json.loads(phalanx("job", job, "--json"))
         events = json.loads(phalanx("events", "--job", job, "--json"))
         say(f"{job} {final['state']} after {final['restarts']} restart(s); generation {final['generation']} ran on "

@@ -29,7 +29,7 @@ def say(text: str) -> None:
 def phalanx(*args: str, show: bool = True) -> str:
     if show:
         say("$ phalanx " + " ".join(args))
-    result = subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                             timeout=120)
     if result.returncode != 0:
         raise SystemExit(f"demo failed: phalanx {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
@@ -130,7 +130,7 @@ def restart(module: str, proc: dict) -> subprocess.Popen:
 
 def all_connected() -> bool:
     """Every node has a session with the (restarted) controller; False while it is still starting."""
-    result = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "nodes", "--json"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "cli.main", "nodes", "--json"], capture_output=True,
                             text=True, timeout=60)
     return result.returncode == 0 and all(n["connected"] for n in json.loads(result.stdout))
 

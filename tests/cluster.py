@@ -17,9 +17,9 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from phalanx.cli import render
-from phalanx.cli.local import free_port
-from phalanx.cli.render import state_name
+from cli import render
+from cli.local import free_port
+from cli.render import state_name
 from phalanx.pki import issue
 from phalanx.tls import channel_credentials
 from phalanx.v1 import control_pb2, control_pb2_grpc
@@ -144,7 +144,7 @@ class Cluster:
         else:
             env.update(PHALANX_CA=str(self.pki / "ca.crt"), PHALANX_CERT=str(self.pki / "operator.crt"),
                        PHALANX_KEY=str(self.pki / "operator.key"))
-        return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                               timeout=timeout, env=env)
 
     # What `phalanx job --json`, `events --json` and `logs` print, read over this client's own channel: a wait loop

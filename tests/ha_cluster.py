@@ -18,7 +18,7 @@ from aetcd import rpc
 
 from controller.store.etcd import prefix_end
 from phalanx import framed
-from phalanx.cli.local import free_port
+from cli.local import free_port
 from phalanx.leader import leader_hint
 from phalanx.v1 import control_pb2, control_pb2_grpc
 from tests.cluster import Cluster

@@ -141,7 +141,7 @@ def test_a_job_never_starts_in_a_directory_its_account_cannot_enter(fleet, tmp_p
     env = {**os.environ, "PHALANX_CONTROLLER": fleet.address, "PHALANX_CA": str(fleet.pki / "ca.crt"),
            "PHALANX_CERT": str(fleet.pki / "alice.crt"), "PHALANX_KEY": str(fleet.pki / "alice.key")}
     env.pop("PHALANX_INSECURE", None)
-    submitted = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "submit", "--", "/bin/sh", "-c",
+    submitted = subprocess.run([sys.executable, "-m", "cli.main", "submit", "--", "/bin/sh", "-c",
                                 "cat note.txt; sleep 300"], capture_output=True, text=True, env=env, timeout=60,
                                cwd=secret)
     assert submitted.returncode == 0, submitted.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.cli import local
+from cli import local
 from tests.cluster import alive
 from tests.eventually import eventually
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 
 def phalanx(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -92,7 +92,7 @@ def test_local_cluster_lifecycle(home):
     assert past_a_page[:len(every)] == every  # more than one page's worth asked: read in pages, all of them here
 
     # --follow prints what is there, then what happens next, one JSON object per line
-    follow = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "events", "--follow", "--json", "--after",
+    follow = subprocess.Popen([sys.executable, "-m", "cli.main", "events", "--follow", "--json", "--after",
                                str(events[-1]["seq"] - 1)], stdout=subprocess.PIPE, text=True, env=home)
     try:
         # what is there first (the last event before), then it follows (a drain before it does is replayed by
@@ -138,7 +138,7 @@ def test_usage_errors_exit_2(home):
 
 
 def test_a_checkpoint_directory_is_made_whole_against_the_current_one_and_the_home_directory():
-    from phalanx.cli.main import directory
+    from cli.main import directory
     assert directory("runs/ckpt") == os.path.join(os.getcwd(), "runs", "ckpt")
     assert directory("~/ckpt") == os.path.join(os.path.expanduser("~"), "ckpt")
     assert directory("/shared/ckpt/") == "/shared/ckpt"
@@ -172,7 +172,7 @@ def test_local_status_and_down_find_a_controller_restarted_by_hand(home, tmp_pat
     script = f"import os, time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.1)"
     job_id = phalanx("submit", "--nodes", "1", "--", sys.executable, "-c", script, env=home).stdout.strip()
     wait_until(lambda: '"RUNNING"' in phalanx("job", job_id, "-o", "json", env=home).stdout, "the job running")
-    waiting = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "wait", job_id], env=home, text=True,
+    waiting = subprocess.Popen([sys.executable, "-m", "cli.main", "wait", job_id], env=home, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = waiting.stderr.readline()  # it has reached the controller: the kill comes after
     assert "RUNNING" in first, first

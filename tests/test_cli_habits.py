@@ -60,7 +60,7 @@ def flags(cluster):
 def bare(*args, env=None, timeout=60):
     """`phalanx ARGS` with nothing from the environment: every flag on the command line."""
     env = {k: v for k, v in (env or os.environ).items() if not k.startswith("PHALANX_")}
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -114,7 +114,7 @@ def test_jobs_show_their_nodes_as_a_hostlist_and_watch_follows_a_job_to_its_end(
     assert four.cli("jobs", "-o", "name").stdout.split() == [job_id]
     assert "USER" in four.cli("jobs", "-o", "wide").stdout.splitlines()[0].split()
     # --watch with -o json: one document a line, until the job ends (then the command ends by itself)
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", *flags(four), "job", job_id, "--watch", "0.2",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *flags(four), "job", job_id, "--watch", "0.2",
                              "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
@@ -128,7 +128,7 @@ def test_jobs_show_their_nodes_as_a_hostlist_and_watch_follows_a_job_to_its_end(
 
 
 def test_watch_redraws_until_interrupted(four):
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", *flags(four), "nodes", "--watch", "0.2",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *flags(four), "nodes", "--watch", "0.2",
                              "-o", "hostlist"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         seen = [proc.stdout.readline() for _ in range(8)]  # two refreshes: header, blank line, the nodes, blank
@@ -155,7 +155,7 @@ def test_bash_completion_offers_commands_options_and_the_controllers_nodes(four,
     (tmp_path / "phalanx.bash").write_text(script.stdout)
     shim = tmp_path / "bin" / "phalanx"  # `phalanx` on PATH, as the package's /usr/bin/phalanx would be
     shim.parent.mkdir()
-    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m phalanx.cli.main \"$@\"\n")
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m cli.main \"$@\"\n")
     shim.chmod(0o755)
 
     def complete(line: str) -> list[str]:

@@ -29,7 +29,7 @@ def test_the_generated_state_machines_are_current():
 
 
 def test_every_cli_command_is_in_the_cli_reference():
-    from phalanx.cli.main import build_parser
+    from cli.main import build_parser
 
     def commands(parser, prefix=()):
         for action in parser._actions:

@@ -88,7 +88,7 @@ def dead_address() -> str:
 
 def phalanx(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PHALANX_CONTROLLER", "PHALANX_HOME")}
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", "--insecure", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", "--insecure", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -305,7 +305,7 @@ def test_the_cli_gets_its_answers_from_the_leader_through_a_standby(controller, 
 def test_the_cli_waits_for_an_election_and_then_follows_the_new_leader(controller):
     standby = FakeStandby(None)
     try:
-        cli = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "--insecure", "--controller",
+        cli = subprocess.Popen([sys.executable, "-m", "cli.main", "--insecure", "--controller",
                                 standby.address, "jobs", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
         assert standby.refused.wait(TIMEOUT_S), "the CLI never asked the standby"
@@ -345,7 +345,7 @@ def test_the_error_names_every_controller_when_none_answers():
 def test_an_election_that_outlasts_the_cli_says_so():
     import argparse
 
-    from phalanx.cli.main import FAILED, rpc_error
+    from cli.main import FAILED, rpc_error
 
     error = rpc_error(STANDBY_NO_LEADER, argparse.Namespace(controller="a:1, b:2"))
     assert (str(error), error.code) == ("cannot reach a leading controller at a:1,b:2: controller c2 is a standby: "
@@ -410,7 +410,7 @@ def test_events_follow_goes_to_the_leader(controller, standby):
     submitted = phalanx("--controller", controller.address, "submit", "--name", "watched", "--", "true")
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
-    follow = subprocess.Popen([sys.executable, "-m", "phalanx.cli.main", "--insecure", "--controller",
+    follow = subprocess.Popen([sys.executable, "-m", "cli.main", "--insecure", "--controller",
                                f"{standby.address},{controller.address}", "events", "--follow", "--json", "--job",
                                job_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(TIMEOUT_S, follow.kill)

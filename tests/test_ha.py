@@ -207,7 +207,7 @@ def test_local_up_ha_a_failover_by_hand(tmp_path):
     env.pop("PHALANX_CONTROLLER", None)
 
     def phalanx(*args):
-        return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                               timeout=120, env=env)
 
     try:

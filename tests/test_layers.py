@@ -63,3 +63,15 @@ def test_no_controller_module_imports_from_a_layer_above_its_own():
 def test_the_executor_does_not_know_the_job_manager():
     tree = ast.parse((ROOT / "controller/recovery/executor.py").read_text())
     assert not {n for n in imported(tree) if n.startswith("controller.jobs.manager")}
+
+
+def test_the_shared_ground_floor_imports_none_of_the_applications_above_it():
+    """phalanx/ is what both daemons, trainlib and the CLI import: it may import none of them (the CLI, which runs
+    the simulator and reads the agent's defaults, is an application above the daemons: cli/)."""
+    above = ("agent", "controller", "cli", "trainlib")
+    found = []
+    for path in sorted((ROOT / "phalanx").rglob("*.py")):
+        for name in sorted(imported(ast.parse(path.read_text()))):
+            if name.split(".")[0] in above:
+                found.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not found, "\n".join(found)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from phalanx.cli.render import job_dict, job_text, seconds_in_state
+from cli.render import job_dict, job_text, seconds_in_state
 from phalanx.v1 import common_pb2
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)

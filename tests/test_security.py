@@ -94,13 +94,13 @@ def status_of(fn) -> tuple[grpc.StatusCode, str]:
 def test_certs_init_and_issue_make_a_chain_the_handshake_accepts(tmp_path):
     from cryptography import x509
     d = tmp_path / "pki"
-    init = run("-m", "phalanx.cli.main", "certs", "init", "--dir", str(d), "--cluster", "prod")
+    init = run("-m", "cli.main", "certs", "init", "--dir", str(d), "--cluster", "prod")
     assert init.returncode == 0, init.stderr
     assert "cluster CA:" in init.stdout and "phalanx certs issue controller" in init.stdout
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     assert stat.S_IMODE((d / "ca.key").stat().st_mode) == 0o600
     assert stat.S_IMODE((d / "ca.crt").stat().st_mode) == 0o644
-    issued = run("-m", "phalanx.cli.main", "certs", "issue", "ctl", "--role", "controller", "--san", "10.0.0.1",
+    issued = run("-m", "cli.main", "certs", "issue", "ctl", "--role", "controller", "--san", "10.0.0.1",
                  "--san", "ctl.example", "--dir", str(d))
     assert issued.returncode == 0, issued.stderr
     cert = x509.load_pem_x509_certificate((d / "ctl.crt").read_bytes())
@@ -118,18 +118,18 @@ def test_certs_init_and_issue_make_a_chain_the_handshake_accepts(tmp_path):
 
 def test_certs_refuse_to_overwrite_and_explain_what_is_missing(tmp_path):
     d = tmp_path / "pki"
-    no_ca = run("-m", "phalanx.cli.main", "certs", "issue", "node-1", "--dir", str(d))
+    no_ca = run("-m", "cli.main", "certs", "issue", "node-1", "--dir", str(d))
     assert no_ca.returncode == 1
     assert f"no cluster CA in {d} (ca.crt and ca.key): run `phalanx certs init --dir {d}` first" in no_ca.stderr
-    assert run("-m", "phalanx.cli.main", "certs", "init", "--dir", str(d)).returncode == 0
+    assert run("-m", "cli.main", "certs", "init", "--dir", str(d)).returncode == 0
     key_before = (d / "ca.key").read_bytes()
-    again = run("-m", "phalanx.cli.main", "certs", "init", "--dir", str(d))
+    again = run("-m", "cli.main", "certs", "init", "--dir", str(d))
     assert again.returncode == 1 and f"{d / 'ca.crt'} already exists; refusing to overwrite it" in again.stderr
     assert (d / "ca.key").read_bytes() == key_before
-    assert run("-m", "phalanx.cli.main", "certs", "issue", "node-1", "--dir", str(d)).returncode == 0
-    twice = run("-m", "phalanx.cli.main", "certs", "issue", "node-1", "--dir", str(d))
+    assert run("-m", "cli.main", "certs", "issue", "node-1", "--dir", str(d)).returncode == 0
+    twice = run("-m", "cli.main", "certs", "issue", "node-1", "--dir", str(d))
     assert twice.returncode == 1 and "node-1.crt already exists" in twice.stderr
-    san = run("-m", "phalanx.cli.main", "certs", "issue", "node-2", "--san", "x", "--dir", str(d))
+    san = run("-m", "cli.main", "certs", "issue", "node-2", "--san", "x", "--dir", str(d))
     assert san.returncode == 2 and "--san is only for --role controller" in san.stderr
     for bad in ("../evil", ".hidden", "a,b", "a=b"):
         with pytest.raises(pki.PkiError, match="bad certificate name"):
@@ -204,12 +204,12 @@ def test_a_client_without_a_certificate_or_with_a_strangers_is_turned_away(secur
         code, _ = status_of(lambda: control_pb2_grpc.ControlServiceStub(channel).ListNodes(
             control_pb2.ListNodesRequest(), timeout=10))
         assert code == grpc.StatusCode.UNAVAILABLE
-    insecure_cli = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "--insecure", "nodes"],
+    insecure_cli = subprocess.run([sys.executable, "-m", "cli.main", "--insecure", "nodes"],
                                   capture_output=True, text=True, timeout=60,
                                   env={**os.environ, "PHALANX_CONTROLLER": secure.address})
     assert insecure_cli.returncode == 1 and "cannot reach the controller" in insecure_cli.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    anonymous_cli = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "--controller", secure.address, "--ca",
+    anonymous_cli = subprocess.run([sys.executable, "-m", "cli.main", "--controller", secure.address, "--ca",
                                     str(secure.pki / "ca.crt"), "nodes"], capture_output=True, text=True, timeout=60,
                                    env=env)  # the CA, but no certificate: the error says what is missing
     assert anonymous_cli.returncode == 1 and "no client certificate or token was given" in anonymous_cli.stderr, \
@@ -280,12 +280,12 @@ def test_the_token_port_takes_tokens_for_the_control_api_and_nothing_else(secure
     # the CLI with a token file
     token_file = secure.root / "token"
     token_file.write_text(TOKEN + "\n")
-    result = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "nodes"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "cli.main", "nodes"], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "PHALANX_CONTROLLER": address,
                                              "PHALANX_CA": str(ca / "ca.crt"), "PHALANX_TOKEN_FILE": str(token_file)})
     assert result.returncode == 0, result.stderr
     assert "node-a" in result.stdout
-    bad = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "nodes"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "cli.main", "nodes"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PHALANX_CONTROLLER": address,
                                           "PHALANX_CA": str(ca / "ca.crt"), "PHALANX_TOKEN": "x" * 32})
     assert bad.returncode == 1 and "does not know you" in bad.stderr
@@ -403,7 +403,7 @@ def test_clients_take_only_a_controllers_certificate_as_the_controller(secure, c
     real, address, recorder = impostor(ca, (ca / "controller.crt").read_bytes(),
                                        (ca / "controller.key").read_bytes())
     try:
-        reached = run("-m", "phalanx.cli.main", "--controller", address, "nodes", env=env)
+        reached = run("-m", "cli.main", "--controller", address, "nodes", env=env)
         assert reached.returncode != 0 and "UNIMPLEMENTED" in reached.stderr, reached.stderr
         assert recorder.calls == ["/phalanx.v1.ControlService/ListNodes"]
     finally:
@@ -411,7 +411,7 @@ def test_clients_take_only_a_controllers_certificate_as_the_controller(secure, c
 
     fake, address, recorder = impostor(ca, *node_certificate_for_loopback(ca))
     try:
-        refused = run("-m", "phalanx.cli.main", "--controller", address, "nodes", env=env)
+        refused = run("-m", "cli.main", "--controller", address, "nodes", env=env)
         assert refused.returncode != 0 and pki.CONTROLLER_NAME in refused.stderr, refused.stderr
         assert "not a controller" in refused.stderr
         # the agent: its session never opens, and it says why

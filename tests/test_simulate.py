@@ -97,7 +97,7 @@ def test_bad_scenarios_are_one_line_errors_naming_the_key_and_the_rule(overrides
 
 
 def phalanx(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=300)
 
 

@@ -59,7 +59,7 @@ class Fleet:
                          stdout=self.logs[node].open("w"), stderr=subprocess.STDOUT)
 
     def cli(self, *args: str, where: str = "hub", timeout: float = 120):
-        return self.sc.run_in(where, [sys.executable, "-m", "phalanx.cli.main", *args], env=self.env, check=False,
+        return self.sc.run_in(where, [sys.executable, "-m", "cli.main", *args], env=self.env, check=False,
                               timeout=timeout)
 
     def json(self, *args: str):
@@ -79,7 +79,7 @@ class Fleet:
         """Submit an sbatch script that `exec`s `phalanx run RUN_ARGS -- python TRAIN TRAIN_ARGS`; wait for its
         Phalanx job to run and train. The Slurm job id and the Phalanx job."""
         script = (f"#!/bin/sh\nexport PHALANX_CONTROLLER={self.address} PHALANX_INSECURE=1\n"
-                  f"exec {sys.executable} -m phalanx.cli.main run {run_args} --env GLOO_SOCKET_IFNAME=eth0 "
+                  f"exec {sys.executable} -m cli.main run {run_args} --env GLOO_SOCKET_IFNAME=eth0 "
                   f"--checkpoint-dir {tmp_path / 'ckpt'} -- {sys.executable} {TRAIN} {train_args}\n")
         slurm_job = self.sc.sbatch(script, *sbatch_args, "-o", str(tmp_path / "slurm-%j.out"), cwd=tmp_path)
         self.logs["the batch script"] = tmp_path / f"slurm-{slurm_job}.out"
@@ -170,7 +170,7 @@ def test_a_job_whose_phalanx_run_was_killed_is_cancelled_once_its_slurm_job_has_
     fleet, sc = watching_fleet, watching_fleet.sc
     slurm_job, job = fleet.sbatch_run(tmp_path, "", f"--steps 100000 --step-time 0.05 --every 100000 "
                                       f"--out {tmp_path / 'x'}", "-N", "2")
-    found = subprocess.run(["pgrep", "-f", f"phalanx.cli.main run .*{tmp_path / 'ckpt'}"], capture_output=True,
+    found = subprocess.run(["pgrep", "-f", f"cli.main run .*{tmp_path / 'ckpt'}"], capture_output=True,
                            text=True, check=False)
     pids = [int(pid) for pid in found.stdout.split()]
     assert len(pids) == 1, found
@@ -217,7 +217,7 @@ def test_the_health_check_drains_a_failing_node_and_resumes_only_what_it_drained
 
 def test_phalanx_run_outside_slurm_says_what_to_do():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    done = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "run", "--", "true"], env=env,
+    done = subprocess.run([sys.executable, "-m", "cli.main", "run", "--", "true"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "runs inside a Slurm allocation" in done.stderr and "phalanx submit" in done.stderr
 

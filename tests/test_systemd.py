@@ -47,7 +47,7 @@ def test_notify_and_watchdog_interval(tmp_path, monkeypatch):
 @pytest.mark.parametrize("module", ["controller.main", "agent.main"])
 def test_daemons_say_ready_ping_the_watchdog_and_say_stopping(tmp_path, module):
     sock, path = receiver(tmp_path)
-    from phalanx.cli.local import free_port
+    from cli.local import free_port
     port = free_port()
     config = tmp_path / "c.toml"
     if module == "controller.main":

@@ -77,7 +77,7 @@ def as_(c, who: str, *args):
     env = {**os.environ, "PHALANX_CONTROLLER": c.address, "PHALANX_CA": str(c.pki / "ca.crt"),
            "PHALANX_CERT": str(c.pki / f"{who}.crt"), "PHALANX_KEY": str(c.pki / f"{who}.key")}
     env.pop("PHALANX_INSECURE", None)
-    return subprocess.run([sys.executable, "-m", "phalanx.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=60)
 
 

@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from phalanx.cli import terminal
+from cli import terminal
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
 

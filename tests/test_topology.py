@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.collectors.topology import PciPlace, nearest_nics, parse_cpulist, pci_relation, read_topology
-from phalanx.cli.topo import render_topology, topology_dict
+from cli.topo import render_topology, topology_dict
 from tests.sysfs_tree import DGX_GPU_BDFS, NODE0_CPUS, NODE1_CPUS, SysfsTree, broken, dgx_h100
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)

@@ -254,7 +254,7 @@ def test_closed_runs_refuse_new_rounds(controller):
 
 
 def test_an_unreachable_controller_is_named(tmp_path):
-    from phalanx.cli.local import free_port
+    from cli.local import free_port
     address = f"127.0.0.1:{free_port()}"
     handler = registry.get_rendezvous_handler(params(address, "nowhere", join_timeout=1))
     with pytest.raises(RendezvousConnectionError, match=f"cannot reach the Phalanx controller at {address}"):

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from phalanx import __version__, faults, hostlist, leader, pki, tls
-from phalanx.cli import local, render, terminal
+from cli import local, render, terminal
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.rpc import (
     CLIENT_OPTIONS,
@@ -286,7 +286,7 @@ def cmd_certs_token(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_enrol(args: argparse.Namespace) -> int:
-    from phalanx.cli import enrol
+    from cli import enrol
     address = args.controller or os.environ.get("PHALANX_CONTROLLER", "")
     if not address:
         raise CliError("no controller: pass --controller HOST:PORT, the controller's token port (token_listen)", USAGE)
@@ -424,7 +424,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
-    from phalanx.cli.topo import render_topology, topology_dict
+    from cli.topo import render_topology, topology_dict
     topology = call(args, lambda s: s.GetTopology(control_pb2.GetTopologyRequest(node=args.node),
                                                   timeout=DEFAULT_TIMEOUT_S))
     print(render.dumps(topology_dict(topology)) if args.output == "json" else render_topology(topology))
@@ -704,7 +704,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from phalanx.cli import completion
+    from cli import completion
     print(getattr(completion, args.shell)(build_parser(), PROG), end="")
     return OK
 
@@ -914,7 +914,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the program and its arguments")
     p.set_defaults(func=cmd_submit)
 
-    from phalanx.cli import slurm_cmds  # here, not at the top: it imports this module's helpers
+    from cli import slurm_cmds  # here, not at the top: it imports this module's helpers
     slurm_cmds.add_parsers(sub, _count, _positive, _env_pair)
 
     p = sub.add_parser("jobs", help="list jobs")
@@ -1083,5 +1083,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from phalanx.cli.main import main as _main  # one copy of this module, the one phalanx.cli.slurm_cmds imports
+    from cli.main import main as _main  # one copy of this module, the one cli.slurm_cmds imports
     sys.exit(_main())

@@ -14,8 +14,8 @@ import time
 import grpc
 
 from phalanx import slurm
-from phalanx.cli import render
-from phalanx.cli.main import (
+from cli import render
+from cli.main import (
     DEFAULT_TIMEOUT_S,
     FAILED,
     OK,
