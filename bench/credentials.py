@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from bench.common import log, temp_root
-from phalanx import pki
 from cli import enrol
+from phalanx import pki
 from phalanx.ports import free_port
 from phalanx.v1 import control_pb2
 from tests.cluster import Cluster

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from phalanx import __version__, faults, hostlist, leader, pki, tls
 from cli import local, render, terminal
+from phalanx import __version__, faults, hostlist, leader, pki, tls
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.rpc import (
     CLIENT_OPTIONS,

@@ -13,7 +13,6 @@ import time
 
 import grpc
 
-from phalanx import slurm
 from cli import render
 from cli.main import (
     DEFAULT_TIMEOUT_S,
@@ -28,6 +27,7 @@ from cli.main import (
     every_job,
     job_exit_code,
 )
+from phalanx import slurm
 from phalanx.v1 import common_pb2, control_pb2
 
 # Slurm's warning signals (`sbatch --signal=B:USR1@300`): checkpoint now, the job goes on. SIGTERM (scancel,

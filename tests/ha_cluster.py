@@ -16,9 +16,9 @@ import grpc
 import pytest
 from aetcd import rpc
 
+from cli.local import free_port
 from controller.store.etcd import prefix_end
 from phalanx import framed
-from cli.local import free_port
 from phalanx.leader import leader_hint
 from phalanx.v1 import control_pb2, control_pb2_grpc
 from tests.cluster import Cluster

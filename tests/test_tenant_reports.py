@@ -190,8 +190,8 @@ def test_list_jobs_answers_in_pages_that_the_cli_follows(monkeypatch):
     """Issue 39: ListJobs answered every job in one message, and past the transport's 16 MiB `phalanx jobs` broke
     for everyone. It answers about 8 MiB a page, in id order, naming where the next page starts; the CLI follows
     the pages; a page's last job deleted meanwhile (ended_kept) does not lose the rest."""
-    from controller.api import control_service
     from cli.main import every_job
+    from controller.api import control_service
     from phalanx.v1 import control_pb2
 
     monkeypatch.setattr(control_service, "LIST_PAGE_BYTES", 10_000)
