@@ -978,3 +978,25 @@ def test_a_rank_whose_node_stops_telling_of_it_is_lost_by_the_step_and_stored_wi
     assert "was lost" in commit.message
     assert [r.state for r in commit.job.ranks if r.rank == 1] == [pb.RANK_STATE_LOST]
     assert sim.job == before  # decided on a copy
+
+
+def test_a_ranks_exit_its_node_reports_is_taken_in_by_the_step_and_stored_by_the_commit_that_follows():
+    """The job manager no longer writes a reported exit into the stored record: it keeps it beside (JobView.ended),
+    `step` takes it in on a copy, and the commit of what follows (the crash incident) stores it. A state the rank
+    table does not allow from the record's is not taken; once committed, nothing is left to take in."""
+    sim = Sim()
+    start(sim)
+    before = pb.Job()
+    before.CopyFrom(sim.job)
+    view = sim.view()
+    crashed = lifecycle.JobView(**{**view.__dict__, "ended": {2: (pb.RANK_STATE_EXITED, 7)}})
+    commit = lifecycle.step(sim.job, crashed, sim.now, POLICY)[0]
+    assert isinstance(commit, lifecycle.Commit) and commit.incident == "crash", commit
+    assert "rank 2 on " in commit.message and "exited with code 7" in commit.message
+    assert [(r.state, r.exit_code) for r in commit.job.ranks if r.rank == 2] == [(pb.RANK_STATE_EXITED, 7)]
+    assert sim.job == before  # decided on a copy: the stored record is the commit's to change
+    assert lifecycle.ended_unsaved(commit.job, {2: (pb.RANK_STATE_EXITED, 7)}) == {}
+    assert lifecycle.ended_unsaved(sim.job, {2: (pb.RANK_STATE_EXITED, 7)}) == {2: (pb.RANK_STATE_EXITED, 7)}
+    # an ended rank does not run again, whatever a late report says
+    back = lifecycle.ranks_ended(commit.job, {2: (pb.RANK_STATE_RUNNING, 0)})
+    assert back is commit.job

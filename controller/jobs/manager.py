@@ -126,11 +126,15 @@ class JobManager:
     # -- the user side -----------------------------------------------------------------------
 
     def get(self, job_id: str) -> pb.Job:
+        """The job as `phalanx job` shows it: its record, with what its nodes said of its ranks since the last
+        commit and the standbys ready for it."""
         entry = self.entry(job_id)
-        if not entry.standbys or entry.job.state not in ACTIVE:
+        if entry.job.state not in ACTIVE or not (entry.standbys or entry.ended):
             return entry.job
-        job = pb.Job()
-        job.CopyFrom(entry.job)
+        job = lifecycle.ranks_ended(entry.job, entry.ended)
+        if job is entry.job:
+            job = pb.Job()
+            job.CopyFrom(entry.job)
         job.standbys.update(entry.standbys)
         return job
 
@@ -153,7 +157,8 @@ class JobManager:
                                               *entry.standbys}
 
     def list(self, states: set[int]) -> list[pb.Job]:
-        jobs = [e.job for e in self.entries.values() if not states or e.job.state in states]
+        jobs = [lifecycle.ranks_ended(e.job, e.ended) if e.job.state in ACTIVE else e.job
+                for e in self.entries.values() if not states or e.job.state in states]
         return sorted(jobs, key=lambda j: int(j.id.removeprefix("job-")))
 
     async def submit(self, spec: pb.JobSpec, user: str) -> pb.Job:
@@ -319,7 +324,8 @@ class JobManager:
             if job.state in table.LAUNCHING:
                 continue
             for rank in job.ranks:
-                if rank.node != name or rank.state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
+                state = entry.ended[rank.rank][0] if rank.rank in entry.ended else rank.state
+                if rank.node != name or state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
                     continue
                 status = reported.get((job.id, rank.rank))
                 if status is None:  # counted here; the lifecycle's step decides the rank LOST (ranks_lost)
@@ -332,8 +338,8 @@ class JobManager:
                 if status.fatal and rank.rank not in entry.fatal:
                     entry.fatal[rank.rank] = status.fatal
                     changed = True
-                if status.state != rank.state and rank_may_move(rank.state, status.state):
-                    rank.state, rank.exit_code = status.state, status.exit_code
+                if status.state != state and rank_may_move(state, status.state):  # news: the step takes it in
+                    entry.ended[rank.rank] = (status.state, status.exit_code)
                     changed = True
         if changed:
             self.wake()
@@ -441,6 +447,8 @@ class JobManager:
         committed = await self.store.commit(jobs=[record], events=[event])
         entry.job, entry.revision = job, committed.jobs[0].revision
         entry.new_generation(job.generation)
+        if entry.ended:
+            entry.ended = lifecycle.ended_unsaved(job, entry.ended)
         self.index(job)
         logger.info(commit.kind.removeprefix("job.").replace(".", " "), kind=commit.kind, job=job.id,
                     generation=job.generation, state=state_name(job.state), detail=commit.message)

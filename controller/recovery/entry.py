@@ -41,6 +41,8 @@ class JobEntry:
     # What this process sees of the current generation; reset when the generation changes.
     generation: int = 0
     missing: dict[int, int] = field(default_factory=dict)  # rank -> heartbeats without news of it
+    ended: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (state, exit code) its node says,
+    # not in the record yet: the lifecycle's step takes it in (ranks_ended), and the next commit stores it
     tracks: dict[int, monitors.RankTrack] = field(default_factory=dict)  # progress, from trainlib's reports
     nccl: dict[int, pb.NcclRankState] = field(default_factory=dict)  # rank -> newest flight-recorder state
     fatal: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
@@ -67,7 +69,7 @@ class JobEntry:
         if self.launch_task is not None and self.launch is not None and self.launch.generation != generation:
             self.launch_task.cancel()
         self.generation = generation
-        self.missing, self.tracks, self.nccl, self.fatal, self.stops = {}, {}, {}, {}, {}
+        self.missing, self.tracks, self.nccl, self.fatal, self.stops, self.ended = {}, {}, {}, {}, {}, {}
         self.checkpoint = None
         if self.launch is not None and self.launch.generation != generation:
             self.launch = None

@@ -173,7 +173,7 @@ class Executor:
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
             candidates=self.candidates(exclude=job.id, within=job.spec.within) if fleet else (),
             topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported,
-            missing=entry.missing)
+            missing=entry.missing, ended=entry.ended)
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
         job, name = entry.job, node.record.name

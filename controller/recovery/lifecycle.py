@@ -40,6 +40,7 @@ from controller.recovery.table import (
     SUCCEEDED,
     check,
     check_rank,
+    rank_may_move,
     state_name,
 )
 from phalanx import hostlist, slurm
@@ -83,6 +84,8 @@ class JobView:
     reported: bool = False  # trainlib has reported progress for some generation of the job (it will for this one)
     # rank -> heartbeats in a row from its node without news of it (this generation; the job manager counts them)
     missing: Mapping[int, int] = field(default_factory=dict)
+    # rank -> (state, exit code) its node reported that the record does not say yet (this generation)
+    ended: Mapping[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -298,7 +301,38 @@ def step(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]
     decide = _BY_STATE.get(job.state)
     if decide is None:
         return []  # a final state: nothing to do
-    return decide(ranks_lost(job, view.missing, policy.jobs.missing_reports_lost), view, now, policy)
+    return decide(ranks_lost(ranks_ended(job, view.ended), view.missing, policy.jobs.missing_reports_lost), view, now,
+                  policy)
+
+
+def ranks_ended(job: pb.Job, ended: Mapping[int, tuple[int, int]]) -> pb.Job:
+    """`job` with the rank states its nodes reported (a rank that exited, and its code): the job itself when the
+    record says them all already. What follows is decided on this job, and the commit that follows stores it; a
+    state the rank table does not allow from the record's (a report of an older look) is not taken."""
+    moves = _rank_moves(job, ended)
+    if not moves:
+        return job
+    new = copied(job)
+    for i, (state, code) in moves.items():
+        new.ranks[i].state, new.ranks[i].exit_code = state, code
+    return new
+
+
+def ended_unsaved(job: pb.Job, ended: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Of `ended`, what the record `job` does not say yet (after a commit: what the next step must take in)."""
+    moves = _rank_moves(job, ended)
+    return {job.ranks[i].rank: s for i, s in moves.items()}
+
+
+def _rank_moves(job: pb.Job, ended: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Index in job.ranks -> (state, code), for each reported state the record does not say and may move to."""
+    if not ended:
+        return {}
+    at = {r: r for r in ended if r < len(job.ranks) and job.ranks[r].rank == r}  # rank order: rank r at r
+    if len(at) < len(ended):
+        at = {r.rank: i for i, r in enumerate(job.ranks) if r.rank in ended}
+    return {i: ended[r] for r, i in at.items()
+            if job.ranks[i].state != ended[r][0] and rank_may_move(job.ranks[i].state, ended[r][0])}
 
 
 def ranks_lost(job: pb.Job, missing: Mapping[int, int], limit: int) -> pb.Job:

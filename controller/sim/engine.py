@@ -130,6 +130,7 @@ class SimJob:
         self.launch: lifecycle.LaunchView | None = None
         self.checkpoint: lifecycle.CheckpointView | None = None
         self.stops: dict[str, tuple[str, float]] = {}
+        self.ended: dict[int, tuple[int, int]] = {}  # rank -> (state, exit code) its node reported (JobView.ended)
         self.generation = 0
         self.members: set[str] = set()
         self.views: dict[str, NodeView] = {}
@@ -194,8 +195,7 @@ class SimJob:
         if token != self.token or pace != self.pace or self.activity != TRAINING or self.job.state != table.RUNNING:
             return
         self._settle()
-        for rank in self.job.ranks:
-            rank.state, rank.exit_code = pb.RANK_STATE_EXITED, 0
+        self.ended = {rank.rank: (pb.RANK_STATE_EXITED, 0) for rank in self.job.ranks}
         self.decide()
 
     def _rate(self) -> float:
@@ -311,7 +311,7 @@ class SimJob:
         return lifecycle.JobView(nodes=self.views, launch=self.launch if self.launch and
                                  self.launch.generation == job.generation else None, checkpoint=self.checkpoint,
                                  candidates=list(self.candidates.values()) if candidates is None else candidates,
-                                 topology=self.sim.topology, fleet=candidates is not None)
+                                 topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
 
     def decide(self) -> None:
         for _ in range(64):
@@ -352,10 +352,12 @@ class SimJob:
                     before = self.job
                     self.job = job
                     committed = True
+                    if self.ended:
+                        self.ended = lifecycle.ended_unsaved(job, self.ended)
                     if incident:
                         self.tally.incidents[incident] = self.tally.incidents.get(incident, 0) + 1
                     if job.generation != self.generation:
-                        self.generation, self.stops, self.checkpoint = job.generation, {}, None
+                        self.generation, self.stops, self.checkpoint, self.ended = job.generation, {}, None, {}
                         self.rebuild()
                     if kind == "job.restarting":
                         spares = set(before.spares)
@@ -461,8 +463,7 @@ class SimJob:
         """A rank of the job exits non-zero (software): what JobManager.observe records from the heartbeat."""
         if self.job.state != table.RUNNING or not self.job.ranks:
             return
-        rank = self.job.ranks[0]
-        rank.state, rank.exit_code = pb.RANK_STATE_EXITED, 1
+        self.ended[self.job.ranks[0].rank] = (pb.RANK_STATE_EXITED, 1)
         self.decide()
 
 
