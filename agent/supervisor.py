@@ -202,29 +202,25 @@ class Supervisor:
     # -- launching ---------------------------------------------------------------------------
 
     def launch(self, request: node_pb2.LaunchRanks, base_env: dict[str, str]) -> str:
-        """Start this node's ranks of a job. Raises ValueError/OSError with a reason on failure."""
-        if not request.command:
-            raise ValueError("no command to run")
-        if request.generation <= self._stopped.get(request.job, 0):
-            raise ValueError(f"{request.job} generation {request.generation} was told to stop here (generation "
-                             f"{self._stopped[request.job]}); a launch of it is refused")
-        for rank in request.ranks:
-            existing = self._ranks.get(f"{request.job}.g{request.generation}.r{rank.rank}")
-            if existing is not None and self._alive(existing):
-                raise ValueError(f"rank {rank.rank} of {request.job} generation {request.generation} already runs")
-        refused = self._accounts.refusal(request.run_as)
-        if refused:
-            raise ValueError(f"{request.job}: {refused}")
-        account = resolve_account(request.run_as) if request.run_as else None
+        """Start this node's ranks of a job (rank_table.admit decides whether, and how). Raises ValueError/OSError
+        with a reason on failure."""
         limits = request.limits
-        if (limits.memory_bytes or limits.tasks) and (self._cgroups is None or not self._cgroups.enabled):
-            raise ValueError(f"{request.job} limits its ranks' memory or tasks, but this node cannot give ranks a "
-                             f"cgroup: {self._cgroups.why_not if self._cgroups is not None else 'cgroups are off'}")
+        running = tuple(r.rank for r in request.ranks if (existing := self._ranks.get(
+            f"{request.job}.g{request.generation}.r{r.rank}")) is not None and self._alive(existing))
+        cgroups = self._cgroups
+        admission = rank_table.admit(rank_table.LaunchAsk(
+            request.job, request.generation, has_command=bool(request.command),
+            stopped=self._stopped.get(request.job, 0), running=running,
+            account_refusal=self._accounts.refusal(request.run_as), as_account=bool(request.run_as),
+            limits=bool(limits.memory_bytes or limits.tasks), open_files=bool(limits.open_files),
+            no_cgroups="" if cgroups is not None and cgroups.enabled else
+            cgroups.why_not if cgroups is not None else "cgroups are off",
+            warm_pool=self.warm is not None and self.warm.enabled))
+        if admission.refusal:
+            raise ValueError(admission.refusal)
+        account = resolve_account(request.run_as) if request.run_as else None
         env = self._env(base_env, request.env) if account is None else account.env(base_env, request.env)
-        # standbys are started ahead as the agent's user, in no cgroup of their own: a job that runs as its own
-        # account or has limits starts cold
-        warm = self.warm is not None and self.warm.enabled and account is None and not (
-            limits.memory_bytes or limits.tasks or limits.open_files)
+        warm = admission.warm
         kind = recipe(request.job, request.command, env, self._workdir(request.workdir)) if warm else None
         started = []
         own = base_env.get("PHALANX_CHECKPOINT_DIR")  # the agent's checkpoint_dir/JOB, not one the job names
@@ -390,10 +386,11 @@ class Supervisor:
         launch here with the same rank hands it the new environment (deliver), or, after park_hold_s, it is told to
         exit. Returns why it cannot wait here, or ""."""
         record = self._ranks.get(f"{request.job}.g{request.generation}.r{request.rank}")
-        if record is None or not self._alive(record):
-            return f"rank {request.rank} of {request.job} generation {request.generation} does not run here"
-        if record.rank_pid and request.pid != record.rank_pid:
-            return f"pid {request.pid} is not rank {request.rank}'s process (pid {record.rank_pid})"
+        refused = rank_table.may_park(request.job, request.generation, request.rank,
+                                      record is not None and self._alive(record), record.rank_pid if record else 0,
+                                      request.pid)
+        if refused:
+            return refused
         key = (request.job, request.rank)
         if key in self._parked:
             self._release(key, "another process of this rank waits to rejoin")
@@ -568,12 +565,14 @@ class Supervisor:
     def stop(self, job: str, generation: int, grace_s: float) -> str:
         """SIGTERM the job's ranks (generation 0 = all) now; SIGKILL their groups after `grace_s` of the clock.
         Call on the event loop."""
-        if generation:
-            self._stopped[job] = max(self._stopped.get(job, 0), generation)
-        targets = [r for r in self._live() if r.job == job and (generation == 0 or r.generation == generation)]
-        if generation == 0:  # the job is over here: none of its ranks rejoins
-            for key in [k for k in self._parked if k[0] == job]:
-                self._release(key, f"{job} was stopped")
+        live = {r.key: r for r in self._live()}
+        plan = rank_table.stop_plan(job, generation, self._stopped.get(job, 0),
+                                    [(r.key, r.job, r.generation) for r in live.values()], list(self._parked))
+        if plan.stopped:
+            self._stopped[job] = plan.stopped
+        for rank in plan.release:  # the job is over here: none of its ranks rejoins
+            self._release((job, rank), f"{job} was stopped")
+        targets = [live[key] for key in plan.targets]
         for record in targets:
             self._end_slowness(record.key)
             self._signal(record, signal.SIGCONT, group=True)  # a stopped (hung) rank cannot act on SIGTERM
