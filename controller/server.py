@@ -182,6 +182,7 @@ class Controller:
                                        restarted=bool(self.registry.entries()), policy=self.cfg.recovery,
                                        store=self.store)
         await rendezvous.load()
+        self.collector.rendezvous = rendezvous  # torchrun runs in the metrics, as jobs
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
                            self.credentials, self.policy, rendezvous.jobs), server)

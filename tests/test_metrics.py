@@ -728,3 +728,37 @@ def _no_tls(**values):
         object.__setattr__(cfg, key, value)
     object.__setattr__(cfg, "tls", False)
     return cfg
+
+
+def test_torchrun_runs_count_in_the_job_metrics_as_every_job():
+    """A torchrun run is a job in `phalanx jobs`: it is one in the metrics too (the jobs by state, each active job's
+    state and restarts, incidents and restarts by kind)."""
+    from controller.api.rendezvous_service import RendezvousService
+    from controller.rendezvous.book import Settings, StoreAddress, Worker
+    clock, store, hub = FakeClock(), MemoryStore(), EventHub()
+    registry = Registry(store, clock, LivenessConfig(), hub, HealthConfig())
+    jobs = JobManager(store, registry, clock, hub, JobsConfig(), lambda: flat({}), RecoveryConfig())
+    collector = controller_metrics.ControllerCollector(registry, jobs, hub)
+    collector.rendezvous = rendezvous = RendezvousService(clock)
+    server = controller_metrics.serving(collector)
+
+    def v(name, **labels):
+        server.snapshot()
+        return server.registry.get_sample_value(name, labels)
+
+    book = rendezvous.book
+    for pid in ("A", "B"):
+        book.join("run", pid, 1, Settings(2, 2, 0.0), 60.0, StoreAddress("127.0.0.1", 2000), clock.monotonic(),
+                  node=f"node-{pid.lower()}")
+    assert v("phalanx_jobs", state="RUNNING") == 1
+    assert v("phalanx_job_state", job="torchrun-run", state="RUNNING") == 1
+    for step in range(20):  # both workers step, then stop stepping while they report: a hang
+        clock.advance(0.1)
+        for rank in (0, 1):
+            book.report_worker("run", 1, Worker(rank, 2, step, 0.1, clock.monotonic()), clock.monotonic())
+    clock.advance(RecoveryConfig().hang_min_s + 1)
+    for rank in (0, 1):
+        book.report_worker("run", 1, Worker(rank, 2, 19, 0.1, clock.monotonic()), clock.monotonic())
+    assert book.num_waiting("run", "A", 1, clock.monotonic()) >= 1  # the round restarts
+    assert v("phalanx_job_incidents_total", kind="hang") == 1 and v("phalanx_job_restarts_total", cause="hang") == 1
+    assert v("phalanx_job_generation_restarts_total", job="torchrun-run") == 1

@@ -148,6 +148,7 @@ def run_job(run: Run, owner: str = "", seen_ns: int = 0, ended: bool = False) ->
     if formed is not None and formed.world_size and formed.ranks:
         job.spec.ranks_per_node = max(1, formed.world_size // len(formed.ranks))
     job.submitted_unix_ns = seen_ns
+    job.restarts = run.restarts
     return job
 
 

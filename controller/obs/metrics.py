@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -32,6 +33,9 @@ from controller.store.timed import TimedStore
 from phalanx import __version__
 from phalanx.metrics_http import MetricsServer, standard_registry
 from phalanx.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from controller.api.rendezvous_service import RendezvousService
 
 JOB_STATES = [state_name(s) for s in common_pb2.JobState.values() if s != common_pb2.JOB_STATE_UNSPECIFIED]
 Histogram = tuple[list[tuple[str, int]], float]  # cumulative buckets, sum
@@ -64,8 +68,8 @@ def _histogram(buckets: Buckets) -> Histogram:
 
 
 def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub, store: TimedStore | None = None,
-                  elector: Elector | None = None) -> Snapshot:
-    """What a scrape shows, copied from the live state. On the event loop only."""
+                  elector: Elector | None = None, rendezvous: RendezvousService | None = None) -> Snapshot:
+    """What a scrape shows, copied from the live state, torchrun runs counted as jobs. On the event loop only."""
     entries = registry.entries_by_name().values()
     nodes = [(e.record.name, e.record.state, e.verdict.health) for e in entries]  # names looked up in the thread
     gpus: Counter[str] = Counter()
@@ -75,17 +79,22 @@ def take_snapshot(registry: Registry, jobs: JobManager, hub: EventHub, store: Ti
         if e.verdict.health is not HEALTHY:  # a node's verdict is its worst GPU's (or worse): skip healthy nodes
             gpus.update(v.health.name for v in e.gpu_verdicts.values())
     gpus[HEALTHY.name] += total - sum(gpus.values())
+    every = [*jobs.list(set()), *(rendezvous.jobs() if rendezvous is not None else ())]
+    active = [j for j in every if j.state in ACTIVE]
+    incidents = Counter(jobs.incidents) + (rendezvous.book.incidents if rendezvous is not None else Counter())
+    # a torchrun round restarted for an incident is the job's next generation: a restart of that cause
+    restarts = Counter(jobs.restarts_by_cause) + (rendezvous.book.incidents if rendezvous is not None else Counter())
     return Snapshot(
         nodes=nodes, gpus=dict(gpus), sessions=registry.sessions, heartbeats=registry.heartbeats_total,
         resumed=registry.resumed_total, behind_s=registry.backlog.allowance,
         lag=_histogram(registry.lag_seconds),
         detection={kind: _histogram(b) for kind, b in registry.detection.items()},
-        jobs=dict(Counter(state_name(j.state) for j in jobs.list(set()))),
-        incidents=dict(jobs.incidents), restarts=dict(jobs.restarts_by_cause),
+        jobs=dict(Counter(state_name(j.state) for j in every)),
+        incidents=dict(incidents), restarts=dict(restarts),
         recovery={cause: _histogram(b) for cause, b in jobs.recovery_s.items()},
         events=dict(hub.published),
-        culprits=[(j.id, j.culprit) for j in jobs.list(set(ACTIVE)) if j.HasField("culprit")],
-        active=[(j.id, state_name(j.state), j.restarts_in_row, j.restarts) for j in jobs.list(set(ACTIVE))],
+        culprits=[(j.id, j.culprit) for j in active if j.HasField("culprit")],
+        active=[(j.id, state_name(j.state), j.restarts_in_row, j.restarts) for j in active],
         store=store.kind if store is not None else "",
         store_commit=_histogram(store.commit_seconds) if store is not None else ([], 0.0),
         leadership=(elector.leading(), registry.epoch, elector.terms_won, elector.failovers) if elector else None)
@@ -210,10 +219,11 @@ class ControllerCollector:
     def __init__(self, registry: Registry, jobs: JobManager, hub: EventHub, store: TimedStore | None = None,
                  elector: Elector | None = None) -> None:
         self._sources = registry, jobs, hub, store, elector
+        self.rendezvous: RendezvousService | None = None  # torchrun's runs, once the server has its servicer
         self._snapshot: Snapshot | None = None
 
     def snapshot(self) -> None:
-        self._snapshot = take_snapshot(*self._sources)
+        self._snapshot = take_snapshot(*self._sources, rendezvous=self.rendezvous)
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check for duplicates; keeps registration from collecting

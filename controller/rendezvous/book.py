@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -214,6 +215,7 @@ class Run:
     straggler_step_s: float = 0.0  # the round's step time when a straggler was last evicted
     straggler_held: str = ""  # why the last straggler verdict was held back (said once)
     restored: bool = False  # from a record a previous controller stored: its members have not re-taught it yet
+    restarts: int = 0  # rounds restarted for an incident (this controller process)
 
     def present(self) -> set[str]:
         waiting = set(self.open.waiting) if self.open else set()
@@ -327,6 +329,7 @@ class RendezvousBook:
         self.policy = policy  # [recovery], as for every job: hang and straggler rules, the checkpoint's lead, deadline
         self._view = view  # node -> what recovery knows of it (None: no Phalanx agent there, taken as healthy)
         self._on_forget = on_forget  # a run about to be forgotten (the servicer keeps how it ended)
+        self.incidents: Counter[str] = Counter()  # by kind, as the job manager counts a job's (the metrics)
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
@@ -494,6 +497,7 @@ class RendezvousBook:
             if missing > 0:  # members that never asked since: lost while the controller was away
                 if run.restart_told != formed.number:
                     run.restart_told = formed.number
+                    self._restarted(run, "node-lost")
                     self._event("rendezvous.restart", f"round {formed.number} of rendezvous {run.id!r} restarts: "
                                 f"{missing} of its {formed.declared} nodes did not ask after the controller restarted "
                                 "(lost while it was away)", run.id)
@@ -517,6 +521,7 @@ class RendezvousBook:
                 return 0
             run.restart_told = formed.number
             cause = incident or formed.judged[2]  # (judged when the checkpoint was asked)
+            self._restarted(run, cause.kind if cause is not None else "crash")
             if cause is not None and cause.kind == "straggler":
                 self._evict(run, formed, cause, now)
             hang = incident is not None and incident.kind == "hang"
@@ -563,6 +568,10 @@ class RendezvousBook:
             formed.ranks = sorted([*formed.ranks, p], key=lambda q: formed.adopted[q.id])
         run.last_activity = now
         return run
+
+    def _restarted(self, run: Run, kind: str) -> None:
+        run.restarts += 1
+        self.incidents[kind] += 1
 
     def _nodes(self, run: Run, formed: Round) -> tuple[NodeView, ...]:
         """The round's members' nodes as the controller sees them (a node without a Phalanx agent: healthy)."""
