@@ -1000,3 +1000,44 @@ def test_a_ranks_exit_its_node_reports_is_taken_in_by_the_step_and_stored_by_the
     # an ended rank does not run again, whatever a late report says
     back = lifecycle.ranks_ended(commit.job, {2: (pb.RANK_STATE_RUNNING, 0)})
     assert back is commit.job
+
+
+def test_a_running_jobs_upkeep_is_decided_in_the_step_spares_hold_standbys_and_the_safe_step_is_pinned():
+    """What the job manager did inline from heartbeats: asking spares to hold standbys (renewed), pinning the
+    newest step whose snapshots are held twice over. Now `step` says it (lifecycle.upkeep), the executor sends."""
+    sim = Sim()
+    start(sim)
+    job = sim.job
+    spares, count = list(job.spares), job.spec.ranks_per_node
+    assert spares
+    view = lifecycle.JobView(**{**sim.view().__dict__, "prepared": {}, "snapshot_step": 40, "pinned": (0, 0),
+                                "tracks": {}})  # (no progress reports: no hang verdict as time passes)
+    assert lifecycle.step(job, view, sim.now, POLICY) == [*(lifecycle.Prepare(s, count) for s in spares),
+                                                         lifecycle.Pin(40)]
+    asked = lifecycle.JobView(**{**view.__dict__, "prepared": dict.fromkeys(spares, sim.now - 1.0),
+                                 "pinned": (job.generation, 40)})
+    assert lifecycle.step(job, asked, sim.now, POLICY) == []  # asked lately, pinned already
+    due = lifecycle.JobView(**{**asked.__dict__, "snapshot_step": 41})
+    assert lifecycle.step(job, due, sim.now + lifecycle.PREPARE_RENEW_S, POLICY) == [
+        *(lifecycle.Prepare(s, count) for s in spares), lifecycle.Pin(41)]
+    assert lifecycle.step(job, lifecycle.JobView(**{**view.__dict__, "prepared": None}), sim.now, POLICY) == [
+        lifecycle.Pin(40)]  # a driver that keeps no standbys (the simulator)
+    as_account = pb.Job()
+    as_account.CopyFrom(job)
+    as_account.spec.run_as = "alice"  # its standbys would run its code as the agent's user: none
+    assert lifecycle.step(as_account, view, sim.now, POLICY) == [lifecycle.Pin(40)]
+    cancelled = lifecycle.cancel(job, sim.now, prepared=spares)
+    assert cancelled[1:] == [lifecycle.Prepare(s, 0) for s in spares]  # the standbys go with the job
+
+
+def test_a_node_running_a_generation_that_is_not_current_is_fenced_once_a_repeat():
+    jobs = {"job-1": pb.Job(id="job-1", state=pb.JOB_STATE_RUNNING, generation=3),
+            "job-2": pb.Job(id="job-2", state=pb.JOB_STATE_FAILED, generation=1)}
+    running = [("job-1", 3, 0), ("job-1", 2, 1), ("job-1", 2, 2), ("job-2", 1, 0), ("job-9", 4, 0)]
+    fences = lifecycle.fences(running, jobs.get, {}, 100.0, 10.0)
+    assert fences == [lifecycle.Fence("job-1", 2, (1, 2), "generation 2 is stale (current 3, RUNNING)"),
+                      lifecycle.Fence("job-2", 1, (0,), "the job is FAILED"),
+                      lifecycle.Fence("job-9", 4, (0,), "unknown job")]
+    told = {("job-1", 2): 95.0, ("job-2", 1): 80.0}
+    assert [(f.job, f.generation) for f in lifecycle.fences(running, jobs.get, told, 100.0, 10.0)] == [
+        ("job-2", 1), ("job-9", 4)]

@@ -22,7 +22,6 @@ from controller.obs.events import EventHub
 from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
 from controller.recovery import detectors, lifecycle, table
 from controller.recovery import progress as monitors
-from controller.recovery import snapshots as snapshot_plan
 from controller.recovery.entry import JobEntry
 from controller.recovery.executor import Executor
 from controller.recovery.table import ACTIVE, RUNNING, TERMINAL, rank_may_move, state_name
@@ -38,9 +37,6 @@ pb = common_pb2
 TORCHRUN_RECORDS = "torchrun-"  # the prefix of torchrun runs' records in the jobs table (the rendezvous service's)
 FORGET_EVERY_S = 60.0  # how often ended jobs' records are looked over for deletion (jobs.ended_kept)
 FORGET_BATCH = 100  # records deleted in one commit (an etcd transaction holds 128 operations)
-# A running job's spares are asked to hold standbys of its ranks (agent.warm) for PREPARE_HOLD_S, renewed this often.
-PREPARE_RENEW_S = 30.0
-PREPARE_HOLD_S = 120.0
 
 __all__ = ["ACTIVE", "TERMINAL", "JobEntry", "JobManager", "state_name"]
 
@@ -189,12 +185,10 @@ class JobManager:
             entry = self.entry(job_id)
             if entry.job.state in TERMINAL:
                 raise FailedPrecondition(f"{job_id} already ended ({state_name(entry.job.state)})")
-            await self.executor.apply(entry, lifecycle.cancel(entry.job, self.now(), why), self.now())
+            await self.executor.apply(entry, lifecycle.cancel(entry.job, self.now(), why, list(entry.prepared)),
+                                      self.now())
             if entry.launch_task is not None:
                 entry.launch_task.cancel()
-            for spare in list(entry.prepared):  # the spares' standbys go now too, not when their hold runs out
-                self._prepare(entry, spare, count=0)
-            entry.prepared.clear()
         await self.executor.advance(entry)  # the stops go out before the answer
         return entry.job
 
@@ -317,8 +311,6 @@ class JobManager:
         for job_id in self._on_node.get(name, ()):
             entry = self.entries[job_id]
             job = entry.job
-            if job.state == RUNNING and name in job.spares:
-                self._prepare(entry, name)
             if job.state != RUNNING:
                 changed = True  # launching, recovering or cancelling: each heartbeat may be the news it waits for
             if job.state in table.LAUNCHING:
@@ -399,31 +391,22 @@ class JobManager:
 
     async def fence(self, node: NodeEntry, heartbeat: node_pb2.Heartbeat) -> None:
         """Stop ranks running on `node` that belong to no current job generation: one stop per generation."""
-        now = self.clock.monotonic()
-        stale: dict[tuple[str, int], list[int]] = {}
-        for status in heartbeat.ranks:
-            entry = self.entries.get(status.job)
-            if status.state != pb.RANK_STATE_RUNNING or (entry is not None and entry.job.state in ACTIVE
-                                                         and status.generation == entry.job.generation):
-                continue
-            stale.setdefault((status.job, status.generation), []).append(status.rank)
-        for (job_id, generation), ranks in stale.items():
-            key = (node.record.name, job_id, generation)
-            repeat = self.cfg.fence_repeat_s
-            if now - self._fenced.get(key, -repeat) < repeat or node.session is None:
-                continue
-            self._fenced[key] = now
-            entry = self.entries.get(job_id)
-            why = ("unknown job" if entry is None else f"the job is {state_name(entry.job.state)}"
-                   if entry.job.state not in ACTIVE else f"generation {generation} is stale (current "
-                   f"{entry.job.generation}, {state_name(entry.job.state)})")
-            await self.log(lifecycle.Event("job.fenced", f"{job_id}: stopping generation {generation} on "
-                                           f"{node.record.name} (ranks {', '.join(map(str, ranks))}): {why}"), job_id)
+        if node.session is None:
+            return
+        name, now = node.record.name, self.clock.monotonic()
+        told = {(j, g): at for (n, j, g), at in self._fenced.items() if n == name}
+        running = [(s.job, s.generation, s.rank) for s in heartbeat.ranks if s.state == pb.RANK_STATE_RUNNING]
+        current = lambda job_id: e.job if (e := self.entries.get(job_id)) is not None else None  # noqa: E731
+        for fence in lifecycle.fences(running, current, told, now, self.cfg.fence_repeat_s):
+            self._fenced[(name, fence.job, fence.generation)] = now
+            ranks = ", ".join(map(str, fence.ranks))
+            await self.log(lifecycle.Event("job.fenced", f"{fence.job}: stopping generation {fence.generation} on "
+                                           f"{name} (ranks {ranks}): {fence.why}"), fence.job)
             try:
                 await node.session.request(node_pb2.Command(stop=node_pb2.StopRanks(
-                    job=job_id, generation=generation, grace_s=self.cfg.stop_grace_s)))
+                    job=fence.job, generation=fence.generation, grace_s=self.cfg.stop_grace_s)))
             except Exception as e:
-                logger.warning("fencing failed", job=job_id, node=node.record.name, error=str(e))
+                logger.warning("fencing failed", job=fence.job, node=name, error=str(e))
 
     def fenced(self, node: str, job: str, generation: int) -> None:
         self._fenced[(node, job, generation)] = self.clock.monotonic()
@@ -472,7 +455,7 @@ class JobManager:
             by_job.setdefault(held.job, []).append(held)
         for entry in self._fold_by_job(self._snapshots_on, node, by_job, "snapshots"):
             if entry.job.nodes and node == entry.job.nodes[0]:  # once a heartbeat interval, not once per node
-                self._pin(entry)
+                self.wake()  # the step pins the newest step held twice over (lifecycle.upkeep)
 
     def _fold_standbys(self, node: str, standbys) -> None:
         """How many warm standbys of each job `node` holds ready now, and whether any is starting there."""
@@ -500,31 +483,6 @@ class JobManager:
         else:
             seen.pop(node, None)
         return updated
-
-    def _prepare(self, entry: JobEntry, spare: str, count: int | None = None) -> None:
-        """Ask a running job's spare, every PREPARE_RENEW_S, to hold standbys of the job's ranks: a restart there
-        then skips starting Python and importing torch. `count` 0: let them go now (the job is cancelled)."""
-        now = self.clock.monotonic()
-        if count is None and now - entry.prepared.get(spare, float("-inf")) < PREPARE_RENEW_S:
-            return
-        entry.prepared[spare] = now
-        spec = entry.job.spec
-        if spec.run_as:  # its ranks start cold: a standby would run its code as the agent's user
-            return
-        self.executor.send(spare, node_pb2.Command(prepare=node_pb2.PrepareRanks(
-            job=entry.job.id, command=spec.command, env=spec.env, workdir=spec.workdir,
-            count=spec.ranks_per_node if count is None else count, hold_s=PREPARE_HOLD_S, run_as=spec.run_as)),
-            f"prepare-{entry.job.id}-{spare}")
-
-    def _pin(self, entry: JobEntry) -> None:
-        """Tell the job's nodes to keep its newest step held twice over, when that moved on."""
-        job = entry.job
-        if job.state != RUNNING or len(job.nodes) < 2:
-            return
-        step = snapshot_plan.safe_step(entry.snapshots, job.id, job.generation, len(job.ranks))
-        if step is not None and (job.generation, step) > entry.pinned:
-            entry.pinned = (job.generation, step)
-            self.executor.pin_snapshot(entry, step)
 
     async def log(self, event: lifecycle.Event, job: str) -> None:
         committed = await self.store.commit(events=[self.event(event.kind, event.message, job)])

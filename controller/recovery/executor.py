@@ -88,6 +88,7 @@ MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a p
 # A job that ends waits this long at most for the Slurm drains of its evicted nodes (slurm.adrain: 3 tries of
 # 15 s at most): `phalanx run` exits when the job ends, and a requeued Slurm job could land on a node not drained.
 SLURM_DRAIN_WAIT_S = 10.0
+PREPARE_HOLD_S = 120.0  # a spare holds standbys this long unless asked again (lifecycle.PREPARE_RENEW_S)
 
 
 class Executor:
@@ -173,7 +174,9 @@ class Executor:
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
             candidates=self.candidates(exclude=job.id, within=job.spec.within) if fleet else (),
             topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported,
-            missing=entry.missing, ended=entry.ended)
+            missing=entry.missing, ended=entry.ended, prepared=entry.prepared, pinned=entry.pinned,
+            snapshot_step=snapshot_plan.safe_step(entry.snapshots, job.id, job.generation, len(job.ranks))
+            if job.state == RUNNING and len(job.nodes) >= 2 else None)
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
         job, name = entry.job, node.record.name
@@ -232,6 +235,11 @@ class Executor:
                     self._request_checkpoint(entry, action)
                 case lifecycle.WakeAt(at=at):
                     self._wake_at(at, now)
+                case lifecycle.Prepare(node=node, count=count):
+                    self._prepare(entry, node, count, now)
+                case lifecycle.Pin(step=step):
+                    entry.pinned = (entry.job.generation, step)
+                    self.pin_snapshot(entry, step)
                 case lifecycle.Event(kind=kind, message=message):
                     await self.jobs.log(action, entry.job.id)
                     logger.info(kind.removeprefix("job."), job=entry.job.id, generation=entry.job.generation,
@@ -452,6 +460,17 @@ class Executor:
                 logger.info("checkpoint request told again", job=pending.job, node=node,
                             request=pending.request_id)
                 self._tell_checkpoint(pending, node)
+
+    def _prepare(self, entry: JobEntry, spare: str, count: int, now: float) -> None:
+        """Ask `spare` to hold `count` standbys of the job's ranks for PREPARE_HOLD_S (0: let them go)."""
+        if count:
+            entry.prepared[spare] = now
+        else:
+            entry.prepared.pop(spare, None)
+        spec = entry.job.spec
+        self.send(spare, node_pb2.Command(prepare=node_pb2.PrepareRanks(
+            job=entry.job.id, command=spec.command, env=spec.env, workdir=spec.workdir, count=count,
+            hold_s=PREPARE_HOLD_S, run_as=spec.run_as)), f"prepare-{entry.job.id}-{spare}")
 
     def pin_snapshot(self, entry: JobEntry, step: int) -> None:
         command = node_pb2.Command(pin_snapshot=node_pb2.PinSnapshot(job=entry.job.id, generation=entry.job.generation,

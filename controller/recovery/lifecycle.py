@@ -13,7 +13,7 @@ abandoned by the same rules. Every state change goes through `controller.recover
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from controller.config import JobsConfig, RecoveryConfig
@@ -23,6 +23,7 @@ from controller.nodes.health import FAILED as HEALTH_FAILED
 from controller.recovery import progress
 from controller.recovery.detectors import Incident, NodeView, backoff, detect, training_over
 from controller.recovery.table import (
+    ACTIVE,
     CANCELLED,
     CANCELLING,
     CHECKPOINTING,
@@ -86,6 +87,11 @@ class JobView:
     missing: Mapping[int, int] = field(default_factory=dict)
     # rank -> (state, exit code) its node reported that the record does not say yet (this generation)
     ended: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # spare -> when (the clock of `now`) it was last asked to hold standbys; None: this driver keeps none (the
+    # simulator models warm starts itself)
+    prepared: Mapping[str, float] | None = None
+    snapshot_step: int | None = None  # the newest step of which every rank's in-memory snapshot is held twice over
+    pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
 
 
 @dataclass(frozen=True)
@@ -145,13 +151,29 @@ class Event:
     message: str
 
 
-Action = Commit | Launch | Stop | Drain | RequestCheckpoint | WakeAt | Event
+@dataclass(frozen=True)
+class Prepare:
+    """Ask a spare to hold `count` standbys of the job's ranks (started ahead: a restart there skips starting Python
+    and importing torch); count 0: let them go."""
+    node: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Tell the nodes that hold the job's in-memory snapshots to keep `step` (held twice over) however many newer
+    ones come: a restart resumes from it if a node is lost."""
+    step: int
+
+
+Action = Commit | Launch | Stop | Drain | RequestCheckpoint | WakeAt | Event | Prepare | Pin
 
 # -- timings (protocol margins, not operator policy: those are in RecoveryConfig) --------------------
 
 REQUEST_LATENCY_S = RecoveryConfig().checkpoint_lead_s  # the default lead of the agreed checkpoint step
 RENDEZVOUS_RETRY_S = 1.0  # how often a job waiting for nodes looks again
 RESTOP_S = 2.0  # a node still running the generation this long after taking a stop is told again
+PREPARE_RENEW_S = 30.0  # a running job's spares are asked again this often to hold standbys (agent warm pools)
 
 
 def pace(tracks: Mapping[int, progress.RankTrack]) -> tuple[int, float]:
@@ -471,7 +493,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     if incident is None:
         more = replenish(job, view) if policy.jobs.keep_spares else []
         if not more:
-            return []
+            return upkeep(job, view, now)
         new = copied(job)
         new.spares.extend(more)
         return [Commit(new, "job.spares", f"{job.id}: {', '.join(more)} now held as spare{'s' * (len(more) > 1)} "
@@ -772,16 +794,62 @@ def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
 CANCEL_REQUESTED = "cancel requested"
 
 
-def cancel(job: pb.Job, now: float, why: str = "") -> list[Action]:
+def upkeep(job: pb.Job, view: JobView, now: float) -> list[Action]:
+    """What a running job with nothing wrong asks of its nodes: its spares to hold standbys of its ranks (renewed
+    every PREPARE_RENEW_S; none for a job that runs as an account: a standby runs the job's code as the agent's
+    user), and its nodes to keep the newest step whose snapshots are held twice over, when that moved on."""
+    out: list[Action] = []
+    if view.prepared is not None and not job.spec.run_as:
+        out += [Prepare(spare, job.spec.ranks_per_node) for spare in job.spares
+                if now - view.prepared.get(spare, float("-inf")) >= PREPARE_RENEW_S]
+    if view.snapshot_step is not None and len(job.nodes) >= 2 and (job.generation, view.snapshot_step) > view.pinned:
+        out.append(Pin(view.snapshot_step))
+    return out
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Stop generation `generation` of `job` on a node: ranks of it run there that belong to no current generation
+    (a launch a dead controller sent, a node back from a partition)."""
+    job: str
+    generation: int
+    ranks: tuple[int, ...]
+    why: str
+
+
+def fences(statuses: Iterable[tuple[str, int, int]], current: Callable[[str], pb.Job | None],
+           told: Mapping[tuple[str, int], float], now: float, repeat_s: float) -> list[Fence]:
+    """What a node's heartbeat calls for: one stop per (job, generation) of its running ranks (`statuses`: job,
+    generation, rank) that is not its job's current generation while the job is active; not again within
+    `repeat_s` of the last (`told`, on the clock of `now`)."""
+    stale: dict[tuple[str, int], list[int]] = {}
+    for job_id, generation, rank in statuses:
+        job = current(job_id)
+        if job is None or job.state not in ACTIVE or generation != job.generation:
+            stale.setdefault((job_id, generation), []).append(rank)
+    out = []
+    for (job_id, generation), ranks in stale.items():
+        if now - told.get((job_id, generation), float("-inf")) < repeat_s:
+            continue
+        job = current(job_id)
+        why = ("unknown job" if job is None else f"the job is {state_name(job.state)}" if job.state not in ACTIVE
+               else f"generation {generation} is stale (current {job.generation}, {state_name(job.state)})")
+        out.append(Fence(job_id, generation, tuple(ranks), why))
+    return out
+
+
+def cancel(job: pb.Job, now: float, why: str = "", prepared: Iterable[str] = ()) -> list[Action]:
     """What a cancel request does to a job in any state (raises IllegalTransition from a final one); `why`, when
-    the controller itself cancels, is the reason the job keeps."""
+    the controller itself cancels, is the reason the job keeps. The spares asked to hold standbys (`prepared`) let
+    them go now, not when their hold runs out."""
     if job.state == PENDING:
         return [finished(job, CANCELLED, f"cancelled while pending: {why}" if why else "cancelled while pending", 1,
                          now)]
     if job.state == CANCELLING:
         return []
     new = moved(job, CANCELLING, why or CANCEL_REQUESTED, now)
-    return [Commit(new, "job.cancelling", f"{job.id}: {why or CANCEL_REQUESTED}; stopping {len(job.ranks)} ranks")]
+    return [Commit(new, "job.cancelling", f"{job.id}: {why or CANCEL_REQUESTED}; stopping {len(job.ranks)} ranks"),
+            *(Prepare(spare, 0) for spare in prepared)]
 
 
 _BY_STATE = {PENDING: _pending, STARTING: _launching, RESTARTING: _launching, RUNNING: _running,
