@@ -44,6 +44,7 @@ logger = log.get("controller")
 
 SERVICES = ("phalanx.v1.NodeService", "phalanx.v1.ControlService", "phalanx.v1.RendezvousService")
 HEALTH_TICK_S = 1.0  # re-judging non-healthy nodes; new signals are judged as they arrive
+RENDEZVOUS_FLUSH_S = 5.0  # at stop, the longest the torchrun runs' records are waited for
 
 
 def _changed_keys(old: object, new: object, prefix: str = "") -> list[str]:
@@ -160,6 +161,7 @@ class Controller:
         self.session_port: SessionPort | None = None  # a lone controller's own; on a board, main.py's
         self._load_security()
         self.collector = metrics.ControllerCollector(self.registry, self.jobs, self.hub, store, elector)
+        self.rendezvous: RendezvousService | None = None  # torchrun's rendezvous, once started
         # a lone controller serves its own /metrics; on a board, main.py serves the collector for the process
         self.metrics = metrics.serving(self.collector) if board is None else None
 
@@ -182,7 +184,7 @@ class Controller:
                                        restarted=bool(self.registry.entries()), policy=self.cfg.recovery,
                                        store=self.store)
         await rendezvous.load()
-        self.collector.rendezvous = rendezvous  # torchrun runs in the metrics, as jobs
+        self.rendezvous = self.collector.rendezvous = rendezvous  # torchrun runs in the metrics, as jobs
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlService(self.registry, self.store, self.hub, self.jobs, self.describe_controllers,
                            self.credentials, self.policy, rendezvous.jobs), server)
@@ -329,6 +331,11 @@ class Controller:
             await self._server.stop(grace_s)
         if self.metrics is not None:
             await self.metrics.close()
+        if self.rendezvous is not None:  # the torchrun runs' last records (a run that just ended) before the store
+            try:
+                await asyncio.wait_for(self.rendezvous.flush(), RENDEZVOUS_FLUSH_S)
+            except Exception as e:
+                logger.warning("torchrun runs' records not all written at stop", error=str(e))
         await self.store.close()
         logger.info("controller stopped")
 

@@ -835,3 +835,35 @@ def test_a_takeover_keeps_a_torchrun_runs_owner_and_evictions_from_its_stored_re
         asyncio.run(story())
     finally:
         access.set_caller(None)
+
+
+def test_a_drain_once_training_ended_restarts_nothing_and_only_a_fit_participant_is_a_spare():
+    """A node drained as its job ends (an operator's habit) does not restart a finished round; a participant waiting
+    on an unfit node is no spare for a straggler's place (the round would form smaller, or never)."""
+    f = Fleet()
+    number = formed_with_spare(f)
+    stepped(f, number)
+    report(f, number, 0, 49, finished=True)
+    f.unfit["node-b"] = "it is drained: maintenance"
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0
+    assert "rendezvous.checkpoint" not in [k for k, _ in f.events]
+
+    g = Fleet()
+    number = formed_with_spare(g)
+    g.unfit["node-c"] = "it is FAILING: GPU 0: row remap pending"  # the waiting participant C is on a failing node
+    straggling(g, number)
+    assert g.book.num_waiting(RUN, "A", number, g.clock.monotonic()) == 0
+    assert [k for k, _ in g.events][-1] == "rendezvous.straggler_held", g.events
+
+
+def test_a_resumed_rounds_first_report_counts_one_step_so_its_start_up_allowance_runs():
+    """A round that resumes at step 500 reports step 500 first: one step taken, not 501, so recovery.startup_s
+    covers its first steps (loading, the first collectives) as it does a job's."""
+    f = Fleet()
+    number = formed_with_spare(f)
+    for rank in (0, 1):
+        report(f, number, rank, 500)
+    f.clock.advance(CFG.hang_min_s * 10)  # a slow second step after the resume: within startup_s
+    for rank in (0, 1):
+        report(f, number, rank, 500)
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) == 0, f.events

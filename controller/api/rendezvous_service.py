@@ -71,6 +71,7 @@ def stored_run_id(job: common_pb2.Job) -> str:
 
 
 RDZV_ID = "--rdzv-id="
+RETRY_WRITE_S = 2.0  # a run's record the store did not take is written again this long after
 TERMINAL = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
 
 
@@ -211,7 +212,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
                 self._ended[run_id] = (now, job)
                 continue
             why = f"it was evicted from rendezvous {run_id!r} (before this controller took over)"
-            self.book.restore(run_id, job.generation, dict.fromkeys(job.incident_nodes, why), now)
+            self.book.restore(run_id, job.generation, dict.fromkeys(job.incident_nodes, why), job.restarts, now)
             self._stored[run_id] = job
             if job.user:
                 self._owners[run_id] = job.user
@@ -256,15 +257,22 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
                                known[0] if known else 0, deleted=data is None)
             try:
                 committed = await self._store.commit(jobs=[record])
-            except RevisionConflict:  # written meanwhile by another controller (a term before): take its revision
-                self._records.pop(key, None)
-                for r in await self._store.load_jobs():
-                    if r.id == key:
-                        self._records[key] = (r.revision, r.data)
-                self._dirty.add(run_id)
-                continue
-            except Exception as e:  # the store is unavailable: the rendezvous goes on; the next change writes it
-                logger.warning("could not store a torchrun run", run=run_id, error=str(e))
+            except Exception as e:
+                conflict = isinstance(e, RevisionConflict)  # written meanwhile by another controller (a term before)
+                if conflict:
+                    try:
+                        revisions = {r.id: (r.revision, r.data) for r in await self._store.load_jobs()}
+                    except Exception as again:
+                        conflict, e = False, again
+                    else:
+                        self._records.pop(key, None)
+                        if key in revisions:
+                            self._records[key] = revisions[key]
+                        self._dirty.add(run_id)  # at once, with the revision the store has
+                        continue
+                # the store is unavailable: the rendezvous goes on, and the record is written again in a while
+                logger.warning("could not store a torchrun run; will retry", run=run_id, error=str(e))
+                self._clock.call_later(RETRY_WRITE_S, lambda run_id=run_id: self._mark(run_id))
                 continue
             if data is None:
                 self._records.pop(key, None)
@@ -282,6 +290,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         """The torchrun runs, as `phalanx jobs` lists them: the running round's nodes, the waiting ones as spares;
         and those that ended lately (ENDED_RUNS_KEPT, for ENDED_RUN_TTL_S) unless a new run took the id."""
         now = self._clock.monotonic()
+        self.book.sweep(now)
         kept = {r: (t, j) for r, (t, j) in self._ended.items()
                 if now - t < ENDED_RUN_TTL_S and self.book.get(r) is None}
         for run_id in set(self._ended) - set(kept):
@@ -303,7 +312,9 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         self._ended[run.id] = (self._clock.monotonic(), job)
         self._mark(run.id)
         while len(self._ended) > ENDED_RUNS_KEPT:
-            self._ended.pop(next(iter(self._ended)))
+            oldest = next(iter(self._ended))
+            del self._ended[oldest]
+            self._mark(oldest)  # its record goes too
 
     def _authorize(self, run_id: str) -> None:
         """Raise PermissionDenied unless the caller may act on the run: with an access file, the identity that
@@ -313,6 +324,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         who = access.caller()
         if who is None:  # no access file: every client is an admin
             return
+        self.book.sweep(self._clock.monotonic())  # a run abandoned past its time is forgotten first: its id is free
         owner = self._owners.get(run_id)
         if owner is None or self.book.get(run_id) is None:
             if len(self._owners) >= 2 * MAX_RUNS:

@@ -76,7 +76,7 @@ class JobManager:
         self.entries: dict[str, JobEntry] = {}
         self.lock = asyncio.Lock()
         self._next_id = 1
-        self._fenced: dict[tuple[str, str, int], float] = {}  # (node, job, generation) -> when told to stop
+        self._fenced: dict[str, dict[tuple[str, int], float]] = {}  # node -> (job, generation) -> when told to stop
         self._on_node: dict[str, set[str]] = {}  # node -> ids of active jobs placed on it (heartbeat fast path)
         self._snapshots_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds snapshots of
         self._standbys_on: dict[str, set[str]] = {}  # node -> ids of jobs it last said it holds standbys of
@@ -394,11 +394,12 @@ class JobManager:
         if node.session is None:
             return
         name, now = node.record.name, self.clock.monotonic()
-        told = {(j, g): at for (n, j, g), at in self._fenced.items() if n == name}
+        repeat = self.cfg.fence_repeat_s
+        told = self._fenced[name] = {k: at for k, at in self._fenced.get(name, {}).items() if now - at < repeat}
         running = [(s.job, s.generation, s.rank) for s in heartbeat.ranks if s.state == pb.RANK_STATE_RUNNING]
         current = lambda job_id: e.job if (e := self.entries.get(job_id)) is not None else None  # noqa: E731
-        for fence in lifecycle.fences(running, current, told, now, self.cfg.fence_repeat_s):
-            self._fenced[(name, fence.job, fence.generation)] = now
+        for fence in lifecycle.fences(running, current, told, now, repeat):
+            told[(fence.job, fence.generation)] = now
             ranks = ", ".join(map(str, fence.ranks))
             await self.log(lifecycle.Event("job.fenced", f"{fence.job}: stopping generation {fence.generation} on "
                                            f"{name} (ranks {ranks}): {fence.why}"), fence.job)
@@ -409,7 +410,7 @@ class JobManager:
                 logger.warning("fencing failed", job=fence.job, node=name, error=str(e))
 
     def fenced(self, node: str, job: str, generation: int) -> None:
-        self._fenced[(node, job, generation)] = self.clock.monotonic()
+        self._fenced.setdefault(node, {})[(job, generation)] = self.clock.monotonic()
 
     # -- the store -------------------------------------------------------------------------------
 

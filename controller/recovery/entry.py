@@ -60,7 +60,8 @@ class JobEntry:
     # a new generation restores from the last one's)
     snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
     pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
-    prepared: dict[str, float] = field(default_factory=dict)  # spare -> monotonic time it was last asked for standbys
+    prepared: dict[str, float] = field(default_factory=dict)  # spare -> when (the job manager's now) it was last asked
+    # to hold standbys (lifecycle.upkeep)
     standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there
 
     def new_generation(self, generation: int) -> None:

@@ -502,7 +502,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
         held = straggler_hold(job, view, now, policy.recovery)
         if held:
             if job.straggler_held == held.split(" (")[0]:
-                return []  # said once
+                return upkeep(job, view, now)  # said once; the job trains on at its pace
             return [Commit(copied(job, straggler_held=held.split(" (")[0]), "job.straggler_held",
                            f"{job.id}: straggler verdict held back: {incident.reason}: {held}")]
     return _incident(job, incident, now, policy, view)
@@ -801,7 +801,8 @@ def upkeep(job: pb.Job, view: JobView, now: float) -> list[Action]:
     out: list[Action] = []
     if view.prepared is not None and not job.spec.run_as:
         out += [Prepare(spare, job.spec.ranks_per_node) for spare in job.spares
-                if now - view.prepared.get(spare, float("-inf")) >= PREPARE_RENEW_S]
+                if now - view.prepared.get(spare, float("-inf")) >= PREPARE_RENEW_S
+                and (v := view.nodes.get(spare)) is not None and v.connected and not v.down]
     if view.snapshot_step is not None and len(job.nodes) >= 2 and (job.generation, view.snapshot_step) > view.pinned:
         out.append(Pin(view.snapshot_step))
     return out

@@ -334,12 +334,14 @@ class RendezvousBook:
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
 
-    def restore(self, run_id: str, last_number: int, evicted: dict[str, str], now: float) -> Run:
+    def restore(self, run_id: str, last_number: int, evicted: dict[str, str], restarts: int, now: float) -> Run:
         """A run a previous controller stored (it ran when this one took over): known, with the nodes evicted from
         it, before its members re-teach its round (`num_waiting(..., member)`); a new round is numbered past
-        `last_number`. Kept IDLE_RUN_TTL_S for its members, however few come back."""
+        `last_number`, and none forms for RELEARN_GRACE_S. Kept IDLE_RUN_TTL_S for its members, however few come
+        back."""
         run = self._runs[run_id] = Run(run_id, last_activity=now, last_number=last_number, evicted=dict(evicted),
-                                       restored=True)
+                                       restored=True, restarts=restarts)
+        self._hold_until = max(self._hold_until, now + RELEARN_GRACE_S)
         return run
 
     def _fit_in(self, run: Run) -> Callable[[str], str]:
@@ -596,7 +598,7 @@ class RendezvousBook:
                           over=over)
         if incident is not None and incident.kind == "hang":
             return dataclasses.replace(incident, nodes=()), incident.reason  # no culprit named (the docstring)
-        if incident is None or incident.kind == "straggler":
+        if not over and (incident is None or incident.kind == "straggler"):  # (a drain once training ended: no restart)
             drained = sorted(n for n, v in nodes.items() if v.drained)
             if drained:
                 incident = Incident("drained", True, tuple(drained), f"node {drained[0]} is drained")
@@ -610,7 +612,8 @@ class RendezvousBook:
         """Whether a straggler verdict must wait (lifecycle.straggler_hold, the rule for every job: not beyond
         recovery.straggler_max_evictions in its window, not after an eviction that did not pay off, not without a
         node to take its place: for a torchrun round, a participant waiting); said once in an event."""
-        waiting = [p.node or p.id for p in run.open.waiting.values()] if run.open else []
+        fit = self._fit_in(run)
+        waiting = [p.node or p.id for p in run.open.waiting.values() if not _unfit(p, fit)] if run.open else []
         job = common_pb2.Job(id=f"rendezvous {run.id!r}", spares=waiting,
                              straggler_evictions_unix_ns=[int(t * 1e9) for t in run.straggler_evictions],
                              straggler_step_s=run.straggler_step_s)
@@ -696,9 +699,12 @@ class RendezvousBook:
         track = formed.tracks.get(worker.rank)
         if track is None:
             track = formed.tracks[worker.rank] = RankTrack(last_advance=now)  # started: the start-up allowance runs
-        track.observe(worker.step, worker.step_s, list(worker.compute_s[-MAX_COMPUTE_SAMPLES:]), now,
-                      steps=max(0, worker.step - track.last_step), saving=worker.saving, step_at=now,
-                      finished=worker.finished)
+        # the steps since its last report: a first report counts one (a round resumed at step 500 has taken a step
+        # or so, not 500: its start-up allowance runs over its first WARMUP_STEPS as a job's does); a step whose
+        # compute the script did not mark (no trainlib.compute_done()) says nothing of its speed
+        steps = (1 if track.last_step < 0 else worker.step - track.last_step) if worker.step > track.last_step else 0
+        track.observe(worker.step, worker.step_s, [c for c in worker.compute_s[-MAX_COMPUTE_SAMPLES:] if c > 0], now,
+                      steps=steps, saving=worker.saving, step_at=now, finished=worker.finished)
         ask = run.ask
         if ask is None or ask.round != number:
             return None
