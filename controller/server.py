@@ -34,6 +34,7 @@ from controller.store.base import EventRecord, Store
 from controller.store.etcd import NotLeader
 from controller.store.timed import TimedStore
 from controller.switchboard import Methods, Switchboard
+from phalanx import clock as clocks
 from phalanx import log, metrics_http, pki, tls
 from phalanx.clock import Clock, RealClock
 from phalanx.request_guard import RequestGuard
@@ -333,7 +334,7 @@ class Controller:
             await self.metrics.close()
         if self.rendezvous is not None:  # the torchrun runs' last records (a run that just ended) before the store
             try:
-                await asyncio.wait_for(self.rendezvous.flush(), RENDEZVOUS_FLUSH_S)
+                await clocks.wait_for(self.clock, self.rendezvous.flush(), RENDEZVOUS_FLUSH_S)
             except Exception as e:
                 logger.warning("torchrun runs' records not all written at stop", error=str(e))
         await self.store.close()
