@@ -783,13 +783,26 @@ async def as_(who, method, request):
     return await method(request, Context())
 
 
-def test_a_takeover_keeps_a_torchrun_runs_owner_and_evictions_from_its_stored_record():
+@pytest.fixture(params=["memory", "etcd"])
+def store_kind(request):
+    """A store of each kind the controllers share: in memory, and a real etcd (a fresh key prefix on the session's
+    member), where an HA set keeps its records."""
+    if request.param == "memory":
+        return MemoryStore
+    import uuid
+
+    from controller.store.etcd import Etcd, EtcdStore
+    member = request.getfixturevalue("etcd_server")
+    return lambda: EtcdStore(Etcd([member.endpoint]), f"/test/{uuid.uuid4().hex}/")
+
+
+def test_a_takeover_keeps_a_torchrun_runs_owner_and_evictions_from_its_stored_record(store_kind):
     """The book lived in the leader's memory only: after a takeover a run was the first identity's that acted on
     it, and it showed nowhere until its members asked. Now each run is a record in the store."""
     alice, bob = access.Identity("alice", "user"), access.Identity("bob", "user")
 
     async def story():
-        clock, store = FakeClock(), MemoryStore()
+        clock, store = FakeClock(), store_kind()
         leader = RendezvousService(clock, store=store)
         assert (await as_(alice, leader.Join, join_request("A", "node-a", 2001))).outcome == \
             rendezvous_pb2.ROUND_OUTCOME_WAITING
@@ -830,6 +843,7 @@ def test_a_takeover_keeps_a_torchrun_runs_owner_and_evictions_from_its_stored_re
         [record] = [r for r in await store.load_jobs() if r.id == f"torchrun-{RUN}"]
         assert common_pb2.Job.FromString(record.data).state == common_pb2.JOB_STATE_FAILED
         await as_(bob, lost.Join, join_request("M", "node-m", 2009))  # a new run of that id: bob's
+        await store.close()
 
     try:
         asyncio.run(story())
