@@ -334,7 +334,7 @@ class Controller:
             await self.metrics.close()
         if self.rendezvous is not None:  # the torchrun runs' last records (a run that just ended) before the store
             try:
-                await clocks.wait_for(self.clock, self.rendezvous.flush(), RENDEZVOUS_FLUSH_S)
+                await clocks.wait_for(self.clock, self.rendezvous.close(), RENDEZVOUS_FLUSH_S)
             except Exception as e:
                 logger.warning("torchrun runs' records not all written at stop", error=str(e))
         await self.store.close()

@@ -240,6 +240,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
         if run is not None:
             if run.restored and run_id in self._stored:
                 return self._stored[run_id]
+            self._stored.pop(run_id, None)  # re-taught: its own record from now on
             return run_job(run, self._owners.get(run_id, ""), self._seen_ns.get(run_id, 0))
         ended = self._ended.get(run_id)
         return ended[1] if ended is not None else None
@@ -257,27 +258,36 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServiceServicer):
                                known[0] if known else 0, deleted=data is None)
             try:
                 committed = await self._store.commit(jobs=[record])
+            except RevisionConflict:  # written meanwhile by another controller (a term before): take its revision
+                try:
+                    stored = [r for r in await self._store.load_jobs() if r.id == key]
+                except Exception as e:
+                    self._retry(run_id, e)
+                    continue
+                self._records.pop(key, None)
+                self._records.update((r.id, (r.revision, r.data)) for r in stored)
+                self._dirty.add(run_id)  # at once, with the revision the store has
+                continue
             except Exception as e:
-                conflict = isinstance(e, RevisionConflict)  # written meanwhile by another controller (a term before)
-                if conflict:
-                    try:
-                        revisions = {r.id: (r.revision, r.data) for r in await self._store.load_jobs()}
-                    except Exception as again:
-                        conflict, e = False, again
-                    else:
-                        self._records.pop(key, None)
-                        if key in revisions:
-                            self._records[key] = revisions[key]
-                        self._dirty.add(run_id)  # at once, with the revision the store has
-                        continue
-                # the store is unavailable: the rendezvous goes on, and the record is written again in a while
-                logger.warning("could not store a torchrun run; will retry", run=run_id, error=str(e))
-                self._clock.call_later(RETRY_WRITE_S, lambda run_id=run_id: self._mark(run_id))
+                self._retry(run_id, e)
                 continue
             if data is None:
                 self._records.pop(key, None)
             else:
                 self._records[key] = (committed.jobs[0].revision, data)
+
+    def _retry(self, run_id: str, error: Exception) -> None:
+        """The store did not take the run's record (unavailable): the rendezvous goes on, and it is written again
+        in a while, unless this service is closed by then."""
+        logger.warning("could not store a torchrun run; will retry", run=run_id, error=str(error))
+        self._clock.call_later(RETRY_WRITE_S, lambda: self._mark(run_id))
+
+    async def close(self) -> None:
+        """Write what is left (a run that just ended) and write nothing more: the controller stops."""
+        try:
+            await self.flush()
+        finally:
+            self._store = None
 
     def _event(self, kind: str, message: str, run_id: str) -> None:
         if self._log is None:

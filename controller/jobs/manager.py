@@ -22,6 +22,7 @@ from controller.obs.events import EventHub
 from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
 from controller.recovery import detectors, lifecycle, table
 from controller.recovery import progress as monitors
+from controller.recovery import snapshots as snapshot_plan
 from controller.recovery.entry import JobEntry
 from controller.recovery.executor import Executor
 from controller.recovery.table import ACTIVE, RUNNING, TERMINAL, rank_may_move, state_name
@@ -455,8 +456,12 @@ class JobManager:
         for held in snapshots:
             by_job.setdefault(held.job, []).append(held)
         for entry in self._fold_by_job(self._snapshots_on, node, by_job, "snapshots"):
-            if entry.job.nodes and node == entry.job.nodes[0]:  # once a heartbeat interval, not once per node
-                self.wake()  # the step pins the newest step held twice over (lifecycle.upkeep)
+            job = entry.job
+            if job.state == RUNNING and len(job.nodes) >= 2 and node == job.nodes[0]:  # once an interval, not per node
+                step = snapshot_plan.safe_step(entry.snapshots, job.id, job.generation, len(job.ranks))
+                if step is not None and (job.generation, step) > entry.pinned:
+                    entry.safe = (job.generation, step)
+                    self.wake()  # the step pins it (lifecycle.upkeep)
 
     def _fold_standbys(self, node: str, standbys) -> None:
         """How many warm standbys of each job `node` holds ready now, and whether any is starting there."""

@@ -60,6 +60,7 @@ class JobEntry:
     # a new generation restores from the last one's)
     snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
     pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
+    safe: tuple[int, int] | None = None  # (generation, step) of the newest step held twice over, from the heartbeats
     prepared: dict[str, float] = field(default_factory=dict)  # spare -> when (the job manager's now) it was last asked
     # to hold standbys (lifecycle.upkeep)
     standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there

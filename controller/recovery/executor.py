@@ -175,8 +175,7 @@ class Executor:
             candidates=self.candidates(exclude=job.id, within=job.spec.within) if fleet else (),
             topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported,
             missing=entry.missing, ended=entry.ended, prepared=entry.prepared, pinned=entry.pinned,
-            snapshot_step=snapshot_plan.safe_step(entry.snapshots, job.id, job.generation, len(job.ranks))
-            if job.state == RUNNING and len(job.nodes) >= 2 else None)
+            snapshot_step=entry.safe[1] if entry.safe is not None and entry.safe[0] == job.generation else None)
 
     def _node_view(self, entry: JobEntry, node) -> NodeView:
         job, name = entry.job, node.record.name

@@ -135,7 +135,6 @@ class Worker:
     node: str = ""
     saving: bool = False  # inside trainlib.save
     finished: bool = False  # training has ended in it: what follows (teardown, exit) is no hang
-    moved_at: float = 0.0  # when its step last went up (the book sets it)
     compute_s: tuple[float, ...] = ()  # the compute time (before the gradient sync) of each step since its last report
 
 
@@ -150,7 +149,6 @@ class CheckpointAsk:
     why: str = ""      # the unfit nodes the restart leaves out, and why
     outcome: str = ""  # once decided, how it ended (every worker committed, or why the restart goes on without)
     furthest: int = -1  # the furthest step a worker has reported
-    moved_at: float = 0.0  # when a worker last reported a step beyond its previous one
 
 
 @dataclass
@@ -652,7 +650,7 @@ class RendezvousBook:
             at_step = lifecycle.checkpoint_step({w.rank: formed.tracks[w.rank] for w in live},
                                                 self.policy.checkpoint_lead_s + WORKER_REPORT_S, now)
             ask = run.ask = CheckpointAsk(self._last_ask_id, formed.number, at_step, world, now,
-                                          without, furthest=max(w.step for w in live), moved_at=now)
+                                          without, furthest=max(w.step for w in live))
             self._event("rendezvous.checkpoint", f"round {formed.number} of rendezvous {run.id!r}: {ask.world_size} "
                         f"workers asked to checkpoint after step {ask.at_step} before the round restarts without "
                         f"{without}", run.id)
@@ -692,9 +690,6 @@ class RendezvousBook:
         elif worker.world_size != formed.world_size:
             raise FailedPrecondition(f"worker {worker.rank} of round {number} of rendezvous {run_id!r} says the round "
                                      f"has {worker.world_size} workers; its first report said {formed.world_size}")
-        before = formed.workers.get(worker.rank)
-        moved = before is None or worker.step > before.step
-        worker = dataclasses.replace(worker, moved_at=now if moved else before.moved_at)
         formed.workers[worker.rank] = worker  # rank < world_size (the servicer checks): bounded
         track = formed.tracks.get(worker.rank)
         if track is None:
@@ -708,8 +703,6 @@ class RendezvousBook:
         ask = run.ask
         if ask is None or ask.round != number:
             return None
-        if before is None or worker.step > before.step:  # some worker is stepping: the round is not hung
-            ask.moved_at = now
         ask.furthest = max(ask.furthest, worker.step)
         return ask
 
