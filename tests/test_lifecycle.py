@@ -64,7 +64,7 @@ class Process:
 
 class Sim:
     def __init__(self, nodes=("a", "b", "c"), job_nodes: int = 2, spares: int = 1, ranks_per_node: int = 2,
-                 policy: lifecycle.Policy = POLICY) -> None:
+                 policy: lifecycle.Policy = POLICY, replicas: int = 0) -> None:
         self.now = START
         self.policy = policy
         self.nodes = {n: Node(n) for n in nodes}
@@ -84,7 +84,8 @@ class Sim:
         self.pace_factor = 1.0  # the whole job's steps this much slower, whatever its ranks (a slow dataset)
         self.step_of: dict[int, int] = {}
         self.in_memory: set[int] = set()  # ranks that commit a checkpoint as an in-memory snapshot (replicated)
-        spec = pb.JobSpec(command=["train"], nodes=job_nodes, ranks_per_node=ranks_per_node, spares=spares)
+        spec = pb.JobSpec(command=["train"], nodes=job_nodes, ranks_per_node=ranks_per_node, spares=spares,
+                          replicas=replicas)
         self.job = pb.Job(id="job-1", spec=spec, state=pb.JOB_STATE_PENDING, state_since_unix_ns=int(self.now * 1e9))
         self.at(self.now, self.report)
 
@@ -145,7 +146,7 @@ class Sim:
             return
         for rank in self.job.ranks:
             node = self.nodes[rank.node]
-            status = node.ranks.get((self.job.generation, rank.rank))
+            status = node.ranks.get((rank.generation, rank.rank))
             if node.down or status is None:
                 continue
             target = pb.RANK_STATE_RUNNING if status == "running" else pb.RANK_STATE_EXITED
@@ -164,7 +165,11 @@ class Sim:
                     before = self.job.state
                     self.job = job
                     self.events.append((kind, message))
-                    if job.generation != p.generation:
+                    if job.generation != p.generation and job.state == pb.JOB_STATE_RUNNING and job.groups:
+                        # a replica group's rebuild: the new progress of its ranks alone (the others go on)
+                        p.generation = job.generation
+                        p.tracks = {r: t for r, t in p.tracks.items() if job.ranks[r].generation != job.generation}
+                    elif job.generation != p.generation:
                         p.generation, p.tracks, p.stops, p.checkpoint = job.generation, {}, {}, None
                     if job.state != before:
                         self.states.append(table.state_name(job.state))
@@ -177,7 +182,8 @@ class Sim:
                 case lifecycle.Launch(generation=generation):
                     self.launched.append(generation)
                     p.launch = lifecycle.LaunchView(generation)
-                    self.at(self.now + 1.0, self.launched_on_agents, p.epoch, generation, tuple(self.job.nodes))
+                    self.at(self.now + 1.0, self.launched_on_agents, p.epoch, generation,
+                            tuple((r.node, r.rank) for r in self.job.ranks if r.generation == generation))
                 case lifecycle.Stop(node=node, generation=generation):
                     p.stops[node] = ("sending", self.now)
                     self.at(self.now + 0.1, self.stopped_on_agent, p.epoch, node, generation)
@@ -195,16 +201,17 @@ class Sim:
 
     # -- the agents and the ranks --------------------------------------------------------------
 
-    def launched_on_agents(self, epoch: int, generation: int, nodes: tuple[str, ...]) -> None:
+    def launched_on_agents(self, epoch: int, generation: int, ranks: tuple[tuple[str, int], ...]) -> None:
+        """The ranks (node, rank) of `generation` start (only those of the launch: a replica group's are its own)."""
+        nodes = list(dict.fromkeys(n for n, _ in ranks))
         missing = [n for n in nodes if self.nodes[n].down or self.nodes[n].stopped_generation >= generation]
-        per = self.job.spec.ranks_per_node
         if not missing:
-            for i, name in enumerate(nodes):
+            for name in nodes:
                 node = self.nodes[name]
                 assert not any(s == "running" for (g, _), s in node.ranks.items() if g < generation), \
                     f"generation {generation} launched on {name} while an older one still runs there"
-                for local in range(per):
-                    node.ranks[(generation, i * per + local)] = "running"
+            for name, rank in ranks:
+                self.nodes[name].ranks[(generation, rank)] = "running"
         if epoch == self.process.epoch and self.process.launch and self.process.launch.generation == generation:
             self.process.launch = lifecycle.LaunchView(generation, done=True, ok=not missing, error=f"{missing} down",
                                                        address="10.0.0.1", port=29500)
@@ -234,14 +241,15 @@ class Sim:
 
     def _running(self, rank) -> bool:
         node = self.nodes[rank.node]
-        return not node.down and node.ranks.get((self.job.generation, rank.rank)) == "running"
+        return not node.down and node.ranks.get((rank.generation, rank.rank)) == "running"
 
     def report(self) -> None:
         """trainlib's reports: running ranks step on (all wait for a hung one: a synchronous job)."""
         job, p = self.job, self.process
         if job.state in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_CHECKPOINTING):
-            live = [r for r in job.ranks if self._running(r)]
-            stuck = any(r.rank in self.hung for r in job.ranks)
+            quorum = lifecycle.quorum(job)[0]  # the ranks that step together (replica groups: those in the quorum)
+            live = [r for r in quorum if self._running(r)]
+            stuck = any(r.rank in self.hung for r in quorum)
             step_s = STEP_S * self.pace_factor * (1.5 if any(r.node in self.slow for r in live) else 1.0)
             for rank in live:
                 if rank.rank in self.hung:

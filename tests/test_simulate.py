@@ -45,6 +45,38 @@ def test_one_job_with_exponential_failures_matches_the_closed_form_within_one_pe
     assert r["ettr"] == pytest.approx(expected, rel=0.01), (r["ettr"], expected)
 
 
+def test_replica_groups_with_exponential_failures_match_their_closed_form():
+    """Nodes lost at random in a job of 8 replica groups: each fault stalls every group from the fault to the quorum
+    forming without the group (detection + timings.regroup_s) and loses the step in flight; its group is then out of
+    the quorum while it stops, launches on a spare and recovers a healthy group's state, costing 1/8 of the job's
+    work meanwhile. No group but the faulty one ever restarts, and nothing rewinds to a checkpoint."""
+    s = scenario(**{"fleet.nodes": 96, "job.nodes": 64, "job.spares": 32, "job.replicas": 8,
+                    "job.checkpoint_cost_s": 0.0, "failures.per_1000_node_days": 200.0,
+                    "failures.software_share": 0.0, "failures.node_loss_share": 1.0,
+                    "failures.predictable_share": 0.0, "failures.straggler_per_1000_node_days": 0.0,
+                    "failures.repair_h": 2.0, "run.days": 150.0})
+    r = report.simulate(s)
+    t, job = s.timings, r["jobs"][0]
+    stall_s = t.node_loss_detect_s + t.regroup_s
+    out_s = t.stop_s + t.warm_launch_s + t.peer_recovery_s  # from the verdict to the group back in the quorum
+    loss_s = stall_s + s.job.step_s + (out_s - t.regroup_s) / 8
+    mtbf_s = sc.DAY_S / (64 * 200.0 / 1000)
+    assert job["incidents"]["node-lost"] > 1500 and job["launches"] == job["warm_launches"] + 1
+    assert r["recovery_s"]["p50"] == pytest.approx(stall_s)
+    assert job["lost_h"]["snapshots"] == 0 and job["lost_h"]["groups out"] > 0
+    # within 6 % of the loss: faults that overlap (one in the stall of another) cost less than the sum
+    assert 1 - r["ettr"] == pytest.approx(loss_s / mtbf_s, rel=0.06), (r["ettr"], 1 - loss_s / mtbf_s)
+
+
+def test_replica_groups_lose_less_than_whole_gang_restarts_to_the_same_faults():
+    common = {"fleet.nodes": 300, "job.nodes": 256, "job.spares": 16, "run.days": 20.0}
+    gang = report.simulate(scenario(**common))
+    groups = report.simulate(scenario(**common, **{"job.replicas": 16}))
+    assert groups["ettr"] > gang["ettr"] + 0.01, (groups["ettr"], gang["ettr"])
+    assert groups["recovery_s"]["p50"] < gang["recovery_s"]["p50"] / 3
+    assert groups["gpu_hours_lost"]["snapshots"] == 0 and gang["gpu_hours_lost"]["groups out"] == 0
+
+
 def test_the_losses_by_cause_and_the_useful_work_add_up_to_the_wall_time():
     r = report.simulate(scenario(**{"fleet.nodes": 300, "job.nodes": 256, "run.days": 20.0}))
     job = r["jobs"][0]
@@ -86,7 +118,7 @@ def test_phalanx_policies_beat_the_baseline_and_each_one_shows_where_it_acts():
      "failures.software_share (0.6) + failures.node_loss_share (0.6) must not exceed 1"),
     ({"job.spare": 2}, "unknown key 'job.spare' (known keys: job.name, job.nodes, job.spares, job.segment, "
                        "job.count, job.step_s, job.checkpoint_interval_s, job.checkpoint_cost_s, job.snapshots, "
-                       "job.snapshot_every, job.snapshot_overhead, job.length_h)"),
+                       "job.snapshot_every, job.snapshot_overhead, job.length_h, job.replicas)"),
     ({"run.days": "soon"}, "run.days must be a number, not str 'soon'"),
     ({"policy.max_restarts": -1}, "policy: recovery.max_restarts (-1) must not be negative"),
 ])

@@ -50,6 +50,7 @@ class Incident:
     exit_code: int = 1  # the job's exit code if this incident ends it (a crashed rank's own code)
     culprit: pb.HangCulprit | None = None  # a hang's rank and last collective, from the NCCL dumps
     fatal: bool = False  # no restart mends it (a rank said so): the job fails at once
+    ranks: tuple[int, ...] = ()  # the ranks it is about, where it names them (a crash, a hang's culprit, a straggler)
 
 
 
@@ -87,10 +88,10 @@ def describe_culprit(c: pb.HangCulprit) -> str:
 
 def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: Mapping[int, monitors.RankTrack],
            now: float, cfg: RecoveryConfig, nccl: Mapping[int, pb.NcclRankState] | None = None,
-           fatal: Mapping[int, str] | None = None, over: set[int] | None = None) -> Incident | None:
+           fatal: Mapping[int, str] | None = None, over: set[int] | None = None, since: float = 0.0) -> Incident | None:
     """The most urgent thing wrong with a running job, or None. Sudden failures come first; a rank that
     said no restart can mend it comes before everything. `over`: training_over(ranks, tracks), when the caller
-    has it already."""
+    has it already. `since`: no hang counted from before it (the ranks' quorum changed then)."""
     ranks = list(ranks)
     node_of = {r.rank: r.node for r in ranks}
     for rank, why in sorted((fatal or {}).items()):
@@ -114,11 +115,11 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
             # destroy its process group on the way out)
             how = "was lost" if rank.state == pb.RANK_STATE_LOST else f"exited with code {rank.exit_code}"
             code = rank.exit_code if rank.state == pb.RANK_STATE_EXITED and 0 < rank.exit_code < 256 else 1
-            return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how}", code)
+            return Incident("crash", False, (), f"rank {rank.rank} on {rank.node} {how}", code, ranks=(rank.rank,))
     if over:
         return None  # the job's training has ended (a synchronous job's ranks all took the last step): its ranks are
         # tearing down, saving the final model, exiting; lifecycle bounds how long (recovery.exit_grace_s)
-    hangs = monitors.hung(tracks, now, cfg)
+    hangs = monitors.hung(tracks, now, cfg, since)
     if hangs and any(v.quiet for v in nodes.values()):
         hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first
     if hangs:
@@ -126,7 +127,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         if culprit is not None:
             return Incident("hang", False, (culprit.node,) if culprit.node else (),
                             f"{hangs[0].reason}; the NCCL flight recorder says {describe_culprit(culprit)}",
-                            culprit=culprit)
+                            culprit=culprit, ranks=(culprit.rank,))
         heard = {r.rank: nodes[r.node].heard_at or now for r in ranks if r.node in nodes}
         silent = monitors.culprits(tracks, heard, now, cfg.silent_s)
         if silent and len(silent) == len(ranks) > 1:
@@ -136,7 +137,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
             bad = tuple(sorted({node_of[r] for r in silent if r in node_of}))
             quiet = ", ".join(f"rank {r} for {now - tracks[r].last_report:.1f}s" for r in silent)
             return Incident("hang", False, bad, f"{hangs[0].reason}; trainlib is silent too (on {', '.join(bad)}): "
-                                                f"{quiet}")
+                                                f"{quiet}", ranks=tuple(sorted(silent)))
         known = {r.rank: nodes[r.node].heard_at for r in ranks if r.node in nodes and nodes[r.node].heard_at}
         if monitors.undecided(tracks, known, now, cfg.silent_s):
             return None  # a silent rank's node is due to be heard from: its next heartbeat names the culprit
@@ -152,7 +153,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         slow = [f for f in slow if not (v := nodes.get(node_of.get(f.rank, ""))) or now - v.own_work_at > span]
     if slow:
         node = node_of.get(slow[0].rank, "")
-        return Incident("straggler", True, (node,) if node else (), f"{slow[0].reason} (on {node})")
+        return Incident("straggler", True, (node,) if node else (), f"{slow[0].reason} (on {node})",
+                        ranks=(slow[0].rank,))
     return None
 
 

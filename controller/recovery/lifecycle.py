@@ -117,6 +117,7 @@ class Commit:
 class Launch:
     job: str
     generation: int
+    nodes: tuple[str, ...] = ()  # a replica group's rebuild: only these nodes (the ranks of `generation`); () = all
 
 
 @dataclass(frozen=True)
@@ -290,9 +291,14 @@ def rank_table(job: pb.Job) -> list[pb.RankInfo]:
 
 
 def with_nodes(job: pb.Job, nodes: Sequence[str], spares: Sequence[str]) -> pb.Job:
+    """A new generation of the whole job on `nodes`: its rank table, and (replica groups) every group training."""
     _replace(job.nodes, nodes)
     _replace(job.spares, spares)
     _replace(job.ranks, rank_table(job))
+    job.ClearField("groups")
+    if job.spec.replicas > 1:
+        job.groups.extend(pb.ReplicaGroup(index=g, state=GROUP_TRAINING, generation=job.generation,
+                                          since_unix_ns=job.state_since_unix_ns) for g in range(job.spec.replicas))
     return job
 
 
@@ -392,7 +398,8 @@ def needs_fleet(job: pb.Job, policy: Policy) -> bool:
     placing it, choosing its next generation's nodes, or holding spares again. Other steps see only the job's
     own nodes; a scan of 10,000 nodes on every step of every job would cost more than the steps."""
     return job.state in (PENDING, RENDEZVOUS) or (job.state == RUNNING and len(job.spares) < job.spec.spares
-                                                  and policy.jobs.keep_spares)
+                                                  and policy.jobs.keep_spares) or (
+        job.state == RUNNING and any(g.state == GROUP_WAITING for g in job.groups))
 
 
 def plan(job: pb.Job, view_of: Callable[[bool], JobView], now: float, policy: Policy) -> list[Action]:
@@ -481,9 +488,13 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     over = training_over(job.ranks, view.tracks)
     if len(over) == len(job.ranks):  # what befalls a node now costs no training: nothing to recover
         return _ending(job, now, policy, over)
+    ranks, names = quorum(job)
     nodes = {n: view.nodes[n] if n in view.nodes else NodeView(n, True, HEALTH_FAILED, "node unknown")
-             for n in job.nodes}
-    incident = detect(job.ranks, nodes, view.tracks, now, policy.recovery, view.nccl, view.fatal, over)
+             for n in names}
+    tracks = view.tracks if ranks is job.ranks else \
+        {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}  # a group out is judged no more
+    since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
+    incident = detect(ranks, nodes, tracks, now, policy.recovery, view.nccl, view.fatal, over, since)
     if incident is None and over:
         return _ending(job, now, policy, over)
     if incident is None and job.ending_since_unix_ns and any(
@@ -491,9 +502,12 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
         return [Commit(copied(job, ending_since_unix_ns=0), "job.training", f"{job.id} generation {job.generation}: "
                        "training goes on (a step after the ranks said it had ended)")]
     if incident is None:
+        moves = group_moves(job, view, now, policy) if grouped(job) else []
+        if any(isinstance(a, Commit) for a in moves):
+            return moves
         more = replenish(job, view) if policy.jobs.keep_spares else []
         if not more:
-            return upkeep(job, view, now)
+            return [*moves, *upkeep(job, view, now)]
         new = copied(job)
         new.spares.extend(more)
         return [Commit(new, "job.spares", f"{job.id}: {', '.join(more)} now held as spare{'s' * (len(more) > 1)} "
@@ -505,6 +519,10 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
                 return upkeep(job, view, now)  # said once; the job trains on at its pace
             return [Commit(copied(job, straggler_held=held.split(" (")[0]), "job.straggler_held",
                            f"{job.id}: straggler verdict held back: {incident.reason}: {held}")]
+    if grouped(job) and not incident.fatal:
+        hit = groups_hit(job, incident)
+        if hit and len(hit) < sum(g.state == GROUP_TRAINING for g in job.groups):  # some group trains on
+            return group_leaves(job, incident, hit, view, now, policy)
     return _incident(job, incident, now, policy, view)
 
 
@@ -779,6 +797,221 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     return [Commit(new, "job.restarting", f"{job.id} generation {generation} on {', '.join(nodes)} ({how}; "
                    f"{counted}, after {delay:g}s)"),
             Launch(job.id, generation)]
+
+
+# -- replica groups (spec.replicas > 1) ------------------------------------------------------------------------
+#
+# The job's nodes are `replicas` equal groups in order, each a data-parallel replica of the model (torchft's replica
+# groups). A fault in one group takes that group out of the quorum; the others train on without restarting. The
+# group stops (STOPPING), its bad nodes are replaced from the spares once it has (WAITING), and it is launched again
+# on its nodes as the job's next generation (REBUILDING: its ranks recover the state from a healthy group and join at
+# a step boundary), then trains with the others (TRAINING). One group launches at a time: the job's launch view is one
+# generation's. A fault that leaves no group training, a fatal one, or one that names no node or rank is the whole
+# gang's, recovered as any job's.
+
+GROUP_TRAINING, GROUP_STOPPING, GROUP_WAITING, GROUP_REBUILDING = (
+    pb.REPLICA_GROUP_TRAINING, pb.REPLICA_GROUP_STOPPING, pb.REPLICA_GROUP_WAITING, pb.REPLICA_GROUP_REBUILDING)
+GROUP_STATES = {GROUP_TRAINING: "TRAINING", GROUP_STOPPING: "STOPPING", GROUP_WAITING: "WAITING",
+                GROUP_REBUILDING: "REBUILDING"}
+
+
+def grouped(job: pb.Job) -> bool:
+    return job.spec.replicas > 1 and len(job.groups) == job.spec.replicas and len(job.nodes) % job.spec.replicas == 0
+
+
+def group_span(job: pb.Job, g: int) -> range:
+    """Positions in job.nodes of group `g`'s nodes."""
+    k = len(job.nodes) // job.spec.replicas
+    return range(g * k, (g + 1) * k)
+
+
+def group_members(job: pb.Job, g: int) -> list[str]:
+    return [job.nodes[i] for i in group_span(job, g)]
+
+
+def quorum(job: pb.Job) -> tuple[Sequence[pb.RankInfo], Sequence[str]]:
+    """The ranks and nodes that train now: the job's, or (replica groups) those of its groups in the quorum. A group
+    that left is no longer judged by the detectors: its own steps say what it waits for."""
+    if not grouped(job) or all(g.state == GROUP_TRAINING for g in job.groups):
+        return job.ranks, job.nodes
+    per, k = job.spec.ranks_per_node, len(job.nodes) // job.spec.replicas
+    ranks: list[pb.RankInfo] = []
+    nodes: list[str] = []
+    for g in job.groups:
+        if g.state == GROUP_TRAINING:
+            ranks += job.ranks[g.index * k * per:(g.index + 1) * k * per]
+            nodes += job.nodes[g.index * k:(g.index + 1) * k]
+    return ranks, nodes
+
+
+def groups_hit(job: pb.Job, incident: Incident) -> set[int]:
+    """The training groups an incident is about (by its nodes and ranks); empty when it names neither."""
+    k = len(job.nodes) // job.spec.replicas
+    per = max(job.spec.ranks_per_node, 1)
+    wanted = set(incident.nodes)
+    hit = {i // k for i, n in enumerate(job.nodes) if n in wanted} if wanted else set()
+    hit |= {r // per // k for r in incident.ranks if r // per < len(job.nodes)}
+    return {g for g in hit if job.groups[g].state == GROUP_TRAINING}
+
+
+def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, now: float,
+                 policy: Policy) -> list[Action]:
+    """The groups `hit` leave the quorum; the others train on. No checkpoint: every healthy group holds the state. A
+    predictable fault's group finishes its step first (its ranks are stopped gracefully, at a step boundary); a
+    sudden one's step is lost to the quorum. A restart in place (a crash) counts toward max_restarts and backs off,
+    as the whole job's would."""
+    calm_s = now - job.state_since_unix_ns / 1e9
+    if job.restarts_in_row and calm_s >= policy.recovery.restart_window_s:
+        job = copied(job, restarts_in_row=0)
+    replacing = bool(incident.nodes)
+    if not replacing and job.restarts_in_row >= policy.recovery.max_restarts:
+        return _incident(job, incident, now, policy, view)  # gives up, as the whole job's would
+    now_ns = int(now * 1e9)
+    new = copied(job, restarts=job.restarts + len(hit), restarts_in_row=job.restarts_in_row + (not replacing))
+    new.evicted.extend(n for n in incident.nodes if n not in new.evicted)
+    if incident.kind == "straggler":
+        new.straggler_evictions_unix_ns.append(now_ns)
+        new.straggler_step_s = progress.job_step_s(view.tracks)
+        new.straggler_held = ""
+    out: list[Action] = [Drain(n, f"evicted from {job.id}: {incident.reason}") for n in incident.nodes
+                         if n in view.nodes and not view.nodes[n].drained]
+    bad = set(incident.nodes)
+    for g in sorted(hit):
+        group = new.groups[g]
+        members = group_members(new, g)
+        group.state, group.reason, group.since_unix_ns, group.incident_kind = (
+            GROUP_STOPPING, incident.reason, now_ns, incident.kind)
+        _replace(group.bad, [n for n in members if n in bad])
+        out += [Stop(n, job.id, group.generation) for n in members
+                if (v := view.nodes.get(n)) is not None and not v.down and v.connected]
+    left = sum(g.state == GROUP_TRAINING for g in new.groups)
+    how = "finishes its step and leaves the quorum" if incident.predictable else "left the quorum (its step is lost)"
+    names = ", ".join(str(g) for g in sorted(hit))
+    return [Commit(new, "job.group_left", f"{job.id}: replica group{'s' * (len(hit) > 1)} {names} {how}: "
+                   f"{incident.kind}: {incident.reason}; {left} of {job.spec.replicas} train on",
+                   incident=incident.kind), *out]
+
+
+def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    """What the job's groups out of the quorum do next: stop, wait for nodes, launch, join. A commit comes alone
+    (the next step sees it); otherwise the stops to send again and when to look next."""
+    out: list[Action] = []
+    rebuilding = any(g.state == GROUP_REBUILDING for g in job.groups)
+    for group in job.groups:
+        if group.state == GROUP_STOPPING:
+            members = group_members(job, group.index)
+            kept = [n for n in members if n not in group.bad]
+            waiting = [n for n in kept if (v := view.nodes.get(n)) is not None and not v.down and not v.stopped]
+            deadline = group.since_unix_ns / 1e9 + policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
+            if waiting and now < deadline:
+                out += [Stop(n, job.id, group.generation) for n in waiting
+                        if view.nodes[n].connected and not view.nodes[n].stop_told]
+                out.append(WakeAt(min(now + RESTOP_S, deadline)))
+                continue
+            new = copied(job)
+            _group_to(new, group.index, GROUP_WAITING, "stopped; choosing its nodes", now)
+            unconfirmed = f" (not known to be stopped on {', '.join(waiting)}: fenced if they report it)" \
+                if waiting else ""
+            return [Commit(new, "job.group_stopped", f"{job.id}: replica group {group.index} stopped{unconfirmed}")]
+        if group.state == GROUP_WAITING and not rebuilding:
+            delay = 0.0 if group.bad else backoff(max(job.restarts_in_row - 1, 0), policy.recovery)
+            ready_at = group.since_unix_ns / 1e9 + delay
+            if now < ready_at:
+                out.append(WakeAt(ready_at))
+                continue
+            chosen = _group_next_nodes(job, view, group)
+            if isinstance(chosen, str):
+                wait = WakeAt(now + RENDEZVOUS_RETRY_S)
+                if group.reason == chosen:
+                    out.append(wait)
+                    continue
+                new = copied(job)
+                new.groups[group.index].reason = chosen
+                return [Commit(new, "job.group_waiting", f"{job.id}: replica group {group.index}: {chosen}"), wait]
+            return _group_launch(job, group.index, *chosen, now)
+        if group.state == GROUP_REBUILDING and (done := _group_launched(job, group.index, view, now, policy)):
+            return done
+    return out
+
+
+def _group_to(job: pb.Job, g: int, state: int, reason: str, now: float) -> None:
+    group = job.groups[g]
+    group.state, group.reason, group.since_unix_ns = state, reason, int(now * 1e9)
+
+
+def _group_next_nodes(job: pb.Job, view: JobView, group: pb.ReplicaGroup) -> tuple[list[str], list[str]] | str:
+    """The group's next nodes: its good ones in place, its bad ones (and any not usable now) replaced by the job's
+    spares, then by free nodes of the fleet (the view has it while a group waits). Returns (nodes, the spares left),
+    or why it waits. As for a whole job (`next_nodes`), a bad node schedulable again was undrained since (repaired):
+    it is taken back when nothing else will do."""
+    candidates = {c.name: c for c in view.candidates}
+
+    def usable(n: str) -> bool:
+        c = candidates.get(n)
+        return c is not None and c.schedulable and c.free and c.gpus >= job.spec.ranks_per_node
+
+    members = group_members(job, group.index)
+    spares = [s for s in job.spares if usable(s)]
+    free = free_nodes(job, view, {*job.nodes, *job.spares, *job.evicted}) if view.fleet else []
+    nodes: list[str] = []
+    for bad in (set(group.bad), set()):
+        replacements = iter([*spares, *free])
+        nodes = [n if n not in bad and usable(n) else next(replacements, "") for n in members]
+        if "" not in nodes:
+            used = set(nodes)
+            return nodes, [s for s in job.spares if s not in used and usable(s)]
+    return (f"waiting for nodes: {nodes.count('')} more than the {len(spares)} usable spare(s) and {len(free)} free "
+            "node(s) (the other groups train on)")
+
+
+def _group_launch(job: pb.Job, g: int, nodes: list[str], spares: list[str], now: float) -> list[Action]:
+    """The group, on `nodes`, as the job's next generation: its ranks anew, launched on its nodes alone."""
+    generation = job.generation + 1
+    new = copied(job, generation=generation, launched_generation=generation)
+    span = group_span(new, g)
+    taken = [n for n in nodes if n not in set(group_members(job, g))]
+    for i, node in zip(span, nodes, strict=True):
+        new.nodes[i] = node
+    _replace(new.spares, spares)
+    per = job.spec.ranks_per_node
+    for i in span:
+        for local in range(per):
+            rank = new.ranks[i * per + local]
+            rank.node, rank.generation, rank.state, rank.exit_code, rank.pid, rank.wrapper_pid = (
+                new.nodes[i], generation, pb.RANK_STATE_UNSPECIFIED, 0, 0, 0)
+    new.groups[g].generation = generation
+    _group_to(new, g, GROUP_REBUILDING, f"launched as generation {generation}: recovering the state from a healthy "
+              "group", now)
+    how = f"spare{'s' * (len(taken) > 1)} {', '.join(taken)} taken" if taken else "same nodes"
+    return [Commit(new, "job.group_rebuilding", f"{job.id}: replica group {g} launched as generation {generation} "
+                   f"({how}); it joins the quorum at a step boundary once it has the state of a healthy group"),
+            Launch(job.id, generation, tuple(nodes))]
+
+
+def _group_launched(job: pb.Job, g: int, view: JobView, now: float, policy: Policy) -> list[Action]:
+    """A rebuilding group's launch: in flight (nothing), done (it trains: its ranks recover and join by themselves),
+    failed or lost to a controller restart (it leaves again, and launches anew as a later generation)."""
+    group = job.groups[g]
+    launch = view.launch
+    if launch is not None and launch.generation == group.generation and not launch.done:
+        return []
+    new = copied(job)
+    if launch is not None and launch.generation == group.generation and launch.ok:
+        _group_to(new, g, GROUP_TRAINING, "", now)
+        for i in group_span(new, g):
+            for local in range(job.spec.ranks_per_node):
+                new.ranks[i * job.spec.ranks_per_node + local].state = RANK_RUNNING
+        return [Commit(new, "job.group_joined", f"{job.id}: replica group {g} (generation {group.generation}) "
+                       "running; it joins the quorum")]
+    why = f"launch failed: {launch.error}" if launch is not None and launch.generation == group.generation else \
+        f"the launch of generation {group.generation} was interrupted by a controller restart"
+    new.restarts_in_row = job.restarts_in_row + 1
+    if new.restarts_in_row > policy.recovery.max_restarts:
+        return _incident(job, Incident("crash", False, (), f"replica group {g}: {why}"), now, policy, view)
+    _group_to(new, g, GROUP_STOPPING, why, now)
+    return [Commit(new, "job.group_left", f"{job.id}: replica group {g}: {why}; it stops and launches again"),
+            *(Stop(n, job.id, group.generation) for n in group_members(job, g)
+              if (v := view.nodes.get(n)) is not None and not v.down and v.connected)]
 
 
 def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:

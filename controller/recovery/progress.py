@@ -112,7 +112,9 @@ def typical_step_s(tracks: dict[int, RankTrack]) -> float:
     return steps[min(len(steps) - 1, int(0.9 * len(steps)))] if steps else 0.0
 
 
-def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[Finding]:
+def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig, since: float = 0.0) -> list[Finding]:
+    """The ranks that made no progress for the hang limit; none counted from before `since` (when the ranks' quorum
+    last changed: a replica group left or joined, and the others' next step waited for it)."""
     if any(t.saving and now - t.saving_since < cfg.checkpoint_deadline_s for t in tracks.values()):
         return []  # a rank is writing a checkpoint; the others wait for it in the next collective
     typical = typical_step_s(tracks)
@@ -121,7 +123,7 @@ def hung(tracks: dict[int, RankTrack], now: float, cfg: RecoveryConfig) -> list[
     vouched = vouching(tracks, now, cfg.silent_s)
     out = []
     for rank, track in sorted(tracks.items()):
-        silent = now - max(track.last_advance, saved, vouched(track))
+        silent = now - max(track.last_advance, saved, vouched(track), since)
         if track.last_step < 0 or track.steps_seen < WARMUP_STEPS:
             if silent >= max(cfg.startup_s, limit):
                 what = "finished a step" if track.last_step < 0 else f"made progress (step {track.last_step}, in " \

@@ -42,7 +42,9 @@ START = 1_800_000_000.0  # wall-clock seconds of the simulation's start (the lif
 # What each kind of fault looks like to the health policy: the XID the agent reports, or the telemetry it sends.
 GPU_FAULT_XIDS = (48, 79, 94, 95, 119, 64)  # double-bit ECC, off the bus, ECC, GSP, remap failure
 TIMELINE_POINTS = 60
-CAUSES = ("recomputed", "recovery", "waiting", "checkpoints", "snapshots", "stragglers")
+CAUSES = ("recomputed", "recovery", "waiting", "checkpoints", "snapshots", "stragglers", "groups out")
+# "groups out": replica-group jobs, the share of the job's work the groups out of the quorum did not do (the steps
+# go on with fewer groups: their samples are skipped, not recomputed)
 
 TRAINING, PAUSED, RECOVERING, WAITING = "training", "checkpoints", "recovery", "waiting"
 DONE = "done"  # the job trained for its length and ended: its time stops counting
@@ -124,10 +126,14 @@ class SimJob:
         self.gpus = spec.nodes * sim.scenario.fleet.gpus_per_node
         self.length_s = spec.length_h * HOUR_S or math.inf
         self.ended_at: float | None = None  # when it finished its length
+        self.replicas = spec.replicas if spec.replicas > 1 else 0  # replica groups (0: none)
+        self.snapshots = spec.snapshots and not self.replicas  # a group recovers from a healthy group instead
         self.job = pb.Job(id=job_id, spec=pb.JobSpec(command=["train"], nodes=spec.nodes, ranks_per_node=1,
-                                                     spares=spec.spares, segment=spec.segment),
+                                                     spares=spec.spares, segment=spec.segment,
+                                                     replicas=self.replicas),
                           state=table.PENDING, state_since_unix_ns=int(sim.now * 1e9))
         self.launch: lifecycle.LaunchView | None = None
+        self.launch_nodes: tuple[str, ...] = ()
         self.checkpoint: lifecycle.CheckpointView | None = None
         self.stops: dict[str, tuple[str, float]] = {}
         self.ended: dict[int, tuple[int, int]] = {}  # rank -> (state, exit code) its node reported (JobView.ended)
@@ -147,6 +153,9 @@ class SimJob:
         self.work = 0.0  # position of training, in seconds of useful work
         self.durable = 0.0  # position of the last durable checkpoint
         self.rate = 1.0
+        self.strength = 1.0  # the share of the replica groups in the quorum (1.0 without groups)
+        self.out: set[int] = set()  # replica groups out of the quorum: left, or rejoining with a healthy group's state
+        self.position: dict[str, int] = {}  # replica groups: node -> its place in job.nodes
         self.since_checkpoint = 0.0  # seconds trained since the last durable checkpoint (or the resume)
         self.token = 0  # invalidates scheduled checkpoint/resume events when training stops or restarts
         self.pace = 0  # invalidates a scheduled end of training when the rate changes
@@ -162,10 +171,10 @@ class SimJob:
                 gained = dt * self.rate
                 self.work += gained
                 self.since_checkpoint += dt
-                spec = self.shape
-                overhead = spec.snapshot_overhead if spec.snapshots else 0.0
+                overhead = self.shape.snapshot_overhead if self.snapshots else 0.0
                 self.tally.seconds["snapshots"] += dt * overhead
-                self.tally.seconds["stragglers"] += dt * (1 - overhead) - gained
+                self.tally.seconds["groups out"] += dt * (1 - overhead) * (1 - self.strength)
+                self.tally.seconds["stragglers"] += dt * (1 - overhead) * self.strength - gained
             else:
                 self.tally.seconds[self.activity] += dt
         self.since = now
@@ -200,10 +209,19 @@ class SimJob:
 
     def _rate(self) -> float:
         spec, failures = self.shape, self.sim.scenario.failures
-        rate = 1.0 - (spec.snapshot_overhead if spec.snapshots else 0.0)
-        if any(n in self.members for n in self.sim.slow):
+        rate = 1.0 - (spec.snapshot_overhead if self.snapshots else 0.0)
+        self.strength = 1.0 - len(self.out) / self.replicas if self.replicas else 1.0
+        if any(self.in_quorum(n) for n in self.sim.slow):
             rate /= 1.0 + failures.straggler_slowdown
-        return rate
+        return rate * self.strength
+
+    def in_quorum(self, node: str) -> bool:
+        """The node is one of the job's, and (replica groups) of a group in the quorum: a fault or a slow step there
+        holds the job's step back."""
+        if not self.replicas:
+            return node in self.members
+        i = self.position.get(node)
+        return i is not None and i // (len(self.job.nodes) // self.replicas) not in self.out
 
     def _schedule_checkpoint(self) -> None:
         due = self.shape.checkpoint_interval_s - self.since_checkpoint
@@ -229,19 +247,27 @@ class SimJob:
             self.rate = self._rate()
             self._schedule_end()
 
-    def broken(self, sudden: bool) -> None:
-        """A fault reached one of the job's nodes: training stops now. A sudden one loses the work since the
-        state the next generation will resume from."""
+    def broken(self, sudden: bool, node: str = "") -> None:
+        """A fault reached one of the job's nodes (`node`, where one is named): training stops now. A sudden one loses
+        the work since the state the next generation will resume from; with replica groups, the step in flight (the
+        quorum's collective fails), until the lifecycle says whether the group alone restarts. A fault in a group out
+        of the quorum stops nothing."""
         if self.broken_at is not None or self.job.state not in (table.RUNNING, table.CHECKPOINTING, table.EVICTING):
             return  # (EVICTING: a predictable incident's checkpoint is in, and training stops only now)
+        if self.replicas and node and not self.in_quorum(node):
+            return
         self.become(RECOVERING)
         self.broken_at = self.sim.now
-        if sudden:
+        if sudden and self.replicas and self.job.state == table.RUNNING:
+            step = min(self.shape.step_s * self.rate, self.work - self.durable)
+            self.tally.seconds["recomputed"] += step
+            self.work -= step
+        elif sudden:
             self._rewind()
 
     def _rewind(self) -> None:
         spec = self.shape
-        if spec.snapshots:
+        if self.snapshots:
             grain = spec.snapshot_every * spec.step_s
             resume = math.floor(self.work / grain) * grain
         else:
@@ -359,7 +385,7 @@ class SimJob:
                     if job.generation != self.generation:
                         self.generation, self.stops, self.checkpoint, self.ended = job.generation, {}, None, {}
                         self.rebuild()
-                    if kind == "job.restarting":
+                    if kind in ("job.restarting", "job.group_rebuilding"):
                         spares = set(before.spares)
                         self.tally.spares_used += sum(1 for n in job.nodes if n in spares)
                         if "a new placement" in message:
@@ -367,14 +393,19 @@ class SimJob:
                     sim.hold(self, before, job)
                     if list(job.nodes) != list(before.nodes):
                         self.members = set(job.nodes)
+                        if self.replicas:
+                            self.position = {n: i for i, n in enumerate(job.nodes)}
                         self.rebuild(members=True)
                     elif list(job.spares) != list(before.spares):
                         self.respare(before)
                     if job.state != before.state:
                         self.entered(before.state, job.state)
-                case lifecycle.Launch(generation=generation):
+                    elif self.replicas and job.state == table.RUNNING:
+                        self._groups_moved(before, job)
+                case lifecycle.Launch(generation=generation, nodes=nodes):
                     self.launch = lifecycle.LaunchView(generation)
-                    warm = sim.scenario.policy.warm_starts and self.warm.issuperset(self.job.nodes)
+                    self.launch_nodes = nodes or tuple(self.job.nodes)
+                    warm = sim.scenario.policy.warm_starts and self.warm.issuperset(self.launch_nodes)
                     self.tally.launches += 1
                     self.tally.warm_launches += warm
                     timings = sim.scenario.timings
@@ -396,18 +427,21 @@ class SimJob:
                 case lifecycle.Event():
                     pass
         if stops:  # every node takes its stop in the same time: one event for them all
-            self.rebuild()
+            self.refresh(*stops)
             sim.at(sim.now + sim.scenario.timings.stop_s, self._stopped, stops, self.generation)
         return committed
 
     def entered(self, source: int, target: int) -> None:
         sim = self.sim
         if target == table.RUNNING and source in table.LAUNCHING:
-            load = sim.scenario.timings.snapshot_load_s if self.shape.snapshots and self.work > 0 else \
+            load = sim.scenario.timings.snapshot_load_s if self.snapshots and self.work > 0 else \
                 sim.scenario.timings.load_s
+            self.out.clear()  # the whole job anew: every group
             sim.at(sim.now + load, self._loaded, self.generation)
         elif target == table.EVICTING and self.broken_at is None:
             self.broken(sudden=False)  # predictable: the eviction checkpoint just committed
+        elif target == table.EVICTING and self.replicas and source == table.RUNNING:
+            self._rewind()  # a sudden fault of the whole gang (every group): back to the last durable checkpoint
         elif target == table.FAILED:
             self.become(WAITING)
             self.tally.failed = self.job.reason
@@ -432,10 +466,52 @@ class SimJob:
                     self.sim.at(self.sim.now + self.sim.scenario.timings.straggler_detect_s,
                                 self.sim._straggler_found, self.sim.nodes[name], self)
 
+    def _groups_moved(self, before: pb.Job, after: pb.Job) -> None:
+        """A commit moved replica groups (the job RUNNING throughout): one that left is out of the quorum, and the
+        others train on once the quorum has dropped it (after a sudden fault) or at once (it left at a step boundary);
+        one whose launch is done is back in once it has a healthy group's state."""
+        old = {g.index: g.state for g in before.groups}
+        left = [g.index for g in after.groups if g.state == lifecycle.GROUP_STOPPING and
+                old.get(g.index) == lifecycle.GROUP_TRAINING]
+        joined = [g for g in after.groups if g.state == lifecycle.GROUP_TRAINING and
+                  old.get(g.index) == lifecycle.GROUP_REBUILDING]
+        if left:
+            self.out.update(left)
+            if self.broken_at is not None and self.activity == RECOVERING:
+                self.sim.at(self.sim.now + self.sim.scenario.timings.regroup_s, self._regrouped, self.token)
+            else:
+                self.speed_changed()
+        for group in joined:
+            self.sim.at(self.sim.now + self.sim.scenario.timings.peer_recovery_s, self._rejoined, group.index,
+                        group.generation)
+
+    def _regrouped(self, token: int) -> None:
+        """The quorum trains without the groups that left: the pause of the healthy groups ends."""
+        if token != self.token or self.activity != RECOVERING or self.job.state != table.RUNNING:
+            return
+        if self.broken_at is not None:
+            self.tally.recoveries_s.append(self.sim.now - self.broken_at)
+        self.broken_at = None
+        self.become(TRAINING)
+
+    def _rejoined(self, g: int, generation: int) -> None:
+        """A rebuilt group has a healthy group's state and joins the quorum at a step boundary."""
+        groups = self.job.groups
+        if self.job.state != table.RUNNING or g >= len(groups) or groups[g].generation != generation or \
+                groups[g].state != lifecycle.GROUP_TRAINING:
+            return
+        self.out.discard(g)
+        self.speed_changed()
+        if self.sim.scenario.policy.evict_stragglers:  # a slow node it joined with is found like any
+            for name in lifecycle.group_members(self.job, g):
+                if self.sim.nodes[name].slow:
+                    self.sim.at(self.sim.now + self.sim.scenario.timings.straggler_detect_s,
+                                self.sim._straggler_found, self.sim.nodes[name], self)
+
     def _launched(self, generation: int) -> None:
         if self.launch is None or self.launch.generation != generation:
             return
-        down = [n for n in self.job.nodes if self.sim.nodes[n].down]
+        down = [n for n in self.launch_nodes if self.sim.nodes[n].down]
         self.launch = lifecycle.LaunchView(generation, done=True, ok=not down, error=f"{down} down",
                                            address="10.0.0.1", port=29500)
         self.decide()
@@ -445,7 +521,7 @@ class SimJob:
             for node in nodes:
                 if node in self.stops and not self.sim.nodes[node].down:
                     self.stops[node] = ("taken", self.sim.now)
-            self.rebuild()
+            self.refresh(*nodes)
         self.decide()
 
     def _acked(self, request_id: int, generation: int) -> None:
@@ -459,12 +535,20 @@ class SimJob:
         self.durable = max(self.durable, self.work)
         self.decide()
 
-    def crash(self) -> None:
+    def crash(self, rank: int = 0) -> None:
         """A rank of the job exits non-zero (software): what JobManager.observe records from the heartbeat."""
-        if self.job.state != table.RUNNING or not self.job.ranks:
+        if self.job.state != table.RUNNING or rank >= len(self.job.ranks):
             return
-        self.ended[self.job.ranks[0].rank] = (pb.RANK_STATE_EXITED, 1)
+        self.ended[self.job.ranks[rank].rank] = (pb.RANK_STATE_EXITED, 1)
         self.decide()
+
+    def crash_rank(self) -> int:
+        """Which rank a software fault crashes: rank 0; with replica groups, any rank of a group in the quorum."""
+        if not self.replicas or not self.job.ranks:
+            return 0
+        k = len(self.job.ranks) // self.replicas
+        groups = [g for g in range(self.replicas) if g not in self.out] or [0]
+        return self.sim.rng.choice(groups) * k + self.sim.rng.randrange(k)
 
 
 class Simulation:
@@ -650,8 +734,9 @@ class Simulation:
             self._hardware_fault(node, lost)
 
     def _crash(self, job: SimJob) -> None:
-        self.at(self.now + self.scenario.timings.crash_detect_s, job.crash)
-        job.broken(sudden=True)
+        rank = job.crash_rank()
+        self.at(self.now + self.scenario.timings.crash_detect_s, job.crash, rank)
+        job.broken(sudden=True, node=job.job.ranks[rank].node if rank < len(job.job.ranks) else "")
 
     def _hang(self, job: SimJob) -> None:
         """Every rank stops in a collective: no rank exits, and the controller's hang detector finds it once the
@@ -778,7 +863,7 @@ class Simulation:
         if not node.drained and (job is None or node.name not in job.job.nodes):
             self.take_out(node)  # an idle node or a spare: drained by the health policy or liveness
         if job is not None and node.name in job.job.nodes:
-            job.broken(sudden=True)
+            job.broken(sudden=True, node=node.name)
             self.at(self.now + detect, job.decide)
         elif job is not None:
             self.at(self.now + detect, job.decide)
@@ -798,7 +883,7 @@ class Simulation:
     def _straggler_found(self, node: SimNode, job: SimJob) -> None:
         """The straggler detector's verdict, as the controller reaches it (controller.recovery.progress): the slow
         rank's computes against its peers'; the lifecycle then checkpoints and evicts."""
-        if not node.slow or node.name not in job.job.nodes or job.job.state != table.RUNNING:
+        if not node.slow or not job.in_quorum(node.name) or job.job.state != table.RUNNING:
             return
         step = job.shape.step_s
         slow = step * (1 + self.scenario.failures.straggler_slowdown)
@@ -819,3 +904,5 @@ class Simulation:
                 track.observe(base + 30 * k, slow, [compute] * 30, self.now, 30)
             tracks[rank_of[name]] = track
         job.judge(tracks)
+        if job.job.straggler_held and node.slow and job.in_quorum(node.name):  # held back (a bound on evictions):
+            self.at(self.now + self.scenario.timings.straggler_detect_s, self._straggler_found, node, job)  # again

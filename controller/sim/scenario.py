@@ -108,6 +108,10 @@ class JobConfig:
     snapshot_overhead: float = setting(0.02, "share of step time snapshots cost (bench: 1.5-2 %)")
     length_h: float = setting(0.0, "hours of training the job needs; then it ends and frees its nodes (0: it "
                               "trains for the whole run)")
+    replicas: int = setting(0, "data-parallel replica groups (torchft's, on the job's nodes in equal groups in "
+                            "order): a fault restarts only its group while the others train on, and the group "
+                            "recovers the state from a healthy one (no in-memory snapshots: `snapshots` is not used); "
+                            "0 = none, a fault restarts the whole job")
 
     def __post_init__(self) -> None:
         require(self.nodes >= 1, f"job.nodes ({self.nodes}) must be at least 1")
@@ -121,6 +125,9 @@ class JobConfig:
             positive(f"job.{key}", getattr(self, key))
         require(self.checkpoint_cost_s >= 0, f"job.checkpoint_cost_s ({self.checkpoint_cost_s}) must not be "
                 "negative")
+        require(self.replicas >= 0, f"job.replicas ({self.replicas}) must not be negative")
+        require(self.replicas <= 1 or self.nodes % self.replicas == 0, f"job.nodes ({self.nodes}) must be a "
+                f"multiple of job.replicas ({self.replicas})")
         require(self.snapshot_every >= 1, f"job.snapshot_every ({self.snapshot_every}) must be at least 1")
         require(0 <= self.snapshot_overhead < 1, f"job.snapshot_overhead ({self.snapshot_overhead}) must be in "
                 "[0, 1)")
@@ -145,6 +152,13 @@ class TimingConfig:
     snapshot_load_s: float = setting(5.0, "restoring from in-memory snapshots (bench: 1.4 GB/s from a peer)")
     eviction_checkpoint_s: float = setting(5.0, "a checkpoint asked for before an eviction: every rank commits "
                                            "(with snapshots: the next one; bench: 1.1 s on 4 ranks)")
+    regroup_s: float = setting(5.0, "replica groups: from the verdict on a group's sudden fault to the other "
+                               "groups training without it (the controller takes it out of the quorum at once, "
+                               "which forms again at the next step); a predictable fault's group leaves at a step "
+                               "boundary and costs none")
+    peer_recovery_s: float = setting(60.0, "replica groups: from a rebuilt group's launch to its joining the quorum "
+                                     "with the state of a healthy group, sent over the network while that group "
+                                     "trains (torchft's live recovery)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

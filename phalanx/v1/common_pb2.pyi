@@ -61,6 +61,14 @@ class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_STATE_RUNNING: _ClassVar[RankState]
     RANK_STATE_EXITED: _ClassVar[RankState]
     RANK_STATE_LOST: _ClassVar[RankState]
+
+class ReplicaGroupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_GROUP_STATE_UNSPECIFIED: _ClassVar[ReplicaGroupState]
+    REPLICA_GROUP_TRAINING: _ClassVar[ReplicaGroupState]
+    REPLICA_GROUP_STOPPING: _ClassVar[ReplicaGroupState]
+    REPLICA_GROUP_WAITING: _ClassVar[ReplicaGroupState]
+    REPLICA_GROUP_REBUILDING: _ClassVar[ReplicaGroupState]
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_UP: NodeState
 NODE_STATE_SUSPECT: NodeState
@@ -98,6 +106,11 @@ RANK_STATE_UNSPECIFIED: RankState
 RANK_STATE_RUNNING: RankState
 RANK_STATE_EXITED: RankState
 RANK_STATE_LOST: RankState
+REPLICA_GROUP_STATE_UNSPECIFIED: ReplicaGroupState
+REPLICA_GROUP_TRAINING: ReplicaGroupState
+REPLICA_GROUP_STOPPING: ReplicaGroupState
+REPLICA_GROUP_WAITING: ReplicaGroupState
+REPLICA_GROUP_REBUILDING: ReplicaGroupState
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "uuid", "name", "pci_bus_id", "serial", "memory_total_bytes")
@@ -412,7 +425,7 @@ class PhaseTime(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment", "run_as", "limits", "within", "slurm_job_id")
+    __slots__ = ("name", "command", "nodes", "ranks_per_node", "spares", "checkpoint_dir", "priority", "env", "workdir", "segment", "run_as", "limits", "within", "slurm_job_id", "replicas")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +447,7 @@ class JobSpec(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     WITHIN_FIELD_NUMBER: _ClassVar[int]
     SLURM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     nodes: int
@@ -448,7 +462,8 @@ class JobSpec(_message.Message):
     limits: ResourceLimits
     within: _containers.RepeatedScalarFieldContainer[str]
     slurm_job_id: str
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ..., run_as: _Optional[str] = ..., limits: _Optional[_Union[ResourceLimits, _Mapping]] = ..., within: _Optional[_Iterable[str]] = ..., slurm_job_id: _Optional[str] = ...) -> None: ...
+    replicas: int
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., ranks_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., priority: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., segment: _Optional[int] = ..., run_as: _Optional[str] = ..., limits: _Optional[_Union[ResourceLimits, _Mapping]] = ..., within: _Optional[_Iterable[str]] = ..., slurm_job_id: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class ResourceLimits(_message.Message):
     __slots__ = ("memory_bytes", "tasks", "open_files")
@@ -519,7 +534,7 @@ class HangCulprit(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., process_group: _Optional[str] = ..., op: _Optional[str] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., peers_seq: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable", "incident_nodes", "checkpoint", "launched_generation", "incident_kind", "culprit", "straggler_evictions_unix_ns", "straggler_step_s", "straggler_held", "standbys", "restarts_in_row", "progress_reported", "ending_since_unix_ns", "incident_step")
+    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable", "incident_nodes", "checkpoint", "launched_generation", "incident_kind", "culprit", "straggler_evictions_unix_ns", "straggler_step_s", "straggler_held", "standbys", "restarts_in_row", "progress_reported", "ending_since_unix_ns", "incident_step", "groups")
     class StandbysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -561,6 +576,7 @@ class Job(_message.Message):
     PROGRESS_REPORTED_FIELD_NUMBER: _ClassVar[int]
     ENDING_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: JobState
@@ -595,4 +611,23 @@ class Job(_message.Message):
     progress_reported: bool
     ending_since_unix_ns: int
     incident_step: int
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[_Union[JobCheckpoint, _Mapping]] = ..., launched_generation: _Optional[int] = ..., incident_kind: _Optional[str] = ..., culprit: _Optional[_Union[HangCulprit, _Mapping]] = ..., straggler_evictions_unix_ns: _Optional[_Iterable[int]] = ..., straggler_step_s: _Optional[float] = ..., straggler_held: _Optional[str] = ..., standbys: _Optional[_Mapping[str, int]] = ..., restarts_in_row: _Optional[int] = ..., progress_reported: _Optional[bool] = ..., ending_since_unix_ns: _Optional[int] = ..., incident_step: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[_Union[JobCheckpoint, _Mapping]] = ..., launched_generation: _Optional[int] = ..., incident_kind: _Optional[str] = ..., culprit: _Optional[_Union[HangCulprit, _Mapping]] = ..., straggler_evictions_unix_ns: _Optional[_Iterable[int]] = ..., straggler_step_s: _Optional[float] = ..., straggler_held: _Optional[str] = ..., standbys: _Optional[_Mapping[str, int]] = ..., restarts_in_row: _Optional[int] = ..., progress_reported: _Optional[bool] = ..., ending_since_unix_ns: _Optional[int] = ..., incident_step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ...) -> None: ...
+
+class ReplicaGroup(_message.Message):
+    __slots__ = ("index", "state", "generation", "reason", "since_unix_ns", "bad", "incident_kind")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    BAD_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_KIND_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    state: ReplicaGroupState
+    generation: int
+    reason: str
+    since_unix_ns: int
+    bad: _containers.RepeatedScalarFieldContainer[str]
+    incident_kind: str
+    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[ReplicaGroupState, str]] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., since_unix_ns: _Optional[int] = ..., bad: _Optional[_Iterable[str]] = ..., incident_kind: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,145 @@
+"""Replica-group jobs in the lifecycle (spec.replicas > 1): a fault restarts its group alone while the others train on,
+driven through the pure `step` in tests/test_lifecycle.py's virtual-time world (agents, ranks and trainlib)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.errors import InvalidArgument
+from controller.nodes.health import HEALTHY
+from controller.recovery import lifecycle
+from controller.validation import job_spec
+from phalanx.v1 import common_pb2 as pb
+from tests.test_lifecycle import INCIDENTS, Sim, inject, running, start
+
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+
+# Two groups of two nodes (a, b | c, d), two ranks a node, one spare (e): the fault is on b, in group 0.
+GROUP0, GROUP1 = ("a", "b"), ("c", "d")
+
+
+def grouped_sim(spares: int = 1, nodes=("a", "b", "c", "d", "e")) -> Sim:
+    sim = Sim(nodes=nodes, job_nodes=4, spares=spares, replicas=2)
+    start(sim)
+    assert [g.state for g in sim.job.groups] == [lifecycle.GROUP_TRAINING] * 2
+    return sim
+
+
+def group_state(sim: Sim, g: int) -> int:
+    return sim.job.groups[g].state
+
+
+def rejoined(sim: Sim, generation: int) -> bool:
+    """Group 0 trains again, as a generation after `generation`."""
+    return running(sim) and sim.job.groups[0].generation > generation and \
+        group_state(sim, 0) == lifecycle.GROUP_TRAINING
+
+
+def group1_steps(sim: Sim) -> int:
+    return min(sim.step_of[r.rank] for r in sim.job.ranks if r.node in GROUP1)
+
+
+@pytest.mark.parametrize("kind", [k for k in INCIDENTS if k != "hang"] + ["hang"])
+def test_a_fault_in_one_group_restarts_that_group_alone_while_the_other_trains_on(kind):
+    sim = grouped_sim()
+    before, seen = sim.job.generation, len(sim.states)
+    group1 = [(r.rank, r.generation) for r in sim.job.ranks if r.node in GROUP1]
+    steps = group1_steps(sim)
+    inject(sim, kind)
+    sim.run_until(lambda: rejoined(sim, before))
+    job = sim.job
+    kinds = [k for k, _ in sim.events]
+    assert sim.incidents == [kind], sim.events
+    assert sim.states[seen:] == [], f"the job left RUNNING: {sim.states[seen:]}"
+    assert "job.checkpoint" not in kinds  # no checkpoint: the healthy group holds the state
+    assert kinds.count("job.group_left") == 1 and "job.group_rebuilding" in kinds and "job.group_joined" in kinds
+    # the healthy group: the same ranks of the same generation, never stopped, still stepping
+    assert [(r.rank, r.generation) for r in job.ranks if r.node in GROUP1] == group1
+    assert all(sim.nodes[n].ranks[(before, r)] == "running" for r, _ in group1 for n in GROUP1
+               if (before, r) in sim.nodes[n].ranks)
+    sim.hung.clear()  # (the world's hung ranks are by number: the rebuilt group's are new processes)
+    sim.run_for(3.0)
+    assert group1_steps(sim) > steps + 20
+    assert group_state(sim, 1) == lifecycle.GROUP_TRAINING and job.groups[1].generation == before
+    # the faulty group: launched alone as the next generation
+    assert sim.launched[-1] == job.generation == job.groups[0].generation == before + 1
+    assert {r.generation for r in job.ranks if r.rank < 4} == {before + 1}
+    if INCIDENTS[kind]:
+        assert list(job.nodes) == ["a", "e", "c", "d"] and "b" in job.evicted and sim.nodes["b"].drained
+        assert list(job.spares) == []
+    else:
+        assert list(job.nodes) == ["a", "b", "c", "d"]  # a crash restarts its group in place
+        assert job.restarts_in_row == 1
+
+
+def test_a_fault_that_leaves_no_group_training_restarts_the_whole_job():
+    sim = grouped_sim(spares=2, nodes=("a", "b", "c", "d", "e", "f"))
+    before = sim.job.generation
+    sim.nodes["b"].down = sim.nodes["c"].down = True  # one node of each group at once (a leaf switch)
+    sim.run_until(lambda: running(sim) and sim.job.generation > before)
+    assert "EVICTING" in sim.states and "job.group_left" not in [k for k, _ in sim.events]
+    assert list(sim.job.nodes) == ["a", "e", "f", "d"]
+    assert [(g.state, g.generation) for g in sim.job.groups] == [(lifecycle.GROUP_TRAINING, before + 1)] * 2
+
+
+def test_a_group_without_a_spare_takes_a_free_node_of_the_fleet():
+    sim = grouped_sim(spares=0)  # e is free in the fleet, not held
+    before = sim.job.generation
+    inject(sim, "node-lost")
+    sim.run_until(lambda: rejoined(sim, before))
+    assert list(sim.job.nodes) == ["a", "e", "c", "d"]
+
+
+def test_a_group_with_no_node_to_take_waits_while_the_other_trains_and_takes_its_node_back_once_repaired():
+    sim = grouped_sim(spares=0, nodes=("a", "b", "c", "d"))
+    before = sim.job.generation
+    inject(sim, "gpu-failed")
+    sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_WAITING and "waiting for nodes" in
+                  sim.job.groups[0].reason)
+    steps = group1_steps(sim)
+    sim.run_for(10.0)
+    assert running(sim) and group_state(sim, 0) == lifecycle.GROUP_WAITING
+    assert group1_steps(sim) > steps + 50  # the other group trains on meanwhile
+    b = sim.nodes["b"]
+    b.health, b.reason, b.drained = HEALTHY, "", False  # repaired; `phalanx undrain b`
+    sim.run_until(lambda: rejoined(sim, before))
+    assert list(sim.job.nodes) == ["a", "b", "c", "d"]
+
+
+def test_a_group_launch_lost_to_a_controller_restart_is_launched_again_as_a_later_generation():
+    sim = grouped_sim()
+    before = sim.job.generation
+    inject(sim, "node-lost")
+    sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_REBUILDING)
+    sim.controller_restart()
+    sim.run_until(lambda: rejoined(sim, before + 1))
+    assert any("interrupted by a controller restart" in m for _, m in sim.events), sim.events
+    assert sim.launched == sorted(set(sim.launched)), f"a generation launched twice: {sim.launched}"
+    assert sim.states[-1] == "RUNNING" and group_state(sim, 1) == lifecycle.GROUP_TRAINING
+
+
+def test_a_group_that_keeps_crashing_ends_the_job_after_max_restarts():
+    sim = grouped_sim()
+    for _ in range(lifecycle_max_restarts(sim) + 1):
+        if not running(sim):
+            break
+        generation = sim.job.groups[0].generation
+        sim.run_until(lambda g=generation: group_state(sim, 0) == lifecycle.GROUP_TRAINING and
+                      sim.job.groups[0].generation == g and all(
+                          sim.nodes["b"].ranks.get((g, r.rank)) == "running" for r in sim.job.ranks
+                          if r.node == "b"))
+        inject(sim, "crash")
+        sim.run_until(lambda g=generation: sim.job.state != pb.JOB_STATE_RUNNING or (
+            sim.job.groups[0].generation > g and group_state(sim, 0) == lifecycle.GROUP_TRAINING))
+    assert sim.job.state == pb.JOB_STATE_FAILED and "gave up after" in sim.job.reason, sim.describe()
+
+
+def lifecycle_max_restarts(sim: Sim) -> int:
+    return sim.policy.recovery.max_restarts
+
+
+def test_the_controller_refuses_a_replica_group_job_until_its_agents_can_launch_one_group():
+    spec = pb.JobSpec(command=["python", "train.py"], nodes=4, ranks_per_node=1, replicas=2)
+    with pytest.raises(InvalidArgument, match="replica-group jobs run only in `phalanx simulate`"):
+        job_spec(spec)
+    job_spec(pb.JobSpec(command=["python", "train.py"], nodes=4, ranks_per_node=1, replicas=1))
