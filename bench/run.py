@@ -398,6 +398,12 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                          f"{p['ettr'] * 100:.1f} % / {b['ettr'] * 100:.1f} %"
                          + (f" (baseline job failed: {b['failed'][0][:60]})" if b["failed"] else "")
                          + (f" (Phalanx job failed: {p['failed'][0][:60]})" if p["failed"] else "")))
+            g = regime.get("groups")
+            if g:
+                rows.append(("simulate", f"{name}, {regime['days']:g} days, as {g['replicas']} replica groups: ETTR "
+                             "(same scenario)", f">= {g['goal'] * 100:g} %",
+                             f"{g['ettr'] * 100:.1f} % (recovery p50 {g['recovery_p50_s']:.0f} s against "
+                             f"{p['recovery_p50_s']:.0f} s){_verdict(g['ettr'] >= g['goal'])}"))
     r = results.get("recovery")
     if r and "error" not in r:
         for fault, systems in r["faults"].items():
