@@ -453,7 +453,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                               ranks_per_node=args.ranks_per_node, spares=args.spares,
                               checkpoint_dir=args.checkpoint_dir or "", priority=args.priority,
                               workdir=os.getcwd(), segment=args.segment, env=dict(args.env or []),
-                              run_as=args.run_as or "",
+                              run_as=args.run_as or "", replicas=args.replicas,
                               limits=common_pb2.ResourceLimits(memory_bytes=args.memory, tasks=args.tasks,
                                                                open_files=args.open_files))
     job = call(args, lambda s: s.SubmitJob(control_pb2.SubmitJobRequest(spec=spec, user=getpass.getuser()),
@@ -891,11 +891,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a gang job; prints its id",
                        usage="%(prog)s [--nodes N] [--ranks-per-node R] [--spares S] [--checkpoint-dir DIR] "
-                             "[--name NAME] [--priority P] [--segment N] [--env K=V] [--as ACCOUNT] [--memory SIZE] "
+                             "[--replicas R] [--name NAME] [--priority P] [--segment N] [--env K=V] [--as ACCOUNT] "
+                             "[--memory SIZE] "
                              "[--tasks N] [--open-files N] -- COMMAND ...")
     p.add_argument("--nodes", type=_positive, default=1, help="nodes in the gang (default 1)")
     p.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per node (default 1)")
     p.add_argument("--spares", type=_count, default=0, help="hot spare nodes reserved in the job's topology domain")
+    p.add_argument("--replicas", type=_count, default=0, metavar="R", help="data-parallel replica groups: the nodes "
+                   "in R equal groups, each its own process group (RANK, WORLD_SIZE and MASTER_ADDR are the group's; "
+                   "REPLICA_GROUP_ID and NUM_REPLICA_GROUPS say which, as torchft expects); a fault restarts only its "
+                   "group while the others train on (default 0: a fault restarts the whole job)")
     p.add_argument("--checkpoint-dir", type=directory, metavar="DIR",
                    help="where ranks checkpoint, shared by the job's nodes; a relative DIR is taken from the current "
                    "directory (default: each agent's checkpoint_dir/JOB)")

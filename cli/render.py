@@ -222,9 +222,20 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "seconds_in_state": seconds_in_state(job),
         "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu,
                    "state": rank_state(r.state), "pid": r.pid or None, "wrapper_pid": r.wrapper_pid or None,
-                   "exit_code": r.exit_code}
+                   "exit_code": r.exit_code, "generation": r.generation}
                   for r in job.ranks],
+        "replicas": spec.replicas or None,
+        "groups": [{"group": g.index, "state": group_state(g.state), "generation": g.generation,
+                    "nodes": list(job.nodes[g.index * len(job.nodes) // spec.replicas:
+                                            (g.index + 1) * len(job.nodes) // spec.replicas]),
+                    "reason": g.reason or None, "incident_kind": g.incident_kind or None}
+                   for g in job.groups] if spec.replicas > 1 else None,
     }
+
+
+def group_state(state: int) -> str:
+    """TRAINING, STOPPING, WAITING or REBUILDING (a replica group's state)."""
+    return common_pb2.ReplicaGroupState.Name(state).removeprefix("REPLICA_GROUP_") if state else "UNKNOWN"
 
 
 def jobs_table(jobs: Sequence[common_pb2.Job], wide: bool = False) -> str:
@@ -261,7 +272,9 @@ def job_text(job: common_pb2.Job) -> str:
              f"  reason:      {job.reason or '-'}",
              f"  command:     {' '.join(job.spec.command)}",
              f"  size:        {job.spec.nodes} nodes x {job.spec.ranks_per_node} ranks"
-             + (f" + {job.spec.spares} spares" if job.spec.spares else "") + f", priority {job.spec.priority}",
+             + (f" + {job.spec.spares} spares" if job.spec.spares else "")
+             + (f", {job.spec.replicas} replica groups" if job.spec.replicas > 1 else "")
+             + f", priority {job.spec.priority}",
              *([f"  limits:      {limits_text(job.spec.limits)} per rank"] if limits_text(job.spec.limits) else []),
              *([f"  runs as:     {job.spec.run_as}"] if job.spec.run_as else []),
              f"  generation:  {job.generation} (restarts: {job.restarts})",
@@ -273,6 +286,8 @@ def job_text(job: common_pb2.Job) -> str:
              f"  nodes:       {hostlist.compress(job.nodes) or '-'}"
              + (f" (spares: {hostlist.compress(job.spares)})" if job.spares else ""),
              f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",
+             *(f"  group {g['group']}:     {g['state']} on {hostlist.compress(g['nodes'])}, generation "
+               f"{g['generation']}" + (f" ({g['reason']})" if g["reason"] else "") for g in d["groups"] or ()),
              *(["  warm:        " + ", ".join(f"{node} {n}" for node, n in sorted(job.standbys.items()))
                 + " (standbys ready: a restart there skips starting Python and importing torch)"]
                if job.standbys else []),

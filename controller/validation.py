@@ -117,9 +117,9 @@ def job_spec(spec: common_pb2.JobSpec) -> None:
         raise InvalidArgument(f"name {spec.name[:80]!r} must be 1-63 letters, digits, '.', '_' or '-'")
     if spec.segment and spec.nodes % spec.segment:
         raise InvalidArgument(f"nodes ({spec.nodes}) must be a multiple of segment ({spec.segment})")
-    if spec.replicas > 1:
-        raise InvalidArgument(f"replicas ({spec.replicas}): replica-group jobs run only in `phalanx simulate` in this "
-                              "release (the agents cannot yet launch one group alone); submit without replicas")
+    if spec.replicas > 1 and spec.nodes % spec.replicas:
+        raise InvalidArgument(f"nodes ({spec.nodes}) must be a multiple of replicas ({spec.replicas}): each replica "
+                              "group gets as many nodes")
     for key in spec.env:
         if not _ENV_KEY.fullmatch(key):
             raise InvalidArgument(f"environment variable name {key[:80]!r} is not valid")

@@ -138,8 +138,8 @@ def lifecycle_max_restarts(sim: Sim) -> int:
     return sim.policy.recovery.max_restarts
 
 
-def test_the_controller_refuses_a_replica_group_job_until_its_agents_can_launch_one_group():
-    spec = pb.JobSpec(command=["python", "train.py"], nodes=4, ranks_per_node=1, replicas=2)
-    with pytest.raises(InvalidArgument, match="replica-group jobs run only in `phalanx simulate`"):
+def test_a_replica_group_job_needs_nodes_in_equal_groups():
+    spec = pb.JobSpec(command=["python", "train.py"], nodes=4, ranks_per_node=1, replicas=3)
+    with pytest.raises(InvalidArgument, match=r"nodes \(4\) must be a multiple of replicas \(3\)"):
         job_spec(spec)
-    job_spec(pb.JobSpec(command=["python", "train.py"], nodes=4, ranks_per_node=1, replicas=1))
+    job_spec(pb.JobSpec(command=["python", "train.py"], nodes=4, ranks_per_node=1, replicas=2))

@@ -138,9 +138,11 @@ def init() -> Context:
         active=active,
         job=env.get("PHALANX_JOB", ""),
         generation=int(env.get("PHALANX_GENERATION", "1")),
-        rank=int(env.get("RANK", "0")),
+        # the job's rank: RANK and WORLD_SIZE are a replica group's own in a job of replica groups (PHALANX_RANK and
+        # PHALANX_WORLD_SIZE are the job's; the agent and the controller know each rank by it)
+        rank=int(env.get("PHALANX_RANK") or env.get("RANK", "0")),
         local_rank=int(env.get("LOCAL_RANK", "0")),
-        world_size=int(env.get("WORLD_SIZE", "1")),
+        world_size=int(env.get("PHALANX_WORLD_SIZE") or env.get("WORLD_SIZE", "1")),
         checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or os.path.abspath("checkpoints"),
         agent_socket=env.get("PHALANX_AGENT_SOCKET", ""),
         node=env.get("PHALANX_NODE", ""),

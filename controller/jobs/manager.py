@@ -284,7 +284,8 @@ class JobManager:
         stale = False
         for status in heartbeat.ranks:
             entry = self.entries.get(status.job)
-            if entry is not None and entry.job.state in ACTIVE and status.generation == entry.job.generation:
+            if entry is not None and entry.job.state in ACTIVE and \
+                    status.generation == lifecycle.rank_generation(entry.job, status.rank):
                 if runs_here(entry.job, status.rank, name):  # a node speaks for its own ranks only
                     reported[(status.job, status.rank)] = status
             elif status.state == pb.RANK_STATE_RUNNING:
@@ -295,8 +296,8 @@ class JobManager:
         now = self.now()
         for report in heartbeat.progress:
             entry = self.entries.get(report.job)
-            if entry is None or entry.job.generation != report.generation or entry.job.state not in ACTIVE or \
-                    not runs_here(entry.job, report.rank, name):
+            if entry is None or lifecycle.rank_generation(entry.job, report.rank) != report.generation or \
+                    entry.job.state not in ACTIVE or not runs_here(entry.job, report.rank, name):
                 continue
             if not entry.tracks:  # trainlib speaks for this job: follow every rank's progress from now on
                 entry.reported = True
@@ -314,8 +315,8 @@ class JobManager:
             job = entry.job
             if job.state != RUNNING:
                 changed = True  # launching, recovering or cancelling: each heartbeat may be the news it waits for
-            if job.state in table.LAUNCHING:
-                continue
+            if job.state in table.LAUNCHING or name in lifecycle.out_of_quorum(job):
+                continue  # (a replica group out of the quorum: its ranks are stopping, or not started yet)
             for rank in job.ranks:
                 state = entry.ended[rank.rank][0] if rank.rank in entry.ended else rank.state
                 if rank.node != name or state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
@@ -431,7 +432,8 @@ class JobManager:
         record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)
         committed = await self.store.commit(jobs=[record], events=[event])
         entry.job, entry.revision = job, committed.jobs[0].revision
-        entry.new_generation(job.generation)
+        rebuilt = lifecycle.group_rebuilt(job)
+        entry.new_generation(job.generation, rebuilt, {job.ranks[r].node for r in rebuilt})
         if entry.ended:
             entry.ended = lifecycle.ended_unsaved(job, entry.ended)
         self.index(job)

@@ -65,13 +65,21 @@ class JobEntry:
     # to hold standbys (lifecycle.upkeep)
     standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there
 
-    def new_generation(self, generation: int) -> None:
+    def new_generation(self, generation: int, rebuilt: set[int] | None = None, nodes: set[str] | None = None) -> None:
+        """Forget what this process saw of the generation before; with `rebuilt` (a replica group's rebuild), only of
+        those ranks, and the stops of the `nodes` they were launched on: the other groups train on."""
         if generation == self.generation:
             return
         if self.launch_task is not None and self.launch is not None and self.launch.generation != generation:
             self.launch_task.cancel()
         self.generation = generation
-        self.missing, self.tracks, self.nccl, self.fatal, self.stops, self.ended = {}, {}, {}, {}, {}, {}
+        if rebuilt:
+            self.missing, self.tracks, self.nccl, self.fatal, self.ended = (
+                {r: v for r, v in d.items() if r not in rebuilt}
+                for d in (self.missing, self.tracks, self.nccl, self.fatal, self.ended))
+            self.stops = {n: v for n, v in self.stops.items() if n not in (nodes or set())}
+        else:
+            self.missing, self.tracks, self.nccl, self.fatal, self.stops, self.ended = {}, {}, {}, {}, {}, {}
         self.checkpoint = None
         if self.launch is not None and self.launch.generation != generation:
             self.launch = None

@@ -182,8 +182,8 @@ class Executor:
         told = entry.stops.get(name, False)  # None: on its way; (session, heartbeats, when): taken
         taken = bool(told) and told[0] is node.session
         beat = node.heartbeat
-        running = beat is not None and any(s.job == job.id and s.generation == job.generation and
-                                           s.state == RANK_RUNNING for s in beat.ranks)
+        running = beat is not None and any(s.job == job.id and s.generation == lifecycle.rank_generation(job, s.rank)
+                                           and s.state == RANK_RUNNING for s in beat.ranks)
         monotonic = self.jobs.clock.monotonic()
         recent = taken and monotonic - told[2] < lifecycle.RESTOP_S
         silence = monotonic - node.last_seen
@@ -218,13 +218,14 @@ class Executor:
                 case lifecycle.Commit():
                     await self._commit(entry, action)
                     committed = True
-                case lifecycle.Launch(generation=generation):
+                case lifecycle.Launch(generation=generation, nodes=nodes):
                     entry.launch = lifecycle.LaunchView(generation)
-                    entry.launch_task = asyncio.create_task(self._launch(entry, generation),
+                    entry.launch_task = asyncio.create_task(self._launch(entry, generation, nodes),
                                                             name=f"launch-{entry.job.id}-{generation}")
                 case lifecycle.Stop(node=node, generation=generation):
                     before, entry.stops[node] = entry.stops.get(node), None
-                    self._spawn(self._stop(entry, node, generation, before), f"stop-{entry.job.id}-{node}")
+                    self._spawn(self._stop(entry, node, generation, before, entry.generation),
+                                f"stop-{entry.job.id}-{node}")
                 case lifecycle.Drain(node=node, reason=reason):
                     try:
                         await self.jobs.registry.drain(node, reason)
@@ -294,9 +295,10 @@ class Executor:
         self._timer, self._timer_at = None, None
         self.wake()
 
-    async def _launch(self, entry: JobEntry, generation: int) -> None:
+    async def _launch(self, entry: JobEntry, generation: int, only: tuple[str, ...] = ()) -> None:
         """Ask the first node for a port (MASTER_PORT), then every node to start its ranks; the outcome
-        lands in the entry and the lifecycle decides."""
+        lands in the entry and the lifecycle decides. A replica-group job's groups are process groups of their own:
+        each has its first node's address and port, and `only` launches one group's nodes alone (its rebuild)."""
         job = entry.job
         registry = self.jobs.registry
         try:
@@ -304,14 +306,20 @@ class Executor:
             refused = policy.launchable(job.user, job.spec.run_as) if policy is not None else ""
             if refused:
                 raise FailedPrecondition(refused)
-            master = registry.get(job.nodes[0])
-            port = (await _session(master).request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
-            address = master.inventory().address or peer_host(master.peer)
+            grouped = lifecycle.grouped(job)
+            k = len(job.nodes) // job.spec.replicas if grouped else len(job.nodes)
+            indexes = [i for i, n in enumerate(job.nodes) if not only or n in only]
+            masters: dict[int, tuple[str, int]] = {}  # the first node of each group launched -> (address, port)
+            for first in sorted({i // k * k for i in indexes}):
+                master = registry.get(job.nodes[first])
+                port = (await _session(master).request(node_pb2.Command(reserve_port=node_pb2.ReservePort()))).port
+                masters[first] = (master.inventory().address or peer_host(master.peer), port)
             nodes = registry.entries_by_name()
-            restore = await self._restore_plan(entry, nodes)
+            restore = None if grouped else await self._restore_plan(entry, nodes)  # a group recovers from a peer
             await self._grant_snapshots(job, restore, nodes)
-            await asyncio.gather(*(self._launch_node(job, i, nodes, address, port, restore)
-                                   for i in range(len(job.nodes))))
+            await asyncio.gather(*(self._launch_node(job, i, nodes, *masters[i // k * k], restore, k)
+                                   for i in indexes))
+            address, port = masters[min(masters)]
             outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
         except asyncio.CancelledError:
             return  # cancelled meanwhile: the cancel stops whatever started
@@ -366,18 +374,26 @@ class Executor:
         return restore
 
     async def _launch_node(self, job, index: int, registry: dict[str, NodeEntry], master_addr: str,
-                           master_port: int, restore: snapshot_plan.Restore | None) -> None:
+                           master_port: int, restore: snapshot_plan.Restore | None, k: int) -> None:
+        """Start node `index`'s ranks. In a job of replica groups of `k` nodes each, RANK, WORLD_SIZE and the master
+        are its group's (torchft's convention: each group is launched as a torchrun of its own would be, with
+        REPLICA_GROUP_ID and NUM_REPLICA_GROUPS); PHALANX_RANK and PHALANX_WORLD_SIZE are the job's."""
         spec, per = job.spec, job.spec.ranks_per_node
-        world = len(job.nodes) * per
+        world = k * per
+        group, first = index // k, index // k * k
         common = {
             **spec.env,
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(per), "GROUP_RANK": str(index), "GROUP_WORLD_SIZE": str(len(job.nodes)),
+            "LOCAL_WORLD_SIZE": str(per), "GROUP_RANK": str(index - first), "GROUP_WORLD_SIZE": str(k),
             "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world),
             "TORCHELASTIC_RESTART_COUNT": str(job.generation - 1),
             "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": job.id,
             "PHALANX_JOB": job.id, "PHALANX_GENERATION": str(job.generation),
+            "PHALANX_WORLD_SIZE": str(len(job.nodes) * per),
         }
+        if lifecycle.grouped(job):
+            common.update(REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(job.spec.replicas),
+                          TORCHELASTIC_RUN_ID=f"{job.id}-group{group}")
         if spec.checkpoint_dir:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
         if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job
@@ -386,8 +402,8 @@ class Executor:
         ranks = []
         for local in range(per):
             rank = index * per + local
-            env = {"RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank),
-                   "CUDA_VISIBLE_DEVICES": str(local)}
+            env = {"RANK": str(rank - first * per), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank - first * per),
+                   "CUDA_VISIBLE_DEVICES": str(local), "PHALANX_RANK": str(rank)}
             source = registry.get(restore.sources.get(rank, "")) if restore is not None else None
             if source is not None:  # generation:step:where its snapshot is served from[,where else, in turn]
                 others = [registry[n] for n in restore.also.get(rank, ()) if n in registry]
@@ -399,7 +415,8 @@ class Executor:
             job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,
             ranks=ranks, run_as=spec.run_as, limits=spec.limits)), timeout=self.jobs.cfg.launch_timeout_s)
 
-    async def _stop(self, entry: JobEntry, node: str, generation: int, before: tuple | None = None) -> None:
+    async def _stop(self, entry: JobEntry, node: str, generation: int, before: tuple | None = None,
+                    seen: int | None = None) -> None:
         """Tell one node to stop a generation; once its agent took the command, the session, heartbeat count and
         command id are remembered, so a later heartbeat (one that says it came after the command) can confirm the
         ranks are gone. A stop told again on the same session keeps the first one's: any heartbeat since the first
@@ -419,7 +436,7 @@ class Executor:
                 self.jobs.fenced(node, entry.job.id, generation)
             except Exception as e:
                 logger.warning("stop failed", job=entry.job.id, node=node, generation=generation, error=str(e))
-        if entry.job.generation == generation and entry.stops.get(node, False) is None:
+        if (entry.generation if seen is None else seen) == entry.generation and entry.stops.get(node, False) is None:
             if taken is None:
                 entry.stops.pop(node, None)  # told again when its agent is back
             else:

@@ -829,6 +829,30 @@ def group_members(job: pb.Job, g: int) -> list[str]:
     return [job.nodes[i] for i in group_span(job, g)]
 
 
+def rank_generation(job: pb.Job, rank: int) -> int:
+    """The generation rank `rank` of the job runs now: the job's, or (replica groups) its group's, which may be older
+    (a group rebuilt since has the newer one). Its node's reports of an other generation are stale."""
+    if job.groups and 0 <= rank < len(job.ranks) and job.ranks[rank].rank == rank and job.ranks[rank].generation:
+        return job.ranks[rank].generation
+    return job.generation
+
+
+def out_of_quorum(job: pb.Job) -> set[str]:
+    """The nodes of the job's replica groups out of the quorum (stopping, waiting or rebuilding): their ranks' states
+    and progress are not the job's news until the group trains again."""
+    if not grouped(job):
+        return set()
+    return {n for g in job.groups if g.state != GROUP_TRAINING for n in group_members(job, g.index)}
+
+
+def group_rebuilt(job: pb.Job) -> set[int]:
+    """The ranks a replica group's rebuild has just launched as the job's generation (the record's newest), when the
+    job runs on: every other rank keeps what this process knows of it. Empty otherwise (a whole new generation)."""
+    if job.state != RUNNING or not grouped(job):
+        return set()
+    return {r.rank for r in job.ranks if r.generation == job.generation}
+
+
 def quorum(job: pb.Job) -> tuple[Sequence[pb.RankInfo], Sequence[str]]:
     """The ranks and nodes that train now: the job's, or (replica groups) those of its groups in the quorum. A group
     that left is no longer judged by the detectors: its own steps say what it waits for."""
@@ -1059,7 +1083,7 @@ def fences(statuses: Iterable[tuple[str, int, int]], current: Callable[[str], pb
     stale: dict[tuple[str, int], list[int]] = {}
     for job_id, generation, rank in statuses:
         job = current(job_id)
-        if job is None or job.state not in ACTIVE or generation != job.generation:
+        if job is None or job.state not in ACTIVE or generation != rank_generation(job, rank):
             stale.setdefault((job_id, generation), []).append(rank)
     out = []
     for (job_id, generation), ranks in stale.items():
