@@ -187,6 +187,27 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class ReplicasConfig:
+    lighthouse: bool = setting(True, "run torchft's lighthouse (the replica groups' quorum) for each job submitted "
+                               "with --replicas, as a child process, when torchft is installed here (phalanx[ft]); "
+                               "its ranks are told TORCHFT_LIGHTHOUSE")
+    lighthouse_host: str = setting("localhost", "the address ranks reach the lighthouses at: this controller's, as "
+                                   "the nodes know it; with a highly available controller, a name or address that "
+                                   "follows the leader (the quorum then carries on after a takeover)")
+    lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on (each on a port of its own)")
+    heartbeat_timeout_ms: int = setting(1000, "torchft's: a group whose heartbeats stop this long leaves the quorum; "
+                                        "the controller stops a group it has judged at once, so this is a healthy "
+                                        "group's pause at a fault (torchft's default 5000; bench/RESULTS.md)")
+    join_timeout_ms: int = setting(1000, "torchft's: how long a quorum waits for more groups to join")
+    quorum_tick_ms: int = setting(100, "torchft's: how often the lighthouse looks at its quorum")
+
+    def __post_init__(self) -> None:
+        for key in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
+            require(getattr(self, key) >= 1, f"replicas.{key} ({getattr(self, key)}) must be at least 1")
+        require(bool(self.lighthouse_host.strip()), "replicas.lighthouse_host is empty")
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     insecure: bool = setting(False, "plaintext gRPC with no authentication at all: only for a trial on loopback "
                              "(`phalanx local up` sets it); otherwise mutual TLS with the files below")
@@ -297,6 +318,8 @@ class ControllerConfig:
     recovery: RecoveryConfig = section(RecoveryConfig, "detecting hangs and stragglers; restarting jobs")
     security: SecurityConfig = section(SecurityConfig, "mutual TLS, tokens, and who may call what")
     store: StoreConfig = section(StoreConfig, "where the controller keeps its state; high availability on etcd")
+    replicas: ReplicasConfig = section(ReplicasConfig, "replica-group jobs (`phalanx submit --replicas`): torchft's "
+                                       "lighthouse")
 
     RETIRED: ClassVar[dict[str, str]] = {
         "rendezvous": "torchrun rounds are judged by [recovery] as every job is (hang_min_s, hang_factor, "

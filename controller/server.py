@@ -27,6 +27,7 @@ from controller.jobs.manager import JobManager
 from controller.jobs.slurm_topology import parse_topology_conf
 from controller.jobs.slurm_watch import SlurmWatch
 from controller.jobs.topology import ClusterTopology, TopologyError, flat, from_labels, merged
+from controller.lighthouse import Lighthouses
 from controller.nodes.registry import Registry
 from controller.obs import metrics
 from controller.obs.events import EventHub
@@ -137,7 +138,8 @@ class Controller:
         if elector is not None and elector.term is not None:
             self.registry.epoch, self.registry.leading = elector.term.epoch, elector.leading
         self.topology_conf = load_topology_conf(cfg.jobs.topology_conf)
-        self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology, cfg.recovery)
+        self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology, cfg.recovery,
+                               Lighthouses(cfg.replicas))
         sec = cfg.security
         self.credentials = Credentials(store, self.clock, sec.ca_file, sec.ca_key_file, sec.enrol_days,
                                        self.hub.publish)
@@ -337,6 +339,8 @@ class Controller:
                 await clocks.wait_for(self.clock, self.rendezvous.close(), RENDEZVOUS_FLUSH_S)
             except Exception as e:
                 logger.warning("torchrun runs' records not all written at stop", error=str(e))
+        if self.jobs.lighthouses is not None:
+            await self.jobs.lighthouses.close()
         await self.store.close()
         logger.info("controller stopped")
 

@@ -36,7 +36,7 @@ def test_defaults_without_a_file():
 @pytest.mark.parametrize("text,message", [
     ('lisen = "x:1"', "unknown key 'lisen' (known keys: listen, state_db, max_events, log_level, log_format, "
                       "metrics_listen, metrics, session_listen, liveness, health, jobs, recovery, security, "
-                      "store)"),
+                      "store, replicas)"),
     ("[health]\nremap_pending = \"IGNORE\"", "health.remap_pending ('IGNORE') must be one of: FAILING, DEGRADED"),
     ("[liveness]\ndown_after = 5", "unknown key 'liveness.down_after' (known keys: liveness.heartbeat_interval_s, "
                                    "liveness.suspect_after_s, liveness.down_after_s, liveness.tick_s)"),

@@ -17,6 +17,7 @@ from controller import access, validation
 from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
 from controller.jobs.topology import ClusterTopology
+from controller.lighthouse import LighthouseError, Lighthouses
 from controller.nodes.registry import NodeEntry, Registry
 from controller.obs.events import EventHub
 from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
@@ -66,7 +67,8 @@ class JobManager:
     INCIDENT_KINDS = detectors.KINDS
 
     def __init__(self, store: Store, registry: Registry, clock: Clock, hub: EventHub, cfg: JobsConfig,
-                 topology: Callable[[], ClusterTopology], recovery_cfg: RecoveryConfig | None = None) -> None:
+                 topology: Callable[[], ClusterTopology], recovery_cfg: RecoveryConfig | None = None,
+                 lighthouses: Lighthouses | None = None) -> None:
         self.recovery_cfg = recovery_cfg or RecoveryConfig()
         self.store = store
         self.registry = registry
@@ -91,6 +93,8 @@ class JobManager:
         self.incidents: Counter[str] = Counter()  # by kind; these three feed controller.obs.metrics
         self.restarts_by_cause: Counter[str] = Counter()
         self.recovery_s: dict[str, Buckets] = {kind: Buckets(RECOVERY_BUCKETS_S) for kind in detectors.KINDS}
+        self.lighthouses = lighthouses  # torchft's, for replica-group jobs (server.py; None: none)
+        self._no_lighthouse: set[str] = set()  # jobs whose event log says they run without one (said once)
         self.executor = Executor(self)
 
     access_policy: access.Policy | None = None  # the access file (server.py sets it): run_as checked at each launch
@@ -112,6 +116,9 @@ class JobManager:
             self._next_id = max(self._next_id, int(job.id.removeprefix("job-")) + 1)
         logger.info("jobs loaded", jobs=len(self.entries),
                     active=sum(e.job.state in ACTIVE for e in self.entries.values()))
+        for entry in self.entries.values():  # a restart or a takeover: their quorums served at the same ports again
+            if entry.job.state in ACTIVE and entry.job.lighthouse_port:
+                await self.lighthouse(entry.job)
         self.wake()  # the first pass carries on whatever the stored records say, recoveries included
 
     async def run(self) -> None:
@@ -425,13 +432,32 @@ class JobManager:
         fuzzer found it). The commit and the update run to the end together; the caller's cancel comes after."""
         await asyncio.shield(self._save(entry, commit))
 
+    async def lighthouse(self, job: pb.Job) -> None:
+        """A replica-group job with nodes has its lighthouse running, its port in `job` (the record about to be
+        saved, or loaded); without one it runs on, its event log saying why once."""
+        if self.lighthouses is None or job.spec.replicas <= 1 or job.state == table.PENDING:
+            return
+        try:
+            job.lighthouse_port = await self.lighthouses.ensure(job.id, job.lighthouse_port)
+        except LighthouseError as e:
+            job.lighthouse_port = 0
+            if job.id not in self._no_lighthouse:
+                self._no_lighthouse.add(job.id)
+                logger.warning("no lighthouse", job=job.id, error=str(e))
+                await self.log(lifecycle.Event("job.no_lighthouse", f"{job.id}: no torchft lighthouse for its replica "
+                                               f"groups: {e}; its ranks are not told TORCHFT_LIGHTHOUSE"), job.id)
+
     async def _save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
         job = commit.job
+        if self.lighthouses is not None and job.spec.replicas > 1 and job.state in ACTIVE:
+            await self.lighthouse(job)
         job.progress_reported = entry.reported  # set by a heartbeat, kept for the next controller at the next commit
         event = self.event(commit.kind, commit.message, job.id)
         record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)
         committed = await self.store.commit(jobs=[record], events=[event])
         entry.job, entry.revision = job, committed.jobs[0].revision
+        if self.lighthouses is not None and job.state in TERMINAL:
+            await self.lighthouses.stop(job.id)
         rebuilt = lifecycle.group_rebuilt(job)
         entry.new_generation(job.generation, rebuilt, {job.ranks[r].node for r in rebuilt})
         if entry.ended:

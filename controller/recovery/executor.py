@@ -394,6 +394,8 @@ class Executor:
         if lifecycle.grouped(job):
             common.update(REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(job.spec.replicas),
                           TORCHELASTIC_RUN_ID=f"{job.id}-group{group}")
+            if job.lighthouse_port and self.jobs.lighthouses is not None:
+                common["TORCHFT_LIGHTHOUSE"] = self.jobs.lighthouses.url(job.lighthouse_port)
         if spec.checkpoint_dir:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
         if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job

@@ -1,0 +1,102 @@
+"""torchft's lighthouse (the quorum of a job's replica groups), one child process per running replica-group job.
+
+The controller starts a job's lighthouse when it places the job and stops it when the job ends; the port is stored in
+the job's record, so a controller that restarts, or takes over, serves the job's quorum at the same port again (the
+ranks were told `TORCHFT_LIGHTHOUSE=http://[replicas] lighthouse_host:PORT`: a name that follows the leader keeps the
+quorum across a takeover). The lighthouse keeps no state a quorum needs across its restart: the groups' next quorum
+forms at the new one. Health verdicts reach the quorum by the groups' own processes: the controller stops a group it
+has judged at once, and the lighthouse drops it `heartbeat_timeout_ms` later (torchft has no call to remove a member).
+
+Without torchft on the controller's host (`pip install 'phalanx[ft]'`), replica-group jobs run without a lighthouse
+of Phalanx's (the ranks are not told one), which the job's event log says once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass
+
+from controller import lighthouse_main
+from controller.config import ReplicasConfig
+from controller.lighthouse_main import extension
+from phalanx import log
+
+logger = log.get("lighthouse")
+
+START_TIMEOUT_S = 10.0  # the child loads a native extension and binds: well under a second
+
+
+class LighthouseError(Exception):
+    """A lighthouse could not be started (torchft missing, the port taken): the job runs without one."""
+
+
+@dataclass
+class Lighthouse:
+    job: str
+    port: int
+    process: asyncio.subprocess.Process
+
+
+class Lighthouses:
+    def __init__(self, cfg: ReplicasConfig) -> None:
+        self.cfg = cfg
+        self.running: dict[str, Lighthouse] = {}
+        self._available: bool | None = None
+
+    def available(self) -> bool:
+        if self._available is None:
+            self._available = self.cfg.lighthouse and extension() is not None
+        return self._available
+
+    def url(self, port: int) -> str:
+        host = self.cfg.lighthouse_host
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def ensure(self, job: str, port: int = 0) -> int:
+        """The job's lighthouse runs (on `port`, when it had one: the ranks were told it); returns its port. Raises
+        LighthouseError when it cannot run."""
+        running = self.running.get(job)
+        if running is not None and running.process.returncode is None:
+            return running.port
+        if not self.available():
+            raise LighthouseError("torchft is not installed on the controller's host (pip install 'phalanx[ft]'), "
+                                  "or [replicas] lighthouse = false")
+        bind = self.cfg.lighthouse_bind
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", lighthouse_main.__name__, "--bind", f"{bind}:{port}",
+            "--heartbeat-timeout-ms", str(self.cfg.heartbeat_timeout_ms),
+            "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            line = (await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)).decode().strip()
+        except TimeoutError:
+            line = f"error: not ready within {START_TIMEOUT_S:g}s"
+        if not line.startswith("ready "):
+            await _end(process)
+            raise LighthouseError(line.removeprefix("error: ") or "it exited at start")
+        started = int(line.rsplit(":", 1)[1])
+        self.running[job] = Lighthouse(job, started, process)
+        logger.info("lighthouse started", job=job, port=started, url=self.url(started))
+        return started
+
+    async def stop(self, job: str) -> None:
+        running = self.running.pop(job, None)
+        if running is not None:
+            await _end(running.process)
+            logger.info("lighthouse stopped", job=job, port=running.port)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.stop(job) for job in list(self.running)))
+
+
+async def _end(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is not None:
+        return
+    if process.stdin is not None:
+        process.stdin.close()  # it ends when its standard input closes
+    try:
+        await asyncio.wait_for(process.wait(), 5.0)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
