@@ -42,6 +42,7 @@ from bench import (  # noqa: E402
     hooks,
     placement,
     recovery,
+    replicas,
     simulate,
     snapshots,
     takeup,
@@ -50,7 +51,7 @@ from bench import (  # noqa: E402
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "ending", "failover", "failover-scale", "takeup", "store-heartbeats", "simulate",
+              "recovery", "replicas", "ending", "failover", "failover-scale", "takeup", "store-heartbeats", "simulate",
               "credentials")
 STORE_STEPS, QUICK_STORE_STEPS = [2000, 6000], [2000]
 FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
@@ -143,6 +144,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                 results[name] = await snapshots.run(quick=args.quick)
             elif name == "recovery":
                 results[name] = recovery.run(quick=args.quick)
+            elif name == "replicas":
+                results[name] = await asyncio.to_thread(replicas.run, args.quick)
             elif name == "ending":
                 results[name] = await asyncio.to_thread(ending.run, args.quick)
             elif name == "failover":
@@ -404,6 +407,25 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                              "(same scenario)", f">= {g['goal'] * 100:g} %",
                              f"{g['ettr'] * 100:.1f} % (recovery p50 {g['recovery_p50_s']:.0f} s against "
                              f"{p['recovery_p50_s']:.0f} s){_verdict(g['ettr'] >= g['goal'])}"))
+    rep = results.get("replicas")
+    if rep and "faults" in rep:
+        for fault, systems in rep["faults"].items():
+            g, w = systems.get("groups", {}), systems.get("gang", {})
+            if "error" in g or "error" in w:
+                rows.append(("replicas", f"{fault}", "", _first_line(str(g.get("error") or w.get("error")))))
+                continue
+            step = g.get("step_s") or 0.0
+            rows.append(("replicas", f"{fault}: healthy ranks' longest pause, replica groups / one gang",
+                         "groups <= 2 steps", f"{g['pause_s']} / {w['pause_s']} s ({g['pause_s'] / step:.0f} steps of "
+                         f"{step * 1000:.0f} ms){_verdict(bool(step) and g['pause_s'] <= 2 * step)}" if step else
+                         f"{g['pause_s']} / {w['pause_s']} s"))
+            rows.append(("replicas", f"{fault}: back at full strength, replica groups / one gang", "",
+                         f"{g['full_strength_s']} / {w['full_strength_s']} s"))
+            rows.append(("replicas", f"{fault}: samples skipped (groups) / steps computed twice (gang)", "",
+                         f"{g['samples_skipped']:,} ({g['steps_alone']} steps with one group) / "
+                         f"{w['steps_computed_twice']}"))
+    elif rep:
+        rows.append(("replicas", "skipped", "", _first_line(str(rep.get("skipped") or rep.get("error") or rep))))
     r = results.get("recovery")
     if r and "error" not in r:
         for fault, systems in r["faults"].items():

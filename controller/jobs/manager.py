@@ -264,7 +264,8 @@ class JobManager:
         the generation the request was for (another node's certificate cannot speak for it)."""
         entry = self.entries.get(ack.job)
         pending = entry.checkpoint if entry is not None else None
-        if pending is None or (pending.request_id, pending.generation) != (ack.request_id, ack.generation):
+        if pending is None or pending.request_id != ack.request_id or \
+                ack.generation != lifecycle.rank_generation(entry.job, ack.rank):
             return  # unasked, or from a stale generation: fenced, never counted
         if not runs_here(entry.job, ack.rank, node):
             logger.warning("checkpoint ack from a node that does not run the rank: ignored", job=ack.job,

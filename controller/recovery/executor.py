@@ -455,8 +455,13 @@ class Executor:
     def _tell_checkpoint(self, pending: PendingCheckpoint, node: str) -> None:
         request = pending.request
         deadline_s = max(0.0, request.deadline_unix_ns / 1e9 - self.jobs.now())
+        entry = self.jobs.entries.get(pending.job)
+        generation = pending.generation  # (a replica group rebuilt since the others started runs a newer one)
+        if entry is not None and entry.job.groups:
+            generation = next((lifecycle.rank_generation(entry.job, r.rank) for r in entry.job.ranks if r.node == node),
+                              generation)
         command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
-            job=pending.job, generation=pending.generation, request_id=request.id, deadline_s=deadline_s,
+            job=pending.job, generation=generation, request_id=request.id, deadline_s=deadline_s,
             reason=request.reason, pause=request.pause, at_step=request.at_step))
         pending.untold.discard(node)
         self._spawn(self._send_checkpoint(pending, node, command), f"checkpoint-{pending.job}-{node}")
