@@ -191,10 +191,12 @@ class ReplicasConfig:
     lighthouse: bool = setting(True, "run torchft's lighthouse (the replica groups' quorum) for each job submitted "
                                "with --replicas, as a child process, when torchft is installed here (phalanx[ft]); "
                                "its ranks are told TORCHFT_LIGHTHOUSE")
-    lighthouse_host: str = setting("localhost", "the address ranks reach the lighthouses at: this controller's, as "
-                                   "the nodes know it; with a highly available controller, a name or address that "
-                                   "follows the leader (the quorum then carries on after a takeover)")
-    lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on (each on a port of its own)")
+    lighthouse_host: str = setting("", "the address ranks reach the lighthouses at: this controller's, as the nodes "
+                                   "know it (default: store.advertise's host, else listen's, else this host's "
+                                   "name); with a highly available controller, a name or address that follows the "
+                                   "leader (the quorum then carries on after a takeover)")
+    lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on (each on a port of its own; "
+                                   "torchft's service has no authentication: docs/concepts/threat-model.md)")
     heartbeat_timeout_ms: int = setting(1000, "torchft's: a group whose heartbeats stop this long leaves the quorum; "
                                         "the controller stops a group it has judged at once, so this is a healthy "
                                         "group's pause at a fault (torchft's default 5000; bench/RESULTS.md)")
@@ -204,7 +206,6 @@ class ReplicasConfig:
     def __post_init__(self) -> None:
         for key in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
             require(getattr(self, key) >= 1, f"replicas.{key} ({getattr(self, key)}) must be at least 1")
-        require(bool(self.lighthouse_host.strip()), "replicas.lighthouse_host is empty")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ of Phalanx's (the ranks are not told one), which the job's event log says once.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -39,10 +40,13 @@ class Lighthouse:
 
 
 class Lighthouses:
-    def __init__(self, cfg: ReplicasConfig) -> None:
+    def __init__(self, cfg: ReplicasConfig, host: str = "") -> None:
+        """`host`: where the nodes reach this controller, for a config without lighthouse_host."""
         self.cfg = cfg
+        self.host = cfg.lighthouse_host or host or socket.gethostname()
         self.running: dict[str, Lighthouse] = {}
         self._available: bool | None = None
+        self.closed = False  # the controller stopped (or was demoted): none starts any more
 
     def available(self) -> bool:
         if self._available is None:
@@ -50,7 +54,7 @@ class Lighthouses:
         return self._available
 
     def url(self, port: int) -> str:
-        host = self.cfg.lighthouse_host
+        host = self.host
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     async def ensure(self, job: str, port: int = 0) -> int:
@@ -59,6 +63,8 @@ class Lighthouses:
         running = self.running.get(job)
         if running is not None and running.process.returncode is None:
             return running.port
+        if self.closed:
+            raise LighthouseError("the controller is stopping")
         if not self.available():
             raise LighthouseError("torchft is not installed on the controller's host (pip install 'phalanx[ft]'), "
                                   "or [replicas] lighthouse = false")
@@ -87,6 +93,7 @@ class Lighthouses:
             logger.info("lighthouse stopped", job=job, port=running.port)
 
     async def close(self) -> None:
+        self.closed = True
         await asyncio.gather(*(self.stop(job) for job in list(self.running)))
 
 

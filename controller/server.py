@@ -139,7 +139,7 @@ class Controller:
             self.registry.epoch, self.registry.leading = elector.term.epoch, elector.leading
         self.topology_conf = load_topology_conf(cfg.jobs.topology_conf)
         self.jobs = JobManager(store, self.registry, self.clock, self.hub, cfg.jobs, self.topology, cfg.recovery,
-                               Lighthouses(cfg.replicas))
+                               Lighthouses(cfg.replicas, _reachable_host(cfg)))
         sec = cfg.security
         self.credentials = Credentials(store, self.clock, sec.ca_file, sec.ca_key_file, sec.enrol_days,
                                        self.hub.publish)
@@ -343,6 +343,16 @@ class Controller:
             await self.jobs.lighthouses.close()
         await self.store.close()
         logger.info("controller stopped")
+
+
+def _reachable_host(cfg: ControllerConfig) -> str:
+    """Where the nodes reach this controller: store.advertise's host, else listen's unless it is every interface
+    ("" then: the host's name)."""
+    for address in (cfg.store.advertise, cfg.listen):
+        host = address.rsplit(":", 1)[0].strip("[]") if address else ""
+        if host and host not in ("0.0.0.0", "::"):
+            return host
+    return ""
 
 
 async def serve_metrics(server: metrics_http.MetricsServer, cfg: ControllerConfig) -> None:

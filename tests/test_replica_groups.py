@@ -7,7 +7,7 @@ import pytest
 
 from controller.errors import InvalidArgument
 from controller.nodes.health import HEALTHY
-from controller.recovery import lifecycle
+from controller.recovery import lifecycle, table
 from controller.validation import job_spec
 from phalanx.v1 import common_pb2 as pb
 from tests.test_lifecycle import INCIDENTS, Sim, inject, running, start
@@ -143,3 +143,48 @@ def test_a_replica_group_job_needs_nodes_in_equal_groups():
     with pytest.raises(InvalidArgument, match=r"nodes \(4\) must be a multiple of replicas \(3\)"):
         job_spec(spec)
     job_spec(pb.JobSpec(command=["python", "train.py"], nodes=4, ranks_per_node=1, replicas=2))
+
+
+@pytest.mark.parametrize("when", ["after a rebuild", "a group waiting"])
+def test_a_cancel_stops_every_group_at_its_own_generation(when):
+    """After a group's rebuild the groups run different generations; with a group waiting for nodes its ranks were
+    stopped and exited. Either way the cancel stops every rank and ends CANCELLED."""
+    sim = grouped_sim(spares=1 if when == "after a rebuild" else 0, nodes=("a", "b", "c", "d", "e")[:
+                      5 if when == "after a rebuild" else 4])
+    before = sim.job.generation
+    inject(sim, "node-lost" if when == "after a rebuild" else "gpu-failed")
+    if when == "after a rebuild":
+        sim.run_until(lambda: rejoined(sim, before))
+        assert {r.generation for r in sim.job.ranks} == {before, before + 1}
+    else:
+        sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_WAITING and "waiting" in sim.job.groups[0].reason)
+    for action in lifecycle.cancel(sim.job, sim.now):
+        sim.apply([action])
+    sim.run_until(lambda: sim.job.state in (pb.JOB_STATE_CANCELLED, pb.JOB_STATE_FAILED), limit_s=60)
+    assert sim.job.state == pb.JOB_STATE_CANCELLED, sim.events
+    sim.run_for(2)  # the stops land
+    for node in sim.nodes.values():  # (a node lost has its ranks fenced when it comes back)
+        assert node.down or not any(s == "running" for s in node.ranks.values()), node
+
+
+def test_training_that_ends_while_a_group_waits_succeeds_on_the_groups_in_the_quorum():
+    sim = grouped_sim(spares=0, nodes=("a", "b", "c", "d"))
+    inject(sim, "gpu-failed")
+    sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_WAITING and "waiting" in sim.job.groups[0].reason)
+    sim.done.update(r.rank for r in sim.job.ranks if r.node in GROUP1)  # group 1 takes the last step
+    for r in sim.job.ranks:
+        if r.node in GROUP1:
+            sim.at(sim.now + 1.0, lambda r=r: sim.nodes[r.node].ranks.__setitem__((r.generation, r.rank), "exited:0"))
+    sim.run_until(lambda: sim.job.state in table.TERMINAL, limit_s=300)
+    assert sim.job.state == pb.JOB_STATE_SUCCEEDED, sim.events
+    assert "every rank exited 0" in sim.job.reason
+
+
+def test_a_checkpoint_request_asks_and_counts_the_groups_in_the_quorum():
+    sim = grouped_sim(spares=0, nodes=("a", "b", "c", "d"))
+    inject(sim, "gpu-failed")
+    sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_WAITING and "waiting" in sim.job.groups[0].reason)
+    actions = lifecycle.ask_checkpoint(sim.job, sim.process.tracks, sim.now, 1.0, 30.0, pause=False, reason="user")
+    ask = next(a for a in actions if isinstance(a, lifecycle.RequestCheckpoint))
+    assert ask.nodes == GROUP1
+    assert "requested from 4 ranks" in next(a for a in actions if isinstance(a, lifecycle.Commit)).message

@@ -298,7 +298,8 @@ class JobManager:
                     reported[(status.job, status.rank)] = status
             elif status.state == pb.RANK_STATE_RUNNING:
                 stale = True
-            elif entry is not None and entry.job.state in TERMINAL and status.generation == entry.job.generation:
+            elif entry is not None and entry.job.state in TERMINAL and \
+                    status.generation == lifecycle.rank_generation(entry.job, status.rank):
                 self._rank_ended(entry, name, status)
         changed = stale
         now = self.now()
@@ -311,6 +312,8 @@ class JobManager:
                 entry.reported = True
                 entry.tracks = {r.rank: monitors.RankTrack(last_advance=now, last_report=now) for r in entry.job.ranks}
             track = entry.tracks.get(report.rank)
+            if track is None and entry.job.groups and 0 <= report.rank < len(entry.job.ranks):
+                track = entry.tracks[report.rank] = monitors.RankTrack(last_advance=now, last_report=now)  # rebuilt
             if track is not None:
                 track.observe(report.last_step, report.mean_step_s, list(report.compute_samples), now, report.steps,
                               report.saving, report.last_step_unix_ns / 1e9, report.finished)
@@ -323,13 +326,16 @@ class JobManager:
             job = entry.job
             if job.state != RUNNING:
                 changed = True  # launching, recovering or cancelling: each heartbeat may be the news it waits for
-            if job.state in table.LAUNCHING or name in lifecycle.out_of_quorum(job):
-                continue  # (a replica group out of the quorum: its ranks are stopping, or not started yet)
+            if job.state in table.LAUNCHING:
+                continue
+            out = name in lifecycle.out_of_quorum(job)  # a replica group out of the quorum: stopping, or starting
             for rank in job.ranks:
                 state = entry.ended[rank.rank][0] if rank.rank in entry.ended else rank.state
                 if rank.node != name or state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
                     continue
                 status = reported.get((job.id, rank.rank))
+                if status is None and out:
+                    continue  # not missing: its group's own steps say what it waits for
                 if status is None:  # counted here; the lifecycle's step decides the rank LOST (ranks_lost)
                     entry.missing[rank.rank] = entry.missing.get(rank.rank, 0) + 1
                     if entry.missing[rank.rank] >= self.cfg.missing_reports_lost:
@@ -440,8 +446,7 @@ class JobManager:
             return
         try:
             job.lighthouse_port = await self.lighthouses.ensure(job.id, job.lighthouse_port)
-        except LighthouseError as e:
-            job.lighthouse_port = 0
+        except LighthouseError as e:  # a port its ranks were told is kept: tried again at the next commit
             if job.id not in self._no_lighthouse:
                 self._no_lighthouse.add(job.id)
                 logger.warning("no lighthouse", job=job.id, error=str(e))
@@ -461,6 +466,9 @@ class JobManager:
             await self.lighthouses.stop(job.id)
         rebuilt = lifecycle.group_rebuilt(job)
         entry.new_generation(job.generation, rebuilt, {job.ranks[r].node for r in rebuilt})
+        if rebuilt and entry.tracks:  # followed from its launch on, as every rank of a new generation is
+            now = self.now()
+            entry.tracks.update({r: monitors.RankTrack(last_advance=now, last_report=now) for r in rebuilt})
         if entry.ended:
             entry.ended = lifecycle.ended_unsaved(job, entry.ended)
         self.index(job)

@@ -224,8 +224,7 @@ class Executor:
                                                             name=f"launch-{entry.job.id}-{generation}")
                 case lifecycle.Stop(node=node, generation=generation):
                     before, entry.stops[node] = entry.stops.get(node), None
-                    self._spawn(self._stop(entry, node, generation, before, entry.generation),
-                                f"stop-{entry.job.id}-{node}")
+                    self._spawn(self._stop(entry, node, generation, before), f"stop-{entry.job.id}-{node}")
                 case lifecycle.Drain(node=node, reason=reason):
                     try:
                         await self.jobs.registry.drain(node, reason)
@@ -417,8 +416,7 @@ class Executor:
             job=job.id, generation=job.generation, command=spec.command, env=common, workdir=spec.workdir,
             ranks=ranks, run_as=spec.run_as, limits=spec.limits)), timeout=self.jobs.cfg.launch_timeout_s)
 
-    async def _stop(self, entry: JobEntry, node: str, generation: int, before: tuple | None = None,
-                    seen: int | None = None) -> None:
+    async def _stop(self, entry: JobEntry, node: str, generation: int, before: tuple | None = None) -> None:
         """Tell one node to stop a generation; once its agent took the command, the session, heartbeat count and
         command id are remembered, so a later heartbeat (one that says it came after the command) can confirm the
         ranks are gone. A stop told again on the same session keeps the first one's: any heartbeat since the first
@@ -438,7 +436,7 @@ class Executor:
                 self.jobs.fenced(node, entry.job.id, generation)
             except Exception as e:
                 logger.warning("stop failed", job=entry.job.id, node=node, generation=generation, error=str(e))
-        if (entry.generation if seen is None else seen) == entry.generation and entry.stops.get(node, False) is None:
+        if lifecycle.node_generation(entry.job, node) == generation and entry.stops.get(node, False) is None:
             if taken is None:
                 entry.stops.pop(node, None)  # told again when its agent is back
             else:
@@ -447,7 +445,8 @@ class Executor:
 
     def _request_checkpoint(self, entry: JobEntry, action: lifecycle.RequestCheckpoint) -> None:
         request = action.request
-        entry.checkpoint = PendingCheckpoint(request.id, action.generation, len(entry.job.ranks), job=action.job,
+        entry.checkpoint = PendingCheckpoint(request.id, action.generation,
+                                             len(action.nodes) * entry.job.spec.ranks_per_node, job=action.job,
                                              request=request)
         for node in action.nodes:
             self._tell_checkpoint(entry.checkpoint, node)

@@ -307,17 +307,24 @@ def finished(job: pb.Job, state: int, reason: str, exit_code: int, now: float) -
     return Commit(new, f"job.{state_name(state).lower()}", f"{job.id} {state_name(state)}: {reason}")
 
 
-def all_exited_zero(job: pb.Job) -> bool:
-    return bool(job.ranks) and all(r.state == RANK_EXITED and r.exit_code == 0 for r in job.ranks)
+def all_exited_zero(job: pb.Job, ranks: Sequence[pb.RankInfo] | None = None) -> bool:
+    ranks = job.ranks if ranks is None else ranks
+    return bool(ranks) and all(r.state == RANK_EXITED and r.exit_code == 0 for r in ranks)
+
+
+def _stop_out(job: pb.Job) -> list[Action]:
+    """A replica-group job's groups out of the quorum, stopped as the job ends (the others' ranks have exited)."""
+    return [Stop(n, job.id, node_generation(job, n)) for n in sorted(out_of_quorum(job))]
 
 
 def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
-    """Stop the job's generation on each of its nodes whose agent has not been told on its current session."""
+    """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
+    node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
     out: list[Action] = []
     for node in job.nodes:
         v = view.nodes.get(node)
         if v is not None and not v.down and v.connected and not v.stop_told:
-            out.append(Stop(node, job.id, job.generation))
+            out.append(Stop(node, job.id, node_generation(job, node)))
     return out
 
 
@@ -387,10 +394,11 @@ def ask_checkpoint(job: pb.Job, tracks: Mapping[int, progress.RankTrack], now: f
     latest, step_s = pace(tracks)
     ask = pb.JobCheckpoint(id=job.checkpoint.id + 1, at_step=at_step, deadline_unix_ns=int((now + deadline_s) * 1e9),
                            pause=pause, reason=reason, generation=job.generation, asked_unix_ns=int(now * 1e9))
+    ranks, nodes = quorum(job)  # (replica groups: a group out of the quorum has no state of the job to save)
     return [Commit(copied(job, checkpoint=ask), "job.checkpoint",
-                   f"{job.id}: checkpoint {ask.id} requested from {len(job.ranks)} ranks after step {at_step} "
+                   f"{job.id}: checkpoint {ask.id} requested from {len(ranks)} ranks after step {at_step} "
                    f"(deadline {deadline_s:g}s; last reported step {latest}, {step_s:.3f}s a step): {reason}"),
-            RequestCheckpoint(job.id, job.generation, tuple(job.nodes), ask)]
+            RequestCheckpoint(job.id, job.generation, tuple(nodes), ask)]
 
 
 def needs_fleet(job: pb.Job, policy: Policy) -> bool:
@@ -479,32 +487,34 @@ def _launching(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[A
 
 def _stop_all(job: pb.Job) -> list[Action]:
     """Best effort when a job ends: every node of it is told; an unreachable one is fenced when it returns."""
-    return [Stop(node, job.id, job.generation) for node in job.nodes]
+    return [Stop(node, job.id, node_generation(job, node)) for node in job.nodes]
 
 
 def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
-    if all_exited_zero(job):
-        return [finished(job, SUCCEEDED, "every rank exited 0", 0, now)]
-    over = training_over(job.ranks, view.tracks)
-    if len(over) == len(job.ranks):  # what befalls a node now costs no training: nothing to recover
-        return _ending(job, now, policy, over)
-    ranks, names = quorum(job)
+    ranks, names = quorum(job)  # the job's, or (replica groups) those of the groups in the quorum
+    if all_exited_zero(job, ranks):
+        return [finished(job, SUCCEEDED, "every rank exited 0", 0, now), *_stop_out(job)]
+    over = training_over(ranks, view.tracks)
+    if len(over) == len(ranks):  # what befalls a node now costs no training: nothing to recover
+        return _ending(job, now, policy, over, ranks)
+    moves = group_moves(job, view, now, policy) if grouped(job) else []
+    if any(isinstance(a, Commit) for a in moves):
+        return moves
     nodes = {n: view.nodes[n] if n in view.nodes else NodeView(n, True, HEALTH_FAILED, "node unknown")
              for n in names}
-    tracks = view.tracks if ranks is job.ranks else \
-        {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}  # a group out is judged no more
+    tracks, nccl = view.tracks, view.nccl
+    if ranks is not job.ranks:  # a group out of the quorum is judged no more
+        tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
+        nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
-    incident = detect(ranks, nodes, tracks, now, policy.recovery, view.nccl, view.fatal, over, since)
+    incident = detect(ranks, nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since)
     if incident is None and over:
-        return _ending(job, now, policy, over)
+        return _ending(job, now, policy, over, ranks)
     if incident is None and job.ending_since_unix_ns and any(
             t.last_advance > job.ending_since_unix_ns / 1e9 for t in view.tracks.values()):
         return [Commit(copied(job, ending_since_unix_ns=0), "job.training", f"{job.id} generation {job.generation}: "
                        "training goes on (a step after the ranks said it had ended)")]
     if incident is None:
-        moves = group_moves(job, view, now, policy) if grouped(job) else []
-        if any(isinstance(a, Commit) for a in moves):
-            return moves
         more = replenish(job, view) if policy.jobs.keep_spares else []
         if not more:
             return [*moves, *upkeep(job, view, now)]
@@ -516,7 +526,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
         held = straggler_hold(job, view, now, policy.recovery)
         if held:
             if job.straggler_held == held.split(" (")[0]:
-                return upkeep(job, view, now)  # said once; the job trains on at its pace
+                return [*moves, *upkeep(job, view, now)]  # said once; the job trains on at its pace
             return [Commit(copied(job, straggler_held=held.split(" (")[0]), "job.straggler_held",
                            f"{job.id}: straggler verdict held back: {incident.reason}: {held}")]
     if grouped(job) and not incident.fatal:
@@ -526,32 +536,36 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     return _incident(job, incident, now, policy, view)
 
 
-def _ending(job: pb.Job, now: float, policy: Policy, over: set[int]) -> list[Action]:
+def _ending(job: pb.Job, now: float, policy: Policy, over: set[int],
+            ranks: Sequence[pb.RankInfo] | None = None) -> list[Action]:
     """The job's training has ended in the ranks `over` (they said so, or exited 0): no hang or straggler verdict
     now, and every rank has recovery.exit_grace_s from the first such rank to exit. A rank still running then is
     stopped; the job has SUCCEEDED if every rank finished training (a slow or failed teardown is said in an event,
-    not blamed on a node), else FAILED with the ranks that never finished."""
+    not blamed on a node), else FAILED with the ranks that never finished. `ranks`: those that count (replica
+    groups: the groups in the quorum; a group out of it when training ends is stopped with the job)."""
+    ranks = job.ranks if ranks is None else ranks
+    stop_out = _stop_out(job)
     grace = policy.recovery.exit_grace_s
     if not job.ending_since_unix_ns:
         return [Commit(copied(job, ending_since_unix_ns=int(now * 1e9)), "job.ending",
                        f"{job.id} generation {job.generation}: training has ended in {_ranks(over)}; no hang or "
                        f"straggler verdict from now on, and every rank has {grace:g}s (recovery.exit_grace_s) to exit"),
                 WakeAt(now + grace)]
-    failed = [r for r in job.ranks if r.state == RANK_EXITED and r.exit_code > 0]
+    failed = [r for r in ranks if r.state == RANK_EXITED and r.exit_code > 0]
     if failed:  # the script itself said it failed after its training (a final save that raised): no restart redoes
         r = failed[0]  # what went wrong there, and the training is done
         return [finished(job, FAILED, f"rank {r.rank} on {r.node} exited with code {r.exit_code} after its training "
                          "ended", r.exit_code if r.exit_code < 256 else 1, now), *_stop_all(job)]
     since = job.ending_since_unix_ns / 1e9
-    left = [r.rank for r in job.ranks if r.state != RANK_EXITED]
-    unfinished = sorted({r.rank for r in job.ranks} - over)
-    torn = [r for r in job.ranks if r.state == RANK_EXITED and r.exit_code != 0]
+    left = [r.rank for r in ranks if r.state != RANK_EXITED]
+    unfinished = sorted({r.rank for r in ranks} - over)
+    torn = [r for r in ranks if r.state == RANK_EXITED and r.exit_code != 0]
     if not left and not unfinished:  # every rank exited, some killed by a signal in their teardown
         said = "; ".join(f"rank {r.rank} on {r.node} exited with code {r.exit_code}" for r in torn[:8])
         return [Event("job.teardown_failed", f"{job.id}: training ended in every rank, but {said} in its teardown "
                       "(after its training ended: the job's result stands)"),
                 finished(job, SUCCEEDED, f"every rank finished training ({len(torn)} killed by a signal in its "
-                         "teardown)", 0, now)]
+                         "teardown)", 0, now), *stop_out]
     if now < since + grace:
         return [WakeAt(since + grace)]
     if not unfinished:
@@ -617,6 +631,8 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
     if incident.culprit is not None:
         new.culprit.CopyFrom(incident.culprit)
     what = "predictable: checkpoint first" if incident.predictable else \
+        "sudden: resume from the last committed checkpoint (a job of replica groups keeps no in-memory snapshots)" \
+        if grouped(job) else \
         "sudden: resume from the newest in-memory snapshot every rank has, else the last committed checkpoint"
     return [Commit(new, "job.incident", f"{job.id} generation {job.generation}: {incident.kind}: {incident.reason} "
                    f"({what})", incident=incident.kind)]
@@ -660,7 +676,8 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
         return [Commit(moved(job, EVICTING, note, now), "job.evicting", f"{job.id}: {note}; evicting "
                        f"{', '.join(job.incident_nodes) or 'nothing (restart in place)'}")]
     asked_at = request.asked_unix_ns / 1e9
-    if len(seen.acks) >= len(job.ranks):
+    asked = len(quorum(job)[0])
+    if len(seen.acks) >= asked:
         step_done = min(seen.acks.values())
         note = f"every rank committed step {step_done} in {max(0.0, now - asked_at):.2f}s"
         how = "in host memory, each with a replica on another node" if seen.in_memory == len(seen.acks) else \
@@ -671,7 +688,7 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
                        f"{job.id}: {note}; evicting {', '.join(job.incident_nodes) or 'nothing (restart in place)'}")]
     deadline = request.deadline_unix_ns / 1e9
     if now >= deadline:
-        note = (f"checkpoint incomplete (only {len(seen.acks)} of {len(job.ranks)} ranks committed checkpoint "
+        note = (f"checkpoint incomplete (only {len(seen.acks)} of {asked} ranks committed checkpoint "
                 f"{request.id} within {policy.recovery.checkpoint_deadline_s:g}s); resuming from the last committed "
                 "one")
         return [Commit(moved(job, EVICTING, note, now), "job.evicting",
@@ -837,6 +854,15 @@ def rank_generation(job: pb.Job, rank: int) -> int:
     return job.generation
 
 
+def node_generation(job: pb.Job, node: str) -> int:
+    """The generation the job's ranks on `node` run: the job's, or (replica groups) their group's."""
+    if job.groups:
+        for i in range(len(job.nodes)):
+            if job.nodes[i] == node:
+                return rank_generation(job, i * job.spec.ranks_per_node)
+    return job.generation
+
+
 def out_of_quorum(job: pb.Job) -> set[str]:
     """The nodes of the job's replica groups out of the quorum (stopping, waiting or rebuilding): their ranks' states
     and progress are not the job's news until the group trains again."""
@@ -884,7 +910,7 @@ def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, 
     predictable fault's group finishes its step first (its ranks are stopped gracefully, at a step boundary); a
     sudden one's step is lost to the quorum. A restart in place (a crash) counts toward max_restarts and backs off,
     as the whole job's would."""
-    calm_s = now - job.state_since_unix_ns / 1e9
+    calm_s = now - max(job.state_since_unix_ns, *(job.groups[g].since_unix_ns for g in hit)) / 1e9  # since joining
     if job.restarts_in_row and calm_s >= policy.recovery.restart_window_s:
         job = copied(job, restarts_in_row=0)
     replacing = bool(incident.nodes)

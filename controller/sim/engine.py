@@ -755,7 +755,8 @@ class Simulation:
         step = job.shape.step_s
         tracks = {}
         base = int(since / step)  # the steps go on from one generation to the next: no two hangs share a step
-        for rank in list(job.job.ranks)[:4]:  # what the detector reads: reports that go on, steps that do not
+        for rank in list(lifecycle.quorum(job.job)[0])[:4]:  # what the detector reads: reports that go on, steps that
+            # do not (replica groups: of the groups in the quorum, the only ones it judges)
             track = RankTrack(last_advance=since, last_report=since)
             for k in range(1, 6):
                 track.observe(base + 30 * k, step, [step] * 30, since, 30)
