@@ -10,8 +10,10 @@ group fewer (that group's samples of the steps it misses are skipped); its repla
 optimizer from a healthy group over the network and joins at a step boundary.
 
 A toy model (a linear regression on seeded batches: each step's batch depends on the step, the group and the rank,
-so a run is reproducible). `--out DIR` writes, for each step a rank commits, the digest of its parameters and the
-groups in the quorum (DIR/rank-PHALANX_RANK.jsonl), and the final loss on a fixed test set (DIR/loss-RANK.txt).
+so a run is reproducible); `--every N` saves a durable checkpoint with trainlib every N steps (the model, the
+optimizer and torchft's manager: a whole-job restart resumes from it). `--out DIR` writes, for each step a rank
+commits, the digest of its parameters and the groups in the quorum (DIR/rank-PHALANX_RANK.jsonl), and the final
+loss on a fixed test set (DIR/loss-RANK.txt).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (a slower model)")
     p.add_argument("--out", type=Path, help="where to write each committed step's digest and the final loss")
+    p.add_argument("--every", type=int, default=0, help="a durable checkpoint every N steps (trainlib.save: each "
+                   "group writes its own copy, in the job's checkpoint directory/group-G); 0: none")
     args = p.parse_args()
 
     trainlib.init()
@@ -75,6 +79,10 @@ def main() -> int:
                       state_dict=state_dict, replica_id=f"{os.environ.get('PHALANX_JOB', 'local')}-group{group}",
                       timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30))
     optimizer = Optimizer(manager, inner)  # its zero_grad starts each step's quorum
+    loaded = trainlib.load_latest() if args.every else None  # (the group's own copy; a group that joins others
+    if loaded is not None:  # further on takes their state from them at its first quorum all the same)
+        load_state_dict(loaded)
+        manager.load_state_dict(loaded["manager"])
     log = open(args.out / f"rank-{job_rank}.jsonl", "a") if args.out else None  # noqa: SIM115
     while manager.current_step() < args.steps:
         optimizer.zero_grad()  # starts the step's quorum
@@ -93,6 +101,8 @@ def main() -> int:
         if manager.should_commit():  # every group in the quorum took this step (else it is taken again)
             inner.step()
             trainlib.step(step)
+            if (args.every and (step + 1) % args.every == 0) or trainlib.checkpoint_requested():
+                trainlib.save({**state_dict(), "manager": manager.state_dict()}, step)
             if log is not None:
                 log.write(json.dumps({"step": step, "digest": digest(model), "groups": manager.num_participants(),
                                       "time": time.time(), "pid": os.getpid(), "group": group}) + "\n")

@@ -40,8 +40,9 @@ def test_a_killed_rank_costs_its_group_alone_and_every_group_holds_the_same_mode
     cluster.wait_states(dict.fromkeys(NODES, "UP"))
     out = tmp_path / "out"
     out.mkdir()
-    submitted = cluster.cli("submit", "--nodes", "4", "--replicas", "2", "--spares", "1", "--", sys.executable,
-                            TRAIN, "--steps", str(STEPS), "--out", str(out), "--step-time", "0.05")
+    submitted = cluster.cli("submit", "--nodes", "4", "--replicas", "2", "--spares", "1", "--checkpoint-dir",
+                            str(tmp_path / "ckpt"), "--", sys.executable, TRAIN, "--steps", str(STEPS), "--out",
+                            str(out), "--step-time", "0.05", "--every", "50")
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     cluster.wait_for(lambda: len(commits(out)) == 4 and min(len(c) for c in commits(out).values()) >= 30,
@@ -77,6 +78,11 @@ def test_a_killed_rank_costs_its_group_alone_and_every_group_holds_the_same_mode
     assert len(losses) == 1 and losses.pop() < 2e-4
     kinds = [e["kind"] for e in cluster.events(job=job_id)]
     assert "job.group_left" in kinds and "job.group_joined" in kinds and "job.incident" not in kinds, kinds
+    # durable checkpoints with trainlib, each group its own copy at its own generations (the rebuilt group's newer)
+    for group, generation in ((0, "2"), (1, "1")):
+        saved = tmp_path / "ckpt" / f"group-{group}"
+        assert max(p.name for p in saved.glob("step-*")) == f"step-{STEPS - 1:09d}", group
+        assert (saved / "GENERATION").read_text().strip() == generation
     assert not alive(before[2])  # (it ended with the job)
     # the pause of the healthy group's step loop at the fault, for the record (bench/replicas.py measures it)
     gaps = [b["time"] - a["time"] for a, b in zip(healthy[0], healthy[0][1:], strict=False)]

@@ -76,6 +76,17 @@ class Context:
     agent_socket: str
     node: str = ""
     local_world_size: int = 1
+    # Who saves durable checkpoints, and with whom: the job's ranks; in a job of replica groups, the rank's own group
+    # (each group saves a whole copy in checkpoint_dir/group-G, its generations its own: a group rebuilt alone has a
+    # newer generation than the others, and must not wait for their markers nor fence their saves)
+    save_rank: int = -1
+    save_world_size: int = -1
+
+    def __post_init__(self) -> None:
+        if self.save_rank < 0:
+            self.save_rank = self.rank
+        if self.save_world_size < 0:
+            self.save_world_size = self.world_size
 
 
 _ctx: Context | None = None
@@ -134,6 +145,8 @@ def init() -> Context:
         return _ctx
     env = os.environ
     active = bool(env.get("PHALANX_JOB"))
+    group = env.get("REPLICA_GROUP_ID", "") if env.get("PHALANX_RANK") else ""  # a replica-group job of Phalanx's
+    checkpoint_dir = env.get("PHALANX_CHECKPOINT_DIR") or os.path.abspath("checkpoints")
     _ctx = Context(
         active=active,
         job=env.get("PHALANX_JOB", ""),
@@ -143,10 +156,12 @@ def init() -> Context:
         rank=int(env.get("PHALANX_RANK") or env.get("RANK", "0")),
         local_rank=int(env.get("LOCAL_RANK", "0")),
         world_size=int(env.get("PHALANX_WORLD_SIZE") or env.get("WORLD_SIZE", "1")),
-        checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or os.path.abspath("checkpoints"),
+        checkpoint_dir=os.path.join(checkpoint_dir, f"group-{group}") if group else checkpoint_dir,
         agent_socket=env.get("PHALANX_AGENT_SOCKET", ""),
         node=env.get("PHALANX_NODE", ""),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        save_rank=int(env.get("RANK", "0")) if group else -1,
+        save_world_size=int(env.get("WORLD_SIZE", "1")) if group else -1,
     )
     if not active:
         from trainlib import _rdzv_worker
@@ -169,7 +184,7 @@ def init() -> Context:
         from pathlib import Path
 
         from trainlib.shared_dir import announce
-        announce(Path(_ctx.checkpoint_dir), _ctx.generation, _ctx.rank, _ctx.node or socket.gethostname())
+        announce(Path(_ctx.checkpoint_dir), _ctx.generation, _ctx.save_rank, _ctx.node or socket.gethostname())
     except OSError as e:
         print(f"trainlib: cannot write this rank's marker in the checkpoint directory {_ctx.checkpoint_dir}: {e}",
               file=sys.stderr, flush=True)
@@ -312,7 +327,7 @@ def _checkpoint():
                 barrier = dist.barrier
         except ImportError:
             pass
-        _checkpointer = Checkpointer(ctx.checkpoint_dir, rank=ctx.rank, world_size=ctx.world_size,
+        _checkpointer = Checkpointer(ctx.checkpoint_dir, rank=ctx.save_rank, world_size=ctx.save_world_size,
                                      generation=ctx.generation, barrier=barrier)
         _checkpointer.claim_generation()
     return _checkpointer
@@ -357,8 +372,8 @@ def _check_shared() -> None:
 
     from trainlib.shared_dir import check
     wait_s = float(os.environ.get("PHALANX_CHECKPOINT_SHARED_WAIT_S") or SHARED_WAIT_S)
-    problem = check(Path(ctx.checkpoint_dir), ctx.generation, ctx.world_size, ctx.local_world_size,
-                    ctx.node or socket.gethostname(), wait_s, rank=ctx.rank)
+    problem = check(Path(ctx.checkpoint_dir), ctx.generation, ctx.save_world_size, ctx.local_world_size,
+                    ctx.node or socket.gethostname(), wait_s, rank=ctx.save_rank)
     if problem:
         _end_fatal(problem)
     _shared_checked = True
