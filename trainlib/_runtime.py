@@ -79,14 +79,8 @@ class Context:
     # Who saves durable checkpoints, and with whom: the job's ranks; in a job of replica groups, the rank's own group
     # (each group saves a whole copy in checkpoint_dir/group-G, its generations its own: a group rebuilt alone has a
     # newer generation than the others, and must not wait for their markers nor fence their saves)
-    save_rank: int = -1
-    save_world_size: int = -1
-
-    def __post_init__(self) -> None:
-        if self.save_rank < 0:
-            self.save_rank = self.rank
-        if self.save_world_size < 0:
-            self.save_world_size = self.world_size
+    save_rank: int = 0
+    save_world_size: int = 1
 
 
 _ctx: Context | None = None
@@ -160,8 +154,9 @@ def init() -> Context:
         agent_socket=env.get("PHALANX_AGENT_SOCKET", ""),
         node=env.get("PHALANX_NODE", ""),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
-        save_rank=int(env.get("RANK", "0")) if group else -1,
-        save_world_size=int(env.get("WORLD_SIZE", "1")) if group else -1,
+        save_rank=int(env.get("RANK", "0") if group else env.get("PHALANX_RANK") or env.get("RANK", "0")),
+        save_world_size=int(env.get("WORLD_SIZE", "1") if group else
+                            env.get("PHALANX_WORLD_SIZE") or env.get("WORLD_SIZE", "1")),
     )
     if not active:
         from trainlib import _rdzv_worker
