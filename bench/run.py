@@ -424,6 +424,11 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             rows.append(("replicas", f"{fault}: samples skipped (groups) / steps computed twice (gang)", "",
                          f"{g['samples_skipped']:,} ({g['steps_alone']} steps with one group) / "
                          f"{w['steps_computed_twice']}"))
+            fast = systems.get("groups-250ms")
+            if fast and "error" not in fast:
+                rows.append(("replicas", f"{fault}: the same, lighthouse heartbeat timeout 250 ms: pause / full "
+                             "strength", "groups <= 2 steps", f"{fast['pause_s']} / {fast['full_strength_s']} s"
+                             f"{_verdict(bool(step) and fast['pause_s'] <= 2 * step)}"))
     elif rep:
         rows.append(("replicas", "skipped", "", _first_line(str(rep.get("skipped") or rep.get("error") or rep))))
     r = results.get("recovery")
