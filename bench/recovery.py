@@ -34,6 +34,7 @@ within the observation window. Phalanx runs each fault REPEATS times (median and
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -114,6 +115,18 @@ def _kill_tree(pid: int, sig: int) -> None:
         pass
 
 
+def stop_cluster(root: Path, procs: dict[str, subprocess.Popen]) -> None:
+    """Kill a loopback cluster's ranks (from the agents' records under `root`) and its daemons."""
+    for record in root.glob("*/state/ranks/*.json"):
+        try:
+            _kill_tree(json.loads(record.read_text())["pid"], signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+    for p in procs.values():
+        _kill_tree(p.pid, signal.SIGKILL)
+        p.wait()
+
+
 # -- torchrun ------------------------------------------------------------------------------------
 
 def torchrun_trial(fault: str, root: Path) -> dict:
@@ -185,7 +198,6 @@ def _measure_round(read_log, fault_at: float) -> dict:
 
 def torchrun_phalanx_trial(fault: str, root: Path) -> dict:
     """Three torchrun agents (--rdzv-backend=phalanx) for --nnodes=2, the third a spare, on three Phalanx nodes."""
-    import json
     if fault not in TORCHRUN_FAULTS:
         return {"resumed_s": None, "steps_lost": None, "skipped": "the same as crash for torchrun"}
     address = f"127.0.0.1:{free_port()}"
@@ -272,7 +284,6 @@ def _cli(address: str, *args: str) -> str:
 
 
 def phalanx_trial(fault: str, root: Path, train_extra: tuple[str, ...] = (), env: tuple[str, ...] = ()) -> dict:
-    import json
     address = f"127.0.0.1:{free_port()}"
     procs: dict[str, subprocess.Popen] = {}
 
@@ -335,14 +346,7 @@ def phalanx_trial(fault: str, root: Path, train_extra: tuple[str, ...] = (), env
                                   .splitlines() if line.startswith("trainlib:")][-12:]
         return result
     finally:
-        for record in root.glob("*/state/ranks/*.json"):
-            try:
-                _kill_tree(json.loads(record.read_text())["pid"], signal.SIGKILL)
-            except (OSError, ValueError, KeyError):
-                pass
-        for p in procs.values():
-            _kill_tree(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_cluster(root, procs)
         if shm is not None:
             shutil.rmtree(shm, ignore_errors=True)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from bench.common import agent_toml, cli, controller_toml, free_port, log, spawn_daemon, temp_root
-from bench.recovery import _kill_tree, _measure, _steps, _wait_steps
+from bench.recovery import _measure, _steps, _wait_steps, stop_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_FT = REPO / "examples" / "train_ft.py"
@@ -54,17 +54,6 @@ def _cluster(root: Path, heartbeat_ms: int = 1000) -> tuple[str, dict[str, subpr
     while len(json.loads(cli(address, "nodes", "--json") or "[]")) < 5 and time.time() < deadline:
         time.sleep(0.3)
     return address, procs
-
-
-def _stop(root: Path, procs: dict[str, subprocess.Popen]) -> None:
-    for record in root.glob("*/state/ranks/*.json"):
-        try:
-            _kill_tree(json.loads(record.read_text())["pid"], signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
-    for p in procs.values():
-        _kill_tree(p.pid, signal.SIGKILL)
-        p.wait()
 
 
 def _inject(address: str, fault: str, rank: dict) -> float:
@@ -118,7 +107,7 @@ def groups_trial(fault: str, root: Path, heartbeat_ms: int = 1000) -> dict:
                 "events": [e["kind"] for e in events if e["kind"].startswith("job.group")
                            or e["kind"] == "job.incident"]}
     finally:
-        _stop(root, procs)
+        stop_cluster(root, procs)
 
 
 def gang_trial(fault: str, root: Path) -> dict:
@@ -143,7 +132,7 @@ def gang_trial(fault: str, root: Path) -> dict:
         return {"pause_s": round(max(gaps), 2) if gaps else None, "full_strength_s": result["resumed_s"],
                 "steps_computed_twice": result["steps_lost"], "samples_skipped": 0}
     finally:
-        _stop(root, procs)
+        stop_cluster(root, procs)
 
 
 def run(quick: bool = False) -> dict:
