@@ -91,7 +91,8 @@ def groups_trial(fault: str, root: Path, heartbeat_ms: int = 1000) -> dict:
         deadline = time.time() + WINDOW_S
         while time.time() < deadline and back_at is None:
             time.sleep(0.5)
-            rejoined = [c for c in _commits(out).get(1, []) if c["pid"] != before[1] and c["groups"] == 2]
+            rejoined = [c for c in _commits(out).get(1, []) if c["pid"] != before[1] and c["groups"] == 2
+                        and c["time"] > fault_at]
             back_at = rejoined[0]["time"] if rejoined else None
         time.sleep(2.0)
         healthy = [c for c in _commits(out)[2] if c["time"] >= fault_at - 5]

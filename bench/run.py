@@ -415,20 +415,22 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                 rows.append(("replicas", f"{fault}", "", _first_line(str(g.get("error") or w.get("error")))))
                 continue
             step = g.get("step_s") or 0.0
+            measured = bool(step) and g.get("pause_s") is not None
             rows.append(("replicas", f"{fault}: healthy ranks' longest pause, replica groups / one gang",
-                         "groups <= 2 steps", f"{g['pause_s']} / {w['pause_s']} s ({g['pause_s'] / step:.0f} steps of "
-                         f"{step * 1000:.0f} ms){_verdict(bool(step) and g['pause_s'] <= 2 * step)}" if step else
-                         f"{g['pause_s']} / {w['pause_s']} s"))
+                         "groups <= 2 steps", f"{g.get('pause_s')} / {w.get('pause_s')} s" + (
+                             f" ({g['pause_s'] / step:.0f} steps of {step * 1000:.0f} ms)"
+                             f"{_verdict(g['pause_s'] <= 2 * step)}" if measured else "")))
             rows.append(("replicas", f"{fault}: back at full strength, replica groups / one gang", "",
                          f"{g['full_strength_s']} / {w['full_strength_s']} s"))
             rows.append(("replicas", f"{fault}: samples skipped (groups) / steps computed twice (gang)", "",
                          f"{g['samples_skipped']:,} ({g['steps_alone']} steps with one group) / "
                          f"{w['steps_computed_twice']}"))
             fast = systems.get("groups-250ms")
-            if fast and "error" not in fast:
+            if fast and "error" not in fast and fast.get("pause_s") is not None:
+                own = fast.get("step_s") or step
                 rows.append(("replicas", f"{fault}: the same, lighthouse heartbeat timeout 250 ms: pause / full "
                              "strength", "groups <= 2 steps", f"{fast['pause_s']} / {fast['full_strength_s']} s"
-                             f"{_verdict(bool(step) and fast['pause_s'] <= 2 * step)}"))
+                             f"{_verdict(bool(own) and fast['pause_s'] <= 2 * own)}"))
     elif rep:
         rows.append(("replicas", "skipped", "", _first_line(str(rep.get("skipped") or rep.get("error") or rep))))
     r = results.get("recovery")

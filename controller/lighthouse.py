@@ -25,7 +25,8 @@ from phalanx import log
 
 logger = log.get("lighthouse")
 
-START_TIMEOUT_S = 10.0  # the child loads a native extension and binds: well under a second
+START_TIMEOUT_S = 30.0  # the child loads a native extension and binds: well under a second, but a Python start on
+# a loaded host can take seconds
 
 
 class LighthouseError(Exception):
@@ -37,6 +38,7 @@ class Lighthouse:
     job: str
     port: int
     process: asyncio.subprocess.Process
+    reader: asyncio.Task  # reads what it writes (torchft logs each quorum)
 
 
 class Lighthouses:
@@ -73,18 +75,27 @@ class Lighthouses:
             sys.executable, "-m", lighthouse_main.__name__, "--bind", f"{bind}:{port}",
             "--heartbeat-timeout-ms", str(self.cfg.heartbeat_timeout_ms),
             "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        log = asyncio.create_task(_drain(process.stderr))  # torchft's log, read so it never blocks on a full pipe
         try:
-            line = (await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)).decode().strip()
+            line = (await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)).decode(errors="replace")
         except TimeoutError:
             line = f"error: not ready within {START_TIMEOUT_S:g}s"
+        line = line.strip()
         if not line.startswith("ready "):
             await _end(process)
-            raise LighthouseError(line.removeprefix("error: ") or "it exited at start")
+            log.cancel()
+            why = line.removeprefix("error: ") or f"it exited at start (code {process.returncode})"
+            raise LighthouseError(why)
         started = int(line.rsplit(":", 1)[1])
-        self.running[job] = Lighthouse(job, started, process)
+        self.running[job] = Lighthouse(job, started, process, log)
         logger.info("lighthouse started", job=job, port=started, url=self.url(started))
         return started
+
+    def port(self, job: str) -> int:
+        """The port of the job's lighthouse running here (0: none)."""
+        running = self.running.get(job)
+        return running.port if running is not None and running.process.returncode is None else 0
 
     async def stop(self, job: str) -> None:
         running = self.running.pop(job, None)
@@ -95,6 +106,12 @@ class Lighthouses:
     async def close(self) -> None:
         self.closed = True
         await asyncio.gather(*(self.stop(job) for job in list(self.running)))
+
+
+async def _drain(stream: asyncio.StreamReader | None) -> None:
+    """Read (and drop) what a running lighthouse writes: torchft logs each quorum."""
+    while stream is not None and await stream.read(65536):
+        pass
 
 
 async def _end(process: asyncio.subprocess.Process) -> None:

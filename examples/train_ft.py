@@ -81,8 +81,8 @@ def main() -> int:
     optimizer = Optimizer(manager, inner)  # its zero_grad starts each step's quorum
     loaded = trainlib.load_latest() if args.every else None  # (the group's own copy; a group that joins others
     if loaded is not None:  # further on takes their state from them at its first quorum all the same)
-        load_state_dict(loaded)
-        manager.load_state_dict(loaded["manager"])
+        load_state_dict(loaded.state)
+        manager.load_state_dict(loaded.state["manager"])
     log = open(args.out / f"rank-{job_rank}.jsonl", "a") if args.out else None  # noqa: SIM115
     while manager.current_step() < args.steps:
         optimizer.zero_grad()  # starts the step's quorum

@@ -33,7 +33,28 @@ def commits(out: Path) -> dict[int, list[dict]]:
     return seen
 
 
-def test_a_killed_rank_costs_its_group_alone_and_every_group_holds_the_same_model_at_every_step(cluster, tmp_path):
+# Each fault on rank 1 (group 0, node-b). kill-9: of the rank; xid-79: its GPU fails (the node is drained and replaced
+# by the spare); node-lost: its agent and its ranks killed (power lost); remap-pending: its GPU turns FAILING (the
+# group leaves predictably, replaced by the spare); hang: the rank stopped (SIGSTOP; found by trainlib's silence).
+FAULTS = ["kill-9", "xid-79", "node-lost", "remap-pending", "hang"]
+REPLACED = {"xid-79", "node-lost", "remap-pending", "hang"}  # whose node the spare replaces (a hang: the silent one's)
+
+
+def inject(cluster, fault: str, pid: int, node: str) -> None:
+    if fault == "kill-9":
+        os.kill(pid, signal.SIGKILL)
+    elif fault == "hang":
+        os.kill(pid, signal.SIGSTOP)
+    elif fault == "node-lost":
+        cluster.kill(node)  # its agent, then its ranks: nothing of the node runs on
+        os.kill(pid, signal.SIGKILL)
+    else:
+        fault = {"xid-79": "xid=79"}.get(fault, fault)
+        assert cluster.cli("inject", node, "--gpu", "0", fault).returncode == 0
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_every_step(cluster, tmp_path, fault):
     cluster.start_controller(CONTROLLER)
     for name in NODES:
         cluster.start_agent(name, gpus=2)
@@ -45,11 +66,12 @@ def test_a_killed_rank_costs_its_group_alone_and_every_group_holds_the_same_mode
                             str(out), "--step-time", "0.05", "--every", "50")
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
-    cluster.wait_for(lambda: len(commits(out)) == 4 and min(len(c) for c in commits(out).values()) >= 30,
-                     "both groups training together")
+    cluster.wait_for(lambda: len(commits(out)) == 4 and min(len(c) for c in commits(out).values()) >= 60,
+                     "both groups training together, past their first checkpoint (step 49)")
     at_kill = commits(out)
     before = {r: c[-1]["pid"] for r, c in at_kill.items()}
-    os.kill(before[1], signal.SIGKILL)  # a rank of group 0
+    victim = json.loads(cluster.cli("job", job_id, "--json").stdout)["ranks"][1]["node"]
+    inject(cluster, fault, before[1], victim)
     waited = cluster.cli("wait", job_id)
     assert waited.returncode == 0, waited.stderr + cluster.log("controller", 60) + cluster.rank_logs(job_id)
 
@@ -78,6 +100,11 @@ def test_a_killed_rank_costs_its_group_alone_and_every_group_holds_the_same_mode
     assert len(losses) == 1 and losses.pop() < 2e-4
     kinds = [e["kind"] for e in cluster.events(job=job_id)]
     assert "job.group_left" in kinds and "job.group_joined" in kinds and "job.incident" not in kinds, kinds
+    shown = json.loads(cluster.cli("job", job_id, "--json").stdout)
+    if fault in REPLACED:  # the spare took the faulty node's place in its group
+        assert shown["groups"][0]["nodes"][1] == "node-e" and victim in shown["evicted"], shown
+    else:
+        assert shown["groups"][0]["nodes"][1] == victim, shown
     # durable checkpoints with trainlib, each group its own copy at its own generations (the rebuilt group's newer)
     for group, generation in ((0, "2"), (1, "1")):
         saved = tmp_path / "ckpt" / f"group-{group}"
@@ -86,4 +113,4 @@ def test_a_killed_rank_costs_its_group_alone_and_every_group_holds_the_same_mode
     assert not alive(before[2])  # (it ended with the job)
     # the pause of the healthy group's step loop at the fault, for the record (bench/replicas.py measures it)
     gaps = [b["time"] - a["time"] for a, b in zip(healthy[0], healthy[0][1:], strict=False)]
-    print(f"group 1: longest pause {max(gaps):.2f}s, {len(alone)} steps alone")
+    print(f"{fault}: group 1's longest pause {max(gaps):.2f}s, {len(alone)} steps alone")

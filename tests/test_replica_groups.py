@@ -3,13 +3,18 @@ driven through the pure `step` in tests/test_lifecycle.py's virtual-time world (
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from controller.config import RecoveryConfig
 from controller.errors import InvalidArgument
 from controller.nodes.health import HEALTHY
 from controller.recovery import lifecycle, table
+from controller.recovery.progress import RankTrack
 from controller.validation import job_spec
 from phalanx.v1 import common_pb2 as pb
+from tests.jobs_world import World
 from tests.test_lifecycle import INCIDENTS, Sim, inject, running, start
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
@@ -188,3 +193,39 @@ def test_a_checkpoint_request_asks_and_counts_the_groups_in_the_quorum():
     ask = next(a for a in actions if isinstance(a, lifecycle.RequestCheckpoint))
     assert ask.nodes == GROUP1
     assert "requested from 4 ranks" in next(a for a in actions if isinstance(a, lifecycle.Commit)).message
+
+
+def test_in_the_controller_a_crash_restarts_its_group_alone_and_a_cancel_stops_every_generation():
+    """The job manager and the executor (tests/jobs_world.py: fake agents, virtual time): a group's rebuild launches
+    its nodes alone, the other group's ranks run on at their generation, what the controller knows of their progress
+    stays across the rebuild and the commits after it, and a cancel stops every node at its own generation."""
+    async def go() -> None:
+        world = World(recovery=RecoveryConfig(restart_backoff_s=0.001, max_restarts=10, hang_min_s=3600.0,
+                                              startup_s=3600.0))
+        await world.start()
+        for name in ("node-a", "node-b", "node-c", "node-d", "node-e"):
+            await world.add(name).connect()
+        job_id = (await world.jobs.submit(pb.JobSpec(command=["train"], nodes=4, ranks_per_node=1, spares=1,
+                                                     replicas=2), "tester")).id
+        await world.until(lambda: world.job(job_id).state == pb.JOB_STATE_RUNNING, "job running")
+        entry = world.jobs.entries[job_id]
+        now = world.jobs.now()
+        entry.tracks = {r: RankTrack(last_step=5, last_advance=now, last_report=now) for r in range(4)}
+        healthy = entry.tracks[2]
+        node_of = {r.rank: r.node for r in world.job(job_id).ranks}
+        world.agents[node_of[1]].crash(job_id, 1)
+        await world.until(lambda: world.job(job_id).groups[0].generation == 2 and
+                          world.job(job_id).groups[0].state == lifecycle.GROUP_TRAINING, "group 0 rebuilt")
+        job = world.job(job_id)
+        assert job.state == pb.JOB_STATE_RUNNING and [r.generation for r in job.ranks] == [2, 2, 1, 1]
+        assert entry.tracks[2] is healthy and set(entry.tracks) == {0, 1, 2, 3}  # kept; the rebuilt ranks followed
+        for rank in (2, 3):
+            assert [s.generation for s in world.agents[node_of[rank]].running(job_id)] == [1]
+        assert "job.incident" not in await world.kinds(job_id)
+        assert not [o for a in world.agents.values() for o in a.overlaps]
+        await world.jobs.cancel(job_id)
+        await world.until(lambda: world.job(job_id).state == pb.JOB_STATE_CANCELLED, "cancelled")
+        assert not [s for a in world.agents.values() for s in a.running(job_id)]
+        await world.stop()
+
+    asyncio.run(go())

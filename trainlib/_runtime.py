@@ -139,7 +139,7 @@ def init() -> Context:
         return _ctx
     env = os.environ
     active = bool(env.get("PHALANX_JOB"))
-    group = env.get("REPLICA_GROUP_ID", "") if env.get("PHALANX_RANK") else ""  # a replica-group job of Phalanx's
+    group = env.get("PHALANX_REPLICA_GROUP", "")  # a replica-group job of Phalanx's (--replicas)
     checkpoint_dir = env.get("PHALANX_CHECKPOINT_DIR") or os.path.abspath("checkpoints")
     _ctx = Context(
         active=active,
@@ -539,7 +539,7 @@ def _agreement() -> Callable[[bool], bool] | None:
             dist.all_gather_object(votes, ok)
             return all(votes)
         return agree
-    return (lambda ok: ok) if ctx.world_size == 1 else None
+    return (lambda ok: ok) if ctx.save_world_size == 1 else None
 
 
 def _tell(kind: str, message: str) -> None:

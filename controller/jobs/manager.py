@@ -243,7 +243,8 @@ class JobManager:
         except TimeoutError:
             pending = entry.checkpoint
             done = len(pending.acks) if pending is not None and pending.request_id == ask.id else 0
-            raise FailedPrecondition(f"{job_id}: only {done} of {len(job.ranks)} ranks committed checkpoint {ask.id} "
+            asked = pending.ranks if pending is not None and pending.request_id == ask.id else len(job.ranks)
+            raise FailedPrecondition(f"{job_id}: only {done} of {asked} ranks committed checkpoint {ask.id} "
                                      f"within {deadline_s:g}s") from None
         seconds = self.clock.monotonic() - started
         await self.log(lifecycle.Event("job.checkpointed", f"{job_id}: every rank committed step {step} "
@@ -440,23 +441,31 @@ class JobManager:
         await asyncio.shield(self._save(entry, commit))
 
     async def lighthouse(self, job: pb.Job) -> None:
-        """A replica-group job with nodes has its lighthouse running, its port in `job` (the record about to be
-        saved, or loaded); without one it runs on, its event log saying why once."""
-        if self.lighthouses is None or job.spec.replicas <= 1 or job.state == table.PENDING:
+        """A replica-group job loaded by a controller that restarted or took over has its lighthouse running again,
+        on the port its ranks were told (`job`'s); without one it runs on, its event log saying why once. (A launch
+        starts it: Executor._launch.)"""
+        if self.lighthouses is None or job.spec.replicas <= 1 or job.state == table.PENDING or \
+                self.lighthouses.closed:
             return
         try:
             job.lighthouse_port = await self.lighthouses.ensure(job.id, job.lighthouse_port)
-        except LighthouseError as e:  # a port its ranks were told is kept: tried again at the next commit
-            if job.id not in self._no_lighthouse:
-                self._no_lighthouse.add(job.id)
-                logger.warning("no lighthouse", job=job.id, error=str(e))
-                await self.log(lifecycle.Event("job.no_lighthouse", f"{job.id}: no torchft lighthouse for its replica "
-                                               f"groups: {e}; its ranks are not told TORCHFT_LIGHTHOUSE"), job.id)
+        except LighthouseError as e:  # a port its ranks were told is kept: tried again at the next launch
+            told = (f"tried again at its next launch (its ranks were told port {job.lighthouse_port})"
+                    if job.lighthouse_port else "its ranks are not told TORCHFT_LIGHTHOUSE")
+            await self.no_lighthouse(job.id, f"{e}; {told}")
+
+    async def no_lighthouse(self, job_id: str, why: str) -> None:
+        """Say once in the job's event log that it runs without a lighthouse of the controller's, and why."""
+        if job_id not in self._no_lighthouse:
+            self._no_lighthouse.add(job_id)
+            logger.warning("no lighthouse", job=job_id, error=why)
+            await self.log(lifecycle.Event("job.no_lighthouse", f"{job_id}: no torchft lighthouse for its replica "
+                                           f"groups: {why}"), job_id)
 
     async def _save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
         job = commit.job
         if self.lighthouses is not None and job.spec.replicas > 1 and job.state in ACTIVE:
-            await self.lighthouse(job)
+            job.lighthouse_port = self.lighthouses.port(job.id) or job.lighthouse_port  # the record keeps it
         job.progress_reported = entry.reported  # set by a heartbeat, kept for the next controller at the next commit
         event = self.event(commit.kind, commit.message, job.id)
         record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)
@@ -464,7 +473,7 @@ class JobManager:
         entry.job, entry.revision = job, committed.jobs[0].revision
         if self.lighthouses is not None and job.state in TERMINAL:
             await self.lighthouses.stop(job.id)
-        rebuilt = lifecycle.group_rebuilt(job)
+        rebuilt = lifecycle.group_rebuilt(job) if job.generation != entry.generation else set()
         entry.new_generation(job.generation, rebuilt, {job.ranks[r].node for r in rebuilt})
         if rebuilt and entry.tracks:  # followed from its launch on, as every rank of a new generation is
             now = self.now()

@@ -78,8 +78,8 @@ class JobEntry:
                 {r: v for r, v in d.items() if r not in rebuilt}
                 for d in (self.missing, self.tracks, self.nccl, self.fatal, self.ended))
             self.stops = {n: v for n, v in self.stops.items() if n not in (nodes or set())}
-        else:
-            self.missing, self.tracks, self.nccl, self.fatal, self.stops, self.ended = {}, {}, {}, {}, {}, {}
+            return  # (a checkpoint under way asked the groups in the quorum: it goes on)
+        self.missing, self.tracks, self.nccl, self.fatal, self.stops, self.ended = {}, {}, {}, {}, {}, {}
         self.checkpoint = None
         if self.launch is not None and self.launch.generation != generation:
             self.launch = None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from controller.errors import FailedPrecondition
 from controller.jobs.placement import Candidate
+from controller.lighthouse import LighthouseError, Lighthouses
 from controller.nodes.states import DOWN
 from controller.recovery import lifecycle
 from controller.recovery import snapshots as snapshot_plan
@@ -64,6 +65,7 @@ class Jobs(Protocol):
     incidents: Counter
     restarts_by_cause: Counter
     recovery_s: dict[str, Buckets]
+    lighthouses: Lighthouses | None  # torchft's, for replica-group jobs
 
     def now(self) -> float: ...
 
@@ -80,6 +82,8 @@ class Jobs(Protocol):
     async def save_ended_ranks(self) -> None: ...
 
     async def forget_ended(self) -> None: ...
+
+    async def no_lighthouse(self, job_id: str, why: str) -> None: ...
 
 
 logger = log.get("recovery")
@@ -99,6 +103,8 @@ class Executor:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
         self._slurm_drains: dict[str, list[asyncio.Task]] = {}  # job -> the Slurm drains of its evicted nodes
+        # job -> (the record, node -> its ranks' generation): replica-group jobs' (lifecycle.node_generations)
+        self._generations: dict[str, tuple[object, dict[str, int]]] = {}
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
@@ -268,6 +274,7 @@ class Executor:
             self.jobs.recovery_s[entry.incident_kind].observe(self.jobs.clock.monotonic() - entry.incident_at)
             entry.incident_at = None
         if job.state in TERMINAL:
+            self._generations.pop(job.id, None)
             entry.incident_at = None  # a recovery that ends the job is no recovery
             if entry.launch_task is not None:
                 entry.launch_task.cancel()
@@ -306,6 +313,7 @@ class Executor:
             if refused:
                 raise FailedPrecondition(refused)
             grouped = lifecycle.grouped(job)
+            lighthouse = await self._lighthouse(job) if grouped else 0
             k = len(job.nodes) // job.spec.replicas if grouped else len(job.nodes)
             indexes = [i for i, n in enumerate(job.nodes) if not only or n in only]
             masters: dict[int, tuple[str, int]] = {}  # the first node of each group launched -> (address, port)
@@ -316,7 +324,7 @@ class Executor:
             nodes = registry.entries_by_name()
             restore = None if grouped else await self._restore_plan(entry, nodes)  # a group recovers from a peer
             await self._grant_snapshots(job, restore, nodes)
-            await asyncio.gather(*(self._launch_node(job, i, nodes, *masters[i // k * k], restore, k)
+            await asyncio.gather(*(self._launch_node(job, i, nodes, *masters[i // k * k], restore, k, lighthouse)
                                    for i in indexes))
             address, port = masters[min(masters)]
             outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
@@ -372,8 +380,26 @@ class Executor:
                                             (f", fetched from {', '.join(fetched)}" if fetched else "")), job.id)
         return restore
 
+    async def _lighthouse(self, job) -> int:
+        """The port of the replica-group job's torchft lighthouse, started here if it does not run (on the port its
+        ranks were told, if any): 0 without one (no lighthouse of the controller's). Raises FailedPrecondition when
+        one should run and cannot start: the launch fails with the reason, and the lifecycle decides."""
+        lighthouses = self.jobs.lighthouses
+        if lighthouses is None:
+            return 0
+        if not lighthouses.available():  # not asked for, or torchft not installed here: the job runs without one
+            await self.jobs.no_lighthouse(job.id, "torchft is not installed on the controller's host (pip install "
+                                          "'phalanx[ft]'), or [replicas] lighthouse = false; its ranks are not told "
+                                          "TORCHFT_LIGHTHOUSE")
+            return 0
+        try:
+            return await lighthouses.ensure(job.id, job.lighthouse_port)
+        except LighthouseError as e:
+            raise FailedPrecondition(f"no torchft lighthouse for its replica groups: {e}") from None
+
     async def _launch_node(self, job, index: int, registry: dict[str, NodeEntry], master_addr: str,
-                           master_port: int, restore: snapshot_plan.Restore | None, k: int) -> None:
+                           master_port: int, restore: snapshot_plan.Restore | None, k: int,
+                           lighthouse: int = 0) -> None:
         """Start node `index`'s ranks. In a job of replica groups of `k` nodes each, RANK, WORLD_SIZE and the master
         are its group's (torchft's convention: each group is launched as a torchrun of its own would be, with
         REPLICA_GROUP_ID and NUM_REPLICA_GROUPS); PHALANX_RANK and PHALANX_WORLD_SIZE are the job's."""
@@ -392,9 +418,9 @@ class Executor:
         }
         if lifecycle.grouped(job):
             common.update(REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(job.spec.replicas),
-                          TORCHELASTIC_RUN_ID=f"{job.id}-group{group}")
-            if job.lighthouse_port and self.jobs.lighthouses is not None:
-                common["TORCHFT_LIGHTHOUSE"] = self.jobs.lighthouses.url(job.lighthouse_port)
+                          TORCHELASTIC_RUN_ID=f"{job.id}-group{group}", PHALANX_REPLICA_GROUP=str(group))
+            if lighthouse and self.jobs.lighthouses is not None:
+                common["TORCHFT_LIGHTHOUSE"] = self.jobs.lighthouses.url(lighthouse)
         if spec.checkpoint_dir:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
         if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job
@@ -436,12 +462,22 @@ class Executor:
                 self.jobs.fenced(node, entry.job.id, generation)
             except Exception as e:
                 logger.warning("stop failed", job=entry.job.id, node=node, generation=generation, error=str(e))
-        if lifecycle.node_generation(entry.job, node) == generation and entry.stops.get(node, False) is None:
+        if self._node_generation(entry, node) == generation and entry.stops.get(node, False) is None:
             if taken is None:
                 entry.stops.pop(node, None)  # told again when its agent is back
             else:
                 entry.stops[node] = taken
         self.wake()
+
+    def _node_generation(self, entry: JobEntry, node: str) -> int:
+        """lifecycle.node_generation, its map kept per record (a stop of every node of a big job asks it per node)."""
+        job = entry.job
+        if not job.groups:
+            return job.generation
+        cached = self._generations.get(job.id)
+        if cached is None or cached[0] is not job:
+            cached = self._generations[job.id] = (job, lifecycle.node_generations(job))
+        return cached[1].get(node, job.generation)
 
     def _request_checkpoint(self, entry: JobEntry, action: lifecycle.RequestCheckpoint) -> None:
         request = action.request
@@ -457,8 +493,7 @@ class Executor:
         entry = self.jobs.entries.get(pending.job)
         generation = pending.generation  # (a replica group rebuilt since the others started runs a newer one)
         if entry is not None and entry.job.groups:
-            generation = next((lifecycle.rank_generation(entry.job, r.rank) for r in entry.job.ranks if r.node == node),
-                              generation)
+            generation = self._node_generation(entry, node)
         command = node_pb2.Command(checkpoint=node_pb2.RequestCheckpoint(
             job=pending.job, generation=generation, request_id=request.id, deadline_s=deadline_s,
             reason=request.reason, pause=request.pause, at_step=request.at_step))

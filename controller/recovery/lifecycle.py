@@ -314,17 +314,19 @@ def all_exited_zero(job: pb.Job, ranks: Sequence[pb.RankInfo] | None = None) -> 
 
 def _stop_out(job: pb.Job) -> list[Action]:
     """A replica-group job's groups out of the quorum, stopped as the job ends (the others' ranks have exited)."""
-    return [Stop(n, job.id, node_generation(job, n)) for n in sorted(out_of_quorum(job))]
+    generations = node_generations(job)
+    return [Stop(n, job.id, generations.get(n, job.generation)) for n in sorted(out_of_quorum(job))]
 
 
 def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
     node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
     out: list[Action] = []
+    generations = node_generations(job)
     for node in job.nodes:
         v = view.nodes.get(node)
         if v is not None and not v.down and v.connected and not v.stop_told:
-            out.append(Stop(node, job.id, node_generation(job, node)))
+            out.append(Stop(node, job.id, generations.get(node, job.generation)))
     return out
 
 
@@ -487,7 +489,8 @@ def _launching(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[A
 
 def _stop_all(job: pb.Job) -> list[Action]:
     """Best effort when a job ends: every node of it is told; an unreachable one is fenced when it returns."""
-    return [Stop(node, job.id, node_generation(job, node)) for node in job.nodes]
+    generations = node_generations(job)
+    return [Stop(node, job.id, generations.get(node, job.generation)) for node in job.nodes]
 
 
 def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
@@ -497,9 +500,6 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     over = training_over(ranks, view.tracks)
     if len(over) == len(ranks):  # what befalls a node now costs no training: nothing to recover
         return _ending(job, now, policy, over, ranks)
-    moves = group_moves(job, view, now, policy) if grouped(job) else []
-    if any(isinstance(a, Commit) for a in moves):
-        return moves
     nodes = {n: view.nodes[n] if n in view.nodes else NodeView(n, True, HEALTH_FAILED, "node unknown")
              for n in names}
     tracks, nccl = view.tracks, view.nccl
@@ -514,6 +514,10 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
             t.last_advance > job.ending_since_unix_ns / 1e9 for t in view.tracks.values()):
         return [Commit(copied(job, ending_since_unix_ns=0), "job.training", f"{job.id} generation {job.generation}: "
                        "training goes on (a step after the ranks said it had ended)")]
+    # a group out of the quorum goes on (stops, launch, join), but launches and joins none once training has ended
+    moves = group_moves(job, view, now, policy) if grouped(job) and not over and not job.ending_since_unix_ns else []
+    if incident is None and any(isinstance(a, Commit) for a in moves):
+        return moves
     if incident is None:
         more = replenish(job, view) if policy.jobs.keep_spares else []
         if not more:
@@ -531,7 +535,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
                            f"{job.id}: straggler verdict held back: {incident.reason}: {held}")]
     if grouped(job) and not incident.fatal:
         hit = groups_hit(job, incident)
-        if hit and len(hit) < sum(g.state == GROUP_TRAINING for g in job.groups):  # some group trains on
+        if hit and holders(job, view) - hit:  # some group that holds the job's state trains on
             return group_leaves(job, incident, hit, view, now, policy)
     return _incident(job, incident, now, policy, view)
 
@@ -615,10 +619,7 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
     if not incident.fatal and (again := repeated(job, incident, at_step)):
         incident = Incident(incident.kind, False, (), again, incident.exit_code, incident.culprit, fatal=True)
     if incident.fatal or job.restarts_in_row >= policy.recovery.max_restarts:
-        why = incident.reason if incident.fatal else f"gave up after {job.restarts_in_row} restarts: {incident.reason}"
-        new = finished(job, FAILED, why, incident.exit_code, now)
-        new.job.incident, new.job.incident_kind = incident.reason, incident.kind
-        return [Commit(new.job, new.kind, new.message, incident=incident.kind), *_stop_all(job)]
+        return _give_up(job, incident, now)
     target = CHECKPOINTING if incident.predictable else EVICTING
     new = moved(job, target, incident.reason, now, incident=incident.reason, incident_predictable=incident.predictable,
                 incident_kind=incident.kind, incident_step=at_step)
@@ -638,6 +639,14 @@ def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view:
                    f"({what})", incident=incident.kind)]
 
 
+def _give_up(job: pb.Job, incident: Incident, now: float) -> list[Action]:
+    """The job ends FAILED: no restart mends the incident, or max_restarts restarts in a row did not."""
+    why = incident.reason if incident.fatal else f"gave up after {job.restarts_in_row} restarts: {incident.reason}"
+    new = finished(job, FAILED, why, incident.exit_code, now)
+    new.job.incident, new.job.incident_kind = incident.reason, incident.kind
+    return [Commit(new.job, new.kind, new.message, incident=incident.kind), *_stop_all(job)]
+
+
 REPEATABLE = ("crash", "hang", "straggler")  # verdicts on the job's behaviour (not a node's health) that can repeat
 
 
@@ -654,11 +663,13 @@ def repeated(job: pb.Job, incident: Incident, at_step: int) -> str:
 
 
 def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
-    if all_exited_zero(job):  # it finished before the agreed step: nothing left to save or evict
-        return [finished(job, SUCCEEDED, "every rank exited 0 (before the eviction checkpoint)", 0, now)]
-    over = training_over(job.ranks, view.tracks)
-    if len(over) == len(job.ranks):  # it finished training before the agreed step: no rank will ever save it
-        return _ending(job, now, policy, over)
+    ranks = quorum(job)[0]  # (replica groups: a group out of the quorum neither saves nor ends training)
+    if all_exited_zero(job, ranks):  # it finished before the agreed step: nothing left to save or evict
+        return [finished(job, SUCCEEDED, "every rank exited 0 (before the eviction checkpoint)", 0, now),
+                *_stop_out(job)]
+    over = training_over(ranks, view.tracks)
+    if len(over) == len(ranks):  # it finished training before the agreed step: no rank will ever save it
+        return _ending(job, now, policy, over, ranks)
     request = job.checkpoint
     asked_here = bool(request.id) and request.pause and request.generation == job.generation and \
         request.asked_unix_ns >= job.state_since_unix_ns
@@ -856,11 +867,16 @@ def rank_generation(job: pb.Job, rank: int) -> int:
 
 def node_generation(job: pb.Job, node: str) -> int:
     """The generation the job's ranks on `node` run: the job's, or (replica groups) their group's."""
-    if job.groups:
-        for i in range(len(job.nodes)):
-            if job.nodes[i] == node:
-                return rank_generation(job, i * job.spec.ranks_per_node)
-    return job.generation
+    return node_generations(job).get(node, job.generation) if job.groups else job.generation
+
+
+def node_generations(job: pb.Job) -> dict[str, int]:
+    """node -> the generation its ranks of the job run (replica groups: each group's); empty for a job without
+    groups (every node runs the job's). One pass: per node, a search would make a stop of every node quadratic."""
+    if not job.groups:
+        return {}
+    per = job.spec.ranks_per_node
+    return {node: rank_generation(job, i * per) for i, node in enumerate(job.nodes)}
 
 
 def out_of_quorum(job: pb.Job) -> set[str]:
@@ -894,6 +910,28 @@ def quorum(job: pb.Job) -> tuple[Sequence[pb.RankInfo], Sequence[str]]:
     return ranks, nodes
 
 
+def holders(job: pb.Job, view: JobView) -> set[int]:
+    """The groups in the quorum that hold the job's state: those that have trained since the oldest launch of any
+    (the lowest generation: they started from the same state, and none was rebuilt since), and each rebuilt group
+    that has trained a step since it joined (it takes a healthy group's state at its first quorum; until its ranks
+    step, it may not have it). Without progress reports (the simulator's ranks), every group in the quorum."""
+    training = [g for g in job.groups if g.state == GROUP_TRAINING]
+    if not training:
+        return set()
+    oldest = min(g.generation for g in training)
+    if not view.tracks:
+        return {g.index for g in training}
+    per, k = job.spec.ranks_per_node, len(job.nodes) // job.spec.replicas
+    held = set()
+    for g in training:
+        since = g.since_unix_ns / 1e9
+        ranks = range(g.index * k * per, (g.index + 1) * k * per)
+        if g.generation == oldest or any((t := view.tracks.get(r)) is not None and t.last_step >= 0 and
+                                         t.last_advance > since for r in ranks):
+            held.add(g.index)
+    return held
+
+
 def groups_hit(job: pb.Job, incident: Incident) -> set[int]:
     """The training groups an incident is about (by its nodes and ranks); empty when it names neither."""
     k = len(job.nodes) // job.spec.replicas
@@ -915,7 +953,7 @@ def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, 
         job = copied(job, restarts_in_row=0)
     replacing = bool(incident.nodes)
     if not replacing and job.restarts_in_row >= policy.recovery.max_restarts:
-        return _incident(job, incident, now, policy, view)  # gives up, as the whole job's would
+        return _give_up(job, incident, now)  # as the whole job's would (its calm counted from the group's join)
     now_ns = int(now * 1e9)
     new = copied(job, restarts=job.restarts + len(hit), restarts_in_row=job.restarts_in_row + (not replacing))
     new.evicted.extend(n for n in incident.nodes if n not in new.evicted)
@@ -1057,7 +1095,7 @@ def _group_launched(job: pb.Job, g: int, view: JobView, now: float, policy: Poli
         f"the launch of generation {group.generation} was interrupted by a controller restart"
     new.restarts_in_row = job.restarts_in_row + 1
     if new.restarts_in_row > policy.recovery.max_restarts:
-        return _incident(job, Incident("crash", False, (), f"replica group {g}: {why}"), now, policy, view)
+        return _give_up(job, Incident("crash", False, (), f"replica group {g}: {why}"), now)
     _group_to(new, g, GROUP_STOPPING, why, now)
     return [Commit(new, "job.group_left", f"{job.id}: replica group {g}: {why}; it stops and launches again"),
             *(Stop(n, job.id, group.generation) for n in group_members(job, g)
