@@ -14,8 +14,14 @@ of Phalanx's (the ranks are not told one), which the job's event log says once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import select
+import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 from controller import lighthouse_main
@@ -34,11 +40,30 @@ class LighthouseError(Exception):
 
 
 @dataclass
+class Child:
+    """A process started with posix_spawn: its pid and the write end of its standard input."""
+
+    pid: int
+    stdin: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: gone all the same
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+@dataclass
 class Lighthouse:
     job: str
     port: int
-    process: asyncio.subprocess.Process
-    reader: asyncio.Task  # reads what it writes (torchft logs each quorum)
+    child: Child
 
 
 class Lighthouses:
@@ -63,44 +88,38 @@ class Lighthouses:
         """The job's lighthouse runs (on `port`, when it had one: the ranks were told it); returns its port. Raises
         LighthouseError when it cannot run."""
         running = self.running.get(job)
-        if running is not None and running.process.returncode is None:
+        if running is not None and running.child.poll() is None:
             return running.port
         if self.closed:
             raise LighthouseError("the controller is stopping")
         if not self.available():
             raise LighthouseError("torchft is not installed on the controller's host (pip install 'phalanx[ft]'), "
                                   "or [replicas] lighthouse = false")
-        bind = self.cfg.lighthouse_bind
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", lighthouse_main.__name__, "--bind", f"{bind}:{port}",
-            "--heartbeat-timeout-ms", str(self.cfg.heartbeat_timeout_ms),
-            "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        log = asyncio.create_task(_drain(process.stderr))  # torchft's log, read so it never blocks on a full pipe
-        try:
-            line = (await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)).decode(errors="replace")
-        except TimeoutError:
-            line = f"error: not ready within {START_TIMEOUT_S:g}s"
-        line = line.strip()
+        argv = [sys.executable, "-m", lighthouse_main.__name__, "--bind", f"{self.cfg.lighthouse_bind}:{port}",
+                "--heartbeat-timeout-ms", str(self.cfg.heartbeat_timeout_ms),
+                "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms)]
+        child, out, log = _spawn(argv)
+        threading.Thread(target=_drain, args=(log,), name=f"lighthouse-log-{job}", daemon=True).start()
+        line = await asyncio.to_thread(_first_line, out, START_TIMEOUT_S)
+        threading.Thread(target=_drain, args=(out,), name=f"lighthouse-{job}", daemon=True).start()
         if not line.startswith("ready "):
-            await _end(process)
-            log.cancel()
-            why = line.removeprefix("error: ") or f"it exited at start (code {process.returncode})"
+            await _end(child)
+            why = line.removeprefix("error: ") or f"it exited at start (code {child.poll()})"
             raise LighthouseError(why)
         started = int(line.rsplit(":", 1)[1])
-        self.running[job] = Lighthouse(job, started, process, log)
+        self.running[job] = Lighthouse(job, started, child)
         logger.info("lighthouse started", job=job, port=started, url=self.url(started))
         return started
 
     def port(self, job: str) -> int:
         """The port of the job's lighthouse running here (0: none)."""
         running = self.running.get(job)
-        return running.port if running is not None and running.process.returncode is None else 0
+        return running.port if running is not None and running.child.poll() is None else 0
 
     async def stop(self, job: str) -> None:
         running = self.running.pop(job, None)
         if running is not None:
-            await _end(running.process)
+            await _end(running.child)
             logger.info("lighthouse stopped", job=job, port=running.port)
 
     async def close(self) -> None:
@@ -108,19 +127,76 @@ class Lighthouses:
         await asyncio.gather(*(self.stop(job) for job in list(self.running)))
 
 
-async def _drain(stream: asyncio.StreamReader | None) -> None:
-    """Read (and drop) what a running lighthouse writes: torchft logs each quorum."""
-    while stream is not None and await stream.read(65536):
-        pass
-
-
-async def _end(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is not None:
-        return
-    if process.stdin is not None:
-        process.stdin.close()  # it ends when its standard input closes
+def _spawn(argv: list[str]) -> tuple[Child, int, int]:
+    """Start `argv` with posix_spawn, its standard input a pipe from here, its output and its log (stderr) pipes to
+    here, apart (torchft's log lines would mix into its ready line): (the child, the read ends of its output and its
+    log). Not fork: the controller's gRPC threads make a forked child crash before its exec now and then (grpc's
+    fork handlers: a SIGSEGV in a few starts of a hundred under load), and posix_spawn runs no fork handlers."""
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    log_r, log_w = os.pipe()
     try:
-        await asyncio.wait_for(process.wait(), 5.0)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
+        pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, log_w, 2)])
+    except OSError:
+        for fd in (in_w, out_r, log_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (in_r, out_w, log_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return Child(pid, in_w), out_r, log_r
+
+
+def _first_line(fd: int, timeout_s: float) -> str:
+    """The line it says it is ready with (or why not): torchft's own log lines before it are skipped. "" at its
+    end; an error line at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    buffered = b""
+    while True:
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            text = line.decode(errors="replace").strip()
+            if text.startswith(("ready ", "error: ")):
+                return text
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"error: not ready within {timeout_s:g}s"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return ""
+            buffered += chunk
+
+
+def _drain(fd: int) -> None:
+    """Read (and drop) what a running lighthouse writes until it ends (torchft logs each quorum)."""
+    try:
+        while os.read(fd, 65536):
+            pass
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+async def _end(child: Child) -> None:
+    """Close its standard input (it ends then); SIGKILL after 5 s; reaped."""
+    with contextlib.suppress(OSError):
+        os.close(child.stdin)
+    for _ in range(100):
+        if child.poll() is not None:
+            return
+        await asyncio.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child.pid, signal.SIGKILL)
+    await asyncio.to_thread(_reap, child)
+
+
+def _reap(child: Child) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(child.pid, 0)
+    child.returncode = child.returncode if child.returncode is not None else -9
