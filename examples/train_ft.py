@@ -53,6 +53,9 @@ def digest(model: torch.nn.Module) -> str:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--until-full", type=int, default=0, metavar="K", help="after --steps, go on until the last K "
+                   "steps committed had every group in the quorum (every group sees the same quorums, so all stop at "
+                   "the same step): a run with a fault ends with its groups together again")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (a slower model)")
     p.add_argument("--out", type=Path, help="where to write each committed step's digest and the final loss")
@@ -84,7 +87,9 @@ def main() -> int:
         load_state_dict(loaded.state)
         manager.load_state_dict(loaded.state["manager"])
     log = open(args.out / f"rank-{job_rank}.jsonl", "a") if args.out else None  # noqa: SIM115
-    while manager.current_step() < args.steps:
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    full = 0  # steps in a row committed with every group
+    while manager.current_step() < args.steps or (args.until_full and full < args.until_full):
         optimizer.zero_grad()  # starts the step's quorum
         manager.wait_quorum()  # (a group that joins has the others' step, and their state, once it is formed)
         step = manager.current_step()
@@ -101,6 +106,7 @@ def main() -> int:
         if manager.should_commit():  # every group in the quorum took this step (else it is taken again)
             inner.step()
             trainlib.step(step)
+            full = full + 1 if manager.num_participants() == groups else 0
             if (args.every and (step + 1) % args.every == 0) or trainlib.checkpoint_requested():
                 trainlib.save({**state_dict(), "manager": manager.state_dict()}, step)
             if log is not None:

@@ -22,6 +22,7 @@ NODES = ["node-a", "node-b", "node-c", "node-d", "node-e"]
 CONTROLLER = ("[jobs]\nstop_grace_s = 3.0\nkeep_spares = false\n[recovery]\nrestart_backoff_s = 0.2\n"
               "[replicas]\nlighthouse_host = \"127.0.0.1\"\nlighthouse_bind = \"127.0.0.1\"\n")
 STEPS = 300
+TOGETHER = 40  # the run ends with this many steps of both groups together after the fault, however slow its recovery
 
 
 def commits(out: Path) -> dict[int, list[dict]]:
@@ -63,7 +64,7 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     out.mkdir()
     submitted = cluster.cli("submit", "--nodes", "4", "--replicas", "2", "--spares", "1", "--checkpoint-dir",
                             str(tmp_path / "ckpt"), "--", sys.executable, TRAIN, "--steps", str(STEPS), "--out",
-                            str(out), "--step-time", "0.05", "--every", "50")
+                            str(out), "--step-time", "0.05", "--every", "50", "--until-full", str(TOGETHER))
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     cluster.wait_for(lambda: len(commits(out)) == 4 and min(len(c) for c in commits(out).values()) >= 60,
@@ -77,13 +78,15 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
 
     seen = commits(out)
     healthy = [seen[2], seen[3]]  # group 1
+    last = healthy[0][-1]["step"]
+    assert last >= STEPS - 1
     assert {c["pid"] for c in healthy[0]} == {before[2]} and {c["pid"] for c in healthy[1]} == {before[3]}
     for r, ranks in ((2, healthy[0]), (3, healthy[1])):  # from the kill on: every step once, in order (at the
         since = at_kill[r][-1]["step"]  # start, a group that came up later than the other took the state it had)
-        assert [c["step"] for c in ranks if c["step"] >= since] == list(range(since, STEPS))
+        assert [c["step"] for c in ranks if c["step"] >= since] == list(range(since, last + 1))
     # group 0: its first processes until the kill, its replacement's after it joined (recovered from group 1)
     rejoined = [c for c in seen[0] if c["pid"] != before[0]]
-    assert rejoined and rejoined[-1]["step"] == STEPS - 1
+    assert rejoined and rejoined[-1]["step"] == last and len([c for c in rejoined if c["groups"] == 2]) >= TOGETHER
     # bit-identical parameters in every group at every step both committed (a group that trained a step before it
     # joined the others, at its start, took their state when it joined)
     by_step: dict[int, set[str]] = {}
@@ -91,7 +94,7 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
         for c in ranks:
             if c["groups"] == 2:
                 by_step.setdefault(c["step"], set()).add(c["digest"])
-    assert len(by_step) > STEPS / 2
+    assert len(by_step) >= 2 * TOGETHER  # (before the fault and after the rejoin)
     assert all(len(d) == 1 for d in by_step.values()), {s: d for s, d in by_step.items() if len(d) > 1}
     alone = [c["step"] for c in healthy[0] if c["groups"] == 1]
     assert alone, "group 1 never trained alone: the fault was not seen"
@@ -106,10 +109,12 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     else:
         assert shown["groups"][0]["nodes"][1] == victim, shown
     # durable checkpoints with trainlib, each group its own copy at its own generations (the rebuilt group's newer)
+    newest = {}
     for group, generation in ((0, "2"), (1, "1")):
         saved = tmp_path / "ckpt" / f"group-{group}"
-        assert max(p.name for p in saved.glob("step-*")) == f"step-{STEPS - 1:09d}", group
+        newest[group] = max(p.name for p in saved.glob("step-*"))
         assert (saved / "GENERATION").read_text().strip() == generation
+    assert newest[1] == f"step-{(last + 1) // 50 * 50 - 1:09d}", newest  # (group 0's: its newest since it joined)
     assert not alive(before[2])  # (it ended with the job)
     # the pause of the healthy group's step loop at the fault, for the record (bench/replicas.py measures it)
     gaps = [b["time"] - a["time"] for a, b in zip(healthy[0], healthy[0][1:], strict=False)]
