@@ -329,7 +329,8 @@ class JobManager:
                 changed = True  # launching, recovering or cancelling: each heartbeat may be the news it waits for
             if job.state in table.LAUNCHING:
                 continue
-            out = name in lifecycle.out_of_quorum(job)  # a replica group out of the quorum: stopping, or starting
+            # a replica group out of the quorum: stopping, or starting (one set per record, not per heartbeat)
+            out = bool(job.groups) and name in entry.of_record("out_of_quorum", lifecycle.out_of_quorum)
             for rank in job.ranks:
                 state = entry.ended[rank.rank][0] if rank.rank in entry.ended else rank.state
                 if rank.node != name or state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):

@@ -6,11 +6,15 @@ and fills it from heartbeats; the executor builds the lifecycle's view from it (
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from controller.recovery import lifecycle
 from controller.recovery import progress as monitors
 from phalanx.v1 import common_pb2, node_pb2
+
+T = TypeVar("T")
 
 pb = common_pb2
 
@@ -64,6 +68,15 @@ class JobEntry:
     prepared: dict[str, float] = field(default_factory=dict)  # spare -> when (the job manager's now) it was last asked
     # to hold standbys (lifecycle.upkeep)
     standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there
+    # what is derived from the record, by name, with the record it was derived from (recomputed when it changes)
+    derived: dict[str, tuple[object, object]] = field(default_factory=dict)
+
+    def of_record(self, name: str, compute: Callable[[common_pb2.Job], T]) -> T:
+        """`compute(self.job)`, once per record: the heartbeat path and a stop of every node ask per node."""
+        cached = self.derived.get(name)
+        if cached is None or cached[0] is not self.job:
+            cached = self.derived[name] = (self.job, compute(self.job))
+        return cached[1]  # type: ignore[return-value]
 
     def new_generation(self, generation: int, rebuilt: set[int] | None = None, nodes: set[str] | None = None) -> None:
         """Forget what this process saw of the generation before; with `rebuilt` (a replica group's rebuild), only of

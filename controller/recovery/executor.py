@@ -103,8 +103,6 @@ class Executor:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
         self._slurm_drains: dict[str, list[asyncio.Task]] = {}  # job -> the Slurm drains of its evicted nodes
-        # job -> (the record, node -> its ranks' generation): replica-group jobs' (lifecycle.node_generations)
-        self._generations: dict[str, tuple[object, dict[str, int]]] = {}
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
@@ -274,7 +272,6 @@ class Executor:
             self.jobs.recovery_s[entry.incident_kind].observe(self.jobs.clock.monotonic() - entry.incident_at)
             entry.incident_at = None
         if job.state in TERMINAL:
-            self._generations.pop(job.id, None)
             entry.incident_at = None  # a recovery that ends the job is no recovery
             if entry.launch_task is not None:
                 entry.launch_task.cancel()
@@ -470,14 +467,10 @@ class Executor:
         self.wake()
 
     def _node_generation(self, entry: JobEntry, node: str) -> int:
-        """lifecycle.node_generation, its map kept per record (a stop of every node of a big job asks it per node)."""
+        """The generation the job's ranks on `node` run: the job's, or (replica groups) their group's."""
         job = entry.job
-        if not job.groups:
-            return job.generation
-        cached = self._generations.get(job.id)
-        if cached is None or cached[0] is not job:
-            cached = self._generations[job.id] = (job, lifecycle.node_generations(job))
-        return cached[1].get(node, job.generation)
+        return entry.of_record("generations", lifecycle.node_generations).get(node, job.generation) if job.groups \
+            else job.generation
 
     def _request_checkpoint(self, entry: JobEntry, action: lifecycle.RequestCheckpoint) -> None:
         request = action.request

@@ -865,11 +865,6 @@ def rank_generation(job: pb.Job, rank: int) -> int:
     return job.generation
 
 
-def node_generation(job: pb.Job, node: str) -> int:
-    """The generation the job's ranks on `node` run: the job's, or (replica groups) their group's."""
-    return node_generations(job).get(node, job.generation) if job.groups else job.generation
-
-
 def node_generations(job: pb.Job) -> dict[str, int]:
     """node -> the generation its ranks of the job run (replica groups: each group's); empty for a job without
     groups (every node runs the job's). One pass: per node, a search would make a stop of every node quadratic."""
