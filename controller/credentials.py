@@ -32,7 +32,7 @@ from pathlib import Path
 from controller.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from controller.store.base import CredentialRecord, EventRecord, Store
 from phalanx import log, pki
-from phalanx.clock import Clock
+from phalanx.clock import Clock, to_the_end
 from phalanx.names import NAME, RULE
 
 logger = log.get("credentials")
@@ -79,6 +79,10 @@ class Credentials:
         return json.loads(record.data) if record is not None else None
 
     async def _commit(self, changes: dict[str, dict], event: EventRecord) -> None:
+        """Commit, and memory follows: to the end, the lock held, even if the caller (an RPC) is cancelled."""
+        await to_the_end(self._commit_now(changes, event))
+
+    async def _commit_now(self, changes: dict[str, dict], event: EventRecord) -> None:
         records = [CredentialRecord(key, json.dumps(data, sort_keys=True).encode(),
                                     self.records[key].revision if key in self.records else 0)
                    for key, data in changes.items()]

@@ -184,3 +184,24 @@ async def first_of(*aws) -> None:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """Await `aw` to its end even if the caller is cancelled meanwhile; the cancel is raised once it has ended.
+
+    Unlike asyncio.shield alone, the caller stays inside whatever it holds (a lock) until `aw` is done: shielded,
+    a commit went on after its cancelled caller had left the job's lock, and the next holder committed beside it
+    against the revision that commit was replacing (the fuzzer found it)."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # `aw` itself was cancelled, not (only) its caller
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

@@ -191,7 +191,7 @@ class Cluster:
 
     def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT_S) -> None:
         eventually(predicate, what, timeout, describe=lambda: f"nodes: {self.states()}\ncontroller log:\n"
-                   f"{self.log('controller')}", abort=self._controller_exited)
+                   f"{self.log('controller')}{self.daemon_logs()}{self.rank_logs('*')}", abort=self._controller_exited)
 
     def _controller_exited(self) -> str | None:
         proc = self.procs.get("controller")
@@ -203,8 +203,14 @@ class Cluster:
         path = self.root / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
+    def daemon_logs(self, lines: int = 10) -> str:
+        """The last lines of every agent's log, for a failure's message."""
+        return "".join(f"\n{name} log (last lines):\n{self.log(name, lines)}" for name in self.procs
+                       if name != "controller")
+
     def rank_logs(self, job_id: str, lines: int = 8) -> str:
-        """The last lines of each rank log of `job_id` on every node, for a failure's message."""
+        """The last lines of each rank log of `job_id` ('*': of every job) on every node, for a failure's
+        message."""
         logs = sorted(self.root.glob(f"*/state/logs/{job_id}/rank-*.log"))
         return "".join(f"\n{p.relative_to(self.root)} (last lines):\n" +
                        "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in logs)
@@ -213,10 +219,7 @@ class Cluster:
         """Kill everything: the daemons, and any rank still running (ranks live in sessions of their own)."""
         self._channel.close()
         for record in self.root.glob("*/state/ranks/*.json"):
-            try:
-                os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
-            except (OSError, ValueError, KeyError):
-                pass
+            kill_recorded(record)
         for proc in self.procs.values():
             if proc.poll() is None:
                 try:
@@ -225,6 +228,21 @@ class Cluster:
                     pass
                 proc.wait(timeout=TIMEOUT_S)
         remove_cgroups(self.cgroup_parent)
+
+
+def kill_recorded(record: Path) -> None:
+    """SIGKILL the process group of the rank an agent's record names, if that rank still runs. A record outlives
+    its rank (an agent keeps an exited rank's for minutes) and pids are recycled within minutes on a busy machine
+    (pid_max 32768; every thread takes one): killing a recorded pid unchecked once killed another test's brand-new
+    rank, which is a session leader too. The record's process start time tells the rank from a later process."""
+    try:
+        data = json.loads(record.read_text())
+        pid, started = int(data["pid"]), float(data["started"])
+        if data.get("exit_code") is not None or abs(psutil.Process(pid).create_time() - started) >= 1.0:
+            return
+        os.killpg(pid, signal.SIGKILL)
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        pass
 
 
 def remove_cgroups(parent: str, root: Path = Path("/sys/fs/cgroup")) -> None:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from phalanx.clock import FakeClock, RealClock, wait_for
+from phalanx.clock import FakeClock, RealClock, to_the_end, wait_for
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
 
@@ -120,3 +120,32 @@ async def test_autojump_moves_time_only_when_every_task_is_blocked():
         jumper.cancel()
     assert seen == [("worked", start), ("slept", start + 30)]
     assert clock.monotonic() == start + 3600
+
+
+@run
+async def test_to_the_end_holds_a_cancelled_caller_in_its_lock_until_the_work_is_done():
+    # A store commit under a job's lock, its caller an RPC whose client gave up: the commit must finish, and the
+    # lock stay held until memory has followed, before the caller's cancel is raised (controller.jobs.manager.save).
+    lock, gate, done = asyncio.Lock(), asyncio.Event(), []
+
+    async def commit() -> str:
+        await gate.wait()
+        done.append("committed")
+        return "revision 2"
+
+    async def caller() -> str:
+        async with lock:
+            return await to_the_end(commit())
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    task.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert lock.locked() and not task.done()  # asyncio.shield alone lets go of the lock here
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert done == ["committed"] and not lock.locked()
+    assert await to_the_end(asyncio.sleep(0, "answer")) == "answer"

@@ -435,11 +435,13 @@ class JobManager:
     async def save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
         """Commit the record with its event; memory follows only once the store has it. Lock held.
 
-        Shielded: the caller may be an RPC whose client gave up (a `phalanx checkpoint` with a short deadline)
-        and is cancelled while the store commits. Cancelled between the store's write and memory's update, the
-        entry kept the old revision, and every later commit of the job failed its revision check for good (the
-        fuzzer found it). The commit and the update run to the end together; the caller's cancel comes after."""
-        await asyncio.shield(self._save(entry, commit))
+        Run to its end: the caller may be an RPC whose client gave up (a `phalanx checkpoint` with a short
+        deadline) and is cancelled while the store commits. Cancelled between the store's write and memory's
+        update, the entry kept the old revision, and every later commit of the job failed its revision check for
+        good; merely shielded, the commit went on after its caller had let go of the lock, and the next commit of
+        the job raced it with the revision it was replacing (the fuzzer found both). The commit and the update run
+        to the end together, the lock held; the caller's cancel comes after."""
+        await clocks.to_the_end(self._save(entry, commit))
 
     async def lighthouse(self, job: pb.Job) -> None:
         """A replica-group job loaded by a controller that restarted or took over has its lighthouse running again,

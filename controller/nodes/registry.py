@@ -27,7 +27,7 @@ from controller.obs.events import EventHub
 from controller.obs.stats import DETECTION_BUCKETS_S, DETECTION_KINDS, LAG_BUCKETS_S, Buckets, LagWindow
 from controller.store.base import EventRecord, NodeRecord, Store
 from phalanx import log
-from phalanx.clock import Clock
+from phalanx.clock import Clock, to_the_end
 from phalanx.v1 import common_pb2, control_pb2, node_pb2
 
 ADMIT_BATCH = 500  # registrations admitted in one store commit at most
@@ -728,6 +728,11 @@ class Registry:
             await self._commit(writes[i:i + ADMIT_BATCH], events[i:i + ADMIT_BATCH])
 
     async def _commit(self, writes: list[tuple[NodeEntry, NodeRecord]], events: list[EventRecord]) -> None:
+        """Commit, and memory follows: to the end, the lock held, even if the caller (an RPC) is cancelled meanwhile
+        (memory left at the replaced records' revisions would fail every later commit of those nodes)."""
+        await to_the_end(self._commit_now(writes, events))
+
+    async def _commit_now(self, writes: list[tuple[NodeEntry, NodeRecord]], events: list[EventRecord]) -> None:
         committed = await self._store.commit(nodes=[r for _, r in writes], events=events)
         for (entry, _), record in zip(writes, committed.nodes, strict=True):
             changed = (entry.record.state, entry.record.drain_reason) != (record.state, record.drain_reason)
