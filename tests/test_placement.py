@@ -378,3 +378,19 @@ def test_the_lower_bound_is_reached_whenever_free_capacity_allows(free, spines, 
     assert isinstance(p, Placement)
     assert len(p.leaves) == p.lower_bound == fewest(free, nodes)
     assert p.domain == topo.lowest_common_switch(p.nodes + p.spares)
+
+
+def test_per_leaf_caps_the_segments_on_each_leaf_and_the_lower_bound_counts_under_the_cap():
+    topo = tree([[4, 4, 4, 4]])
+    free = candidates({f"l{i}": "HHHH" for i in range(4)}, topo)
+    tight = place(free, GangRequest(nodes=4, segment=2), topo)
+    assert isinstance(tight, Placement) and len(tight.leaves) == 1
+    spread = place(free, GangRequest(nodes=4, segment=2, per_leaf=1), topo)
+    assert isinstance(spread, Placement) and len(spread.leaves) == 2 and spread.lower_bound == 2
+    assert [topo.leaf(n) for n in spread.nodes[:2]] == [spread.leaves[0]] * 2  # each segment inside one leaf
+    assert [topo.leaf(n) for n in spread.nodes[2:]] == [spread.leaves[1]] * 2
+    assert isinstance(place(free, GangRequest(nodes=12, segment=2, per_leaf=1), topo), Unplaceable)  # 6 > 4 leaves
+    assert lower_bound_leaves([4, 4, 4], 8, unit=2, per_leaf=1) is None
+    assert lower_bound_leaves([4, 4, 4], 6, unit=2, per_leaf=1) == 3
+    with pytest.raises(InvalidArgument, match="per_leaf"):
+        GangRequest(nodes=4, per_leaf=0)

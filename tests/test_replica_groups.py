@@ -229,3 +229,33 @@ def test_in_the_controller_a_crash_restarts_its_group_alone_and_a_cancel_stops_e
         await world.stop()
 
     asyncio.run(go())
+
+
+def replica_job(nodes: int, replicas: int) -> pb.Job:
+    return pb.Job(id="job-1", spec=pb.JobSpec(nodes=nodes, ranks_per_node=1, replicas=replicas))
+
+
+def test_placement_puts_each_group_inside_one_leaf_and_spreads_the_groups_over_the_leaves():
+    from tests.test_placement import candidates, tree  # the placement tests' builders
+
+    def leaves_of_groups(decision, k):
+        return [{topo.leaf(n) for n in decision.nodes[g * k:(g + 1) * k]} for g in range(len(decision.nodes) // k)]
+
+    topo = tree([[4, 4], [4, 4]])
+    free = candidates({f"l{i}": "HHHH" for i in range(4)}, topo)
+    # two groups of two: one job-wide placement would put both on one leaf, where one switch takes both
+    decision = lifecycle.placed(replica_job(4, 2), free, topo, spares=1)
+    groups = leaves_of_groups(decision, 2)
+    assert all(len(g) == 1 for g in groups) and groups[0] != groups[1], decision
+    assert decision.domain == "s0"  # and still as tight as that allows: under one spine
+    # four groups of two on four leaves: one a leaf; eight groups: two a leaf (no more than needed)
+    assert sorted(len(g) for g in leaves_of_groups(lifecycle.placed(replica_job(8, 4), free, topo, 0), 2)) == [1] * 4
+    eight = leaves_of_groups(lifecycle.placed(replica_job(16, 8), free, topo, 0), 2)
+    assert all(len(g) == 1 for g in eight) and max(eight.count(g) for g in eight) == 2
+    # groups of three: each inside a leaf of its own (not n000-n005 over two leaves, a group split between them)
+    assert leaves_of_groups(lifecycle.placed(replica_job(6, 2), free, topo, 0), 3) == [{"l0"}, {"l1"}]
+    # groups that fit no single leaf: placed as any job, in rank order
+    wide = lifecycle.placed(replica_job(10, 2), free, topo, 0)
+    assert wide.nodes == lifecycle.place(free, lifecycle.GangRequest(nodes=10), topo).nodes
+    # a job that is not in groups: as before
+    assert lifecycle.placed(replica_job(4, 1), free, topo, 0).leaves == ("l0",)

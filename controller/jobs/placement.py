@@ -19,6 +19,9 @@ Spares: first the job's own leaves, then the leaves of the next domain up (the l
 the job's leaves, then its ancestors) up to the chosen domain; HEALTHY before DEGRADED within each step,
 fullest leaves first. `Placement.domain` is the lowest domain holding the job and its spares.
 
+Spread (`per_leaf=L`, replica groups): at most L segments on any one leaf (block), so that a leaf switch lost
+takes the fewest groups with it; the fewest leaves is then counted under that cap.
+
 Blocks: a topology with blocks places by blocks (its switches, if any, are not used) and nodes outside
 every block are not used. Segments (`segment=S`): nodes come in whole segments of S, each inside one
 block (one leaf switch in a tree topology); without a segment the job and its spares share one block.
@@ -65,16 +68,19 @@ class Candidate:
 @dataclass(frozen=True)
 class GangRequest:
     """`nodes` nodes running `ranks_per_node` ranks each, plus `spares` idle nodes held for the job.
-    `segment`: nodes come in groups of that many, each inside one block (leaf switch in a tree)."""
+    `segment`: nodes come in groups of that many, each inside one block (leaf switch in a tree); `per_leaf`: at
+    most that many segments (nodes, without one) on any one leaf switch or block."""
 
     nodes: int
     ranks_per_node: int = 1
     spares: int = 0
     segment: int | None = None
+    per_leaf: int | None = None
 
     def __post_init__(self) -> None:
         for name, value, least in (("nodes", self.nodes, 1), ("ranks_per_node", self.ranks_per_node, 1),
-                                   ("spares", self.spares, 0), ("segment", self.segment, 1)):
+                                   ("spares", self.spares, 0), ("segment", self.segment, 1),
+                                   ("per_leaf", self.per_leaf, 1)):
             if value is not None and value < least:
                 raise InvalidArgument(f"{name} ({value}) must be at least {least}")
         if self.segment and self.nodes % self.segment:
@@ -101,10 +107,14 @@ class Unplaceable:
     reason: str
 
 
-def lower_bound_leaves(free: Iterable[int], nodes: int, unit: int = 1) -> int | None:
-    """The fewest leaves that could hold `nodes` (in whole segments of `unit`), given each leaf's free
-    node count: the k fullest leaves. None when all of them together cannot."""
-    return _fewest([f // unit for f in free], -(-nodes // unit))
+def lower_bound_leaves(free: Iterable[int], nodes: int, unit: int = 1, per_leaf: int | None = None) -> int | None:
+    """The fewest leaves that could hold `nodes` (in whole segments of `unit`, at most `per_leaf` of them on
+    a leaf), given each leaf's free node count: the k fullest leaves. None when all of them together cannot."""
+    return _fewest([_capped(f // unit, per_leaf) for f in free], -(-nodes // unit))
+
+
+def _capped(units: int, per_leaf: int | None) -> int:
+    return units if per_leaf is None else min(units, per_leaf)
 
 
 def place(candidates: Iterable[Candidate], request: GangRequest,
@@ -150,14 +160,15 @@ def place(candidates: Iterable[Candidate], request: GangRequest,
         free = sum(groups[i].free for i in d.groups)
         if free < need:
             continue
-        pick = _choose(groups, d.groups, unit, request.nodes // unit, best[0][0] if best else None)
+        pick = _choose(groups, d.groups, unit, request.nodes // unit, best[0][0] if best else None,
+                       request.per_leaf)
         if pick is None:
             continue
         chosen, take, degraded = pick
         score = (len(chosen), degraded, d.level, free, d.rank)
         if best is None or score < best[0]:
             best = (score, d, chosen, take)
-    lower = lower_bound_leaves((g.free for g in groups), request.nodes, unit)
+    lower = lower_bound_leaves((g.free for g in groups), request.nodes, unit, request.per_leaf)
     if best is None or lower is None:
         return Unplaceable(_no_domain(request, groups, domains, blocks))
     _, domain, chosen, take = best
@@ -223,37 +234,37 @@ def _fewest(counts: list[int], need: int) -> int | None:
     return None
 
 
-def _choose(groups: list[_Group], idx: tuple[int, ...], unit: int, n: int,
-            bound: int | None) -> tuple[list[int], dict[int, int], int] | None:
+def _choose(groups: list[_Group], idx: tuple[int, ...], unit: int, n: int, bound: int | None,
+            per_leaf: int | None = None) -> tuple[list[int], dict[int, int], int] | None:
     """The fewest leaves of one domain holding `n` units: HEALTHY-only if that needs no more leaves,
     else counting DEGRADED; fullest first, tightest fit last. Returns (leaves, units per leaf, DEGRADED
     nodes used), or None when the domain cannot hold the job or needs more leaves than `bound`."""
-    cap = {i: groups[i].free // unit for i in idx}
+    cap = {i: _capped(groups[i].free // unit, per_leaf) for i in idx}
     k = _fewest(list(cap.values()), n)
     if k is None or (bound is not None and k > bound):
         return None
-    healthy = {i: len(groups[i].healthy) // unit for i in idx}
+    healthy = {i: _capped(len(groups[i].healthy) // unit, per_leaf) for i in idx}
     first, second = (healthy, cap) if _fewest(list(healthy.values()), n) == k else (cap, healthy)
     ordered = sorted(idx, key=lambda i: (-first[i], -second[i], groups[i].rank))
     chosen = ordered[:k - 1]
     rest = n - sum(first[i] for i in chosen)
     chosen.append(min((i for i in ordered[k - 1:] if first[i] >= rest),
                       key=lambda i: (first[i], -second[i], groups[i].rank)))
-    take = _units(groups, chosen, unit, n)
+    take = _units(groups, chosen, unit, n, per_leaf)
     return chosen, take, sum(max(0, take[i] * unit - len(groups[i].healthy)) for i in chosen)
 
 
-def _units(groups: list[_Group], chosen: list[int], unit: int, n: int) -> dict[int, int]:
+def _units(groups: list[_Group], chosen: list[int], unit: int, n: int, per_leaf: int | None = None) -> dict[int, int]:
     """How many units each chosen leaf gives, spending as few DEGRADED nodes as possible. Every chosen
     leaf keeps at least one unit: k is minimal, so no k-1 of them hold n units."""
-    take = {i: len(groups[i].healthy) // unit for i in chosen}
+    take = {i: _capped(len(groups[i].healthy) // unit, per_leaf) for i in chosen}
     total = sum(take.values())
     for i in reversed(chosen):  # more HEALTHY units than needed: give back from the tightest leaf first
         give = min(take[i], total - n) if total > n else 0
         take[i] -= give
         total -= give
     if total < n:  # one more unit where HEALTHY leftovers make it cheapest, then anywhere
-        room = {i: groups[i].free // unit - take[i] for i in chosen}
+        room = {i: _capped(groups[i].free // unit, per_leaf) - take[i] for i in chosen}
         cheapest = sorted(chosen, key=lambda i: take[i] * unit - len(groups[i].healthy))
         for i in cheapest:
             if total < n and room[i]:

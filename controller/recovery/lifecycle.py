@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from controller.config import JobsConfig, RecoveryConfig
-from controller.jobs.placement import Candidate, GangRequest, Unplaceable, place
+from controller.jobs.placement import Candidate, GangRequest, Placement, Unplaceable, place
 from controller.jobs.topology import ClusterTopology
 from controller.nodes.health import FAILED as HEALTH_FAILED
 from controller.recovery import progress
@@ -440,11 +440,41 @@ def allocation_short(job: pb.Job, view: JobView, what: str) -> str:
             "failing or without a Phalanx agent); requeue the Slurm job for a new allocation")
 
 
-def _pending(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+def placed(job: pb.Job, candidates: Sequence[Candidate], topology, spares: int) -> Placement | Unplaceable:
+    """Where the whole job goes (its nodes, and `spares` spares). A replica-group job's groups each lie inside
+    one leaf switch (block), the tightest part of the fabric, where a group fits in one, and they are spread over
+    as many leaves as can take one: at most one group a leaf if enough leaves have room, else at most two, and
+    so on (a leaf switch lost then takes the fewest groups with it). Groups that fit no single leaf, or a job
+    with a segment of its own, are placed as any job: its ranks in order, so each group is as tight as it can
+    be."""
     spec = job.spec
-    request = GangRequest(nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, spares=spec.spares,
+    request = GangRequest(nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, spares=spares,
                           segment=spec.segment or None)
-    decision = place(list(view.candidates), request, view.topology)
+    if spec.replicas <= 1 or spec.segment:
+        return place(candidates, request, topology)
+
+    def spread(per_leaf: int) -> Placement | Unplaceable:
+        return place(candidates, replace(request, segment=spec.nodes // spec.replicas, per_leaf=per_leaf), topology)
+
+    best = spread(1)
+    if not isinstance(best, Unplaceable):
+        return best
+    best = spread(spec.replicas)  # groups each in one leaf, however many a leaf
+    if isinstance(best, Unplaceable):
+        return place(candidates, request, topology)
+    low, high = 1, spec.replicas  # the fewest groups a leaf that places (placeable is monotone in it)
+    while high - low > 1:
+        mid = (low + high) // 2
+        decision = spread(mid)
+        if isinstance(decision, Unplaceable):
+            low = mid
+        else:
+            high, best = mid, decision
+    return best
+
+
+def _pending(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
+    decision = placed(job, list(view.candidates), view.topology, job.spec.spares)
     if isinstance(decision, Unplaceable) and (why := allocation_short(job, view, "to run on")):
         return [finished(job, FAILED, why, 1, now)]
     if isinstance(decision, Unplaceable):
@@ -763,9 +793,7 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: dict[str, Candidate],
         taken = [n for n in nodes if n not in current]
         how = "same nodes" if not taken else f"spare{'s' if len(taken) > 1 else ''} {', '.join(taken)} taken"
         return nodes, [s for s in job.spares if s not in used and s in usable], how
-    request = GangRequest(nodes=job.spec.nodes, ranks_per_node=job.spec.ranks_per_node, spares=0,
-                          segment=job.spec.segment or None)
-    decision = place([c for n, c in candidates.items() if n not in bad], request, view.topology)
+    decision = placed(job, [c for n, c in candidates.items() if n not in bad], view.topology, 0)
     if isinstance(decision, Unplaceable):
         return f"waiting for nodes: {decision.reason}"
     return list(decision.nodes), [], "a new placement (no spare left in the domain)"
