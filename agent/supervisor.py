@@ -167,6 +167,22 @@ class RankRecord:
         return f"{self.job}.g{self.generation}.r{self.rank}"
 
 
+def kill_recorded(path: Path, sig: int = signal.SIGKILL) -> bool:
+    """Signal the process group of the rank whose record is at `path`, if that rank still runs; whether it did.
+    For what cleans up after a node (tests' and benchmarks' clusters): a record outlives its rank (kept
+    KEEP_EXITED_S) and pids recycle within minutes on a busy machine, so a recorded pid alone could name another
+    process, a session leader too; the record's process start time tells the rank from a later process."""
+    try:
+        data = json.loads(path.read_text())
+        pid, started = int(data["pid"]), float(data["started"])
+        if data.get("exit_code") is not None or abs(psutil.Process(pid).create_time() - started) >= 1.0:
+            return False
+        os.killpg(pid, sig)
+        return True
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return False
+
+
 @dataclass
 class _Parked:
     """A rank (trainlib.run) whose generation ended and that waits, in its process, to rejoin the next."""

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from agent.supervisor import kill_recorded
 from bench.common import agent_toml, cli, controller_toml, free_port, log, spawn_daemon, temp_root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,10 +108,7 @@ def trial(root: Path, fault: str, snapshots: bool) -> dict:
                 "trainlib_said": said}
     finally:
         for record in root.glob("*/state/ranks/*.json"):
-            try:
-                _kill_group(json.loads(record.read_text())["pid"])
-            except (OSError, ValueError, KeyError):
-                pass
+            kill_recorded(record)
         for p in procs.values():
             _kill_group(p.pid)
             p.wait()

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import psutil
 
+from agent.supervisor import kill_recorded
 from bench.common import agent_toml, cli, controller_toml, free_port, log, spawn_daemon, temp_root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,10 +119,7 @@ def _kill_tree(pid: int, sig: int) -> None:
 def stop_cluster(root: Path, procs: dict[str, subprocess.Popen]) -> None:
     """Kill a loopback cluster's ranks (from the agents' records under `root`) and its daemons."""
     for record in root.glob("*/state/ranks/*.json"):
-        try:
-            _kill_tree(json.loads(record.read_text())["pid"], signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
+        kill_recorded(record)
     for p in procs.values():
         _kill_tree(p.pid, signal.SIGKILL)
         p.wait()

@@ -5,8 +5,11 @@ nodes x 1 rank with a spare, steps of ~60 ms:
 - groups: examples/train_ft.py as 2 replica groups of 2 nodes (`--replicas 2`), torchft's lighthouse under the
   controller (heartbeat timeout 1 s);
 - gang: examples/train_phalanx.py as one gang (in-memory snapshots every step, warm standbys): today's recovery.
-The faults: crash (kill -9 of rank 1's process) and xid-79 (an injected XID 79 on rank 1's node); the crash again as
-groups with the lighthouse's heartbeat timeout at 250 ms instead of 1 s (`[replicas] heartbeat_timeout_ms`).
+The faults, all on rank 1 (node-1): crash (kill -9 of its process), xid-79 (an XID 79 on its GPU: the node is drained
+and replaced by the spare), node-lost (its agent and its ranks killed: power lost), hang (its process stopped),
+remap-pending (its GPU turns FAILING: a predictable eviction) and straggler (its GPU throttled, slow=0.9: its compute
+takes 1.9x; the straggler rule tuned as tests/test_recovery_e2e.py tunes it for a shared 2-core machine); the crash
+again as groups with the lighthouse's heartbeat timeout at 250 ms instead of 1 s (`[replicas] heartbeat_timeout_ms`).
 
 Measured for each: the longest pause of a healthy rank's step loop (groups: a rank of the group the fault did not
 strike; gang: rank 0, which every restart stops too), the seconds from the fault until the job trains at full strength
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,18 +36,21 @@ from bench.recovery import _measure, _steps, _wait_steps, stop_cluster
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_FT = REPO / "examples" / "train_ft.py"
 TRAIN_GANG = REPO / "examples" / "train_phalanx.py"
-FAULTS = ("crash", "xid-79")
+FAULTS = ("crash", "xid-79", "node-lost", "hang", "remap-pending", "straggler")
+INJECTED = {"xid-79": "xid=79", "remap-pending": "remap-pending", "straggler": "slow=0.9"}  # `phalanx inject` faults
+STRAGGLER = "straggler_ratio = 1.2\nstraggler_cost = 0.2\nstraggler_min_samples = 30\nstraggler_max_evictions = 1\n"
 BATCH = 64  # examples/train_ft.py's batch a rank
 RANKS_PER_GROUP = 2
 WINDOW_S = 90.0
 STEP_TIME = "0.05"
 
 
-def _cluster(root: Path, heartbeat_ms: int = 1000) -> tuple[str, dict[str, subprocess.Popen]]:
+def _cluster(root: Path, fault: str, heartbeat_ms: int = 1000) -> tuple[str, dict[str, subprocess.Popen]]:
     address = f"127.0.0.1:{free_port()}"
     procs: dict[str, subprocess.Popen] = {}
     spawn_daemon(procs, root, "controller", "controller.main", controller_toml(address, root) +
                  "[jobs]\nstop_grace_s = 3.0\nkeep_spares = false\n[recovery]\nrestart_backoff_s = 0.2\n"
+                 + (STRAGGLER if fault == "straggler" else "") +
                  '[replicas]\nlighthouse_host = "127.0.0.1"\nlighthouse_bind = "127.0.0.1"\n'
                  f"heartbeat_timeout_ms = {heartbeat_ms}\n")
     time.sleep(1.5)
@@ -56,12 +63,18 @@ def _cluster(root: Path, heartbeat_ms: int = 1000) -> tuple[str, dict[str, subpr
     return address, procs
 
 
-def _inject(address: str, fault: str, rank: dict) -> float:
+def _inject(address: str, fault: str, rank: dict, procs: dict[str, subprocess.Popen]) -> float:
     fault_at = time.time()
+    process = psutil.Process(rank["wrapper_pid"]).children()[0]  # the rank, under its wrapper
     if fault == "crash":
-        psutil.Process(rank["wrapper_pid"]).children()[0].send_signal(signal.SIGKILL)  # the rank, under its wrapper
+        process.send_signal(signal.SIGKILL)
+    elif fault == "hang":
+        process.send_signal(signal.SIGSTOP)
+    elif fault == "node-lost":  # its agent, then its ranks: nothing of the node runs on
+        procs[rank["node"]].kill()
+        os.killpg(rank["wrapper_pid"], signal.SIGKILL)
     else:
-        cli(address, "inject", rank["node"], "--gpu", "0", "xid=79")
+        cli(address, "inject", rank["node"], "--gpu", "0", INJECTED[fault])
     return fault_at
 
 
@@ -74,7 +87,7 @@ def _commits(out: Path) -> dict[int, list[dict]]:
 
 
 def groups_trial(fault: str, root: Path, heartbeat_ms: int = 1000) -> dict:
-    address, procs = _cluster(root, heartbeat_ms)
+    address, procs = _cluster(root, fault, heartbeat_ms)
     try:
         out = root / "out"
         out.mkdir()
@@ -86,7 +99,7 @@ def groups_trial(fault: str, root: Path, heartbeat_ms: int = 1000) -> dict:
             time.sleep(0.3)
         info = json.loads(cli(address, "job", job, "--json"))
         before = {r: v[-1]["pid"] for r, v in _commits(out).items()}
-        fault_at = _inject(address, fault, info["ranks"][1])
+        fault_at = _inject(address, fault, info["ranks"][1], procs)
         back_at = None
         deadline = time.time() + WINDOW_S
         while time.time() < deadline and back_at is None:
@@ -112,7 +125,7 @@ def groups_trial(fault: str, root: Path, heartbeat_ms: int = 1000) -> dict:
 
 
 def gang_trial(fault: str, root: Path) -> dict:
-    address, procs = _cluster(root)
+    address, procs = _cluster(root, fault)
     try:
         job = cli(address, "submit", "--nodes", "4", "--spares", "1", "--checkpoint-dir", str(root / "ckpt"), "--",
                   sys.executable, str(TRAIN_GANG), "--steps", "100000", "--step-time", STEP_TIME, "--every", "500",
@@ -126,7 +139,7 @@ def gang_trial(fault: str, root: Path) -> dict:
         while len(info["standbys"]) < 5 and time.time() < deadline:  # warm standbys on its nodes and the spare
             time.sleep(0.5)
             info = json.loads(cli(address, "job", job, "--json"))
-        fault_at = _inject(address, fault, info["ranks"][1])
+        fault_at = _inject(address, fault, info["ranks"][1], procs)
         result = _measure(read, fault_at)
         steps = [t for _, t in _steps(read()) if t >= fault_at - 5]
         gaps = [b - a for a, b in itertools.pairwise(steps)]

@@ -96,6 +96,7 @@ def main() -> int:
         x, y = batch(step, group, rank)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        trainlib.compute_done()  # the step's own work ends here: what Phalanx's straggler rule compares across ranks
         for param in model.parameters():
             # across the groups in the quorum first (torchft pairs each group's rank r with the others' rank r, and
             # zeroes the gradient of a rank that is taking a healthy group's state), then inside the group: every

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from agent.supervisor import kill_recorded
 from cli import render
 from cli.local import free_port
 from cli.render import state_name
@@ -228,21 +228,6 @@ class Cluster:
                     pass
                 proc.wait(timeout=TIMEOUT_S)
         remove_cgroups(self.cgroup_parent)
-
-
-def kill_recorded(record: Path) -> None:
-    """SIGKILL the process group of the rank an agent's record names, if that rank still runs. A record outlives
-    its rank (an agent keeps an exited rank's for minutes) and pids are recycled within minutes on a busy machine
-    (pid_max 32768; every thread takes one): killing a recorded pid unchecked once killed another test's brand-new
-    rank, which is a session leader too. The record's process start time tells the rank from a later process."""
-    try:
-        data = json.loads(record.read_text())
-        pid, started = int(data["pid"]), float(data["started"])
-        if data.get("exit_code") is not None or abs(psutil.Process(pid).create_time() - started) >= 1.0:
-            return
-        os.killpg(pid, signal.SIGKILL)
-    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
-        pass
 
 
 def remove_cgroups(parent: str, root: Path = Path("/sys/fs/cgroup")) -> None:

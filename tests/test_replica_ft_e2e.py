@@ -3,6 +3,7 @@ examples/train_ft.py on 2 groups x 2 ranks (gloo, CPU) with a spare. A kill -9 o
 group never restarts and never loses a step, the failed group's replacement recovers the state from it over the
 network and joins, every group holds bit-identical parameters at every step, and the run converges."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 
 from controller.lighthouse_main import extension
 from tests.cluster import alive
+from tests.ha_cluster import HaCluster
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow,
               pytest.mark.skipif(extension() is None, reason="torchft is not installed (requirements-dev.txt)")]
@@ -36,9 +38,42 @@ def commits(out: Path) -> dict[int, list[dict]]:
 
 # Each fault on rank 1 (group 0, node-b). kill-9: of the rank; xid-79: its GPU fails (the node is drained and replaced
 # by the spare); node-lost: its agent and its ranks killed (power lost); remap-pending: its GPU turns FAILING (the
-# group leaves predictably, replaced by the spare); hang: the rank stopped (SIGSTOP; found by trainlib's silence).
-FAULTS = ["kill-9", "xid-79", "node-lost", "remap-pending", "hang"]
-REPLACED = {"xid-79", "node-lost", "remap-pending", "hang"}  # whose node the spare replaces (a hang: the silent one's)
+# group leaves predictably, replaced by the spare); hang: the rank stopped (SIGSTOP; found by trainlib's silence);
+# straggler: its GPU throttled (slow=0.9: its compute takes 1.9x; the quorum drops its group rather than wait for it).
+FAULTS = ["kill-9", "xid-79", "node-lost", "remap-pending", "hang", "straggler"]
+REPLACED = {"xid-79", "node-lost", "remap-pending", "hang", "straggler"}  # whose node the spare replaces
+# The straggler rule as tests/test_recovery_e2e.py sets it for this shared 2-core machine (healthy ranks' computes
+# drift apart by up to ~1.13x on their own; a full window of samples; one eviction at most), for that fault only.
+STRAGGLER = "straggler_ratio = 1.2\nstraggler_cost = 0.2\nstraggler_min_samples = 30\nstraggler_max_evictions = 1\n"
+
+
+def uninterrupted_loss(steps: int, groups: int = 2, ranks: int = 2) -> float:
+    """The final test loss of an uninterrupted run of examples/train_ft.py (`groups` x `ranks`, `steps` committed
+    steps), computed in this process: each step's gradient is the mean of every rank's of every group, as the
+    example's two all-reduces make it when no group is missing."""
+    import torch
+
+    torch.set_num_threads(1)  # (tiny tensors: more threads only fight the cluster's processes for the cores)
+    spec = importlib.util.spec_from_file_location("train_ft", TRAIN)
+    ft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ft)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(ft.FEATURES, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # the example's defaults
+    for step in range(steps):
+        grads = []
+        for group in range(groups):
+            for rank in range(ranks):
+                model.zero_grad()
+                x, y = ft.batch(step, group, rank)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+        for i, param in enumerate(model.parameters()):
+            param.grad = sum(g[i] for g in grads) / len(grads)
+        optimizer.step()
+    x, y = ft.batch(10**9, 0, 0, size=4096)  # the example's test set
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x), y).item()
 
 
 def inject(cluster, fault: str, pid: int, node: str) -> None:
@@ -50,25 +85,42 @@ def inject(cluster, fault: str, pid: int, node: str) -> None:
         cluster.kill(node)  # its agent, then its ranks: nothing of the node runs on
         os.kill(pid, signal.SIGKILL)
     else:
-        fault = {"xid-79": "xid=79"}.get(fault, fault)
+        fault = {"xid-79": "xid=79", "straggler": "slow=0.9"}.get(fault, fault)
         assert cluster.cli("inject", node, "--gpu", "0", fault).returncode == 0
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_every_step(cluster, tmp_path, fault):
-    cluster.start_controller(CONTROLLER)
-    for name in NODES:
-        cluster.start_agent(name, gpus=2)
-    cluster.wait_states(dict.fromkeys(NODES, "UP"))
-    out = tmp_path / "out"
+def submit(cluster, tmp_path: Path, out: Path) -> str:
+    """The job (2 groups x 2 ranks, a spare), once both groups train together past their first checkpoint."""
     out.mkdir()
     submitted = cluster.cli("submit", "--nodes", "4", "--replicas", "2", "--spares", "1", "--checkpoint-dir",
                             str(tmp_path / "ckpt"), "--", sys.executable, TRAIN, "--steps", str(STEPS), "--out",
                             str(out), "--step-time", "0.05", "--every", "50", "--until-full", str(TOGETHER))
     assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip()
     cluster.wait_for(lambda: len(commits(out)) == 4 and min(len(c) for c in commits(out).values()) >= 60,
                      "both groups training together, past their first checkpoint (step 49)")
+    return submitted.stdout.strip()
+
+
+def same_model_at_every_step(seen: dict[int, list[dict]]) -> dict[int, set[str]]:
+    """The digests of every step all groups committed: one each when every group holds the same parameters."""
+    by_step: dict[int, set[str]] = {}
+    for ranks in seen.values():
+        for c in ranks:
+            if c["groups"] == 2:
+                by_step.setdefault(c["step"], set()).add(c["digest"])
+    assert all(len(d) == 1 for d in by_step.values()), {s: d for s, d in by_step.items() if len(d) > 1}
+    return by_step
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_every_step(cluster, tmp_path, fault):
+    cluster.start_controller(CONTROLLER.replace("[replicas]", STRAGGLER + "[replicas]") if fault == "straggler"
+                             else CONTROLLER)
+    for name in NODES:
+        cluster.start_agent(name, gpus=2)
+    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    out = tmp_path / "out"
+    job_id = submit(cluster, tmp_path, out)
     at_kill = commits(out)
     before = {r: c[-1]["pid"] for r, c in at_kill.items()}
     victim = json.loads(cluster.cli("job", job_id, "--json").stdout)["ranks"][1]["node"]
@@ -89,18 +141,15 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     assert rejoined and rejoined[-1]["step"] == last and len([c for c in rejoined if c["groups"] == 2]) >= TOGETHER
     # bit-identical parameters in every group at every step both committed (a group that trained a step before it
     # joined the others, at its start, took their state when it joined)
-    by_step: dict[int, set[str]] = {}
-    for ranks in seen.values():
-        for c in ranks:
-            if c["groups"] == 2:
-                by_step.setdefault(c["step"], set()).add(c["digest"])
-    assert len(by_step) >= 2 * TOGETHER  # (before the fault and after the rejoin)
-    assert all(len(d) == 1 for d in by_step.values()), {s: d for s, d in by_step.items() if len(d) > 1}
+    assert len(same_model_at_every_step(seen)) >= 2 * TOGETHER  # (before the fault and after the rejoin)
     alone = [c["step"] for c in healthy[0] if c["groups"] == 1]
     assert alone, "group 1 never trained alone: the fault was not seen"
-    # converged as the uninterrupted run would (a toy regression with noise 0.01: its loss floor is 1e-4)
+    # converged as an uninterrupted run of as many steps does: every rank's final test loss the same, and within
+    # 10 % of that run's (a toy regression with noise 0.01: both end near its floor, 1e-4, a few % apart with the
+    # samples each saw; the fault skipped group 0's samples of the steps it missed; untrained, the loss is ~0.3)
     losses = {float((out / f"loss-{r}.txt").read_text()) for r in range(4)}
-    assert len(losses) == 1 and losses.pop() < 2e-4
+    reference = uninterrupted_loss(last + 1)
+    assert len(losses) == 1 and abs(losses.pop() - reference) <= 0.1 * reference, (losses, reference)
     kinds = [e["kind"] for e in cluster.events(job=job_id)]
     assert "job.group_left" in kinds and "job.group_joined" in kinds and "job.incident" not in kinds, kinds
     shown = json.loads(cluster.cli("job", job_id, "--json").stdout)
@@ -119,3 +168,39 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     # the pause of the healthy group's step loop at the fault, for the record (bench/replicas.py measures it)
     gaps = [b["time"] - a["time"] for a, b in zip(healthy[0], healthy[0][1:], strict=False)]
     print(f"{fault}: group 1's longest pause {max(gaps):.2f}s, {len(alone)} steps alone")
+
+
+def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server):
+    """Two controllers on etcd; the leader, which runs the job's lighthouse, killed -9 while both groups train. The
+    new leader starts the lighthouse again at the port the ranks were told, and the quorum carries on: no rank is
+    restarted, every rank commits every step once, in order, and every group holds the same model at every step."""
+    ha = HaCluster(tmp_path, etcd_server.endpoint, controllers=2)
+    try:
+        ha.start_controller(CONTROLLER)
+        for name in NODES:
+            ha.start_agent(name, gpus=2)
+        ha.wait_states(dict.fromkeys(NODES, "UP"))
+        out = tmp_path / "out"
+        job_id = submit(ha, tmp_path, out)
+        at_kill = commits(out)
+        before = {r: c[-1]["pid"] for r, c in at_kill.items()}
+        old, _ = ha.leader()
+        ha.kill(old, signal.SIGKILL)
+        ha.wait_for(lambda: (ha.leader() or (old,))[0] != old, "a new leader")
+        waited = ha.cli("wait", job_id)
+        assert waited.returncode == 0, waited.stderr + ha.log("controller", 60) + ha.rank_logs(job_id)
+        seen = commits(out)
+        last = max(c[-1]["step"] for c in seen.values())
+        assert last >= STEPS - 1
+        for r, ranks in seen.items():
+            assert {c["pid"] for c in ranks} == {before[r]}, f"rank {r} was restarted"
+            since = at_kill[r][-1]["step"]
+            assert [c["step"] for c in ranks if c["step"] >= since] == list(range(since, last + 1)), f"rank {r}"
+        assert len(same_model_at_every_step(seen)) >= last - 60  # (every step, but a group's first few at its start)
+        kinds = [e["kind"] for e in ha.events(job=job_id)]
+        assert "job.group_left" not in kinds and "job.incident" not in kinds, kinds
+        losses = {float((out / f"loss-{r}.txt").read_text()) for r in range(4)}
+        reference = uninterrupted_loss(last + 1)
+        assert len(losses) == 1 and abs(losses.pop() - reference) <= 0.1 * reference, (losses, reference)
+    finally:
+        ha.close()
