@@ -191,9 +191,10 @@ def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server
         assert waited.returncode == 0, waited.stderr + ha.log("controller", 60) + ha.rank_logs(job_id)
         seen = commits(out)
         last = max(c[-1]["step"] for c in seen.values())
+        told = "\n".join(f"{e['kind']}: {e['message']}" for e in ha.events(job=job_id))
         assert last >= STEPS - 1
         for r, ranks in seen.items():
-            assert {c["pid"] for c in ranks} == {before[r]}, f"rank {r} was restarted"
+            assert {c["pid"] for c in ranks} == {before[r]}, f"rank {r} was restarted:\n{told}{ha.rank_logs(job_id, 30)}"
             since = at_kill[r][-1]["step"]
             assert [c["step"] for c in ranks if c["step"] >= since] == list(range(since, last + 1)), f"rank {r}"
         assert len(same_model_at_every_step(seen)) >= last - 60  # (every step, but a group's first few at its start)
