@@ -189,12 +189,15 @@ class RecoveryConfig:
 @dataclass(frozen=True)
 class ReplicasConfig:
     lighthouse: bool = setting(True, "run torchft's lighthouse (the replica groups' quorum) for each job submitted "
-                               "with --replicas, as a child process, when torchft is installed here (phalanx[ft]); "
-                               "its ranks are told TORCHFT_LIGHTHOUSE")
+                               "with --replicas, as a process of its own on this host, when torchft is installed "
+                               "here (phalanx[ft]); its ranks are told TORCHFT_LIGHTHOUSE")
     lighthouse_host: str = setting("", "the address ranks reach the lighthouses at: this controller's, as the nodes "
                                    "know it (default: store.advertise's host, else listen's, else this host's "
-                                   "name); with a highly available controller, a name or address that follows the "
-                                   "leader (the quorum then carries on after a takeover)")
+                                   "name). A lighthouse outlives its controller, and the next leader takes it up; "
+                                   "only one whose host is lost is started again, by the leader, and the quorum "
+                                   "reaches it there only if this is a name or address that follows the leader")
+    orphan_grace_s: float = setting(600.0, "how long a lighthouse whose controller is gone serves on without one, "
+                                    "for the controller that restarts, or takes over, to take it up; then it ends")
     lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on (each on a port of its own; "
                                    "torchft's service has no authentication: docs/concepts/threat-model.md)")
     heartbeat_timeout_ms: int = setting(1000, "torchft's: a group whose heartbeats stop this long leaves the quorum; "
@@ -206,6 +209,7 @@ class ReplicasConfig:
     def __post_init__(self) -> None:
         for key in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
             require(getattr(self, key) >= 1, f"replicas.{key} ({getattr(self, key)}) must be at least 1")
+        require(self.orphan_grace_s > 0, f"replicas.orphan_grace_s ({self.orphan_grace_s}) must be positive")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,15 @@
-"""torchft's lighthouse (the quorum of a job's replica groups), one child process per running replica-group job.
+"""torchft's lighthouse (the quorum of a job's replica groups), one process per running replica-group job.
 
-The controller starts a job's lighthouse when it places the job and stops it when the job ends; the port is stored in
-the job's record, so a controller that restarts, or takes over, serves the job's quorum at the same port again (the
-ranks were told `TORCHFT_LIGHTHOUSE=http://[replicas] lighthouse_host:PORT`: a name that follows the leader keeps the
-quorum across a takeover). The lighthouse keeps no state a quorum needs across its restart: the groups' next quorum
-forms at the new one. Health verdicts reach the quorum by the groups' own processes: the controller stops a group it
-has judged at once, and the lighthouse drops it `heartbeat_timeout_ms` later (torchft has no call to remove a member).
+The controller that places the job starts its lighthouse and stops it when the job ends. The lighthouse outlives its
+controller: a controller that restarts, or another that takes over, takes it up again by its control port
+(controller/lighthouse_main.py), whose host, port and token are in the job's record, and the job's quorum never
+notices. torchft's managers ask the lighthouse for a quorum at every step, and one that finds it gone waits out its
+quorum timeout and fails: a lighthouse started again, even at the same port, restarts the job. Only when none is left
+to take up (its host lost) is one started again, at the port the ranks were told (`TORCHFT_LIGHTHOUSE=http://HOST:PORT`,
+HOST the record's: a name that follows the leader reaches the new one). One whose controller is gone for good ends
+after `[replicas] orphan_grace_s`. Health verdicts reach the quorum by the groups' own processes: the controller stops
+a group it has judged at once, and the lighthouse drops it `heartbeat_timeout_ms` later (torchft has no call to remove
+a member).
 
 Without torchft on the controller's host (`pip install 'phalanx[ft]'`), replica-group jobs run without a lighthouse
 of Phalanx's (the ranks are not told one), which the job's event log says once.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import select
 import signal
 import socket
@@ -31,6 +36,7 @@ from phalanx import log
 
 logger = log.get("lighthouse")
 
+KEEP_TIMEOUT_S = 3.0  # connecting to a lighthouse's control port and hearing it say "kept"
 START_TIMEOUT_S = 30.0  # the child loads a native extension and binds: well under a second, but a Python start on
 # a loaded host can take seconds
 
@@ -41,10 +47,9 @@ class LighthouseError(Exception):
 
 @dataclass
 class Child:
-    """A process started with posix_spawn: its pid and the write end of its standard input."""
+    """A process started here with posix_spawn (its pid), reaped when it ends."""
 
     pid: int
-    stdin: int
     returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -61,9 +66,40 @@ class Child:
 
 @dataclass
 class Lighthouse:
+    """A job's lighthouse this controller looks after: started here (`child`) or taken up. `keeper` is the held
+    connection to its control port: while it is open, the lighthouse is looked after."""
+
     job: str
     port: int
-    child: Child
+    host: str  # where it runs, as the ranks reach it
+    control_port: int
+    token: str
+    keeper: socket.socket
+    child: Child | None = None
+
+    def alive(self) -> bool:
+        if self.child is not None and self.child.poll() is not None:
+            return False
+        try:
+            readable, _, _ = select.select([self.keeper], [], [], 0)
+            return not readable or self.keeper.recv(1, socket.MSG_PEEK) != b""
+        except OSError:
+            return False
+
+    def url(self) -> str:
+        return url(self.host, self.port)
+
+
+def describe(job, held: Lighthouse | None) -> None:
+    """Write where the held lighthouse runs into the job's record (`job`, a pb.Job): its port, host, control port
+    and token (none held: the record keeps the last one's)."""
+    if held is not None:
+        job.lighthouse_port, job.lighthouse_host = held.port, held.host
+        job.lighthouse_control_port, job.lighthouse_token = held.control_port, held.token
+
+
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class Lighthouses:
@@ -80,73 +116,135 @@ class Lighthouses:
             self._available = self.cfg.lighthouse and extension() is not None
         return self._available
 
-    def url(self, port: int) -> str:
-        host = self.host
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-    async def ensure(self, job: str, port: int = 0) -> int:
-        """The job's lighthouse runs (on `port`, when it had one: the ranks were told it); returns its port. Raises
-        LighthouseError when it cannot run."""
-        running = self.running.get(job)
-        if running is not None and running.child.poll() is None:
-            return running.port
+    async def ensure(self, job: str, port: int = 0, host: str = "", control_port: int = 0,
+                     token: str = "") -> Lighthouse:
+        """The job's lighthouse, looked after here: the one this controller holds; else the one the job's record
+        names (`host`, `control_port`, `token`), taken up; else one started here (on `port`, when the job had one:
+        its ranks were told it). Raises LighthouseError when none can run."""
+        held = self.running.get(job)
+        if held is not None and held.alive():
+            return held
+        if held is not None:
+            self._forget(job)
         if self.closed:
             raise LighthouseError("the controller is stopping")
+        if control_port and token and host:
+            keeper = await asyncio.to_thread(_keep, host, control_port, token)
+            if keeper is not None:
+                held = self.running[job] = Lighthouse(job, port, host, control_port, token, keeper)
+                logger.info("lighthouse taken up", job=job, port=port, url=held.url(), control_port=control_port)
+                return held
         if not self.available():
             raise LighthouseError("torchft is not installed on the controller's host (pip install 'phalanx[ft]'), "
                                   "or [replicas] lighthouse = false")
-        argv = [sys.executable, "-m", lighthouse_main.__name__, "--bind", f"{self.cfg.lighthouse_bind}:{port}",
+        return await self._start(job, port)
+
+    async def _start(self, job: str, port: int) -> Lighthouse:
+        bind = self.cfg.lighthouse_bind
+        argv = [sys.executable, "-m", lighthouse_main.__name__, "--bind", _join(bind, port),
+                "--control-bind", _join(bind, 0), "--orphan-grace-s", f"{self.cfg.orphan_grace_s:g}",
                 "--heartbeat-timeout-ms", str(self.cfg.heartbeat_timeout_ms),
                 "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms)]
-        child, out, log = _spawn(argv)
+        token = secrets.token_hex(16)
+        child, out, log = _spawn(argv, {**os.environ, lighthouse_main.TOKEN_ENV: token})
         threading.Thread(target=_drain, args=(log,), name=f"lighthouse-log-{job}", daemon=True).start()
         line = await asyncio.to_thread(_first_line, out, START_TIMEOUT_S)
         threading.Thread(target=_drain, args=(out,), name=f"lighthouse-{job}", daemon=True).start()
-        if not line.startswith("ready "):
-            await _end(child)
-            why = line.removeprefix("error: ") or f"it exited at start (code {child.poll()})"
-            raise LighthouseError(why)
-        started = int(line.rsplit(":", 1)[1])
-        self.running[job] = Lighthouse(job, started, child)
-        logger.info("lighthouse started", job=job, port=started, url=self.url(started))
-        return started
+        words = line.split()
+        if line.startswith("ready ") and len(words) == 3:
+            started, control_port = int(words[1].rsplit(":", 1)[1]), int(words[2])
+            keeper = await asyncio.to_thread(_keep, _local(bind), control_port, token)
+            if keeper is not None:
+                held = self.running[job] = Lighthouse(job, started, self.host, control_port, token, keeper, child)
+                logger.info("lighthouse started", job=job, port=started, url=held.url(), control_port=control_port)
+                return held
+            line = "error: its control port did not take this controller's connection"
+        await _end(child)
+        why = line.removeprefix("error: ") or f"it exited at start (code {child.poll()})"
+        raise LighthouseError(why)
+
+    def held(self, job: str) -> Lighthouse | None:
+        """The job's lighthouse, if this controller looks after it and it runs."""
+        held = self.running.get(job)
+        return held if held is not None and held.alive() else None
 
     def port(self, job: str) -> int:
-        """The port of the job's lighthouse running here (0: none)."""
-        running = self.running.get(job)
-        return running.port if running is not None and running.child.poll() is None else 0
+        """The port of the job's lighthouse looked after here (0: none)."""
+        held = self.held(job)
+        return held.port if held is not None else 0
 
     async def stop(self, job: str) -> None:
-        running = self.running.pop(job, None)
-        if running is not None:
-            await _end(running.child)
-            logger.info("lighthouse stopped", job=job, port=running.port)
+        """End the job's lighthouse (the job has ended)."""
+        held = self.running.pop(job, None)
+        if held is None:
+            return
+        with contextlib.suppress(OSError):
+            held.keeper.sendall(b"stop\n")
+        held.keeper.close()
+        if held.child is not None:
+            await _end(held.child)
+        logger.info("lighthouse stopped", job=job, port=held.port)
+
+    def _forget(self, job: str) -> None:
+        held = self.running.pop(job, None)
+        if held is not None:
+            held.keeper.close()
 
     async def close(self) -> None:
+        """The controller stops, or no longer leads: the lighthouses are let go, not stopped. Each serves on while
+        the controller that leads next takes it up (within `orphan_grace_s`, or it ends)."""
         self.closed = True
-        await asyncio.gather(*(self.stop(job) for job in list(self.running)))
+        for job in list(self.running):
+            self._forget(job)
 
 
-def _spawn(argv: list[str]) -> tuple[Child, int, int]:
-    """Start `argv` with posix_spawn, its standard input a pipe from here, its output and its log (stderr) pipes to
-    here, apart (torchft's log lines would mix into its ready line): (the child, the read ends of its output and its
-    log). Not fork: the controller's gRPC threads make a forked child crash before its exec now and then (grpc's
-    fork handlers: a SIGSEGV in a few starts of a hundred under load), and posix_spawn runs no fork handlers."""
-    in_r, in_w = os.pipe()
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _local(bind: str) -> str:
+    """Where this host reaches a port bound to `bind`."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
+
+
+def _keep(host: str, control_port: int, token: str) -> socket.socket | None:
+    """A connection that holds the lighthouse at host:control_port (None: nothing there takes it)."""
+    try:
+        sock = socket.create_connection((host, control_port), timeout=KEEP_TIMEOUT_S)
+    except OSError:
+        return None
+    try:
+        sock.sendall(f"{token}\nkeep\n".encode())
+        if sock.makefile("rb").readline(64).strip() == b"kept":
+            sock.settimeout(None)
+            return sock
+    except OSError:
+        pass
+    sock.close()
+    return None
+
+
+def _spawn(argv: list[str], env: dict[str, str]) -> tuple[Child, int, int]:
+    """Start `argv` with posix_spawn in a session of its own (it outlives this controller), its standard input
+    /dev/null, its output and its log (stderr) pipes to here, apart (torchft's log lines would mix into its ready
+    line): (the child, the read ends of its output and its log). Once ready it writes to neither. Not fork: the
+    controller's gRPC threads make a forked child crash before its exec now and then (grpc's fork handlers: a
+    SIGSEGV in a few starts of a hundred under load), and posix_spawn runs no fork handlers."""
     out_r, out_w = os.pipe()
     log_r, log_w = os.pipe()
     try:
-        pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=[
-            (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, log_w, 2)])
+        pid = os.posix_spawn(argv[0], argv, env, setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
+            (os.POSIX_SPAWN_DUP2, log_w, 2)])
     except OSError:
-        for fd in (in_w, out_r, log_r):
+        for fd in (out_r, log_r):
             os.close(fd)
         raise
     finally:
-        for fd in (in_r, out_w, log_w):
+        for fd in (out_w, log_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-    return Child(pid, in_w), out_r, log_r
+    return Child(pid), out_r, log_r
 
 
 def _first_line(fd: int, timeout_s: float) -> str:
@@ -184,12 +282,13 @@ def _drain(fd: int) -> None:
 
 
 async def _end(child: Child) -> None:
-    """Close its standard input (it ends then); SIGKILL after 5 s; reaped."""
-    with contextlib.suppress(OSError):
-        os.close(child.stdin)
-    for _ in range(100):
+    """SIGTERM (it was told to stop; this is in case it could not hear); SIGKILL after 5 s; reaped."""
+    for i in range(100):
         if child.poll() is not None:
             return
+        if i == 20:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGTERM)
         await asyncio.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.kill(child.pid, signal.SIGKILL)

@@ -1,8 +1,15 @@
-"""torchft's lighthouse for one replica-group job, as a child process of the controller (controller/lighthouse.py).
+"""torchft's lighthouse for one replica-group job, started by a controller (controller/lighthouse.py).
 
-`python -m controller.lighthouse_main --bind HOST:PORT --heartbeat-timeout-ms N --join-timeout-ms N
---quorum-tick-ms N` serves torchft's quorum until its standard input closes (the controller exits or stops it) or it
-gets SIGTERM. It prints `ready http://HOST:PORT` once it listens, or `error: WHY` and exits 1.
+`python -m controller.lighthouse_main --bind HOST:PORT --control-bind HOST:PORT --orphan-grace-s S
+--heartbeat-timeout-ms N --join-timeout-ms N --quorum-tick-ms N` serves torchft's quorum, with
+PHALANX_LIGHTHOUSE_TOKEN in its environment. It prints `ready http://HOST:PORT CONTROL_PORT` once it listens, or
+`error: WHY` and exits 1.
+
+It outlives the controller that started it: a controller that restarts, or another that takes over, takes it up
+again on its control port, and the job's quorum never notices (torchft's managers, which ask it for a quorum at every
+step, would otherwise wait out their quorum timeout and fail). The control port takes a connection that says the
+token first, then `keep` (a controller holds the connection open while it looks after the lighthouse) or `stop`. It
+ends on `stop`, on SIGTERM, or once no controller has held it for the orphan grace (its controller gone for good).
 
 torchft's lighthouse is native code (`torchft._torchft`). Importing the `torchft` package imports torch, which neither
 the controller nor this process may: the extension is loaded from its file, by the path of torchft's package found
@@ -12,11 +19,16 @@ without running it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hmac
 import importlib.machinery
 import importlib.util
+import os
 import signal
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -48,11 +60,18 @@ def load(path: Path) -> ModuleType:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lighthouse_main")
     p.add_argument("--bind", required=True)
+    p.add_argument("--control-bind", default="", help="HOST:PORT of the control port (default: --bind's host, any "
+                   "free port)")
+    p.add_argument("--orphan-grace-s", type=float, default=600.0)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     p.add_argument("--join-timeout-ms", type=int, default=1000)
     p.add_argument("--quorum-tick-ms", type=int, default=100)
     args = p.parse_args(argv)
+    token = os.environ.pop(TOKEN_ENV, "")
+    if not token:
+        print(f"error: no {TOKEN_ENV} in the environment", flush=True)
+        return 1
     path = extension()
     if path is None:
         print("error: torchft is not installed (pip install 'phalanx[ft]')", flush=True)
@@ -62,16 +81,96 @@ def main(argv: list[str] | None = None) -> int:
                                              join_timeout_ms=args.join_timeout_ms,
                                              quorum_tick_ms=args.quorum_tick_ms,
                                              heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+        host = args.bind.rsplit(":", 1)[0].strip("[]")
+        control = Control(args.control_bind or f"{host}:0", token)
     except Exception as e:  # a port taken, a bad address: said to the controller, which decides
         print(f"error: {e}", flush=True)
         return 1
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-    print(f"ready {server.address()}", flush=True)
-    done.wait()
+    signal.signal(signal.SIGTERM, lambda *_: control.done.set())
+    threading.Thread(target=control.serve, name="control", daemon=True).start()
+    print(f"ready {server.address()} {control.port}", flush=True)
+    _detach()
+    while not control.done.wait(1.0):
+        if control.orphaned_for() > args.orphan_grace_s:
+            break
     server.shutdown()
+    control.close()
     return 0
+
+
+TOKEN_ENV = "PHALANX_LIGHTHOUSE_TOKEN"
+
+
+def _detach() -> None:
+    """Once it has said it is ready, nothing of it writes to the controller that started it: its output goes
+    nowhere from now on (a write into the pipe of a controller that has gone would fail, and torchft's native log
+    would end the process with it). It keeps none of the controller's descriptors either."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class Control:
+    """The control port: a controller's `keep` connection holds the lighthouse; `stop` ends it."""
+
+    def __init__(self, bind: str, token: str) -> None:
+        host, _, port = bind.rpartition(":")
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, int(port)))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.token = token.encode()
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._keepers = 0
+        self._alone_since = time.monotonic()  # started: its controller takes it up at once
+
+    def orphaned_for(self) -> float:
+        with self._lock:
+            return 0.0 if self._keepers else time.monotonic() - self._alone_since
+
+    def serve(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        kept = False
+        try:
+            with conn, conn.makefile("rb") as lines:
+                conn.settimeout(5.0)  # the token comes at once, or the connection is not a controller's
+                if not hmac.compare_digest(lines.readline(256).strip(), self.token):
+                    return
+                conn.settimeout(None)
+                for line in lines:
+                    command = line.strip()
+                    if command == b"keep" and not kept:
+                        kept = True
+                        with self._lock:
+                            self._keepers += 1
+                        conn.sendall(b"kept\n")
+                    elif command == b"stop":
+                        conn.sendall(b"stopping\n")
+                        self.done.set()
+                        return
+        except OSError:
+            pass
+        finally:
+            if kept:
+                with self._lock:
+                    self._keepers -= 1
+                    self._alone_since = time.monotonic()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,22 @@
-"""torchft's lighthouse as the controller runs it (controller/lighthouse.py): a child process per replica-group job
-that never imports torch, started on the job's stored port again after a restart, and a clear error without torchft."""
+"""torchft's lighthouse as the controller runs it (controller/lighthouse.py): a process per replica-group job that
+never imports torch, outlives its controller and is taken up by the next (or ends after its grace), is started on the
+job's stored port again when it is gone, and a clear error without torchft."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from controller.config import ReplicasConfig
-from controller.lighthouse import LighthouseError, Lighthouses
+from controller.lighthouse import LighthouseError, Lighthouses, describe
 from controller.lighthouse_main import extension
+from phalanx.v1 import common_pb2
 
 pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 needs_torchft = pytest.mark.skipif(extension() is None, reason="torchft is not installed (requirements-dev.txt)")
@@ -25,21 +29,72 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+async def closed(port: int) -> None:
+    """Until nothing listens on `port` (a lighthouse told to stop, or ending by itself)."""
+    for _ in range(600):
+        if not listening(port):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"port {port} still listens")
+
+
 @needs_torchft
-def test_a_jobs_lighthouse_serves_until_stopped_and_comes_back_on_its_port():
+def test_a_lighthouse_outlives_its_controller_and_the_next_one_takes_it_up():
     async def run() -> None:
-        lighthouses = Lighthouses(CFG)
-        port = await lighthouses.ensure("job-1")
-        assert listening(port) and lighthouses.url(port) == f"http://127.0.0.1:{port}"
-        assert await lighthouses.ensure("job-1", port) == port  # running: the same one
-        await lighthouses.stop("job-1")
-        assert not listening(port)
-        assert await lighthouses.ensure("job-1", port) == port  # a restarted controller: the port the ranks know
-        assert listening(port)
-        await lighthouses.close()
-        assert not listening(port) and not lighthouses.running
+        first = Lighthouses(CFG)
+        held = await first.ensure("job-1")
+        port, pid = held.port, held.child.pid
+        assert listening(port) and held.url() == f"http://127.0.0.1:{port}" and held.host == "127.0.0.1"
+        assert await first.ensure("job-1", port) is held  # looked after here: the same one
+        await first.close()  # the controller stops (or dies): the lighthouse serves on
+        assert listening(port) and psutil.pid_exists(pid)
+        job = common_pb2.Job()
+        describe(job, held)
+        assert (job.lighthouse_port, job.lighthouse_host, job.lighthouse_control_port) == (port, "127.0.0.1",
+                                                                                          held.control_port)
+        # the next controller, from the record: the same process taken up, not another started
+        second = Lighthouses(CFG)
+        taken = await second.ensure("job-1", job.lighthouse_port, job.lighthouse_host, job.lighthouse_control_port,
+                                    job.lighthouse_token)
+        assert taken.child is None and taken.port == port and second.held("job-1") is taken
+        await second.stop("job-1")  # the job ended
+        await closed(port)
+        # a record naming a lighthouse that is gone: one started again, on the port the ranks were told
+        again = await second.ensure("job-1", port, job.lighthouse_host, job.lighthouse_control_port,
+                                    job.lighthouse_token)
+        assert again.child is not None and again.port == port and again.token != job.lighthouse_token
+        await second.stop("job-1")
+        await closed(port)
+        assert held.child.poll() is not None  # (reaped by the controller that started it)
 
     asyncio.run(run())
+
+
+@needs_torchft
+def test_a_lighthouse_no_controller_takes_up_ends_after_its_grace_and_the_token_guards_it():
+    async def run() -> None:
+        lighthouses = Lighthouses(ReplicasConfig(lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1",
+                                                 orphan_grace_s=1.0))
+        held = await lighthouses.ensure("job-1")
+        # a connection without the token neither holds it nor stops it: the next controller cannot take it up
+        with socket.create_connection(("127.0.0.1", held.control_port)) as s:
+            s.sendall(b"wrong\nstop\n")
+            assert s.recv(64) == b""  # closed on it
+        assert listening(held.port)
+        with pytest.raises(LighthouseError):  # not taken up, and its port is in use
+            await Lighthouses(CFG).ensure("job-1", held.port, "127.0.0.1", held.control_port, "not-the-token")
+        await lighthouses.close()
+        await closed(held.port)  # nobody took it up within its grace: it ended
+        held.child.poll()
+
+    asyncio.run(run())
+
+
+def test_the_lighthouse_process_refuses_to_start_without_its_token():
+    env = {k: v for k, v in os.environ.items() if k != "PHALANX_LIGHTHOUSE_TOKEN"}
+    out = subprocess.run([sys.executable, "-m", "controller.lighthouse_main", "--bind", "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 1 and "error: no PHALANX_LIGHTHOUSE_TOKEN" in out.stdout
 
 
 @needs_torchft

@@ -75,14 +75,18 @@ def _after(ids: list[str], after_id: str) -> int:
 
 def _shown(job: common_pb2.Job) -> common_pb2.Job:
     """The job as the caller may see it: its environment's values (tokens, passwords) only to its owner and admins;
-    a viewer or another user sees the names, each value "<hidden>"."""
+    a viewer or another user sees the names, each value "<hidden>". The token of its lighthouse's control port (what
+    takes the lighthouse up, or stops it) is the controllers' alone: nobody is shown it."""
     who = access.caller()
-    if who is None or who.role == access.ADMIN or who.name == job.user or not job.spec.env:
+    hide_env = not (who is None or who.role == access.ADMIN or who.name == job.user or not job.spec.env)
+    if not hide_env and not job.lighthouse_token:
         return job
     shown = common_pb2.Job()
     shown.CopyFrom(job)
-    for name in shown.spec.env:
-        shown.spec.env[name] = HIDDEN
+    shown.ClearField("lighthouse_token")
+    if hide_env:
+        for name in shown.spec.env:
+            shown.spec.env[name] = HIDDEN
     return shown
 
 

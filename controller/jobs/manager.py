@@ -17,7 +17,7 @@ from controller import access, validation
 from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
 from controller.jobs.topology import ClusterTopology
-from controller.lighthouse import LighthouseError, Lighthouses
+from controller.lighthouse import LighthouseError, Lighthouses, describe
 from controller.nodes.registry import NodeEntry, Registry
 from controller.obs.events import EventHub
 from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
@@ -451,7 +451,9 @@ class JobManager:
                 self.lighthouses.closed:
             return
         try:
-            job.lighthouse_port = await self.lighthouses.ensure(job.id, job.lighthouse_port)
+            held = await self.lighthouses.ensure(job.id, job.lighthouse_port, job.lighthouse_host,
+                                                 job.lighthouse_control_port, job.lighthouse_token)
+            describe(job, held)
         except LighthouseError as e:  # a port its ranks were told is kept: tried again at the next launch
             told = (f"tried again at its next launch (its ranks were told port {job.lighthouse_port})"
                     if job.lighthouse_port else "its ranks are not told TORCHFT_LIGHTHOUSE")
@@ -468,7 +470,7 @@ class JobManager:
     async def _save(self, entry: JobEntry, commit: lifecycle.Commit) -> None:
         job = commit.job
         if self.lighthouses is not None and job.spec.replicas > 1 and job.state in ACTIVE:
-            job.lighthouse_port = self.lighthouses.port(job.id) or job.lighthouse_port  # the record keeps it
+            describe(job, self.lighthouses.held(job.id))  # the record keeps it (none: the last one's)
         job.progress_reported = entry.reported  # set by a heartbeat, kept for the next controller at the next commit
         event = self.event(commit.kind, commit.message, job.id)
         record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)

@@ -310,7 +310,7 @@ class Executor:
             if refused:
                 raise FailedPrecondition(refused)
             grouped = lifecycle.grouped(job)
-            lighthouse = await self._lighthouse(job) if grouped else 0
+            lighthouse = await self._lighthouse(job) if grouped else ""
             k = len(job.nodes) // job.spec.replicas if grouped else len(job.nodes)
             indexes = [i for i, n in enumerate(job.nodes) if not only or n in only]
             masters: dict[int, tuple[str, int]] = {}  # the first node of each group launched -> (address, port)
@@ -377,26 +377,28 @@ class Executor:
                                             (f", fetched from {', '.join(fetched)}" if fetched else "")), job.id)
         return restore
 
-    async def _lighthouse(self, job) -> int:
-        """The port of the replica-group job's torchft lighthouse, started here if it does not run (on the port its
-        ranks were told, if any): 0 without one (no lighthouse of the controller's). Raises FailedPrecondition when
-        one should run and cannot start: the launch fails with the reason, and the lifecycle decides."""
+    async def _lighthouse(self, job) -> str:
+        """The URL of the replica-group job's torchft lighthouse: the one looked after here, else the one its record
+        names taken up, else one started here (on the port its ranks were told, if any); "" without one (no
+        lighthouse of the controller's). Raises FailedPrecondition when one should run and cannot start: the launch
+        fails with the reason, and the lifecycle decides."""
         lighthouses = self.jobs.lighthouses
         if lighthouses is None:
-            return 0
+            return ""
         if not lighthouses.available():  # not asked for, or torchft not installed here: the job runs without one
             await self.jobs.no_lighthouse(job.id, "torchft is not installed on the controller's host (pip install "
                                           "'phalanx[ft]'), or [replicas] lighthouse = false; its ranks are not told "
                                           "TORCHFT_LIGHTHOUSE")
-            return 0
+            return ""
         try:
-            return await lighthouses.ensure(job.id, job.lighthouse_port)
+            return (await lighthouses.ensure(job.id, job.lighthouse_port, job.lighthouse_host,
+                                             job.lighthouse_control_port, job.lighthouse_token)).url()
         except LighthouseError as e:
             raise FailedPrecondition(f"no torchft lighthouse for its replica groups: {e}") from None
 
     async def _launch_node(self, job, index: int, registry: dict[str, NodeEntry], master_addr: str,
                            master_port: int, restore: snapshot_plan.Restore | None, k: int,
-                           lighthouse: int = 0) -> None:
+                           lighthouse: str = "") -> None:
         """Start node `index`'s ranks. In a job of replica groups of `k` nodes each, RANK, WORLD_SIZE and the master
         are its group's (torchft's convention: each group is launched as a torchrun of its own would be, with
         REPLICA_GROUP_ID and NUM_REPLICA_GROUPS); PHALANX_RANK and PHALANX_WORLD_SIZE are the job's."""
@@ -416,8 +418,8 @@ class Executor:
         if lifecycle.grouped(job):
             common.update(REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(job.spec.replicas),
                           TORCHELASTIC_RUN_ID=f"{job.id}-group{group}", PHALANX_REPLICA_GROUP=str(group))
-            if lighthouse and self.jobs.lighthouses is not None:
-                common["TORCHFT_LIGHTHOUSE"] = self.jobs.lighthouses.url(lighthouse)
+            if lighthouse:
+                common["TORCHFT_LIGHTHOUSE"] = lighthouse
         if spec.checkpoint_dir:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
         if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job
