@@ -89,6 +89,27 @@ def inject(cluster, fault: str, pid: int, node: str) -> None:
         assert cluster.cli("inject", node, "--gpu", "0", fault).returncode == 0
 
 
+def started(cluster, tmp_path: Path, controller: str = CONTROLLER) -> tuple[str, Path, dict[int, list[dict]]]:
+    """The controller(s) and the five agents, and the job training: (its id, its output, each rank's commits so
+    far)."""
+    cluster.start_controller(controller)
+    for name in NODES:
+        cluster.start_agent(name, gpus=2)
+    cluster.wait_states(dict.fromkeys(NODES, "UP"))
+    out = tmp_path / "out"
+    job_id = submit(cluster, tmp_path, out)
+    return job_id, out, commits(out)
+
+
+def assert_converged(out: Path, steps: int) -> None:
+    """Every rank's final test loss the same, and within 10 % of an uninterrupted run's of as many steps (a toy
+    regression with noise 0.01: both end near its floor, 1e-4, a few % apart with the samples each saw; a fault skips
+    the samples of its group's missed steps; untrained, the loss is ~0.3)."""
+    losses = {float((out / f"loss-{r}.txt").read_text()) for r in range(4)}
+    reference = uninterrupted_loss(steps)
+    assert len(losses) == 1 and abs(losses.pop() - reference) <= 0.1 * reference, (losses, reference)
+
+
 def submit(cluster, tmp_path: Path, out: Path) -> str:
     """The job (2 groups x 2 ranks, a spare), once both groups train together past their first checkpoint."""
     out.mkdir()
@@ -114,14 +135,8 @@ def same_model_at_every_step(seen: dict[int, list[dict]]) -> dict[int, set[str]]
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_every_step(cluster, tmp_path, fault):
-    cluster.start_controller(CONTROLLER.replace("[replicas]", STRAGGLER + "[replicas]") if fault == "straggler"
-                             else CONTROLLER)
-    for name in NODES:
-        cluster.start_agent(name, gpus=2)
-    cluster.wait_states(dict.fromkeys(NODES, "UP"))
-    out = tmp_path / "out"
-    job_id = submit(cluster, tmp_path, out)
-    at_kill = commits(out)
+    job_id, out, at_kill = started(cluster, tmp_path, CONTROLLER.replace("[replicas]", STRAGGLER + "[replicas]")
+                                   if fault == "straggler" else CONTROLLER)
     before = {r: c[-1]["pid"] for r, c in at_kill.items()}
     victim = json.loads(cluster.cli("job", job_id, "--json").stdout)["ranks"][1]["node"]
     inject(cluster, fault, before[1], victim)
@@ -144,12 +159,7 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     assert len(same_model_at_every_step(seen)) >= 2 * TOGETHER  # (before the fault and after the rejoin)
     alone = [c["step"] for c in healthy[0] if c["groups"] == 1]
     assert alone, "group 1 never trained alone: the fault was not seen"
-    # converged as an uninterrupted run of as many steps does: every rank's final test loss the same, and within
-    # 10 % of that run's (a toy regression with noise 0.01: both end near its floor, 1e-4, a few % apart with the
-    # samples each saw; the fault skipped group 0's samples of the steps it missed; untrained, the loss is ~0.3)
-    losses = {float((out / f"loss-{r}.txt").read_text()) for r in range(4)}
-    reference = uninterrupted_loss(last + 1)
-    assert len(losses) == 1 and abs(losses.pop() - reference) <= 0.1 * reference, (losses, reference)
+    assert_converged(out, last + 1)  # as an uninterrupted run of as many steps
     kinds = [e["kind"] for e in cluster.events(job=job_id)]
     assert "job.group_left" in kinds and "job.group_joined" in kinds and "job.incident" not in kinds, kinds
     shown = json.loads(cluster.cli("job", job_id, "--json").stdout)
@@ -176,13 +186,7 @@ def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server
     restarted, every rank commits every step once, in order, and every group holds the same model at every step."""
     ha = HaCluster(tmp_path, etcd_server.endpoint, controllers=2)
     try:
-        ha.start_controller(CONTROLLER)
-        for name in NODES:
-            ha.start_agent(name, gpus=2)
-        ha.wait_states(dict.fromkeys(NODES, "UP"))
-        out = tmp_path / "out"
-        job_id = submit(ha, tmp_path, out)
-        at_kill = commits(out)
+        job_id, out, at_kill = started(ha, tmp_path)
         before = {r: c[-1]["pid"] for r, c in at_kill.items()}
         old, _ = ha.leader()
         ha.kill(old, signal.SIGKILL)
@@ -194,14 +198,13 @@ def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server
         told = "\n".join(f"{e['kind']}: {e['message']}" for e in ha.events(job=job_id))
         assert last >= STEPS - 1
         for r, ranks in seen.items():
-            assert {c["pid"] for c in ranks} == {before[r]}, f"rank {r} was restarted:\n{told}{ha.rank_logs(job_id, 30)}"
+            assert {c["pid"] for c in ranks} == {before[r]}, \
+                f"rank {r} was restarted:\n{told}{ha.rank_logs(job_id, 30)}"
             since = at_kill[r][-1]["step"]
             assert [c["step"] for c in ranks if c["step"] >= since] == list(range(since, last + 1)), f"rank {r}"
         assert len(same_model_at_every_step(seen)) >= last - 60  # (every step, but a group's first few at its start)
         kinds = [e["kind"] for e in ha.events(job=job_id)]
         assert "job.group_left" not in kinds and "job.incident" not in kinds, kinds
-        losses = {float((out / f"loss-{r}.txt").read_text()) for r in range(4)}
-        reference = uninterrupted_loss(last + 1)
-        assert len(losses) == 1 and abs(losses.pop() - reference) <= 0.1 * reference, (losses, reference)
+        assert_converged(out, last + 1)
     finally:
         ha.close()
