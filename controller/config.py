@@ -193,13 +193,17 @@ class ReplicasConfig:
                                "here (phalanx[ft]); its ranks are told TORCHFT_LIGHTHOUSE")
     lighthouse_host: str = setting("", "the address ranks reach the lighthouses at: this controller's, as the nodes "
                                    "know it (default: store.advertise's host, else listen's, else this host's "
-                                   "name). A lighthouse outlives its controller, and the next leader takes it up; "
-                                   "only one whose host is lost is started again, by the leader, and the quorum "
-                                   "reaches it there only if this is a name or address that follows the leader")
+                                   "name). A lighthouse outlives its controller, and the next leader takes it up "
+                                   "by its control port, at the address of the host it runs on (store.advertise's "
+                                   "host, else listen's, else the host's name: what other controllers reach it "
+                                   "at); only one whose host is lost is started again, by the leader, and the "
+                                   "quorum reaches it there only if this is a name or address that follows the "
+                                   "leader")
     orphan_grace_s: float = setting(600.0, "how long a lighthouse whose controller is gone serves on without one, "
                                     "for the controller that restarts, or takes over, to take it up; then it ends")
-    lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on (each on a port of its own; "
-                                   "torchft's service has no authentication: docs/concepts/threat-model.md)")
+    lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on, each on a port of its own "
+                                   "and a control port (torchft's service has no authentication; the control port "
+                                   "takes a token: docs/concepts/threat-model.md)")
     heartbeat_timeout_ms: int = setting(1000, "torchft's: a group whose heartbeats stop this long leaves the quorum; "
                                         "the controller stops a group it has judged at once, so this is a healthy "
                                         "group's pause at a fault (torchft's default 5000; bench/RESULTS.md)")

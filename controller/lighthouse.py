@@ -71,18 +71,20 @@ class Lighthouse:
 
     job: str
     port: int
-    host: str  # where it runs, as the ranks reach it
-    control_port: int
+    host: str  # where the ranks reach it (their TORCHFT_LIGHTHOUSE's host)
+    control: str  # HOST:PORT of its control port, HOST the address of the controller host it runs on
     token: str
     keeper: socket.socket
     child: Child | None = None
 
     def alive(self) -> bool:
+        """Whether it runs and holds the connection (a peer gone without a word is found by TCP keepalive)."""
         if self.child is not None and self.child.poll() is not None:
             return False
         try:
-            readable, _, _ = select.select([self.keeper], [], [], 0)
-            return not readable or self.keeper.recv(1, socket.MSG_PEEK) != b""
+            return self.keeper.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:  # nothing to read: the connection holds
+            return True
         except OSError:
             return False
 
@@ -95,7 +97,7 @@ def describe(job, held: Lighthouse | None) -> None:
     and token (none held: the record keeps the last one's)."""
     if held is not None:
         job.lighthouse_port, job.lighthouse_host = held.port, held.host
-        job.lighthouse_control_port, job.lighthouse_token = held.control_port, held.token
+        job.lighthouse_control, job.lighthouse_token = held.control, held.token
 
 
 def url(host: str, port: int) -> str:
@@ -104,10 +106,14 @@ def url(host: str, port: int) -> str:
 
 class Lighthouses:
     def __init__(self, cfg: ReplicasConfig, host: str = "") -> None:
-        """`host`: where the nodes reach this controller, for a config without lighthouse_host."""
+        """`host`: where the nodes and the other controllers reach this controller's host (its own address: a
+        lighthouse's control port is reached there, whatever lighthouse_host the ranks are told)."""
         self.cfg = cfg
-        self.host = cfg.lighthouse_host or host or socket.gethostname()
+        self.own = host or socket.gethostname()
+        self.host = cfg.lighthouse_host or self.own
         self.running: dict[str, Lighthouse] = {}
+        self._starting: dict[str, asyncio.Future[Lighthouse]] = {}
+        self._let_go: list[Child] = []  # started here and let go (a demotion): reaped when they end
         self._available: bool | None = None
         self.closed = False  # the controller stopped (or was demoted): none starts any more
 
@@ -116,11 +122,13 @@ class Lighthouses:
             self._available = self.cfg.lighthouse and extension() is not None
         return self._available
 
-    async def ensure(self, job: str, port: int = 0, host: str = "", control_port: int = 0,
+    async def ensure(self, job: str, port: int = 0, host: str = "", control: str = "",
                      token: str = "") -> Lighthouse:
         """The job's lighthouse, looked after here: the one this controller holds; else the one the job's record
-        names (`host`, `control_port`, `token`), taken up; else one started here (on `port`, when the job had one:
-        its ranks were told it). Raises LighthouseError when none can run."""
+        names (`host`, `control`, `token`), taken up; else one started here (on `port`, when the job had one: its
+        ranks were told it). Raises LighthouseError when none can run. One look per job at a time; a caller
+        cancelled meanwhile leaves it to finish (a lighthouse started is never left unkept)."""
+        self._reap()
         held = self.running.get(job)
         if held is not None and held.alive():
             return held
@@ -128,11 +136,23 @@ class Lighthouses:
             self._forget(job)
         if self.closed:
             raise LighthouseError("the controller is stopping")
-        if control_port and token and host:
-            keeper = await asyncio.to_thread(_keep, host, control_port, token)
+        pending = self._starting.get(job)
+        if pending is None:
+            pending = self._starting[job] = asyncio.ensure_future(self._find(job, port, host, control, token))
+            pending.add_done_callback(lambda f, j=job: self._started(j, f))
+        return await asyncio.shield(pending)
+
+    def _started(self, job: str, done: asyncio.Future) -> None:
+        self._starting.pop(job, None)
+        if not done.cancelled() and done.exception() is not None:  # (retrieved: its callers may have gone)
+            logger.debug("no lighthouse", job=job, error=str(done.exception()))
+
+    async def _find(self, job: str, port: int, host: str, control: str, token: str) -> Lighthouse:
+        if control and token:
+            keeper = await asyncio.to_thread(_keep, control, token)
             if keeper is not None:
-                held = self.running[job] = Lighthouse(job, port, host, control_port, token, keeper)
-                logger.info("lighthouse taken up", job=job, port=port, url=held.url(), control_port=control_port)
+                held = self.running[job] = Lighthouse(job, port, host or self.host, control, token, keeper)
+                logger.info("lighthouse taken up", job=job, port=port, url=held.url(), control=control)
                 return held
         if not self.available():
             raise LighthouseError("torchft is not installed on the controller's host (pip install 'phalanx[ft]'), "
@@ -153,10 +173,15 @@ class Lighthouses:
         words = line.split()
         if line.startswith("ready ") and len(words) == 3:
             started, control_port = int(words[1].rsplit(":", 1)[1]), int(words[2])
-            keeper = await asyncio.to_thread(_keep, _local(bind), control_port, token)
+            keeper = await asyncio.to_thread(_keep, _join(_local(bind), control_port), token)
             if keeper is not None:
-                held = self.running[job] = Lighthouse(job, started, self.host, control_port, token, keeper, child)
-                logger.info("lighthouse started", job=job, port=started, url=held.url(), control_port=control_port)
+                held = Lighthouse(job, started, self.host, _join(self.own, control_port), token, keeper, child)
+                if self.closed:  # the controller stopped while it started: let go, as every other
+                    self._let_go.append(child)
+                    keeper.close()
+                    raise LighthouseError("the controller is stopping")
+                self.running[job] = held
+                logger.info("lighthouse started", job=job, port=started, url=held.url(), control=held.control)
                 return held
             line = "error: its control port did not take this controller's connection"
         await _end(child)
@@ -174,7 +199,11 @@ class Lighthouses:
         return held.port if held is not None else 0
 
     async def stop(self, job: str) -> None:
-        """End the job's lighthouse (the job has ended)."""
+        """End the job's lighthouse (the job has ended); one still being found or started is waited for first."""
+        pending = self._starting.get(job)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
         held = self.running.pop(job, None)
         if held is None:
             return
@@ -189,6 +218,11 @@ class Lighthouses:
         held = self.running.pop(job, None)
         if held is not None:
             held.keeper.close()
+            if held.child is not None:
+                self._let_go.append(held.child)
+
+    def _reap(self) -> None:
+        self._let_go = [c for c in self._let_go if c.poll() is None]
 
     async def close(self) -> None:
         """The controller stops, or no longer leads: the lighthouses are let go, not stopped. Each serves on while
@@ -196,6 +230,7 @@ class Lighthouses:
         self.closed = True
         for job in list(self.running):
             self._forget(job)
+        self._reap()
 
 
 def _join(host: str, port: int) -> str:
@@ -207,16 +242,27 @@ def _local(bind: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
 
 
-def _keep(host: str, control_port: int, token: str) -> socket.socket | None:
-    """A connection that holds the lighthouse at host:control_port (None: nothing there takes it)."""
+def keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on a control connection: a peer whose host is lost (no FIN, no RST) is found in ~25 s, as on
+    the lighthouse's side."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _keep(control: str, token: str) -> socket.socket | None:
+    """A connection that holds the lighthouse at `control` (HOST:PORT; None: nothing there takes it)."""
+    host, _, port = control.rpartition(":")
     try:
-        sock = socket.create_connection((host, control_port), timeout=KEEP_TIMEOUT_S)
-    except OSError:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=KEEP_TIMEOUT_S)
+    except (OSError, ValueError):
         return None
     try:
         sock.sendall(f"{token}\nkeep\n".encode())
         if sock.makefile("rb").readline(64).strip() == b"kept":
             sock.settimeout(None)
+            keepalive(sock)
             return sock
     except OSError:
         pass
@@ -261,8 +307,9 @@ def _first_line(fd: int, timeout_s: float) -> str:
         left = deadline - time.monotonic()
         if left <= 0:
             return f"error: not ready within {timeout_s:g}s"
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        if poller.poll(left * 1000):
             chunk = os.read(fd, 65536)
             if not chunk:
                 return ""

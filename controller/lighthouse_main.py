@@ -111,6 +111,42 @@ def _detach() -> None:
     os.close(devnull)
 
 
+CONNECTIONS = 16  # control connections at once: a controller holds one, and a takeover adds another for a moment
+TOKEN_DEADLINE_S = 5.0  # a connection says the token within this, whole, or is closed
+LINE_MAX = 256
+
+
+def _lines(conn: socket.socket, deadline_s: float):
+    """The lines a connection sends, stripped: the first (the token) within `deadline_s` in all, the next whenever
+    they come; no line longer than LINE_MAX (a connection that sends one is done)."""
+    end, buffered, first = time.monotonic() + deadline_s, b"", True
+    while True:
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            yield line.strip()
+            if first:
+                first = False
+                conn.settimeout(None)
+        if len(buffered) > LINE_MAX:
+            return
+        if first:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            conn.settimeout(left)
+        chunk = conn.recv(4096)
+        if not chunk:
+            return
+        buffered += chunk
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 class Control:
     """The control port: a controller's `keep` connection holds the lighthouse; `stop` ends it."""
 
@@ -125,6 +161,7 @@ class Control:
         self.port = self.sock.getsockname()[1]
         self.token = token.encode()
         self.done = threading.Event()
+        self._slots = threading.BoundedSemaphore(CONNECTIONS)
         self._lock = threading.Lock()
         self._keepers = 0
         self._alone_since = time.monotonic()  # started: its controller takes it up at once
@@ -139,18 +176,24 @@ class Control:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+            if not self._slots.acquire(blocking=False):  # more connections than any controllers make: refused
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread to be had: this connection is refused, the port serves on
+                conn.close()
+                self._slots.release()
 
     def _talk(self, conn: socket.socket) -> None:
         kept = False
         try:
-            with conn, conn.makefile("rb") as lines:
-                conn.settimeout(5.0)  # the token comes at once, or the connection is not a controller's
-                if not hmac.compare_digest(lines.readline(256).strip(), self.token):
+            with conn:
+                lines = _lines(conn, TOKEN_DEADLINE_S)
+                if not hmac.compare_digest(next(lines, b""), self.token):
                     return
-                conn.settimeout(None)
-                for line in lines:
-                    command = line.strip()
+                _keepalive(conn)  # a controller whose host is lost lets go of it all the same
+                for command in lines:
                     if command == b"keep" and not kept:
                         kept = True
                         with self._lock:
@@ -163,6 +206,7 @@ class Control:
         except OSError:
             pass
         finally:
+            self._slots.release()
             if kept:
                 with self._lock:
                     self._keepers -= 1

@@ -187,21 +187,25 @@ async def first_of(*aws) -> None:
 
 
 async def to_the_end(aw: Awaitable[T]) -> T:
-    """Await `aw` to its end even if the caller is cancelled meanwhile; the cancel is raised once it has ended.
+    """Await `aw` to its end even if the caller is cancelled meanwhile; the cancel is raised once it has ended
+    (whatever `aw` ended with: a caller that was cancelled is cancelled, so that what cancelled it, a shutdown or a
+    demotion waiting for its task, is not left waiting behind a caller that took an error for its answer).
 
     Unlike asyncio.shield alone, the caller stays inside whatever it holds (a lock) until `aw` is done: shielded,
     a commit went on after its cancelled caller had left the job's lock, and the next holder committed beside it
     against the revision that commit was replacing (the fuzzer found it)."""
     task = asyncio.ensure_future(aw)
     cancelled = False
-    while True:
+    while not task.done():
         try:
-            result = await asyncio.shield(task)
-            break
+            await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task.done():  # `aw` itself was cancelled, not (only) its caller
-                raise
+            if task.done():
+                break  # `aw` itself was cancelled, not (only) its caller
             cancelled = True
+        except Exception:
+            break  # its error, raised below (or the cancel, which comes first)
     if cancelled:
-        raise asyncio.CancelledError
-    return result
+        error = None if task.cancelled() else task.exception()  # (retrieved: never "exception never retrieved")
+        raise asyncio.CancelledError from error
+    return task.result()

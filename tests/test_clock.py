@@ -149,3 +149,24 @@ async def test_to_the_end_holds_a_cancelled_caller_in_its_lock_until_the_work_is
         await task
     assert done == ["committed"] and not lock.locked()
     assert await to_the_end(asyncio.sleep(0, "answer")) == "answer"
+
+
+@run
+async def test_to_the_end_raises_the_callers_cancel_even_when_the_work_failed():
+    # a commit that failed (fenced, say) after its caller was cancelled: the caller is cancelled all the same, not
+    # handed the error (a loop that logs errors and goes on would outlive the cancel, and a shutdown wait for it)
+    gate = asyncio.Event()
+
+    async def failing() -> None:
+        await gate.wait()
+        raise RuntimeError("fenced")
+
+    task = asyncio.create_task(to_the_end(failing()))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(RuntimeError, match="fenced"):  # not cancelled: its error, as from the work itself
+        await to_the_end(failing())

@@ -5,6 +5,7 @@ job's stored port again when it is gone, and a clear error without torchft."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -41,7 +42,7 @@ async def closed(port: int) -> None:
 @needs_torchft
 def test_a_lighthouse_outlives_its_controller_and_the_next_one_takes_it_up():
     async def run() -> None:
-        first = Lighthouses(CFG)
+        first = Lighthouses(CFG, "127.0.0.1")
         held = await first.ensure("job-1")
         port, pid = held.port, held.child.pid
         assert listening(port) and held.url() == f"http://127.0.0.1:{port}" and held.host == "127.0.0.1"
@@ -50,17 +51,16 @@ def test_a_lighthouse_outlives_its_controller_and_the_next_one_takes_it_up():
         assert listening(port) and psutil.pid_exists(pid)
         job = common_pb2.Job()
         describe(job, held)
-        assert (job.lighthouse_port, job.lighthouse_host, job.lighthouse_control_port) == (port, "127.0.0.1",
-                                                                                          held.control_port)
+        assert (job.lighthouse_port, job.lighthouse_host, job.lighthouse_control) == (port, "127.0.0.1", held.control)
         # the next controller, from the record: the same process taken up, not another started
-        second = Lighthouses(CFG)
-        taken = await second.ensure("job-1", job.lighthouse_port, job.lighthouse_host, job.lighthouse_control_port,
+        second = Lighthouses(CFG, "127.0.0.1")
+        taken = await second.ensure("job-1", job.lighthouse_port, job.lighthouse_host, job.lighthouse_control,
                                     job.lighthouse_token)
         assert taken.child is None and taken.port == port and second.held("job-1") is taken
         await second.stop("job-1")  # the job ended
         await closed(port)
         # a record naming a lighthouse that is gone: one started again, on the port the ranks were told
-        again = await second.ensure("job-1", port, job.lighthouse_host, job.lighthouse_control_port,
+        again = await second.ensure("job-1", port, job.lighthouse_host, job.lighthouse_control,
                                     job.lighthouse_token)
         assert again.child is not None and again.port == port and again.token != job.lighthouse_token
         await second.stop("job-1")
@@ -74,15 +74,19 @@ def test_a_lighthouse_outlives_its_controller_and_the_next_one_takes_it_up():
 def test_a_lighthouse_no_controller_takes_up_ends_after_its_grace_and_the_token_guards_it():
     async def run() -> None:
         lighthouses = Lighthouses(ReplicasConfig(lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1",
-                                                 orphan_grace_s=1.0))
+                                                 orphan_grace_s=1.0), "127.0.0.1")
         held = await lighthouses.ensure("job-1")
         # a connection without the token neither holds it nor stops it: the next controller cannot take it up
-        with socket.create_connection(("127.0.0.1", held.control_port)) as s:
+        control = ("127.0.0.1", int(held.control.rsplit(":", 1)[1]))
+        with socket.create_connection(control) as s:
             s.sendall(b"wrong\nstop\n")
             assert s.recv(64) == b""  # closed on it
+        with socket.create_connection(control) as s:  # nor one that never finishes its first line
+            s.sendall(b"x" * 300)
+            assert s.recv(64) == b""
         assert listening(held.port)
         with pytest.raises(LighthouseError):  # not taken up, and its port is in use
-            await Lighthouses(CFG).ensure("job-1", held.port, "127.0.0.1", held.control_port, "not-the-token")
+            await Lighthouses(CFG, "127.0.0.1").ensure("job-1", held.port, "127.0.0.1", held.control, "not-the-token")
         await lighthouses.close()
         await closed(held.port)  # nobody took it up within its grace: it ended
         held.child.poll()
@@ -120,6 +124,30 @@ def test_a_port_taken_is_a_lighthouse_error_not_a_crash():
             s.bind(("127.0.0.1", 0))
             s.listen()
             with pytest.raises(LighthouseError):
-                await Lighthouses(CFG).ensure("job-1", s.getsockname()[1])
+                await Lighthouses(CFG, "127.0.0.1").ensure("job-1", s.getsockname()[1])
+
+    asyncio.run(run())
+
+
+@needs_torchft
+def test_a_launch_cancelled_while_its_lighthouse_starts_leaves_it_looked_after_not_leaked():
+    async def run() -> None:
+        def started() -> set[int]:
+            out = set()
+            for p in psutil.Process().children():
+                with contextlib.suppress(psutil.Error):
+                    if p.status() != psutil.STATUS_ZOMBIE and "lighthouse_main" in " ".join(p.cmdline()):
+                        out.add(p.pid)
+            return out
+
+        before = started()
+        lighthouses = Lighthouses(CFG, "127.0.0.1")
+        first = asyncio.create_task(lighthouses.ensure("job-1"))
+        await asyncio.sleep(0.01)  # spawned, not yet ready
+        first.cancel()
+        again = await lighthouses.ensure("job-1")  # the same start, finished: not a second process
+        assert lighthouses.held("job-1") is again and started() - before == {again.child.pid}
+        await lighthouses.stop("job-1")
+        await closed(again.port)
 
     asyncio.run(run())

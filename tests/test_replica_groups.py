@@ -264,7 +264,7 @@ def test_placement_puts_each_group_inside_one_leaf_and_spreads_the_groups_over_t
 def test_the_api_never_shows_the_token_of_a_jobs_lighthouse():
     from controller.api.control_service import _shown  # what GetJob and ListJobs return of a job
     job = pb.Job(id="job-1", user="ann", spec=pb.JobSpec(nodes=4, replicas=2), lighthouse_port=5000,
-                 lighthouse_host="ctl", lighthouse_control_port=5001, lighthouse_token="secret")
+                 lighthouse_host="ctl", lighthouse_control="ctl:5001", lighthouse_token="secret")
     shown = _shown(job)
-    assert shown.lighthouse_token == "" and shown.lighthouse_control_port == 5001
+    assert shown.lighthouse_token == "" and shown.lighthouse_control == "ctl:5001"
     assert job.lighthouse_token == "secret"  # (the record itself untouched)

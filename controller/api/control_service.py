@@ -271,7 +271,7 @@ class ControlService(control_pb2_grpc.ControlServiceServicer):
         job = self._jobs.get(validation.job_id(request.id))
         access.require_owner(job.user, job.id)
         with access.acting(_caller()):
-            return await self._jobs.cancel(job.id)
+            return _shown(await self._jobs.cancel(job.id))
 
     @unary
     async def ReadLogs(self, request: control_pb2.ReadLogsRequest, context):

@@ -35,6 +35,8 @@ from phalanx.v1 import common_pb2, node_pb2
 
 logger = log.get("jobs")
 
+LIGHTHOUSE_LOOKS = 16  # replica-group jobs whose lighthouses a controller that starts leading takes up at once
+
 pb = common_pb2
 TORCHRUN_RECORDS = "torchrun-"  # the prefix of torchrun runs' records in the jobs table (the rendezvous service's)
 FORGET_EVERY_S = 60.0  # how often ended jobs' records are looked over for deletion (jobs.ended_kept)
@@ -116,9 +118,13 @@ class JobManager:
             self._next_id = max(self._next_id, int(job.id.removeprefix("job-")) + 1)
         logger.info("jobs loaded", jobs=len(self.entries),
                     active=sum(e.job.state in ACTIVE for e in self.entries.values()))
-        for entry in self.entries.values():  # a restart or a takeover: their quorums served at the same ports again
-            if entry.job.state in ACTIVE and entry.job.lighthouse_port:
-                await self.lighthouse(entry.job)
+        limit = asyncio.Semaphore(LIGHTHOUSE_LOOKS)  # a restart or a takeover: their lighthouses taken up
+
+        async def look(entry: JobEntry) -> None:
+            async with limit:
+                await self.lighthouse(entry)
+        await asyncio.gather(*(look(e) for e in self.entries.values()
+                               if e.job.state in ACTIVE and e.job.lighthouse_port))
         self.wake()  # the first pass carries on whatever the stored records say, recoveries included
 
     async def run(self) -> None:
@@ -443,21 +449,32 @@ class JobManager:
         to the end together, the lock held; the caller's cancel comes after."""
         await clocks.to_the_end(self._save(entry, commit))
 
-    async def lighthouse(self, job: pb.Job) -> None:
-        """A replica-group job loaded by a controller that restarted or took over has its lighthouse running again,
-        on the port its ranks were told (`job`'s); without one it runs on, its event log saying why once. (A launch
-        starts it: Executor._launch.)"""
+    async def lighthouse(self, entry: JobEntry) -> None:
+        """A replica-group job loaded by a controller that restarted or took over: its lighthouse taken up (it
+        outlives its controller), else started again on the port its ranks were told, and then the record says so
+        at once (a controller that fails next must find that one). Without one the job runs on, its event log
+        saying why once. (A launch starts one too: Executor._launch.)"""
+        job = entry.job
         if self.lighthouses is None or job.spec.replicas <= 1 or job.state == table.PENDING or \
                 self.lighthouses.closed:
             return
         try:
             held = await self.lighthouses.ensure(job.id, job.lighthouse_port, job.lighthouse_host,
-                                                 job.lighthouse_control_port, job.lighthouse_token)
-            describe(job, held)
+                                                 job.lighthouse_control, job.lighthouse_token)
         except LighthouseError as e:  # a port its ranks were told is kept: tried again at the next launch
             told = (f"tried again at its next launch (its ranks were told port {job.lighthouse_port})"
                     if job.lighthouse_port else "its ranks are not told TORCHFT_LIGHTHOUSE")
             await self.no_lighthouse(job.id, f"{e}; {told}")
+            return
+        if (held.control, held.token) == (job.lighthouse_control, job.lighthouse_token):
+            return  # taken up: the record says where it runs
+        async with self.lock:
+            if entry.job.state in ACTIVE:
+                await self.save(entry, lifecycle.Commit(
+                    lifecycle.copied(entry.job), "job.lighthouse",
+                    f"{job.id}: its torchft lighthouse started again on port {held.port} (the one its record named "
+                    f"could not be taken up: {job.lighthouse_control or 'none named'}); its groups' managers wait "
+                    "out their quorum timeout, and a group that fails meanwhile restarts"))
 
     async def no_lighthouse(self, job_id: str, why: str) -> None:
         """Say once in the job's event log that it runs without a lighthouse of the controller's, and why."""
@@ -471,6 +488,8 @@ class JobManager:
         job = commit.job
         if self.lighthouses is not None and job.spec.replicas > 1 and job.state in ACTIVE:
             describe(job, self.lighthouses.held(job.id))  # the record keeps it (none: the last one's)
+        elif job.state in TERMINAL:  # ended: nothing is to take its lighthouse up again
+            job.lighthouse_control, job.lighthouse_token = "", ""
         job.progress_reported = entry.reported  # set by a heartbeat, kept for the next controller at the next commit
         event = self.event(commit.kind, commit.message, job.id)
         record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)

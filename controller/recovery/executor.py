@@ -392,7 +392,7 @@ class Executor:
             return ""
         try:
             return (await lighthouses.ensure(job.id, job.lighthouse_port, job.lighthouse_host,
-                                             job.lighthouse_control_port, job.lighthouse_token)).url()
+                                             job.lighthouse_control, job.lighthouse_token)).url()
         except LighthouseError as e:
             raise FailedPrecondition(f"no torchft lighthouse for its replica groups: {e}") from None
 
