@@ -180,31 +180,47 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     print(f"{fault}: group 1's longest pause {max(gaps):.2f}s, {len(alone)} steps alone")
 
 
+def assert_carried_on(c, job_id: str, out: Path, at_kill: dict[int, list[dict]]) -> None:
+    """The job ended with no rank restarted, every rank took every step once, in order, every group held the same
+    model at every step, nothing was judged, and the run converged."""
+    before = {r: ranks[-1]["pid"] for r, ranks in at_kill.items()}
+    waited = c.cli("wait", job_id)
+    assert waited.returncode == 0, waited.stderr + c.log("controller", 60) + c.rank_logs(job_id)
+    seen = commits(out)
+    last = max(ranks[-1]["step"] for ranks in seen.values())
+    told = "\n".join(f"{e['kind']}: {e['message']}" for e in c.events(job=job_id))
+    assert last >= STEPS - 1
+    for r, ranks in seen.items():
+        assert {x["pid"] for x in ranks} == {before[r]}, f"rank {r} was restarted:\n{told}{c.rank_logs(job_id, 30)}"
+        since = at_kill[r][-1]["step"]
+        assert [x["step"] for x in ranks if x["step"] >= since] == list(range(since, last + 1)), f"rank {r}"
+    assert len(same_model_at_every_step(seen)) >= last - 60  # (every step, but a group's first few at its start)
+    kinds = [e["kind"] for e in c.events(job=job_id)]
+    assert not {"job.group_left", "job.incident", "job.lighthouse"} & set(kinds), told
+    assert_converged(out, last + 1)
+
+
+def test_a_controller_killed_and_restarted_leaves_every_group_training(cluster, tmp_path):
+    """One controller (SQLite), killed -9 while both groups train and started again: the lighthouse it started
+    served on meanwhile, the restarted controller takes it up, and the quorum never noticed."""
+    job_id, out, at_kill = started(cluster, tmp_path)
+    cluster.kill("controller", signal.SIGKILL)
+    cluster.start_controller(CONTROLLER)
+    cluster.wait_for(lambda: "lighthouse taken up" in cluster.log("controller", 200), "the lighthouse taken up")
+    assert_carried_on(cluster, job_id, out, at_kill)
+
+
 def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server):
-    """Two controllers on etcd; the leader, which runs the job's lighthouse, killed -9 while both groups train. The
-    new leader starts the lighthouse again at the port the ranks were told, and the quorum carries on: no rank is
-    restarted, every rank commits every step once, in order, and every group holds the same model at every step."""
+    """Two controllers on etcd; the leader, which started the job's lighthouse, killed -9 while both groups train.
+    The new leader takes the lighthouse up (it outlived its controller), and the quorum carries on."""
     ha = HaCluster(tmp_path, etcd_server.endpoint, controllers=2)
     try:
         job_id, out, at_kill = started(ha, tmp_path)
-        before = {r: c[-1]["pid"] for r, c in at_kill.items()}
         old, _ = ha.leader()
         ha.kill(old, signal.SIGKILL)
         ha.wait_for(lambda: (ha.leader() or (old,))[0] != old, "a new leader")
-        waited = ha.cli("wait", job_id)
-        assert waited.returncode == 0, waited.stderr + ha.log("controller", 60) + ha.rank_logs(job_id)
-        seen = commits(out)
-        last = max(c[-1]["step"] for c in seen.values())
-        told = "\n".join(f"{e['kind']}: {e['message']}" for e in ha.events(job=job_id))
-        assert last >= STEPS - 1
-        for r, ranks in seen.items():
-            assert {c["pid"] for c in ranks} == {before[r]}, \
-                f"rank {r} was restarted:\n{told}{ha.rank_logs(job_id, 30)}"
-            since = at_kill[r][-1]["step"]
-            assert [c["step"] for c in ranks if c["step"] >= since] == list(range(since, last + 1)), f"rank {r}"
-        assert len(same_model_at_every_step(seen)) >= last - 60  # (every step, but a group's first few at its start)
-        kinds = [e["kind"] for e in ha.events(job=job_id)]
-        assert "job.group_left" not in kinds and "job.incident" not in kinds, kinds
-        assert_converged(out, last + 1)
+        assert_carried_on(ha, job_id, out, at_kill)
+        new, _ = ha.leader()
+        assert "lighthouse taken up" in ha.log(new, 400)
     finally:
         ha.close()
