@@ -268,3 +268,18 @@ def test_the_api_never_shows_the_token_of_a_jobs_lighthouse():
     shown = _shown(job)
     assert shown.lighthouse_token == "" and shown.lighthouse_control == "ctl:5001"
     assert job.lighthouse_token == "secret"  # (the record itself untouched)
+
+
+def test_a_rebuilt_group_takes_the_spare_on_its_own_leaf_first():
+    from controller.jobs.placement import Candidate
+    from tests.test_placement import tree
+    topo = tree([[4, 4, 4]])  # l0: n000-n003, l1: n004-n007, l2: n008-n011
+    job = pb.Job(id="job-1", spec=pb.JobSpec(nodes=4, ranks_per_node=1, replicas=2),
+                 nodes=["n000", "n001", "n004", "n005"], spares=["n008", "n002"],
+                 groups=[pb.ReplicaGroup(index=0, bad=["n001"]), pb.ReplicaGroup(index=1)])
+    view = lifecycle.JobView(candidates=[Candidate(n, True, True, True, 8) for n in topo.nodes], topology=topo)
+    assert lifecycle._group_next_nodes(job, view, job.groups[0]) == (["n000", "n002"], ["n008"])
+    job.groups[0].ClearField("bad")
+    job.groups[0].bad.append("n000")  # no spare on the group's leaf: the spares in their order
+    job.spares[:] = ["n008", "n009"]
+    assert lifecycle._group_next_nodes(job, view, job.groups[0]) == (["n008", "n001"], ["n009"])

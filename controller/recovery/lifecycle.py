@@ -1052,9 +1052,10 @@ def _group_to(job: pb.Job, g: int, state: int, reason: str, now: float) -> None:
 
 def _group_next_nodes(job: pb.Job, view: JobView, group: pb.ReplicaGroup) -> tuple[list[str], list[str]] | str:
     """The group's next nodes: its good ones in place, its bad ones (and any not usable now) replaced by the job's
-    spares, then by free nodes of the fleet (the view has it while a group waits). Returns (nodes, the spares left),
-    or why it waits. As for a whole job (`next_nodes`), a bad node schedulable again was undrained since (repaired):
-    it is taken back when nothing else will do."""
+    spares, then by free nodes of the fleet (the view has it while a group waits); of each, those on the leaf
+    switches of the group's other nodes first (the group stays as tight as it was). Returns (nodes, the spares
+    left), or why it waits. As for a whole job (`next_nodes`), a bad node schedulable again was undrained since
+    (repaired): it is taken back when nothing else will do."""
     candidates = {c.name: c for c in view.candidates}
 
     def usable(n: str) -> bool:
@@ -1064,9 +1065,16 @@ def _group_next_nodes(job: pb.Job, view: JobView, group: pb.ReplicaGroup) -> tup
     members = group_members(job, group.index)
     spares = [s for s in job.spares if usable(s)]
     free = free_nodes(job, view, {*job.nodes, *job.spares, *job.evicted}) if view.fleet else []
+    leaf_of = view.topology.node_leaf if view.topology is not None else {}
+    home = {leaf_of.get(n) for n in members if n not in group.bad}
+
+    def away(n: str) -> bool:  # (sorted is stable: the order within each kind is kept)
+        return leaf_of.get(n) not in home
+
+    nearest = [*sorted(spares, key=away), *sorted(free, key=away)]
     nodes: list[str] = []
     for bad in (set(group.bad), set()):
-        replacements = iter([*spares, *free])
+        replacements = iter(nearest)
         nodes = [n if n not in bad and usable(n) else next(replacements, "") for n in members]
         if "" not in nodes:
             used = set(nodes)
