@@ -165,7 +165,11 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     assert "job.group_left" in kinds and "job.group_joined" in kinds and "job.incident" not in kinds, kinds
     shown = json.loads(cluster.cli("job", job_id, "--json").stdout)
     if fault in REPLACED:  # the spare took the faulty node's place in its group
-        assert shown["groups"][0]["nodes"][1] == "node-e" and victim in shown["evicted"], shown
+        assert shown["groups"][0]["nodes"][1] == "node-e", shown
+        # evicted (drained), but a lost node may be seen first as its group's crash (group 0's other rank exits when
+        # its peer is gone), before its silence makes it DOWN: then it is replaced as not usable, not evicted, as in
+        # a job without groups
+        assert victim in shown["evicted"] or fault == "node-lost", shown
     else:
         assert shown["groups"][0]["nodes"][1] == victim, shown
     # durable checkpoints with trainlib, each group its own copy at its own generations (the rebuilt group's newer)
