@@ -101,7 +101,7 @@ def describe(job, held: Lighthouse | None) -> None:
 
 
 def url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{_join(host, port)}"
 
 
 class Lighthouses:
@@ -193,11 +193,6 @@ class Lighthouses:
         held = self.running.get(job)
         return held if held is not None and held.alive() else None
 
-    def port(self, job: str) -> int:
-        """The port of the job's lighthouse looked after here (0: none)."""
-        held = self.held(job)
-        return held.port if held is not None else 0
-
     async def stop(self, job: str) -> None:
         """End the job's lighthouse (the job has ended); one still being found or started is waited for first."""
         pending = self._starting.get(job)
@@ -242,15 +237,6 @@ def _local(bind: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
 
 
-def keepalive(sock: socket.socket) -> None:
-    """TCP keepalive on a control connection: a peer whose host is lost (no FIN, no RST) is found in ~25 s, as on
-    the lighthouse's side."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, option):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-
-
 def _keep(control: str, token: str) -> socket.socket | None:
     """A connection that holds the lighthouse at `control` (HOST:PORT; None: nothing there takes it)."""
     host, _, port = control.rpartition(":")
@@ -262,7 +248,7 @@ def _keep(control: str, token: str) -> socket.socket | None:
         sock.sendall(f"{token}\nkeep\n".encode())
         if sock.makefile("rb").readline(64).strip() == b"kept":
             sock.settimeout(None)
-            keepalive(sock)
+            lighthouse_main.keepalive(sock)  # its host lost, the lighthouse is let go of here too
             return sock
     except OSError:
         pass

@@ -140,7 +140,9 @@ def _lines(conn: socket.socket, deadline_s: float):
         buffered += chunk
 
 
-def _keepalive(sock: socket.socket) -> None:
+def keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on a control connection, at both ends: a peer whose host is lost (no FIN, no RST) is found in
+    ~25 s."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, option):
@@ -192,7 +194,7 @@ class Control:
                 lines = _lines(conn, TOKEN_DEADLINE_S)
                 if not hmac.compare_digest(next(lines, b""), self.token):
                     return
-                _keepalive(conn)  # a controller whose host is lost lets go of it all the same
+                keepalive(conn)  # a controller whose host is lost lets go of it all the same
                 for command in lines:
                     if command == b"keep" and not kept:
                         kept = True

@@ -440,7 +440,8 @@ def allocation_short(job: pb.Job, view: JobView, what: str) -> str:
             "failing or without a Phalanx agent); requeue the Slurm job for a new allocation")
 
 
-def placed(job: pb.Job, candidates: Sequence[Candidate], topology, spares: int) -> Placement | Unplaceable:
+def placed(job: pb.Job, candidates: Sequence[Candidate], topology: ClusterTopology | None,
+           spares: int) -> Placement | Unplaceable:
     """Where the whole job goes (its nodes, and `spares` spares). A replica-group job's groups each lie inside
     one leaf switch (block), the tightest part of the fabric, where a group fits in one, and they are spread over
     as many leaves as can take one: at most one group a leaf if enough leaves have room, else at most two, and
