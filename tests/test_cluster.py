@@ -64,6 +64,9 @@ def test_an_agent_declared_down_while_away_registers_again(cluster):
     cluster.start_agent("node-a")
     cluster.wait_states({"node-a": "UP"})
     before = cluster.node("node-a").incarnation
+    # The node is UP once registered; its session opens just after. Paused between the two, the agent would find
+    # its fresh registration DOWN at the open and register again after a backoff, without resuming: not this case.
+    cluster.wait_for(lambda: "session open" in cluster.log("node-a", lines=200), "the agent's session")
     # paused past down_after_s: the node is DOWN, and its old incarnation is refused when the agent comes back
     os.kill(cluster.procs["node-a"].pid, signal.SIGSTOP)
     try:
