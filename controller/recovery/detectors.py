@@ -93,14 +93,15 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     said no restart can mend it comes before everything. `over`: training_over(ranks, tracks), when the caller
     has it already. `since`: no hang counted from before it (the ranks' quorum changed then)."""
     ranks = list(ranks)
-    node_of = {r.rank: r.node for r in ranks}
     for rank, why in sorted((fatal or {}).items()):
-        return Incident("crash", False, (), f"rank {rank} on {node_of.get(rank, '?')} stopped for good: {why}",
-                        fatal=True)
-    lost = sorted(n for n, v in nodes.items() if v.down)
+        node = next((r.node for r in ranks if r.rank == rank), "?")
+        return Incident("crash", False, (), f"rank {rank} on {node} stopped for good: {why}", fatal=True)
+    # One pass over the nodes (a job of 16,384 nodes is judged at every step): the few that are not well, sorted
+    unwell = sorted((n, v) for n, v in nodes.items() if v.down or v.health >= FAILING)
+    lost = [n for n, v in unwell if v.down]
     if lost:
         return Incident("node-lost", False, tuple(lost), f"node {', '.join(lost)} lost")
-    failed = sorted(n for n, v in nodes.items() if v.health >= FAILED)
+    failed = [n for n, v in unwell if v.health >= FAILED]
     if failed:
         return Incident("gpu-failed", False, tuple(failed),
                         f"node {failed[0]} FAILED: {nodes[failed[0]].health_reason}")
@@ -122,6 +123,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     hangs = monitors.hung(tracks, now, cfg, since)
     if hangs and any(v.quiet for v in nodes.values()):
         hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first
+    node_of = {r.rank: r.node for r in ranks} if hangs or tracks else {}  # no reports: no rank is named
     if hangs:
         culprit = nccl_culprit(nccl or {}, node_of)
         if culprit is not None:
@@ -143,7 +145,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
             return None  # a silent rank's node is due to be heard from: its next heartbeat names the culprit
         return Incident("hang", False, (), f"{hangs[0].reason}; every rank is stuck and none is silent: restart in "
                                            "place")
-    failing = sorted(n for n, v in nodes.items() if v.health >= FAILING)
+    failing = [n for n, v in unwell if v.health >= FAILING]
     if failing:
         return Incident("gpu-failing", True, tuple(failing),
                         f"node {failing[0]} FAILING: {nodes[failing[0]].health_reason}")

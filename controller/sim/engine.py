@@ -292,12 +292,20 @@ class SimJob:
         return view
 
     def refresh(self, *names: str) -> None:
-        """Some of the job's nodes changed (a fault, a drain, a stop taken): their views again."""
+        """Some of the job's nodes changed (a fault, a drain): their views and candidates again."""
         for name in names:
             if name in self.candidates:
                 self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
-            if name in self.views and not self._stale:
-                self.views[name] = self.node_view(name)
+        self._restopped(names)
+
+    def _restopped(self, names: list[str] | tuple[str, ...]) -> None:
+        """Their stops moved on (told, taken): their views again (placement's candidates do not show stops)."""
+        if self._stale:
+            return  # rebuilt when next looked at
+        views, node_view = self.views, self.node_view
+        for name in names:
+            if name in views:
+                views[name] = node_view(name)
 
     def rebuild(self, members: bool = False) -> None:
         """The job's stops (or, with `members`, its nodes) changed: every view again, when next looked at."""
@@ -427,7 +435,7 @@ class SimJob:
                 case lifecycle.Event():
                     pass
         if stops:  # every node takes its stop in the same time: one event for them all
-            self.refresh(*stops)
+            self._restopped(stops)
             sim.at(sim.now + sim.scenario.timings.stop_s, self._stopped, stops, self.generation)
         return committed
 
@@ -521,7 +529,7 @@ class SimJob:
             for node in nodes:
                 if node in self.stops and not self.sim.nodes[node].down:
                     self.stops[node] = ("taken", self.sim.now)
-            self.refresh(*nodes)
+            self._restopped(nodes)
         self.decide()
 
     def _acked(self, request_id: int, generation: int) -> None:
@@ -658,6 +666,9 @@ class Simulation:
 
     def hold(self, job: SimJob, before: pb.Job, after: pb.Job) -> None:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none."""
+        if before.nodes == after.nodes and before.spares == after.spares and \
+                (before.state in table.TERMINAL) == (after.state in table.TERMINAL):
+            return  # most commits (a state moved, a checkpoint asked) hold what they held: no pass over the job
         held = set() if after.state in table.TERMINAL else {*after.nodes, *after.spares}
         released = [name for name in {*before.nodes, *before.spares} - held if self.nodes[name].holder == job.job.id]
         for name in released:
