@@ -184,9 +184,10 @@ class Sim:
                     p.launch = lifecycle.LaunchView(generation)
                     self.at(self.now + 1.0, self.launched_on_agents, p.epoch, generation,
                             tuple((r.node, r.rank) for r in self.job.ranks if r.generation == generation))
-                case lifecycle.Stop(node=node, generation=generation):
-                    p.stops[node] = ("sending", self.now)
-                    self.at(self.now + 0.1, self.stopped_on_agent, p.epoch, node, generation)
+                case lifecycle.Stop(nodes=nodes, generation=generation):
+                    for node in nodes:
+                        p.stops[node] = ("sending", self.now)
+                        self.at(self.now + 0.1, self.stopped_on_agent, p.epoch, node, generation)
                 case lifecycle.Drain(node=node):
                     self.nodes[node].drained = True
                 case lifecycle.RequestCheckpoint(request=request):
@@ -479,7 +480,7 @@ def test_a_fatal_rank_fails_the_job_at_once():
     actions = lifecycle.step(sim.job, view, sim.now, POLICY)
     assert actions[0].job.state == pb.JOB_STATE_FAILED
     assert "stopped for good: checkpoint directory /x is not shared" in actions[0].job.reason
-    assert {a.node for a in actions[1:]} == {"a", "b"}
+    assert {n for a in actions[1:] for n in a.nodes} == {"a", "b"}
 
 
 def test_a_job_waits_for_nodes_and_a_launch_that_fails_at_start_fails_it():

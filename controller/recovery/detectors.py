@@ -7,7 +7,7 @@ single one rank out (its last collective), else from whose trainlib fell silent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.config import RecoveryConfig
@@ -88,11 +88,14 @@ def describe_culprit(c: pb.HangCulprit) -> str:
 
 def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: Mapping[int, monitors.RankTrack],
            now: float, cfg: RecoveryConfig, nccl: Mapping[int, pb.NcclRankState] | None = None,
-           fatal: Mapping[int, str] | None = None, over: set[int] | None = None, since: float = 0.0) -> Incident | None:
+           fatal: Mapping[int, str] | None = None, over: set[int] | None = None, since: float = 0.0,
+           odd: Sequence[pb.RankInfo] | None = None) -> Incident | None:
     """The most urgent thing wrong with a running job, or None. Sudden failures come first; a rank that
     said no restart can mend it comes before everything. `over`: training_over(ranks, tracks), when the caller
-    has it already. `since`: no hang counted from before it (the ranks' quorum changed then)."""
-    ranks = list(ranks)
+    has it already. `since`: no hang counted from before it (the ranks' quorum changed then). `odd`: unsettled(ranks),
+    when the caller has it already."""
+    ranks = ranks if isinstance(ranks, Sequence) else list(ranks)
+    odd = unsettled(ranks) if odd is None else odd
     for rank, why in sorted((fatal or {}).items()):
         node = next((r.node for r in ranks if r.rank == rank), "?")
         return Incident("crash", False, (), f"rank {rank} on {node} stopped for good: {why}", fatal=True)
@@ -105,8 +108,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     if failed:
         return Incident("gpu-failed", False, tuple(failed),
                         f"node {failed[0]} FAILED: {nodes[failed[0]].health_reason}")
-    over = training_over(ranks, tracks) if over is None else over
-    for rank in ranks:
+    over = training_over(odd, tracks) if over is None else over
+    for rank in odd:
         if rank.state == pb.RANK_STATE_LOST or (rank.state == pb.RANK_STATE_EXITED and rank.exit_code != 0):
             if rank.rank in over and rank.state == pb.RANK_STATE_EXITED and rank.exit_code < 0:
                 continue  # killed by a signal in its teardown after its training ended: once every rank has ended
@@ -163,6 +166,12 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
 # Beyond the straggler window's own span, how long after Phalanx's own work on a node (standbys starting) its ranks'
 # compute times are still not held against it: the heartbeat that shows the work comes up to an interval late.
 OWN_WORK_MARGIN_S = 2.0
+
+
+def unsettled(ranks: Iterable[pb.RankInfo]) -> list[pb.RankInfo]:
+    """The ranks not RUNNING (not started yet, exited, lost), in order: what the verdicts on rank states read. One pass
+    over a job's ranks, for the few (a job of 16,384 ranks is judged at every step)."""
+    return [r for r in ranks if r.state != pb.RANK_STATE_RUNNING]
 
 
 def training_over(ranks: Iterable[pb.RankInfo], tracks: Mapping[int, monitors.RankTrack]) -> set[int]:

@@ -226,9 +226,10 @@ class Executor:
                     entry.launch = lifecycle.LaunchView(generation)
                     entry.launch_task = asyncio.create_task(self._launch(entry, generation, nodes),
                                                             name=f"launch-{entry.job.id}-{generation}")
-                case lifecycle.Stop(node=node, generation=generation):
-                    before, entry.stops[node] = entry.stops.get(node), None
-                    self._spawn(self._stop(entry, node, generation, before), f"stop-{entry.job.id}-{node}")
+                case lifecycle.Stop(nodes=nodes, generation=generation):
+                    for node in nodes:
+                        before, entry.stops[node] = entry.stops.get(node), None
+                        self._spawn(self._stop(entry, node, generation, before), f"stop-{entry.job.id}-{node}")
                 case lifecycle.Drain(node=node, reason=reason):
                     try:
                         await self.jobs.registry.drain(node, reason)

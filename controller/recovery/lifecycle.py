@@ -21,7 +21,7 @@ from controller.jobs.placement import Candidate, GangRequest, Placement, Unplace
 from controller.jobs.topology import ClusterTopology
 from controller.nodes.health import FAILED as HEALTH_FAILED
 from controller.recovery import progress
-from controller.recovery.detectors import Incident, NodeView, backoff, detect, training_over
+from controller.recovery.detectors import Incident, NodeView, backoff, detect, training_over, unsettled
 from controller.recovery.table import (
     ACTIVE,
     CANCELLED,
@@ -122,7 +122,10 @@ class Launch:
 
 @dataclass(frozen=True)
 class Stop:
-    node: str
+    """Stop generation `generation` of `job` on each of `nodes`: one action for many (a job of 16,384 nodes stops
+    them all at each of its recoveries)."""
+
+    nodes: tuple[str, ...]
     job: str
     generation: int
 
@@ -318,18 +321,29 @@ def all_exited_zero(job: pb.Job, ranks: Sequence[pb.RankInfo] | None = None) -> 
     return bool(ranks) and all(r.state == RANK_EXITED and r.exit_code == 0 for r in ranks)
 
 
+def stops(job: pb.Job, nodes: Iterable[str], generation: int | None = None) -> list[Action]:
+    """The Stop actions for `nodes` of `job`: of `generation`, or each node's own (node_generations), one action per
+    generation; none for no nodes."""
+    if generation is None and job.groups:
+        generations, by = node_generations(job), {}
+        for node in nodes:
+            by.setdefault(generations.get(node, job.generation), []).append(node)
+        return [Stop(tuple(names), job.id, g) for g, names in by.items()]
+    names = tuple(nodes)
+    return [Stop(names, job.id, job.generation if generation is None else generation)] if names else []
+
+
 def _stop_out(job: pb.Job) -> list[Action]:
     """A replica-group job's groups out of the quorum, stopped as the job ends (the others' ranks have exited)."""
-    generations = node_generations(job)
-    return [Stop(n, job.id, generations.get(n, job.generation)) for n in sorted(out_of_quorum(job))]
+    return stops(job, sorted(out_of_quorum(job)))
 
 
 def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
     node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
-    generations, get = node_generations(job), view.nodes.get
-    return [Stop(node, job.id, generations.get(node, job.generation)) for node in job.nodes
-            if (v := get(node)) is not None and not v.down and v.connected and not v.stop_told]
+    get = view.nodes.get
+    return stops(job, [node for node in job.nodes
+                       if (v := get(node)) is not None and not v.down and v.connected and not v.stop_told])
 
 
 # -- the decision ----------------------------------------------------------------------------------
@@ -522,15 +536,15 @@ def _launching(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[A
 
 def _stop_all(job: pb.Job) -> list[Action]:
     """Best effort when a job ends: every node of it is told; an unreachable one is fenced when it returns."""
-    generations = node_generations(job)
-    return [Stop(node, job.id, generations.get(node, job.generation)) for node in job.nodes]
+    return stops(job, job.nodes)
 
 
 def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     ranks, names = quorum(job)  # the job's, or (replica groups) those of the groups in the quorum
     if all_exited_zero(job, ranks):
         return [finished(job, SUCCEEDED, "every rank exited 0", 0, now), *_stop_out(job)]
-    over = training_over(ranks, view.tracks)
+    odd = unsettled(ranks)  # the few ranks not RUNNING: what follows reads their states, not every rank's
+    over = training_over(odd, view.tracks)
     if len(over) == len(ranks):  # what befalls a node now costs no training: nothing to recover
         return _ending(job, now, policy, over, ranks)
     get = view.nodes.get  # (a frozen NodeView is never false)
@@ -540,7 +554,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
         tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
         nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
-    incident = detect(ranks, nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since)
+    incident = detect(ranks, nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since, odd)
     if incident is None and over:
         return _ending(job, now, policy, over, ranks)
     if incident is None and job.ending_since_unix_ns and any(
@@ -700,7 +714,7 @@ def _checkpointing(job: pb.Job, view: JobView, now: float, policy: Policy) -> li
     if all_exited_zero(job, ranks):  # it finished before the agreed step: nothing left to save or evict
         return [finished(job, SUCCEEDED, "every rank exited 0 (before the eviction checkpoint)", 0, now),
                 *_stop_out(job)]
-    over = training_over(ranks, view.tracks)
+    over = training_over(unsettled(ranks), view.tracks)
     if len(over) == len(ranks):  # it finished training before the agreed step: no rank will ever save it
         return _ending(job, now, policy, over, ranks)
     request = job.checkpoint
@@ -1003,8 +1017,8 @@ def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, 
         group.state, group.reason, group.since_unix_ns, group.incident_kind = (
             GROUP_STOPPING, incident.reason, now_ns, incident.kind)
         _replace(group.bad, [n for n in members if n in bad])
-        out += [Stop(n, job.id, group.generation) for n in members
-                if (v := view.nodes.get(n)) is not None and not v.down and v.connected]
+        out += stops(job, [n for n in members if (v := view.nodes.get(n)) is not None and not v.down and v.connected],
+                     group.generation)
     left = sum(g.state == GROUP_TRAINING for g in new.groups)
     how = "finishes its step and leaves the quorum" if incident.predictable else "left the quorum (its step is lost)"
     names = ", ".join(str(g) for g in sorted(hit))
@@ -1025,8 +1039,8 @@ def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
             waiting = [n for n in kept if (v := view.nodes.get(n)) is not None and not v.down and not v.stopped]
             deadline = group.since_unix_ns / 1e9 + policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
             if waiting and now < deadline:
-                out += [Stop(n, job.id, group.generation) for n in waiting
-                        if view.nodes[n].connected and not view.nodes[n].stop_told]
+                out += stops(job, [n for n in waiting if view.nodes[n].connected and not view.nodes[n].stop_told],
+                             group.generation)
                 out.append(WakeAt(min(now + RESTOP_S, deadline)))
                 continue
             new = copied(job)
@@ -1139,8 +1153,8 @@ def _group_launched(job: pb.Job, g: int, view: JobView, now: float, policy: Poli
         return _give_up(job, Incident("crash", False, (), f"replica group {g}: {why}"), now)
     _group_to(new, g, GROUP_STOPPING, why, now)
     return [Commit(new, "job.group_left", f"{job.id}: replica group {g}: {why}; it stops and launches again"),
-            *(Stop(n, job.id, group.generation) for n in group_members(job, g)
-              if (v := view.nodes.get(n)) is not None and not v.down and v.connected)]
+            *stops(job, [n for n in group_members(job, g) if (v := view.nodes.get(n)) is not None and not v.down
+                         and v.connected], group.generation)]
 
 
 def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:

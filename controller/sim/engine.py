@@ -48,6 +48,7 @@ CAUSES = ("recomputed", "recovery", "waiting", "checkpoints", "snapshots", "stra
 
 TRAINING, PAUSED, RECOVERING, WAITING = "training", "checkpoints", "recovery", "waiting"
 DONE = "done"  # the job trained for its length and ended: its time stops counting
+NO_STOP = ("", 0.0)  # a node not told to stop this generation (SimJob.stops)
 
 
 def topology_of(fleet: FleetConfig) -> ClusterTopology:
@@ -142,6 +143,7 @@ class SimJob:
         self.views: dict[str, NodeView] = {}
         self.candidates: dict[str, Candidate] = {}
         self._node_views: dict[tuple, NodeView] = {}
+        self._moved: dict[tuple[int, str], NodeView] = {}  # (id of a view, a stop's progress) -> the view it becomes
         self._stale = False  # the views wait for a rebuild (done once, when next looked at)
         self._members_changed = False  # ... and the candidates too
         self.fleet: dict[str, Candidate] | None = None  # every node, as placement sees it from this job
@@ -283,7 +285,7 @@ class SimJob:
         and `running` (a node still showing the generation after a stop, past the eviction's deadline) never
         arises, so it is left False rather than rebuilt for every node at each launch."""
         n = self.sim.nodes[name]
-        how = self.stops.get(name, ("", 0.0))[0]
+        how = self.stops.get(name, NO_STOP)[0]
         key = (name, n.down, n.health, n.reason, n.drained, how)
         view = self._node_views.get(key)
         if view is None:  # views are frozen: one per state a node is seen in serves every generation
@@ -296,16 +298,21 @@ class SimJob:
         for name in names:
             if name in self.candidates:
                 self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
-        self._restopped(names)
+            if name in self.views and not self._stale:
+                self.views[name] = self.node_view(name)
 
     def _restopped(self, names: list[str] | tuple[str, ...]) -> None:
-        """Their stops moved on (told, taken): their views again (placement's candidates do not show stops)."""
+        """Their stops moved on (told, taken): their views again (placement's candidates do not show stops). A
+        view is current for its node's state, and one view serves each state: the view it becomes is a function of
+        the view it was and the stop's progress, kept (a recovery moves every node of a 16,384-node job twice)."""
         if self._stale:
             return  # rebuilt when next looked at
-        views, node_view = self.views, self.node_view
+        views, stops, moved, node_view = self.views, self.stops, self._moved, self.node_view
         for name in names:
-            if name in views:
-                views[name] = node_view(name)
+            view = views.get(name)
+            if view is not None:
+                key = (id(view), stops.get(name, NO_STOP)[0])
+                views[name] = moved.get(key) or moved.setdefault(key, node_view(name))
 
     def rebuild(self, members: bool = False) -> None:
         """The job's stops (or, with `members`, its nodes) changed: every view again, when next looked at."""
@@ -419,9 +426,11 @@ class SimJob:
                     timings = sim.scenario.timings
                     sim.at(sim.now + (timings.warm_launch_s if warm else timings.launch_s), self._launched,
                            generation)
-                case lifecycle.Stop(node=node):
-                    self.stops[node] = ("sending", sim.now)
-                    stops.append(node)
+                case lifecycle.Stop(nodes=nodes):
+                    told = ("sending", sim.now)
+                    for node in nodes:
+                        self.stops[node] = told
+                    stops += nodes
                 case lifecycle.Drain(node=node):
                     sim.take_out(sim.nodes[node])
                 case lifecycle.RequestCheckpoint(request=request):
