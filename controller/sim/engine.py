@@ -298,7 +298,7 @@ class SimJob:
         for name in names:
             if name in self.candidates:
                 self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
-            if name in self.views and not self._stale:
+            if name in self.views:  # (also while a rebuild is due: it moves the views it finds, _rebuild)
                 self.views[name] = self.node_view(name)
 
     def _restopped(self, names: list[str] | tuple[str, ...]) -> None:
@@ -320,14 +320,24 @@ class SimJob:
         self._members_changed = self._members_changed or members
 
     def _rebuild(self) -> None:
+        """Every view (and candidate) again. A view held is current for its node's state (refresh keeps it so), so the
+        view it becomes follows from it and the node's stop (_restopped's map); a candidate held is current too."""
         self._stale = False
         names = [*self.job.nodes, *self.job.spares]
-        node_view = self.node_view
-        self.views = {name: node_view(name) for name in names}
+        views, stops, moved, node_view = self.views, self.stops, self._moved, self.node_view
+        fresh = {}
+        for name in names:
+            view = views.get(name)
+            if view is None:
+                fresh[name] = node_view(name)
+            else:
+                key = (id(view), stops.get(name, NO_STOP)[0])
+                fresh[name] = moved.get(key) or moved.setdefault(key, node_view(name))
+        self.views = fresh
         if self._members_changed:
             self._members_changed = False
-            candidate, nodes, job_id = self.sim.candidate, self.sim.nodes, self.job.id
-            self.candidates = {name: candidate(nodes[name], job_id) for name in names}
+            candidate, nodes, job_id, held = self.sim.candidate, self.sim.nodes, self.job.id, self.candidates
+            self.candidates = {name: held.get(name) or candidate(nodes[name], job_id) for name in names}
 
     def respare(self, before: pb.Job) -> None:
         """Only the spares changed (held again, or released): their views alone."""
@@ -402,16 +412,18 @@ class SimJob:
                         self.rebuild()
                     if kind in ("job.restarting", "job.group_rebuilding"):
                         spares = set(before.spares)
-                        self.tally.spares_used += sum(1 for n in job.nodes if n in spares)
+                        self.tally.spares_used += len(spares.intersection(job.nodes))
                         if "a new placement" in message:
                             self.tally.fresh_placements += 1
-                    sim.hold(self, before, job)
-                    if list(job.nodes) != list(before.nodes):
+                    moved_nodes, moved_spares = job.nodes != before.nodes, job.spares != before.spares
+                    if moved_nodes or moved_spares or (before.state in table.TERMINAL) != (job.state in table.TERMINAL):
+                        sim.hold(self, before, job)  # (most commits hold what they held: no pass over the job)
+                    if moved_nodes:
                         self.members = set(job.nodes)
                         if self.replicas:
                             self.position = {n: i for i, n in enumerate(job.nodes)}
                         self.rebuild(members=True)
-                    elif list(job.spares) != list(before.spares):
+                    elif moved_spares:
                         self.respare(before)
                     if job.state != before.state:
                         self.entered(before.state, job.state)
@@ -674,15 +686,14 @@ class Simulation:
         return list(job.fleet.values())
 
     def hold(self, job: SimJob, before: pb.Job, after: pb.Job) -> None:
-        """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none."""
-        if before.nodes == after.nodes and before.spares == after.spares and \
-                (before.state in table.TERMINAL) == (after.state in table.TERMINAL):
-            return  # most commits (a state moved, a checkpoint asked) hold what they held: no pass over the job
+        """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none. A job holds
+        every node of its record (this keeps it so): only those that came or went are looked at."""
         held = set() if after.state in table.TERMINAL else {*after.nodes, *after.spares}
+        had = set() if before.state in table.TERMINAL else {*before.nodes, *before.spares}
         released = [name for name in {*before.nodes, *before.spares} - held if self.nodes[name].holder == job.job.id]
         for name in released:
             self.nodes[name].holder = ""
-        changed = [name for name in held if self.nodes[name].holder != after.id]
+        changed = [name for name in held - had if self.nodes[name].holder != after.id]
         self.changes += released
         self.changes += changed
         for name in changed:
