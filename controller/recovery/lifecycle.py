@@ -13,7 +13,7 @@ abandoned by the same rules. Every state change goes through `controller.recover
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from controller.config import JobsConfig, RecoveryConfig
@@ -550,7 +550,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     get = view.nodes.get  # (a frozen NodeView is never false)
     nodes = {n: get(n) or NodeView(n, True, HEALTH_FAILED, "node unknown") for n in names}
     tracks, nccl = view.tracks, view.nccl
-    if ranks is not job.ranks:  # a group out of the quorum is judged no more
+    if ranks is not job.ranks and (tracks or nccl):  # a group out of the quorum is judged no more
         tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
         nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
@@ -948,13 +948,37 @@ def quorum(job: pb.Job) -> tuple[Sequence[pb.RankInfo], Sequence[str]]:
     if not grouped(job) or all(g.state == GROUP_TRAINING for g in job.groups):
         return job.ranks, job.nodes
     per, k = job.spec.ranks_per_node, len(job.nodes) // job.spec.replicas
-    ranks: list[pb.RankInfo] = []
-    nodes: list[str] = []
-    for g in job.groups:
-        if g.state == GROUP_TRAINING:
-            ranks += job.ranks[g.index * k * per:(g.index + 1) * k * per]
-            nodes += job.nodes[g.index * k:(g.index + 1) * k]
-    return ranks, nodes
+    training = [g.index for g in job.groups if g.state == GROUP_TRAINING]
+    return _Spans(job.ranks, [(g * k * per, (g + 1) * k * per) for g in training]), \
+        _Spans(job.nodes, [(g * k, (g + 1) * k) for g in training])
+
+
+class _Spans(Sequence):
+    """Stretches of a record's list, read as one sequence as it is gone through: the quorum's ranks are most of a
+    16,384-rank job's, gone through once at each step, and a copy first would be a second pass."""
+
+    def __init__(self, items: Sequence, spans: list[tuple[int, int]]) -> None:
+        self._items, self._spans = items, spans
+        self._len = sum(b - a for a, b in spans)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator:
+        items = self._items
+        for a, b in self._spans:
+            yield from items[a:b]
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return list(self)[i]
+        if i < 0:
+            i += self._len
+        for a, b in self._spans:
+            if 0 <= i < b - a:
+                return self._items[a + i]
+            i -= b - a
+        raise IndexError(i)
 
 
 def holders(job: pb.Job, view: JobView) -> set[int]:
