@@ -936,5 +936,8 @@ class Simulation:
                 track.observe(base + 30 * k, slow, [compute] * 30, self.now, 30)
             tracks[rank_of[name]] = track
         job.judge(tracks)
-        if job.job.straggler_held and node.slow and job.in_quorum(node.name):  # held back (a bound on evictions):
-            self.at(self.now + self.scenario.timings.straggler_detect_s, self._straggler_found, node, job)  # again
+        if node.slow and job.in_quorum(node.name) and job.job.state == table.RUNNING:
+            # Not acted on: held back (a bound on evictions), or another incident came first in the same step (a
+            # replica group's fault leaves the other groups training, this one's straggler among them). The
+            # controller judges every report; here, the next report's verdict is looked at again.
+            self.at(self.now + self.scenario.timings.straggler_detect_s, self._straggler_found, node, job)
