@@ -97,7 +97,10 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     ranks = ranks if isinstance(ranks, Sequence) else list(ranks)
     odd = unsettled(ranks) if odd is None else odd
     for rank, why in sorted((fatal or {}).items()):
-        node = next((r.node for r in ranks if r.rank == rank), "?")
+        node = "?"
+        for r in ranks:  # (the last with that number, as a map of them would say)
+            if r.rank == rank:
+                node = r.node
         return Incident("crash", False, (), f"rank {rank} on {node} stopped for good: {why}", fatal=True)
     # One pass over the nodes (a job of 16,384 nodes is judged at every step): the few that are not well, sorted
     unwell = sorted((n, v) for n, v in nodes.items() if v.down or v.health >= FAILING)

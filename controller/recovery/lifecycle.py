@@ -808,10 +808,12 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: dict[str, Candidate],
     spares = [n for n in job.spares if n in candidates and n not in unusable and n not in keep]
     missing = len(nodes) - len(keep)
     if missing <= len(spares):
-        taken = spares[:missing]
-        if taken:  # each node that will not do, in rank order, by the next spare
-            for i, spare in zip([at for at, n in enumerate(nodes) if n not in keep], taken, strict=False):
-                nodes[i] = spare
+        # each place of a node that will not do, in rank order, by the next spare (as many places as `missing`, or
+        # fewer where the record names a node twice)
+        places = [at for at, n in enumerate(nodes) if n not in keep] if missing else []
+        taken = spares[:len(places)]
+        for i, spare in zip(places, taken, strict=True):
+            nodes[i] = spare
         used = keep.union(taken)
         how = "same nodes" if not taken else f"spare{'s' if len(taken) > 1 else ''} {', '.join(taken)} taken"
         return nodes, [s for s in job.spares if s not in used and s in candidates and s not in unusable], how
@@ -958,8 +960,9 @@ class _Spans(Sequence):
     16,384-rank job's, gone through once at each step, and a copy first would be a second pass."""
 
     def __init__(self, items: Sequence, spans: list[tuple[int, int]]) -> None:
-        self._items, self._spans = items, spans
-        self._len = sum(b - a for a, b in spans)
+        self._items = items
+        self._spans = [(a, min(b, len(items))) for a, b in spans if a < len(items)]  # as slicing reads them
+        self._len = sum(b - a for a, b in self._spans)
 
     def __len__(self) -> int:
         return self._len

@@ -489,11 +489,10 @@ class SimJob:
         self.since_checkpoint = 0.0
         self.warm = {*self.job.nodes, *self.job.spares}  # standbys wait on these for the next restart
         self.become(TRAINING)
-        if self.sim.scenario.policy.evict_stragglers:  # a slow node the job (re)started on is found like any
-            for name in self.job.nodes:
+        if self.sim.scenario.policy.evict_stragglers and not self.sim.slow.isdisjoint(self.members):
+            for name in self.job.nodes:  # a slow node the job (re)started on is found like any
                 if self.sim.nodes[name].slow:
-                    self.sim.at(self.sim.now + self.sim.scenario.timings.straggler_detect_s,
-                                self.sim._straggler_found, self.sim.nodes[name], self)
+                    self.sim.check_straggler(self.sim.nodes[name], self)
 
     def _groups_moved(self, before: pb.Job, after: pb.Job) -> None:
         """A commit moved replica groups (the job RUNNING throughout): one that left is out of the quorum, and the
@@ -534,8 +533,7 @@ class SimJob:
         if self.sim.scenario.policy.evict_stragglers:  # a slow node it joined with is found like any
             for name in lifecycle.group_members(self.job, g):
                 if self.sim.nodes[name].slow:
-                    self.sim.at(self.sim.now + self.sim.scenario.timings.straggler_detect_s,
-                                self.sim._straggler_found, self.sim.nodes[name], self)
+                    self.sim.check_straggler(self.sim.nodes[name], self)
 
     def _launched(self, generation: int) -> None:
         if self.launch is None or self.launch.generation != generation:
@@ -608,6 +606,7 @@ class Simulation:
         self.nodes_drained = 0
         self.leaf_failures = 0
         self.slow: set[str] = set()  # nodes slow now
+        self.checking: set[str] = set()  # slow nodes with a straggler verdict due (check_straggler)
         self.changes: list[str] = []  # every node whose state placement sees changed, in order (a log)
         self.trace = trace
         # the trace's faults: those that hit, and those that did not and why
@@ -910,11 +909,19 @@ class Simulation:
             return
         job.speed_changed()
         if self.scenario.policy.evict_stragglers:
+            self.check_straggler(node, job)
+
+    def check_straggler(self, node: SimNode, job: SimJob) -> None:
+        """The straggler detector's next verdict on a slow node, straggler_detect_s from now (30 steps of reports):
+        one pending at a time per node, as the controller judges each report once."""
+        if node.name not in self.checking:
+            self.checking.add(node.name)
             self.at(self.now + self.scenario.timings.straggler_detect_s, self._straggler_found, node, job)
 
     def _straggler_found(self, node: SimNode, job: SimJob) -> None:
         """The straggler detector's verdict, as the controller reaches it (controller.recovery.progress): the slow
         rank's computes against its peers'; the lifecycle then checkpoints and evicts."""
+        self.checking.discard(node.name)
         if not node.slow or not job.in_quorum(node.name) or job.job.state != table.RUNNING:
             return
         step = job.shape.step_s
@@ -940,4 +947,4 @@ class Simulation:
             # Not acted on: held back (a bound on evictions), or another incident came first in the same step (a
             # replica group's fault leaves the other groups training, this one's straggler among them). The
             # controller judges every report; here, the next report's verdict is looked at again.
-            self.at(self.now + self.scenario.timings.straggler_detect_s, self._straggler_found, node, job)
+            self.check_straggler(node, job)
