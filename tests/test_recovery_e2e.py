@@ -194,8 +194,12 @@ RECOMPUTED_AT_MOST = 3
 def test_a_straggler_is_found_checkpointed_and_replaced(cluster, tmp_path, reference):
     # One straggler eviction an hour at most: on this shared 2-core machine the restarted ranks' computes can
     # drift past straggler_ratio on their own (seen twice in a row after the restart); the bound holds such a
-    # second verdict back, as it is there to.
-    cluster4 = started4(cluster, controller=CONTROLLER + "straggler_max_evictions = 1\n")
+    # second verdict back, as it is there to. hang_min_s 15 s: here the straggler stretches every rank's step to
+    # ~1.8 s, so the module's 4 s floor leaves the hang limit at ~5.3 s, and a step stalled 5.5 s by other work on
+    # the machine was once judged a hang before the straggler's 30 steps were in (CI, a second test run beside it).
+    controller = CONTROLLER.replace("hang_min_s = 4.0", "hang_min_s = 15.0") + "straggler_max_evictions = 1\n"
+    assert controller != CONTROLLER + "straggler_max_evictions = 1\n"
+    cluster4 = started4(cluster, controller=controller)
     job_id, out = start(cluster4, tmp_path, "--work", "400")  # real compute before compute_done(), to stretch
     victim = job(cluster4, job_id)["nodes"][1]
     assert phalanx(cluster4, "inject", victim, "--gpu", "0", "slow=0.9").returncode == 0  # its compute 1.9x
