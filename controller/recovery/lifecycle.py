@@ -922,10 +922,8 @@ def node_generations(job: pb.Job) -> dict[str, int]:
     groups (every node runs the job's). One pass: per node, a search would make a stop of every node quadratic."""
     if not job.groups:
         return {}
-    per, ranks, current = job.spec.ranks_per_node, job.ranks, job.generation
-    count = len(ranks)  # rank_generation's rule, inline (a call per node is most of a stop of 16,384 nodes)
-    return {node: r.generation if i * per < count and (r := ranks[i * per]).rank == i * per and r.generation
-            else current for i, node in enumerate(job.nodes)}
+    per = job.spec.ranks_per_node
+    return {node: rank_generation(job, i * per) for i, node in enumerate(job.nodes)}
 
 
 def out_of_quorum(job: pb.Job) -> set[str]:

@@ -307,12 +307,16 @@ class SimJob:
         the view it was and the stop's progress, kept (a recovery moves every node of a 16,384-node job twice)."""
         if self._stale:
             return  # rebuilt when next looked at
-        views, stops, moved, node_view = self.views, self.stops, self._moved, self.node_view
+        views, moved = self.views, self._moved_view
         for name in names:
             view = views.get(name)
             if view is not None:
-                key = (id(view), stops.get(name, NO_STOP)[0])
-                views[name] = moved.get(key) or moved.setdefault(key, node_view(name))
+                views[name] = moved(name, view)
+
+    def _moved_view(self, name: str, view: NodeView) -> NodeView:
+        """The view `view` (current for its node's state) becomes with the node's stop as it is now."""
+        key = (id(view), self.stops.get(name, NO_STOP)[0])
+        return self._moved.get(key) or self._moved.setdefault(key, self.node_view(name))
 
     def rebuild(self, members: bool = False) -> None:
         """The job's stops (or, with `members`, its nodes) changed: every view again, when next looked at."""
@@ -324,16 +328,9 @@ class SimJob:
         view it becomes follows from it and the node's stop (_restopped's map); a candidate held is current too."""
         self._stale = False
         names = [*self.job.nodes, *self.job.spares]
-        views, stops, moved, node_view = self.views, self.stops, self._moved, self.node_view
-        fresh = {}
-        for name in names:
-            view = views.get(name)
-            if view is None:
-                fresh[name] = node_view(name)
-            else:
-                key = (id(view), stops.get(name, NO_STOP)[0])
-                fresh[name] = moved.get(key) or moved.setdefault(key, node_view(name))
-        self.views = fresh
+        views, moved, node_view = self.views, self._moved_view, self.node_view
+        self.views = {name: node_view(name) if (view := views.get(name)) is None else moved(name, view)
+                      for name in names}
         if self._members_changed:
             self._members_changed = False
             candidate, nodes, job_id, held = self.sim.candidate, self.sim.nodes, self.job.id, self.candidates
@@ -688,8 +685,9 @@ class Simulation:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none. A job holds
         every node of its record (this keeps it so): only those that came or went are looked at."""
         held = set() if after.state in table.TERMINAL else {*after.nodes, *after.spares}
-        had = set() if before.state in table.TERMINAL else {*before.nodes, *before.spares}
-        released = [name for name in {*before.nodes, *before.spares} - held if self.nodes[name].holder == job.job.id]
+        named = {*before.nodes, *before.spares}
+        had = set() if before.state in table.TERMINAL else named
+        released = [name for name in named - held if self.nodes[name].holder == job.job.id]
         for name in released:
             self.nodes[name].holder = ""
         changed = [name for name in held - had if self.nodes[name].holder != after.id]
