@@ -116,19 +116,24 @@ class Sim:
 
     def view(self) -> lifecycle.JobView:
         job, p = self.job, self.process
-        views = {}
+        views, told, stopped, running = {}, set(), set(), set()
         for name, n in self.nodes.items():
-            running = any(g == job.generation and s == "running" for (g, _), s in n.ranks.items())
+            runs = any(g == job.generation and s == "running" for (g, _), s in n.ranks.items())
             how, when = p.stops.get(name, ("", 0.0))
-            told = how == "sending" or (how == "taken" and self.now - when < lifecycle.RESTOP_S)
+            if how == "sending" or (how == "taken" and self.now - when < lifecycle.RESTOP_S):
+                told.add(name)
+            if how == "taken" and not runs:
+                stopped.add(name)
+            if runs:
+                running.add(name)
             views[name] = NodeView(name, n.down, n.health, n.reason, connected=not n.down, drained=n.drained,
-                                   stop_told=told, stopped=how == "taken" and not running, running=running,
                                    own_work_at=self.now if n.own_work else self.own_work_at.get(name, 0.0))
             if n.own_work:
                 self.own_work_at[name] = self.now
         candidates = [Candidate.of(n.name, DOWN if n.down else UP, n.health, True, 8, connected=not n.down,
                                    drained=n.drained) for n in self.nodes.values()]
-        return lifecycle.JobView(nodes=views, tracks=p.tracks, launch=p.launch if p.launch and
+        return lifecycle.JobView(nodes=views, told=told, stopped=stopped, running=running, tracks=p.tracks,
+                                 launch=p.launch if p.launch and
                                  p.launch.generation == job.generation else None, checkpoint=p.checkpoint,
                                  candidates=candidates, topology=flat(self.nodes), fleet=True)
 

@@ -27,10 +27,7 @@ class NodeView:
     connected: bool = True
     drained: bool = False
     drain_reason: str = ""  # why, when drained (an operator's or an eviction's words)
-    stop_told: bool = False  # this controller process told its agent to stop the generation, on its current
-    # session, and lately (lifecycle.RESTOP_S): a stop that raced a launch still in flight is sent again
-    stopped: bool = False  # ... and a heartbeat since says none of the generation's ranks runs there
-    running: bool = False  # its newest heartbeat shows ranks of the job's generation running
+    # (how far the job's stop has got on it: JobView.told, .stopped and .running)
     quiet: bool = False  # its heartbeats are late (over 1.5 intervals): its ranks' progress cannot arrive either
     heard_at: float = 0.0  # when its agent was last heard from, on the clock of `now` and the rank tracks (the
     # job manager's wall-clock seconds); 0.0: unknown, taken as now

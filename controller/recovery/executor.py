@@ -169,10 +169,12 @@ class Executor:
         job = entry.job
         nodes = self.jobs.registry.entries_by_name()
         names = dict.fromkeys([*job.nodes, *job.spares, *job.incident_nodes])
-        views = {n: self._node_view(entry, nodes[n]) for n in names if n in nodes}
+        known = [nodes[n] for n in names if n in nodes]
+        views = {node.record.name: self._node_view(node) for node in known}
+        told, stopped, running = self._stops(entry, known)
         since_ns = job.state_since_unix_ns if job.state == RUNNING else 0
         return lifecycle.JobView(
-            nodes=views, tracks=entry.tracks, fatal=dict(entry.fatal),
+            nodes=views, told=told, stopped=stopped, running=running, tracks=entry.tracks, fatal=dict(entry.fatal),
             nccl={r: s for r, s in entry.nccl.items() if s.dump_time_unix_ns >= since_ns},
             launch=entry.launch if entry.launch is not None and entry.launch.generation == job.generation else None,
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
@@ -181,20 +183,32 @@ class Executor:
             missing=entry.missing, ended=entry.ended, prepared=entry.prepared, pinned=entry.pinned,
             snapshot_step=entry.safe[1] if entry.safe is not None and entry.safe[0] == job.generation else None)
 
-    def _node_view(self, entry: JobEntry, node) -> NodeView:
-        job, name = entry.job, node.record.name
-        told = entry.stops.get(name, False)  # None: on its way; (session, heartbeats, when): taken
-        taken = bool(told) and told[0] is node.session
-        beat = node.heartbeat
-        running = beat is not None and any(s.job == job.id and s.generation == lifecycle.rank_generation(job, s.rank)
-                                           and s.state == RANK_RUNNING for s in beat.ranks)
+    def _stops(self, entry: JobEntry, nodes: list) -> tuple[set[str], set[str], set[str]]:
+        """How far this process's stop of the job's generation has got on each of `nodes` (JobView.told, .stopped,
+        .running): told (on the node's current session, and lately), confirmed stopped by a heartbeat since, and
+        showing ranks of the generation running."""
+        job, told, stopped, running = entry.job, set(), set(), set()
         monotonic = self.jobs.clock.monotonic()
-        recent = taken and monotonic - told[2] < lifecycle.RESTOP_S
-        silence = monotonic - node.last_seen
+        for node in nodes:
+            name, beat = node.record.name, node.heartbeat
+            stop = entry.stops.get(name, False)  # None: on its way; (session, heartbeats, when): taken
+            taken = bool(stop) and stop[0] is node.session
+            runs = beat is not None and any(s.job == job.id and s.generation == lifecycle.rank_generation(job, s.rank)
+                                            and s.state == RANK_RUNNING for s in beat.ranks)
+            if stop is None or (taken and monotonic - stop[2] < lifecycle.RESTOP_S):
+                told.add(name)
+            if taken and not runs and _after(node, stop):
+                stopped.add(name)
+            if runs:
+                running.add(name)
+        return told, stopped, running
+
+    def _node_view(self, node) -> NodeView:
+        name = node.record.name
+        silence = self.jobs.clock.monotonic() - node.last_seen
         return NodeView(name, node.record.state is DOWN, node.verdict.health,
                         node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
-                        drained=bool(node.record.drain_reason), stop_told=told is None or recent,
-                        stopped=taken and not running and _after(node, told), running=running,
+                        drained=bool(node.record.drain_reason),
                         quiet=silence > 1.5 * self.jobs.registry.policy.heartbeat_interval_s,
                         heard_at=self.jobs.now() - silence,  # on the clock of the job's ranks' tracks
                         own_work_at=self.jobs.own_work_at.get(name, 0.0))

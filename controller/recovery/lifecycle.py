@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from controller.config import JobsConfig, RecoveryConfig
@@ -74,6 +75,12 @@ class CheckpointView:
 @dataclass(frozen=True)
 class JobView:
     nodes: Mapping[str, NodeView] = field(default_factory=dict)  # the job's nodes and spares
+    # The generation's stops, as sets of node names (a node's view says its health; these say how far this process's
+    # stop of the job has got there, and a recovery moves every node of the job through them at once):
+    told: AbstractSet[str] = frozenset()  # told to stop the generation by this process, on the node's current
+    # session, and lately (RESTOP_S): a stop that raced a launch still in flight is sent again
+    stopped: AbstractSet[str] = frozenset()  # ... and a heartbeat since says none of the generation's ranks runs there
+    running: AbstractSet[str] = frozenset()  # its newest heartbeat shows ranks of the job's generation running
     tracks: Mapping[int, progress.RankTrack] = field(default_factory=dict)  # this generation's progress
     nccl: Mapping[int, pb.NcclRankState] = field(default_factory=dict)  # rank -> newest flight-recorder state
     fatal: Mapping[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
@@ -341,9 +348,9 @@ def _stop_out(job: pb.Job) -> list[Action]:
 def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
     node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
-    get = view.nodes.get
+    get, told = view.nodes.get, view.told
     return stops(job, [node for node in job.nodes
-                       if (v := get(node)) is not None and not v.down and v.connected and not v.stop_told])
+                       if node not in told and (v := get(node)) is not None and not v.down and v.connected])
 
 
 # -- the decision ----------------------------------------------------------------------------------
@@ -762,13 +769,13 @@ def _evicting(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Ac
     out: list[Action] = [Drain(n, f"evicted from {job.id}: {job.incident}") for n in job.incident_nodes
                          if n in view.nodes and not view.nodes[n].drained]
     out += stop_untold(job, view)
-    get = view.nodes.get
-    waiting = [n for n in job.nodes if (v := get(n)) is not None and not v.down and not v.stopped]
+    get, stopped = view.nodes.get, view.stopped
+    waiting = [n for n in job.nodes if n not in stopped and (v := get(n)) is not None and not v.down]
     window = policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
     deadline = job.state_since_unix_ns / 1e9 + window
     # A node that is connected and still shows the generation running (a launch the previous controller sent
     # may land after the stop) holds the next generation back a while longer: it must never start beside it.
-    running = [n for n in waiting if view.nodes[n].connected and view.nodes[n].running]
+    running = [n for n in waiting if n in view.running and view.nodes[n].connected]
     if waiting and (now < deadline or (running and now < deadline + 2 * window)):
         return [*out, WakeAt(min(now + RESTOP_S, deadline if now < deadline else deadline + 2 * window))]
     if waiting:
@@ -1061,10 +1068,11 @@ def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
         if group.state == GROUP_STOPPING:
             members = group_members(job, group.index)
             kept = [n for n in members if n not in group.bad]
-            waiting = [n for n in kept if (v := view.nodes.get(n)) is not None and not v.down and not v.stopped]
+            waiting = [n for n in kept if n not in view.stopped and (v := view.nodes.get(n)) is not None
+                       and not v.down]
             deadline = group.since_unix_ns / 1e9 + policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
             if waiting and now < deadline:
-                out += stops(job, [n for n in waiting if view.nodes[n].connected and not view.nodes[n].stop_told],
+                out += stops(job, [n for n in waiting if n not in view.told and view.nodes[n].connected],
                              group.generation)
                 out.append(WakeAt(min(now + RESTOP_S, deadline)))
                 continue

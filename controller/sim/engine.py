@@ -48,7 +48,6 @@ CAUSES = ("recomputed", "recovery", "waiting", "checkpoints", "snapshots", "stra
 
 TRAINING, PAUSED, RECOVERING, WAITING = "training", "checkpoints", "recovery", "waiting"
 DONE = "done"  # the job trained for its length and ended: its time stops counting
-NO_STOP = ("", 0.0)  # a node not told to stop this generation (SimJob.stops)
 
 
 def topology_of(fleet: FleetConfig) -> ClusterTopology:
@@ -136,16 +135,15 @@ class SimJob:
         self.launch: lifecycle.LaunchView | None = None
         self.launch_nodes: tuple[str, ...] = ()
         self.checkpoint: lifecycle.CheckpointView | None = None
-        self.stops: dict[str, tuple[str, float]] = {}
+        self.told: set[str] = set()  # nodes told to stop the generation (JobView.told)
+        self.taken: set[str] = set()  # ... that have stopped it (JobView.stopped)
         self.ended: dict[int, tuple[int, int]] = {}  # rank -> (state, exit code) its node reported (JobView.ended)
         self.generation = 0
         self.members: set[str] = set()
         self.views: dict[str, NodeView] = {}
         self.candidates: dict[str, Candidate] = {}
         self._node_views: dict[tuple, NodeView] = {}
-        self._moved: dict[tuple[int, str], NodeView] = {}  # (id of a view, a stop's progress) -> the view it becomes
-        self._stale = False  # the views wait for a rebuild (done once, when next looked at)
-        self._members_changed = False  # ... and the candidates too
+        self._stale = False  # the views and candidates wait for a rebuild (done once, when next looked at)
         self.fleet: dict[str, Candidate] | None = None  # every node, as placement sees it from this job
         self.synced = 0  # how much of the simulation's change log `fleet` has taken in
         self.tally = Tally()
@@ -281,16 +279,12 @@ class SimJob:
     # -- the controller: build the view, step, apply -----------------------------------------------
 
     def node_view(self, name: str) -> NodeView:
-        """A stop is taken reliably here, within timings.stop_s: a node told once stays told for its generation,
-        and `running` (a node still showing the generation after a stop, past the eviction's deadline) never
-        arises, so it is left False rather than rebuilt for every node at each launch."""
         n = self.sim.nodes[name]
-        how = self.stops.get(name, NO_STOP)[0]
-        key = (name, n.down, n.health, n.reason, n.drained, how)
+        key = (name, n.down, n.health, n.reason, n.drained)
         view = self._node_views.get(key)
         if view is None:  # views are frozen: one per state a node is seen in serves every generation
             view = self._node_views[key] = NodeView(name, n.down, n.health, n.reason, connected=not n.down,
-                                                    drained=n.drained, stop_told=bool(how), stopped=how == "taken")
+                                                    drained=n.drained)
         return view
 
     def refresh(self, *names: str) -> None:
@@ -298,43 +292,23 @@ class SimJob:
         for name in names:
             if name in self.candidates:
                 self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
-            if name in self.views:  # (also while a rebuild is due: it moves the views it finds, _rebuild)
+            if name in self.views:  # (also while a rebuild is due: it keeps the views it finds, _rebuild)
                 self.views[name] = self.node_view(name)
 
-    def _restopped(self, names: list[str] | tuple[str, ...]) -> None:
-        """Their stops moved on (told, taken): their views again (placement's candidates do not show stops). A
-        view is current for its node's state, and one view serves each state: the view it becomes is a function of
-        the view it was and the stop's progress, kept (a recovery moves every node of a 16,384-node job twice)."""
-        if self._stale:
-            return  # rebuilt when next looked at
-        views, moved = self.views, self._moved_view
-        for name in names:
-            view = views.get(name)
-            if view is not None:
-                views[name] = moved(name, view)
-
-    def _moved_view(self, name: str, view: NodeView) -> NodeView:
-        """The view `view` (current for its node's state) becomes with the node's stop as it is now."""
-        key = (id(view), self.stops.get(name, NO_STOP)[0])
-        return self._moved.get(key) or self._moved.setdefault(key, self.node_view(name))
-
-    def rebuild(self, members: bool = False) -> None:
-        """The job's stops (or, with `members`, its nodes) changed: every view again, when next looked at."""
+    def rebuild(self) -> None:
+        """The job's nodes changed: its views and candidates again, when next looked at."""
         self._stale = True
-        self._members_changed = self._members_changed or members
 
     def _rebuild(self) -> None:
-        """Every view (and candidate) again. A view held is current for its node's state (refresh keeps it so), so the
-        view it becomes follows from it and the node's stop (_restopped's map); a candidate held is current too."""
+        """The views and candidates of the job's nodes and spares. One held is current for its node's state (refresh
+        keeps it so): only the nodes that came are looked at. A view does not show the job's stops (JobView.told,
+        .stopped): a recovery, which stops every node of the job, moves no view."""
         self._stale = False
         names = [*self.job.nodes, *self.job.spares]
-        views, moved, node_view = self.views, self._moved_view, self.node_view
-        self.views = {name: node_view(name) if (view := views.get(name)) is None else moved(name, view)
-                      for name in names}
-        if self._members_changed:
-            self._members_changed = False
-            candidate, nodes, job_id, held = self.sim.candidate, self.sim.nodes, self.job.id, self.candidates
-            self.candidates = {name: held.get(name) or candidate(nodes[name], job_id) for name in names}
+        views, node_view = self.views, self.node_view
+        self.views = {name: views.get(name) or node_view(name) for name in names}
+        candidate, nodes, job_id, held = self.sim.candidate, self.sim.nodes, self.job.id, self.candidates
+        self.candidates = {name: held.get(name) or candidate(nodes[name], job_id) for name in names}
 
     def respare(self, before: pb.Job) -> None:
         """Only the spares changed (held again, or released): their views alone."""
@@ -356,7 +330,8 @@ class SimJob:
         job = self.job
         if self._stale:
             self._rebuild()
-        return lifecycle.JobView(nodes=self.views, launch=self.launch if self.launch and
+        return lifecycle.JobView(nodes=self.views, told=self.told, stopped=self.taken,
+                                 launch=self.launch if self.launch and
                                  self.launch.generation == job.generation else None, checkpoint=self.checkpoint,
                                  candidates=list(self.candidates.values()) if candidates is None else candidates,
                                  topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
@@ -405,8 +380,8 @@ class SimJob:
                     if incident:
                         self.tally.incidents[incident] = self.tally.incidents.get(incident, 0) + 1
                     if job.generation != self.generation:
-                        self.generation, self.stops, self.checkpoint, self.ended = job.generation, {}, None, {}
-                        self.rebuild()
+                        self.generation, self.checkpoint, self.ended = job.generation, None, {}
+                        self.told, self.taken = set(), set()
                     if kind in ("job.restarting", "job.group_rebuilding"):
                         spares = set(before.spares)
                         self.tally.spares_used += len(spares.intersection(job.nodes))
@@ -419,7 +394,7 @@ class SimJob:
                         self.members = set(job.nodes)
                         if self.replicas:
                             self.position = {n: i for i, n in enumerate(job.nodes)}
-                        self.rebuild(members=True)
+                        self.rebuild()
                     elif moved_spares:
                         self.respare(before)
                     if job.state != before.state:
@@ -436,9 +411,8 @@ class SimJob:
                     sim.at(sim.now + (timings.warm_launch_s if warm else timings.launch_s), self._launched,
                            generation)
                 case lifecycle.Stop(nodes=nodes):
-                    told = ("sending", sim.now)
-                    for node in nodes:
-                        self.stops[node] = told
+                    self.told.update(nodes)
+                    self.taken.difference_update(nodes)  # (told again: stopped once it has taken this stop)
                     stops += nodes
                 case lifecycle.Drain(node=node):
                     sim.take_out(sim.nodes[node])
@@ -453,7 +427,6 @@ class SimJob:
                 case lifecycle.Event():
                     pass
         if stops:  # every node takes its stop in the same time: one event for them all
-            self._restopped(stops)
             sim.at(sim.now + sim.scenario.timings.stop_s, self._stopped, stops, self.generation)
         return committed
 
@@ -542,10 +515,7 @@ class SimJob:
 
     def _stopped(self, nodes: list[str], generation: int) -> None:
         if generation == self.generation:
-            for node in nodes:
-                if node in self.stops and not self.sim.nodes[node].down:
-                    self.stops[node] = ("taken", self.sim.now)
-            self._restopped(nodes)
+            self.taken |= self.told.intersection(nodes).difference(self.sim.down)
         self.decide()
 
     def _acked(self, request_id: int, generation: int) -> None:
@@ -603,6 +573,7 @@ class Simulation:
         self.nodes_drained = 0
         self.leaf_failures = 0
         self.slow: set[str] = set()  # nodes slow now
+        self.down: set[str] = set()  # nodes down now
         self.checking: set[str] = set()  # slow nodes with a straggler verdict due (check_straggler)
         self.changes: list[str] = []  # every node whose state placement sees changed, in order (a log)
         self.trace = trace
@@ -717,6 +688,7 @@ class Simulation:
         node.down, node.drained, node.slow = False, False, False
         node.repairs += 1
         self.slow.discard(node.name)
+        self.down.discard(node.name)
         node.health, node.reason = health.HEALTHY, ""
         self.touched(node)
         if self.trace is None:
@@ -879,6 +851,7 @@ class Simulation:
             return  # evicted ahead of its fault: it fails on the bench
         if lost:
             node.down = True
+            self.down.add(node.name)
             detect = self.scenario.timings.node_loss_detect_s
         else:
             verdict = verdict or verdict_of_xid(self.rng.choice(GPU_FAULT_XIDS), self.now)
