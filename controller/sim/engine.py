@@ -387,11 +387,14 @@ class SimJob:
                         self.tally.spares_used += len(spares.intersection(job.nodes))
                         if "a new placement" in message:
                             self.tally.fresh_placements += 1
-                    moved_nodes, moved_spares = job.nodes != before.nodes, job.spares != before.spares
+                    # (a job's nodes change only with its generation: lifecycle.with_nodes, a group's launch)
+                    moved_nodes = job.generation != before.generation and job.nodes != before.nodes
+                    moved_spares = job.spares != before.spares
+                    members = set(job.nodes) if moved_nodes else self.members
                     if moved_nodes or moved_spares or (before.state in table.TERMINAL) != (job.state in table.TERMINAL):
-                        sim.hold(self, before, job)  # (most commits hold what they held: no pass over the job)
+                        sim.hold(self, before, job, members)  # (most commits hold what they held: no pass over the job)
                     if moved_nodes:
-                        self.members = set(job.nodes)
+                        self.members = members
                         if self.replicas:
                             self.position = {n: i for i, n in enumerate(job.nodes)}
                         self.rebuild()
@@ -508,7 +511,8 @@ class SimJob:
     def _launched(self, generation: int) -> None:
         if self.launch is None or self.launch.generation != generation:
             return
-        down = [n for n in self.launch_nodes if self.sim.nodes[n].down]
+        down = [n for n in self.launch_nodes if n in self.sim.down] if not self.sim.down.isdisjoint(
+            self.launch_nodes) else []
         self.launch = lifecycle.LaunchView(generation, done=True, ok=not down, error=f"{down} down",
                                            address="10.0.0.1", port=29500)
         self.decide()
@@ -521,7 +525,7 @@ class SimJob:
     def _acked(self, request_id: int, generation: int) -> None:
         if self.checkpoint is None or self.checkpoint.request_id != request_id or generation != self.generation:
             return
-        if any(self.sim.nodes[n].down for n in self.job.nodes):
+        if not self.sim.down.isdisjoint(self.job.nodes):
             self.decide()  # a node died first: the deadline will pass and the recovery resumes from before
             return
         step = int(self.work / self.shape.step_s)
@@ -652,11 +656,12 @@ class Simulation:
         job.synced = len(self.changes)
         return list(job.fleet.values())
 
-    def hold(self, job: SimJob, before: pb.Job, after: pb.Job) -> None:
+    def hold(self, job: SimJob, before: pb.Job, after: pb.Job, members: set[str]) -> None:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none. A job holds
-        every node of its record (this keeps it so): only those that came or went are looked at."""
-        held = set() if after.state in table.TERMINAL else {*after.nodes, *after.spares}
-        named = {*before.nodes, *before.spares}
+        every node of its record (this keeps it so): only those that came or went are looked at. `job.members` are
+        the nodes of `before`, `members` those of `after`."""
+        held = set() if after.state in table.TERMINAL else members.union(after.spares)
+        named = job.members.union(before.spares)
         had = set() if before.state in table.TERMINAL else named
         released = [name for name in named - held if self.nodes[name].holder == job.job.id]
         for name in released:
