@@ -7,7 +7,7 @@ single one rank out (its last collective), else from whose trainlib fell silent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.config import RecoveryConfig
@@ -86,11 +86,12 @@ def describe_culprit(c: pb.HangCulprit) -> str:
 def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: Mapping[int, monitors.RankTrack],
            now: float, cfg: RecoveryConfig, nccl: Mapping[int, pb.NcclRankState] | None = None,
            fatal: Mapping[int, str] | None = None, over: set[int] | None = None, since: float = 0.0,
-           odd: Sequence[pb.RankInfo] | None = None) -> Incident | None:
+           odd: Sequence[pb.RankInfo] | None = None, names: Collection[str] | None = None) -> Incident | None:
     """The most urgent thing wrong with a running job, or None. Sudden failures come first; a rank that
     said no restart can mend it comes before everything. `over`: training_over(ranks, tracks), when the caller
     has it already. `since`: no hang counted from before it (the ranks' quorum changed then). `odd`: unsettled(ranks),
-    when the caller has it already."""
+    when the caller has it already. `names`: the nodes that count, where `nodes` has views of others too (a job's
+    spares; replica groups out of the quorum); one of them without a view counts as lost."""
     ranks = ranks if isinstance(ranks, Sequence) else list(ranks)
     odd = unsettled(ranks) if odd is None else odd
     for rank, why in sorted((fatal or {}).items()):
@@ -100,14 +101,18 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
                 node = r.node
         return Incident("crash", False, (), f"rank {rank} on {node} stopped for good: {why}", fatal=True)
     # One pass over the nodes (a job of 16,384 nodes is judged at every step): the few that are not well, sorted
-    unwell = sorted((n, v) for n, v in nodes.items() if v.down or v.health >= FAILING)
+    get = nodes.get
+    if names is None:
+        names = nodes.keys()
+    sick = {n: v for n in names if (v := get(n) or _unknown(n)).down or v.health >= FAILING}
+    unwell = sorted(sick.items())
     lost = [n for n, v in unwell if v.down]
     if lost:
         return Incident("node-lost", False, tuple(lost), f"node {', '.join(lost)} lost")
     failed = [n for n, v in unwell if v.health >= FAILED]
     if failed:
         return Incident("gpu-failed", False, tuple(failed),
-                        f"node {failed[0]} FAILED: {nodes[failed[0]].health_reason}")
+                        f"node {failed[0]} FAILED: {sick[failed[0]].health_reason}")
     over = training_over(odd, tracks) if over is None else over
     for rank in odd:
         if rank.state == pb.RANK_STATE_LOST or (rank.state == pb.RANK_STATE_EXITED and rank.exit_code != 0):
@@ -124,6 +129,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         return None  # the job's training has ended (a synchronous job's ranks all took the last step): its ranks are
         # tearing down, saving the final model, exiting; lifecycle bounds how long (recovery.exit_grace_s)
     hangs = monitors.hung(tracks, now, cfg, since)
+    if hangs or tracks:  # the verdicts on progress read the views of the nodes that count (each has one by now)
+        nodes = {n: nodes[n] for n in names}
     if hangs and any(v.quiet for v in nodes.values()):
         hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first
     node_of = {r.rank: r.node for r in ranks} if hangs or tracks else {}  # no reports: no rank is named
@@ -151,7 +158,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     failing = [n for n, v in unwell if v.health >= FAILING]
     if failing:
         return Incident("gpu-failing", True, tuple(failing),
-                        f"node {failing[0]} FAILING: {nodes[failing[0]].health_reason}")
+                        f"node {failing[0]} FAILING: {sick[failing[0]].health_reason}")
     slow = monitors.stragglers(tracks, cfg)
     if slow:  # not one on a node where Phalanx started standbys within the window: it may be slow from that work
         span = cfg.straggler_window * monitors.job_step_s(tracks) + OWN_WORK_MARGIN_S  # the time the verdict sees
@@ -166,6 +173,11 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
 # Beyond the straggler window's own span, how long after Phalanx's own work on a node (standbys starting) its ranks'
 # compute times are still not held against it: the heartbeat that shows the work comes up to an interval late.
 OWN_WORK_MARGIN_S = 2.0
+
+
+def _unknown(name: str) -> NodeView:
+    """The view of a node of the job that recovery has none of (its registration is gone): lost."""
+    return NodeView(name, True, FAILED, "node unknown")
 
 
 def unsettled(ranks: Iterable[pb.RankInfo]) -> list[pb.RankInfo]:

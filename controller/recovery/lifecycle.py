@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from controller.config import JobsConfig, RecoveryConfig
 from controller.jobs.placement import Candidate, GangRequest, Placement, Unplaceable, place
 from controller.jobs.topology import ClusterTopology
-from controller.nodes.health import FAILED as HEALTH_FAILED
 from controller.recovery import progress
 from controller.recovery.detectors import Incident, NodeView, backoff, detect, training_over, unsettled
 from controller.recovery.table import (
@@ -554,14 +553,12 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     over = training_over(odd, view.tracks)
     if len(over) == len(ranks):  # what befalls a node now costs no training: nothing to recover
         return _ending(job, now, policy, over, ranks)
-    get = view.nodes.get  # (a frozen NodeView is never false)
-    nodes = {n: get(n) or NodeView(n, True, HEALTH_FAILED, "node unknown") for n in names}
     tracks, nccl = view.tracks, view.nccl
     if ranks is not job.ranks and (tracks or nccl):  # a group out of the quorum is judged no more
         tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
         nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
-    incident = detect(ranks, nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since, odd)
+    incident = detect(ranks, view.nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since, odd, names)
     if incident is None and over:
         return _ending(job, now, policy, over, ranks)
     if incident is None and job.ending_since_unix_ns and any(
