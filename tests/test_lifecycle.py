@@ -130,8 +130,8 @@ class Sim:
                                    own_work_at=self.now if n.own_work else self.own_work_at.get(name, 0.0))
             if n.own_work:
                 self.own_work_at[name] = self.now
-        candidates = [Candidate.of(n.name, DOWN if n.down else UP, n.health, True, 8, connected=not n.down,
-                                   drained=n.drained) for n in self.nodes.values()]
+        candidates = {n.name: Candidate.of(n.name, DOWN if n.down else UP, n.health, True, 8, connected=not n.down,
+                                           drained=n.drained) for n in self.nodes.values()}
         return lifecycle.JobView(nodes=views, told=told, stopped=stopped, running=running, tracks=p.tracks,
                                  launch=p.launch if p.launch and
                                  p.launch.generation == job.generation else None, checkpoint=p.checkpoint,

@@ -277,7 +277,7 @@ def test_a_rebuilt_group_takes_the_spare_on_its_own_leaf_first():
     job = pb.Job(id="job-1", spec=pb.JobSpec(nodes=4, ranks_per_node=1, replicas=2),
                  nodes=["n000", "n001", "n004", "n005"], spares=["n008", "n002"],
                  groups=[pb.ReplicaGroup(index=0, bad=["n001"]), pb.ReplicaGroup(index=1)])
-    view = lifecycle.JobView(candidates=[Candidate(n, True, True, True, 8) for n in topo.nodes], topology=topo)
+    view = lifecycle.JobView(candidates={n: Candidate(n, True, True, True, 8) for n in topo.nodes}, topology=topo)
     assert lifecycle._group_next_nodes(job, view, job.groups[0]) == (["n000", "n002"], ["n008"])
     job.groups[0].ClearField("bad")
     job.groups[0].bad.append("n000")  # no spare on the group's leaf: the spares in their order

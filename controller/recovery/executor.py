@@ -178,7 +178,7 @@ class Executor:
             nccl={r: s for r, s in entry.nccl.items() if s.dump_time_unix_ns >= since_ns},
             launch=entry.launch if entry.launch is not None and entry.launch.generation == job.generation else None,
             checkpoint=entry.checkpoint.view() if entry.checkpoint is not None else None,
-            candidates=self.candidates(exclude=job.id, within=job.spec.within) if fleet else (),
+            candidates={c.name: c for c in self.candidates(exclude=job.id, within=job.spec.within)} if fleet else {},
             topology=self.jobs.topology() if fleet else None, fleet=fleet, reported=entry.reported,
             missing=entry.missing, ended=entry.ended, prepared=entry.prepared, pinned=entry.pinned,
             snapshot_step=entry.safe[1] if entry.safe is not None and entry.safe[0] == job.generation else None)

@@ -85,7 +85,8 @@ class JobView:
     fatal: Mapping[int, str] = field(default_factory=dict)  # rank -> why it stopped for good
     launch: LaunchView | None = None  # of job.generation, by this process
     checkpoint: CheckpointView | None = None  # of job.checkpoint.id, by this process
-    candidates: Sequence[Candidate] = ()  # every node as placement sees it (this job's own count as free)
+    # name -> the node as placement sees it (this job's own count as free): every node (`fleet`), or the job's own
+    candidates: Mapping[str, Candidate] = field(default_factory=dict)
     topology: ClusterTopology | None = None
     fleet: bool = False  # `candidates` are every node of the fleet, not only the job's own
     reported: bool = False  # trainlib has reported progress for some generation of the job (it will for this one)
@@ -453,7 +454,7 @@ def allocation_short(job: pb.Job, view: JobView, what: str) -> str:
     (and the allocation's time limit runs: such a job ends rather than waits)."""
     if not job.spec.within:
         return ""
-    usable = {c.name for c in view.candidates if not c.lost}
+    usable = {c.name for c in view.candidates.values() if not c.lost}
     if len(usable) >= job.spec.nodes:
         return ""
     out = [n for n in job.spec.within if n not in usable]
@@ -497,7 +498,7 @@ def placed(job: pb.Job, candidates: Sequence[Candidate], topology: ClusterTopolo
 
 
 def _pending(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
-    decision = placed(job, list(view.candidates), view.topology, job.spec.spares)
+    decision = placed(job, list(view.candidates.values()), view.topology, job.spec.spares)
     if isinstance(decision, Unplaceable) and (why := allocation_short(job, view, "to run on")):
         return [finished(job, FAILED, why, 1, now)]
     if isinstance(decision, Unplaceable):
@@ -655,8 +656,9 @@ def replenish(job: pb.Job, view: JobView) -> list[str]:
 
 def free_nodes(job: pb.Job, view: JobView, taken: set[str]) -> list[str]:
     """The candidates that could join the job, but those `taken`: schedulable, healthy, free, big enough."""
-    return [c.name for c in view.candidates if c.schedulable and c.healthy and c.free and
-            c.gpus >= job.spec.ranks_per_node and c.name not in taken]
+    per = job.spec.ranks_per_node  # (`taken` first: at 16,384 nodes, nearly every candidate is the job's own)
+    return [c.name for c in view.candidates.values()
+            if c.name not in taken and c.schedulable and c.healthy and c.free and c.gpus >= per]
 
 
 def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:
@@ -789,7 +791,7 @@ def next_nodes(job: pb.Job, view: JobView) -> tuple[list[str], list[str], str] |
     The nodes of the incident are left out while anything else will do. Each was drained on the way here,
     so one that is schedulable again was undrained since (repaired): when the job can go on only with it,
     it is taken rather than waited past for ever (`phalanx simulate --replay` found that wait)."""
-    candidates = {c.name: c for c in view.candidates}
+    candidates = view.candidates
     bad = set(job.incident_nodes)
     chosen = _next_nodes(job, view, candidates, bad)
     back = {n for n in bad if n in candidates and candidates[n].schedulable}
@@ -844,7 +846,7 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
         return [finished(job, FAILED, why, 1, now)]
     if isinstance(chosen, str):
         wait = [WakeAt(now + RENDEZVOUS_RETRY_S)]
-        candidates = {c.name: c for c in view.candidates}
+        candidates = view.candidates
         own = sorted(n for n in {*job.evicted, *job.incident_nodes}
                      if n in candidates and not candidates[n].schedulable)
         if own:  # it ran out of nodes through its own evictions: say so, and do not wait for ever
@@ -1110,7 +1112,7 @@ def _group_next_nodes(job: pb.Job, view: JobView, group: pb.ReplicaGroup) -> tup
     switches of the group's other nodes first (the group stays as tight as it was). Returns (nodes, the spares
     left), or why it waits. As for a whole job (`next_nodes`), a bad node schedulable again was undrained since
     (repaired): it is taken back when nothing else will do."""
-    candidates = {c.name: c for c in view.candidates}
+    candidates = view.candidates
 
     def usable(n: str) -> bool:
         c = candidates.get(n)

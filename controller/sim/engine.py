@@ -323,7 +323,7 @@ class SimJob:
             if name not in self.views and not self._stale:
                 self.views[name] = self.node_view(name)
 
-    def view(self, candidates: list[Candidate] | None) -> lifecycle.JobView:
+    def view(self, candidates: dict[str, Candidate] | None) -> lifecycle.JobView:
         """What the controller sees of the job. No progress reports: the simulated ranks step at the scenario's
         pace, and a checkpoint request is answered after timings.eviction_checkpoint_s (without reports the
         lifecycle asks at once)."""
@@ -333,7 +333,7 @@ class SimJob:
         return lifecycle.JobView(nodes=self.views, told=self.told, stopped=self.taken,
                                  launch=self.launch if self.launch and
                                  self.launch.generation == job.generation else None, checkpoint=self.checkpoint,
-                                 candidates=list(self.candidates.values()) if candidates is None else candidates,
+                                 candidates=self.candidates if candidates is None else candidates,
                                  topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
 
     def decide(self) -> None:
@@ -645,7 +645,7 @@ class Simulation:
                                                 drained=node.drained))
         return node.candidate[1]
 
-    def all_candidates(self, job: SimJob) -> list[Candidate]:
+    def all_candidates(self, job: SimJob) -> dict[str, Candidate]:
         """Every node as placement sees it from `job`: kept per job, brought up to date from the change log (a
         whole-fleet look each time a job needs nodes would cost more than the rest of the simulation)."""
         if job.fleet is None:
@@ -654,7 +654,7 @@ class Simulation:
         for name in self.changes[job.synced:]:
             job.fleet[name] = self.candidate(self.nodes[name], job.job.id)
         job.synced = len(self.changes)
-        return list(job.fleet.values())
+        return job.fleet
 
     def hold(self, job: SimJob, before: pb.Job, after: pb.Job, members: set[str]) -> None:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none. A job holds
