@@ -12,6 +12,7 @@ abandoned by the same rules. Every state change goes through `controller.recover
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -976,9 +977,8 @@ class _Spans(Sequence):
         return self._len
 
     def __iter__(self) -> Iterator:
-        items = self._items
-        for a, b in self._spans:
-            yield from items[a:b]
+        items = self._items  # (chained in C: a generator's yield for each of 16,384 items cost as much as the step)
+        return itertools.chain.from_iterable(items[a:b] for a, b in self._spans)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
