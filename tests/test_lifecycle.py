@@ -132,9 +132,9 @@ class Sim:
                 self.own_work_at[name] = self.now
         candidates = {n.name: Candidate.of(n.name, DOWN if n.down else UP, n.health, True, 8, connected=not n.down,
                                            drained=n.drained) for n in self.nodes.values()}
+        launch = p.launch if p.launch and p.launch.generation == job.generation else None
         return lifecycle.JobView(nodes=views, told=told, stopped=stopped, running=running, tracks=p.tracks,
-                                 launch=p.launch if p.launch and
-                                 p.launch.generation == job.generation else None, checkpoint=p.checkpoint,
+                                 launch=launch, checkpoint=p.checkpoint,
                                  candidates=candidates, topology=flat(self.nodes), fleet=True)
 
     def decide(self) -> None:

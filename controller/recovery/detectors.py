@@ -101,7 +101,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
                 node = r.node
         return Incident("crash", False, (), f"rank {rank} on {node} stopped for good: {why}", fatal=True)
     # One pass over the nodes (a job of 16,384 nodes is judged at every step): the few that are not well, sorted
-    get = nodes.get
+    get, among = nodes.get, names is not None
     if names is None:
         names = nodes.keys()
     sick = {n: v for n in names if (v := get(n) or _unknown(n)).down or v.health >= FAILING}
@@ -129,7 +129,7 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         return None  # the job's training has ended (a synchronous job's ranks all took the last step): its ranks are
         # tearing down, saving the final model, exiting; lifecycle bounds how long (recovery.exit_grace_s)
     hangs = monitors.hung(tracks, now, cfg, since)
-    if hangs or tracks:  # the verdicts on progress read the views of the nodes that count (each has one by now)
+    if tracks and among:  # the verdicts on progress read the views of the nodes that count (each has one by now)
         nodes = {n: nodes[n] for n in names}
     if hangs and any(v.quiet for v in nodes.values()):
         hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first

@@ -170,8 +170,9 @@ class Executor:
         nodes = self.jobs.registry.entries_by_name()
         names = dict.fromkeys([*job.nodes, *job.spares, *job.incident_nodes])
         known = [nodes[n] for n in names if n in nodes]
-        views = {node.record.name: self._node_view(node) for node in known}
-        told, stopped, running = self._stops(entry, known)
+        monotonic = self.jobs.clock.monotonic()  # (one reading for every node of the view)
+        views = {node.record.name: self._node_view(node, monotonic) for node in known}
+        told, stopped, running = self._stops(entry, known, monotonic)
         since_ns = job.state_since_unix_ns if job.state == RUNNING else 0
         return lifecycle.JobView(
             nodes=views, told=told, stopped=stopped, running=running, tracks=entry.tracks, fatal=dict(entry.fatal),
@@ -183,12 +184,11 @@ class Executor:
             missing=entry.missing, ended=entry.ended, prepared=entry.prepared, pinned=entry.pinned,
             snapshot_step=entry.safe[1] if entry.safe is not None and entry.safe[0] == job.generation else None)
 
-    def _stops(self, entry: JobEntry, nodes: list) -> tuple[set[str], set[str], set[str]]:
+    def _stops(self, entry: JobEntry, nodes: list[NodeEntry], monotonic: float) -> tuple[set[str], set[str], set[str]]:
         """How far this process's stop of the job's generation has got on each of `nodes` (JobView.told, .stopped,
         .running): told (on the node's current session, and lately), confirmed stopped by a heartbeat since, and
         showing ranks of the generation running."""
         job, told, stopped, running = entry.job, set(), set(), set()
-        monotonic = self.jobs.clock.monotonic()
         for node in nodes:
             name, beat = node.record.name, node.heartbeat
             stop = entry.stops.get(name, False)  # None: on its way; (session, heartbeats, when): taken
@@ -203,9 +203,9 @@ class Executor:
                 running.add(name)
         return told, stopped, running
 
-    def _node_view(self, node) -> NodeView:
+    def _node_view(self, node: NodeEntry, monotonic: float) -> NodeView:
         name = node.record.name
-        silence = self.jobs.clock.monotonic() - node.last_seen
+        silence = monotonic - node.last_seen
         return NodeView(name, node.record.state is DOWN, node.verdict.health,
                         node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
                         drained=bool(node.record.drain_reason),

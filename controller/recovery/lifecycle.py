@@ -807,7 +807,7 @@ def next_nodes(job: pb.Job, view: JobView) -> tuple[list[str], list[str], str] |
     return chosen
 
 
-def _next_nodes(job: pb.Job, view: JobView, candidates: dict[str, Candidate],
+def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
                 bad: set[str]) -> tuple[list[str], list[str], str] | str:
     # Sets, not the record's lists (a 2,048-node job made this quadratic), and one pass over the candidates for the
     # few that will not do, not the many that will (a 16,384-node job is decided here at each of its recoveries).

@@ -326,13 +326,16 @@ class SimJob:
     def view(self, candidates: dict[str, Candidate] | None) -> lifecycle.JobView:
         """What the controller sees of the job. No progress reports: the simulated ranks step at the scenario's
         pace, and a checkpoint request is answered after timings.eviction_checkpoint_s (without reports the
-        lifecycle asks at once)."""
+        lifecycle asks at once). A stop is taken reliably here, within timings.stop_s: a node told once stays told for
+        its generation, and `running` (a node still showing the generation after a stop, past the eviction's
+        deadline) never arises. The view holds the simulator's own maps (views, candidates), read within the step it
+        is built for (lifecycle.plan), not copies: a view kept past it would change under its reader."""
         job = self.job
         if self._stale:
             self._rebuild()
-        return lifecycle.JobView(nodes=self.views, told=self.told, stopped=self.taken,
-                                 launch=self.launch if self.launch and
-                                 self.launch.generation == job.generation else None, checkpoint=self.checkpoint,
+        launch = self.launch if self.launch and self.launch.generation == job.generation else None
+        return lifecycle.JobView(nodes=self.views, told=self.told, stopped=self.taken, launch=launch,
+                                 checkpoint=self.checkpoint,
                                  candidates=self.candidates if candidates is None else candidates,
                                  topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
 
@@ -389,6 +392,7 @@ class SimJob:
                             self.tally.fresh_placements += 1
                     # (a job's nodes change only with its generation: lifecycle.with_nodes, a group's launch)
                     moved_nodes = job.generation != before.generation and job.nodes != before.nodes
+                    assert moved_nodes or len(job.nodes) == len(before.nodes), "nodes changed within a generation"
                     moved_spares = job.spares != before.spares
                     members = set(job.nodes) if moved_nodes else self.members
                     if moved_nodes or moved_spares or (before.state in table.TERMINAL) != (job.state in table.TERMINAL):
@@ -413,9 +417,9 @@ class SimJob:
                     timings = sim.scenario.timings
                     sim.at(sim.now + (timings.warm_launch_s if warm else timings.launch_s), self._launched,
                            generation)
-                case lifecycle.Stop(nodes=nodes):
-                    self.told.update(nodes)
-                    self.taken.difference_update(nodes)  # (told again: stopped once it has taken this stop)
+                case lifecycle.Stop(nodes=nodes):  # (sets anew, not changed in place: a view handed out keeps its own)
+                    self.told = self.told.union(nodes)
+                    self.taken = self.taken.difference(nodes)  # (told again: stopped once it has taken this stop)
                     stops += nodes
                 case lifecycle.Drain(node=node):
                     sim.take_out(sim.nodes[node])
@@ -511,15 +515,14 @@ class SimJob:
     def _launched(self, generation: int) -> None:
         if self.launch is None or self.launch.generation != generation:
             return
-        down = [n for n in self.launch_nodes if n in self.sim.down] if not self.sim.down.isdisjoint(
-            self.launch_nodes) else []
+        down = [n for n in self.launch_nodes if n in self.sim.down]
         self.launch = lifecycle.LaunchView(generation, done=True, ok=not down, error=f"{down} down",
                                            address="10.0.0.1", port=29500)
         self.decide()
 
     def _stopped(self, nodes: list[str], generation: int) -> None:
         if generation == self.generation:
-            self.taken |= self.told.intersection(nodes).difference(self.sim.down)
+            self.taken = self.taken.union(self.told.intersection(nodes).difference(self.sim.down))
         self.decide()
 
     def _acked(self, request_id: int, generation: int) -> None:
