@@ -422,3 +422,29 @@ def test_a_straggler_whose_verdict_another_incident_came_before_is_judged_again(
     incidents = report.incidents(report.results(sim))
     assert incidents.get("gpu-failed") == 1 and incidents.get("straggler") == 1, incidents
     assert names["slow"] not in sim.jobs[0].job.nodes  # evicted: the job no longer trains at its pace
+
+
+def test_the_simulators_count_of_whether_a_job_needs_the_fleet_is_next_nodes_own_choice(monkeypatch):
+    """At a rendezvous the simulator hands the lifecycle the job's own nodes and spares, or every node when those do
+    not do: it counts the few nodes that will not do instead of choosing (a choice among 16,384 costs as much as the
+    rest of a recovery). The count must say what lifecycle.next_nodes' own choice says, in a run where spares run out,
+    leaf switches fail and drained nodes come back."""
+    from controller.recovery import lifecycle
+    from controller.sim import engine
+
+    answers = []
+    counted = engine.SimJob.needs_the_fleet
+
+    def checked(self):
+        chosen = lifecycle.next_nodes(self.job, self.view(None))
+        chose = isinstance(chosen, str) or not set(chosen[0]).isdisjoint(self.job.incident_nodes)
+        answers.append((counted(self), chose))
+        return answers[-1][0]
+
+    monkeypatch.setattr(engine.SimJob, "needs_the_fleet", checked)
+    report.simulate(scenario(**{"fleet.nodes": 48, "fleet.nodes_per_leaf": 8, "job.nodes": 32, "job.spares": 1,
+                                "failures.per_1000_node_days": 40.0, "failures.leaf_per_1000_leaf_days": 20.0,
+                                "failures.repair_h": 12.0, "run.days": 60.0}))
+    assert answers and all(count == chose for count, chose in answers), [a for a in answers if a[0] != a[1]][:5]
+    assert {chose for _, chose in answers} == {True, False}  # both ways, many times
+    assert min(sum(chose for _, chose in answers), sum(not chose for _, chose in answers)) >= 5

@@ -812,7 +812,7 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
     # Sets, not the record's lists (a 2,048-node job made this quadratic), and one pass over the candidates for the
     # few that will not do, not the many that will (a 16,384-node job is decided here at each of its recoveries).
     per = job.spec.ranks_per_node
-    unusable = bad.union(n for n, c in candidates.items() if not (c.schedulable and c.free and c.gpus >= per))
+    unusable = bad | unfit(candidates, per)
     nodes = list(job.nodes)
     current = set(nodes)
     keep = (current & candidates.keys()) - unusable
@@ -832,6 +832,11 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
     if isinstance(decision, Unplaceable):
         return f"waiting for nodes: {decision.reason}"
     return list(decision.nodes), [], "a new placement (no spare left in the domain)"
+
+
+def unfit(candidates: Mapping[str, Candidate], ranks_per_node: int) -> set[str]:
+    """The candidates a job's next generation cannot run on (next_nodes): not schedulable, another job's, too small."""
+    return {n for n, c in candidates.items() if not (c.schedulable and c.free and c.gpus >= ranks_per_node)}
 
 
 def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:

@@ -142,6 +142,7 @@ class SimJob:
         self.members: set[str] = set()
         self.views: dict[str, NodeView] = {}
         self.candidates: dict[str, Candidate] = {}
+        self.unfit: set[str] = set()  # of `candidates`, those a next generation cannot run on (lifecycle.unfit)
         self._node_views: dict[tuple, NodeView] = {}
         self._stale = False  # the views and candidates wait for a rebuild (done once, when next looked at)
         self.fleet: dict[str, Candidate] | None = None  # every node, as placement sees it from this job
@@ -287,11 +288,19 @@ class SimJob:
                                                     drained=n.drained)
         return view
 
+    def _candidate(self, name: str) -> None:
+        """The node's candidate (as placement sees it from this job), held with whether it is unfit."""
+        held = self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
+        if lifecycle.unfit({name: held}, self.job.spec.ranks_per_node):
+            self.unfit.add(name)
+        else:
+            self.unfit.discard(name)
+
     def refresh(self, *names: str) -> None:
         """Some of the job's nodes changed (a fault, a drain): their views and candidates again."""
         for name in names:
             if name in self.candidates:
-                self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
+                self._candidate(name)
             if name in self.views:  # (also while a rebuild is due: it keeps the views it finds, _rebuild)
                 self.views[name] = self.node_view(name)
 
@@ -307,8 +316,11 @@ class SimJob:
         names = [*self.job.nodes, *self.job.spares]
         views, node_view = self.views, self.node_view
         self.views = {name: views.get(name) or node_view(name) for name in names}
-        candidate, nodes, job_id, held = self.sim.candidate, self.sim.nodes, self.job.id, self.candidates
-        self.candidates = {name: held.get(name) or candidate(nodes[name], job_id) for name in names}
+        held = self.candidates
+        for name in [name for name in names if name not in held]:
+            self._candidate(name)  # (into `held`)
+        self.candidates = {name: held[name] for name in names}
+        self.unfit.intersection_update(self.candidates)
 
     def respare(self, before: pb.Job) -> None:
         """Only the spares changed (held again, or released): their views alone."""
@@ -317,9 +329,10 @@ class SimJob:
         for name in set(before.spares) - set(self.job.spares) - self.members:
             self.views.pop(name, None)
             self.candidates.pop(name, None)
+            self.unfit.discard(name)
         for name in self.job.spares:
             if name not in self.candidates:
-                self.candidates[name] = self.sim.candidate(self.sim.nodes[name], self.job.id)
+                self._candidate(name)
             if name not in self.views and not self._stale:
                 self.views[name] = self.node_view(name)
 
@@ -359,16 +372,20 @@ class SimJob:
         where the job's own nodes and spares do not do: the choice is the same (own nodes come first), and a
         whole-fleet look per recovery step would cost more than the rest of the simulation at 16,000 nodes."""
         view = self.view(None)
-        if fleet and (self.job.state != table.RENDEZVOUS or self._needs_the_fleet(view)):
+        if fleet and (self.job.state != table.RENDEZVOUS or self.needs_the_fleet()):
             view = self.view(self.sim.all_candidates(self))
         return view
 
-    def _needs_the_fleet(self, view: lifecycle.JobView) -> bool:
-        """Whether the next generation's nodes must be chosen from the whole fleet, as the controller does: its
-        own nodes and spares do not do, or would only with a node of the incident (taken only when nothing else
-        in the fleet will do)."""
-        chosen = lifecycle.next_nodes(self.job, view)
-        return isinstance(chosen, str) or not set(chosen[0]).isdisjoint(self.job.incident_nodes)
+    def needs_the_fleet(self) -> bool:
+        """Whether the next generation's nodes must be chosen from the whole fleet, as the controller does: its own
+        nodes and spares do not do, or would only with a node of the incident (taken only when nothing else in the
+        fleet will do). lifecycle.next_nodes keeps the job on its own nodes exactly when its spares can take the
+        places of those that will not do (unfit, or of the incident): counted from the few such nodes held, not by
+        choosing (`tests/test_simulate.py` checks it against next_nodes' choice at every rendezvous of a run)."""
+        if self._stale:
+            self._rebuild()
+        out = self.unfit.union(self.job.incident_nodes)
+        return sum(name in self.members for name in out) > sum(name not in out for name in self.job.spares)
 
     def apply(self, actions: list[lifecycle.Action]) -> bool:
         sim, committed, stops = self.sim, False, []
