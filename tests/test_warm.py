@@ -153,8 +153,8 @@ from concurrent.futures import ThreadPoolExecutor
 pool = ThreadPoolExecutor(max_workers=1)  # as trainlib's snapshot writer: its idle worker ends at the interpreter's
 pool.submit(lambda: None).result()  # threading hook, or the process never exits
 class Teardown:
-    def __del__(self):  # only the interpreter's teardown of this module would call it
-        open(os.environ['SAID'] + '.teardown', 'w').close()
+    def __del__(self, open=open, path=os.environ['SAID'] + '.teardown'):  # only the interpreter's teardown of this
+        open(path, 'w').close()  # module calls it (bound here: by then the module's builtins may be gone)
 kept = Teardown()
 """
 
@@ -169,6 +169,24 @@ def test_a_warm_started_rank_ends_as_python_would_without_the_interpreters_teard
     assert assign_warm(tmp_path, job_dir, [PY, "end.py"], base_env(tmp_path)) == expected_status
     assert (tmp_path / "exit").read_text().strip() == str(expected_status)
     assert said in (tmp_path / "log").read_text()
+    assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
+    assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_cold_started_python_rank_ends_as_a_warm_one_does(tmp_path, job_dir, ending):
+    """A rank started cold runs `python end.py` through warmstart.py --run: the same exit status, threads joined and
+    atexit handlers run, and no interpreter teardown (torch's static destructors abort a script that has ended now and
+    then: SIGABRT in place of its `sys.exit(main())`)."""
+    code, expected_status, said = ENDINGS[ending]
+    (job_dir / "end.py").write_text(ENDING_PRELUDE + code)
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock())
+    request = node_pb2.LaunchRanks(job="j", generation=1, command=[PY, "end.py"], workdir=str(job_dir),
+                                   ranks=[node_pb2.RankLaunch(rank=0, env={"RANK": "0"})])
+    supervisor.launch(request, base_env(tmp_path))
+    [ended] = wait_until(lambda: supervisor.poll(), "the rank to end")
+    assert ended.exit_code == expected_status and not ended.warm
+    assert said in Path(ended.log).read_text()
     assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
     assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
 
