@@ -161,18 +161,7 @@ def assigned(spec: dict, program: list[str], rankwrap) -> int:
     return code if code >= 0 else 128 - code
 
 
-def run(program: list[str]) -> None:
-    """`warmstart.py --run -- PROGRAM`: a cold-started rank, run here as `python PROGRAM` would run it and ended as a
-    warm one ends (run_as_main): the interpreter's teardown, where torch's static destructors can abort a rank whose
-    script has ended (SIGABRT in place of its exit status), is left out."""
-    if not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
-        sys.path[0] = search_dir(program)  # not this file's directory: as `python PROGRAM` would have it
-    os._exit(run_as_main(program))
-
-
 def main(argv: list[str]) -> int:
-    if len(argv) > 2 and argv[:2] == ["--run", "--"]:
-        run(argv[2:])
     if len(argv) < 4 or argv[2] != "--":
         print("usage: python [FLAGS] warmstart.py READY_FILE IMPORTS -- PROGRAM...", file=sys.stderr)
         return 2

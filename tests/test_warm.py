@@ -173,24 +173,6 @@ def test_a_warm_started_rank_ends_as_python_would_without_the_interpreters_teard
     assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
 
 
-@pytest.mark.parametrize("ending", list(ENDINGS))
-def test_a_cold_started_python_rank_ends_as_a_warm_one_does(tmp_path, job_dir, ending):
-    """A rank started cold runs `python end.py` through warmstart.py --run: the same exit status, threads joined and
-    atexit handlers run, and no interpreter teardown (torch's static destructors abort a script that has ended now and
-    then: SIGABRT in place of its `sys.exit(main())`)."""
-    code, expected_status, said = ENDINGS[ending]
-    (job_dir / "end.py").write_text(ENDING_PRELUDE + code)
-    supervisor = Supervisor(tmp_path / "state", clock=FakeClock())
-    request = node_pb2.LaunchRanks(job="j", generation=1, command=[PY, "end.py"], workdir=str(job_dir),
-                                   ranks=[node_pb2.RankLaunch(rank=0, env={"RANK": "0"})])
-    supervisor.launch(request, base_env(tmp_path))
-    [ended] = wait_until(lambda: supervisor.poll(), "the rank to end")
-    assert ended.exit_code == expected_status and not ended.warm
-    assert said in Path(ended.log).read_text()
-    assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
-    assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
-
-
 def test_a_stop_reaches_a_warm_started_rank_and_its_end_is_written_down(tmp_path, job_dir):
     pool = WarmPool(tmp_path / "state", FakeClock())
     env = base_env(tmp_path)
