@@ -28,7 +28,7 @@ import psutil
 
 from agent import rank_table, rankwrap, safefs
 from agent.cgroups import CgroupError, Cgroups, RankCgroup
-from agent.warm import HOLD_S, Recipe, WarmPool, recipe
+from agent.warm import HOLD_S, Recipe, WarmPool, cold_command, recipe
 from phalanx import log
 from phalanx.clock import Clock, RealClock, Timer, wall_s
 from phalanx.v1 import common_pb2, node_pb2
@@ -344,9 +344,11 @@ class Supervisor:
                         json.dump(env, f)
                     options += ["--as", account.spec(), str(env_file), "--cwd", workdir]
                     wrapper_env = {"PATH": "/usr/bin:/bin"}  # the wrapper runs with the agent's rights
+                # (as another account, the program as given: that account's interpreter would run a file of ours)
+                command = list(request.command) if account is not None else cold_command(request.command)
                 try:
                     proc = subprocess.Popen(
-                        [sys.executable, "-I", WRAPPER, str(exit_file), *options, "--", *request.command],
+                        [sys.executable, "-I", WRAPPER, str(exit_file), *options, "--", *command],
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=wrapper_env,
                         cwd=workdir if account is None else "/", start_new_session=True)
                 except BaseException:

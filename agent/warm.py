@@ -88,6 +88,14 @@ def split_command(command: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, .
     return tuple(argv[:i]), tuple(program)
 
 
+def cold_command(command: Iterable[str]) -> list[str]:
+    """The command of a rank started cold: a Python program through `warmstart.py --run`, which runs it as `python
+    PROGRAM` would and ends it as a warm-started rank ends (no interpreter teardown, where torch can abort a script
+    that has ended); any other command as it is."""
+    split = split_command(command)
+    return list(command) if split is None else [*split[0], WARMSTART, "--run", "--", *split[1]]
+
+
 def recipe(job: str, command: Iterable[str], env: Mapping[str, str], workdir: str) -> Recipe | None:
     """The recipe of a launch (or of a spare's request); None if its ranks must start cold."""
     split = split_command(command)

@@ -20,8 +20,10 @@ Run by path; imports the standard library only (and rankwrap, by its path). With
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import importlib.util
+import io
 import json
 import os
 import runpy
@@ -67,8 +69,8 @@ def run_program(program: list[str]) -> None:
 
 def run_as_main(program: list[str]) -> int:
     """Run PROGRAM and end as `python PROGRAM` would — the same exit status (SystemExit's code, or its message on
-    stderr and 1; an uncaught exception's traceback and 1), non-daemon threads joined, atexit handlers run, stdio
-    flushed — and return the status for os._exit, without the interpreter's teardown: a forked child would
+    stderr and 1; an uncaught exception's traceback and 1), non-daemon threads joined, atexit handlers run, files
+    left open flushed — and return the status for os._exit, without the interpreter's teardown: a forked child would
     otherwise dereference every object the standby imported (torch's, page by page out of memory it shares with
     the standby) and run torch's static destructors, which can abort ("terminate called without an active
     exception"). A KeyboardInterrupt ends the process by SIGINT, as the interpreter does."""
@@ -91,15 +93,31 @@ def run_as_main(program: list[str]) -> int:
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream: nothing left to say there
-            pass
+    flush_open_files()
     if code == -signal.SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
+
+
+def flush_open_files() -> None:
+    """Write out what the files the program left open hold in their buffers, as the interpreter's teardown does
+    when it closes them (os._exit, which follows, does not), stdout and stderr last. Text files go first, as theirs
+    is written into a binary buffer. A standby froze what its imports made (gc.freeze) before it forked: only the
+    objects made since are gone through."""
+    def flush(stream) -> None:
+        try:
+            if not stream.closed:
+                stream.flush()
+        except Exception:  # closed, detached or broken: nothing to be written there
+            pass
+
+    files = [o for o in gc.get_objects() if isinstance(o, (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom))]
+    stdio = {id(sys.stdout), id(sys.stderr), id(sys.__stdout__), id(sys.__stderr__)}
+    for stream in sorted((f for f in files if id(f) not in stdio), key=lambda f: not isinstance(f, io.TextIOWrapper)):
+        flush(stream)
+    for stream in (sys.stdout, sys.stderr):
+        flush(stream)
 
 
 def exit_status(code: object) -> int:
@@ -161,7 +179,18 @@ def assigned(spec: dict, program: list[str], rankwrap) -> int:
     return code if code >= 0 else 128 - code
 
 
+def run(program: list[str]) -> None:
+    """`warmstart.py --run -- PROGRAM`: a cold-started rank, run here as `python PROGRAM` would run it and ended as a
+    warm one ends (run_as_main): the interpreter's teardown, where torch's static destructors can abort a rank whose
+    script has ended (SIGABRT in place of its exit status), is left out."""
+    if not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
+        sys.path[0] = search_dir(program)  # not this file's directory: as `python PROGRAM` would have it
+    os._exit(run_as_main(program))
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) > 2 and argv[:2] == ["--run", "--"]:
+        run(argv[2:])
     if len(argv) < 4 or argv[2] != "--":
         print("usage: python [FLAGS] warmstart.py READY_FILE IMPORTS -- PROGRAM...", file=sys.stderr)
         return 2
@@ -174,6 +203,9 @@ def main(argv: list[str]) -> int:
             importlib.import_module(name)
         except Exception as e:  # the rank imports what it needs itself; this one only saves time
             print(f"phalanx warm start: {name} not imported ahead: {e}", file=sys.stderr, flush=True)
+    # What the imports made leaves the collector's care: a rank forked from here neither copies those pages by the
+    # collector's writes to them nor goes through them at its end (flush_open_files).
+    gc.freeze()
     with open(ready_file, "w"):
         pass
     line = sys.stdin.readline()

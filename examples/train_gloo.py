@@ -60,12 +60,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # torch's CPU build can abort the interpreter's own teardown after destroy_process_group has returned ("terminate
-    # called without an active exception": about one run in ten of two ranks on a busy 2-core machine, torch 2.13),
-    # and the exit status then says SIGABRT, not how the training ended. The tests read this script's exit status:
-    # it leaves without that teardown. (A script using trainlib need not: a rank killed in its teardown after its
-    # training ended does not fail the job.)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

@@ -156,7 +156,20 @@ class Teardown:
     def __del__(self, open=open, path=os.environ['SAID'] + '.teardown'):  # only the interpreter's teardown of this
         open(path, 'w').close()  # module calls it (bound here: by then the module's builtins may be gone)
 kept = Teardown()
+left_open = open(os.environ['SAID'] + '.open', 'w')  # never closed: what it holds is written out at the end all
+left_open.write('text in the buffer')  # the same, as the interpreter's teardown does
+left_open_binary = open(os.environ['SAID'] + '.open-binary', 'wb')
+left_open_binary.write(b'bytes in the buffer')
 """
+
+
+def assert_ended_as_python_would(tmp_path: Path) -> None:
+    """What a script of ENDING_PRELUDE leaves behind, ended as `python end.py` would end it but without the
+    interpreter's teardown."""
+    assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
+    assert (tmp_path / "said.json.open").read_text() == "text in the buffer"
+    assert (tmp_path / "said.json.open-binary").read_bytes() == b"bytes in the buffer"
+    assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
 
 
 @pytest.mark.parametrize("ending", list(ENDINGS))
@@ -169,8 +182,24 @@ def test_a_warm_started_rank_ends_as_python_would_without_the_interpreters_teard
     assert assign_warm(tmp_path, job_dir, [PY, "end.py"], base_env(tmp_path)) == expected_status
     assert (tmp_path / "exit").read_text().strip() == str(expected_status)
     assert said in (tmp_path / "log").read_text()
-    assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
-    assert not (tmp_path / "said.json.teardown").exists()  # left by os._exit, not torn down
+    assert_ended_as_python_would(tmp_path)
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_cold_started_python_rank_ends_as_a_warm_one_does(tmp_path, job_dir, ending):
+    """A rank started cold runs `python end.py` through warmstart.py --run: the same exit status, threads joined and
+    atexit handlers run, and no interpreter teardown (torch's static destructors abort a script that has ended now and
+    then: SIGABRT in place of its `sys.exit(main())`)."""
+    code, expected_status, said = ENDINGS[ending]
+    (job_dir / "end.py").write_text(ENDING_PRELUDE + code)
+    supervisor = Supervisor(tmp_path / "state", clock=FakeClock())
+    request = node_pb2.LaunchRanks(job="j", generation=1, command=[PY, "end.py"], workdir=str(job_dir),
+                                   ranks=[node_pb2.RankLaunch(rank=0, env={"RANK": "0"})])
+    supervisor.launch(request, base_env(tmp_path))
+    [ended] = wait_until(lambda: supervisor.poll(), "the rank to end")
+    assert ended.exit_code == expected_status and not ended.warm
+    assert said in Path(ended.log).read_text()
+    assert_ended_as_python_would(tmp_path)
 
 
 def test_a_stop_reaches_a_warm_started_rank_and_its_end_is_written_down(tmp_path, job_dir):
