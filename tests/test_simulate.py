@@ -448,3 +448,29 @@ def test_the_simulators_count_of_whether_a_job_needs_the_fleet_is_next_nodes_own
     assert answers and all(count == chose for count, chose in answers), [a for a in answers if a[0] != a[1]][:5]
     assert {chose for _, chose in answers} == {True, False}  # both ways, many times
     assert min(sum(chose for _, chose in answers), sum(not chose for _, chose in answers)) >= 5
+
+
+def test_the_simulators_unwell_nodes_are_those_the_detectors_would_find(monkeypatch):
+    """The simulator keeps the names of its job's unwell nodes as their views change (JobView.unwell), and the
+    detectors read those few instead of every node's view. At every view it hands out, in a run with lost nodes,
+    failing GPUs, leaf switch failures and repairs, they must be what a look through every view finds, and every node
+    of the job must have a view (the detectors then take a node without one for lost)."""
+    from controller.recovery import detectors
+    from controller.sim import engine
+
+    seen = []
+    made = engine.SimJob.view
+
+    def checked(self, candidates):
+        view = made(self, candidates)
+        found = {n for n, v in view.nodes.items() if detectors.is_unwell(v)}
+        seen.append(len(found))
+        assert view.unwell == found, (sorted(view.unwell), sorted(found))
+        assert all(n in view.nodes for n in self.job.nodes)
+        return view
+
+    monkeypatch.setattr(engine.SimJob, "view", checked)
+    report.simulate(scenario(**{"fleet.nodes": 48, "fleet.nodes_per_leaf": 8, "job.nodes": 32, "job.spares": 2,
+                                "failures.per_1000_node_days": 40.0, "failures.leaf_per_1000_leaf_days": 20.0,
+                                "failures.repair_h": 12.0, "run.days": 30.0}))
+    assert sum(n > 0 for n in seen) >= 20 and sum(n == 0 for n in seen) >= 20, (len(seen), sum(n > 0 for n in seen))

@@ -8,6 +8,7 @@ single one rank out (its last collective), else from whose trainlib fell silent.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from controller.config import RecoveryConfig
@@ -86,12 +87,15 @@ def describe_culprit(c: pb.HangCulprit) -> str:
 def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: Mapping[int, monitors.RankTrack],
            now: float, cfg: RecoveryConfig, nccl: Mapping[int, pb.NcclRankState] | None = None,
            fatal: Mapping[int, str] | None = None, over: set[int] | None = None, since: float = 0.0,
-           odd: Sequence[pb.RankInfo] | None = None, names: Collection[str] | None = None) -> Incident | None:
+           odd: Sequence[pb.RankInfo] | None = None, names: Collection[str] | None = None,
+           unwell: AbstractSet[str] | None = None) -> Incident | None:
     """The most urgent thing wrong with a running job, or None. Sudden failures come first; a rank that
     said no restart can mend it comes before everything. `over`: training_over(ranks, tracks), when the caller
     has it already. `since`: no hang counted from before it (the ranks' quorum changed then). `odd`: unsettled(ranks),
     when the caller has it already. `names`: the nodes that count, where `nodes` has views of others too (a job's
-    spares; replica groups out of the quorum); one of them without a view counts as lost."""
+    spares; replica groups out of the quorum); one of them without a view counts as lost. `unwell`: of `nodes`, the
+    names of those whose view is `unwell`, where the caller keeps them (it then has a view of every node that counts):
+    the few looked at, not every node's view."""
     ranks = ranks if isinstance(ranks, Sequence) else list(ranks)
     odd = unsettled(ranks) if odd is None else odd
     for rank, why in sorted((fatal or {}).items()):
@@ -104,7 +108,10 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
     get, among = nodes.get, names is not None
     if names is None:
         names = nodes.keys()
-    sick = {n: v for n in names if (v := get(n) or _unknown(n)).down or v.health >= FAILING}
+    if unwell is not None:
+        sick = {n: nodes[n] for n in unwell if not among or n in names}
+    else:
+        sick = {n: v for n in names if is_unwell(v := get(n) or _unknown(n))}
     unwell = sorted(sick.items())
     lost = [n for n, v in unwell if v.down]
     if lost:
@@ -173,6 +180,11 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
 # Beyond the straggler window's own span, how long after Phalanx's own work on a node (standbys starting) its ranks'
 # compute times are still not held against it: the heartbeat that shows the work comes up to an interval late.
 OWN_WORK_MARGIN_S = 2.0
+
+
+def is_unwell(view: NodeView) -> bool:
+    """The node is lost (down) or its GPUs FAILING or worse: what the verdicts on nodes are about."""
+    return view.down or view.health >= FAILING
 
 
 def _unknown(name: str) -> NodeView:

@@ -75,6 +75,10 @@ class CheckpointView:
 @dataclass(frozen=True)
 class JobView:
     nodes: Mapping[str, NodeView] = field(default_factory=dict)  # the job's nodes and spares
+    # Of `nodes`, the names whose view is unwell (detectors.is_unwell), where the driver keeps them as views change
+    # (the simulator: a job of 16,384 nodes is judged at every step); it then has a view of each of the job's nodes.
+    # None: the detectors look through `nodes`.
+    unwell: AbstractSet[str] | None = None
     # The generation's stops, as sets of node names (a node's view says its health; these say how far this process's
     # stop of the job has got there, and a recovery moves every node of the job through them at once):
     told: AbstractSet[str] = frozenset()  # told to stop the generation by this process, on the node's current
@@ -350,6 +354,8 @@ def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
     node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
     get, told = view.nodes.get, view.told
+    if told and all(map(told.__contains__, job.nodes)):  # (in C: once the stop is out, at each step after)
+        return []
     return stops(job, [node for node in job.nodes
                        if node not in told and (v := get(node)) is not None and not v.down and v.connected])
 
@@ -560,7 +566,8 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
         tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
         nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
-    incident = detect(ranks, view.nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since, odd, names)
+    incident = detect(ranks, view.nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since, odd, names,
+                      view.unwell)
     if incident is None and over:
         return _ending(job, now, policy, over, ranks)
     if incident is None and job.ending_since_unix_ns and any(
@@ -648,18 +655,24 @@ def replenish(job: pb.Job, view: JobView) -> list[str]:
     short = job.spec.spares - len(job.spares)
     if short <= 0 or not view.candidates:
         return []
+    current = set(job.nodes)
+    free = free_nodes(job, view, current.union(job.spares, job.incident_nodes))
+    if not free:
+        return []
     leaf_of = view.topology.node_leaf if view.topology is not None else {}
-    leaves = {leaf_of.get(n) for n in job.nodes}
-    free = free_nodes(job, view, {*job.nodes, *job.spares, *job.incident_nodes})
+    leaves = {leaf_of.get(n) for n in current}
     free.sort(key=lambda n: (leaf_of.get(n) not in leaves, n))
     return free[:short]
 
 
 def free_nodes(job: pb.Job, view: JobView, taken: set[str]) -> list[str]:
     """The candidates that could join the job, but those `taken`: schedulable, healthy, free, big enough."""
-    per = job.spec.ranks_per_node  # (`taken` first: at 16,384 nodes, nearly every candidate is the job's own)
-    return [c.name for c in view.candidates.values()
-            if c.name not in taken and c.schedulable and c.healthy and c.free and c.gpus >= per]
+    per, candidates = job.spec.ranks_per_node, view.candidates
+    rest = candidates.keys() - taken  # (in C: at 16,384 nodes, nearly every candidate is the job's own)
+    if not rest:
+        return []
+    return [n for n in candidates  # (in the candidates' order)
+            if n in rest and (c := candidates[n]).schedulable and c.healthy and c.free and c.gpus >= per]
 
 
 def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:
@@ -984,6 +997,10 @@ class _Spans(Sequence):
     def __iter__(self) -> Iterator:
         items = self._items  # (chained in C: a generator's yield for each of 16,384 items cost as much as the step)
         return itertools.chain.from_iterable(items[a:b] for a, b in self._spans)
+
+    def __contains__(self, value: object) -> bool:
+        items = self._items  # (each stretch looked through in C)
+        return any(value in items[a:b] for a, b in self._spans)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):

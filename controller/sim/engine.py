@@ -29,7 +29,7 @@ from controller.jobs.slurm_topology import parse_topology_conf
 from controller.jobs.topology import ClusterTopology, TopologyError
 from controller.nodes import health
 from controller.nodes.states import DOWN, UP
-from controller.recovery import lifecycle, table
+from controller.recovery import detectors, lifecycle, table
 from controller.recovery.detectors import NodeView
 from controller.recovery.progress import RankTrack
 from controller.sim import replay
@@ -141,6 +141,7 @@ class SimJob:
         self.generation = 0
         self.members: set[str] = set()
         self.views: dict[str, NodeView] = {}
+        self.unwell: set[str] = set()  # of `views`, those unwell (JobView.unwell), kept as they change
         self.candidates: dict[str, Candidate] = {}
         self.unfit: set[str] = set()  # of `candidates`, those a next generation cannot run on (lifecycle.unfit)
         self._node_views: dict[tuple, NodeView] = {}
@@ -302,7 +303,15 @@ class SimJob:
             if name in self.candidates:
                 self._candidate(name)
             if name in self.views:  # (also while a rebuild is due: it keeps the views it finds, _rebuild)
-                self.views[name] = self.node_view(name)
+                self._view(name)
+
+    def _view(self, name: str) -> None:
+        """The node's view as it is now, held with whether it is unwell."""
+        view = self.views[name] = self.node_view(name)
+        if detectors.is_unwell(view):
+            self.unwell.add(name)
+        else:
+            self.unwell.discard(name)
 
     def rebuild(self) -> None:
         """The job's nodes changed: its views and candidates again, when next looked at."""
@@ -316,6 +325,9 @@ class SimJob:
         names = [*self.job.nodes, *self.job.spares]
         views, node_view = self.views, self.node_view
         self.views = {name: views.get(name) or node_view(name) for name in names}
+        came = self.views.keys() - views.keys()
+        self.unwell = {n for n in self.unwell if n in self.views}.union(
+            n for n in came if detectors.is_unwell(self.views[n]))
         held = self.candidates
         for name in [name for name in names if name not in held]:
             self._candidate(name)  # (into `held`)
@@ -328,13 +340,14 @@ class SimJob:
             self.warm.update(self.job.spares)  # a spare held while training gets its standby
         for name in set(before.spares) - set(self.job.spares) - self.members:
             self.views.pop(name, None)
+            self.unwell.discard(name)
             self.candidates.pop(name, None)
             self.unfit.discard(name)
         for name in self.job.spares:
             if name not in self.candidates:
                 self._candidate(name)
             if name not in self.views and not self._stale:
-                self.views[name] = self.node_view(name)
+                self._view(name)
 
     def view(self, candidates: dict[str, Candidate] | None) -> lifecycle.JobView:
         """What the controller sees of the job. No progress reports: the simulated ranks step at the scenario's
@@ -347,8 +360,8 @@ class SimJob:
         if self._stale:
             self._rebuild()
         launch = self.launch if self.launch and self.launch.generation == job.generation else None
-        return lifecycle.JobView(nodes=self.views, told=self.told, stopped=self.taken, launch=launch,
-                                 checkpoint=self.checkpoint,
+        return lifecycle.JobView(nodes=self.views, unwell=self.unwell, told=self.told, stopped=self.taken,
+                                 launch=launch, checkpoint=self.checkpoint,
                                  candidates=self.candidates if candidates is None else candidates,
                                  topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
 
