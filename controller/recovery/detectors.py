@@ -136,11 +136,11 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         return None  # the job's training has ended (a synchronous job's ranks all took the last step): its ranks are
         # tearing down, saving the final model, exiting; lifecycle bounds how long (recovery.exit_grace_s)
     hangs = monitors.hung(tracks, now, cfg, since)
-    if tracks and among:  # the verdicts on progress read the views of the nodes that count (each has one by now)
-        nodes = {n: nodes[n] for n in names}
-    if hangs and any(v.quiet for v in nodes.values()):
+    # (the verdicts on progress read the views of the nodes that count, each of which has one by now: the ranks' and
+    # tracks' nodes are among them)
+    if hangs and any(nodes[n].quiet for n in names):
         hangs = []  # a node whose agent is silent sends no progress: liveness decides about it first
-    node_of = {r.rank: r.node for r in ranks} if hangs or tracks else {}  # no reports: no rank is named
+    node_of = {r.rank: r.node for r in ranks} if hangs else {}
     if hangs:
         culprit = nccl_culprit(nccl or {}, node_of)
         if culprit is not None:
@@ -167,6 +167,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         return Incident("gpu-failing", True, tuple(failing),
                         f"node {failing[0]} FAILING: {sick[failing[0]].health_reason}")
     slow = monitors.stragglers(tracks, cfg)
+    if slow:  # (the node of each rank judged slow)
+        node_of = {r.rank: r.node for r in ranks}
     if slow:  # not one on a node where Phalanx started standbys within the window: it may be slow from that work
         span = cfg.straggler_window * monitors.job_step_s(tracks) + OWN_WORK_MARGIN_S  # the time the verdict sees
         slow = [f for f in slow if not (v := nodes.get(node_of.get(f.rank, ""))) or now - v.own_work_at > span]

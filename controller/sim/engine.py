@@ -935,7 +935,8 @@ class Simulation:
             return
         step = job.shape.step_s
         slow = step * (1 + self.scenario.failures.straggler_slowdown)
-        rank_of = {r.node: r.rank for r in job.job.ranks}
+        names = list(job.job.nodes)  # (one rank a node, in rank order: lifecycle.rank_table)
+        rank_of = {name: names.index(name) for name in (node.name, *names[:4])}
         other = next(n for n in job.job.nodes if n != node.name) if len(job.job.nodes) > 1 else None
         if other is None:
             return
