@@ -167,8 +167,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         return Incident("gpu-failing", True, tuple(failing),
                         f"node {failing[0]} FAILING: {sick[failing[0]].health_reason}")
     slow = monitors.stragglers(tracks, cfg)
-    if slow:  # (the node of each rank judged slow)
-        node_of = {r.rank: r.node for r in ranks}
+    if slow:  # the node of each rank judged slow
+        node_of = _nodes_of(ranks, {f.rank for f in slow})
     if slow:  # not one on a node where Phalanx started standbys within the window: it may be slow from that work
         span = cfg.straggler_window * monitors.job_step_s(tracks) + OWN_WORK_MARGIN_S  # the time the verdict sees
         slow = [f for f in slow if not (v := nodes.get(node_of.get(f.rank, ""))) or now - v.own_work_at > span]
@@ -182,6 +182,14 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
 # Beyond the straggler window's own span, how long after Phalanx's own work on a node (standbys starting) its ranks'
 # compute times are still not held against it: the heartbeat that shows the work comes up to an interval late.
 OWN_WORK_MARGIN_S = 2.0
+
+
+def _nodes_of(ranks: Sequence[pb.RankInfo], wanted: set[int]) -> dict[int, str]:
+    """rank -> node of the `wanted` ranks: where `ranks` are in rank order (rank r at r: lifecycle.rank_table) read
+    there, else found in one pass."""
+    if all(0 <= r < len(ranks) and ranks[r].rank == r for r in wanted):
+        return {r: ranks[r].node for r in wanted}
+    return {r.rank: r.node for r in ranks if r.rank in wanted}
 
 
 def is_unwell(view: NodeView) -> bool:
