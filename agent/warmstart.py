@@ -19,6 +19,7 @@ Run by path; imports the standard library only (and rankwrap, by its path). With
 
 from __future__ import annotations
 
+import _io
 import atexit
 import gc
 import importlib
@@ -64,7 +65,18 @@ def run_program(program: list[str]) -> None:
         exec(compile(program[1], "<string>", "exec"), main.__dict__)
     else:
         sys.argv = list(program)
-        runpy.run_path(program[0], run_name="__main__")
+        path = os.path.abspath(program[0])  # (sys.argv[0] as given, __file__ absolute: as python has them)
+        if not os.path.exists(path):
+            print(f"{sys.executable}: can't open file {path!r}: [Errno 2] No such file or directory", file=sys.stderr)
+            raise SystemExit(2)
+        if os.path.isdir(path) or not path.endswith((".py", ".pyw")):
+            runpy.run_path(path, run_name="__main__")  # a directory or zip file with a __main__.py
+            return
+        main = types.ModuleType("__main__")
+        main.__file__, main.__cached__ = path, None
+        sys.modules["__main__"] = main
+        with io.open_code(path) as f:
+            exec(compile(f.read(), path, "exec"), main.__dict__)
 
 
 def run_as_main(program: list[str]) -> int:
@@ -93,31 +105,50 @@ def run_as_main(program: list[str]) -> int:
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
     atexit._run_exitfuncs()
-    flush_open_files()
+    finish_open_files()
     if code == -signal.SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
 
 
-def flush_open_files() -> None:
-    """Write out what the files the program left open hold in their buffers, as the interpreter's teardown does
-    when it closes them (os._exit, which follows, does not), stdout and stderr last. Text files go first, as theirs
-    is written into a binary buffer. A standby froze what its imports made (gc.freeze) before it forked: only the
-    objects made since are gone through."""
-    def flush(stream) -> None:
+# The interpreter's own file types (what `open` and the io module make): flushed at the end. Any other file object
+# (written in Python: gzip, bz2, lzma, a library's own) is closed, as its finaliser would in the teardown.
+BUILTIN_FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedReader, io.BufferedRWPair,
+                 io.FileIO, io.BytesIO, io.StringIO)
+
+
+def finish_open_files() -> None:
+    """What the interpreter's teardown does for the files the program left open, which os._exit (next) would lose:
+    text files flushed into their buffers, file objects written in Python closed (a gzip file's close writes its
+    trailer), binary buffers flushed; then stdout and stderr, those the program set and the interpreter's own. A
+    standby froze what its imports made (gc.freeze) before it forked: only the objects made since are gone through,
+    each by its type alone (reading an object's __class__ can run code that warns or raises)."""
+    def quietly(call) -> None:
         try:
-            if not stream.closed:
-                stream.flush()
+            call()
         except Exception:  # closed, detached or broken: nothing to be written there
             pass
 
-    files = [o for o in gc.get_objects() if isinstance(o, (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom))]
-    stdio = {id(sys.stdout), id(sys.stderr), id(sys.__stdout__), id(sys.__stderr__)}
-    for stream in sorted((f for f in files if id(f) not in stdio), key=lambda f: not isinstance(f, io.TextIOWrapper)):
-        flush(stream)
-    for stream in (sys.stdout, sys.stderr):
-        flush(stream)
+    try:
+        stdio = {id(s) for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}
+        texts, own, buffers = [], [], []
+        for o in gc.get_objects():
+            kind = type(o)
+            if not issubclass(kind, _io._IOBase) or id(o) in stdio:
+                continue
+            (texts if issubclass(kind, io.TextIOWrapper) else buffers if kind in BUILTIN_FILES else own).append(o)
+        for f in texts:
+            quietly(f.flush)
+        for f in own:
+            quietly(f.close)
+        for f in buffers:
+            quietly(f.flush)
+    except Exception:  # the program's own objects: whatever they do, the rank ends with its own status
+        pass
+    for stream in dict.fromkeys((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)):
+        if stream is not None:
+            quietly(stream.flush)
 
 
 def exit_status(code: object) -> int:
@@ -204,7 +235,7 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # the rank imports what it needs itself; this one only saves time
             print(f"phalanx warm start: {name} not imported ahead: {e}", file=sys.stderr, flush=True)
     # What the imports made leaves the collector's care: a rank forked from here neither copies those pages by the
-    # collector's writes to them nor goes through them at its end (flush_open_files).
+    # collector's writes to them nor goes through them at its end (finish_open_files).
     gc.freeze()
     with open(ready_file, "w"):
         pass

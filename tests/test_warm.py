@@ -160,12 +160,25 @@ left_open = open(os.environ['SAID'] + '.open', 'w')  # never closed: what it hol
 left_open.write('text in the buffer')  # the same, as the interpreter's teardown does
 left_open_binary = open(os.environ['SAID'] + '.open-binary', 'wb')
 left_open_binary.write(b'bytes in the buffer')
+import gzip, sys
+left_open_gzip = gzip.open(os.environ['SAID'] + '.gz', 'wt')  # its close writes the gzip trailer
+left_open_gzip.write('compressed')
+class Tee:  # a stdout of the script's own, which flushes nothing: what the real one holds is written out all the same
+    def write(self, text):
+        return sys.__stdout__.write(text)
+    def flush(self):
+        pass
+sys.stdout = Tee()
+print('said through a stdout of its own')
 """
 
 
-def assert_ended_as_python_would(tmp_path: Path) -> None:
-    """What a script of ENDING_PRELUDE leaves behind, ended as `python end.py` would end it but without the
-    interpreter's teardown."""
+def assert_ended_as_python_would(tmp_path: Path, log: str) -> None:
+    """What a script of ENDING_PRELUDE leaves behind (and in its `log`), ended as `python end.py` would end it but
+    without the interpreter's teardown."""
+    import gzip
+    assert gzip.decompress((tmp_path / "said.json.gz").read_bytes()) == b"compressed"
+    assert "said through a stdout of its own" in log
     assert (tmp_path / "said.json.thread").exists() and (tmp_path / "said.json.atexit").exists()
     assert (tmp_path / "said.json.open").read_text() == "text in the buffer"
     assert (tmp_path / "said.json.open-binary").read_bytes() == b"bytes in the buffer"
@@ -182,7 +195,7 @@ def test_a_warm_started_rank_ends_as_python_would_without_the_interpreters_teard
     assert assign_warm(tmp_path, job_dir, [PY, "end.py"], base_env(tmp_path)) == expected_status
     assert (tmp_path / "exit").read_text().strip() == str(expected_status)
     assert said in (tmp_path / "log").read_text()
-    assert_ended_as_python_would(tmp_path)
+    assert_ended_as_python_would(tmp_path, (tmp_path / "log").read_text())
 
 
 @pytest.mark.parametrize("ending", list(ENDINGS))
@@ -199,7 +212,23 @@ def test_a_cold_started_python_rank_ends_as_a_warm_one_does(tmp_path, job_dir, e
     [ended] = wait_until(lambda: supervisor.poll(), "the rank to end")
     assert ended.exit_code == expected_status and not ended.warm
     assert said in Path(ended.log).read_text()
-    assert_ended_as_python_would(tmp_path)
+    assert_ended_as_python_would(tmp_path, Path(ended.log).read_text())
+
+
+@pytest.mark.parametrize("script", ["shows.py", "missing.py"])
+def test_a_program_run_by_warmstart_sees_what_python_would_show_it(tmp_path, script):
+    """`warmstart.py --run -- script.py ARGS` against `python script.py ARGS`, in the same directory: the same
+    argv, __file__ (absolute), sys.path[0], __name__, output and exit status; a script that is not there, python's
+    message and status 2."""
+    import subprocess
+
+    from agent.warm import WARMSTART
+    (tmp_path / "shows.py").write_text("import sys\nprint(sys.argv, __file__, sys.path[0], __name__)\nsys.exit(5)\n")
+    plain = subprocess.run([PY, script, "a", "b"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    ran = subprocess.run([PY, WARMSTART, "--run", "--", script, "a", "b"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert plain.returncode == (5 if script == "shows.py" else 2)
 
 
 def test_a_stop_reaches_a_warm_started_rank_and_its_end_is_written_down(tmp_path, job_dir):
