@@ -243,7 +243,7 @@ def straggler_hold(job: pb.Job, view: JobView, now: float, cfg: RecoveryConfig) 
     # without any when a straggler verdict would evict) says whether a free node could replace the straggler's.
     # With none, the eviction would stop the job until one is free. (A node of an incident before, repaired and
     # undrained since, counts: next_nodes takes it when it must.)
-    if not job.spares and view.fleet and not free_nodes(job, view, {*job.nodes, *job.spares}):
+    if not job.spares and view.fleet and not _free(job, view, {*job.nodes, *job.spares}):
         why = "it was submitted with none" if not job.spec.spares else "the job's spares are used up"
         return f"no spare and no free node to replace it ({why}): the job goes on at its pace until one is free"
     return ""
@@ -656,23 +656,35 @@ def replenish(job: pb.Job, view: JobView) -> list[str]:
     if short <= 0 or not view.candidates:
         return []
     current = set(job.nodes)
-    free = free_nodes(job, view, current.union(job.spares, job.incident_nodes))
+    free = _free(job, view, current.union(job.spares, job.incident_nodes))
     if not free:
         return []
-    leaf_of = view.topology.node_leaf if view.topology is not None else {}
-    leaves = {leaf_of.get(n) for n in current}
-    free.sort(key=lambda n: (leaf_of.get(n) not in leaves, n))
-    return free[:short]
+    topology = view.topology
+    leaf_of = topology.node_leaf if topology is not None else {}
+    home: dict[str | None, bool] = {}  # leaf switch -> whether a node of the job is on it (None: no leaf switch),
+
+    def on_home(n: str) -> bool:  # looked up for the few free nodes' leaves, not for each of the job's nodes
+        leaf = leaf_of.get(n)
+        if leaf not in home:
+            home[leaf] = any(m not in leaf_of for m in current) if leaf is None else \
+                not current.isdisjoint(topology.nodes_under(leaf))
+        return home[leaf]
+
+    return sorted(free, key=lambda n: (not on_home(n), n))[:short]
 
 
 def free_nodes(job: pb.Job, view: JobView, taken: set[str]) -> list[str]:
-    """The candidates that could join the job, but those `taken`: schedulable, healthy, free, big enough."""
+    """The candidates that could join the job, but those `taken`: schedulable, healthy, free, big enough; in the
+    candidates' order."""
+    free = _free(job, view, taken)
+    return [n for n in view.candidates if n in free] if free else []
+
+
+def _free(job: pb.Job, view: JobView, taken: set[str]) -> set[str]:
+    """free_nodes, as a set."""
     per, candidates = job.spec.ranks_per_node, view.candidates
     rest = candidates.keys() - taken  # (in C: at 16,384 nodes, nearly every candidate is the job's own)
-    if not rest:
-        return []
-    return [n for n in candidates  # (in the candidates' order)
-            if n in rest and (c := candidates[n]).schedulable and c.healthy and c.free and c.gpus >= per]
+    return {n for n in rest if (c := candidates[n]).schedulable and c.healthy and c.free and c.gpus >= per}
 
 
 def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:

@@ -546,7 +546,8 @@ class SimJob:
     def _launched(self, generation: int) -> None:
         if self.launch is None or self.launch.generation != generation:
             return
-        down = [n for n in self.launch_nodes if n in self.sim.down]
+        lost = self.sim.down.intersection(self.launch_nodes)  # (in C: the few down, in launch order below)
+        down = [n for n in self.launch_nodes if n in lost] if lost else []
         self.launch = lifecycle.LaunchView(generation, done=True, ok=not down, error=f"{down} down",
                                            address="10.0.0.1", port=29500)
         self.decide()
