@@ -1055,3 +1055,25 @@ def test_a_node_running_a_generation_that_is_not_current_is_fenced_once_a_repeat
     told = {("job-1", 2): 95.0, ("job-2", 1): 80.0}
     assert [(f.job, f.generation) for f in lifecycle.fences(running, jobs.get, told, 100.0, 10.0)] == [
         ("job-2", 1), ("job-9", 4)]
+
+
+def test_spares_are_replenished_from_the_jobs_own_leaf_switches_first():
+    """A job short of spares takes free nodes on a leaf switch one of its nodes is on before any other (then by name);
+    a free node on no leaf switch counts as near only where some node of the job is on none either."""
+    from controller.jobs.topology import ClusterTopology
+    leaf = {"a1": "A", "a2": "A", "a9": "A", "b1": "B", "b2": "B", "c1": "C", "c9": "C", "y1": ""}
+    job = pb.Job(id="j", spec=pb.JobSpec(nodes=2, ranks_per_node=1, spares=3), nodes=["a1", "c1"], spares=[])
+
+    def chosen(free_leaves: dict[str, str], nodes=("a1", "c1")) -> list[str]:
+        names = [*nodes, *free_leaves]
+        on = {n: free_leaves.get(n) or leaf.get(n, "") for n in names}
+        topology = ClusterTopology({n: s for n, s in on.items() if s}, {"A": (), "B": (), "C": ()})
+        del job.nodes[:]
+        job.nodes.extend(nodes)
+        candidates = {n: Candidate(n, True, True, True, 8) for n in names}
+        return lifecycle.replenish(job, lifecycle.JobView(candidates=candidates, topology=topology, fleet=True))
+
+    assert chosen({"b1": "B", "b2": "B", "a9": "A"}) == ["a9", "b1", "b2"]  # a9 is near a1; b1 < b2 by name
+    assert chosen({"b2": "B", "a9": "A", "c9": "C", "b1": "B"}) == ["a9", "c9", "b1"]  # three wanted, two near
+    assert chosen({"b1": "B", "z9": ""}) == ["b1", "z9"]  # z9 is on no leaf switch; every node of the job is on one
+    assert chosen({"b1": "B", "z9": ""}, nodes=("a1", "y1")) == ["z9", "b1"]  # y1 is on none either: z9 is near
