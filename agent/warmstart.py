@@ -67,7 +67,8 @@ def run_program(program: list[str]) -> None:
         sys.argv = list(program)
         path = os.path.abspath(program[0])  # (sys.argv[0] as given, __file__ absolute: as python has them)
         if not os.path.exists(path):
-            print(f"{sys.executable}: can't open file {path!r}: [Errno 2] No such file or directory", file=sys.stderr)
+            name = getattr(sys, "orig_argv", [sys.executable])[0]  # (the interpreter as it was called)
+            print(f"{name}: can't open file {path!r}: [Errno 2] No such file or directory", file=sys.stderr)
             raise SystemExit(2)
         if os.path.isdir(path) or not path.endswith((".py", ".pyw")):
             runpy.run_path(path, run_name="__main__")  # a directory or zip file with a __main__.py
