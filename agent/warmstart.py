@@ -60,9 +60,7 @@ def run_program(program: list[str]) -> None:
         runpy.run_module(program[1], run_name="__main__", alter_sys=True)
     elif program[0] == "-c":
         sys.argv = ["-c", *program[2:]]
-        main = types.ModuleType("__main__")  # this file's module stays whole for the code after
-        sys.modules["__main__"] = main
-        exec(compile(program[1], "<string>", "exec"), main.__dict__)
+        _exec_as_main(program[1], "<string>")
     else:
         sys.argv = list(program)
         path = os.path.abspath(program[0])  # (sys.argv[0] as given, __file__ absolute: as python has them)
@@ -73,11 +71,17 @@ def run_program(program: list[str]) -> None:
         if os.path.isdir(path) or not path.endswith((".py", ".pyw")):
             runpy.run_path(path, run_name="__main__")  # a directory or zip file with a __main__.py
             return
-        main = types.ModuleType("__main__")
-        main.__file__, main.__cached__ = path, None
-        sys.modules["__main__"] = main
         with io.open_code(path) as f:
-            exec(compile(f.read(), path, "exec"), main.__dict__)
+            source = f.read()
+        _exec_as_main(source, path, __file__=path, __cached__=None)
+
+
+def _exec_as_main(source: str | bytes, filename: str, **attrs: object) -> None:
+    """Run `source` as a new module __main__ (this file's module stays whole for the code after)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(attrs)
+    sys.modules["__main__"] = main
+    exec(compile(source, filename, "exec"), main.__dict__)
 
 
 def run_as_main(program: list[str]) -> int:

@@ -167,9 +167,8 @@ def detect(ranks: Iterable[pb.RankInfo], nodes: Mapping[str, NodeView], tracks: 
         return Incident("gpu-failing", True, tuple(failing),
                         f"node {failing[0]} FAILING: {sick[failing[0]].health_reason}")
     slow = monitors.stragglers(tracks, cfg)
-    if slow:  # the node of each rank judged slow
-        node_of = _nodes_of(ranks, {f.rank for f in slow})
     if slow:  # not one on a node where Phalanx started standbys within the window: it may be slow from that work
+        node_of = _nodes_of(ranks, {f.rank for f in slow})
         span = cfg.straggler_window * monitors.job_step_s(tracks) + OWN_WORK_MARGIN_S  # the time the verdict sees
         slow = [f for f in slow if not (v := nodes.get(node_of.get(f.rank, ""))) or now - v.own_work_at > span]
     if slow:

@@ -661,7 +661,7 @@ def replenish(job: pb.Job, view: JobView) -> list[str]:
         return []
     topology = view.topology
     leaf_of = topology.node_leaf if topology is not None else {}
-    home: dict[str | None, bool] = {}  # leaf switch -> whether a node of the job is on it (None: no leaf switch),
+    home: dict[str | None, bool] = {}  # leaf switch -> whether a node of the job is on it (None: no leaf switch)
 
     def on_home(n: str) -> bool:  # looked up for the few free nodes' leaves, not for each of the job's nodes
         leaf = leaf_of.get(n)
