@@ -40,6 +40,7 @@ from bench import (  # noqa: E402
     footprint,
     health,
     hooks,
+    jobbeats,
     placement,
     recovery,
     replicas,
@@ -51,7 +52,8 @@ from bench import (  # noqa: E402
 from bench.common import REPO, log, machine  # noqa: E402
 
 BENCHMARKS = ("detection", "footprint", "capacity", "tls", "health", "placement", "hooks", "checkpoint", "snapshots",
-              "recovery", "replicas", "ending", "failover", "failover-scale", "takeup", "store-heartbeats", "simulate",
+              "recovery", "replicas", "ending", "failover", "failover-scale", "takeup", "job-heartbeats",
+              "store-heartbeats", "simulate",
               "credentials")
 STORE_STEPS, QUICK_STORE_STEPS = [2000, 6000], [2000]
 FAILOVER_STEPS, QUICK_FAILOVER_STEPS = [2000], [2000]  # 8,000 does not ramp on 2 cores (bench/RESULTS.md)
@@ -155,6 +157,8 @@ async def run_all(args: argparse.Namespace, results: dict) -> None:
                                                            kills=args.kills)
             elif name == "takeup":
                 results[name] = await asyncio.to_thread(takeup.run, args.quick)  # a loop of its own
+            elif name == "job-heartbeats":
+                results[name] = await asyncio.to_thread(jobbeats.run, args.quick)
             elif name == "store-heartbeats":
                 results[name] = await capacity.by_store(QUICK_STORE_STEPS if args.quick else STORE_STEPS,
                                                         args.hold, args.settle, args.per_channel, 600.0)
@@ -374,6 +378,12 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("takeup", f"{tu['nodes']:,} parked sessions taken up, per node (in process)", "",
                      f"{i['takeup_and_first_heartbeat_us']:.0f} us with the first judge inline; "
                      f"{d['takeup_and_first_heartbeat_us']:.0f} us deferred, then {d['deferred_judge_us']:.0f} us"))
+    jb = results.get("job-heartbeats")
+    if jb and "error" not in jb:
+        rows.append(("job-heartbeats", f"a node's heartbeat into a running job of {jb['large_nodes']:,} x "
+                     f"{jb['per_node']} ranks, against {jb['small_nodes']:,} (in process)", "about x1",
+                     f"{jb['large_us']:.0f} vs {jb['small_us']:.0f} us (x{jb['ratio']:.2f})"
+                     f"{_verdict(jb['ratio'] < 2)}"))
     sh = results.get("store-heartbeats")
     if sh and "error" not in sh and all("error" not in sh.get(k, {"error": 1}) for k in ("sqlite", "etcd")):
         etcd_steps = {st["nodes"]: st for st in sh["etcd"]["steps"]}

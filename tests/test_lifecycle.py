@@ -1077,3 +1077,29 @@ def test_spares_are_replenished_from_the_jobs_own_leaf_switches_first():
     assert chosen({"b2": "B", "a9": "A", "c9": "C", "b1": "B"}) == ["a9", "c9", "b1"]  # three wanted, two near
     assert chosen({"b1": "B", "z9": ""}) == ["b1", "z9"]  # z9 is on no leaf switch; every node of the job is on one
     assert chosen({"b1": "B", "z9": ""}, nodes=("a1", "y1")) == ["z9", "b1"]  # y1 is on none either: z9 is near
+
+
+def test_a_nodes_ranks_are_found_by_its_position_and_a_table_out_of_order_is_searched():
+    """The heartbeat path asks for one node's ranks at every heartbeat: found by the node's position in the job
+    (rank order), the same ranks a search of the whole table finds, also after a replica group's rebuild put a spare
+    in its place; a spare has none; a table not in rank order (none written by this code) is searched."""
+    job = pb.Job(id="job-1", generation=1, spec=pb.JobSpec(command=["x"], nodes=4, ranks_per_node=2, replicas=2))
+    lifecycle.with_nodes(job, ["a", "b", "c", "d"], ["s"])
+    job.nodes[1] = "s"  # group 0 rebuilt with the spare s in b's place, as _group_launch writes it
+    job.spares[:] = ["b"]
+    for rank in job.ranks[2:4]:
+        rank.node = "s"
+
+    def searched(j, node):
+        return [r.rank for r in j.ranks if r.node == node]
+
+    positions = lifecycle.node_positions(job)
+    for node in ["a", "s", "c", "d"]:
+        found = lifecycle.ranks_on(job, node, positions)
+        assert [r.rank for r in found] == searched(job, node) and len(found) == 2, node
+    assert lifecycle.ranks_on(job, "b", positions) == ()  # a spare runs none
+    shuffled = pb.Job()
+    shuffled.CopyFrom(job)
+    shuffled.ClearField("ranks")
+    shuffled.ranks.extend(reversed(job.ranks))
+    assert [r.rank for r in lifecycle.ranks_on(shuffled, "c", positions)] == searched(shuffled, "c") == [5, 4]

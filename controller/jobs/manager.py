@@ -59,6 +59,12 @@ def expired(entries: Iterable[JobEntry], stopping: set[str], newest: str, now: f
             if (i < over or j.state_since_unix_ns < cutoff_ns) and j.id != newest][:FORGET_BATCH]
 
 
+def _involved(job: pb.Job) -> frozenset[str]:
+    """The nodes a job's record names: its own, its spares, those evicted from it (once a record: a recovery's burst
+    of agent events names the job from every node)."""
+    return frozenset([*job.nodes, *job.spares, *job.evicted])
+
+
 def runs_here(job: pb.Job, rank: int, node: str) -> bool:
     """Whether `node` runs rank `rank` of the job's current generation: the only node whose reports about that rank
     (its state, progress, NCCL state, checkpoint acks) are believed. The ranks are in rank order (rank_table)."""
@@ -163,8 +169,7 @@ class JobManager:
         """Whether `node` runs `job_id`, spares or holds standbys for it, or was evicted from it: the jobs a node's
         own event may be filed under (any other node's word about a job is its own, not the job's)."""
         entry = self.entries.get(job_id)
-        return entry is not None and node in {*entry.job.nodes, *entry.job.spares, *entry.job.evicted,
-                                              *entry.standbys}
+        return entry is not None and (node in entry.of_record("involved", _involved) or node in entry.standbys)
 
     def list(self, states: set[int]) -> list[pb.Job]:
         jobs = [lifecycle.ranks_ended(e.job, e.ended) if e.job.state in ACTIVE else e.job
@@ -337,9 +342,9 @@ class JobManager:
                 continue
             # a replica group out of the quorum: stopping, or starting (one set per record, not per heartbeat)
             out = bool(job.groups) and name in entry.of_record("out_of_quorum", lifecycle.out_of_quorum)
-            for rank in job.ranks:
+            for rank in lifecycle.ranks_on(job, name, entry.of_record("positions", lifecycle.node_positions)):
                 state = entry.ended[rank.rank][0] if rank.rank in entry.ended else rank.state
-                if rank.node != name or state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
+                if state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
                     continue
                 status = reported.get((job.id, rank.rank))
                 if status is None and out:
@@ -382,7 +387,7 @@ class JobManager:
                     running = [r.rank for r in job.ranks if r.state == pb.RANK_STATE_RUNNING]
                     await self.save(entry, lifecycle.Commit(job, "job.ranks_stopped", (
                         f"{job.id} ({state_name(job.state)}): its ranks have stopped" if not running else
-                        f"{job.id} ({state_name(job.state)}): rank(s) {', '.join(map(str, running))} still to stop")))
+                        f"{job.id} ({state_name(job.state)}): {lifecycle.ranks_named(running)} still to stop")))
             self.ended_ranks.discard(job_id)  # saved (a failed commit leaves it for the next pass)
 
     async def forget_ended(self) -> int:

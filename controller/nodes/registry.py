@@ -176,6 +176,10 @@ class Registry:
         except KeyError:
             raise NotFound(f"no node named {name!r}; `phalanx nodes` lists the known ones") from None
 
+    def find(self, name: str) -> NodeEntry | None:
+        """Node `name`'s entry, or None where none is known."""
+        return self._nodes.get(name)
+
     def entries_by_name(self) -> dict[str, NodeEntry]:
         return dict(self._nodes)
 

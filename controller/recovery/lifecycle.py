@@ -612,7 +612,7 @@ def _ending(job: pb.Job, now: float, policy: Policy, over: set[int],
     grace = policy.recovery.exit_grace_s
     if not job.ending_since_unix_ns:
         return [Commit(copied(job, ending_since_unix_ns=int(now * 1e9)), "job.ending",
-                       f"{job.id} generation {job.generation}: training has ended in {_ranks(over)}; no hang or "
+                       f"{job.id} generation {job.generation}: training has ended in {ranks_named(over)}; no hang or "
                        f"straggler verdict from now on, and every rank has {grace:g}s (recovery.exit_grace_s) to exit"),
                 WakeAt(now + grace)]
     failed = [r for r in ranks if r.state == RANK_EXITED and r.exit_code > 0]
@@ -633,15 +633,15 @@ def _ending(job: pb.Job, now: float, policy: Policy, over: set[int],
     if now < since + grace:
         return [WakeAt(since + grace)]
     if not unfinished:
-        return [Event("job.slow_exit", f"{job.id}: training ended in every rank, but {_ranks(left)} had not exited "
-                      f"{grace:g}s after it ended (recovery.exit_grace_s): stopped; no node is blamed"),
-                finished(job, SUCCEEDED, f"every rank finished training; {_ranks(left)} did not exit within {grace:g}s "
-                         f"and {'were' if len(left) > 1 else 'was'} stopped", 0, now), *_stop_all(job)]
-    return [finished(job, FAILED, f"{_ranks(unfinished)} had not finished training {grace:g}s after {_ranks(over)} "
-                     "had (recovery.exit_grace_s): stopped", 1, now), *_stop_all(job)]
+        return [Event("job.slow_exit", f"{job.id}: training ended in every rank, but {ranks_named(left)} had not "
+                      f"exited {grace:g}s after it ended (recovery.exit_grace_s): stopped; no node is blamed"),
+                finished(job, SUCCEEDED, f"every rank finished training; {ranks_named(left)} did not exit within "
+                         f"{grace:g}s and {'were' if len(left) > 1 else 'was'} stopped", 0, now), *_stop_all(job)]
+    return [finished(job, FAILED, f"{ranks_named(unfinished)} had not finished training {grace:g}s after "
+                     f"{ranks_named(over)} had (recovery.exit_grace_s): stopped", 1, now), *_stop_all(job)]
 
 
-def _ranks(ranks: Sequence[int] | set[int]) -> str:
+def ranks_named(ranks: Sequence[int] | set[int]) -> str:
     """`rank 3`, `ranks 0, 1, 2`, `ranks 0, 1, 2, 3, 4, 5, 6, 7 and 56 more`."""
     ranks = sorted(ranks)
     shown = ", ".join(str(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
@@ -958,6 +958,25 @@ def rank_generation(job: pb.Job, rank: int) -> int:
     return job.generation
 
 
+def node_positions(job: pb.Job) -> dict[str, int]:
+    """node -> its position in job.nodes: node i runs ranks [i * ranks_per_node, (i + 1) * ranks_per_node)."""
+    return {node: i for i, node in enumerate(job.nodes)}
+
+
+def ranks_on(job: pb.Job, node: str, positions: Mapping[str, int]) -> Sequence[pb.RankInfo]:
+    """The ranks of the job that `node` runs (none for a spare), found by its position (`node_positions`): a node's
+    heartbeat costs its own ranks, not the job's (a fleet beating once a second would otherwise cost the square of
+    its size). A record whose ranks are not in that order (none this code writes) is searched instead."""
+    i = positions.get(node)
+    if i is None:
+        return ()
+    per = job.spec.ranks_per_node
+    mine = job.ranks[i * per:(i + 1) * per]
+    if len(mine) == per and all(r.node == node and r.rank == i * per + k for k, r in enumerate(mine)):
+        return mine
+    return [r for r in job.ranks if r.node == node]
+
+
 def node_generations(job: pb.Job) -> dict[str, int]:
     """node -> the generation its ranks of the job run (replica groups: each group's); empty for a job without
     groups (every node runs the job's). One pass: per node, a search would make a stop of every node quadratic."""
@@ -1182,7 +1201,8 @@ def _group_launch(job: pb.Job, g: int, nodes: list[str], spares: list[str], now:
     generation = job.generation + 1
     new = copied(job, generation=generation, launched_generation=generation)
     span = group_span(new, g)
-    taken = [n for n in nodes if n not in set(group_members(job, g))]
+    members = set(group_members(job, g))
+    taken = [n for n in nodes if n not in members]
     for i, node in zip(span, nodes, strict=True):
         new.nodes[i] = node
     _replace(new.spares, spares)

@@ -1,0 +1,105 @@
+"""The controller's heartbeat path with a large job running: what the job manager spends on one node's heartbeat.
+
+A job of N nodes x 8 ranks runs; each node's heartbeat reports its 8 ranks RUNNING and their progress (trainlib's
+report), as an agent's does at every interval. In one process, no transport: the real JobManager
+(`JobManager.observe`, which folds a heartbeat into the jobs) on the memory store, its record built as the lifecycle
+builds a generation's. CPU seconds (time.process_time) per heartbeat, at two job sizes in one run: a heartbeat must
+cost what the node reports, not what the job holds, or a fleet of N nodes beating once a second costs N^2 (at
+16,384 nodes that would be many cores' worth). The figure that matters is the ratio of the two sizes' costs.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from types import SimpleNamespace
+
+from bench.common import log
+
+SIZES, QUICK_SIZES = (1_000, 16_384), (500, 4_000)
+PER_NODE = 8
+ROUNDS = 3  # rounds over the sampled nodes' heartbeats
+SAMPLE = 2_000  # nodes whose heartbeats are timed, spread over the job (the code before this benchmark took ~0.1 s a
+# heartbeat at 16,384 nodes: a round of every node would take half an hour)
+
+
+def _manager():
+    from controller.config import JobsConfig, LivenessConfig, RecoveryConfig
+    from controller.jobs.manager import JobManager
+    from controller.jobs.topology import flat
+    from controller.nodes.registry import Registry
+    from controller.obs.events import EventHub
+    from controller.store.memory import MemoryStore
+    from phalanx.clock import RealClock
+
+    store, clock, hub = MemoryStore(), RealClock(), EventHub()
+    registry = Registry(store, clock, LivenessConfig(), hub)
+    return JobManager(store, registry, clock, hub, JobsConfig(), lambda: flat([]), RecoveryConfig())
+
+
+def _job(nodes: list[str]):
+    from controller.recovery import lifecycle
+    from phalanx.v1 import common_pb2 as pb
+
+    job = pb.Job(id="job-1", state=pb.JOB_STATE_RUNNING, generation=1, launched_generation=1,
+                 spec=pb.JobSpec(command=["train"], nodes=len(nodes), ranks_per_node=PER_NODE))
+    lifecycle.with_nodes(job, nodes, [])
+    for rank in job.ranks:
+        rank.state = pb.RANK_STATE_RUNNING
+    return job
+
+
+def _heartbeats(nodes: list[str], sample: range) -> list:
+    from phalanx.v1 import common_pb2 as pb
+    from phalanx.v1 import node_pb2
+
+    beats = []
+    for i in sample:
+        name = nodes[i]
+        ranks = range(i * PER_NODE, (i + 1) * PER_NODE)
+        beats.append((SimpleNamespace(record=SimpleNamespace(name=name)), node_pb2.Heartbeat(
+            ranks=[node_pb2.RankStatus(job="job-1", generation=1, rank=r, state=pb.RANK_STATE_RUNNING, pid=1000 + r)
+                   for r in ranks],
+            progress=[node_pb2.RankProgress(job="job-1", generation=1, rank=r, last_step=100, mean_step_s=1.0,
+                                              steps=100) for r in ranks])))
+    return beats
+
+
+def _per_heartbeat_us(n: int) -> float:
+    from controller.recovery.entry import JobEntry
+
+    nodes = [f"node-{i:05d}" for i in range(n)]
+    jobs = _manager()
+    job = _job(nodes)
+    jobs.entries[job.id] = JobEntry(job, 1, generation=job.generation)
+    jobs.index(job)
+    jobs.wake = lambda: None  # no executor runs here: the fold alone is measured
+    beats = _heartbeats(nodes, range(0, n, max(1, n // SAMPLE)))
+    jobs.observe(*beats[0])  # the first progress report makes every rank's track
+    assert len(jobs.entries[job.id].tracks) == n * PER_NODE, "every rank's progress followed"
+    gc.collect()
+    started = time.process_time()
+    for _ in range(ROUNDS):
+        for node, beat in beats:
+            assert not jobs.observe(node, beat)  # nothing stale: the reports are the generation's own
+    took = time.process_time() - started
+    assert not jobs.entries[job.id].missing, "every rank reported by its node"
+    return took / (ROUNDS * len(beats)) * 1e6
+
+
+def run(quick: bool = False) -> dict:
+    small, large = QUICK_SIZES if quick else SIZES
+    log(f"job-heartbeats: one job of {small:,} then {large:,} nodes x {PER_NODE} ranks, each node's heartbeat "
+        "folded in (in process) ...")
+    result = {"per_node": PER_NODE, "small_nodes": small, "large_nodes": large,
+              "small_us": round(_per_heartbeat_us(small), 1), "large_us": round(_per_heartbeat_us(large), 1)}
+    result["ratio"] = round(result["large_us"] / result["small_us"], 2)
+    log(f"job-heartbeats: {result['small_us']} us a heartbeat at {small:,} nodes, {result['large_us']} us at "
+        f"{large:,} (x{result['ratio']} for a job {large / small:.1f} times larger)")
+    return result
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    print(json.dumps(run("--quick" in sys.argv), indent=2))
