@@ -6,10 +6,12 @@ report), as an agent's does at every interval. In one process, no transport: the
 builds a generation's. CPU seconds (time.process_time) per heartbeat, at two job sizes in one run: a heartbeat must
 cost what the node reports, not what the job holds, or a fleet of N nodes beating once a second costs N^2 (at
 16,384 nodes that would be many cores' worth). The figure that matters is the ratio of the two sizes' costs.
+Then one scheduler step of the larger job (the executor's view, the lifecycle's decision), every node registered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 from types import SimpleNamespace
@@ -87,15 +89,54 @@ def _per_heartbeat_us(n: int) -> float:
     return took / (ROUNDS * len(beats)) * 1e6
 
 
+def _step_ms(n: int) -> dict[str, float]:
+    """One scheduler step of the running job of `n` nodes, every node registered and heard from (the real
+    Registry and Executor): the executor's view of the job, then the lifecycle's decision on it. A step runs every
+    jobs.schedule_interval_s and on news; it costs the job's size, once, not once per node."""
+    from bench.loadgen import simulated_node
+    from controller.recovery import lifecycle
+    from controller.recovery.entry import JobEntry
+
+    async def go() -> dict[str, float]:
+        jobs = _manager()
+        registry = jobs.registry
+        await registry.load()
+        nodes = [simulated_node(i) for i in range(n)]
+        names = [name for name, _, _ in nodes]
+        for i, (name, inventory, message) in enumerate(nodes):  # each beat as an agent's: its ranks running too
+            message.heartbeat.ranks.extend(_heartbeats(names, range(i, i + 1))[0][1].ranks)
+            registry.heartbeat(await registry.register(name, inventory, "ipv4:127.0.0.1:1"), message.heartbeat)
+        job = _job(names)
+        entry = JobEntry(job, 1, generation=job.generation)
+        jobs.entries[job.id] = entry
+        jobs.index(job)
+        policy = jobs.policy()
+        gc.collect()
+        started = time.process_time()
+        for _ in range(ROUNDS):
+            view = jobs.executor.view(entry, False)
+        viewed = time.process_time()
+        for _ in range(ROUNDS):
+            assert not lifecycle.plan(entry.job, lambda fleet: view, jobs.now(), policy)  # it trains on
+        planned = time.process_time()
+        return {"view_ms": round((viewed - started) / ROUNDS * 1e3, 1),
+                "decision_ms": round((planned - viewed) / ROUNDS * 1e3, 1)}
+    return asyncio.run(go())
+
+
 def run(quick: bool = False) -> dict:
+    from phalanx import log as phalanx_log
+    phalanx_log.configure("warning")  # 16,384 registrations would log a line each
     small, large = QUICK_SIZES if quick else SIZES
     log(f"job-heartbeats: one job of {small:,} then {large:,} nodes x {PER_NODE} ranks, each node's heartbeat "
         "folded in (in process) ...")
     result = {"per_node": PER_NODE, "small_nodes": small, "large_nodes": large,
               "small_us": round(_per_heartbeat_us(small), 1), "large_us": round(_per_heartbeat_us(large), 1)}
     result["ratio"] = round(result["large_us"] / result["small_us"], 2)
+    result["step"] = _step_ms(large)
     log(f"job-heartbeats: {result['small_us']} us a heartbeat at {small:,} nodes, {result['large_us']} us at "
-        f"{large:,} (x{result['ratio']} for a job {large / small:.1f} times larger)")
+        f"{large:,} (x{result['ratio']} for a job {large / small:.1f} times larger); a step of the job of {large:,} "
+        f"nodes: its view {result['step']['view_ms']} ms, the decision {result['step']['decision_ms']} ms")
     return result
 
 

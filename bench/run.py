@@ -384,6 +384,8 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"{jb['per_node']} ranks, against {jb['small_nodes']:,} (in process)", "about x1",
                      f"{jb['large_us']:.0f} vs {jb['small_us']:.0f} us (x{jb['ratio']:.2f})"
                      f"{_verdict(jb['ratio'] < 2)}"))
+        rows.append(("job-heartbeats", f"a scheduler step of the job of {jb['large_nodes']:,} nodes: view / decision",
+                     "", f"{jb['step']['view_ms']:.0f} / {jb['step']['decision_ms']:.0f} ms"))
     sh = results.get("store-heartbeats")
     if sh and "error" not in sh and all("error" not in sh.get(k, {"error": 1}) for k in ("sqlite", "etcd")):
         etcd_steps = {st["nodes"]: st for st in sh["etcd"]["steps"]}

@@ -548,3 +548,48 @@ def test_a_rank_its_node_stops_telling_of_is_lost_and_the_job_restarts_with_the_
             await world.stop()
 
     run(main())
+
+
+def test_a_long_scheduler_pass_is_followed_by_as_long_a_rest_for_the_event_loop():
+    """While a job recovers, every heartbeat of its nodes wakes a pass; over a job of thousands of nodes passes back
+    to back would starve the reading of those heartbeats. After a pass of LONG_PASS_S or more the loop gets as long
+    (at most MAX_REST_S) before the next one; a short pass is followed at once."""
+    from types import SimpleNamespace
+
+    from controller.recovery import executor as ex
+    from phalanx.clock import RealClock
+
+    assert ex.rest_after(ex.LONG_PASS_S / 2) == 0.0
+    assert ex.rest_after(0.2) == 0.2 and ex.rest_after(60.0) == ex.MAX_REST_S
+
+    async def main():
+        executor = ex.Executor(SimpleNamespace(clock=RealClock(), cfg=SimpleNamespace(schedule_interval_s=60.0)))
+        spins, between, third = [0], [], asyncio.Event()
+
+        async def slow_pass():  # as long as a pass over a big job, and woken again at once, as by heartbeats
+            between.append(spins[0])
+            if len(between) == 3:
+                third.set()
+            until = asyncio.get_running_loop().time() + ex.LONG_PASS_S * 1.2
+            while asyncio.get_running_loop().time() < until:
+                pass
+            spins[0] = 0
+            executor.wake()
+
+        async def probe():  # the rest of the loop: how often it runs between two passes
+            while True:
+                await asyncio.sleep(0)
+                spins[0] += 1
+
+        executor.run_pass = slow_pass
+        tasks = [asyncio.create_task(probe()), asyncio.create_task(executor.run())]
+        executor.wake()
+        try:
+            await asyncio.wait_for(third.wait(), 60)
+        finally:
+            for task in tasks:
+                task.cancel()
+        # back to back, the rest of the loop would run once or twice between passes; with the rest, many times
+        assert min(between[1:3]) > 20, between
+
+    run(main())

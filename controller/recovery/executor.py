@@ -11,6 +11,9 @@ as the clock is moved.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Protocol
 
 from controller.errors import FailedPrecondition
@@ -89,10 +92,22 @@ class Jobs(Protocol):
 logger = log.get("recovery")
 
 MAX_STEPS = 16  # steps of one job in one pass; each commits, so this bounds a pass, not a recovery
+LONG_PASS_S = 0.05  # a pass at least this long is followed by as long a rest (rest_after)
+MAX_REST_S = 1.0
 # A job that ends waits this long at most for the Slurm drains of its evicted nodes (slurm.adrain: 3 tries of
 # 15 s at most): `phalanx run` exits when the job ends, and a requeued Slurm job could land on a node not drained.
 SLURM_DRAIN_WAIT_S = 10.0
 PREPARE_HOLD_S = 120.0  # a spare holds standbys this long unless asked again (lifecycle.PREPARE_RENEW_S)
+
+
+def rest_after(took: float) -> float:
+    """Seconds to leave the event loop to everything else after a pass that took `took`: as long as the pass, from
+    LONG_PASS_S up to MAX_REST_S; none after a short one. While a job launches, checkpoints, evicts or stops, every
+    heartbeat of its nodes wakes a pass, and passes back to back over a job of thousands of nodes (about 0.13 s each
+    at 16,384 nodes x 8 ranks here) would leave the loop little time to read those heartbeats, whose lag is what
+    declares a node SUSPECT. With the rest, passes take at most about half the loop; a decision waits at most one
+    pass longer."""
+    return min(took, MAX_REST_S) if took >= LONG_PASS_S else 0.0
 
 
 class Executor:
@@ -123,12 +138,15 @@ class Executor:
             except TimeoutError:
                 pass
             self._wake.clear()
+            started = time.perf_counter()
             try:
                 await self.run_pass()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("scheduler pass failed; will retry")
+            if rest := rest_after(time.perf_counter() - started):
+                await clock.sleep(rest)
 
     async def run_pass(self) -> None:
         if self.jobs.ended_ranks:
@@ -170,9 +188,10 @@ class Executor:
         find = self.jobs.registry.find
         names = dict.fromkeys([*job.nodes, *job.spares, *job.incident_nodes])
         known = [node for n in names if (node := find(n)) is not None]
-        monotonic = self.jobs.clock.monotonic()  # (one reading for every node of the view)
-        views = {node.record.name: self._node_view(node, monotonic) for node in known}
-        told, stopped, running = self._stops(entry, known, monotonic)
+        monotonic, now = self.jobs.clock.monotonic(), self.jobs.now()  # (one reading for every node of the view)
+        quiet_s, own_work_at = 1.5 * self.jobs.registry.policy.heartbeat_interval_s, self.jobs.own_work_at.get
+        views = {node.record.name: _node_view(node, monotonic, now, quiet_s, own_work_at) for node in known}
+        told, stopped, running = self._stops(entry, views, monotonic)
         since_ns = job.state_since_unix_ns if job.state == RUNNING else 0
         return lifecycle.JobView(
             nodes=views, told=told, stopped=stopped, running=running, tracks=entry.tracks, fatal=dict(entry.fatal),
@@ -184,34 +203,24 @@ class Executor:
             missing=entry.missing, ended=entry.ended, prepared=entry.prepared, pinned=entry.pinned,
             snapshot_step=entry.safe[1] if entry.safe is not None and entry.safe[0] == job.generation else None)
 
-    def _stops(self, entry: JobEntry, nodes: list[NodeEntry], monotonic: float) -> tuple[set[str], set[str], set[str]]:
-        """How far this process's stop of the job's generation has got on each of `nodes` (JobView.told, .stopped,
-        .running): told (on the node's current session, and lately), confirmed stopped by a heartbeat since, and
-        showing ranks of the generation running."""
-        job, told, stopped, running = entry.job, set(), set(), set()
-        for node in nodes:
-            name, beat = node.record.name, node.heartbeat
-            stop = entry.stops.get(name, False)  # None: on its way; (session, heartbeats, when): taken
+    def _stops(self, entry: JobEntry, views: Mapping[str, NodeView],
+               monotonic: float) -> tuple[set[str], set[str], AbstractSet[str]]:
+        """How far this process's stop of the job's generation has got on each node of the view (JobView.told,
+        .stopped, .running): told (on the node's current session, and lately), confirmed stopped by a heartbeat since,
+        and showing ranks of the generation running. Told and stopped are of the nodes told to stop (a few, or none
+        while the job runs); running is looked up for a node when a step asks (only a stop's end does): not a pass
+        over every node's heartbeat at each step of a job of thousands of nodes."""
+        job, told, stopped, find = entry.job, set(), set(), self.jobs.registry.find
+        for name, stop in entry.stops.items():  # None: on its way; (session, heartbeats, when): taken
+            node = find(name) if name in views else None
+            if node is None:
+                continue
             taken = bool(stop) and stop[0] is node.session
-            runs = beat is not None and any(s.job == job.id and s.generation == lifecycle.rank_generation(job, s.rank)
-                                            and s.state == RANK_RUNNING for s in beat.ranks)
             if stop is None or (taken and monotonic - stop[2] < lifecycle.RESTOP_S):
                 told.add(name)
-            if taken and not runs and _after(node, stop):
+            if taken and not _runs(job, node) and _after(node, stop):
                 stopped.add(name)
-            if runs:
-                running.add(name)
-        return told, stopped, running
-
-    def _node_view(self, node: NodeEntry, monotonic: float) -> NodeView:
-        name = node.record.name
-        silence = monotonic - node.last_seen
-        return NodeView(name, node.record.state is DOWN, node.verdict.health,
-                        node.verdict.reasons[0] if node.verdict.reasons else "", connected=node.session is not None,
-                        drained=bool(node.record.drain_reason),
-                        quiet=silence > 1.5 * self.jobs.registry.policy.heartbeat_interval_s,
-                        heard_at=self.jobs.now() - silence,  # on the clock of the job's ranks' tracks
-                        own_work_at=self.jobs.own_work_at.get(name, 0.0))
+        return told, stopped, _Running(job, views, find)
 
     def candidates(self, exclude: str = "", within=()) -> list[Candidate]:
         """Every node as placement sees it (only those `within`, when given: a Slurm allocation); nodes held by
@@ -557,6 +566,41 @@ class Executor:
         except Exception as e:  # a checkpoint is told again (retell_checkpoint); a pin when the step moves on
             logger.warning("command not delivered", node=node, command=command.WhichOneof("body"), error=str(e))
             return False
+
+
+def _node_view(node: NodeEntry, monotonic: float, now: float, quiet_s: float,
+               own_work_at: Callable[[str, float], float]) -> NodeView:
+    """What recovery sees of a node: `now` on the job manager's clock (that of the ranks' tracks), `quiet_s` the
+    silence that makes it quiet (1.5 heartbeat intervals), `own_work_at` the job manager's map's get."""
+    record, verdict = node.record, node.verdict
+    silence = monotonic - node.last_seen
+    return NodeView(record.name, record.state is DOWN, verdict.health, verdict.reasons[0] if verdict.reasons else "",
+                    connected=node.session is not None, drained=bool(record.drain_reason), quiet=silence > quiet_s,
+                    heard_at=now - silence, own_work_at=own_work_at(record.name, 0.0))
+
+
+def _runs(job, node: NodeEntry) -> bool:
+    """Whether the node's newest heartbeat shows ranks of the job's generation (each rank's own) running."""
+    beat = node.heartbeat
+    return beat is not None and any(s.job == job.id and s.generation == lifecycle.rank_generation(job, s.rank)
+                                    and s.state == RANK_RUNNING for s in beat.ranks)
+
+
+class _Running(AbstractSet):
+    """JobView.running: the nodes of the view whose newest heartbeat shows the job's generation running, each
+    looked up when asked."""
+
+    def __init__(self, job, views: Mapping[str, NodeView], find: Callable[[str], NodeEntry | None]) -> None:
+        self._job, self._views, self._find = job, views, find
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._views and (node := self._find(name)) is not None and _runs(self._job, node)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._views if name in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _after(node, told: tuple) -> bool:
