@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -570,8 +571,8 @@ def test_a_long_scheduler_pass_is_followed_by_as_long_a_rest_for_the_event_loop(
             between.append(spins[0])
             if len(between) == 3:
                 third.set()
-            until = asyncio.get_running_loop().time() + ex.LONG_PASS_S * 1.2
-            while asyncio.get_running_loop().time() < until:
+            until = time.thread_time() + ex.LONG_PASS_S * 1.2  # the loop's CPU, as the executor counts it
+            while time.thread_time() < until:
                 pass
             spins[0] = 0
             executor.wake()

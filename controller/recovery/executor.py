@@ -101,12 +101,12 @@ PREPARE_HOLD_S = 120.0  # a spare holds standbys this long unless asked again (l
 
 
 def rest_after(took: float) -> float:
-    """Seconds to leave the event loop to everything else after a pass that took `took`: as long as the pass, from
+    """Seconds to leave the event loop to everything else after a pass that took `took` of its CPU: as long, from
     LONG_PASS_S up to MAX_REST_S; none after a short one. While a job launches, checkpoints, evicts or stops, every
-    heartbeat of its nodes wakes a pass, and passes back to back over a job of thousands of nodes (about 0.13 s each
-    at 16,384 nodes x 8 ranks here) would leave the loop little time to read those heartbeats, whose lag is what
-    declares a node SUSPECT. With the rest, passes take at most about half the loop; a decision waits at most one
-    pass longer."""
+    heartbeat of its nodes wakes a pass, and passes back to back over a job of thousands of nodes (about 0.09 s each
+    at 16,384 nodes x 8 ranks here: bench job-heartbeats) would leave the loop little time to read those
+    heartbeats, whose lag is what declares a node SUSPECT. With the rest, passes take at most about half the loop;
+    a decision waits at most one pass longer."""
     return min(took, MAX_REST_S) if took >= LONG_PASS_S else 0.0
 
 
@@ -138,14 +138,14 @@ class Executor:
             except TimeoutError:
                 pass
             self._wake.clear()
-            started = time.perf_counter()
+            started = time.thread_time()  # the loop's CPU: a pass's awaits on the store cost the loop nothing
             try:
                 await self.run_pass()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("scheduler pass failed; will retry")
-            if rest := rest_after(time.perf_counter() - started):
+            if rest := rest_after(time.thread_time() - started):
                 await clock.sleep(rest)
 
     async def run_pass(self) -> None:
