@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import slurm_cluster
+from tests.eventually import eventually
 from tests.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slurm,  # the tier (tests/conftest.py)
@@ -125,13 +126,30 @@ def _gone(c: SlurmCluster, inodes: set[int]) -> None:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert c.hub_ns not in names and not any(c.netns(n) in names for n in c.node_names)
     assert not c.dir.exists()
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if os.stat(f"/proc/{pid}/ns/net").st_ino in inodes:
-                left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-    assert not left, left
+
+    def left() -> list[str]:
+        # an inode of a namespace deleted here may already name another test's new one (tests run side by side)
+        ours = inodes - _named_namespaces()
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{pid}/ns/net").st_ino in ours:
+                    found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        return found
+    # a process still exiting holds its namespace a moment after its memory is gone (its cmdline reads empty)
+    eventually(lambda: not left(), "no process left in the closed cluster's namespaces", 10,
+               describe=lambda: str(left()))
     assert c._munged is not None and c._munged.poll() is not None
+
+
+def _named_namespaces() -> set[int]:
+    """The inodes of the network namespaces named now (`ip netns add`, by any test)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/run/netns"):
+            with contextlib.suppress(OSError):
+                found.add(os.stat(f"/run/netns/{name}").st_ino)
+    return found
 
 
 def test_close_after_a_failure_leaves_nothing():
