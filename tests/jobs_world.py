@@ -61,6 +61,7 @@ class World:
         self.service = NodeService(self.registry, self.jobs)
         await self.registry.load()
         await self.jobs.load()
+        self.jobs.executor.rest_after = lambda took: 0.0  # virtual time: no rest measured in the host's real CPU
         self._tasks = [asyncio.create_task(self.jobs.run(), name="scheduler"),
                        asyncio.create_task(self._liveness(), name="liveness"),
                        asyncio.create_task(self.clock.autojump(), name="autojump")]

@@ -101,12 +101,13 @@ PREPARE_HOLD_S = 120.0  # a spare holds standbys this long unless asked again (l
 
 
 def rest_after(took: float) -> float:
-    """Seconds to leave the event loop to everything else after a pass that took `took` of its CPU: as long, from
-    LONG_PASS_S up to MAX_REST_S; none after a short one. While a job launches, checkpoints, evicts or stops, every
-    heartbeat of its nodes wakes a pass, and passes back to back over a job of thousands of nodes (about 0.09 s each
-    at 16,384 nodes x 8 ranks here: bench job-heartbeats) would leave the loop little time to read those
-    heartbeats, whose lag is what declares a node SUSPECT. With the rest, passes take at most about half the loop;
-    a decision waits at most one pass longer."""
+    """Seconds to leave the event loop to everything else after a pass whose views and decisions took `took` of its
+    CPU (not what ran on the loop while the pass awaited the store): as long, from LONG_PASS_S up to MAX_REST_S;
+    none after a short one. While a job launches, checkpoints, evicts or stops, every heartbeat of its nodes wakes a
+    pass, and passes back to back over a job of thousands of nodes (about 0.09 s each at 16,384 nodes x 8 ranks
+    here: bench job-heartbeats) would leave the loop little time to read those heartbeats, whose lag is what
+    declares a node SUSPECT. With the rest, passes take at most about half the loop; a decision waits at most one
+    pass longer."""
     return min(took, MAX_REST_S) if took >= LONG_PASS_S else 0.0
 
 
@@ -118,6 +119,9 @@ class Executor:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
         self._slurm_drains: dict[str, list[asyncio.Task]] = {}  # job -> the Slurm drains of its evicted nodes
+        self.pass_cpu = 0.0  # CPU the current pass's views and decisions took (its awaits excluded)
+        self.rest_after = rest_after  # (a world in virtual time sets none: a rest measured in real CPU would make
+        # its timeline depend on the host's speed)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
@@ -138,14 +142,14 @@ class Executor:
             except TimeoutError:
                 pass
             self._wake.clear()
-            started = time.thread_time()  # the loop's CPU: a pass's awaits on the store cost the loop nothing
+            self.pass_cpu = 0.0
             try:
                 await self.run_pass()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("scheduler pass failed; will retry")
-            if rest := rest_after(time.thread_time() - started):
+            if rest := self.rest_after(self.pass_cpu):
                 await clock.sleep(rest)
 
     async def run_pass(self) -> None:
@@ -173,8 +177,10 @@ class Executor:
                     return
                 with _bound(entry):
                     now = self.jobs.now()
-                    actions = lifecycle.plan(entry.job, lambda fleet: self.view(entry, fleet), now,
+                    started = time.thread_time()  # (the view and the decision: what a job's size costs, all on
+                    actions = lifecycle.plan(entry.job, lambda fleet: self.view(entry, fleet), now,  # the loop)
                                              self.jobs.policy())
+                    self.pass_cpu += time.thread_time() - started
                     committed = await self.apply(entry, actions, now)
             if not committed:
                 return
@@ -601,6 +607,10 @@ class _Running(AbstractSet):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+    @classmethod
+    def _from_iterable(cls, iterable) -> frozenset:  # what &, | and - on it build
+        return frozenset(iterable)
 
 
 def _after(node, told: tuple) -> bool:
