@@ -316,7 +316,7 @@ class Controller:
     def topology(self) -> ClusterTopology:
         """topology.conf where it names a node; the agents' labels (switch, spine, block) elsewhere.
         Labels that contradict each other are logged and the nodes treated as one domain."""
-        labels = {e.record.name: dict(e.inventory().labels) for e in self.registry.entries()}
+        labels = {e.record.name: e.labels() for e in self.registry.entries()}
         try:
             return merged(self.topology_conf, labels) if self.topology_conf else from_labels(labels)
         except TopologyError as e:

@@ -785,3 +785,21 @@ def test_a_drained_node_is_judged_at_once_by_a_new_leader():
             gpus=[common_pb2.GpuTelemetry(index=0, remap_pending=True)], health_digest=5))
         assert not taken.judge_deferred and taken.to_proto().health == common_pb2.HEALTH_FAILING
     run(go())
+
+
+def test_what_placement_reads_of_a_node_follows_its_inventory():
+    """A node's GPU count and labels, read of every node of the fleet at each step that places, are parsed once per
+    inventory: a changed inventory is read anew, and a caller's change to the labels it got changes nothing."""
+    async def go():
+        w = World()
+        entry, _ = await w.join("n1")
+        assert entry.gpu_count() == 2 and entry.labels() == {}
+        entry.labels()["switch"] = "mine"  # a copy
+        assert entry.labels() == {}
+        changed = inventory(4)
+        changed.labels["switch"] = "leaf-7"
+        await w.registry.update_inventory(entry, changed)
+        entry = w.registry.get("n1")
+        assert entry.gpu_count() == 4 and entry.labels() == {"switch": "leaf-7"}
+
+    run(go())

@@ -66,6 +66,9 @@ class NodeEntry:
     verdict_logged: health.Health = health.HEALTHY  # the level the event log last heard of
     queued_at: float | None = None  # the key of its entry in the registry's quiet queue (None: not queued)
     lag_floor: float = math.inf  # the lowest heartbeat lag it has shown (creeping up): its clock's offset and link
+    # (the stored inventory it was read from, its GPU count, its labels): what placement reads of every node of the
+    # fleet at each step that places (gpu_count, labels), parsed once per inventory rather than at each step
+    _placed: tuple[bytes, int, dict[str, str]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def running_ranks(self) -> int:
@@ -73,6 +76,21 @@ class NodeEntry:
 
     def inventory(self) -> common_pb2.NodeInventory:
         return common_pb2.NodeInventory.FromString(self.record.inventory)
+
+    def _placement_facts(self) -> tuple[bytes, int, dict[str, str]]:
+        raw = self.record.inventory
+        if self._placed is None or self._placed[0] is not raw:
+            inventory = common_pb2.NodeInventory.FromString(raw)
+            self._placed = (raw, len(inventory.gpus), dict(inventory.labels))
+        return self._placed
+
+    def gpu_count(self) -> int:
+        """The GPUs its inventory lists."""
+        return self._placement_facts()[1]
+
+    def labels(self) -> dict[str, str]:
+        """Its inventory's labels (a copy)."""
+        return dict(self._placement_facts()[2])
 
     def health_action_needed(self) -> bool:
         """The verdict changed since the event log heard of it, or it calls for a drain not yet made."""

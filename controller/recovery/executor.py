@@ -236,7 +236,7 @@ class Executor:
         allowed = set(within)
         return [Candidate.of(e.record.name, e.record.state, e.verdict.health, e.record.name not in busy,
                              # a node whose health a takeover has not judged yet is not placed on until it is
-                             len(e.inventory().gpus), connected=e.session is not None and not e.judge_deferred,
+                             e.gpu_count(), connected=e.session is not None and not e.judge_deferred,
                              drained=bool(e.record.drain_reason))
                 for e in self.jobs.registry.entries() if not allowed or e.record.name in allowed]
 
