@@ -6,6 +6,9 @@ report), as an agent's does at every interval. In one process, no transport: the
 builds a generation's. CPU seconds (time.process_time) per heartbeat, at two job sizes in one run: a heartbeat must
 cost what the node reports, not what the job holds, or a fleet of N nodes beating once a second costs N^2 (at
 16,384 nodes that would be many cores' worth). The figure that matters is the ratio of the two sizes' costs.
+Then the same with in-memory snapshots on, as trainlib keeps them: each node also reports the 4 newest steps of its
+own ranks and of its peer's (replicas), and the job's first node's heartbeat asks for the newest step every rank
+holds twice over (once an interval: the step the agents pin), about a million snapshots at 16,384 nodes.
 Then one scheduler step of the larger job (the executor's view, the lifecycle's decision), every node registered.
 """
 
@@ -21,6 +24,8 @@ from bench.common import log
 SIZES, QUICK_SIZES = (1_000, 16_384), (500, 4_000)
 PER_NODE = 8
 ROUNDS = 3  # rounds over the sampled nodes' heartbeats
+KEEP_STEPS = 4  # the steps a node reports of each rank it holds (agent/snapshots.py)
+STEP = 100  # the ranks' newest step
 SAMPLE = 2_000  # nodes whose heartbeats are timed, spread over the job (the code before this benchmark took ~0.1 s a
 # heartbeat at 16,384 nodes: a round of every node would take half an hour)
 
@@ -51,7 +56,9 @@ def _job(nodes: list[str]):
     return job
 
 
-def _heartbeats(nodes: list[str], sample: range) -> list:
+def _heartbeats(nodes: list[str], sample: range, snapshots: bool = False) -> list:
+    """Each sampled node's heartbeat: its ranks RUNNING, their progress, and (`snapshots`) the newest KEEP_STEPS
+    steps of its own ranks and, as replicas, of the node before it (every rank is held on two nodes)."""
     from phalanx.v1 import common_pb2 as pb
     from phalanx.v1 import node_pb2
 
@@ -59,34 +66,52 @@ def _heartbeats(nodes: list[str], sample: range) -> list:
     for i in sample:
         name = nodes[i]
         ranks = range(i * PER_NODE, (i + 1) * PER_NODE)
+        peer = (i - 1) % len(nodes)
+        held = [node_pb2.SnapshotHeld(job="job-1", generation=1, rank=r, step=step, size=1 << 20, replica=replica)
+                for replica, of in ((False, ranks), (True, range(peer * PER_NODE, (peer + 1) * PER_NODE)))
+                for r in of for step in range(STEP - KEEP_STEPS + 1, STEP + 1)] if snapshots else []
         beats.append((SimpleNamespace(record=SimpleNamespace(name=name)), node_pb2.Heartbeat(
             ranks=[node_pb2.RankStatus(job="job-1", generation=1, rank=r, state=pb.RANK_STATE_RUNNING, pid=1000 + r)
                    for r in ranks],
-            progress=[node_pb2.RankProgress(job="job-1", generation=1, rank=r, last_step=100, mean_step_s=1.0,
-                                              steps=100) for r in ranks])))
+            progress=[node_pb2.RankProgress(job="job-1", generation=1, rank=r, last_step=STEP, mean_step_s=1.0,
+                                              steps=STEP) for r in ranks],
+            snapshots=held)))
     return beats
 
 
-def _per_heartbeat_us(n: int) -> float:
+def _per_heartbeat_us(n: int, snapshots: bool = False) -> dict[str, float]:
+    """CPU per heartbeat of the sampled nodes; with `snapshots`, every node has reported its snapshots first, and
+    the job's first node's heartbeat (which asks for the safe step) is timed on its own too."""
     from controller.recovery.entry import JobEntry
 
     nodes = [f"node-{i:05d}" for i in range(n)]
     jobs = _manager()
     job = _job(nodes)
-    jobs.entries[job.id] = JobEntry(job, 1, generation=job.generation)
+    entry = jobs.entries[job.id] = JobEntry(job, 1, generation=job.generation)
     jobs.index(job)
     jobs.wake = lambda: None  # no executor runs here: the fold alone is measured
-    beats = _heartbeats(nodes, range(0, n, max(1, n // SAMPLE)))
-    jobs.observe(*beats[0])  # the first progress report makes every rank's track
-    assert len(jobs.entries[job.id].tracks) == n * PER_NODE, "every rank's progress followed"
+    every = n // SAMPLE if n >= SAMPLE else 1
+    beats = _heartbeats(nodes, range(1, n, every), snapshots)  # (node 0's heartbeat is the safe step's)
+    first = _heartbeats(nodes, range(1), snapshots)[0]
+    for i in range(1, n) if snapshots else ():  # every node's snapshots known, as after an interval
+        jobs.observe(*(_heartbeats(nodes, range(i, i + 1), True)[0]))
+    jobs.observe(*first)  # the first progress report makes every rank's track
+    assert len(entry.tracks) == n * PER_NODE, "every rank's progress followed"
+    assert entry.safe == ((1, STEP) if snapshots else None), "the newest step, held twice over, found"
     gc.collect()
     started = time.process_time()
     for _ in range(ROUNDS):
         for node, beat in beats:
             assert not jobs.observe(node, beat)  # nothing stale: the reports are the generation's own
     took = time.process_time() - started
-    assert not jobs.entries[job.id].missing, "every rank reported by its node"
-    return took / (ROUNDS * len(beats)) * 1e6
+    assert not entry.missing, "every rank reported by its node"
+    result = {"heartbeat_us": round(took / (ROUNDS * len(beats)) * 1e6, 1)}
+    if snapshots:
+        started = time.process_time()
+        for _ in range(ROUNDS):
+            assert not jobs.observe(*first)
+        result["safe_step_us"] = round((time.process_time() - started) / ROUNDS * 1e6, 1)
+    return result
 
 
 def _step_ms(n: int) -> dict[str, float]:
@@ -131,12 +156,22 @@ def run(quick: bool = False) -> dict:
     log(f"job-heartbeats: one job of {small:,} then {large:,} nodes x {PER_NODE} ranks, each node's heartbeat "
         "folded in (in process) ...")
     result = {"per_node": PER_NODE, "small_nodes": small, "large_nodes": large,
-              "small_us": round(_per_heartbeat_us(small), 1), "large_us": round(_per_heartbeat_us(large), 1)}
+              "small_us": _per_heartbeat_us(small)["heartbeat_us"],
+              "large_us": _per_heartbeat_us(large)["heartbeat_us"]}
     result["ratio"] = round(result["large_us"] / result["small_us"], 2)
-    result["step"] = _step_ms(large)
     log(f"job-heartbeats: {result['small_us']} us a heartbeat at {small:,} nodes, {result['large_us']} us at "
-        f"{large:,} (x{result['ratio']} for a job {large / small:.1f} times larger); a step of the job of {large:,} "
-        f"nodes: its view {result['step']['view_ms']} ms, the decision {result['step']['decision_ms']} ms")
+        f"{large:,} (x{result['ratio']} for a job {large / small:.1f} times larger); with snapshots ...")
+    result["snapshots"] = {"keep_steps": KEEP_STEPS, "small": _per_heartbeat_us(small, True),
+                           "large": _per_heartbeat_us(large, True)}
+    snap = result["snapshots"]
+    snap["ratio"] = round(snap["large"]["heartbeat_us"] / snap["small"]["heartbeat_us"], 2)
+    snap["safe_step_ratio"] = round(snap["large"]["safe_step_us"] / snap["small"]["safe_step_us"], 2)
+    log(f"job-heartbeats: with snapshots, {snap['small']['heartbeat_us']} / {snap['large']['heartbeat_us']} us a "
+        f"heartbeat (x{snap['ratio']}); the first node's, which asks for the safe step, "
+        f"{snap['small']['safe_step_us']} / {snap['large']['safe_step_us']} us (x{snap['safe_step_ratio']})")
+    result["step"] = _step_ms(large)
+    log(f"job-heartbeats: a step of the job of {large:,} nodes: its view {result['step']['view_ms']} ms, the decision "
+        f"{result['step']['decision_ms']} ms")
     return result
 
 

@@ -384,6 +384,13 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"{jb['per_node']} ranks, against {jb['small_nodes']:,} (in process)", "about x1",
                      f"{jb['large_us']:.0f} vs {jb['small_us']:.0f} us (x{jb['ratio']:.2f})"
                      f"{_verdict(jb['ratio'] < 2)}"))
+        snap = jb["snapshots"]
+        rows.append(("job-heartbeats", f"the same with snapshots on ({snap['keep_steps']} steps of a node's ranks and "
+                     "its peer's): a heartbeat; the first node's, which asks for the safe step", "about x1",
+                     f"{snap['large']['heartbeat_us']:.0f} vs {snap['small']['heartbeat_us']:.0f} us "
+                     f"(x{snap['ratio']:.2f}); {snap['large']['safe_step_us']:.0f} vs "
+                     f"{snap['small']['safe_step_us']:.0f} us (x{snap['safe_step_ratio']:.2f})"
+                     f"{_verdict(snap['ratio'] < 2 and snap['safe_step_ratio'] < 2)}"))
         rows.append(("job-heartbeats", f"a scheduler step of the job of {jb['large_nodes']:,} nodes: view / decision",
                      "", f"{jb['step']['view_ms']:.0f} / {jb['step']['decision_ms']:.0f} ms"))
     sh = results.get("store-heartbeats")

@@ -355,25 +355,30 @@ def held(job, generation, rank, step, replica=False):
     return node_pb2.SnapshotHeld(job=job, generation=generation, rank=rank, step=step, size=1, replica=replica)
 
 
+def of_j(reported):
+    """What each node reported of job "j" (its other jobs' snapshots left out), as the job manager keeps it."""
+    return {node: plan.by_job(snapshots).get("j", set()) for node, snapshots in reported.items()}
+
+
 def test_the_newest_step_every_rank_has_on_a_node_that_is_up_is_restored():
     reported = {"a": [held("j", 1, 0, s) for s in (7, 8, 9)] + [held("j", 1, 1, s, True) for s in (6, 7, 8)],
                 "b": [held("j", 1, 1, s) for s in (8, 9, 10)] + [held("j", 1, 0, s, True) for s in (7, 8)]}
-    restore, _ = plan.plan(reported, "j", 1, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    restore, _ = plan.plan(of_j(reported), 1, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
     assert (restore.step, restore.sources) == (9, {0: "a", 1: "b"})  # in place: each from its own node
-    restore, _ = plan.plan(reported, "j", 1, 2, up={"a", "c"}, placement={0: "a", 1: "c"})
+    restore, _ = plan.plan(of_j(reported), 1, 2, up={"a", "c"}, placement={0: "a", 1: "c"})
     assert (restore.step, restore.sources) == (8, {0: "a", 1: "a"})  # b lost: rank 1 from its replica on a
 
 
 def test_no_restore_mixes_generations_or_uses_a_lost_nodes_snapshots():
     reported = {"a": [held("j", 1, 0, 9), held("j", 2, 0, 12)], "b": [held("j", 2, 1, 12)]}
-    restore, why = plan.plan(reported, "j", 2, 2, up={"a"}, placement={0: "a", 1: "c"})
+    restore, why = plan.plan(of_j(reported), 2, 2, up={"a"}, placement={0: "a", 1: "c"})
     assert restore is None
     assert why == ("no step of generation 2 has every rank's in-memory snapshot on a node that is up: the newest, "
                    "step 12, lacks rank(s) 1 (held on b, which cannot be reached); nor has an earlier generation")
-    restore, why = plan.plan(reported, "j", 3, 2, up={"a"}, placement={0: "a", 1: "b"})
+    restore, why = plan.plan(of_j(reported), 3, 2, up={"a"}, placement={0: "a", 1: "b"})
     assert restore is None and why == ("generation 3 left no in-memory snapshot on a node that is up; nor has an "
                                        "earlier generation")
-    restore, why = plan.plan({}, "j", 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    restore, why = plan.plan(of_j({}), 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
     assert restore is None and why == "generation 3 left no in-memory snapshot on a node that is up"
 
 
@@ -385,16 +390,16 @@ def test_a_generation_that_left_no_whole_step_restores_the_one_before_it():
     reported = {"a": [held("j", 2, 0, 40), held("j", 2, 1, 40, True), held("j", 2, 0, 41), held("j", 3, 0, 40)],
                 "b": [held("j", 2, 1, 40), held("j", 2, 0, 40, True), held("j", 2, 1, 41, True)],
                 "c": [held("j", 2, 0, 40, True)]}
-    restore, _ = plan.plan(reported, "j", 3, 2, up={"a", "b", "c"}, placement={0: "a", 1: "c"})
+    restore, _ = plan.plan(of_j(reported), 3, 2, up={"a", "b", "c"}, placement={0: "a", 1: "c"})
     assert (restore.generation, restore.step, restore.sources) == (2, 41, {0: "a", 1: "b"})
     assert restore.also == {0: (), 1: ()}
-    restore, _ = plan.plan(reported, "j", 3, 2, up={"b", "c"}, placement={0: "c", 1: "b"})
+    restore, _ = plan.plan(of_j(reported), 3, 2, up={"b", "c"}, placement={0: "c", 1: "b"})
     assert (restore.generation, restore.step, restore.sources) == (2, 40, {0: "c", 1: "b"})
     assert restore.also == {0: ("b",), 1: ()}  # rank 0's other copy, tried if c's fails its CRC-32
     reported["b"].append(held("j", 3, 1, 40))
-    restore, _ = plan.plan(reported, "j", 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    restore, _ = plan.plan(of_j(reported), 3, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
     assert (restore.generation, restore.step) == (3, 40)
-    restore, _ = plan.plan(reported, "j", 2, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    restore, _ = plan.plan(of_j(reported), 2, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
     assert (restore.generation, restore.step) == (2, 41)  # never a generation after the one just ended
 
 
@@ -485,12 +490,52 @@ def test_what_a_restore_may_still_load_is_not_taken_to_make_room(tmp_path):
 
 
 def test_the_safe_step_is_the_newest_one_every_rank_has_on_two_nodes():
-    reported = {"a": [held("j", 1, 0, s) for s in (7, 8, 9)] + [held("j", 1, 1, s, True) for s in (6, 7)],
-                "b": [held("j", 1, 1, s) for s in (8, 9)] + [held("j", 1, 0, s, True) for s in (7, 8)]}
-    assert plan.safe_step(reported, "j", 1, 2) is None  # rank 1's step 7 is held once (rank 1 no longer has it)
-    reported["b"].append(held("j", 1, 1, 7))  # pinned there
-    assert plan.safe_step(reported, "j", 1, 2) == 7
-    assert plan.safe_step(reported, "j", 2, 2) is None
+    reported = plan.Held()
+    a = [held("j", 1, 0, s) for s in (7, 8, 9)] + [held("j", 1, 1, s, True) for s in (6, 7)]
+    b = [held("j", 1, 1, s) for s in (8, 9)] + [held("j", 1, 0, s, True) for s in (7, 8)]
+    reported["a"], reported["b"] = plan.by_job(a)["j"], plan.by_job(b)["j"]
+    assert reported.safe(1, 2) is None  # rank 1's step 7 is held once (rank 1 no longer has it)
+    reported["b"] = plan.by_job([*b, held("j", 1, 1, 7)])["j"]  # pinned there
+    assert reported.safe(1, 2) == 7
+    assert reported.safe(2, 2) is None
+    del reported["a"]  # a node that holds them no longer reports the job
+    assert reported.safe(1, 2) is None and list(reported) == ["b"]
+    # a node's report, per job: (generation, step, rank), a snapshot held as its own and as a replica once
+    assert plan.by_job([held("j", 1, 0, 7), held("k", 2, 0, 8), held("j", 1, 0, 7, True), held("j", 1, 3, 7)]) == \
+        {"j": {(1, 7, 0), (1, 7, 3)}, "k": {(2, 8, 0)}}
+
+
+def _safe_by_a_pass(reported, generation, world):
+    """The safe step read from every node's snapshots at once: what the tally must keep saying."""
+    where = {}
+    for node, keys in reported.items():
+        for g, step, rank in keys:
+            if g == generation:
+                where.setdefault(step, {}).setdefault(rank, set()).add(node)
+    return max((step for step, ranks in where.items()
+                if len(ranks) == world and all(len(nodes) >= 2 for nodes in ranks.values())), default=None)
+
+
+def test_the_tally_of_snapshots_held_says_what_a_pass_over_every_report_would_as_nodes_report_and_leave():
+    """Nodes report what they hold, again and again (steps come and go, a node holds a rank it does not run, leaves
+    the job, comes back): after every report the tally's safe step is the one a pass over all the reports finds."""
+    import random
+    rng = random.Random(7)
+    reported, plain, world = plan.Held(), {}, 3
+    for _ in range(3000):
+        node = f"n{rng.randrange(5)}"
+        if rng.random() < 0.1:
+            reported.pop(node, None)
+            plain.pop(node, None)
+        else:
+            keys = {(rng.choice((1, 2)), rng.randrange(3), rng.randrange(world + 1)) for _ in range(rng.randrange(12))}
+            reported[node] = plain[node] = keys
+        for generation in (1, 2):
+            assert reported.safe(generation, world) == _safe_by_a_pass(plain, generation, world)
+    assert dict(reported) == plain
+    for node in list(reported):
+        del reported[node]
+    assert not reported._steps and not reported._holders  # (a long job's steps, each counted once, not kept after)
 
 
 class FakeAgent:

@@ -527,13 +527,10 @@ class JobManager:
         """What in-memory snapshots `node` holds now, per job (a job it reported before and not now: none)."""
         if not snapshots and node not in self._snapshots_on:
             return  # the heartbeat of a node that holds none and held none: most of them
-        by_job: dict[str, list[node_pb2.SnapshotHeld]] = {}
-        for held in snapshots:
-            by_job.setdefault(held.job, []).append(held)
-        for entry in self._fold_by_job(self._snapshots_on, node, by_job, "snapshots"):
+        for entry in self._fold_by_job(self._snapshots_on, node, snapshot_plan.by_job(snapshots), "snapshots"):
             job = entry.job
             if job.state == RUNNING and len(job.nodes) >= 2 and node == job.nodes[0]:  # once an interval, not per node
-                step = snapshot_plan.safe_step(entry.snapshots, job.id, job.generation, len(job.ranks))
+                step = entry.snapshots.safe(job.generation, len(job.ranks))
                 if step is not None and (job.generation, step) > entry.pinned:
                     entry.safe = (job.generation, step)
                     self.wake()  # the step pins it (lifecycle.upkeep)

@@ -12,7 +12,8 @@ from typing import TypeVar
 
 from controller.recovery import lifecycle
 from controller.recovery import progress as monitors
-from phalanx.v1 import common_pb2, node_pb2
+from controller.recovery import snapshots as snapshot_plan
+from phalanx.v1 import common_pb2
 
 T = TypeVar("T")
 
@@ -62,7 +63,7 @@ class JobEntry:
     incident_kind: str = ""
     # node -> the in-memory snapshots of this job it holds, from its newest heartbeat (kept across generations:
     # a new generation restores from the last one's)
-    snapshots: dict[str, list[node_pb2.SnapshotHeld]] = field(default_factory=dict)
+    snapshots: snapshot_plan.Held = field(default_factory=snapshot_plan.Held)
     pinned: tuple[int, int] = (0, 0)  # (generation, step) the job's nodes were last told to keep
     safe: tuple[int, int] | None = None  # (generation, step) of the newest step held twice over, from the heartbeats
     prepared: dict[str, float] = field(default_factory=dict)  # spare -> when (the job manager's now) it was last asked

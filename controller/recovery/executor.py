@@ -394,7 +394,7 @@ class Executor:
         up = {name for name, n in nodes.items() if n.session is not None and n.record.state is not DOWN
               and n.inventory().snapshot_address}  # every source is one of these: every rank is told, or none
         placement = {i * per + local: node for i, node in enumerate(job.nodes) for local in range(per)}
-        restore, why = snapshot_plan.plan(entry.snapshots, job.id, job.generation - 1, len(placement), up, placement)
+        restore, why = snapshot_plan.plan(entry.snapshots, job.generation - 1, len(placement), up, placement)
         if restore is None:
             if entry.snapshots:
                 await self.jobs.log(lifecycle.Event("job.snapshot_fallback", f"{job.id} generation {job.generation}: "

@@ -15,7 +15,7 @@ newest durable checkpoint, and the reason goes to the event log.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from phalanx.v1 import node_pb2
@@ -29,37 +29,95 @@ class Restore:
     also: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> the other nodes that hold it, to try next
 
 
-def safe_step(held: Mapping[str, Iterable[node_pb2.SnapshotHeld]], job: str, generation: int,
-              world: int) -> int | None:
-    """The newest step of `generation` whose every rank's snapshot is held on two nodes or more (its own and a
-    replica), so that no one lost node can take it away; None if there is none. Agents keep it (a pin) however
-    far their ranks move on: after a node is lost, the survivors' newest steps are seconds past the lost ranks'
-    last replicas, and without the pin no step would be whole."""
-    where: dict[int, dict[int, set[str]]] = {}
-    for node, snapshots in held.items():
-        for s in snapshots:
-            if s.job == job and s.generation == generation:
-                where.setdefault(s.step, {}).setdefault(s.rank, set()).add(node)
-    return max((step for step, ranks in where.items()
-                if len(ranks) == world and all(len(nodes) >= 2 for nodes in ranks.values())), default=None)
+Key = tuple[int, int, int]  # a snapshot a node holds: (generation, step, rank), of the job it is kept for
 
 
-def plan(held: Mapping[str, Iterable[node_pb2.SnapshotHeld]], job: str, generation: int, world: int,
-         up: set[str], placement: Mapping[int, str]) -> tuple[Restore | None, str]:
+def by_job(snapshots: Iterable[node_pb2.SnapshotHeld]) -> dict[str, set[Key]]:
+    """A node's report, per job: one pass over what it holds (each heartbeat: 64 snapshots from a node of 8 ranks)."""
+    jobs: dict[str, set[Key]] = {}
+    for s in snapshots:
+        jobs.setdefault(s.job, set()).add((s.generation, s.step, s.rank))
+    return jobs
+
+
+class Held(MutableMapping[str, set[Key]]):
+    """node -> the in-memory snapshots of one job it holds, from its newest heartbeat, with a tally kept as each node
+    reports: per (generation, step), how many ranks are held at all and how many on two nodes or more.
+    `safe(generation, world)`, the step the agents pin, then needs no pass over every node's snapshots: at 16,384
+    nodes x 8 ranks (each node holding 4 steps of its own ranks and of a peer's) a million of them, once a heartbeat
+    interval. A node's report costs its own snapshots: the few that came or went since its last."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, set[Key]] = {}  # node -> what it holds
+        self._holders: dict[Key, int] = {}  # how many nodes hold each
+        self._steps: dict[tuple[int, int], list[int]] = {}  # (generation, step) -> [ranks held, ranks held twice+]
+
+    def __getitem__(self, node: str) -> set[Key]:
+        return self._keys[node]
+
+    def __setitem__(self, node: str, keys: set[Key]) -> None:
+        """What `node` holds now: `keys`, kept (not copied), as by_job made them."""
+        old = self._keys.get(node, set())
+        if keys == old:  # most heartbeats: nothing came or went since the node's last
+            return
+        for key in old - keys:
+            self._drop(key)
+        for key in keys - old:
+            self._add(key)
+        self._keys[node] = keys
+
+    def __delitem__(self, node: str) -> None:
+        for key in self._keys.pop(node):
+            self._drop(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _add(self, key: Key) -> None:
+        n = self._holders[key] = self._holders.get(key, 0) + 1
+        if n <= 2:  # the rank is now held (n = 1), or held twice (n = 2), at this step
+            self._steps.setdefault(key[:2], [0, 0])[n - 1] += 1
+
+    def _drop(self, key: Key) -> None:
+        n = self._holders[key] - 1
+        if n:
+            self._holders[key] = n
+        else:
+            del self._holders[key]
+        if n < 2:  # the rank is held once no more (n = 1), or no longer at all (n = 0), at this step
+            tally = self._steps[key[:2]]
+            tally[n] -= 1
+            if not tally[0]:
+                del self._steps[key[:2]]
+
+    def safe(self, generation: int, world: int) -> int | None:
+        """The newest step of `generation` whose every rank of `world` is held on two nodes or more (its own and a
+        replica), so that no one lost node can take it away; None if there is none. Agents keep it (a pin) however
+        far their ranks move on: after a node is lost, the survivors' newest steps are seconds past the lost ranks'
+        last replicas, and without the pin no step would be whole. Reads the tally: a few steps per generation."""
+        return max((step for (g, step), (held, twice) in self._steps.items()
+                    if g == generation and held == world and twice == world), default=None)
+
+
+def plan(held: Mapping[str, Iterable[Key]], generation: int, world: int, up: set[str],
+         placement: Mapping[int, str]) -> tuple[Restore | None, str]:
     """(the restore, why not from `generation`: "" when it is) or (None, why there is none). `generation`: the one
-    just ended (an earlier one only if it left no whole step); `held`: node -> what it reported; `up`: the nodes a
-    snapshot can be fetched from; `placement`: rank -> the node the new generation runs it on."""
+    just ended (an earlier one only if it left no whole step); `held`: node -> what it reported of the job (Held);
+    `up`: the nodes a snapshot can be fetched from; `placement`: rank -> the node the new generation runs it on."""
     by_generation: dict[int, dict[int, dict[int, set[str]]]] = {}  # generation -> step -> rank -> nodes holding it
     lost: set[str] = set()
-    for node, snapshots in held.items():
-        for s in snapshots:
-            if s.job != job or s.generation > generation:
+    for node, keys in held.items():
+        for g, step, rank in keys:
+            if g > generation:
                 continue
             if node not in up:
-                if s.generation == generation:
+                if g == generation:
                     lost.add(node)
                 continue
-            by_generation.setdefault(s.generation, {}).setdefault(s.step, {}).setdefault(s.rank, set()).add(node)
+            by_generation.setdefault(g, {}).setdefault(step, {}).setdefault(rank, set()).add(node)
     why = _not_whole(by_generation.get(generation, {}), generation, world, lost)
     for candidate in sorted(by_generation, reverse=True):
         where = by_generation[candidate]
