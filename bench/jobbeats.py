@@ -9,6 +9,8 @@ cost what the node reports, not what the job holds, or a fleet of N nodes beatin
 Then the same with in-memory snapshots on, as trainlib keeps them: each node also reports the 4 newest steps of its
 own ranks and of its peer's (replicas), and the job's first node's heartbeat asks for the newest step every rank
 holds twice over (once an interval: the step the agents pin), about a million snapshots at 16,384 nodes.
+Then the job's record as stored (its rank table packed: controller/jobs/record.py): its size, and the CPU to pack
+it (each commit) and to read it back (a restart, a takeover).
 Then one scheduler step of the larger job (the executor's view, the lifecycle's decision), every node registered.
 """
 
@@ -149,6 +151,26 @@ def _step_ms(n: int) -> dict[str, float]:
     return asyncio.run(go())
 
 
+def _record(n: int) -> dict[str, float]:
+    """The job's stored record (controller/jobs/record.py): its size in full and packed, and the CPU to pack it (each
+    commit) and to read it back (a restart, a takeover)."""
+    from controller.jobs import record
+
+    job = _job([f"node-{i:05d}" for i in range(n)])
+    for rank in job.ranks:
+        rank.pid, rank.wrapper_pid = 100_000 + rank.rank, 90_000 + rank.rank
+    started = time.process_time()
+    for _ in range(ROUNDS):
+        data = record.pack(job)
+    packed = time.process_time()
+    for _ in range(ROUNDS):
+        record.unpack(data)
+    read = time.process_time()
+    return {"full_bytes": job.ByteSize(), "packed_bytes": len(data),
+            "pack_ms": round((packed - started) / ROUNDS * 1e3, 1),
+            "unpack_ms": round((read - packed) / ROUNDS * 1e3, 1)}
+
+
 def run(quick: bool = False) -> dict:
     from phalanx import log as phalanx_log
     phalanx_log.configure("warning")  # 16,384 registrations would log a line each
@@ -169,6 +191,10 @@ def run(quick: bool = False) -> dict:
     log(f"job-heartbeats: with snapshots, {snap['small']['heartbeat_us']} / {snap['large']['heartbeat_us']} us a "
         f"heartbeat (x{snap['ratio']}); the first node's, which asks for the safe step, "
         f"{snap['small']['safe_step_us']} / {snap['large']['safe_step_us']} us (x{snap['safe_step_ratio']})")
+    result["record"] = rec = _record(large)
+    log(f"job-heartbeats: the record of the job of {large:,} nodes: {rec['full_bytes'] / 1e6:.2f} MB in full, "
+        f"{rec['packed_bytes'] / 1e6:.2f} MB as stored; packed in {rec['pack_ms']} ms, read back in "
+        f"{rec['unpack_ms']} ms")
     result["step"] = _step_ms(large)
     log(f"job-heartbeats: a step of the job of {large:,} nodes: its view {result['step']['view_ms']} ms, the decision "
         f"{result['step']['decision_ms']} ms")

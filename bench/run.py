@@ -391,6 +391,11 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"(x{snap['ratio']:.2f}); {snap['large']['safe_step_us']:.0f} vs "
                      f"{snap['small']['safe_step_us']:.0f} us (x{snap['safe_step_ratio']:.2f})"
                      f"{_verdict(snap['ratio'] < 2 and snap['safe_step_ratio'] < 2)}"))
+        rec = jb["record"]
+        rows.append(("job-heartbeats", "the job's record as stored, in full / packed (etcd takes 1.5 MiB a request); "
+                     "CPU to pack / to read it back", "",
+                     f"{rec['full_bytes'] / 1e6:.2f} / {rec['packed_bytes'] / 1e6:.2f} MB; {rec['pack_ms']:.0f} / "
+                     f"{rec['unpack_ms']:.0f} ms"))
         rows.append(("job-heartbeats", f"a scheduler step of the job of {jb['large_nodes']:,} nodes: view / decision",
                      "", f"{jb['step']['view_ms']:.0f} / {jb['step']['decision_ms']:.0f} ms"))
     sh = results.get("store-heartbeats")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from controller import access, validation
 from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
+from controller.jobs import record as job_record
 from controller.jobs.topology import ClusterTopology
 from controller.lighthouse import LighthouseError, Lighthouses, describe
 from controller.nodes.registry import NodeEntry, Registry
@@ -117,7 +118,7 @@ class JobManager:
         for record in await self.store.load_jobs():
             if record.id.startswith(TORCHRUN_RECORDS):
                 continue  # a torchrun run's record: the rendezvous service's (controller/api/rendezvous_service.py)
-            job = pb.Job.FromString(record.data)
+            job = job_record.unpack(record.data)
             self.entries[job.id] = JobEntry(job, record.revision, generation=job.generation,
                                             reported=job.progress_reported)
             self.index(job)
@@ -497,7 +498,7 @@ class JobManager:
             job.lighthouse_control, job.lighthouse_token = "", ""
         job.progress_reported = entry.reported  # set by a heartbeat, kept for the next controller at the next commit
         event = self.event(commit.kind, commit.message, job.id)
-        record = JobRecord(job.id, state_name(job.state), job.SerializeToString(), entry.revision)
+        record = JobRecord(job.id, state_name(job.state), job_record.pack(job), entry.revision)
         committed = await self.store.commit(jobs=[record], events=[event])
         entry.job, entry.revision = job, committed.jobs[0].revision
         if self.lighthouses is not None and job.state in TERMINAL:

@@ -298,17 +298,16 @@ def _replace(repeated, values) -> None:
     repeated.extend(values)
 
 
-def rank_table(job: pb.Job) -> None:
-    """`job.ranks` anew for its nodes and generation: rank i * ranks_per_node + local on node i, in rank order.
-    Added in place (a table of 16,384 ranks, built for each generation, costs a quarter of building messages and
-    copying them in)."""
+def rank_table(job: pb.Job, state: int = pb.RANK_STATE_UNSPECIFIED) -> None:
+    """`job.ranks` anew for its nodes and generation: rank i * ranks_per_node + local on node i, in rank order, each
+    in `state` (a new generation's: not started). Added in place (a table of 16,384 ranks, built for each generation,
+    costs a quarter of building messages and copying them in)."""
     per, generation = job.spec.ranks_per_node, job.generation
     del job.ranks[:]
     add = job.ranks.add
     for i, node in enumerate(job.nodes):
         for local in range(per):
-            add(rank=i * per + local, node=node, local_rank=local, gpu=local, state=pb.RANK_STATE_UNSPECIFIED,
-                generation=generation)
+            add(rank=i * per + local, node=node, local_rank=local, gpu=local, state=state, generation=generation)
 
 
 def with_nodes(job: pb.Job, nodes: Sequence[str], spares: Sequence[str]) -> pb.Job:

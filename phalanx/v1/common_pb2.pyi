@@ -534,7 +534,7 @@ class HangCulprit(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., process_group: _Optional[str] = ..., op: _Optional[str] = ..., seq: _Optional[int] = ..., state: _Optional[str] = ..., peers_seq: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable", "incident_nodes", "checkpoint", "launched_generation", "incident_kind", "culprit", "straggler_evictions_unix_ns", "straggler_step_s", "straggler_held", "standbys", "restarts_in_row", "progress_reported", "ending_since_unix_ns", "incident_step", "groups", "lighthouse_port", "lighthouse_host", "lighthouse_control", "lighthouse_token")
+    __slots__ = ("id", "spec", "state", "reason", "generation", "nodes", "spares", "master_addr", "master_port", "submitted_unix_ns", "started_unix_ns", "finished_unix_ns", "exit_code", "ranks", "user", "restarts", "incident", "evicted", "state_since_unix_ns", "phase_times", "incident_predictable", "incident_nodes", "checkpoint", "launched_generation", "incident_kind", "culprit", "straggler_evictions_unix_ns", "straggler_step_s", "straggler_held", "standbys", "restarts_in_row", "progress_reported", "ending_since_unix_ns", "incident_step", "groups", "lighthouse_port", "lighthouse_host", "lighthouse_control", "lighthouse_token", "packed_ranks")
     class StandbysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -581,6 +581,7 @@ class Job(_message.Message):
     LIGHTHOUSE_HOST_FIELD_NUMBER: _ClassVar[int]
     LIGHTHOUSE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     LIGHTHOUSE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PACKED_RANKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: JobState
@@ -620,7 +621,18 @@ class Job(_message.Message):
     lighthouse_host: str
     lighthouse_control: str
     lighthouse_token: str
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[_Union[JobCheckpoint, _Mapping]] = ..., launched_generation: _Optional[int] = ..., incident_kind: _Optional[str] = ..., culprit: _Optional[_Union[HangCulprit, _Mapping]] = ..., straggler_evictions_unix_ns: _Optional[_Iterable[int]] = ..., straggler_step_s: _Optional[float] = ..., straggler_held: _Optional[str] = ..., standbys: _Optional[_Mapping[str, int]] = ..., restarts_in_row: _Optional[int] = ..., progress_reported: _Optional[bool] = ..., ending_since_unix_ns: _Optional[int] = ..., incident_step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., lighthouse_port: _Optional[int] = ..., lighthouse_host: _Optional[str] = ..., lighthouse_control: _Optional[str] = ..., lighthouse_token: _Optional[str] = ...) -> None: ...
+    packed_ranks: PackedRanks
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[_Union[JobCheckpoint, _Mapping]] = ..., launched_generation: _Optional[int] = ..., incident_kind: _Optional[str] = ..., culprit: _Optional[_Union[HangCulprit, _Mapping]] = ..., straggler_evictions_unix_ns: _Optional[_Iterable[int]] = ..., straggler_step_s: _Optional[float] = ..., straggler_held: _Optional[str] = ..., standbys: _Optional[_Mapping[str, int]] = ..., restarts_in_row: _Optional[int] = ..., progress_reported: _Optional[bool] = ..., ending_since_unix_ns: _Optional[int] = ..., incident_step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., lighthouse_port: _Optional[int] = ..., lighthouse_host: _Optional[str] = ..., lighthouse_control: _Optional[str] = ..., lighthouse_token: _Optional[str] = ..., packed_ranks: _Optional[_Union[PackedRanks, _Mapping]] = ...) -> None: ...
+
+class PackedRanks(_message.Message):
+    __slots__ = ("states", "exit_codes", "generations")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODES_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    states: bytes
+    exit_codes: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, states: _Optional[bytes] = ..., exit_codes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaGroup(_message.Message):
     __slots__ = ("index", "state", "generation", "reason", "since_unix_ns", "bad", "incident_kind")

@@ -1,0 +1,125 @@
+"""A job's record as stored (controller/jobs/record.py): a large job's rank table packed, and read back whole."""
+
+import asyncio
+import re
+import uuid
+
+import pytest
+
+from controller.jobs import record
+from controller.recovery import lifecycle
+from phalanx.v1 import common_pb2 as pb
+
+pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py); the etcd test is of the etcd tier by its fixture
+
+
+def job_of(nodes: int, per: int, replicas: int = 0, generation: int = 3) -> pb.Job:
+    """A running job's record as the lifecycle writes it: every rank RUNNING, with pids its nodes reported."""
+    job = pb.Job(id="job-7", state=pb.JOB_STATE_RUNNING, generation=generation,
+                 spec=pb.JobSpec(command=["train"], nodes=nodes, ranks_per_node=per, replicas=replicas))
+    lifecycle.with_nodes(job, [f"node-{i:05d}" for i in range(nodes)], ["spare-0"])
+    for rank in job.ranks:
+        rank.state, rank.pid, rank.wrapper_pid = pb.RANK_STATE_RUNNING, 4000 + rank.rank, 3000 + rank.rank
+    return job
+
+
+def without_pids(job: pb.Job) -> pb.Job:
+    """What a packed record keeps of `job`: everything but its ranks' pids (the nodes' next heartbeats say them)."""
+    out = pb.Job()
+    out.CopyFrom(job)
+    for rank in out.ranks:
+        rank.pid = rank.wrapper_pid = 0
+    return out
+
+
+def test_a_large_jobs_rank_table_is_stored_packed_and_read_back_whole():
+    job = job_of(16, 4)
+    job.ranks[5].state, job.ranks[5].exit_code = pb.RANK_STATE_EXITED, 3
+    job.ranks[9].state = pb.RANK_STATE_LOST
+    data = record.pack(job, packed_from=64)
+    stored = pb.Job.FromString(data)
+    assert not stored.ranks and len(stored.packed_ranks.states) == 64 and len(stored.packed_ranks.exit_codes) == 64
+    assert not stored.packed_ranks.generations  # every rank's is the job's
+    assert record.unpack(data) == without_pids(job)
+    # all exit codes 0: no column for them
+    job.ranks[5].exit_code = 0
+    assert not pb.Job.FromString(record.pack(job, packed_from=64)).packed_ranks.exit_codes
+    assert record.unpack(record.pack(job, packed_from=64)) == without_pids(job)
+
+
+def test_a_replica_group_rebuilt_since_keeps_its_generation_and_its_ranks_theirs():
+    """A rebuilt group's ranks run a newer generation than the others': implied from the groups' own generations
+    while they agree, written out per rank where one does not."""
+    job = job_of(8, 2, replicas=4)
+    job.generation = job.groups[2].generation = 4
+    for i in lifecycle.group_span(job, 2):
+        for local in range(2):
+            job.ranks[i * 2 + local].generation = 4
+    data = record.pack(job, packed_from=16)
+    assert not pb.Job.FromString(data).packed_ranks.generations
+    assert record.unpack(data) == without_pids(job)
+    job.ranks[0].generation = 2  # (not as its group says)
+    data = record.pack(job, packed_from=16)
+    assert len(pb.Job.FromString(data).packed_ranks.generations) == 16
+    assert record.unpack(data) == without_pids(job)
+
+
+def test_a_small_job_or_a_table_out_of_its_layout_is_stored_in_full():
+    job = job_of(4, 2)
+    assert record.pack(job) == job.SerializeToString()  # under PACKED_FROM: as an earlier release stores it
+    assert record.unpack(record.pack(job)) == job
+    job.ranks[3].node = "node-00003"  # (rank 3 is node-00001's by the layout)
+    assert record.pack(job, packed_from=1) == job.SerializeToString()
+    odd = job_of(4, 2)
+    odd.ranks[0].gpu = 1
+    assert record.pack(odd, packed_from=1) == odd.SerializeToString()
+
+
+def test_a_packed_table_that_does_not_fit_its_job_is_refused_with_the_job_named():
+    job = job_of(16, 4)
+    stored = pb.Job.FromString(record.pack(job, packed_from=64))
+    stored.packed_ranks.states = stored.packed_ranks.states[:-1]
+    why = "job-7: its stored rank table (63 ranks, 16 nodes x 4) does not fit its job"
+    with pytest.raises(record.BadRecord, match=re.escape(why)):
+        record.unpack(stored.SerializeToString())
+    stored = pb.Job.FromString(record.pack(job, packed_from=64))
+    stored.packed_ranks.generations.extend([3] * 5)
+    with pytest.raises(record.BadRecord):
+        record.unpack(stored.SerializeToString())
+
+
+def test_a_job_of_16384_nodes_x_8_ranks_is_committed_to_etcd_and_a_new_controller_loads_it(etcd_server):
+    """The record of a job of 131,072 ranks in full (3.5 MB) is more than etcd takes in one request; packed, the job
+    manager commits it, and one started on the same store (a restart, a takeover) loads the job whole."""
+    from controller.config import JobsConfig, LivenessConfig, RecoveryConfig
+    from controller.errors import StoreError
+    from controller.jobs.manager import JobManager
+    from controller.jobs.topology import flat
+    from controller.nodes.registry import Registry
+    from controller.obs.events import EventHub
+    from controller.recovery.entry import JobEntry
+    from controller.store.base import JobRecord
+    from controller.store.etcd import Etcd, EtcdStore
+    from phalanx.clock import RealClock
+
+    job = job_of(16_384, 8)
+    job.ranks[77].state, job.ranks[77].exit_code = pb.RANK_STATE_EXITED, 1
+
+    def manager(store):
+        clock, hub = RealClock(), EventHub()
+        return JobManager(store, Registry(store, clock, LivenessConfig(), hub), clock, hub, JobsConfig(),
+                          lambda: flat([]), RecoveryConfig())
+
+    async def go():
+        store = EtcdStore(Etcd([etcd_server.endpoint]), f"/test/{uuid.uuid4().hex}/")
+        with pytest.raises(StoreError, match="RESOURCE_EXHAUSTED"):
+            await store.commit(jobs=[JobRecord("job-8", "RUNNING", job.SerializeToString())])  # in full: refused
+        jobs = manager(store)
+        entry = jobs.entries[job.id] = JobEntry(pb.Job(id=job.id), 0)
+        await jobs.save(entry, lifecycle.Commit(job, "job.running", f"{job.id} running"))
+        assert entry.revision > 0
+        again = manager(store)
+        await again.load()
+        assert again.entries[job.id].job == without_pids(job)
+        await store.close()
+    asyncio.run(go())
