@@ -75,6 +75,16 @@ def test_a_small_job_or_a_table_out_of_its_layout_is_stored_in_full():
     assert record.pack(odd, packed_from=1) == odd.SerializeToString()
 
 
+def test_a_record_saved_again_by_an_earlier_release_is_read_by_its_table_not_by_the_columns_it_kept():
+    """An earlier release reads a packed record without its ranks and keeps the columns it does not know when it
+    saves the record again: the table it wrote then (a later generation's) is the one read, not the stale columns."""
+    job = job_of(16, 4)
+    stored = pb.Job.FromString(record.pack(job, packed_from=64))
+    newer = job_of(16, 4, generation=9)
+    newer.packed_ranks.CopyFrom(stored.packed_ranks)
+    assert record.unpack(newer.SerializeToString()) == job_of(16, 4, generation=9)
+
+
 def test_a_packed_table_that_does_not_fit_its_job_is_refused_with_the_job_named():
     job = job_of(16, 4)
     stored = pb.Job.FromString(record.pack(job, packed_from=64))
@@ -121,5 +131,18 @@ def test_a_job_of_16384_nodes_x_8_ranks_is_committed_to_etcd_and_a_new_controlle
         again = manager(store)
         await again.load()
         assert again.entries[job.id].job == without_pids(job)
+        cancelled = pb.Job()  # every rank killed by SIGTERM: a column of 131,072 exit codes of -15
+        cancelled.CopyFrom(job)
+        cancelled.state = pb.JOB_STATE_CANCELLED
+        for rank in cancelled.ranks:
+            rank.state, rank.exit_code = pb.RANK_STATE_EXITED, -15
+        await jobs.save(entry, lifecycle.Commit(cancelled, "job.cancelled", f"{job.id} cancelled"))
+        damaged = pb.Job.FromString(record.pack(job_of(4, 2), packed_from=1))
+        damaged.id, damaged.packed_ranks.states = "job-9", b"\x02"  # (one rank's state for 8 ranks)
+        await store.commit(jobs=[JobRecord("job-9", "RUNNING", damaged.SerializeToString())])
+        again = manager(store)
+        await again.load()  # the damaged record is not loaded; the others are, and job-9 is never an id again
+        assert again.entries[job.id].job == without_pids(cancelled) and "job-9" not in again.entries
+        assert again._next_id == 10
         await store.close()
     asyncio.run(go())

@@ -1103,3 +1103,16 @@ def test_a_nodes_ranks_are_found_by_its_position_and_a_table_out_of_order_is_sea
     shuffled.ClearField("ranks")
     shuffled.ranks.extend(reversed(job.ranks))
     assert [r.rank for r in lifecycle.ranks_on(shuffled, "c", positions)] == searched(shuffled, "c") == [5, 4]
+
+    class Table(list):
+        """The rank table, counting the passes over all of it (a slice of it is a plain list, not counted)."""
+        passes = 0
+
+        def __iter__(self):
+            Table.passes += 1
+            return super().__iter__()
+
+    from types import SimpleNamespace
+    in_order, out_of_order = (SimpleNamespace(spec=j.spec, ranks=Table(j.ranks)) for j in (job, shuffled))
+    assert [r.rank for r in lifecycle.ranks_on(in_order, "c", positions)] == [4, 5] and Table.passes == 0
+    assert [r.rank for r in lifecycle.ranks_on(out_of_order, "c", positions)] == [5, 4] and Table.passes == 1

@@ -500,6 +500,12 @@ def test_the_safe_step_is_the_newest_one_every_rank_has_on_two_nodes():
     assert reported.safe(2, 2) is None
     del reported["a"]  # a node that holds them no longer reports the job
     assert reported.safe(1, 2) is None and list(reported) == ["b"]
+    # rank 9 of a job of 2 ranks (a node that made it up) does not stand in for rank 1, missing: no whole step
+    made_up = plan.Held()
+    made_up["a"], made_up["b"] = {(1, 5, 0), (1, 5, 9)}, {(1, 5, 0), (1, 5, 9)}
+    assert made_up.safe(1, 2) is None
+    restore, why = plan.plan(made_up, 1, 2, up={"a", "b"}, placement={0: "a", 1: "b"})
+    assert restore is None and "lacks rank(s) 1" in why
     # a node's report, per job: (generation, step, rank), a snapshot held as its own and as a replica once
     assert plan.by_job([held("j", 1, 0, 7), held("k", 2, 0, 8), held("j", 1, 0, 7, True), held("j", 1, 3, 7)]) == \
         {"j": {(1, 7, 0), (1, 7, 3)}, "k": {(2, 8, 0)}}
@@ -513,12 +519,13 @@ def _safe_by_a_pass(reported, generation, world):
             if g == generation:
                 where.setdefault(step, {}).setdefault(rank, set()).add(node)
     return max((step for step, ranks in where.items()
-                if len(ranks) == world and all(len(nodes) >= 2 for nodes in ranks.values())), default=None)
+                if set(ranks) == set(range(world)) and all(len(nodes) >= 2 for nodes in ranks.values())), default=None)
 
 
 def test_the_tally_of_snapshots_held_says_what_a_pass_over_every_report_would_as_nodes_report_and_leave():
-    """Nodes report what they hold, again and again (steps come and go, a node holds a rank it does not run, leaves
-    the job, comes back): after every report the tally's safe step is the one a pass over all the reports finds."""
+    """Nodes report what they hold, again and again (steps come and go, a node reports a rank past the job's world,
+    leaves the job, comes back): after every report the tally's safe step is the one a pass over all the reports
+    finds, and a made-up rank never stands in for a missing one."""
     import random
     rng = random.Random(7)
     reported, plain, world = plan.Held(), {}, 3

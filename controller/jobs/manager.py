@@ -13,6 +13,8 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from google.protobuf.message import DecodeError
+
 from controller import access, validation
 from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -118,11 +120,19 @@ class JobManager:
         for record in await self.store.load_jobs():
             if record.id.startswith(TORCHRUN_RECORDS):
                 continue  # a torchrun run's record: the rendezvous service's (controller/api/rendezvous_service.py)
-            job = job_record.unpack(record.data)
+            number = record.id.removeprefix("job-")
+            if number.isdigit():  # (never an id again, even one whose record cannot be read)
+                self._next_id = max(self._next_id, int(number) + 1)
+            try:
+                job = job_record.unpack(record.data)
+            except (job_record.BadRecord, DecodeError) as e:  # one damaged record keeps no controller from starting,
+                # no standby from taking over
+                logger.error("job record unreadable: not loaded (restore it from a backup)", job=record.id,
+                             error=str(e))
+                continue
             self.entries[job.id] = JobEntry(job, record.revision, generation=job.generation,
                                             reported=job.progress_reported)
             self.index(job)
-            self._next_id = max(self._next_id, int(job.id.removeprefix("job-")) + 1)
         logger.info("jobs loaded", jobs=len(self.entries),
                     active=sum(e.job.state in ACTIVE for e in self.entries.values()))
         limit = asyncio.Semaphore(LIGHTHOUSE_LOOKS)  # a restart or a takeover: their lighthouses taken up

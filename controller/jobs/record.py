@@ -2,13 +2,14 @@
 
 A generation's rank table (lifecycle.rank_table) follows from the job's nodes: rank r runs on node r //
 ranks_per_node as local rank and GPU r % ranks_per_node, in its replica group's generation or the job's. Written out
-in full, a job of 16,384 nodes x 8 ranks is some 4.6 MB, more than etcd takes in one request (--max-request-bytes,
-1.5 MiB by default): such a job could not be committed at all. A record of PACKED_FROM ranks or more is stored with
-only what the rows do not imply, in columns (`PackedRanks`: each rank's state, and its exit code and generation
-where any is not the implied one), about 0.35 MB at that size. Its ranks' pids are left out: each node's next
-heartbeat says them again (they are shown, never decided on). A table that is not a generation's layout (no record
-this code writes) is stored in full, as is a smaller job's, which a controller of an earlier release reads as
-before. In memory the table is always in full: `unpack` rebuilds it as the record is loaded.
+in full, a job of 16,384 nodes x 8 ranks is some 3.5-4.6 MB, more than etcd takes in one request
+(--max-request-bytes, 1.5 MiB by default): such a job could not be committed at all. A record of PACKED_FROM ranks or
+more is stored with only what the rows do not imply, in columns (`PackedRanks`: each rank's state; its exit code when
+any rank's is not 0; its generation when any rank's is not its group's), about 0.35 MB at that size. Its ranks' pids
+are left out: a running rank's node says them again at its next heartbeat, an ended rank's stay unknown (they are
+shown, never decided on). A table that is not a generation's layout (no record this code writes) is stored in full,
+as is a smaller job's, which a controller of an earlier release reads as before. In memory the table is always in
+full: `unpack` rebuilds it as the record is loaded.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def unpack(data: bytes) -> pb.Job:
     packed table that does not fit its job (a record damaged in the store, not one this code wrote)."""
     job = pb.Job.FromString(data)
     if not job.HasField("packed_ranks"):
+        return job
+    if job.ranks:  # saved again by an earlier release, which kept the columns it did not know: its table is newer
+        job.ClearField("packed_ranks")
         return job
     packed = job.packed_ranks
     per, n = job.spec.ranks_per_node, len(packed.states)

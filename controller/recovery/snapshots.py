@@ -50,16 +50,20 @@ class Held(MutableMapping[str, set[Key]]):
     def __init__(self) -> None:
         self._keys: dict[str, set[Key]] = {}  # node -> what it holds
         self._holders: dict[Key, int] = {}  # how many nodes hold each
-        self._steps: dict[tuple[int, int], list[int]] = {}  # (generation, step) -> [ranks held, ranks held twice+]
+        # (generation, step) -> [ranks held, ranks held twice or more, the sum of the ranks held]: `world` distinct
+        # ranks whose sum is world * (world - 1) / 2 are ranks 0 to world - 1 (a rank a node made up, one past the
+        # job's world, does not stand in for one missing)
+        self._steps: dict[tuple[int, int], list[int]] = {}
 
     def __getitem__(self, node: str) -> set[Key]:
         return self._keys[node]
 
     def __setitem__(self, node: str, keys: set[Key]) -> None:
         """What `node` holds now: `keys`, kept (not copied), as by_job made them."""
-        old = self._keys.get(node, set())
+        old = self._keys.get(node)
         if keys == old:  # most heartbeats: nothing came or went since the node's last
             return
+        old = old or set()
         for key in old - keys:
             self._drop(key)
         for key in keys - old:
@@ -79,7 +83,10 @@ class Held(MutableMapping[str, set[Key]]):
     def _add(self, key: Key) -> None:
         n = self._holders[key] = self._holders.get(key, 0) + 1
         if n <= 2:  # the rank is now held (n = 1), or held twice (n = 2), at this step
-            self._steps.setdefault(key[:2], [0, 0])[n - 1] += 1
+            tally = self._steps.setdefault(key[:2], [0, 0, 0])
+            tally[n - 1] += 1
+            if n == 1:
+                tally[2] += key[2]
 
     def _drop(self, key: Key) -> None:
         n = self._holders[key] - 1
@@ -90,6 +97,8 @@ class Held(MutableMapping[str, set[Key]]):
         if n < 2:  # the rank is held once no more (n = 1), or no longer at all (n = 0), at this step
             tally = self._steps[key[:2]]
             tally[n] -= 1
+            if not n:
+                tally[2] -= key[2]
             if not tally[0]:
                 del self._steps[key[:2]]
 
@@ -98,8 +107,9 @@ class Held(MutableMapping[str, set[Key]]):
         replica), so that no one lost node can take it away; None if there is none. Agents keep it (a pin) however
         far their ranks move on: after a node is lost, the survivors' newest steps are seconds past the lost ranks'
         last replicas, and without the pin no step would be whole. Reads the tally: a few steps per generation."""
-        return max((step for (g, step), (held, twice) in self._steps.items()
-                    if g == generation and held == world and twice == world), default=None)
+        whole = world * (world - 1) // 2
+        return max((step for (g, step), (held, twice, ranks) in self._steps.items()
+                    if g == generation and held == world and twice == world and ranks == whole), default=None)
 
 
 def plan(held: Mapping[str, Iterable[Key]], generation: int, world: int, up: set[str],
@@ -111,7 +121,7 @@ def plan(held: Mapping[str, Iterable[Key]], generation: int, world: int, up: set
     lost: set[str] = set()
     for node, keys in held.items():
         for g, step, rank in keys:
-            if g > generation:
+            if g > generation or rank >= world:  # (a rank past the job's world: made up, and no stand-in for one)
                 continue
             if node not in up:
                 if g == generation:
