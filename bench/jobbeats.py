@@ -10,7 +10,8 @@ Then the same with in-memory snapshots on, as trainlib keeps them: each node als
 own ranks and of its peer's (replicas), and the job's first node's heartbeat asks for the newest step every rank
 holds twice over (once an interval: the step the agents pin), about a million snapshots at 16,384 nodes.
 Then the job's record as stored (its rank table packed: controller/jobs/record.py): its size, and the CPU to pack
-it (each commit) and to read it back (a restart, a takeover).
+it (each commit) and to read it back (a restart, a takeover). Then a scheduler pass over a queue of pending jobs on a
+fleet of that many nodes: one look at the fleet a pass, not one a job.
 Then one scheduler step of the larger job (the executor's view, the lifecycle's decision), every node registered.
 """
 
@@ -151,6 +152,35 @@ def _step_ms(n: int) -> dict[str, float]:
     return asyncio.run(go())
 
 
+QUEUED = 30  # pending jobs in the queue of the fleet-wide pass
+
+
+def _queue_ms(n: int) -> dict[str, float]:
+    """A scheduler pass over 1, then QUEUED, pending jobs that do not fit a fleet of `n` nodes (every node
+    registered, connected and heard from): each step of a pending job sees the whole fleet. CPU per pass, once each
+    job has said why it waits (no commit in the passes timed)."""
+    from bench.loadgen import simulated_node
+    from phalanx.v1 import common_pb2 as pb
+
+    async def go(queued: int) -> float:
+        jobs = _manager()
+        registry = jobs.registry
+        await registry.load()
+        for name, inventory, message in (simulated_node(i) for i in range(n)):
+            entry = await registry.register(name, inventory, "ipv4:127.0.0.1:1")
+            registry.heartbeat(entry, message.heartbeat)
+            entry.session, entry.judge_deferred = object(), False  # (connected: a candidate like any)
+        for _ in range(queued):
+            await jobs.submit(pb.JobSpec(command=["train"], nodes=n + 1, ranks_per_node=PER_NODE), "bench")
+        await jobs.executor.run_pass()  # each says why it waits
+        gc.collect()
+        started = time.process_time()
+        for _ in range(ROUNDS):
+            await jobs.executor.run_pass()
+        return round((time.process_time() - started) / ROUNDS * 1e3, 1)
+    return {"one_ms": asyncio.run(go(1)), "queued_ms": asyncio.run(go(QUEUED)), "queued": QUEUED}
+
+
 def _record(n: int) -> dict[str, float]:
     """The job's stored record (controller/jobs/record.py): its size in full and packed, and the CPU to pack it (each
     commit) and to read it back (a restart, a takeover)."""
@@ -195,6 +225,9 @@ def run(quick: bool = False) -> dict:
     log(f"job-heartbeats: the record of the job of {large:,} nodes: {rec['full_bytes'] / 1e6:.2f} MB in full, "
         f"{rec['packed_bytes'] / 1e6:.2f} MB as stored; packed in {rec['pack_ms']} ms, read back in "
         f"{rec['unpack_ms']} ms")
+    result["queue"] = queue = _queue_ms(large)
+    log(f"job-heartbeats: a pass over 1 / {QUEUED} pending jobs on a fleet of {large:,} nodes: {queue['one_ms']} / "
+        f"{queue['queued_ms']} ms")
     result["step"] = _step_ms(large)
     log(f"job-heartbeats: a step of the job of {large:,} nodes: its view {result['step']['view_ms']} ms, the decision "
         f"{result['step']['decision_ms']} ms")

@@ -396,6 +396,11 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      "CPU to pack / to read it back", "",
                      f"{rec['full_bytes'] / 1e6:.2f} / {rec['packed_bytes'] / 1e6:.2f} MB; {rec['pack_ms']:.0f} / "
                      f"{rec['unpack_ms']:.0f} ms"))
+        q = jb["queue"]
+        rows.append(("job-heartbeats", f"a scheduler pass over 1 / {q['queued']} pending jobs on a fleet of "
+                     f"{jb['large_nodes']:,} nodes (CPU)", "well under x30",
+                     f"{q['one_ms']:.0f} / {q['queued_ms']:.0f} ms (x{q['queued_ms'] / q['one_ms']:.1f})"
+                     f"{_verdict(q['queued_ms'] < 10 * q['one_ms'])}"))
         rows.append(("job-heartbeats", f"a scheduler step of the job of {jb['large_nodes']:,} nodes: view / decision",
                      "", f"{jb['step']['view_ms']:.0f} / {jb['step']['decision_ms']:.0f} ms"))
     sh = results.get("store-heartbeats")
