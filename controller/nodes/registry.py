@@ -171,6 +171,9 @@ class Registry:
         self.leading: Callable[[], bool] = lambda: True  # whether this controller may act (its lease holds)
         self.lag = LagWindow()
         self.heartbeats_total = 0
+        # Goes up at every change of what placement sees of a node (its record, session, health verdict, a judge
+        # deferred or not, a node registered): the scheduler's look at the fleet holds until it does (executor)
+        self.changes = 0
         self.lag_seconds = Buckets(LAG_BUCKETS_S)
         self.detection = {kind: Buckets(DETECTION_BUCKETS_S) for kind in DETECTION_KINDS}  # see controller.obs.metrics
 
@@ -293,6 +296,7 @@ class Registry:
                                  f"superseded by a new registration of {name} from {peer}")
             entry = NodeEntry(record=record, last_seen=now, peer=peer)
             self._nodes[name] = entry
+            self.changes += 1
             self._track(entry)
             entries.append(entry)
         if len(batch) == 1:
@@ -330,6 +334,7 @@ class Registry:
         if entry.heartbeats == 0:
             self._unheard.add(name)
         entry.session = session
+        self.changes += 1
         entry.session_lost = False
         entry.peer = session.peer
         entry.last_seen = now
@@ -356,6 +361,7 @@ class Registry:
     def detach(self, entry: NodeEntry, session: Session) -> None:
         if entry.session is session:
             entry.session = None
+            self.changes += 1
             entry.session_lost = True
             self._forget_unheard(entry)
             self._watch(entry)
@@ -399,6 +405,7 @@ class Registry:
             # its first here; a drained node is judged at once (an operator may be about to undrain it)
             if self._deferring and entry.heartbeats == 1 and heartbeat.health_digest and not entry.record.drain_reason:
                 entry.judge_deferred = True  # judged once the take-up is over (judge_deferred), or at a change
+                self.changes += 1
                 self._deferred.append(entry)
                 return entry.record.state is SUSPECT
             self._judging.add(entry.record.name)
@@ -462,6 +469,7 @@ class Registry:
         if not entry.judge_deferred:
             return
         entry.judge_deferred = False
+        self.changes += 1
         self._judging.add(entry.record.name)
         if entry.heartbeat is not None:
             at, window = entry.last_heartbeat_at, self.health_cfg.window_s
@@ -513,7 +521,10 @@ class Registry:
 
     def _evaluate(self, entry: NodeEntry, now: float) -> None:
         host = entry.heartbeat.host if entry.heartbeat is not None else None
+        before = entry.verdict.health
         entry.verdict, entry.gpu_verdicts = health.evaluate_node(entry.gpu_health, host, now, self.health_cfg)
+        if entry.verdict.health is not before:
+            self.changes += 1
 
     async def gpu_event(self, entry: NodeEntry, event: common_pb2.GpuEvent) -> None:
         """An XID from the node: logged, judged and acted on at once, not at the next heartbeat."""
@@ -621,6 +632,7 @@ class Registry:
                 entry.session.kick(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"node declared DOWN ({reason}); register again")
                 entry.session = None
+                self.changes += 1
                 self._forget_unheard(entry)
         self.backlog.swept(now)
         return changes
@@ -756,6 +768,7 @@ class Registry:
 
     async def _commit_now(self, writes: list[tuple[NodeEntry, NodeRecord]], events: list[EventRecord]) -> None:
         committed = await self._store.commit(nodes=[r for _, r in writes], events=events)
+        self.changes += 1  # (a state, a drain, an inventory)
         for (entry, _), record in zip(writes, committed.nodes, strict=True):
             changed = (entry.record.state, entry.record.drain_reason) != (record.state, record.drain_reason)
             was, entry.record = entry.record.state, record
