@@ -135,7 +135,7 @@ class Executor:
         self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
         self._slurm_drains: dict[str, list[asyncio.Task]] = {}  # job -> the Slurm drains of its evicted nodes
         self.pass_cpu = 0.0  # CPU the current pass's views and decisions took (its awaits excluded)
-        self._fleet: _Fleet | None = None  # until the pass ends or a commit or drain changes it
+        self._fleet: _Fleet | None = None  # until the pass ends, a commit moves nodes or a node changes (fleet)
         self.rest_after = rest_after  # (a world in virtual time sets none: a rest measured in real CPU would make
         # its timeline depend on the host's speed)
 
@@ -265,7 +265,7 @@ class Executor:
                 for e in self.jobs.registry.entries()]
 
     def fleet(self) -> _Fleet:
-        """The fleet as placement sees it, for this pass (until a commit or a drain)."""
+        """The fleet as placement sees it, for this pass (until a commit moves nodes or a node changes)."""
         registry = self.jobs.registry
         if self._fleet is None or self._fleet.changes != registry.changes:
             holders, changes = self.holders(), registry.changes
@@ -308,8 +308,7 @@ class Executor:
                         before, entry.stops[node] = entry.stops.get(node), None
                         self._spawn(self._stop(entry, node, generation, before), f"stop-{entry.job.id}-{node}")
                 case lifecycle.Drain(node=node, reason=reason):
-                    self._fleet = None
-                    try:
+                    try:  # (the drain's commit counts in Registry.changes: the fleet is looked at again)
                         await self.jobs.registry.drain(node, reason)
                     except Exception as e:  # a node that vanished meanwhile needs no drain
                         logger.warning("could not drain an evicted node", node=node, error=str(e))
