@@ -1116,3 +1116,20 @@ def test_a_nodes_ranks_are_found_by_its_position_and_a_table_out_of_order_is_sea
     in_order, out_of_order = (SimpleNamespace(spec=j.spec, ranks=Table(j.ranks)) for j in (job, shuffled))
     assert [r.rank for r in lifecycle.ranks_on(in_order, "c", positions)] == [4, 5] and Table.passes == 0
     assert [r.rank for r in lifecycle.ranks_on(out_of_order, "c", positions)] == [5, 4] and Table.passes == 1
+
+
+def test_unsettled_ranks_are_those_not_running_in_order_however_their_states_are_read():
+    """detectors.unsettled reads every rank's state in one pass in C and lists the few not RUNNING; a state past a
+    byte (no RankState is one, but a record could hold it) is read one by one, and the quorum's spans of a record
+    (lifecycle._Spans) are read as its list is."""
+    from controller.recovery.detectors import unsettled
+
+    job = pb.Job(id="j", spec=pb.JobSpec(nodes=4, ranks_per_node=2), nodes=["a", "b", "c", "d"], generation=1)
+    lifecycle.rank_table(job, pb.RANK_STATE_RUNNING)
+    assert unsettled(job.ranks) == []
+    job.ranks[5].state, job.ranks[2].state = pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST
+    assert [r.rank for r in unsettled(job.ranks)] == [2, 5]
+    job.ranks[7].state = 300
+    assert [r.rank for r in unsettled(job.ranks)] == [2, 5, 7]
+    assert [r.rank for r in unsettled(lifecycle._Spans(job.ranks, [(0, 2), (4, 6)]))] == [5]
+    assert unsettled([]) == []

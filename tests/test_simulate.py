@@ -450,15 +450,16 @@ def test_the_simulators_count_of_whether_a_job_needs_the_fleet_is_next_nodes_own
     assert min(sum(chose for _, chose in answers), sum(not chose for _, chose in answers)) >= 5
 
 
-def test_the_simulators_unwell_nodes_are_those_the_detectors_would_find(monkeypatch):
+def test_the_simulators_unwell_and_unfit_nodes_are_those_a_look_through_every_node_would_find(monkeypatch):
     """The simulator keeps the names of its job's unwell nodes as their views change (JobView.unwell), and the
-    detectors read those few instead of every node's view. At every view it hands out, in a run with lost nodes,
-    failing GPUs, leaf switch failures and repairs, they must be what a look through every view finds, and every node
-    of the job must have a view (the detectors then take a node without one for lost)."""
-    from controller.recovery import detectors
+    detectors read those few instead of every node's view; likewise the candidates a next generation cannot run on
+    (JobView.unfit), which next_nodes reads. At every view it hands out, in a run with lost nodes, failing GPUs, leaf
+    switch failures and repairs, they must be what a look through every view and candidate finds, and every node of
+    the job must have a view (the detectors then take a node without one for lost)."""
+    from controller.recovery import detectors, lifecycle
     from controller.sim import engine
 
-    seen = []
+    seen, unfit = [], []
     made = engine.SimJob.view
 
     def checked(self, candidates):
@@ -467,6 +468,10 @@ def test_the_simulators_unwell_nodes_are_those_the_detectors_would_find(monkeypa
         seen.append(len(found))
         assert view.unwell == found, (sorted(view.unwell), sorted(found))
         assert all(n in view.nodes for n in self.job.nodes)
+        if view.unfit is not None:
+            found = lifecycle.unfit(view.candidates, self.job.spec.ranks_per_node)
+            unfit.append(len(found))
+            assert view.unfit == found, (sorted(view.unfit), sorted(found))
         return view
 
     monkeypatch.setattr(engine.SimJob, "view", checked)
@@ -474,3 +479,4 @@ def test_the_simulators_unwell_nodes_are_those_the_detectors_would_find(monkeypa
                                 "failures.per_1000_node_days": 40.0, "failures.leaf_per_1000_leaf_days": 20.0,
                                 "failures.repair_h": 12.0, "run.days": 30.0}))
     assert sum(n > 0 for n in seen) >= 20 and sum(n == 0 for n in seen) >= 20, (len(seen), sum(n > 0 for n in seen))
+    assert sum(n > 0 for n in unfit) >= 20 and sum(n == 0 for n in unfit) >= 20, (len(unfit), sum(n > 0 for n in unfit))

@@ -5,7 +5,7 @@ ranks_per_node as local rank and GPU r % ranks_per_node, in its replica group's 
 in full, a job of 16,384 nodes x 8 ranks is some 3.5-4.6 MB, more than etcd takes in one request
 (--max-request-bytes, 1.5 MiB by default): such a job could not be committed at all. A record of PACKED_FROM ranks or
 more is stored with only what the rows do not imply, in columns (`PackedRanks`: each rank's state; its exit code when
-any rank's is not 0; its generation when any rank's is not its group's), about 0.35 MB at that size. Its ranks' pids
+any rank's is not 0; its generation when any rank's is not its group's), about 0.33 MB at that size. Its ranks' pids
 are left out: a running rank's node says them again at its next heartbeat, an ended rank's stay unknown (they are
 shown, never decided on). A table that is not a generation's layout (no record this code writes) is stored in full,
 as is a smaller job's, which a controller of an earlier release reads as before. In memory the table is always in

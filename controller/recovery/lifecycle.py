@@ -79,6 +79,9 @@ class JobView:
     # (the simulator: a job of 16,384 nodes is judged at every step); it then has a view of each of the job's nodes.
     # None: the detectors look through `nodes`.
     unwell: AbstractSet[str] | None = None
+    # Of `candidates`, those a next generation cannot run on (`unfit`), where the driver keeps them as candidates
+    # change (the simulator); None: next_nodes looks through `candidates`.
+    unfit: AbstractSet[str] | None = None
     # The generation's stops, as sets of node names (a node's view says its health; these say how far this process's
     # stop of the job has got there, and a recovery moves every node of the job through them at once):
     told: AbstractSet[str] = frozenset()  # told to stop the generation by this process, on the node's current
@@ -306,8 +309,13 @@ def rank_table(job: pb.Job, state: int = pb.RANK_STATE_UNSPECIFIED) -> None:
     del job.ranks[:]
     add = job.ranks.add
     for i, node in enumerate(job.nodes):
-        for local in range(per):
-            add(rank=i * per + local, node=node, local_rank=local, gpu=local, state=state, generation=generation)
+        for local in range(per):  # (fields set one by one, those not 0 only: half the time of keyword arguments)
+            row = add()
+            row.rank, row.node, row.generation = i * per + local, node, generation
+            if local:
+                row.local_rank = row.gpu = local
+            if state:
+                row.state = state
 
 
 def with_nodes(job: pb.Job, nodes: Sequence[str], spares: Sequence[str]) -> pb.Job:
@@ -833,25 +841,26 @@ def next_nodes(job: pb.Job, view: JobView) -> tuple[list[str], list[str], str] |
 
 def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
                 bad: set[str]) -> tuple[list[str], list[str], str] | str:
-    # Sets, not the record's lists (a 2,048-node job made this quadratic), and one pass over the candidates for the
+    # Sets, not the record's lists (a 2,048-node job made this quadratic), and passes in C over the job's nodes for the
     # few that will not do, not the many that will (a 16,384-node job is decided here at each of its recoveries).
-    per = job.spec.ranks_per_node
-    unusable = bad | unfit(candidates, per)
+    unusable = bad | (unfit(candidates, job.spec.ranks_per_node) if view.unfit is None else view.unfit)
     nodes = list(job.nodes)
     current = set(nodes)
-    keep = (current & candidates.keys()) - unusable
-    spares = [n for n in job.spares if n in candidates and n not in unusable and n not in keep]
-    missing = len(nodes) - len(keep)
+    gone = current.difference(candidates)  # the job's nodes that will not do: the few not kept
+    gone |= current & unusable
+    spares = [n for n in job.spares if n in candidates and n not in unusable and (n not in current or n in gone)]
+    missing = len(nodes) - (len(current) - len(gone))
     if missing <= len(spares):
         # each place of a node that will not do, in rank order, by the next spare (as many places as `missing`, or
         # fewer where the record names a node twice)
-        places = [at for at, n in enumerate(nodes) if n not in keep] if missing else []
+        places = [at for at, n in enumerate(nodes) if n in gone] if missing else []
         taken = spares[:len(places)]
         for i, spare in zip(places, taken, strict=True):
             nodes[i] = spare
-        used = keep.union(taken)
+        used = set(taken)
         how = "same nodes" if not taken else f"spare{'s' if len(taken) > 1 else ''} {', '.join(taken)} taken"
-        return nodes, [s for s in job.spares if s not in used and s in candidates and s not in unusable], how
+        return nodes, [s for s in job.spares if s not in used and (s not in current or s in gone) and s in candidates
+                       and s not in unusable], how
     decision = placed(job, [c for n, c in candidates.items() if n not in bad], view.topology, 0)
     if isinstance(decision, Unplaceable):
         return f"waiting for nodes: {decision.reason}"

@@ -322,8 +322,8 @@ class SimJob:
         (refresh keeps it so): only the nodes that came or went are looked at. A view does not show the job's stops
         (JobView.told, .stopped): a recovery, which stops every node of the job, moves no view."""
         self._stale = False
-        names = set(self.job.nodes).union(self.job.spares)  # (in C: a recovery moves a few of 16,384; sorted, as
-        views, held = self.views, self.candidates  # a set's order is the process's string hashing)
+        names = self.members.union(self.job.spares)  # (in C: a recovery moves a few of 16,384; sorted, as a
+        views, held = self.views, self.candidates  # set's order is the process's string hashing)
         for name in sorted(views.keys() - names):
             del views[name]
             self.unwell.discard(name)
@@ -364,6 +364,7 @@ class SimJob:
         return lifecycle.JobView(nodes=self.views, unwell=self.unwell, told=self.told, stopped=self.taken,
                                  launch=launch, checkpoint=self.checkpoint,
                                  candidates=self.candidates if candidates is None else candidates,
+                                 unfit=self.unfit if candidates is None else None,
                                  topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
 
     def decide(self) -> None:
@@ -416,16 +417,15 @@ class SimJob:
                     if job.generation != self.generation:
                         self.generation, self.checkpoint, self.ended = job.generation, None, {}
                         self.told, self.taken = set(), set()
-                    if kind in ("job.restarting", "job.group_rebuilding"):
-                        spares = set(before.spares)
-                        self.tally.spares_used += len(spares.intersection(job.nodes))
-                        if "a new placement" in message:
-                            self.tally.fresh_placements += 1
                     # (a job's nodes change only with its generation: lifecycle.with_nodes, a group's launch)
                     moved_nodes = job.generation != before.generation and job.nodes != before.nodes
                     assert moved_nodes or len(job.nodes) == len(before.nodes), "nodes changed within a generation"
                     moved_spares = job.spares != before.spares
                     members = set(job.nodes) if moved_nodes else self.members
+                    if kind in ("job.restarting", "job.group_rebuilding"):
+                        self.tally.spares_used += len(members.intersection(before.spares))
+                        if "a new placement" in message:
+                            self.tally.fresh_placements += 1
                     if moved_nodes or moved_spares or (before.state in table.TERMINAL) != (job.state in table.TERMINAL):
                         sim.hold(self, before, job, members)  # (most commits hold what they held: no pass over the job)
                     if moved_nodes:
@@ -495,7 +495,7 @@ class SimJob:
             self.tally.recoveries_s.append(self.sim.now - self.broken_at)
         self.broken_at = None
         self.since_checkpoint = 0.0
-        self.warm = {*self.job.nodes, *self.job.spares}  # standbys wait on these for the next restart
+        self.warm = self.members.union(self.job.spares)  # standbys wait on these for the next restart
         self.become(TRAINING)
         if self.sim.scenario.policy.evict_stragglers and not self.sim.slow.isdisjoint(self.members):
             for name in self.job.nodes:  # a slow node the job (re)started on is found like any
@@ -564,7 +564,8 @@ class SimJob:
             self.decide()  # a node died first: the deadline will pass and the recovery resumes from before
             return
         step = int(self.work / self.shape.step_s)
-        self.checkpoint = lifecycle.CheckpointView(request_id, {r.rank: step for r in self.job.ranks})
+        # every rank acks (its table is in rank order, lifecycle.rank_table: no pass over its rows)
+        self.checkpoint = lifecycle.CheckpointView(request_id, dict.fromkeys(range(len(self.job.ranks)), step))
         self.durable = max(self.durable, self.work)
         self.decide()
 
