@@ -23,6 +23,8 @@ import time
 from types import SimpleNamespace
 
 from bench.common import log
+from phalanx import ranks as ranktable
+from phalanx.v1 import common_pb2 as pb
 
 SIZES, QUICK_SIZES = (1_000, 16_384), (500, 4_000)
 PER_NODE = 8
@@ -54,8 +56,7 @@ def _job(nodes: list[str]):
     job = pb.Job(id="job-1", state=pb.JOB_STATE_RUNNING, generation=1, launched_generation=1,
                  spec=pb.JobSpec(command=["train"], nodes=len(nodes), ranks_per_node=PER_NODE))
     lifecycle.with_nodes(job, nodes, [])
-    for rank in job.ranks:
-        rank.state = pb.RANK_STATE_RUNNING
+    ranktable.set_span(job, 0, ranktable.count(job), pb.RANK_STATE_RUNNING)
     return job
 
 
@@ -187,8 +188,12 @@ def _record(n: int) -> dict[str, float]:
     from controller.jobs import record
 
     job = _job([f"node-{i:05d}" for i in range(n)])
-    for rank in job.ranks:
-        rank.pid, rank.wrapper_pid = 100_000 + rank.rank, 90_000 + rank.rank
+    for rank in ranktable.numbers(job):
+        ranktable.set_pids(job, rank, 100_000 + rank, 90_000 + rank)
+    full = pb.Job()  # the same table in rows, as an earlier release held it
+    full.CopyFrom(job)
+    full.ClearField("packed_ranks")
+    full.ranks.extend(ranktable.rows(job))
     started = time.process_time()
     for _ in range(ROUNDS):
         data = record.pack(job)
@@ -196,7 +201,7 @@ def _record(n: int) -> dict[str, float]:
     for _ in range(ROUNDS):
         record.unpack(data)
     read = time.process_time()
-    return {"full_bytes": job.ByteSize(), "packed_bytes": len(data),
+    return {"full_bytes": full.ByteSize(), "packed_bytes": len(data),
             "pack_ms": round((packed - started) / ROUNDS * 1e3, 1),
             "unpack_ms": round((read - packed) / ROUNDS * 1e3, 1)}
 

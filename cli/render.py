@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from phalanx import hostlist
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2, control_pb2
 
 
@@ -205,7 +206,7 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
     return {
         "id": job.id, "name": spec.name or None, "state": job_state(job.state), "reason": job.reason or None,
         "generation": job.generation, "nodes": list(job.nodes), "spares": list(job.spares),
-        "ranks_per_node": spec.ranks_per_node, "world_size": len(job.ranks), "priority": spec.priority,
+        "ranks_per_node": spec.ranks_per_node, "world_size": ranktable.count(job), "priority": spec.priority,
         "command": list(spec.command), "checkpoint_dir": spec.checkpoint_dir or None, "user": job.user or None,
         "run_as": spec.run_as or None,
         "limits": {"memory_bytes": spec.limits.memory_bytes or None, "tasks": spec.limits.tasks or None,
@@ -223,7 +224,7 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
         "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu,
                    "state": rank_state(r.state), "pid": r.pid or None, "wrapper_pid": r.wrapper_pid or None,
                    "exit_code": r.exit_code, "generation": r.generation}
-                  for r in job.ranks],
+                  for r in ranktable.rows(job)],
         "replicas": spec.replicas or None,
         "groups": [{"group": g.index, "state": group_state(g.state), "generation": g.generation,
                     "nodes": list(job.nodes[g.index * len(job.nodes) // spec.replicas:
@@ -295,10 +296,11 @@ def job_text(job: common_pb2.Job) -> str:
              *(["  in state:    " + ", ".join(f"{phase} {duration(seconds)}"
                                               for phase, seconds in d["seconds_in_state"].items())]
                if d["seconds_in_state"] else [])]
-    if job.ranks:
+    if ranktable.count(job):
         # PID is the rank's own process (what to attach a debugger or py-spy to); WRAPPER is the agent's small
         # wrapper around it, which records its exit status.
         lines.append(table(("  RANK", "NODE", "GPU", "STATE", "PID", "WRAPPER", "EXIT"),
                            [(f"  {r.rank}", r.node, r.gpu, rank_state(r.state), r.pid or "", r.wrapper_pid or "",
-                             r.exit_code if r.state == common_pb2.RANK_STATE_EXITED else "") for r in job.ranks]))
+                             r.exit_code if r.state == common_pb2.RANK_STATE_EXITED else "")
+                            for r in ranktable.rows(job)]))
     return "\n".join(lines)

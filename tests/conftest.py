@@ -142,6 +142,17 @@ def pytest_unconfigure(config):
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 
+@pytest.fixture(params=["rows", "packed"])
+def rank_tables(request, monkeypatch):
+    """The test runs twice: with jobs' rank tables in rows, and packed (phalanx/ranks.py), as a job of PACKED_FROM
+    ranks or more holds its table: the same decisions and records either way."""
+    from phalanx import ranks
+
+    if request.param == "packed":
+        monkeypatch.setattr(ranks, "PACKED_FROM", 1)
+    return request.param
+
+
 @pytest.fixture
 def cluster(tmp_path):
     c = Cluster(tmp_path)

@@ -1,4 +1,5 @@
-"""A job's record as stored (controller/jobs/record.py): a large job's rank table packed, and read back whole."""
+"""A job's record as stored (controller/jobs/record.py): a large job's rank table packed, and read back as it was
+(phalanx/ranks.py: in memory too, a table of PACKED_FROM ranks or more is packed)."""
 
 import asyncio
 import re
@@ -8,6 +9,7 @@ import pytest
 
 from controller.jobs import record
 from controller.recovery import lifecycle
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2 as pb
 
 pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py); the etcd test is of the etcd tier by its fixture
@@ -18,8 +20,10 @@ def job_of(nodes: int, per: int, replicas: int = 0, generation: int = 3) -> pb.J
     job = pb.Job(id="job-7", state=pb.JOB_STATE_RUNNING, generation=generation,
                  spec=pb.JobSpec(command=["train"], nodes=nodes, ranks_per_node=per, replicas=replicas))
     lifecycle.with_nodes(job, [f"node-{i:05d}" for i in range(nodes)], ["spare-0"])
-    for rank in job.ranks:
-        rank.state, rank.pid, rank.wrapper_pid = pb.RANK_STATE_RUNNING, 4000 + rank.rank, 3000 + rank.rank
+    n = ranktable.count(job)
+    ranktable.set_span(job, 0, n, pb.RANK_STATE_RUNNING)
+    for rank in range(n):
+        ranktable.set_pids(job, rank, 4000 + rank, 3000 + rank)
     return job
 
 
@@ -29,7 +33,26 @@ def without_pids(job: pb.Job) -> pb.Job:
     out.CopyFrom(job)
     for rank in out.ranks:
         rank.pid = rank.wrapper_pid = 0
+    out.packed_ranks.ClearField("pids")
+    out.packed_ranks.ClearField("wrapper_pids")
+    if not out.packed_ranks.states:
+        out.ClearField("packed_ranks")
     return out
+
+
+def same(a: pb.Job, b: pb.Job) -> bool:
+    """The same job with the same rank table, whichever form each holds it in (rows, or packed)."""
+    def rest(job: pb.Job) -> pb.Job:
+        out = pb.Job()
+        out.CopyFrom(job)
+        out.ClearField("ranks")
+        out.ClearField("packed_ranks")
+        return out
+
+    def table(job: pb.Job) -> list[tuple]:
+        return [(r.rank, r.node, r.local_rank, r.gpu, r.state, r.exit_code, r.generation, r.pid, r.wrapper_pid)
+                for r in ranktable.rows(job)]
+    return rest(a) == rest(b) and table(a) == table(b)
 
 
 def test_a_large_jobs_rank_table_is_stored_packed_and_read_back_whole():
@@ -40,11 +63,12 @@ def test_a_large_jobs_rank_table_is_stored_packed_and_read_back_whole():
     stored = pb.Job.FromString(data)
     assert not stored.ranks and len(stored.packed_ranks.states) == 64 and len(stored.packed_ranks.exit_codes) == 64
     assert not stored.packed_ranks.generations  # every rank's is the job's
-    assert record.unpack(data) == without_pids(job)
+    loaded = record.unpack(data)
+    assert ranktable.is_packed(loaded) and same(loaded, without_pids(job))  # packed, in memory too
     # all exit codes 0: no column for them
     job.ranks[5].exit_code = 0
     assert not pb.Job.FromString(record.pack(job, packed_from=64)).packed_ranks.exit_codes
-    assert record.unpack(record.pack(job, packed_from=64)) == without_pids(job)
+    assert same(record.unpack(record.pack(job, packed_from=64)), without_pids(job))
 
 
 def test_a_replica_group_rebuilt_since_keeps_its_generation_and_its_ranks_theirs():
@@ -57,11 +81,11 @@ def test_a_replica_group_rebuilt_since_keeps_its_generation_and_its_ranks_theirs
             job.ranks[i * 2 + local].generation = 4
     data = record.pack(job, packed_from=16)
     assert not pb.Job.FromString(data).packed_ranks.generations
-    assert record.unpack(data) == without_pids(job)
+    assert same(record.unpack(data), without_pids(job))
     job.ranks[0].generation = 2  # (not as its group says)
     data = record.pack(job, packed_from=16)
     assert len(pb.Job.FromString(data).packed_ranks.generations) == 16
-    assert record.unpack(data) == without_pids(job)
+    assert same(record.unpack(data), without_pids(job))
 
 
 def test_a_small_job_or_a_table_out_of_its_layout_is_stored_in_full():
@@ -113,7 +137,8 @@ def test_a_job_of_16384_nodes_x_8_ranks_is_committed_to_etcd_and_a_new_controlle
     from phalanx.clock import RealClock
 
     job = job_of(16_384, 8)
-    job.ranks[77].state, job.ranks[77].exit_code = pb.RANK_STATE_EXITED, 1
+    assert ranktable.is_packed(job)  # (in memory, as the lifecycle makes it)
+    ranktable.set_states(job, {77: (pb.RANK_STATE_EXITED, 1)})
 
     def manager(store):
         clock, hub = RealClock(), EventHub()
@@ -122,8 +147,12 @@ def test_a_job_of_16384_nodes_x_8_ranks_is_committed_to_etcd_and_a_new_controlle
 
     async def go():
         store = EtcdStore(Etcd([etcd_server.endpoint]), f"/test/{uuid.uuid4().hex}/")
+        full = pb.Job()  # the same table in rows (as an earlier release held it), 3.5 MB or more
+        full.CopyFrom(job)
+        full.ClearField("packed_ranks")
+        full.ranks.extend(ranktable.rows(job))
         with pytest.raises(StoreError, match="RESOURCE_EXHAUSTED"):
-            await store.commit(jobs=[JobRecord("job-8", "RUNNING", job.SerializeToString())])  # in full: refused
+            await store.commit(jobs=[JobRecord("job-8", "RUNNING", full.SerializeToString())])  # in full: refused
         jobs = manager(store)
         entry = jobs.entries[job.id] = JobEntry(pb.Job(id=job.id), 0)
         await jobs.save(entry, lifecycle.Commit(job, "job.running", f"{job.id} running"))
@@ -131,11 +160,14 @@ def test_a_job_of_16384_nodes_x_8_ranks_is_committed_to_etcd_and_a_new_controlle
         again = manager(store)
         await again.load()
         assert again.entries[job.id].job == without_pids(job)
+        await jobs.save(entry, lifecycle.Commit(full, "job.running", f"{job.id} running"))
+        again = manager(store)
+        await again.load()
+        assert again.entries[job.id].job == without_pids(job)
         cancelled = pb.Job()  # every rank killed by SIGTERM: a column of 131,072 exit codes of -15
         cancelled.CopyFrom(job)
         cancelled.state = pb.JOB_STATE_CANCELLED
-        for rank in cancelled.ranks:
-            rank.state, rank.exit_code = pb.RANK_STATE_EXITED, -15
+        ranktable.set_states(cancelled, dict.fromkeys(range(ranktable.count(job)), (pb.RANK_STATE_EXITED, -15)))
         await jobs.save(entry, lifecycle.Commit(cancelled, "job.cancelled", f"{job.id} cancelled"))
         damaged = pb.Job.FromString(record.pack(job_of(4, 2), packed_from=1))
         damaged.id, damaged.packed_ranks.states = "job-9", b"\x02"  # (one rank's state for 8 ranks)

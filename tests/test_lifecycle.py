@@ -26,9 +26,11 @@ from controller.nodes.states import DOWN, UP
 from controller.recovery import lifecycle, table
 from controller.recovery.detectors import NodeView
 from controller.recovery.progress import RankTrack
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2 as pb
 
-pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+# the tier (tests/conftest.py); each test with rank tables in rows and packed (conftest.rank_tables)
+pytestmark = [pytest.mark.inproc, pytest.mark.usefixtures("rank_tables")]
 
 START = 1_700_000_000.0
 STEP_S = 0.1  # a training step
@@ -149,15 +151,16 @@ class Sim:
         """What heartbeats tell the controller of the current generation's ranks (JobManager.observe)."""
         if self.job.state in table.LAUNCHING:
             return
-        for rank in self.job.ranks:
+        moves = {}
+        for rank in ranktable.rows(self.job):
             node = self.nodes[rank.node]
             status = node.ranks.get((rank.generation, rank.rank))
             if node.down or status is None:
                 continue
             target = pb.RANK_STATE_RUNNING if status == "running" else pb.RANK_STATE_EXITED
             if target != rank.state and table.rank_may_move(rank.state, target):
-                rank.state = target
-                rank.exit_code = 0 if status == "running" else int(status.split(":")[1])
+                moves[rank.rank] = (target, 0 if status == "running" else int(status.split(":")[1]))
+        ranktable.set_states(self.job, moves)  # (a packed table's row is a copy)
 
     def apply(self, actions) -> bool:
         committed = False
@@ -173,7 +176,8 @@ class Sim:
                     if job.generation != p.generation and job.state == pb.JOB_STATE_RUNNING and job.groups:
                         # a replica group's rebuild: the new progress of its ranks alone (the others go on)
                         p.generation = job.generation
-                        p.tracks = {r: t for r, t in p.tracks.items() if job.ranks[r].generation != job.generation}
+                        p.tracks = {r: t for r, t in p.tracks.items()
+                                    if ranktable.rows(job)[r].generation != job.generation}
                     elif job.generation != p.generation:
                         p.generation, p.tracks, p.stops, p.checkpoint = job.generation, {}, {}, None
                     if job.state != before:
@@ -188,7 +192,7 @@ class Sim:
                     self.launched.append(generation)
                     p.launch = lifecycle.LaunchView(generation)
                     self.at(self.now + 1.0, self.launched_on_agents, p.epoch, generation,
-                            tuple((r.node, r.rank) for r in self.job.ranks if r.generation == generation))
+                            tuple((r.node, r.rank) for r in ranktable.rows(self.job) if r.generation == generation))
                 case lifecycle.Stop(nodes=nodes, generation=generation):
                     for node in nodes:
                         p.stops[node] = ("sending", self.now)
@@ -240,7 +244,7 @@ class Sim:
         if epoch != p.epoch or p.checkpoint is None or p.checkpoint.request_id != request_id:
             return  # the ranks' answers went to a controller that is gone
         acks = dict(p.checkpoint.acks)
-        for rank in self.job.ranks:
+        for rank in ranktable.rows(self.job):
             if rank.rank not in self.hung and rank.rank not in self.done and self._running(rank):
                 acks[rank.rank] = at_step
         p.checkpoint = lifecycle.CheckpointView(request_id, acks, len(self.in_memory & set(acks)))
@@ -289,7 +293,7 @@ INCIDENTS = {
 
 def inject(sim: Sim, kind: str) -> None:
     b = sim.nodes["b"]
-    first_b = next(r.rank for r in sim.job.ranks if r.node == "b")
+    first_b = next(r.rank for r in ranktable.rows(sim.job) if r.node == "b")
     if kind == "node-lost":
         b.down = True
     elif kind == "gpu-failed":
@@ -445,7 +449,7 @@ def test_a_job_gives_up_after_max_restarts_with_the_reason():
     start(sim)
     for _ in range(2):
         generation = sim.job.generation
-        first = next(r.rank for r in sim.job.ranks if r.node == "a")
+        first = next(r.rank for r in ranktable.rows(sim.job) if r.node == "a")
         sim.nodes["a"].ranks[(generation, first)] = "exited:7"
         sim.run_until(lambda g=generation: (sim.job.generation > g and running(sim)) or
                       sim.job.state == pb.JOB_STATE_FAILED)
@@ -463,7 +467,7 @@ def test_restarts_count_from_zero_again_once_the_job_ran_for_the_restart_window(
     start(sim)
     for crash in range(3):
         generation = sim.job.generation
-        first = next(r.rank for r in sim.job.ranks if r.node == "a")
+        first = next(r.rank for r in ranktable.rows(sim.job) if r.node == "a")
         sim.run_for(61.0)  # a minute of training past the window since the last (re)start
         sim.nodes["a"].ranks[(generation, first)] = "exited:7"
         sim.run_until(lambda g=generation: (sim.job.generation > g and running(sim)) or
@@ -471,7 +475,7 @@ def test_restarts_count_from_zero_again_once_the_job_ran_for_the_restart_window(
         assert sim.job.state == pb.JOB_STATE_RUNNING, f"crash {crash}: {sim.describe()}"
         assert sim.job.restarts == crash + 1 and sim.job.restarts_in_row == 1
         start(sim)
-    first = next(r.rank for r in sim.job.ranks if r.node == "a")
+    first = next(r.rank for r in ranktable.rows(sim.job) if r.node == "a")
     sim.nodes["a"].ranks[(sim.job.generation, first)] = "exited:7"  # a crash soon after the restart: in a row
     sim.run_until(lambda: sim.job.state == pb.JOB_STATE_FAILED)
     assert sim.job.reason.startswith("gave up after 1 restarts")
@@ -796,7 +800,7 @@ def test_a_job_in_an_allocation_waits_for_a_disconnected_node_but_ends_when_too_
 # -- the end of a job (issue 40): training that ended is never a hang, and no false verdict cascades -------------
 
 def exit_ranks(sim: Sim, codes: dict[int, int]) -> None:
-    for rank in sim.job.ranks:
+    for rank in ranktable.rows(sim.job):
         if rank.rank in codes:
             sim.nodes[rank.node].ranks[(sim.job.generation, rank.rank)] = f"exited:{codes[rank.rank]}"
 
@@ -804,11 +808,11 @@ def exit_ranks(sim: Sim, codes: dict[int, int]) -> None:
 def test_ranks_that_ended_training_are_never_hung_and_the_job_succeeds_when_they_exit():
     sim = Sim()
     start(sim)
-    sim.done = {r.rank for r in sim.job.ranks}  # the loop is over: barrier, a final save, the teardown
+    sim.done = {r.rank for r in ranktable.rows(sim.job)}  # the loop is over: barrier, a final save, the teardown
     sim.run_for(60.0)  # twelve times hang_min_s without a step
     assert running(sim) and not sim.incidents, sim.events
     assert [k for k, _ in sim.events].count("job.ending") == 1, sim.events
-    exit_ranks(sim, {r.rank: 0 for r in sim.job.ranks})
+    exit_ranks(sim, {r.rank: 0 for r in ranktable.rows(sim.job)})
     sim.run_until(lambda: sim.job.state == pb.JOB_STATE_SUCCEEDED)
     assert sim.launched == [1] and not any(n.drained for n in sim.nodes.values())
 
@@ -829,7 +833,7 @@ def test_a_rank_that_finished_but_does_not_exit_is_stopped_after_the_grace_and_n
     policy = lifecycle.Policy(dataclasses.replace(POLICY.recovery, exit_grace_s=30.0), POLICY.jobs)
     sim = Sim(policy=policy)
     start(sim)
-    sim.done = {r.rank for r in sim.job.ranks}
+    sim.done = {r.rank for r in ranktable.rows(sim.job)}
     exit_ranks(sim, {0: 0, 1: 0, 2: 0})  # rank 3 hangs in its teardown (an NCCL communicator's destroy)
     began = sim.now
     sim.run_until(lambda: sim.job.state in table.TERMINAL, limit_s=120)
@@ -856,7 +860,7 @@ def test_a_rank_that_never_finishes_after_the_others_did_fails_the_job_after_the
 def test_a_signal_in_the_teardown_after_training_ended_is_not_a_crash():
     sim = Sim()
     start(sim)
-    sim.done = {r.rank for r in sim.job.ranks}
+    sim.done = {r.rank for r in ranktable.rows(sim.job)}
     sim.run_for(1.0)
     exit_ranks(sim, {0: 0, 1: -6, 2: 0, 3: 0})  # "terminate called without an active exception"
     sim.run_until(lambda: sim.job.state in table.TERMINAL)
@@ -867,7 +871,7 @@ def test_a_signal_in_the_teardown_after_training_ended_is_not_a_crash():
 def test_a_script_that_fails_after_training_ended_fails_the_job_without_a_restart():
     sim = Sim()
     start(sim)
-    sim.done = {r.rank for r in sim.job.ranks}
+    sim.done = {r.rank for r in ranktable.rows(sim.job)}
     sim.run_for(1.0)
     exit_ranks(sim, {0: 1, 1: 0, 2: 0, 3: 0})  # rank 0's final save raised
     sim.run_until(lambda: sim.job.state in table.TERMINAL)
@@ -878,7 +882,7 @@ def test_a_script_that_fails_after_training_ended_fails_the_job_without_a_restar
 def test_a_step_after_the_end_means_training_goes_on():
     sim = Sim()
     start(sim)
-    sim.done = {r.rank for r in sim.job.ranks}
+    sim.done = {r.rank for r in ranktable.rows(sim.job)}
     sim.run_for(3.0)
     sim.done = set()  # a script that destroyed its process group and made a new one
     sim.run_for(3.0)
@@ -891,7 +895,7 @@ def test_a_step_after_the_end_means_training_goes_on():
 def test_every_rank_silent_at_once_names_no_culprit_and_drains_no_node():
     sim = Sim()
     start(sim)
-    sim.hung = {r.rank for r in sim.job.ranks}  # e.g. the job's own storage stalls every rank at once
+    sim.hung = {r.rank for r in ranktable.rows(sim.job)}  # e.g. the job's own storage stalls every rank at once
     sim.run_until(lambda: sim.incidents)
     incident = next(m for k, m in sim.events if k == "job.incident")
     assert "every rank's trainlib fell silent at once" in incident, incident
@@ -903,15 +907,15 @@ def test_every_rank_silent_at_once_names_no_culprit_and_drains_no_node():
 def test_the_same_hang_at_the_same_step_in_the_next_generation_ends_the_job_instead_of_evicting_again():
     sim = Sim(nodes=("a", "b", "c", "d"), spares=2)
     start(sim)
-    first_b = next(r.rank for r in sim.job.ranks if r.node == "b")
+    first_b = next(r.rank for r in ranktable.rows(sim.job) if r.node == "b")
     sim.hung.add(first_b)
     sim.run_until(lambda: running(sim) and sim.job.generation == 2)
     step = sim.job.incident_step
     assert step > 0 and sim.nodes["b"].drained
     sim.hung = set()
     # the next generation resumes just before that step and stops at it again, on another rank (node a's)
-    sim.step_of = {r.rank: step - int(REPORT_S / STEP_S) for r in sim.job.ranks}
-    first_a = next(r.rank for r in sim.job.ranks if r.node == "a")
+    sim.step_of = {r.rank: step - int(REPORT_S / STEP_S) for r in ranktable.rows(sim.job)}
+    first_a = next(r.rank for r in ranktable.rows(sim.job) if r.node == "a")
     sim.at(sim.now + REPORT_S + 0.01, sim.hung.add, first_a)
     sim.run_until(lambda: sim.job.state in table.TERMINAL)
     assert sim.job.state == pb.JOB_STATE_FAILED, sim.describe()
@@ -923,7 +927,7 @@ def test_a_job_that_ran_out_of_nodes_through_its_own_evictions_says_so_and_fails
     policy = lifecycle.Policy(dataclasses.replace(POLICY.recovery, evicted_wait_s=60.0), POLICY.jobs)
     sim = Sim(nodes=("a", "b"), spares=0, policy=policy)
     start(sim)
-    sim.hung.add(next(r.rank for r in sim.job.ranks if r.node == "b"))
+    sim.hung.add(next(r.rank for r in ranktable.rows(sim.job) if r.node == "b"))
     sim.run_until(lambda: sim.job.state == pb.JOB_STATE_RENDEZVOUS and "evicted" in sim.job.reason)
     assert "1 node this job evicted stay drained (b)" in sim.job.reason and "recovery.evicted_wait_s" in sim.job.reason
     began = sim.now
@@ -954,9 +958,9 @@ def test_a_job_whose_training_ends_before_its_eviction_checkpoint_ends_instead_o
     start(sim)
     inject(sim, "gpu-failing")  # checkpoint first, at a step ahead...
     sim.run_until(lambda: sim.job.state == pb.JOB_STATE_CHECKPOINTING)
-    sim.done = {r.rank for r in sim.job.ranks}  # ...which the ranks never reach: their loop was at its end
+    sim.done = {r.rank for r in ranktable.rows(sim.job)}  # ...which the ranks never reach: their loop was at its end
     sim.run_for(5.0)
-    exit_ranks(sim, {r.rank: 0 for r in sim.job.ranks if r.rank != 3})
+    exit_ranks(sim, {r.rank: 0 for r in ranktable.rows(sim.job) if r.rank != 3})
     sim.run_until(lambda: sim.job.state in table.TERMINAL)
     assert sim.job.state == pb.JOB_STATE_SUCCEEDED and sim.launched == [1], sim.events
 
@@ -990,7 +994,7 @@ def test_a_rank_whose_node_stops_telling_of_it_is_lost_by_the_step_and_stored_wi
     commit = lifecycle.step(sim.job, lost, sim.now, POLICY)[0]
     assert isinstance(commit, lifecycle.Commit) and commit.incident == "crash" and "rank 1" in commit.message
     assert "was lost" in commit.message
-    assert [r.state for r in commit.job.ranks if r.rank == 1] == [pb.RANK_STATE_LOST]
+    assert [r.state for r in ranktable.rows(commit.job) if r.rank == 1] == [pb.RANK_STATE_LOST]
     assert sim.job == before  # decided on a copy
 
 
@@ -1007,7 +1011,7 @@ def test_a_ranks_exit_its_node_reports_is_taken_in_by_the_step_and_stored_by_the
     commit = lifecycle.step(sim.job, crashed, sim.now, POLICY)[0]
     assert isinstance(commit, lifecycle.Commit) and commit.incident == "crash", commit
     assert "rank 2 on " in commit.message and "exited with code 7" in commit.message
-    assert [(r.state, r.exit_code) for r in commit.job.ranks if r.rank == 2] == [(pb.RANK_STATE_EXITED, 7)]
+    assert [(r.state, r.exit_code) for r in ranktable.rows(commit.job) if r.rank == 2] == [(pb.RANK_STATE_EXITED, 7)]
     assert sim.job == before  # decided on a copy: the stored record is the commit's to change
     assert lifecycle.ended_unsaved(commit.job, {2: (pb.RANK_STATE_EXITED, 7)}) == {}
     assert lifecycle.ended_unsaved(sim.job, {2: (pb.RANK_STATE_EXITED, 7)}) == {2: (pb.RANK_STATE_EXITED, 7)}
@@ -1079,6 +1083,7 @@ def test_spares_are_replenished_from_the_jobs_own_leaf_switches_first():
     assert chosen({"b1": "B", "z9": ""}, nodes=("a1", "y1")) == ["z9", "b1"]  # y1 is on none either: z9 is near
 
 
+@pytest.mark.parametrize("rank_tables", ["rows"], indirect=True)  # (a table out of order is one in rows)
 def test_a_nodes_ranks_are_found_by_its_position_and_a_table_out_of_order_is_searched():
     """The heartbeat path asks for one node's ranks at every heartbeat: found by the node's position in the job
     (rank order), the same ranks a search of the whole table finds, also after a replica group's rebuild put a spare
@@ -1113,23 +1118,31 @@ def test_a_nodes_ranks_are_found_by_its_position_and_a_table_out_of_order_is_sea
             return super().__iter__()
 
     from types import SimpleNamespace
-    in_order, out_of_order = (SimpleNamespace(spec=j.spec, ranks=Table(j.ranks)) for j in (job, shuffled))
+    in_order, out_of_order = (SimpleNamespace(spec=j.spec, ranks=Table(j.ranks), HasField=lambda name: False)
+                              for j in (job, shuffled))  # (a table in rows, not packed)
     assert [r.rank for r in lifecycle.ranks_on(in_order, "c", positions)] == [4, 5] and Table.passes == 0
     assert [r.rank for r in lifecycle.ranks_on(out_of_order, "c", positions)] == [5, 4] and Table.passes == 1
 
 
-def test_unsettled_ranks_are_those_not_running_in_order_however_their_states_are_read():
-    """detectors.unsettled reads every rank's state in one pass in C and lists the few not RUNNING; a state past a
-    byte (no RankState is one, but a record could hold it) is read one by one, and the quorum's spans of a record
-    (lifecycle._Spans) are read as its list is."""
+def test_unsettled_ranks_are_those_not_running_in_order_however_their_states_are_read(rank_tables):
+    """detectors.unsettled finds the few ranks not RUNNING by a search in C over every rank's state: a packed table's
+    states as they are, a table in rows read in one pass; a state past a byte (no RankState is one, but a record in
+    rows could hold it) is read one by one; the quorum's spans of a table (lifecycle._Spans) are read as it is."""
     from controller.recovery.detectors import unsettled
 
     job = pb.Job(id="j", spec=pb.JobSpec(nodes=4, ranks_per_node=2), nodes=["a", "b", "c", "d"], generation=1)
     lifecycle.rank_table(job, pb.RANK_STATE_RUNNING)
-    assert unsettled(job.ranks) == []
-    job.ranks[5].state, job.ranks[2].state = pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST
-    assert [r.rank for r in unsettled(job.ranks)] == [2, 5]
-    job.ranks[7].state = 300
-    assert [r.rank for r in unsettled(job.ranks)] == [2, 5, 7]
-    assert [r.rank for r in unsettled(lifecycle._Spans(job.ranks, [(0, 2), (4, 6)]))] == [5]
+    assert ranktable.is_packed(job) == (rank_tables == "packed")
+    assert unsettled(ranktable.rows(job)) == []
+    ranktable.set_states(job, {5: (pb.RANK_STATE_EXITED, 3), 2: (pb.RANK_STATE_LOST, 0)})
+    odd = unsettled(ranktable.rows(job))
+    assert [(r.rank, r.node, r.state, r.exit_code) for r in odd] == [(2, "b", pb.RANK_STATE_LOST, 0),
+                                                                     (5, "c", pb.RANK_STATE_EXITED, 3)]
+    assert [r.rank for r in unsettled(lifecycle._Spans(ranktable.rows(job), [(0, 2), (4, 6)]))] == [5]
     assert unsettled([]) == []
+    if rank_tables == "rows":
+        job.ranks[7].state = 300
+        assert [r.rank for r in unsettled(job.ranks)] == [2, 5, 7]
+    else:
+        with pytest.raises(ValueError, match="rank state 300 is not a RankState"):
+            ranktable.set_states(job, {7: (300, 0)})

@@ -23,7 +23,8 @@ from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import node_pb2
 from tests.jobs_world import World
 
-pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+# the tier (tests/conftest.py); each test with rank tables in rows and packed (conftest.rank_tables)
+pytestmark = [pytest.mark.inproc, pytest.mark.usefixtures("rank_tables")]
 
 NODES = ("node-a", "node-b", "node-c")
 FAST = RecoveryConfig(restart_backoff_s=0.001, max_restarts=10)

@@ -13,11 +13,13 @@ from controller.nodes.health import HEALTHY
 from controller.recovery import lifecycle, table
 from controller.recovery.progress import RankTrack
 from controller.validation import job_spec
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2 as pb
 from tests.jobs_world import World
 from tests.test_lifecycle import INCIDENTS, Sim, inject, running, start
 
-pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+# the tier (tests/conftest.py); each test with rank tables in rows and packed (conftest.rank_tables)
+pytestmark = [pytest.mark.inproc, pytest.mark.usefixtures("rank_tables")]
 
 # Two groups of two nodes (a, b | c, d), two ranks a node, one spare (e): the fault is on b, in group 0.
 GROUP0, GROUP1 = ("a", "b"), ("c", "d")
@@ -41,14 +43,14 @@ def rejoined(sim: Sim, generation: int) -> bool:
 
 
 def group1_steps(sim: Sim) -> int:
-    return min(sim.step_of[r.rank] for r in sim.job.ranks if r.node in GROUP1)
+    return min(sim.step_of[r.rank] for r in ranktable.rows(sim.job) if r.node in GROUP1)
 
 
 @pytest.mark.parametrize("kind", [k for k in INCIDENTS if k != "hang"] + ["hang"])
 def test_a_fault_in_one_group_restarts_that_group_alone_while_the_other_trains_on(kind):
     sim = grouped_sim()
     before, seen = sim.job.generation, len(sim.states)
-    group1 = [(r.rank, r.generation) for r in sim.job.ranks if r.node in GROUP1]
+    group1 = [(r.rank, r.generation) for r in ranktable.rows(sim.job) if r.node in GROUP1]
     steps = group1_steps(sim)
     inject(sim, kind)
     sim.run_until(lambda: rejoined(sim, before))
@@ -59,7 +61,7 @@ def test_a_fault_in_one_group_restarts_that_group_alone_while_the_other_trains_o
     assert "job.checkpoint" not in kinds  # no checkpoint: the healthy group holds the state
     assert kinds.count("job.group_left") == 1 and "job.group_rebuilding" in kinds and "job.group_joined" in kinds
     # the healthy group: the same ranks of the same generation, never stopped, still stepping
-    assert [(r.rank, r.generation) for r in job.ranks if r.node in GROUP1] == group1
+    assert [(r.rank, r.generation) for r in ranktable.rows(job) if r.node in GROUP1] == group1
     assert all(sim.nodes[n].ranks[(before, r)] == "running" for r, _ in group1 for n in GROUP1
                if (before, r) in sim.nodes[n].ranks)
     sim.hung.clear()  # (the world's hung ranks are by number: the rebuilt group's are new processes)
@@ -68,7 +70,7 @@ def test_a_fault_in_one_group_restarts_that_group_alone_while_the_other_trains_o
     assert group_state(sim, 1) == lifecycle.GROUP_TRAINING and job.groups[1].generation == before
     # the faulty group: launched alone as the next generation
     assert sim.launched[-1] == job.generation == job.groups[0].generation == before + 1
-    assert {r.generation for r in job.ranks if r.rank < 4} == {before + 1}
+    assert {r.generation for r in ranktable.rows(job) if r.rank < 4} == {before + 1}
     if INCIDENTS[kind]:
         assert list(job.nodes) == ["a", "e", "c", "d"] and "b" in job.evicted and sim.nodes["b"].drained
         assert list(job.spares) == []
@@ -131,7 +133,7 @@ def test_a_group_that_keeps_crashing_ends_the_job_after_max_restarts():
         generation = sim.job.groups[0].generation
         sim.run_until(lambda g=generation: group_state(sim, 0) == lifecycle.GROUP_TRAINING and
                       sim.job.groups[0].generation == g and all(
-                          sim.nodes["b"].ranks.get((g, r.rank)) == "running" for r in sim.job.ranks
+                          sim.nodes["b"].ranks.get((g, r.rank)) == "running" for r in ranktable.rows(sim.job)
                           if r.node == "b"))
         inject(sim, "crash")
         sim.run_until(lambda g=generation: sim.job.state != pb.JOB_STATE_RUNNING or (
@@ -160,7 +162,7 @@ def test_a_cancel_stops_every_group_at_its_own_generation(when):
     inject(sim, "node-lost" if when == "after a rebuild" else "gpu-failed")
     if when == "after a rebuild":
         sim.run_until(lambda: rejoined(sim, before))
-        assert {r.generation for r in sim.job.ranks} == {before, before + 1}
+        assert {r.generation for r in ranktable.rows(sim.job)} == {before, before + 1}
     else:
         sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_WAITING and "waiting" in sim.job.groups[0].reason)
     for action in lifecycle.cancel(sim.job, sim.now):
@@ -176,8 +178,8 @@ def test_training_that_ends_while_a_group_waits_succeeds_on_the_groups_in_the_qu
     sim = grouped_sim(spares=0, nodes=("a", "b", "c", "d"))
     inject(sim, "gpu-failed")
     sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_WAITING and "waiting" in sim.job.groups[0].reason)
-    sim.done.update(r.rank for r in sim.job.ranks if r.node in GROUP1)  # group 1 takes the last step
-    for r in sim.job.ranks:
+    sim.done.update(r.rank for r in ranktable.rows(sim.job) if r.node in GROUP1)  # group 1 takes the last step
+    for r in ranktable.rows(sim.job):
         if r.node in GROUP1:
             sim.at(sim.now + 1.0, lambda r=r: sim.nodes[r.node].ranks.__setitem__((r.generation, r.rank), "exited:0"))
     sim.run_until(lambda: sim.job.state in table.TERMINAL, limit_s=300)
@@ -212,12 +214,12 @@ def test_in_the_controller_a_crash_restarts_its_group_alone_and_a_cancel_stops_e
         now = world.jobs.now()
         entry.tracks = {r: RankTrack(last_step=5, last_advance=now, last_report=now) for r in range(4)}
         healthy = entry.tracks[2]
-        node_of = {r.rank: r.node for r in world.job(job_id).ranks}
+        node_of = {r.rank: r.node for r in ranktable.rows(world.job(job_id))}
         world.agents[node_of[1]].crash(job_id, 1)
         await world.until(lambda: world.job(job_id).groups[0].generation == 2 and
                           world.job(job_id).groups[0].state == lifecycle.GROUP_TRAINING, "group 0 rebuilt")
         job = world.job(job_id)
-        assert job.state == pb.JOB_STATE_RUNNING and [r.generation for r in job.ranks] == [2, 2, 1, 1]
+        assert job.state == pb.JOB_STATE_RUNNING and [r.generation for r in ranktable.rows(job)] == [2, 2, 1, 1]
         assert entry.tracks[2] is healthy and set(entry.tracks) == {0, 1, 2, 3}  # kept; the rebuilt ranks followed
         for rank in (2, 3):
             assert [s.generation for s in world.agents[node_of[rank]].running(job_id)] == [1]

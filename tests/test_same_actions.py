@@ -18,7 +18,8 @@ from controller.sim import scenario as sc
 from phalanx.v1 import common_pb2 as pb
 from tests.jobs_world import World
 
-pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+# the tier (tests/conftest.py); each test with rank tables in rows and packed (conftest.rank_tables)
+pytestmark = [pytest.mark.inproc, pytest.mark.usefixtures("rank_tables")]
 
 FAULTS = ["crash", "node-lost", "gpu-failed", "gpu-failing"]
 SIM = {"failures.per_1000_node_days": 0.0, "failures.straggler_per_1000_node_days": 0.0, "fleet.nodes": 3,

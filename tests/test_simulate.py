@@ -452,8 +452,9 @@ def test_the_simulators_count_of_whether_a_job_needs_the_fleet_is_next_nodes_own
 
 def test_the_simulators_unwell_and_unfit_nodes_are_those_a_look_through_every_node_would_find(monkeypatch):
     """The simulator keeps the names of its job's unwell nodes as their views change (JobView.unwell), and the
-    detectors read those few instead of every node's view; likewise the candidates a next generation cannot run on
-    (JobView.unfit), which next_nodes reads. At every view it hands out, in a run with lost nodes, failing GPUs, leaf
+    detectors read those few instead of every node's view; likewise the unreachable ones, which the stops leave out
+    (JobView.unreachable), and the candidates a next generation cannot run on (JobView.unfit), which next_nodes
+    reads. At every view it hands out, in a run with lost nodes, failing GPUs, leaf
     switch failures and repairs, they must be what a look through every view and candidate finds, and every node of
     the job must have a view (the detectors then take a node without one for lost)."""
     from controller.recovery import detectors, lifecycle
@@ -468,6 +469,7 @@ def test_the_simulators_unwell_and_unfit_nodes_are_those_a_look_through_every_no
         seen.append(len(found))
         assert view.unwell == found, (sorted(view.unwell), sorted(found))
         assert all(n in view.nodes for n in self.job.nodes)
+        assert view.unreachable == {n for n, v in view.nodes.items() if v.down or not v.connected}
         if view.unfit is not None:
             found = lifecycle.unfit(view.candidates, self.job.spec.ranks_per_node)
             unfit.append(len(found))

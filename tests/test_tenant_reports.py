@@ -8,12 +8,14 @@ import asyncio
 
 import pytest
 
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import node_pb2
 from tests.jobs_world import World
 from tests.test_recovery_faults import asked, cluster, run, state
 
-pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
+# the tier (tests/conftest.py); each test with rank tables in rows and packed (conftest.rank_tables)
+pytestmark = [pytest.mark.inproc, pytest.mark.usefixtures("rank_tables")]
 
 
 def test_a_node_cannot_speak_for_a_rank_it_does_not_run():
@@ -35,7 +37,7 @@ def test_a_node_cannot_speak_for_a_rank_it_does_not_run():
                                             mean_step_s=0.01)])
         world.jobs.observe(forged, heartbeat)
         assert state(world, job_id) == "RUNNING" and not world.jobs.entries[job_id].tracks
-        assert [r.state for r in world.job(job_id).ranks] == [pb.RANK_STATE_RUNNING] * 2
+        assert [r.state for r in ranktable.rows(world.job(job_id))] == [pb.RANK_STATE_RUNNING] * 2
         # a user's checkpoint: the spare's acks for both ranks are not counted; the ranks' own are
         asking = asyncio.create_task(world.jobs.checkpoint(job_id, 30))
         await world.until(lambda: asked(a) and asked(b), "the request at the job's nodes")

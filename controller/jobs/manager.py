@@ -33,6 +33,7 @@ from controller.recovery.table import ACTIVE, RUNNING, TERMINAL, rank_may_move, 
 from controller.store.base import EventRecord, JobRecord, Store
 from phalanx import clock as clocks
 from phalanx import log
+from phalanx import ranks as ranktable
 from phalanx.clock import Clock
 from phalanx.v1 import common_pb2, node_pb2
 
@@ -54,7 +55,7 @@ def expired(entries: Iterable[JobEntry], stopping: set[str], newest: str, now: f
     still run (`stopping`: its stop is not saved yet; or a rank recorded RUNNING), nor `newest`, whose id the
     next controller counts on from the records it loads."""
     ended = sorted((e.job for e in entries if e.job.state in TERMINAL and e.job.id not in stopping
-                    and not any(r.state == pb.RANK_STATE_RUNNING for r in e.job.ranks)),
+                    and not ranktable.any_in(e.job, pb.RANK_STATE_RUNNING)),
                    key=lambda j: (j.state_since_unix_ns, int(j.id.removeprefix("job-"))))
     over = len(ended) - cfg.ended_kept
     cutoff_ns = (now - cfg.ended_kept_s) * 1e9 if cfg.ended_kept_s else float("-inf")
@@ -71,8 +72,7 @@ def _involved(job: pb.Job) -> frozenset[str]:
 def runs_here(job: pb.Job, rank: int, node: str) -> bool:
     """Whether `node` runs rank `rank` of the job's current generation: the only node whose reports about that rank
     (its state, progress, NCCL state, checkpoint acks) are believed. The ranks are in rank order (rank_table)."""
-    ranks = job.ranks
-    return 0 <= rank < len(ranks) and ranks[rank].rank == rank and ranks[rank].node == node
+    return ranktable.node_runs(job, rank, node)
 
 class JobManager:
     INCIDENT_KINDS = detectors.KINDS
@@ -265,7 +265,7 @@ class JobManager:
         except TimeoutError:
             pending = entry.checkpoint
             done = len(pending.acks) if pending is not None and pending.request_id == ask.id else 0
-            asked = pending.ranks if pending is not None and pending.request_id == ask.id else len(job.ranks)
+            asked = pending.ranks if pending is not None and pending.request_id == ask.id else ranktable.count(job)
             raise FailedPrecondition(f"{job_id}: only {done} of {asked} ranks committed checkpoint {ask.id} "
                                      f"within {deadline_s:g}s") from None
         seconds = self.clock.monotonic() - started
@@ -333,9 +333,10 @@ class JobManager:
                 continue
             if not entry.tracks:  # trainlib speaks for this job: follow every rank's progress from now on
                 entry.reported = True
-                entry.tracks = {r.rank: monitors.RankTrack(last_advance=now, last_report=now) for r in entry.job.ranks}
+                entry.tracks = {r: monitors.RankTrack(last_advance=now, last_report=now)
+                                for r in ranktable.numbers(entry.job)}
             track = entry.tracks.get(report.rank)
-            if track is None and entry.job.groups and 0 <= report.rank < len(entry.job.ranks):
+            if track is None and entry.job.groups and 0 <= report.rank < ranktable.count(entry.job):
                 track = entry.tracks[report.rank] = monitors.RankTrack(last_advance=now, last_report=now)  # rebuilt
             if track is not None:
                 track.observe(report.last_step, report.mean_step_s, list(report.compute_samples), now, report.steps,
@@ -366,7 +367,10 @@ class JobManager:
                         changed = True
                     continue
                 entry.missing.pop(rank.rank, None)
-                rank.pid, rank.wrapper_pid = status.rank_pid or status.pid, status.pid
+                if ranktable.is_packed(job):  # (its row is a copy)
+                    ranktable.set_pids(job, rank.rank, status.rank_pid or status.pid, status.pid)
+                else:
+                    rank.pid, rank.wrapper_pid = status.rank_pid or status.pid, status.pid
                 if status.fatal and rank.rank not in entry.fatal:
                     entry.fatal[rank.rank] = status.fatal
                     changed = True
@@ -380,11 +384,11 @@ class JobManager:
     def _rank_ended(self, entry: JobEntry, node: str, status: node_pb2.RankStatus) -> None:
         """A rank of a job that ended while it ran (a job that gave up stops its other ranks) has ended too: its
         record says how once the executor saves it, instead of RUNNING for ever."""
-        ranks = entry.job.ranks  # in rank order (lifecycle.rank_table): on the heartbeat path, no search
+        ranks = ranktable.rows(entry.job)  # in rank order (lifecycle.rank_table): on the heartbeat path, no search
         rank = ranks[status.rank] if status.rank < len(ranks) else None
         if rank is not None and rank.rank == status.rank and rank.node == node and \
                 rank.state == pb.RANK_STATE_RUNNING and rank_may_move(rank.state, status.state):
-            rank.state, rank.exit_code = status.state, status.exit_code
+            ranktable.set_states(entry.job, {status.rank: (status.state, status.exit_code)})
             self.ended_ranks.add(entry.job.id)
             self.wake()
 
@@ -395,7 +399,7 @@ class JobManager:
             if entry is not None and entry.job.state in TERMINAL:
                 async with self.lock:
                     job = entry.job
-                    running = [r.rank for r in job.ranks if r.state == pb.RANK_STATE_RUNNING]
+                    running = [r.rank for r in ranktable.where(ranktable.rows(job), pb.RANK_STATE_RUNNING)]
                     await self.save(entry, lifecycle.Commit(job, "job.ranks_stopped", (
                         f"{job.id} ({state_name(job.state)}): its ranks have stopped" if not running else
                         f"{job.id} ({state_name(job.state)}): {lifecycle.ranks_named(running)} still to stop")))
@@ -514,7 +518,8 @@ class JobManager:
         if self.lighthouses is not None and job.state in TERMINAL:
             await self.lighthouses.stop(job.id)
         rebuilt = lifecycle.group_rebuilt(job) if job.generation != entry.generation else set()
-        entry.new_generation(job.generation, rebuilt, {job.ranks[r].node for r in rebuilt})
+        ranks = ranktable.rows(job)
+        entry.new_generation(job.generation, rebuilt, {ranks[r].node for r in rebuilt})
         if rebuilt and entry.tracks:  # followed from its launch on, as every rank of a new generation is
             now = self.now()
             entry.tracks.update({r: monitors.RankTrack(last_advance=now, last_report=now) for r in rebuilt})
@@ -541,7 +546,7 @@ class JobManager:
         for entry in self._fold_by_job(self._snapshots_on, node, snapshot_plan.by_job(snapshots), "snapshots"):
             job = entry.job
             if job.state == RUNNING and len(job.nodes) >= 2 and node == job.nodes[0]:  # once an interval, not per node
-                step = entry.snapshots.safe(job.generation, len(job.ranks))
+                step = entry.snapshots.safe(job.generation, ranktable.count(job))
                 if step is not None and (job.generation, step) > entry.pinned:
                     entry.safe = (job.generation, step)
                     self.wake()  # the step pins it (lifecycle.upkeep)

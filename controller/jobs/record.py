@@ -1,41 +1,31 @@
 """A job's record as the store keeps it: the Job message, with a large job's rank table packed.
 
-A generation's rank table (lifecycle.rank_table) follows from the job's nodes: rank r runs on node r //
-ranks_per_node as local rank and GPU r % ranks_per_node, in its replica group's generation or the job's. Written out
-in full, a job of 16,384 nodes x 8 ranks is some 3.5-4.6 MB, more than etcd takes in one request
-(--max-request-bytes, 1.5 MiB by default): such a job could not be committed at all. A record of PACKED_FROM ranks or
-more is stored with only what the rows do not imply, in columns (`PackedRanks`: each rank's state; its exit code when
-any rank's is not 0; its generation when any rank's is not its group's), about 0.33 MB at that size. Its ranks' pids
-are left out: a running rank's node says them again at its next heartbeat, an ended rank's stay unknown (they are
-shown, never decided on). A table that is not a generation's layout (no record this code writes) is stored in full,
-as is a smaller job's, which a controller of an earlier release reads as before. In memory the table is always in
-full: `unpack` rebuilds it as the record is loaded.
+A generation's rank table follows from the job's nodes (phalanx/ranks.py): rank r runs on node r // ranks_per_node as
+local rank and GPU r % ranks_per_node, in its replica group's generation or the job's. Written out in full, a job of
+16,384 nodes x 8 ranks is some 3.5-4.6 MB, more than etcd takes in one request (--max-request-bytes, 1.5 MiB by
+default): such a job could not be committed at all. A table of PACKED_FROM ranks or more is held packed in memory
+(`PackedRanks`: each rank's state; its exit code when any rank's is not 0; its generation when any rank's is not its
+group's), and stored so, about 0.33 MB at that size. Its ranks' pids are left out of the store: a running rank's node
+says them again at its next heartbeat, an ended rank's stay unknown (they are shown, never decided on). A table in
+rows (a smaller job's; a large one's that an earlier release saved) is stored packed where it is a generation's
+layout, else as it is; a smaller job's is stored in rows, which a controller of an earlier release reads as before.
+`unpack` keeps the form it finds.
 """
 
 from __future__ import annotations
 
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter
 
-from controller.recovery import lifecycle
+from phalanx import ranks as ranktable
+from phalanx.ranks import PACKED_FROM, implied_generations
 from phalanx.v1 import common_pb2 as pb
 
-PACKED_FROM = 1024  # ranks: from here on a record is stored packed
+__all__ = ["PACKED_FROM", "BadRecord", "pack", "unpack"]
 
 
 class BadRecord(ValueError):
     """A stored record whose packed rank table does not fit its job (its columns' lengths)."""
-
-
-def _implied_generations(job: pb.Job, n: int) -> tuple[int, ...]:
-    """Each rank's generation as its replica group's (lifecycle.group_span), else the job's."""
-    if not job.groups:
-        return (job.generation,) * n
-    per, gens = job.spec.ranks_per_node, [job.generation] * n
-    for g, group in enumerate(job.groups):
-        span = lifecycle.group_span(job, g)
-        gens[span.start * per:span.stop * per] = repeat(group.generation, len(span) * per)
-    return tuple(gens)
 
 
 def _column(job: pb.Job, name: str) -> tuple:
@@ -44,8 +34,16 @@ def _column(job: pb.Job, name: str) -> tuple:
 
 
 def pack(job: pb.Job, packed_from: int = PACKED_FROM) -> bytes:
-    """The record's bytes: the job with its rank table packed (from `packed_from` ranks, when it is a generation's
-    layout), else as it is."""
+    """The record's bytes: the job with its rank table packed (held so, or from `packed_from` ranks when it is a
+    generation's layout), its pids left out; else as it is."""
+    if ranktable.is_packed(job):
+        if not job.packed_ranks.pids:
+            return job.SerializeToString()
+        out = pb.Job()
+        out.CopyFrom(job)
+        out.packed_ranks.ClearField("pids")
+        out.packed_ranks.ClearField("wrapper_pids")
+        return out.SerializeToString()
     n, per = len(job.ranks), job.spec.ranks_per_node
     if n < packed_from or per < 1 or n != len(job.nodes) * per:
         return job.SerializeToString()
@@ -63,14 +61,14 @@ def pack(job: pb.Job, packed_from: int = PACKED_FROM) -> bytes:
     if any(codes):
         packed.exit_codes.extend(codes)
     generations = _column(job, "generation")
-    if generations != _implied_generations(job, n):
+    if generations != implied_generations(job, n):
         packed.generations.extend(generations)
     return out.SerializeToString()
 
 
 def unpack(data: bytes) -> pb.Job:
-    """The job a stored record holds, its rank table in full (pids 0 until the nodes report). Raises BadRecord for a
-    packed table that does not fit its job (a record damaged in the store, not one this code wrote)."""
+    """The job a stored record holds, its rank table as stored (packed, or rows). Raises BadRecord for a packed table
+    that does not fit its job (a record damaged in the store, not one this code wrote)."""
     job = pb.Job.FromString(data)
     if not job.HasField("packed_ranks"):
         return job
@@ -83,16 +81,6 @@ def unpack(data: bytes) -> pb.Job:
             len(packed.generations) not in (0, n):
         raise BadRecord(f"{job.id}: its stored rank table ({n} ranks, {len(job.nodes)} nodes x {per}) does not fit "
                         "its job")
-    states, codes = packed.states, tuple(packed.exit_codes)
-    generations = tuple(packed.generations) or _implied_generations(job, n)
-    job.ClearField("packed_ranks")
-    base = states[0] if states else pb.RANK_STATE_UNSPECIFIED
-    lifecycle.rank_table(job, base)  # (every rank RUNNING, most often: a pass over the few that are not)
-    ranks = job.ranks
-    for i in (i for i, state in enumerate(states) if state != base):
-        ranks[i].state = states[i]
-    for i in (i for i, code in enumerate(codes) if code):
-        ranks[i].exit_code = codes[i]
-    for i in (i for i, generation in enumerate(generations) if generation != job.generation):
-        ranks[i].generation = generations[i]
+    packed.ClearField("pids")  # (never stored: the nodes say them)
+    packed.ClearField("wrapper_pids")
     return job

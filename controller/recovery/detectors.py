@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from operator import attrgetter
 
 from controller.config import RecoveryConfig
 from controller.nodes.health import FAILED, FAILING, Health
 from controller.recovery import progress as monitors
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2 as pb
 
 
@@ -203,18 +203,10 @@ def _unknown(name: str) -> NodeView:
 
 
 def unsettled(ranks: Sequence[pb.RankInfo]) -> list[pb.RankInfo]:
-    """The ranks not RUNNING (not started yet, exited, lost), in order: what the verdicts on rank states read. One pass
-    over a job's ranks in C, for the few (a job of 16,384 ranks is judged at every step, nearly always with none)."""
-    try:
-        states = bytes(map(_STATE, ranks))
-    except ValueError:  # a state past a byte (no RankState is): looked at one by one
-        states = b""
-    if states and states.count(_RUNNING) == len(states):
-        return []
-    return [r for r in ranks if r.state != pb.RANK_STATE_RUNNING]
-
-
-_STATE, _RUNNING = attrgetter("state"), bytes([pb.RANK_STATE_RUNNING])
+    """The ranks not RUNNING (not started yet, exited, lost), in order: what the verdicts on rank states read. A search
+    in C over a job's ranks' states, for the few (a job of 16,384 ranks is judged at every step, nearly always with
+    none)."""
+    return ranktable.where(ranks, pb.RANK_STATE_RUNNING, equal=False)
 
 
 def training_over(ranks: Iterable[pb.RankInfo], tracks: Mapping[int, monitors.RankTrack]) -> set[int]:

@@ -46,6 +46,7 @@ from controller.recovery.table import (
     state_name,
 )
 from phalanx import hostlist, slurm
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2 as pb
 
 # -- the view ------------------------------------------------------------------------------------
@@ -82,6 +83,10 @@ class JobView:
     # Of `candidates`, those a next generation cannot run on (`unfit`), where the driver keeps them as candidates
     # change (the simulator); None: next_nodes looks through `candidates`.
     unfit: AbstractSet[str] | None = None
+    # Of `nodes`, the names whose view is down or not connected (no stop can reach them), where the driver keeps them
+    # as views change (the simulator); it then has a view of each of the job's nodes. None: the stops look through
+    # `nodes`.
+    unreachable: AbstractSet[str] | None = None
     # The generation's stops, as sets of node names (a node's view says its health; these say how far this process's
     # stop of the job has got there, and a recovery moves every node of the job through them at once):
     told: AbstractSet[str] = frozenset()  # told to stop the generation by this process, on the node's current
@@ -302,20 +307,10 @@ def _replace(repeated, values) -> None:
 
 
 def rank_table(job: pb.Job, state: int = pb.RANK_STATE_UNSPECIFIED) -> None:
-    """`job.ranks` anew for its nodes and generation: rank i * ranks_per_node + local on node i, in rank order, each
-    in `state` (a new generation's: not started). Added in place (a table of 16,384 ranks, built for each generation,
-    costs a quarter of building messages and copying them in)."""
-    per, generation = job.spec.ranks_per_node, job.generation
-    del job.ranks[:]
-    add = job.ranks.add
-    for i, node in enumerate(job.nodes):
-        for local in range(per):  # (fields set one by one, those not 0 only: half the time of keyword arguments)
-            row = add()
-            row.rank, row.node, row.generation = i * per + local, node, generation
-            if local:
-                row.local_rank = row.gpu = local
-            if state:
-                row.state = state
+    """The job's rank table anew for its nodes and generation: rank i * ranks_per_node + local on node i, in rank
+    order, each in `state` (a new generation's: not started); packed from ranktable.PACKED_FROM ranks. Read it
+    through ranktable.rows (phalanx/ranks.py)."""
+    ranktable.build(job, state)
 
 
 def with_nodes(job: pb.Job, nodes: Sequence[str], spares: Sequence[str]) -> pb.Job:
@@ -336,7 +331,10 @@ def finished(job: pb.Job, state: int, reason: str, exit_code: int, now: float) -
 
 
 def all_exited_zero(job: pb.Job, ranks: Sequence[pb.RankInfo] | None = None) -> bool:
-    ranks = job.ranks if ranks is None else ranks
+    ranks = ranktable.rows(job) if ranks is None else ranks
+    states = ranktable.states(ranks)  # (a packed table's: one look in C, nearly always at a rank not EXITED)
+    if states is not None and states.count(RANK_EXITED) != len(states):
+        return False
     return bool(ranks) and all(r.state == RANK_EXITED and r.exit_code == 0 for r in ranks)
 
 
@@ -363,6 +361,8 @@ def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     get, told = view.nodes.get, view.told
     if told and all(map(told.__contains__, job.nodes)):  # (in C: once the stop is out, at each step after)
         return []
+    if view.unreachable is not None:  # (in C: the first stop of a recovery tells every node of a job of 16,384)
+        return stops(job, list(itertools.filterfalse(told.union(view.unreachable).__contains__, job.nodes)))
     return stops(job, [node for node in job.nodes
                        if node not in told and (v := get(node)) is not None and not v.down and v.connected])
 
@@ -387,26 +387,28 @@ def ranks_ended(job: pb.Job, ended: Mapping[int, tuple[int, int]]) -> pb.Job:
     if not moves:
         return job
     new = copied(job)
-    for i, (state, code) in moves.items():
-        new.ranks[i].state, new.ranks[i].exit_code = state, code
+    ranktable.set_states(new, moves)
     return new
 
 
 def ended_unsaved(job: pb.Job, ended: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
     """Of `ended`, what the record `job` does not say yet (after a commit: what the next step must take in)."""
     moves = _rank_moves(job, ended)
-    return {job.ranks[i].rank: s for i, s in moves.items()}
+    ranks = ranktable.rows(job)
+    return {ranks[i].rank: s for i, s in moves.items()}
 
 
 def _rank_moves(job: pb.Job, ended: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
-    """Index in job.ranks -> (state, code), for each reported state the record does not say and may move to."""
+    """Index in the rank table -> (state, code), for each reported state the record does not say and may move to."""
     if not ended:
         return {}
-    at = {r: r for r in ended if r < len(job.ranks) and job.ranks[r].rank == r}  # rank order: rank r at r
+    ranks = ranktable.rows(job)
+    at = {r: r for r in ended if 0 <= r < len(ranks) and ranks[r].rank == r}  # rank order: rank r at r
     if len(at) < len(ended):
-        at = {r.rank: i for i, r in enumerate(job.ranks) if r.rank in ended}
+        at = {r.rank: i for i, r in enumerate(ranks) if r.rank in ended}
+    states = {i: ranks[i].state for i in at.values()}
     return {i: ended[r] for r, i in at.items()
-            if job.ranks[i].state != ended[r][0] and rank_may_move(job.ranks[i].state, ended[r][0])}
+            if states[i] != ended[r][0] and rank_may_move(states[i], ended[r][0])}
 
 
 def ranks_lost(job: pb.Job, missing: Mapping[int, int], limit: int) -> pb.Job:
@@ -414,13 +416,22 @@ def ranks_lost(job: pb.Job, missing: Mapping[int, int], limit: int) -> pb.Job:
     runs, the rank is gone without an exit anyone saw): the job itself when there are none. What follows from a
     lost rank (a crash incident) is decided on this job, and the commit that follows stores it."""
     lost = {rank for rank, count in missing.items() if count >= limit}
-    if not lost or not any(r.rank in lost and r.state in (RANK_UNKNOWN, RANK_RUNNING) for r in job.ranks):
+    if not lost:
+        return job
+    ranks = ranktable.rows(job)
+    at = {r: r for r in lost if 0 <= r < len(ranks) and ranks[r].rank == r}  # rank order: rank r at r
+    if len(at) < len(lost):
+        at = {r.rank: i for i, r in enumerate(ranks) if r.rank in lost}
+    moves = {}
+    for i in sorted(at.values()):
+        row = ranks[i]
+        if row.state in (RANK_UNKNOWN, RANK_RUNNING):
+            check_rank(job.id, row.rank, row.state, RANK_LOST)
+            moves[i] = (RANK_LOST, row.exit_code)
+    if not moves:
         return job
     new = copied(job)
-    for rank in new.ranks:
-        if rank.rank in lost and rank.state in (RANK_UNKNOWN, RANK_RUNNING):
-            check_rank(job.id, rank.rank, rank.state, RANK_LOST)
-            rank.state = RANK_LOST
+    ranktable.set_states(new, moves)
     return new
 
 
@@ -545,9 +556,9 @@ def _launching(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[A
     if launch.ok:
         new = moved(job, RUNNING, f"running on {', '.join(job.nodes)}", now, master_addr=launch.address,
                     master_port=launch.port)
-        for rank in new.ranks:
-            rank.state = RANK_RUNNING
-        return [Commit(new, "job.running", f"{job.id} generation {job.generation} running: {len(new.ranks)} ranks, "
+        n = ranktable.count(new)
+        ranktable.set_span(new, 0, n, RANK_RUNNING)
+        return [Commit(new, "job.running", f"{job.id} generation {job.generation} running: {n} ranks, "
                        f"MASTER_ADDR={launch.address} MASTER_PORT={launch.port}")]
     reason = f"launch failed: {launch.error}"
     if job.state == STARTING:
@@ -569,7 +580,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     if len(over) == len(ranks):  # what befalls a node now costs no training: nothing to recover
         return _ending(job, now, policy, over, ranks)
     tracks, nccl = view.tracks, view.nccl
-    if ranks is not job.ranks and (tracks or nccl):  # a group out of the quorum is judged no more
+    if isinstance(ranks, _Spans) and (tracks or nccl):  # a group out of the quorum is judged no more
         tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
         nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
@@ -614,7 +625,7 @@ def _ending(job: pb.Job, now: float, policy: Policy, over: set[int],
     stopped; the job has SUCCEEDED if every rank finished training (a slow or failed teardown is said in an event,
     not blamed on a node), else FAILED with the ranks that never finished. `ranks`: those that count (replica
     groups: the groups in the quorum; a group out of it when training ends is stopped with the job)."""
-    ranks = job.ranks if ranks is None else ranks
+    ranks = ranktable.rows(job) if ranks is None else ranks
     stop_out = _stop_out(job)
     grace = policy.recovery.exit_grace_s
     if not job.ending_since_unix_ns:
@@ -916,7 +927,7 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
     with_nodes(new, nodes, spares)
     chosen_set = set(nodes)  # (a job of thousands of nodes: a list's `in` made this quadratic)
-    replaced = [n for n in job.nodes if n not in chosen_set]  # the incident's, or found down since
+    replaced = list(itertools.filterfalse(chosen_set.__contains__, job.nodes))  # the incident's, or down since
     kept = [n for n in job.incident_nodes if n in chosen_set]
     counted = (f"restart {new.restarts}; {new.restarts_in_row} of at most {policy.recovery.max_restarts} in a row"
                if not replacing else f"restart {new.restarts}" + (
@@ -961,8 +972,11 @@ def group_members(job: pb.Job, g: int) -> list[str]:
 def rank_generation(job: pb.Job, rank: int) -> int:
     """The generation rank `rank` of the job runs now: the job's, or (replica groups) its group's, which may be older
     (a group rebuilt since has the newer one). Its node's reports of an other generation are stale."""
-    if job.groups and 0 <= rank < len(job.ranks) and job.ranks[rank].rank == rank and job.ranks[rank].generation:
-        return job.ranks[rank].generation
+    if not job.groups:
+        return job.generation
+    ranks = ranktable.rows(job)
+    if 0 <= rank < len(ranks) and (row := ranks[rank]).rank == rank and row.generation:
+        return row.generation
     return job.generation
 
 
@@ -978,11 +992,11 @@ def ranks_on(job: pb.Job, node: str, positions: Mapping[str, int]) -> Sequence[p
     i = positions.get(node)
     if i is None:
         return ()
-    per = job.spec.ranks_per_node
-    mine = job.ranks[i * per:(i + 1) * per]
+    per, ranks = job.spec.ranks_per_node, ranktable.rows(job)
+    mine = ranks[i * per:(i + 1) * per]
     if len(mine) == per and all(r.node == node and r.rank == i * per + k for k, r in enumerate(mine)):
         return mine
-    return [r for r in job.ranks if r.node == node]
+    return [r for r in ranks if r.node == node]
 
 
 def node_generations(job: pb.Job) -> dict[str, int]:
@@ -1007,17 +1021,21 @@ def group_rebuilt(job: pb.Job) -> set[int]:
     job runs on: every other rank keeps what this process knows of it. Empty otherwise (a whole new generation)."""
     if job.state != RUNNING or not grouped(job):
         return set()
-    return {r.rank for r in job.ranks if r.generation == job.generation}
+    if ranktable.is_packed(job) and not job.packed_ranks.generations:  # each rank's is its group's
+        per, k = job.spec.ranks_per_node, len(job.nodes) // job.spec.replicas
+        return {r for g in job.groups if g.generation == job.generation for r in range(g.index * k * per,
+                                                                                       (g.index + 1) * k * per)}
+    return {r.rank for r in ranktable.rows(job) if r.generation == job.generation}
 
 
 def quorum(job: pb.Job) -> tuple[Sequence[pb.RankInfo], Sequence[str]]:
     """The ranks and nodes that train now: the job's, or (replica groups) those of its groups in the quorum. A group
     that left is no longer judged by the detectors: its own steps say what it waits for."""
     if not grouped(job) or all(g.state == GROUP_TRAINING for g in job.groups):
-        return job.ranks, job.nodes
+        return ranktable.rows(job), job.nodes
     per, k = job.spec.ranks_per_node, len(job.nodes) // job.spec.replicas
     training = [g.index for g in job.groups if g.state == GROUP_TRAINING]
-    return _Spans(job.ranks, [(g * k * per, (g + 1) * k * per) for g in training]), \
+    return _Spans(ranktable.rows(job), [(g * k * per, (g + 1) * k * per) for g in training]), \
         _Spans(job.nodes, [(g * k, (g + 1) * k) for g in training])
 
 
@@ -1032,6 +1050,12 @@ class _Spans(Sequence):
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def states(self) -> bytes | None:
+        """The stretches' states, one byte each, where the list holds them so (ranktable.states)."""
+        table = ranktable.states(self._items)
+        return None if table is None else b"".join(table[a:b] for a, b in self._spans)
 
     def __iter__(self) -> Iterator:
         items = self._items  # (chained in C: a generator's yield for each of 16,384 items cost as much as the step)
@@ -1215,11 +1239,7 @@ def _group_launch(job: pb.Job, g: int, nodes: list[str], spares: list[str], now:
         new.nodes[i] = node
     _replace(new.spares, spares)
     per = job.spec.ranks_per_node
-    for i in span:
-        for local in range(per):
-            rank = new.ranks[i * per + local]
-            rank.node, rank.generation, rank.state, rank.exit_code, rank.pid, rank.wrapper_pid = (
-                new.nodes[i], generation, pb.RANK_STATE_UNSPECIFIED, 0, 0, 0)
+    ranktable.renew(new, span.start * per, span.stop * per, generation)
     new.groups[g].generation = generation
     _group_to(new, g, GROUP_REBUILDING, f"launched as generation {generation}: recovering the state from a healthy "
               "group", now)
@@ -1239,9 +1259,8 @@ def _group_launched(job: pb.Job, g: int, view: JobView, now: float, policy: Poli
     new = copied(job)
     if launch is not None and launch.generation == group.generation and launch.ok:
         _group_to(new, g, GROUP_TRAINING, "", now)
-        for i in group_span(new, g):
-            for local in range(job.spec.ranks_per_node):
-                new.ranks[i * job.spec.ranks_per_node + local].state = RANK_RUNNING
+        span, per = group_span(new, g), job.spec.ranks_per_node
+        ranktable.set_span(new, span.start * per, span.stop * per, RANK_RUNNING)
         return [Commit(new, "job.group_joined", f"{job.id}: replica group {g} (generation {group.generation}) "
                        "running; it joins the quorum")]
     why = f"launch failed: {launch.error}" if launch is not None and launch.generation == group.generation else \
@@ -1258,7 +1277,8 @@ def _group_launched(job: pb.Job, g: int, view: JobView, now: float, policy: Poli
 def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     out = stop_untold(job, view)
     down = {n for n, v in view.nodes.items() if v.down}
-    running = [r for r in job.ranks if r.state == RANK_RUNNING and r.node not in down and r.node in view.nodes]
+    running = [r for r in ranktable.where(ranktable.rows(job), RANK_RUNNING)
+               if r.node not in down and r.node in view.nodes]
     if running:
         return out
     why = "" if job.reason == CANCEL_REQUESTED else f": {job.reason}"
@@ -1323,7 +1343,8 @@ def cancel(job: pb.Job, now: float, why: str = "", prepared: Iterable[str] = ())
     if job.state == CANCELLING:
         return []
     new = moved(job, CANCELLING, why or CANCEL_REQUESTED, now)
-    return [Commit(new, "job.cancelling", f"{job.id}: {why or CANCEL_REQUESTED}; stopping {len(job.ranks)} ranks"),
+    return [Commit(new, "job.cancelling",
+                   f"{job.id}: {why or CANCEL_REQUESTED}; stopping {ranktable.count(job)} ranks"),
             *(Prepare(spare, 0) for spare in prepared)]
 
 

@@ -34,6 +34,7 @@ from controller.recovery.detectors import NodeView
 from controller.recovery.progress import RankTrack
 from controller.sim import replay
 from controller.sim.scenario import DAY_S, HOUR_S, FleetConfig, JobConfig, Scenario
+from phalanx import ranks as ranktable
 from phalanx.errors import ConfigError
 from phalanx.v1 import common_pb2 as pb
 
@@ -206,7 +207,7 @@ class SimJob:
         if token != self.token or pace != self.pace or self.activity != TRAINING or self.job.state != table.RUNNING:
             return
         self._settle()
-        self.ended = {rank.rank: (pb.RANK_STATE_EXITED, 0) for rank in self.job.ranks}
+        self.ended = dict.fromkeys(range(ranktable.count(self.job)), (pb.RANK_STATE_EXITED, 0))  # in rank order
         self.decide()
 
     def _rate(self) -> float:
@@ -324,15 +325,17 @@ class SimJob:
         self._stale = False
         names = self.members.union(self.job.spares)  # (in C: a recovery moves a few of 16,384; sorted, as a
         views, held = self.views, self.candidates  # set's order is the process's string hashing)
-        for name in sorted(views.keys() - names):
+        moved = names.symmetric_difference(views)  # the names that came (in names) or went (not)
+        for name in sorted(n for n in moved if n not in names):
             del views[name]
             self.unwell.discard(name)
-        for name in sorted(names - views.keys()):
+        for name in sorted(n for n in moved if n in names):
             self._view(name)
-        for name in sorted(held.keys() - names):
+        moved = names.symmetric_difference(held)
+        for name in sorted(n for n in moved if n not in names):
             del held[name]
             self.unfit.discard(name)
-        for name in sorted(names - held.keys()):
+        for name in sorted(n for n in moved if n in names):
             self._candidate(name)
 
     def respare(self, before: pb.Job) -> None:
@@ -361,7 +364,10 @@ class SimJob:
         if self._stale:
             self._rebuild()
         launch = self.launch if self.launch and self.launch.generation == job.generation else None
-        return lifecycle.JobView(nodes=self.views, unwell=self.unwell, told=self.told, stopped=self.taken,
+        views = self.views  # (a node not connected is down here: among the few unwell)
+        unreachable = {n for n in self.unwell if views[n].down or not views[n].connected}
+        return lifecycle.JobView(nodes=views, unwell=self.unwell, unreachable=unreachable, told=self.told,
+                                 stopped=self.taken,
                                  launch=launch, checkpoint=self.checkpoint,
                                  candidates=self.candidates if candidates is None else candidates,
                                  unfit=self.unfit if candidates is None else None,
@@ -565,22 +571,22 @@ class SimJob:
             return
         step = int(self.work / self.shape.step_s)
         # every rank acks (its table is in rank order, lifecycle.rank_table: no pass over its rows)
-        self.checkpoint = lifecycle.CheckpointView(request_id, dict.fromkeys(range(len(self.job.ranks)), step))
+        self.checkpoint = lifecycle.CheckpointView(request_id, dict.fromkeys(range(ranktable.count(self.job)), step))
         self.durable = max(self.durable, self.work)
         self.decide()
 
     def crash(self, rank: int = 0) -> None:
         """A rank of the job exits non-zero (software): what JobManager.observe records from the heartbeat."""
-        if self.job.state != table.RUNNING or rank >= len(self.job.ranks):
+        if self.job.state != table.RUNNING or rank >= ranktable.count(self.job):
             return
-        self.ended[self.job.ranks[rank].rank] = (pb.RANK_STATE_EXITED, 1)
+        self.ended[rank] = (pb.RANK_STATE_EXITED, 1)  # (the table is in rank order)
         self.decide()
 
     def crash_rank(self) -> int:
         """Which rank a software fault crashes: rank 0; with replica groups, any rank of a group in the quorum."""
-        if not self.replicas or not self.job.ranks:
+        if not self.replicas or not ranktable.count(self.job):
             return 0
-        k = len(self.job.ranks) // self.replicas
+        k = ranktable.count(self.job) // self.replicas
         groups = [g for g in range(self.replicas) if g not in self.out] or [0]
         return self.sim.rng.choice(groups) * k + self.sim.rng.randrange(k)
 
@@ -696,13 +702,23 @@ class Simulation:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none. A job holds
         every node of its record (this keeps it so): only those that came or went are looked at. `job.members` are
         the nodes of `before`, `members` those of `after`."""
-        held = set() if after.state in table.TERMINAL else members.union(after.spares)
-        named = job.members.union(before.spares)
-        had = set() if before.state in table.TERMINAL else named
-        released = [name for name in named - held if self.nodes[name].holder == job.job.id]
+        if before.state in table.TERMINAL or after.state in table.TERMINAL:
+            held = set() if after.state in table.TERMINAL else members.union(after.spares)
+            named = job.members.union(before.spares)
+            had = set() if before.state in table.TERMINAL else named
+            gone, came = named - held, held - had
+        else:  # what came or went alone, found in C (none of the nodes where only the spares moved)
+            moved = members.symmetric_difference(job.members) if members is not job.members else set()
+            moved.update(before.spares, after.spares)
+            spares_before, spares_after = set(before.spares), set(after.spares)
+            gone = [n for n in moved if (n in job.members or n in spares_before) and
+                    n not in members and n not in spares_after]
+            came = [n for n in moved if (n in members or n in spares_after) and
+                    n not in job.members and n not in spares_before]
+        released = [name for name in gone if self.nodes[name].holder == job.job.id]
         for name in released:
             self.nodes[name].holder = ""
-        changed = [name for name in held - had if self.nodes[name].holder != after.id]
+        changed = [name for name in came if self.nodes[name].holder != after.id]
         self.changes += released
         self.changes += changed
         for name in changed:
@@ -777,7 +793,8 @@ class Simulation:
     def _crash(self, job: SimJob) -> None:
         rank = job.crash_rank()
         self.at(self.now + self.scenario.timings.crash_detect_s, job.crash, rank)
-        job.broken(sudden=True, node=job.job.ranks[rank].node if rank < len(job.job.ranks) else "")
+        ranks = ranktable.rows(job.job)
+        job.broken(sudden=True, node=ranks[rank].node if rank < len(ranks) else "")
 
     def _hang(self, job: SimJob) -> None:
         """Every rank stops in a collective: no rank exits, and the controller's hang detector finds it once the
@@ -796,8 +813,8 @@ class Simulation:
         step = job.shape.step_s
         tracks = {}
         base = int(since / step)  # the steps go on from one generation to the next: no two hangs share a step
-        for rank in list(lifecycle.quorum(job.job)[0])[:4]:  # what the detector reads: reports that go on, steps that
-            # do not (replica groups: of the groups in the quorum, the only ones it judges)
+        for rank in itertools.islice(lifecycle.quorum(job.job)[0], 4):  # what the detector reads: reports that go
+            # on, steps that do not (replica groups: of the groups in the quorum, the only ones it judges)
             track = RankTrack(last_advance=since, last_report=since)
             for k in range(1, 6):
                 track.observe(base + 30 * k, step, [step] * 30, since, 30)

@@ -625,14 +625,18 @@ class Job(_message.Message):
     def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., submitted_unix_ns: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., finished_unix_ns: _Optional[int] = ..., exit_code: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., user: _Optional[str] = ..., restarts: _Optional[int] = ..., incident: _Optional[str] = ..., evicted: _Optional[_Iterable[str]] = ..., state_since_unix_ns: _Optional[int] = ..., phase_times: _Optional[_Iterable[_Union[PhaseTime, _Mapping]]] = ..., incident_predictable: _Optional[bool] = ..., incident_nodes: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[_Union[JobCheckpoint, _Mapping]] = ..., launched_generation: _Optional[int] = ..., incident_kind: _Optional[str] = ..., culprit: _Optional[_Union[HangCulprit, _Mapping]] = ..., straggler_evictions_unix_ns: _Optional[_Iterable[int]] = ..., straggler_step_s: _Optional[float] = ..., straggler_held: _Optional[str] = ..., standbys: _Optional[_Mapping[str, int]] = ..., restarts_in_row: _Optional[int] = ..., progress_reported: _Optional[bool] = ..., ending_since_unix_ns: _Optional[int] = ..., incident_step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., lighthouse_port: _Optional[int] = ..., lighthouse_host: _Optional[str] = ..., lighthouse_control: _Optional[str] = ..., lighthouse_token: _Optional[str] = ..., packed_ranks: _Optional[_Union[PackedRanks, _Mapping]] = ...) -> None: ...
 
 class PackedRanks(_message.Message):
-    __slots__ = ("states", "exit_codes", "generations")
+    __slots__ = ("states", "exit_codes", "generations", "pids", "wrapper_pids")
     STATES_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODES_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    WRAPPER_PIDS_FIELD_NUMBER: _ClassVar[int]
     states: bytes
     exit_codes: _containers.RepeatedScalarFieldContainer[int]
     generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, states: _Optional[bytes] = ..., exit_codes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    wrapper_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, states: _Optional[bytes] = ..., exit_codes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., pids: _Optional[_Iterable[int]] = ..., wrapper_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaGroup(_message.Message):
     __slots__ = ("index", "state", "generation", "reason", "since_unix_ns", "bad", "incident_kind")
