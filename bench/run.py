@@ -382,8 +382,8 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
     if jb and "error" not in jb:
         rows.append(("job-heartbeats", f"a node's heartbeat into a running job of {jb['large_nodes']:,} x "
                      f"{jb['per_node']} ranks, against {jb['small_nodes']:,} (in process)", "about x1",
-                     f"{jb['large_us']:.0f} vs {jb['small_us']:.0f} us (x{jb['ratio']:.2f})"
-                     f"{_verdict(jb['ratio'] < 2)}"))
+                     f"{jb['large_us']:.0f} vs {jb['small_us']:.0f} us (x{jb['ratio']:.2f}); "
+                     f"{jb['large_rows_us']:.0f} us with its rank table in rows{_verdict(jb['ratio'] < 2)}"))
         snap = jb["snapshots"]
         rows.append(("job-heartbeats", f"the same with snapshots on ({snap['keep_steps']} steps of a node's ranks and "
                      "its peer's): a heartbeat; the first node's, which asks for the safe step", "about x1",
@@ -393,16 +393,18 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      f"{_verdict(snap['ratio'] < 2 and snap['safe_step_ratio'] < 2)}"))
         rec = jb["record"]
         rows.append(("job-heartbeats", "the job's record as stored, in full / packed (etcd takes 1.5 MiB a request); "
-                     "CPU to pack / to read it back", "",
-                     f"{rec['full_bytes'] / 1e6:.2f} / {rec['packed_bytes'] / 1e6:.2f} MB; {rec['pack_ms']:.0f} / "
-                     f"{rec['unpack_ms']:.0f} ms"))
+                     "CPU to write / to read it back, held packed (held in rows)", "",
+                     f"{rec['full_bytes'] / 1e6:.2f} / {rec['packed_bytes'] / 1e6:.2f} MB; {rec['pack_ms']:.1f} / "
+                     f"{rec['unpack_ms']:.1f} ms ({rec['rows_pack_ms']:.0f} / {rec['rows_unpack_ms']:.0f} ms)"))
         q = jb["queue"]
         rows.append(("job-heartbeats", f"a scheduler pass over 1 / {q['queued']} pending jobs on a fleet of "
                      f"{jb['large_nodes']:,} nodes (CPU)", "under x10",
                      f"{q['one_ms']:.0f} / {q['queued_ms']:.0f} ms (x{q['queued_ms'] / q['one_ms']:.1f})"
                      f"{_verdict(q['queued_ms'] < 10 * q['one_ms'])}"))
-        rows.append(("job-heartbeats", f"a scheduler step of the job of {jb['large_nodes']:,} nodes: view / decision",
-                     "", f"{jb['step']['view_ms']:.0f} / {jb['step']['decision_ms']:.0f} ms"))
+        rows.append(("job-heartbeats", f"a scheduler step of the job of {jb['large_nodes']:,} nodes: view / decision "
+                     "(its rank table in rows)", "",
+                     f"{jb['step']['view_ms']:.0f} / {jb['step']['decision_ms']:.1f} ms "
+                     f"({jb['step_rows']['decision_ms']:.1f} ms)"))
     sh = results.get("store-heartbeats")
     if sh and "error" not in sh and all("error" not in sh.get(k, {"error": 1}) for k in ("sqlite", "etcd")):
         etcd_steps = {st["nodes"]: st for st in sh["etcd"]["steps"]}

@@ -13,8 +13,12 @@ pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py)
 
 
 def table(job: pb.Job) -> list[tuple]:
+    return table_of(ranktable.rows(job))
+
+
+def table_of(rows) -> list[tuple]:
     return [(r.rank, r.node, r.local_rank, r.gpu, r.state, r.exit_code, r.generation, r.pid, r.wrapper_pid)
-            for r in ranktable.rows(job)]
+            for r in rows]
 
 
 def pair(nodes: int, per: int, replicas: int = 0) -> tuple[pb.Job, pb.Job]:
@@ -69,7 +73,13 @@ def test_both_forms_read_the_same_through_every_change_a_job_makes():
             elif op == 4:
                 for job in (rows, packed):
                     ranktable.set_states(job, {})
-            assert table(rows) == table(packed)
+            assert table(rows) == table(packed)  # (a packed table's rows made in one go, by its iterator)
+            view = ranktable.rows(packed)
+            assert table_of(view[i] for i in range(n)) == table(rows)  # (and one by one)
+            assert [view.generation(i) for i in range(n)] == [r.generation for r in ranktable.rows(rows)]
+            i, a = rng.randrange(nodes), rng.randrange(n)
+            for start, stop in ((i * per, (i + 1) * per), (a, rng.randrange(a, n + 1)), (a, a + per)):
+                assert [t for t in table_of(view[start:stop])] == table(rows)[start:stop]  # a node's, or any
             for state in (pb.RANK_STATE_UNSPECIFIED, pb.RANK_STATE_RUNNING, pb.RANK_STATE_EXITED,
                           pb.RANK_STATE_LOST):
                 assert ranktable.any_in(rows, state) == ranktable.any_in(packed, state)
@@ -82,8 +92,9 @@ def test_both_forms_read_the_same_through_every_change_a_job_makes():
             assert ranktable.node_runs(rows, rank, node) == ranktable.node_runs(packed, rank, node)
             assert lifecycle.all_exited_zero(rows) == lifecycle.all_exited_zero(packed)
             assert lifecycle.group_rebuilt(rows) == lifecycle.group_rebuilt(packed)
-            for r in (0, n - 1, rng.randrange(n)):
-                assert lifecycle.rank_generation(rows, r) == lifecycle.rank_generation(packed, r)
+            for r in (-1, 0, n - 1, n, rng.randrange(n)):
+                assert lifecycle.rank_generation(rows, r) == lifecycle.rank_generation(packed, r) == \
+                    lifecycle.generation_of(rows)(r) == lifecycle.generation_of(packed)(r)
             positions = lifecycle.node_positions(rows)
             assert [r.rank for r in lifecycle.ranks_on(rows, node, positions)] == \
                 [r.rank for r in lifecycle.ranks_on(packed, node, positions)]

@@ -14,11 +14,13 @@ import pytest
 
 from controller.config import RecoveryConfig
 from controller.errors import FailedPrecondition
+from controller.jobs import record
 from controller.jobs.placement import Candidate
 from controller.nodes.states import DOWN, DRAINED, UP
 from controller.recovery import lifecycle
 from controller.recovery.lifecycle import REQUEST_LATENCY_S
 from controller.recovery.table import ACTIVE
+from phalanx import ranks as ranktable
 from phalanx.v1 import common_pb2 as pb
 from phalanx.v1 import node_pb2
 from tests.jobs_world import World
@@ -667,3 +669,38 @@ def test_a_pass_counts_the_cpu_of_its_views_and_decisions():
             await world.stop()
 
     run(main())
+
+
+def test_ranks_that_end_after_their_job_gave_up_are_written_to_its_record_one_heartbeat_after_another():
+    """A job that gives up stops its other ranks. Each that ends after (its node says so, a heartbeat at a time) is
+    written to the ended job's record (`job.ranks_stopped`), in either form of its rank table: a packed one's states,
+    which the heartbeat path reads once per record, are read anew after each such change."""
+
+    async def go():
+        world = World(recovery=RecoveryConfig(restart_backoff_s=0.001, max_restarts=0))
+        await world.start()
+        for name in NODES:
+            await world.add(name).connect()
+        job = await world.jobs.submit(pb.JobSpec(command=["train"], nodes=2, ranks_per_node=2), "tester")
+        await world.until(lambda: state(world, job.id) == "RUNNING", "job running")
+        a = world.agents[world.job(job.id).nodes[0]]
+        b = world.agents[world.job(job.id).nodes[1]]
+        for agent in (a, b):
+            agent.hold.add("stop")  # its ranks run on past the job's end, until ended one by one below
+        b.crash(job.id, 2, code=3)  # rank 2 fails: no restart (max_restarts 0), the job gives up
+        await world.until(lambda: state(world, job.id) == "FAILED", "the job failed")
+        rows = [(r.rank, r.state) for r in ranktable.rows(world.job(job.id))]
+        assert rows == [(0, pb.RANK_STATE_RUNNING), (1, pb.RANK_STATE_RUNNING), (2, pb.RANK_STATE_EXITED),
+                        (3, pb.RANK_STATE_RUNNING)], rows
+        for rank, agent in ((1, a), (0, a), (3, b)):  # node a's two ranks end in two heartbeats, then b's
+            agent.crash(job.id, rank, code=-15)
+            await world.until(lambda rank=rank: ranktable.rows(world.job(job.id))[rank].state == pb.RANK_STATE_EXITED,
+                              f"rank {rank} written as ended")
+            assert ranktable.rows(world.job(job.id))[rank].exit_code == -15
+        await world.until(lambda: job.id not in world.jobs.ended_ranks, "the ranks' ends saved")
+        assert "job.ranks_stopped" in await world.kinds(job.id)
+        stored = next(r for r in await world.store.load_jobs() if r.id == job.id)
+        assert not ranktable.any_in(record.unpack(stored.data), pb.RANK_STATE_RUNNING)
+        await world.stop()
+
+    run(go())

@@ -450,17 +450,18 @@ def test_the_simulators_count_of_whether_a_job_needs_the_fleet_is_next_nodes_own
     assert min(sum(chose for _, chose in answers), sum(not chose for _, chose in answers)) >= 5
 
 
-def test_the_simulators_unwell_and_unfit_nodes_are_those_a_look_through_every_node_would_find(monkeypatch):
+def test_the_simulators_kept_sets_of_nodes_are_those_a_look_through_every_node_would_find(monkeypatch):
     """The simulator keeps the names of its job's unwell nodes as their views change (JobView.unwell), and the
     detectors read those few instead of every node's view; likewise the unreachable ones, which the stops leave out
-    (JobView.unreachable), and the candidates a next generation cannot run on (JobView.unfit), which next_nodes
-    reads. At every view it hands out, in a run with lost nodes, failing GPUs, leaf
-    switch failures and repairs, they must be what a look through every view and candidate finds, and every node of
-    the job must have a view (the detectors then take a node without one for lost)."""
+    (JobView.unreachable), the candidates a next generation cannot run on (JobView.unfit), which next_nodes reads,
+    the nodes no job holds (JobView.idle), which a job short of spares takes from, and the job's nodes as a set
+    (JobView.members). At every view it hands out, in a run with lost nodes, failing GPUs, leaf switch failures and
+    repairs, they must be what a look through every view and candidate finds, and every node of the job must have a
+    view (the detectors then take a node without one for lost)."""
     from controller.recovery import detectors, lifecycle
     from controller.sim import engine
 
-    seen, unfit = [], []
+    seen, unfit, idle = [], [], []
     made = engine.SimJob.view
 
     def checked(self, candidates):
@@ -470,6 +471,11 @@ def test_the_simulators_unwell_and_unfit_nodes_are_those_a_look_through_every_no
         assert view.unwell == found, (sorted(view.unwell), sorted(found))
         assert all(n in view.nodes for n in self.job.nodes)
         assert view.unreachable == {n for n, v in view.nodes.items() if v.down or not v.connected}
+        assert view.members == set(self.job.nodes)
+        if view.idle is not None:
+            idle.append(len(view.idle))
+            assert view.idle == {n.name for n in self.sim.nodes.values() if not n.holder}
+            assert view.idle <= view.candidates.keys()
         if view.unfit is not None:
             found = lifecycle.unfit(view.candidates, self.job.spec.ranks_per_node)
             unfit.append(len(found))
@@ -482,3 +488,4 @@ def test_the_simulators_unwell_and_unfit_nodes_are_those_a_look_through_every_no
                                 "failures.repair_h": 12.0, "run.days": 30.0}))
     assert sum(n > 0 for n in seen) >= 20 and sum(n == 0 for n in seen) >= 20, (len(seen), sum(n > 0 for n in seen))
     assert sum(n > 0 for n in unfit) >= 20 and sum(n == 0 for n in unfit) >= 20, (len(unfit), sum(n > 0 for n in unfit))
+    assert sum(n > 0 for n in idle) >= 20, (len(idle), sum(n > 0 for n in idle))

@@ -69,6 +69,22 @@ def _involved(job: pb.Job) -> frozenset[str]:
     return frozenset([*job.nodes, *job.spares, *job.evicted])
 
 
+def _ranks_on(entry: JobEntry, node: str) -> list[tuple[int, int, pb.RankInfo | None]]:
+    """(number, state, row) of each rank of the entry's job that `node` runs, found by its position: a table in rows
+    gives its rows (lifecycle.ranks_on), a packed one its states alone, read once per record (no row made, None: its
+    pids are set through ranktable.set_pids). An active job's states change only by a commit, a new record
+    (`_rank_ended` changes those of an ended job, which no node's heartbeat reads here: `index`)."""
+    job = entry.job
+    positions = entry.of_record("positions", lifecycle.node_positions)
+    if not ranktable.is_packed(job):
+        return [(r.rank, r.state, r) for r in lifecycle.ranks_on(job, node, positions)]
+    i = positions.get(node)
+    if i is None:
+        return []
+    per, states = job.spec.ranks_per_node, entry.of_record("states", lambda j: j.packed_ranks.states)
+    return [(r, states[r], None) for r in range(i * per, (i + 1) * per)]
+
+
 def runs_here(job: pb.Job, rank: int, node: str) -> bool:
     """Whether `node` runs rank `rank` of the job's current generation: the only node whose reports about that rank
     (its state, progress, NCCL state, checkpoint acks) are believed. The ranks are in rank order (rank_table)."""
@@ -288,7 +304,7 @@ class JobManager:
         entry = self.entries.get(ack.job)
         pending = entry.checkpoint if entry is not None else None
         if pending is None or pending.request_id != ack.request_id or \
-                ack.generation != lifecycle.rank_generation(entry.job, ack.rank):
+                ack.generation != entry.of_record("generation_of", lifecycle.generation_of)(ack.rank):
             return  # unasked, or from a stale generation: fenced, never counted
         if not runs_here(entry.job, ack.rank, node):
             logger.warning("checkpoint ack from a node that does not run the rank: ignored", job=ack.job,
@@ -316,20 +332,20 @@ class JobManager:
         for status in heartbeat.ranks:
             entry = self.entries.get(status.job)
             if entry is not None and entry.job.state in ACTIVE and \
-                    status.generation == lifecycle.rank_generation(entry.job, status.rank):
+                    status.generation == entry.of_record("generation_of", lifecycle.generation_of)(status.rank):
                 if runs_here(entry.job, status.rank, name):  # a node speaks for its own ranks only
                     reported[(status.job, status.rank)] = status
             elif status.state == pb.RANK_STATE_RUNNING:
                 stale = True
             elif entry is not None and entry.job.state in TERMINAL and \
-                    status.generation == lifecycle.rank_generation(entry.job, status.rank):
+                    status.generation == entry.of_record("generation_of", lifecycle.generation_of)(status.rank):
                 self._rank_ended(entry, name, status)
         changed = stale
         now = self.now()
         for report in heartbeat.progress:
             entry = self.entries.get(report.job)
-            if entry is None or lifecycle.rank_generation(entry.job, report.rank) != report.generation or \
-                    entry.job.state not in ACTIVE or not runs_here(entry.job, report.rank, name):
+            if entry is None or entry.job.state not in ACTIVE or not runs_here(entry.job, report.rank, name) or \
+                    entry.of_record("generation_of", lifecycle.generation_of)(report.rank) != report.generation:
                 continue
             if not entry.tracks:  # trainlib speaks for this job: follow every rank's progress from now on
                 entry.reported = True
@@ -354,28 +370,28 @@ class JobManager:
                 continue
             # a replica group out of the quorum: stopping, or starting (one set per record, not per heartbeat)
             out = bool(job.groups) and name in entry.of_record("out_of_quorum", lifecycle.out_of_quorum)
-            for rank in lifecycle.ranks_on(job, name, entry.of_record("positions", lifecycle.node_positions)):
-                state = entry.ended[rank.rank][0] if rank.rank in entry.ended else rank.state
+            for number, state, row in _ranks_on(entry, name):
+                state = entry.ended[number][0] if number in entry.ended else state
                 if state in (pb.RANK_STATE_EXITED, pb.RANK_STATE_LOST):
                     continue
-                status = reported.get((job.id, rank.rank))
+                status = reported.get((job.id, number))
                 if status is None and out:
                     continue  # not missing: its group's own steps say what it waits for
                 if status is None:  # counted here; the lifecycle's step decides the rank LOST (ranks_lost)
-                    entry.missing[rank.rank] = entry.missing.get(rank.rank, 0) + 1
-                    if entry.missing[rank.rank] >= self.cfg.missing_reports_lost:
+                    entry.missing[number] = entry.missing.get(number, 0) + 1
+                    if entry.missing[number] >= self.cfg.missing_reports_lost:
                         changed = True
                     continue
-                entry.missing.pop(rank.rank, None)
-                if ranktable.is_packed(job):  # (its row is a copy)
-                    ranktable.set_pids(job, rank.rank, status.rank_pid or status.pid, status.pid)
+                entry.missing.pop(number, None)
+                if row is None:
+                    ranktable.set_pids(job, number, status.rank_pid or status.pid, status.pid)
                 else:
-                    rank.pid, rank.wrapper_pid = status.rank_pid or status.pid, status.pid
-                if status.fatal and rank.rank not in entry.fatal:
-                    entry.fatal[rank.rank] = status.fatal
+                    row.pid, row.wrapper_pid = status.rank_pid or status.pid, status.pid
+                if status.fatal and number not in entry.fatal:
+                    entry.fatal[number] = status.fatal
                     changed = True
                 if status.state != state and rank_may_move(state, status.state):  # news: the step takes it in
-                    entry.ended[rank.rank] = (status.state, status.exit_code)
+                    entry.ended[number] = (status.state, status.exit_code)
                     changed = True
         if changed:
             self.wake()
@@ -399,7 +415,7 @@ class JobManager:
             if entry is not None and entry.job.state in TERMINAL:
                 async with self.lock:
                     job = entry.job
-                    running = [r.rank for r in ranktable.where(ranktable.rows(job), pb.RANK_STATE_RUNNING)]
+                    running = ranktable.positions(job, pb.RANK_STATE_RUNNING)
                     await self.save(entry, lifecycle.Commit(job, "job.ranks_stopped", (
                         f"{job.id} ({state_name(job.state)}): its ranks have stopped" if not running else
                         f"{job.id} ({state_name(job.state)}): {lifecycle.ranks_named(running)} still to stop")))
@@ -518,8 +534,10 @@ class JobManager:
         if self.lighthouses is not None and job.state in TERMINAL:
             await self.lighthouses.stop(job.id)
         rebuilt = lifecycle.group_rebuilt(job) if job.generation != entry.generation else set()
-        ranks = ranktable.rows(job)
-        entry.new_generation(job.generation, rebuilt, {ranks[r].node for r in rebuilt})
+        per = job.spec.ranks_per_node  # (rank r on node r // per: a generation's layout, either form)
+        nodes = {ranktable.rows(job)[r].node for r in rebuilt} if not ranktable.is_packed(job) else \
+            {job.nodes[r // per] for r in rebuilt}
+        entry.new_generation(job.generation, rebuilt, nodes)
         if rebuilt and entry.tracks:  # followed from its launch on, as every rank of a new generation is
             now = self.now()
             entry.tracks.update({r: monitors.RankTrack(last_advance=now, last_report=now) for r in rebuilt})

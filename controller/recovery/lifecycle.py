@@ -87,6 +87,12 @@ class JobView:
     # as views change (the simulator); it then has a view of each of the job's nodes. None: the stops look through
     # `nodes`.
     unreachable: AbstractSet[str] | None = None
+    # Of `candidates` (the fleet's), the names no job holds, where the driver keeps them as jobs take and release
+    # nodes (the simulator): the few a job short of spares may take. None: replenish looks through `candidates`.
+    idle: AbstractSet[str] | None = None
+    # The job's nodes as a set, where the driver keeps one (the simulator): a step asks of it in C what it would
+    # otherwise ask of the record's list of 16,384 names, one by one. None: a step makes the set where it needs one.
+    members: AbstractSet[str] | None = None
     # The generation's stops, as sets of node names (a node's view says its health; these say how far this process's
     # stop of the job has got there, and a recovery moves every node of the job through them at once):
     told: AbstractSet[str] = frozenset()  # told to stop the generation by this process, on the node's current
@@ -335,6 +341,8 @@ def all_exited_zero(job: pb.Job, ranks: Sequence[pb.RankInfo] | None = None) -> 
     states = ranktable.states(ranks)  # (a packed table's: one look in C, nearly always at a rank not EXITED)
     if states is not None and states.count(RANK_EXITED) != len(states):
         return False
+    if isinstance(ranks, ranktable.Rows):
+        return bool(ranks) and not any(ranks.exit_codes or ())
     return bool(ranks) and all(r.state == RANK_EXITED and r.exit_code == 0 for r in ranks)
 
 
@@ -359,7 +367,8 @@ def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
     node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
     get, told = view.nodes.get, view.told
-    if told and all(map(told.__contains__, job.nodes)):  # (in C: once the stop is out, at each step after)
+    if told and (told.issuperset(view.members) if view.members is not None else
+                 all(map(told.__contains__, job.nodes))):  # (in C: once the stop is out, at each step after)
         return []
     if view.unreachable is not None:  # (in C: the first stop of a recovery tells every node of a job of 16,384)
         return stops(job, list(itertools.filterfalse(told.union(view.unreachable).__contains__, job.nodes)))
@@ -403,6 +412,10 @@ def _rank_moves(job: pb.Job, ended: Mapping[int, tuple[int, int]]) -> dict[int, 
     if not ended:
         return {}
     ranks = ranktable.rows(job)
+    if isinstance(ranks, ranktable.Rows):  # rank r at r, its state a byte: no row made (every rank may end at once)
+        table = ranks.states
+        return {r: ended[r] for r in ended if 0 <= r < len(table) and table[r] != ended[r][0] and
+                rank_may_move(table[r], ended[r][0])}
     at = {r: r for r in ended if 0 <= r < len(ranks) and ranks[r].rank == r}  # rank order: rank r at r
     if len(at) < len(ended):
         at = {r.rank: i for i, r in enumerate(ranks) if r.rank in ended}
@@ -580,7 +593,10 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     if len(over) == len(ranks):  # what befalls a node now costs no training: nothing to recover
         return _ending(job, now, policy, over, ranks)
     tracks, nccl = view.tracks, view.nccl
-    if isinstance(ranks, _Spans) and (tracks or nccl):  # a group out of the quorum is judged no more
+    if isinstance(ranks, _Spans) and (tracks or nccl) and ranktable.is_packed(job):  # (rank r at r: no row made)
+        tracks = {r: view.tracks[r] for r in sorted(view.tracks) if ranks.holds_rank(r)}
+        nccl = {r: view.nccl[r] for r in sorted(view.nccl) if ranks.holds_rank(r)}
+    elif isinstance(ranks, _Spans) and (tracks or nccl):  # a group out of the quorum is judged no more
         tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
         nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
@@ -626,6 +642,8 @@ def _ending(job: pb.Job, now: float, policy: Policy, over: set[int],
     not blamed on a node), else FAILED with the ranks that never finished. `ranks`: those that count (replica
     groups: the groups in the quorum; a group out of it when training ends is stopped with the job)."""
     ranks = ranktable.rows(job) if ranks is None else ranks
+    if isinstance(ranks, ranktable.Rows | _Spans):
+        ranks = list(ranks)  # (a packed table's rows made once, for the passes below)
     stop_out = _stop_out(job)
     grace = policy.recovery.exit_grace_s
     if not job.ending_since_unix_ns:
@@ -673,10 +691,14 @@ def replenish(job: pb.Job, view: JobView) -> list[str]:
     short = job.spec.spares - len(job.spares)
     if short <= 0 or not view.candidates:
         return []
-    current = set(job.nodes)
-    free = _free(job, view, current.union(job.spares, job.incident_nodes))
+    if view.idle is not None:  # the few no job holds, where the driver keeps them: no pass over the job's nodes
+        per, candidates, bad = job.spec.ranks_per_node, view.candidates, set(job.incident_nodes)
+        free = {n for n in view.idle if n not in view.nodes and n not in bad and _fits(candidates[n], per)}
+    else:
+        free = _free(job, view, set(job.nodes).union(job.spares, job.incident_nodes))
     if not free:
         return []
+    current = set(job.nodes) if view.members is None else view.members
     topology = view.topology
     leaf_of = topology.node_leaf if topology is not None else {}
     home: dict[str | None, bool] = {}  # leaf switch -> whether a node of the job is on it (None: no leaf switch)
@@ -702,7 +724,12 @@ def _free(job: pb.Job, view: JobView, taken: set[str]) -> set[str]:
     """free_nodes, as a set."""
     per, candidates = job.spec.ranks_per_node, view.candidates
     rest = candidates.keys() - taken  # (in C: at 16,384 nodes, nearly every candidate is the job's own)
-    return {n for n in rest if (c := candidates[n]).schedulable and c.healthy and c.free and c.gpus >= per}
+    return {n for n in rest if _fits(candidates[n], per)}
+
+
+def _fits(c: Candidate, ranks_per_node: int) -> bool:
+    """Whether a free node could join the job: schedulable, healthy, free, big enough."""
+    return c.schedulable and c.healthy and c.free and c.gpus >= ranks_per_node
 
 
 def _incident(job: pb.Job, incident: Incident, now: float, policy: Policy, view: JobView | None = None) -> list[Action]:
@@ -816,7 +843,8 @@ def _evicting(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Ac
     unconfirmed = (n for n in job.nodes if n not in stopped and (v := get(n)) is not None and not v.down)
     window = policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
     deadline = job.state_since_unix_ns / 1e9 + window
-    first = next(unconfirmed, None)
+    everywhere = view.members is not None and stopped.issuperset(view.members)  # (in C)
+    first = None if everywhere else next(unconfirmed, None)
     if first is not None and now < deadline:  # one node to wait for is enough to know (a job of 16,384 nodes)
         return [*out, WakeAt(min(now + RESTOP_S, deadline))]
     waiting = [first, *unconfirmed] if first is not None else []
@@ -856,7 +884,7 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
     # few that will not do, not the many that will (a 16,384-node job is decided here at each of its recoveries).
     unusable = bad | (unfit(candidates, job.spec.ranks_per_node) if view.unfit is None else view.unfit)
     nodes = list(job.nodes)
-    current = set(nodes)
+    current = set(nodes) if view.members is None else view.members
     gone = current.difference(candidates)  # the job's nodes that will not do: the few not kept
     gone |= current & unusable
     spares = [n for n in job.spares if n in candidates and n not in unusable and (n not in current or n in gone)]
@@ -975,9 +1003,29 @@ def rank_generation(job: pb.Job, rank: int) -> int:
     if not job.groups:
         return job.generation
     ranks = ranktable.rows(job)
+    if isinstance(ranks, ranktable.Rows):  # (on the heartbeat path: no row made)
+        return (0 <= rank < len(ranks) and ranks.generation(rank)) or job.generation
     if 0 <= rank < len(ranks) and (row := ranks[rank]).rank == rank and row.generation:
         return row.generation
     return job.generation
+
+
+def generation_of(job: pb.Job) -> Callable[[int], int]:
+    """`rank_generation` of the record for any rank, with what the record implies read once: the heartbeat path asks
+    it of each rank a node reports (once per record: JobEntry.of_record)."""
+    default = job.generation
+    if not job.groups:
+        return lambda rank: default
+    if not ranktable.is_packed(job) or job.packed_ranks.generations or job.spec.replicas < 1 or \
+            job.spec.ranks_per_node < 1:
+        return lambda rank: rank_generation(job, rank)
+    per, n, k = job.spec.ranks_per_node, ranktable.count(job), len(job.nodes) // job.spec.replicas
+    groups = [g.generation for g in job.groups]
+
+    def generation(rank: int) -> int:  # (ranktable.group_generation, its lookups done)
+        g = rank // per // k if k else len(groups)
+        return (0 <= rank < n and (groups[g] if g < len(groups) else default)) or default
+    return generation
 
 
 def node_positions(job: pb.Job) -> dict[str, int]:
@@ -994,6 +1042,8 @@ def ranks_on(job: pb.Job, node: str, positions: Mapping[str, int]) -> Sequence[p
         return ()
     per, ranks = job.spec.ranks_per_node, ranktable.rows(job)
     mine = ranks[i * per:(i + 1) * per]
+    if isinstance(ranks, ranktable.Rows):
+        return mine  # (a generation's layout, made so)
     if len(mine) == per and all(r.node == node and r.rank == i * per + k for k, r in enumerate(mine)):
         return mine
     return [r for r in ranks if r.node == node]
@@ -1044,9 +1094,10 @@ class _Spans(Sequence):
     16,384-rank job's, gone through once at each step, and a copy first would be a second pass."""
 
     def __init__(self, items: Sequence, spans: list[tuple[int, int]]) -> None:
-        self._items = items
-        self._spans = [(a, min(b, len(items))) for a, b in spans if a < len(items)]  # as slicing reads them
+        self._items, n = items, len(items)
+        self._spans = [(a, min(b, n)) for a, b in spans if a < n]  # as slicing reads them
         self._len = sum(b - a for a, b in self._spans)
+        self._set: frozenset | bool | None = None  # (False: its items cannot be hashed)
 
     def __len__(self) -> int:
         return self._len
@@ -1062,8 +1113,20 @@ class _Spans(Sequence):
         return itertools.chain.from_iterable(items[a:b] for a, b in self._spans)
 
     def __contains__(self, value: object) -> bool:
-        items = self._items  # (each stretch looked through in C)
-        return any(value in items[a:b] for a, b in self._spans)
+        if self._set is None:  # (one pass in C, at the first look: a node's, for each of the job's few unwell)
+            try:
+                self._set = frozenset(self)
+            except TypeError:  # rows (messages) are not hashable: each stretch looked through
+                self._set = False
+        if self._set is False:
+            items = self._items
+            return any(value in items[a:b] for a, b in self._spans)
+        return value in self._set
+
+    def holds_rank(self, rank: int) -> bool:
+        """Whether rank number `rank` is in the stretches, of a rank table in rank order (rank r at r: every table
+        lifecycle.rank_table makes)."""
+        return any(a <= rank < b for a, b in self._spans)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -1277,9 +1340,8 @@ def _group_launched(job: pb.Job, g: int, view: JobView, now: float, policy: Poli
 def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     out = stop_untold(job, view)
     down = {n for n, v in view.nodes.items() if v.down}
-    running = [r for r in ranktable.where(ranktable.rows(job), RANK_RUNNING)
-               if r.node not in down and r.node in view.nodes]
-    if running:
+    running = ranktable.iter_where(ranktable.rows(job), RANK_RUNNING)  # (the first made is enough to know)
+    if any(r.node not in down and r.node in view.nodes for r in running):
         return out
     why = "" if job.reason == CANCEL_REQUESTED else f": {job.reason}"
     return [*out, finished(job, CANCELLED, f"cancelled{why}", 1, now)]

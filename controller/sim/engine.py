@@ -371,6 +371,7 @@ class SimJob:
                                  launch=launch, checkpoint=self.checkpoint,
                                  candidates=self.candidates if candidates is None else candidates,
                                  unfit=self.unfit if candidates is None else None,
+                                 idle=None if candidates is None else self.sim.idle, members=self.members,
                                  topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
 
     def decide(self) -> None:
@@ -605,6 +606,7 @@ class Simulation:
         fleet = scenario.fleet
         self.topology = topology_of(fleet)
         self.nodes: dict[str, SimNode] = {name: SimNode(name) for name in self.topology.nodes}
+        self.idle: set[str] = set(self.nodes)  # the nodes no job holds (JobView.idle), kept as jobs take and release
         scenario.check_fit(len(self.nodes))
         self.jobs: list[SimJob] = []
         for shape in scenario.shapes:
@@ -718,7 +720,9 @@ class Simulation:
         released = [name for name in gone if self.nodes[name].holder == job.job.id]
         for name in released:
             self.nodes[name].holder = ""
+        self.idle.update(released)
         changed = [name for name in came if self.nodes[name].holder != after.id]
+        self.idle.difference_update(changed)
         self.changes += released
         self.changes += changed
         for name in changed:
