@@ -120,6 +120,10 @@ def test_a_packed_table_that_does_not_fit_its_job_is_refused_with_the_job_named(
     stored.packed_ranks.generations.extend([3] * 5)
     with pytest.raises(record.BadRecord):
         record.unpack(stored.SerializeToString())
+    stored = pb.Job.FromString(record.pack(job, packed_from=64))  # a state byte that is no RankState
+    stored.packed_ranks.states = stored.packed_ranks.states[:9] + b"\xc8" + stored.packed_ranks.states[10:]
+    with pytest.raises(record.BadRecord, match="holds a rank state that is none: 200"):
+        record.unpack(stored.SerializeToString())
 
 
 def test_a_job_of_16384_nodes_x_8_ranks_is_committed_to_etcd_and_a_new_controller_loads_it(etcd_server):

@@ -67,3 +67,20 @@ def test_the_time_in_each_state_counts_the_current_state_so_far_but_not_a_finish
     running = a_job()
     running.state_since_unix_ns = time.time_ns()
     assert any(line.startswith("  in state:    RUNNING ") for line in job_text(running).splitlines())
+
+
+def test_a_job_whose_rank_table_is_packed_is_shown_with_every_rank_as_one_in_rows():
+    """A job of 1,024 ranks or more comes from the API with its rank table packed (Job.packed_ranks, Job.ranks
+    empty): `phalanx job` shows and gives the same ranks as for the same table in rows."""
+    from phalanx import ranks as ranktable
+
+    rows = a_job()
+    packed = common_pb2.Job()
+    packed.CopyFrom(rows)
+    ranktable.build(packed, common_pb2.RANK_STATE_UNSPECIFIED, packed_from=1)
+    ranktable.set_states(packed, {0: (common_pb2.RANK_STATE_RUNNING, 0)})
+    ranktable.set_pids(packed, 0, 4242, 4240)
+    ranktable.set_pids(packed, 1, 0, 5150)
+    assert ranktable.is_packed(packed) and not packed.ranks
+    assert job_dict(packed)["ranks"] == job_dict(rows)["ranks"] and job_dict(packed)["world_size"] == 2
+    assert job_text(packed) == job_text(rows)

@@ -23,6 +23,8 @@ from phalanx.v1 import common_pb2 as pb
 
 __all__ = ["PACKED_FROM", "BadRecord", "pack", "unpack"]
 
+_RANK_STATES = frozenset(pb.RankState.values())
+
 
 class BadRecord(ValueError):
     """A stored record whose packed rank table does not fit its job (its columns' lengths)."""
@@ -68,7 +70,8 @@ def pack(job: pb.Job, packed_from: int = PACKED_FROM) -> bytes:
 
 def unpack(data: bytes) -> pb.Job:
     """The job a stored record holds, its rank table as stored (packed, or rows). Raises BadRecord for a packed table
-    that does not fit its job (a record damaged in the store, not one this code wrote)."""
+    that does not fit its job or holds a state that is none (a record damaged in the store, not one this code
+    wrote: the heartbeat path would trip on such a state)."""
     job = pb.Job.FromString(data)
     if not job.HasField("packed_ranks"):
         return job
@@ -81,6 +84,9 @@ def unpack(data: bytes) -> pb.Job:
             len(packed.generations) not in (0, n):
         raise BadRecord(f"{job.id}: its stored rank table ({n} ranks, {len(job.nodes)} nodes x {per}) does not fit "
                         "its job")
+    unknown = set(packed.states) - _RANK_STATES  # (a set of the bytes, in C)
+    if unknown:
+        raise BadRecord(f"{job.id}: its stored rank table holds a rank state that is none: {min(unknown)}")
     packed.ClearField("pids")  # (never stored: the nodes say them)
     packed.ClearField("wrapper_pids")
     return job

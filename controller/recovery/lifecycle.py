@@ -367,7 +367,7 @@ def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
     node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
     get, told = view.nodes.get, view.told
-    if told and (told.issuperset(view.members) if view.members is not None else
+    if told and (told >= view.members if view.members is not None else
                  all(map(told.__contains__, job.nodes))):  # (in C: once the stop is out, at each step after)
         return []
     if view.unreachable is not None:  # (in C: the first stop of a recovery tells every node of a job of 16,384)
@@ -642,15 +642,15 @@ def _ending(job: pb.Job, now: float, policy: Policy, over: set[int],
     not blamed on a node), else FAILED with the ranks that never finished. `ranks`: those that count (replica
     groups: the groups in the quorum; a group out of it when training ends is stopped with the job)."""
     ranks = ranktable.rows(job) if ranks is None else ranks
-    if isinstance(ranks, ranktable.Rows | _Spans):
-        ranks = list(ranks)  # (a packed table's rows made once, for the passes below)
-    stop_out = _stop_out(job)
     grace = policy.recovery.exit_grace_s
     if not job.ending_since_unix_ns:
         return [Commit(copied(job, ending_since_unix_ns=int(now * 1e9)), "job.ending",
                        f"{job.id} generation {job.generation}: training has ended in {ranks_named(over)}; no hang or "
                        f"straggler verdict from now on, and every rank has {grace:g}s (recovery.exit_grace_s) to exit"),
                 WakeAt(now + grace)]
+    if isinstance(ranks, ranktable.Rows | _Spans):
+        ranks = list(ranks)  # (a packed table's rows made once, for the passes below)
+    stop_out = _stop_out(job)
     failed = [r for r in ranks if r.state == RANK_EXITED and r.exit_code > 0]
     if failed:  # the script itself said it failed after its training (a final save that raised): no restart redoes
         r = failed[0]  # what went wrong there, and the training is done
@@ -843,7 +843,7 @@ def _evicting(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Ac
     unconfirmed = (n for n in job.nodes if n not in stopped and (v := get(n)) is not None and not v.down)
     window = policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
     deadline = job.state_since_unix_ns / 1e9 + window
-    everywhere = view.members is not None and stopped.issuperset(view.members)  # (in C)
+    everywhere = view.members is not None and stopped >= view.members  # (in C)
     first = None if everywhere else next(unconfirmed, None)
     if first is not None and now < deadline:  # one node to wait for is enough to know (a job of 16,384 nodes)
         return [*out, WakeAt(min(now + RESTOP_S, deadline))]
