@@ -149,36 +149,18 @@ class Rows(Sequence):
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             start, stop, step = i.indices(len(self))
-            per = self._job.spec.ranks_per_node
-            if step == 1 and start < stop and start // per == (stop - 1) // per:  # one node's ranks (a heartbeat's):
-                return self._rows(start, stop)  # the columns read once for them
-            return [self._row(k) for k in range(start, stop, step)]
+            if step == 1:  # (a node's ranks, a heartbeat's: the columns read once for them)
+                return list(self._make(start, stop))
+            return [next(self._make(k, k + 1)) for k in range(start, stop, step)]
         n = len(self)
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"rank {i} of {n}")
-        return self._row(i)
+        return next(self._make(i, i + 1))
 
     def __iter__(self) -> Iterator[pb.RankInfo]:
-        """Every row, made in one go (the columns read out once: a pass costs about what one over rows does)."""
-        job, n = self._job, len(self)
-        packed, per, states = job.packed_ranks, job.spec.ranks_per_node, self.states
-        nodes = list(job.nodes)
-        codes = list(packed.exit_codes) or None
-        generations = list(packed.generations) or implied_generations(job, n)
-        pids = (list(packed.pids), list(packed.wrapper_pids)) if packed.pids else None
-        make = pb.RankInfo
-        for i in range(n):
-            local = i % per
-            row = make(rank=i, node=nodes[i // per], state=states[i], generation=generations[i])
-            if local:
-                row.local_rank = row.gpu = local
-            if codes is not None:
-                row.exit_code = codes[i]
-            if pids is not None:
-                row.pid, row.wrapper_pid = pids[0][i], pids[1][i]
-            yield row
+        return self._make(0, len(self))
 
     @property
     def exit_codes(self) -> Sequence[int] | None:
@@ -190,15 +172,18 @@ class Rows(Sequence):
         packed = self._job.packed_ranks
         return packed.generations[i] if packed.generations else group_generation(self._job, i)
 
-    def _rows(self, start: int, stop: int) -> list[pb.RankInfo]:
-        """The rows [start, stop) of one node (their generation is their group's, the same for them all)."""
+    def _make(self, start: int, stop: int) -> Iterator[pb.RankInfo]:
+        """The rows [start, stop), each made as it is reached; a node and its group's generation looked up once for
+        its ranks (fields set one by one: half the time of keyword arguments)."""
         job = self._job
         packed, per, states = job.packed_ranks, job.spec.ranks_per_node, self.states
-        node, codes, generations, pids = job.nodes[start // per], packed.exit_codes, packed.generations, packed.pids
-        generation = None if generations else group_generation(job, start)
-        rows = []
+        codes, generations, pids, wrappers = packed.exit_codes, packed.generations, packed.pids, packed.wrapper_pids
+        at, node, generation = -1, "", 0
         for i in range(start, stop):
-            row = pb.RankInfo()  # (fields set one by one: half the time of keyword arguments)
+            if i // per != at:
+                at = i // per
+                node, generation = job.nodes[at], 0 if generations else group_generation(job, i)
+            row = pb.RankInfo()
             row.rank, row.node, row.generation = i, node, generations[i] if generations else generation
             if state := states[i]:
                 row.state = state
@@ -207,23 +192,8 @@ class Rows(Sequence):
             if codes:
                 row.exit_code = codes[i]
             if pids:
-                row.pid, row.wrapper_pid = pids[i], packed.wrapper_pids[i]
-            rows.append(row)
-        return rows
-
-    def _row(self, i: int) -> pb.RankInfo:
-        job = self._job
-        packed, per = job.packed_ranks, job.spec.ranks_per_node
-        local = i % per
-        row = pb.RankInfo(rank=i, node=job.nodes[i // per], state=self.states[i])
-        if local:
-            row.local_rank = row.gpu = local
-        if packed.exit_codes:
-            row.exit_code = packed.exit_codes[i]
-        row.generation = packed.generations[i] if packed.generations else group_generation(job, i)
-        if packed.pids:
-            row.pid, row.wrapper_pid = packed.pids[i], packed.wrapper_pids[i]
-        return row
+                row.pid, row.wrapper_pid = pids[i], wrappers[i]
+            yield row
 
 
 def build(job: pb.Job, state: int = pb.RANK_STATE_UNSPECIFIED, packed_from: int | None = None) -> None:

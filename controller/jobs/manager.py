@@ -535,9 +535,7 @@ class JobManager:
             await self.lighthouses.stop(job.id)
         rebuilt = lifecycle.group_rebuilt(job) if job.generation != entry.generation else set()
         per = job.spec.ranks_per_node  # (rank r on node r // per: a generation's layout, either form)
-        nodes = {ranktable.rows(job)[r].node for r in rebuilt} if not ranktable.is_packed(job) else \
-            {job.nodes[r // per] for r in rebuilt}
-        entry.new_generation(job.generation, rebuilt, nodes)
+        entry.new_generation(job.generation, rebuilt, {job.nodes[r // per] for r in rebuilt})
         if rebuilt and entry.tracks:  # followed from its launch on, as every rank of a new generation is
             now = self.now()
             entry.tracks.update({r: monitors.RankTrack(last_advance=now, last_report=now) for r in rebuilt})

@@ -27,7 +27,8 @@ _RANK_STATES = frozenset(pb.RankState.values())
 
 
 class BadRecord(ValueError):
-    """A stored record whose packed rank table does not fit its job (its columns' lengths)."""
+    """A stored record whose packed rank table does not fit its job (its columns' lengths), or holds a state that is
+    no RankState."""
 
 
 def _column(job: pb.Job, name: str) -> tuple:

@@ -593,12 +593,9 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
     if len(over) == len(ranks):  # what befalls a node now costs no training: nothing to recover
         return _ending(job, now, policy, over, ranks)
     tracks, nccl = view.tracks, view.nccl
-    if isinstance(ranks, _Spans) and (tracks or nccl) and ranktable.is_packed(job):  # (rank r at r: no row made)
-        tracks = {r: view.tracks[r] for r in sorted(view.tracks) if ranks.holds_rank(r)}
+    if isinstance(ranks, _Spans) and (tracks or nccl):  # a group out of the quorum is judged no more (by its ranks'
+        tracks = {r: view.tracks[r] for r in sorted(view.tracks) if ranks.holds_rank(r)}  # numbers: no row made)
         nccl = {r: view.nccl[r] for r in sorted(view.nccl) if ranks.holds_rank(r)}
-    elif isinstance(ranks, _Spans) and (tracks or nccl):  # a group out of the quorum is judged no more
-        tracks = {r.rank: view.tracks[r.rank] for r in ranks if r.rank in view.tracks}
-        nccl = {r.rank: view.nccl[r.rank] for r in ranks if r.rank in view.nccl}
     since = max((g.since_unix_ns for g in job.groups), default=0) / 1e9 if grouped(job) else 0.0
     incident = detect(ranks, view.nodes, tracks, now, policy.recovery, nccl, view.fatal, over, since, odd, names,
                       view.unwell)

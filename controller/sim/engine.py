@@ -704,19 +704,17 @@ class Simulation:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none. A job holds
         every node of its record (this keeps it so): only those that came or went are looked at. `job.members` are
         the nodes of `before`, `members` those of `after`."""
-        if before.state in table.TERMINAL or after.state in table.TERMINAL:
-            held = set() if after.state in table.TERMINAL else members.union(after.spares)
-            named = job.members.union(before.spares)
-            had = set() if before.state in table.TERMINAL else named
-            gone, came = named - held, held - had
-        else:  # what came or went alone, found in C (none of the nodes where only the spares moved)
-            moved = members.symmetric_difference(job.members) if members is not job.members else set()
-            moved.update(before.spares, after.spares)
-            spares_before, spares_after = set(before.spares), set(after.spares)
-            gone = [n for n in moved if (n in job.members or n in spares_before) and
-                    n not in members and n not in spares_after]
-            came = [n for n in moved if (n in members or n in spares_after) and
-                    n not in job.members and n not in spares_before]
+        empty: set[str] = set()  # (a job that ended holds nothing)
+        nodes_before, spares_before = (empty, empty) if before.state in table.TERMINAL else \
+            (job.members, set(before.spares))
+        nodes_after, spares_after = (empty, empty) if after.state in table.TERMINAL else (members, set(after.spares))
+        # what came or went alone, found in C (none of the nodes where only the spares moved)
+        moved = nodes_after.symmetric_difference(nodes_before) if nodes_after is not nodes_before else set()
+        moved |= spares_before | spares_after
+        gone = [n for n in moved if (n in nodes_before or n in spares_before) and
+                n not in nodes_after and n not in spares_after]
+        came = [n for n in moved if (n in nodes_after or n in spares_after) and
+                n not in nodes_before and n not in spares_before]
         released = [name for name in gone if self.nodes[name].holder == job.job.id]
         for name in released:
             self.nodes[name].holder = ""
