@@ -19,6 +19,7 @@ batches of the steps the other trained alone) and the steps computed twice (gang
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -150,8 +151,7 @@ def gang_trial(fault: str, root: Path) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    from controller.lighthouse_main import extension
-    if extension() is None:
+    if importlib.util.find_spec("torchft") is None:
         return {"skipped": "torchft is not installed (pip install 'phalanx[ft]')"}
     out: dict = {"faults": {}}
     for fault in FAULTS[:1] if quick else FAULTS:

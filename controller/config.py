@@ -191,9 +191,10 @@ class RecoveryConfig:
 
 @dataclass(frozen=True)
 class ReplicasConfig:
-    lighthouse: bool = setting(True, "run torchft's lighthouse (the replica groups' quorum) for each job submitted "
-                               "with --replicas, as a process of its own on this host, when torchft is installed "
-                               "here (phalanx[ft]); its ranks are told TORCHFT_LIGHTHOUSE")
+    lighthouse: bool = setting(True, "run a lighthouse (the replica groups' quorum: torchft's service, served by "
+                               "Phalanx) for each job submitted with --replicas, as a process of its own on this "
+                               "host; its ranks are told TORCHFT_LIGHTHOUSE (torchft is needed on the nodes, not "
+                               "here)")
     lighthouse_host: str = setting("", "the address ranks reach the lighthouses at: this controller's, as the nodes "
                                    "know it (default: store.advertise's host, else listen's, else this host's "
                                    "name). A lighthouse outlives its controller, and the next leader takes it up "
@@ -207,9 +208,9 @@ class ReplicasConfig:
     lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on, each on a port of its own "
                                    "and a control port (torchft's service has no authentication; the control port "
                                    "takes a token: docs/concepts/threat-model.md)")
-    heartbeat_timeout_ms: int = setting(1000, "torchft's: a group whose heartbeats stop this long leaves the quorum; "
-                                        "the controller stops a group it has judged at once, so this is a healthy "
-                                        "group's pause at a fault (torchft's default 5000; bench/RESULTS.md)")
+    heartbeat_timeout_ms: int = setting(1000, "torchft's: a group whose heartbeats stop this long leaves the quorum. "
+                                        "A group the controller has judged leaves at once (the lighthouse is told), "
+                                        "so this counts only where that word is lost (torchft's default 5000)")
     join_timeout_ms: int = setting(1000, "torchft's: how long a quorum waits for more groups to join")
     quorum_tick_ms: int = setting(100, "torchft's: how often the lighthouse looks at its quorum")
 

@@ -1,18 +1,18 @@
-"""torchft's lighthouse (the quorum of a job's replica groups), one process per running replica-group job.
+"""The lighthouse of each running replica-group job (the quorum of its groups, controller/lighthouse_main.py): one
+process per job, started by the controller that places the job and stopped when the job ends.
 
-The controller that places the job starts its lighthouse and stops it when the job ends. The lighthouse outlives its
-controller: a controller that restarts, or another that takes over, takes it up again by its control port
-(controller/lighthouse_main.py), whose host, port and token are in the job's record, and the job's quorum never
-notices. torchft's managers ask the lighthouse for a quorum at every step, and one that finds it gone waits out its
-quorum timeout and fails: a lighthouse started again, even at the same port, restarts the job. Only when none is left
-to take up (its host lost) is one started again, at the port the ranks were told (`TORCHFT_LIGHTHOUSE=http://HOST:PORT`,
-HOST the record's: a name that follows the leader reaches the new one). One whose controller is gone for good ends
-after `[replicas] orphan_grace_s`. Health verdicts reach the quorum by the groups' own processes: the controller stops
-a group it has judged at once, and the lighthouse drops it `heartbeat_timeout_ms` later (torchft has no call to remove
-a member).
+The lighthouse outlives its controller: a controller that restarts, or another that takes over, takes it up again by
+its control port, whose host, port and token are in the job's record, and the job's quorum never notices. torchft's
+managers ask the lighthouse for a quorum at every step, and one that finds it gone waits out its quorum timeout and
+fails: a lighthouse started again, even at the same port, restarts the job. Only when none is left to take up (its
+host lost) is one started again, at the port the ranks were told (`TORCHFT_LIGHTHOUSE=http://HOST:PORT`, HOST the
+record's: a name that follows the leader reaches the new one). One whose controller is gone for good ends after
+`[replicas] orphan_grace_s`.
 
-Without torchft on the controller's host (`pip install 'phalanx[ft]'`), replica-group jobs run without a lighthouse
-of Phalanx's (the ranks are not told one), which the job's event log says once.
+Health verdicts reach the quorum at once: the controller stops a group it has judged and tells the lighthouse to
+take it out (`drop`), so that the healthy groups' next quorum is issued without it; without that word (a lighthouse
+of an earlier release, or the word lost) the lighthouse drops the group `heartbeat_timeout_ms` after its heartbeats
+stop, as torchft's does.
 """
 
 from __future__ import annotations
@@ -31,18 +31,18 @@ from dataclasses import dataclass
 
 from controller import lighthouse_main
 from controller.config import ReplicasConfig
-from controller.lighthouse_main import extension
 from phalanx import log
 
 logger = log.get("lighthouse")
 
 KEEP_TIMEOUT_S = 3.0  # connecting to a lighthouse's control port and hearing it say "kept"
-START_TIMEOUT_S = 30.0  # the child loads a native extension and binds: well under a second, but a Python start on
-# a loaded host can take seconds
+START_TIMEOUT_S = 30.0  # the child binds: well under a second, but a Python start on a loaded host can take seconds
+WHY_MAX = 200  # characters of a drop's reason sent (the control port reads lines of 256 at most)
 
 
 class LighthouseError(Exception):
-    """A lighthouse could not be started (torchft missing, the port taken): the job runs without one."""
+    """A lighthouse could not be started (the port taken, [replicas] lighthouse = false): the job runs without
+    one."""
 
 
 @dataclass
@@ -91,6 +91,15 @@ class Lighthouse:
     def url(self) -> str:
         return url(self.host, self.port)
 
+    def drop(self, group: int, why: str) -> bool:
+        """Tell it that replica group `group` leaves the quorum now (False: the word could not be sent; the
+        lighthouse drops the group when its heartbeats stop)."""
+        line = f"drop {group} {' '.join(why.split())[:WHY_MAX]}\n".encode()
+        try:
+            return self.keeper.send(line, socket.MSG_DONTWAIT) == len(line)
+        except OSError:
+            return False
+
 
 def describe(job, held: Lighthouse | None) -> None:
     """Write where the held lighthouse runs into the job's record (`job`, a pb.Job): its port, host, control port
@@ -114,13 +123,10 @@ class Lighthouses:
         self.running: dict[str, Lighthouse] = {}
         self._starting: dict[str, asyncio.Future[Lighthouse]] = {}
         self._let_go: list[Child] = []  # started here and let go (a demotion): reaped when they end
-        self._available: bool | None = None
         self.closed = False  # the controller stopped (or was demoted): none starts any more
 
     def available(self) -> bool:
-        if self._available is None:
-            self._available = self.cfg.lighthouse and extension() is not None
-        return self._available
+        return self.cfg.lighthouse
 
     async def ensure(self, job: str, port: int = 0, host: str = "", control: str = "",
                      token: str = "") -> Lighthouse:
@@ -155,8 +161,7 @@ class Lighthouses:
                 logger.info("lighthouse taken up", job=job, port=port, url=held.url(), control=control)
                 return held
         if not self.available():
-            raise LighthouseError("torchft is not installed on the controller's host (pip install 'phalanx[ft]'), "
-                                  "or [replicas] lighthouse = false")
+            raise LighthouseError("[replicas] lighthouse = false")
         return await self._start(job, port)
 
     async def _start(self, job: str, port: int) -> Lighthouse:
@@ -258,7 +263,7 @@ def _keep(control: str, token: str) -> socket.socket | None:
 
 def _spawn(argv: list[str], env: dict[str, str]) -> tuple[Child, int, int]:
     """Start `argv` with posix_spawn in a session of its own (it outlives this controller), its standard input
-    /dev/null, its output and its log (stderr) pipes to here, apart (torchft's log lines would mix into its ready
+    /dev/null, its output and its log (stderr) pipes to here, apart (a warning at its start would mix into its ready
     line): (the child, the read ends of its output and its log). Once ready it writes to neither. Not fork: the
     controller's gRPC threads make a forked child crash before its exec now and then (grpc's fork handlers: a
     SIGSEGV in a few starts of a hundred under load), and posix_spawn runs no fork handlers."""
@@ -280,7 +285,7 @@ def _spawn(argv: list[str], env: dict[str, str]) -> tuple[Child, int, int]:
 
 
 def _first_line(fd: int, timeout_s: float) -> str:
-    """The line it says it is ready with (or why not): torchft's own log lines before it are skipped. "" at its
+    """The line it says it is ready with (or why not): other lines before it (a warning) are skipped. "" at its
     end; an error line at the timeout."""
     deadline = time.monotonic() + timeout_s
     buffered = b""
@@ -303,7 +308,7 @@ def _first_line(fd: int, timeout_s: float) -> str:
 
 
 def _drain(fd: int) -> None:
-    """Read (and drop) what a running lighthouse writes until it ends (torchft logs each quorum)."""
+    """Read (and drop) what a running lighthouse writes until it ends."""
     try:
         while os.read(fd, 65536):
             pass

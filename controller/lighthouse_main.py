@@ -1,60 +1,103 @@
-"""torchft's lighthouse for one replica-group job, started by a controller (controller/lighthouse.py).
+"""The lighthouse of one replica-group job (the quorum of its groups), started by a controller
+(controller/lighthouse.py).
 
 `python -m controller.lighthouse_main --bind HOST:PORT --control-bind HOST:PORT --orphan-grace-s S
---heartbeat-timeout-ms N --join-timeout-ms N --quorum-tick-ms N` serves torchft's quorum, with
-PHALANX_LIGHTHOUSE_TOKEN in its environment. It prints `ready http://HOST:PORT CONTROL_PORT` once it listens, or
+--heartbeat-timeout-ms N --join-timeout-ms N --quorum-tick-ms N` serves torchft's lighthouse service (its gRPC
+`torchft.LighthouseService`: each group's torchft manager asks it for the quorum at every step and heartbeats to it),
+with PHALANX_LIGHTHOUSE_TOKEN in its environment. It prints `ready http://HOST:PORT CONTROL_PORT` once it listens, or
 `error: WHY` and exits 1.
+
+The quorum is torchft 0.2.0's (controller/quorum.py), with what torchft's own lighthouse has no call for: the
+controller takes a group it has judged out of the quorum at once (`drop`), so that the healthy groups go on at their
+next step instead of after the heartbeat timeout. It is Python and protobuf: the controller's host needs no torchft
+(and so no torch).
 
 It outlives the controller that started it: a controller that restarts, or another that takes over, takes it up
 again on its control port, and the job's quorum never notices (torchft's managers, which ask it for a quorum at every
 step, would otherwise wait out their quorum timeout and fail). The control port takes a connection that says the
-token first, then `keep` (a controller holds the connection open while it looks after the lighthouse) or `stop`. It
+token first, then `keep` (a controller holds the connection open while it looks after the lighthouse; it answers
+`kept`), `drop GROUP WHY` on that connection (replica group GROUP leaves the quorum now; no answer), or `stop`. It
 ends on `stop`, on SIGTERM, or once no controller has held it for the orphan grace (its controller gone for good).
-
-torchft's lighthouse is native code (`torchft._torchft`). Importing the `torchft` package imports torch, which neither
-the controller nor this process may: the extension is loaded from its file, by the path of torchft's package found
-without running it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hmac
-import importlib.machinery
-import importlib.util
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Callable
+
+import grpc
+
+from controller.quorum import Dropped, QuorumState
+from phalanx.torchft import lighthouse_pb2 as ft
+from phalanx.torchft import lighthouse_pb2_grpc as ft_grpc
+
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]  # a port another lighthouse holds is an error, not a shared port
 
 
-def extension() -> Path | None:
-    """torchft's native extension, if torchft is installed (found, not imported)."""
-    try:
-        spec = importlib.util.find_spec("torchft")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for where in spec.submodule_search_locations:
-        found = sorted(Path(where).glob("_torchft*.so"))
-        if found:
-            return found[0]
-    return None
+class Lighthouse(ft_grpc.LighthouseServiceServicer):
+    """torchft's lighthouse service on a QuorumState: a request waits for the first quorum that names it (one
+    that does not is joined again, as torchft's does), and the quorum is looked at on each request, each drop and
+    every tick."""
 
+    def __init__(self, state: QuorumState) -> None:
+        self.state = state
+        self.waiting: list[tuple[ft.QuorumMember, asyncio.Future[ft.Quorum]]] = []
+        self.reason = ""  # why the quorum is (not) met, as last looked at
+        self.issued = 0  # quorums issued
 
-def load(path: Path) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", str(path))
-    spec = importlib.util.spec_from_file_location("torchft._torchft", path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    async def Quorum(self, request: ft.LighthouseQuorumRequest, context) -> ft.LighthouseQuorumResponse:
+        if not request.HasField("requester"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
+        member = request.requester
+        loop = asyncio.get_running_loop()
+        waiter: tuple[ft.QuorumMember, asyncio.Future[ft.Quorum]] = (member, loop.create_future())
+        try:
+            self.state.join(member, loop.time())
+            self.waiting.append(waiter)
+            self.tick()
+            return ft.LighthouseQuorumResponse(quorum=await waiter[1])
+        except Dropped as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        finally:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(waiter)
+
+    async def Heartbeat(self, request: ft.LighthouseHeartbeatRequest, context) -> ft.LighthouseHeartbeatResponse:
+        self.state.heartbeat(request.replica_id, asyncio.get_running_loop().time())
+        return ft.LighthouseHeartbeatResponse()
+
+    def tick(self) -> None:
+        now = asyncio.get_running_loop().time()
+        quorum, self.reason = self.state.tick(now)
+        if quorum is None:
+            return
+        self.issued += 1
+        named = {p.replica_id for p in quorum.participants}
+        for member, future in self.waiting:
+            if future.done():
+                continue
+            if member.replica_id in named:
+                future.set_result(quorum)
+            else:  # not in it: asks for the next one
+                self.state.join(member, now)
+
+    def drop(self, group: int, why: str) -> None:
+        """Replica group `group` leaves the quorum now: its waiting requests are refused, and the others' quorum
+        is looked at at once."""
+        taken = self.state.drop(group, f"replica group {group} was taken out of the quorum by Phalanx: {why}")
+        for member, future in self.waiting:
+            if member.replica_id in taken and not future.done():
+                future.set_exception(Dropped(self.state.dropped[member.replica_id]))
+        self.tick()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,28 +115,35 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         print(f"error: no {TOKEN_ENV} in the environment", flush=True)
         return 1
-    path = extension()
-    if path is None:
-        print("error: torchft is not installed (pip install 'phalanx[ft]')", flush=True)
-        return 1
+    return asyncio.run(_serve(args, token))
+
+
+async def _serve(args: argparse.Namespace, token: str) -> int:
+    loop = asyncio.get_running_loop()
+    lighthouse = Lighthouse(QuorumState(args.min_replicas, args.join_timeout_ms / 1000,
+                                        args.heartbeat_timeout_ms / 1000))
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    ft_grpc.add_LighthouseServiceServicer_to_server(lighthouse, server)
     try:
-        server = load(path).LighthouseServer(bind=args.bind, min_replicas=args.min_replicas,
-                                             join_timeout_ms=args.join_timeout_ms,
-                                             quorum_tick_ms=args.quorum_tick_ms,
-                                             heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+        port = server.add_insecure_port(args.bind)
+        if not port:
+            raise OSError(f"could not bind {args.bind}")
+        await server.start()
         host = args.bind.rsplit(":", 1)[0].strip("[]")
-        control = Control(args.control_bind or f"{host}:0", token)
+        control = Control(args.control_bind or f"{host}:0", token,
+                          lambda group, why: loop.call_soon_threadsafe(lighthouse.drop, group, why))
     except Exception as e:  # a port taken, a bad address: said to the controller, which decides
         print(f"error: {e}", flush=True)
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: control.done.set())
+    loop.add_signal_handler(signal.SIGTERM, control.done.set)
     threading.Thread(target=control.serve, name="control", daemon=True).start()
-    print(f"ready {server.address()} {control.port}", flush=True)
+    print(f"ready http://{socket.gethostname()}:{port} {control.port}", flush=True)
     _detach()
-    while not control.done.wait(1.0):
-        if control.orphaned_for() > args.orphan_grace_s:
-            break
-    server.shutdown()
+    tick_s = args.quorum_tick_ms / 1000
+    while not control.done.is_set() and control.orphaned_for() <= args.orphan_grace_s:
+        await asyncio.sleep(tick_s)
+        lighthouse.tick()
+    await server.stop(grace=0)
     control.close()
     return 0
 
@@ -103,8 +153,8 @@ TOKEN_ENV = "PHALANX_LIGHTHOUSE_TOKEN"
 
 def _detach() -> None:
     """Once it has said it is ready, nothing of it writes to the controller that started it: its output goes
-    nowhere from now on (a write into the pipe of a controller that has gone would fail, and torchft's native log
-    would end the process with it). It keeps none of the controller's descriptors either."""
+    nowhere from now on (a write into the pipe of a controller that has gone would fail, and end the process with
+    it). It keeps none of the controller's descriptors either."""
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -150,9 +200,10 @@ def keepalive(sock: socket.socket) -> None:
 
 
 class Control:
-    """The control port: a controller's `keep` connection holds the lighthouse; `stop` ends it."""
+    """The control port: a controller's `keep` connection holds the lighthouse and says which groups to `drop`;
+    `stop` ends it."""
 
-    def __init__(self, bind: str, token: str) -> None:
+    def __init__(self, bind: str, token: str, drop: Callable[[int, str], object] = lambda group, why: None) -> None:
         host, _, port = bind.rpartition(":")
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -162,6 +213,7 @@ class Control:
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self.token = token.encode()
+        self.drop = drop
         self.done = threading.Event()
         self._slots = threading.BoundedSemaphore(CONNECTIONS)
         self._lock = threading.Lock()
@@ -201,6 +253,10 @@ class Control:
                         with self._lock:
                             self._keepers += 1
                         conn.sendall(b"kept\n")
+                    elif command.startswith(b"drop ") and kept:
+                        group, _, why = command[5:].decode(errors="replace").partition(" ")
+                        if group.isdigit():
+                            self.drop(int(group), why or "judged by the controller")
                     elif command == b"stop":
                         conn.sendall(b"stopping\n")
                         self.done.set()

@@ -74,6 +74,7 @@ class Sim:
         self.order = itertools.count()
         self.process = Process(epoch=0)
         self.launched: list[int] = []
+        self.left_quorum: list[tuple[int, str]] = []  # (group, why): LeaveQuorum, in order
         self.states: list[str] = []
         self.events: list[tuple[str, str]] = []
         self.incidents: list[str] = []  # the kind of every incident committed, in order
@@ -205,6 +206,8 @@ class Sim:
                 case lifecycle.WakeAt(at=at):
                     assert at > self.now - 1e-9, f"a wake-up in the past: {at - self.now}"
                     self.at(at, lambda: None)
+                case lifecycle.LeaveQuorum(group=group, reason=reason):
+                    self.left_quorum.append((group, reason))
                 case lifecycle.Event(kind=kind, message=message):
                     self.events.append((kind, message))
         return committed

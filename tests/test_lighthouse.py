@@ -1,26 +1,33 @@
-"""torchft's lighthouse as the controller runs it (controller/lighthouse.py): a process per replica-group job that
-never imports torch, outlives its controller and is taken up by the next (or ends after its grace), is started on the
-job's stored port again when it is gone, and a clear error without torchft."""
+"""The lighthouse as the controller runs it (controller/lighthouse.py): a process per replica-group job that never
+imports torch or torchft, outlives its controller and is taken up by the next (or ends after its grace), is started on
+the job's stored port again when it is gone, and takes a group the controller judged out of the quorum at once. It
+answers as torchft's own lighthouse does (run side by side with it) and torchft's client talks to it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
+import grpc
 import psutil
 import pytest
 
 from controller.config import ReplicasConfig
 from controller.lighthouse import LighthouseError, Lighthouses, describe
-from controller.lighthouse_main import extension
+from phalanx.torchft import lighthouse_pb2 as ft
+from phalanx.torchft import lighthouse_pb2_grpc as ft_grpc
 from phalanx.v1 import common_pb2
 
 pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
-needs_torchft = pytest.mark.skipif(extension() is None, reason="torchft is not installed (requirements-dev.txt)")
+needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                   reason="torchft is not installed (requirements-dev.txt)")
 
 CFG = ReplicasConfig(lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1")
 
@@ -39,7 +46,6 @@ async def closed(port: int) -> None:
     raise AssertionError(f"port {port} still listens")
 
 
-@needs_torchft
 def test_a_lighthouse_outlives_its_controller_and_the_next_one_takes_it_up():
     async def run() -> None:
         first = Lighthouses(CFG, "127.0.0.1")
@@ -70,7 +76,6 @@ def test_a_lighthouse_outlives_its_controller_and_the_next_one_takes_it_up():
     asyncio.run(run())
 
 
-@needs_torchft
 def test_a_lighthouse_no_controller_takes_up_ends_after_its_grace_and_the_token_guards_it():
     async def run() -> None:
         lighthouses = Lighthouses(ReplicasConfig(lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1",
@@ -101,23 +106,21 @@ def test_the_lighthouse_process_refuses_to_start_without_its_token():
     assert out.returncode == 1 and "error: no PHALANX_LIGHTHOUSE_TOKEN" in out.stdout
 
 
-@needs_torchft
-def test_the_lighthouse_process_loads_torchfts_native_code_without_torch():
-    code = ("import sys; from controller.lighthouse_main import extension, load; m = load(extension()); "
-            "print(hasattr(m, 'LighthouseServer'), 'torch' in sys.modules)")
+def test_the_lighthouse_process_imports_neither_torch_nor_torchft():
+    code = ("import sys, controller.lighthouse_main, controller.lighthouse; "
+            "print('torch' in sys.modules, 'torchft' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["True", "False"]
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_without_a_lighthouse_the_reason_is_said():
     async def run() -> None:
-        with pytest.raises(LighthouseError, match=r"pip install 'phalanx\[ft\]'\), or \[replicas\] lighthouse = false"):
+        with pytest.raises(LighthouseError, match=r"\[replicas\] lighthouse = false"):
             await Lighthouses(ReplicasConfig(lighthouse=False)).ensure("job-1")
 
     asyncio.run(run())
 
 
-@needs_torchft
 def test_a_port_taken_is_a_lighthouse_error_not_a_crash():
     async def run() -> None:
         with socket.socket() as s:
@@ -129,7 +132,6 @@ def test_a_port_taken_is_a_lighthouse_error_not_a_crash():
     asyncio.run(run())
 
 
-@needs_torchft
 def test_a_launch_cancelled_while_its_lighthouse_starts_leaves_it_looked_after_not_leaked():
     async def run() -> None:
         def started() -> set[int]:
@@ -149,5 +151,100 @@ def test_a_launch_cancelled_while_its_lighthouse_starts_leaves_it_looked_after_n
         assert lighthouses.held("job-1") is again and started() - before == {again.child.pid}
         await lighthouses.stop("job-1")
         await closed(again.port)
+
+    asyncio.run(run())
+
+
+# -- the same answers as torchft's lighthouse; torchft's client; a drop ----------------------------------------------
+
+SLOW = dict(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=100, heartbeat_timeout_ms=60_000)
+
+
+def ask(stub: ft_grpc.LighthouseServiceStub, names: list[str], timeout_s: float = 30.0, **fields) -> dict:
+    """Each of `names` asks for the quorum at once: replica id -> (quorum id, its members), or the gRPC status code
+    of a refusal."""
+    def one(name: str):
+        requester = ft.QuorumMember(replica_id=name, address=f"http://{name}", store_address="s:1", step=3,
+                                    world_size=2, **fields)
+        try:
+            quorum = stub.Quorum(ft.LighthouseQuorumRequest(requester=requester), timeout=timeout_s).quorum
+        except grpc.RpcError as e:
+            return e.code()
+        return quorum.quorum_id, tuple(p.replica_id for p in quorum.participants)
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        return dict(zip(names, pool.map(one, names), strict=True))
+
+
+def story(address: str) -> list[dict]:
+    """One run of requests whose answers do not depend on the order they arrive in (see each step)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = ft_grpc.LighthouseServiceStub(channel)
+        for name in ("j-group0:a", "j-group1:b"):
+            stub.Heartbeat(ft.LighthouseHeartbeatRequest(replica_id=name), timeout=10)
+        return [ask(stub, ["j-group0:a", "j-group1:b"]),  # both alive: issued once both asked
+                ask(stub, ["j-group1:b", "j-group0:a"]),  # the same members: a fast quorum, the same id
+                ask(stub, ["j-group2:c", "j-group0:a", "j-group1:b"]),  # a newcomer: in once the old members ask
+                ask(stub, ["j-group0:a", "j-group1:b", "j-group2:c"], commit_failures=1),  # a failed commit: new id
+                ask(stub, ["j-group2:c", "j-group1:b", "j-group0:a"], shrink_only=True)]  # the same: the same id
+
+
+@needs_torchft
+def test_the_lighthouse_answers_as_torchfts_own_does():
+    from torchft._torchft import LighthouseServer  # (imports torch: this test's process only)
+
+    native = LighthouseServer(bind="127.0.0.1:0", **SLOW)
+    try:
+        theirs = story(f"127.0.0.1:{native.address().rsplit(':', 1)[1]}")
+    finally:
+        native.shutdown()
+
+    async def ours() -> list[dict]:
+        lighthouses = Lighthouses(ReplicasConfig(lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1",
+                                                 join_timeout_ms=SLOW["join_timeout_ms"],
+                                                 heartbeat_timeout_ms=SLOW["heartbeat_timeout_ms"]), "127.0.0.1")
+        held = await lighthouses.ensure("job-1")
+        try:
+            return await asyncio.to_thread(story, f"127.0.0.1:{held.port}")
+        finally:
+            await lighthouses.stop("job-1")
+
+    mine = asyncio.run(ours())
+    assert mine == theirs
+    ab, abc = ("j-group0:a", "j-group1:b"), ("j-group0:a", "j-group1:b", "j-group2:c")
+    assert [sorted(set(step.values())) for step in mine] == [[(1, ab)], [(1, ab)], [(2, abc)], [(3, abc)], [(3, abc)]]
+
+
+@needs_torchft
+def test_a_group_dropped_by_the_controller_leaves_the_quorum_at_once_and_torchfts_client_is_answered():
+    from torchft._torchft import LighthouseClient
+
+    async def run() -> None:
+        lighthouses = Lighthouses(ReplicasConfig(lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1",
+                                                 heartbeat_timeout_ms=SLOW["heartbeat_timeout_ms"]), "127.0.0.1")
+        held = await lighthouses.ensure("job-1")
+        try:
+            client = LighthouseClient(f"http://127.0.0.1:{held.port}", connect_timeout=timedelta(seconds=30))
+            await asyncio.to_thread(client.heartbeat, "j-group1:b")
+
+            def torchfts(name: str) -> list[str]:
+                quorum = client.quorum(replica_id=name, timeout=timedelta(seconds=30), address="http://a",
+                                       store_address="s:1", step=3, world_size=2, shrink_only=False)
+                return [p.replica_id for p in quorum.participants]
+
+            both = await asyncio.gather(asyncio.to_thread(torchfts, "j-group0:a"),
+                                        asyncio.to_thread(torchfts, "j-group1:b"))
+            assert both == [["j-group0:a", "j-group1:b"]] * 2
+            assert held.drop(1, "node-b lost:  xid 79")
+            with grpc.insecure_channel(f"127.0.0.1:{held.port}") as channel:
+                stub = ft_grpc.LighthouseServiceStub(channel)
+                # group 1's heartbeats would hold the quorum for 60 s: dropped, it is not waited for
+                answers = await asyncio.to_thread(ask, stub, ["j-group0:a", "j-group1:b"])
+            assert answers == {"j-group0:a": (2, ("j-group0:a",)), "j-group1:b": grpc.StatusCode.FAILED_PRECONDITION}
+            with pytest.raises(Exception, match="replica group 1 was taken out of the quorum by Phalanx: node-b "
+                               "lost: xid 79"):
+                await asyncio.to_thread(torchfts, "j-group1:b")
+        finally:
+            await lighthouses.stop("job-1")
 
     asyncio.run(run())

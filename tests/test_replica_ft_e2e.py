@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from controller.lighthouse_main import extension
 from tests.cluster import alive
 from tests.ha_cluster import HaCluster
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow,
-              pytest.mark.skipif(extension() is None, reason="torchft is not installed (requirements-dev.txt)")]
+              pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                 reason="torchft is not installed (requirements-dev.txt)")]
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "examples" / "train_ft.py")
 NODES = ["node-a", "node-b", "node-c", "node-d", "node-e"]

@@ -60,6 +60,8 @@ def test_a_fault_in_one_group_restarts_that_group_alone_while_the_other_trains_o
     assert sim.states[seen:] == [], f"the job left RUNNING: {sim.states[seen:]}"
     assert "job.checkpoint" not in kinds  # no checkpoint: the healthy group holds the state
     assert kinds.count("job.group_left") == 1 and "job.group_rebuilding" in kinds and "job.group_joined" in kinds
+    # its lighthouse is told at once: the healthy group's next quorum does not wait for its heartbeats to stop
+    assert [g for g, _ in sim.left_quorum] == [0] and sim.left_quorum[0][1].startswith(f"{kind}: ")
     # the healthy group: the same ranks of the same generation, never stopped, still stepping
     assert [(r.rank, r.generation) for r in ranktable.rows(job) if r.node in GROUP1] == group1
     assert all(sim.nodes[n].ranks[(before, r)] == "running" for r, _ in group1 for n in GROUP1

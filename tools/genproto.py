@@ -17,7 +17,8 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE = Path("phalanx") / "v1"
-PACKAGES = (PACKAGE, Path("phalanx") / "nvhcd")  # ours, and NVRx's node health check (wire-compatible copy)
+# ours, and wire-compatible copies of NVRx's node health check and of torchft's lighthouse service
+PACKAGES = (PACKAGE, Path("phalanx") / "nvhcd", Path("phalanx") / "torchft")
 
 
 def generate(out: Path) -> list[Path]:

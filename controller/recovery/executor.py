@@ -321,6 +321,8 @@ class Executor:
                 case lifecycle.Pin(step=step):
                     entry.pinned = (entry.job.generation, step)
                     self.pin_snapshot(entry, step)
+                case lifecycle.LeaveQuorum(group=group, reason=reason):
+                    self._leave_quorum(entry, group, reason)
                 case lifecycle.Event(kind=kind, message=message):
                     await self.jobs.log(action, entry.job.id)
                     logger.info(kind.removeprefix("job."), job=entry.job.id, generation=entry.job.generation,
@@ -461,6 +463,14 @@ class Executor:
                                             (f", fetched from {', '.join(fetched)}" if fetched else "")), job.id)
         return restore
 
+    def _leave_quorum(self, entry: JobEntry, group: int, reason: str) -> None:
+        """Tell the job's lighthouse that `group` leaves the quorum now. Not held here (none, or one being taken up
+        again): it drops the group when its heartbeats stop."""
+        held = self.jobs.lighthouses.held(entry.job.id) if self.jobs.lighthouses is not None else None
+        told = held is not None and held.drop(group, reason)
+        logger.info("group out of the quorum", job=entry.job.id, group=group,
+                    how="dropped at once" if told else "when its heartbeats stop (the lighthouse was not told)")
+
     async def _lighthouse(self, job) -> str:
         """The URL of the replica-group job's torchft lighthouse: the one looked after here, else the one its record
         names taken up, else one started here (on the port its ranks were told, if any); "" without one (no
@@ -469,9 +479,8 @@ class Executor:
         lighthouses = self.jobs.lighthouses
         if lighthouses is None:
             return ""
-        if not lighthouses.available():  # not asked for, or torchft not installed here: the job runs without one
-            await self.jobs.no_lighthouse(job.id, "torchft is not installed on the controller's host (pip install "
-                                          "'phalanx[ft]'), or [replicas] lighthouse = false; its ranks are not told "
+        if not lighthouses.available():  # not asked for: the job runs without one
+            await self.jobs.no_lighthouse(job.id, "[replicas] lighthouse = false; its ranks are not told "
                                           "TORCHFT_LIGHTHOUSE")
             return ""
         try:

@@ -196,7 +196,16 @@ class Pin:
     step: int
 
 
-Action = Commit | Launch | Stop | Drain | RequestCheckpoint | WakeAt | Event | Prepare | Pin
+@dataclass(frozen=True)
+class LeaveQuorum:
+    """Take replica group `group` out of the job's quorum now (its lighthouse issues the others' next quorum without
+    it, not `heartbeat_timeout_ms` after its heartbeats stop): `reason` is what its managers' requests are refused
+    with."""
+    group: int
+    reason: str
+
+
+Action = Commit | Launch | Stop | Drain | RequestCheckpoint | WakeAt | Event | Prepare | Pin | LeaveQuorum
 
 # -- timings (protocol margins, not operator policy: those are in RecoveryConfig) --------------------
 
@@ -1204,7 +1213,8 @@ def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, 
     names = ", ".join(str(g) for g in sorted(hit))
     return [Commit(new, "job.group_left", f"{job.id}: replica group{'s' * (len(hit) > 1)} {names} {how}: "
                    f"{incident.kind}: {incident.reason}; {left} of {job.spec.replicas} train on",
-                   incident=incident.kind), *out]
+                   incident=incident.kind), *out,
+            *(LeaveQuorum(g, f"{incident.kind}: {incident.reason}") for g in sorted(hit))]
 
 
 def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
@@ -1331,7 +1341,7 @@ def _group_launched(job: pb.Job, g: int, view: JobView, now: float, policy: Poli
     _group_to(new, g, GROUP_STOPPING, why, now)
     return [Commit(new, "job.group_left", f"{job.id}: replica group {g}: {why}; it stops and launches again"),
             *stops(job, [n for n in group_members(job, g) if (v := view.nodes.get(n)) is not None and not v.down
-                         and v.connected], group.generation)]
+                         and v.connected], group.generation), LeaveQuorum(g, why)]
 
 
 def _cancelling(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:

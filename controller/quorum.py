@@ -1,0 +1,123 @@
+"""The quorum of a job's replica groups, as torchft's lighthouse keeps it, and the one thing torchft's lacks: a
+group the controller has judged is taken out at once (`drop`).
+
+Each replica group's torchft manager asks for a quorum at every step (`join`, then waits for the next quorum that
+names it) and says it is alive every ~100 ms (`heartbeat`). A quorum is issued (`tick`) when every group that was in
+the last one has asked again (a fast quorum), or when at least `min_replicas` have, more than half of those alive,
+and either every group alive has asked or `join_timeout_s` has passed since the first did. A group whose heartbeats
+stop for `heartbeat_timeout_s` is no longer alive. The quorum's id changes when its members do (or a member reports
+a failed commit): that is what makes the managers form their process group again.
+
+This is torchft 0.2.0's `quorum_compute` and `_quorum_tick` (src/lighthouse.rs), in the same order and with the same
+answers (tests/test_quorum.py runs both side by side). What torchft has no call for: a group whose node turned FAILED
+would hold the healthy groups for `heartbeat_timeout_s` (it stays alive while its managers' heartbeats go on, or
+until they stop), and a group stopped at a step boundary (a failing GPU, a straggler) likewise. `drop(group)` takes
+the group's members out now: their heartbeats no longer count, their requests are refused, and a quorum of the
+others is issued at once. A group is known by torchft's own rule, the digits its replica id ends with before the
+`:uuid` its manager adds (`REPLICA_GROUP_ID` in the examples' `replica_id=f"{job}-group{group}"`). The group
+launched again in its place has a manager of its own, so a replica id of its own: it is not dropped.
+
+Pure: time is passed in (seconds of a monotonic clock), so tests drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from phalanx.torchft import lighthouse_pb2 as ft
+
+
+class Dropped(Exception):
+    """A request of a member the controller took out of the quorum."""
+
+
+def group_of(replica_id: str) -> int:
+    """The replica group a member belongs to, by torchft's rule (`extract_trailing_digits` of the replica id before
+    its `:uuid`): 0 when it ends in no digits."""
+    name = replica_id.split(":", 1)[0]
+    digits = len(name) - len(name.rstrip("0123456789"))
+    return int(name[len(name) - digits:]) if digits else 0
+
+
+@dataclass
+class _Joined:
+    joined: float
+    member: ft.QuorumMember
+
+
+class QuorumState:
+    def __init__(self, min_replicas: int = 1, join_timeout_s: float = 1.0, heartbeat_timeout_s: float = 1.0) -> None:
+        self.min_replicas = min_replicas
+        self.join_timeout_s = join_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.participants: dict[str, _Joined] = {}  # asked since the last quorum
+        self.heartbeats: dict[str, float] = {}  # replica id -> when last heard
+        self.prev: ft.Quorum | None = None
+        self.quorum_id = 0
+        self.dropped: dict[str, str] = {}  # replica id -> why the controller took it out
+
+    def heartbeat(self, replica_id: str, now: float) -> None:
+        if replica_id not in self.dropped:
+            self.heartbeats[replica_id] = now
+
+    def join(self, member: ft.QuorumMember, now: float) -> None:
+        """`member` asks for the next quorum (an implicit heartbeat). Raises Dropped for one taken out."""
+        why = self.dropped.get(member.replica_id)
+        if why is not None:
+            raise Dropped(why)
+        self.heartbeats[member.replica_id] = now
+        self.participants[member.replica_id] = _Joined(now, member)
+
+    def drop(self, group: int, why: str) -> list[str]:
+        """Take replica group `group`'s members, as known now, out of the quorum (sorted): `why` is what their
+        requests are refused with."""
+        known = {*self.heartbeats, *self.participants, *(p.replica_id for p in self.prev.participants)} \
+            if self.prev is not None else {*self.heartbeats, *self.participants}
+        out = sorted(r for r in known if r not in self.dropped and group_of(r) == group)
+        for replica_id in out:
+            self.dropped[replica_id] = why
+            self.heartbeats.pop(replica_id, None)
+            self.participants.pop(replica_id, None)
+        return out
+
+    def compute(self, now: float) -> tuple[list[ft.QuorumMember] | None, str]:
+        """The quorum that would be issued now (None: not yet), and why (torchft's `quorum_compute`)."""
+        healthy = {r for r, last in self.heartbeats.items() if now - last < self.heartbeat_timeout_s}
+        joined = {r: d for r, d in self.participants.items() if r in healthy}
+        candidates = sorted((d.member for d in joined.values()), key=lambda m: m.replica_id)
+        shrink_only = any(d.member.shrink_only for d in joined.values())
+        metadata = (f"[{len(joined)}/{len(self.participants)} participants healthy][{len(healthy)} heartbeating]"
+                    f"[shrink_only={str(shrink_only).lower()}]")
+        if self.prev is not None:
+            before = {p.replica_id for p in self.prev.participants}
+            if shrink_only:
+                candidates = [m for m in candidates if m.replica_id in before]
+            if all(p.replica_id in joined for p in self.prev.participants):
+                return candidates, f"Fast quorum found! {metadata}"
+        if len(joined) < self.min_replicas:
+            return None, (f"New quorum not ready, only have {len(joined)} participants, need min_replicas "
+                          f"{self.min_replicas} {metadata}")
+        if len(joined) <= len(healthy) // 2:
+            return None, (f"New quorum not ready, only have {len(joined)} participants, need at least half of "
+                          f"{len(healthy)} healthy workers {metadata}")
+        first = min((d.joined for d in joined.values()), default=now)
+        if len(joined) != len(healthy) and now - first < self.join_timeout_s:
+            return None, (f"Valid quorum with {len(joined)} participants, waiting for {len(healthy) - len(joined)} "
+                          f"healthy but not participating stragglers due to join timeout {metadata}")
+        return candidates, f"Valid quorum found {metadata}"
+
+    def tick(self, now: float) -> tuple[ft.Quorum | None, str]:
+        """Issue the quorum if it is met (torchft's `_quorum_tick`): its id bumped when its members changed or one
+        reports a failed commit; the participants start over."""
+        members, reason = self.compute(now)
+        if members is None:
+            return None, reason
+        if self.prev is None or [m.replica_id for m in members] != [p.replica_id for p in self.prev.participants] \
+                or any(m.commit_failures > 0 for m in members):
+            self.quorum_id += 1
+        quorum = ft.Quorum(quorum_id=self.quorum_id, participants=members)
+        quorum.created.FromNanoseconds(time.time_ns())
+        self.prev = quorum
+        self.participants.clear()
+        return quorum, reason
