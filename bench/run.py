@@ -460,12 +460,6 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             rows.append(("replicas", f"{fault}: samples skipped (groups) / steps computed twice (gang)", "",
                          f"{g['samples_skipped']:,} ({g['steps_alone']} steps with one group) / "
                          f"{w['steps_computed_twice']}"))
-            fast = systems.get("groups-250ms")
-            if fast and "error" not in fast and fast.get("pause_s") is not None:
-                own = fast.get("step_s") or step
-                rows.append(("replicas", f"{fault}: the same, lighthouse heartbeat timeout 250 ms: pause / full "
-                             "strength", "groups <= 2 steps", f"{fast['pause_s']} / {fast['full_strength_s']} s"
-                             f"{_verdict(bool(own) and fast['pause_s'] <= 2 * own)}"))
     elif rep:
         rows.append(("replicas", "skipped", "", _first_line(str(rep.get("skipped") or rep.get("error") or rep))))
     r = results.get("recovery")

@@ -193,6 +193,10 @@ class Lighthouses:
         why = line.removeprefix("error: ") or f"it exited at start (code {child.poll()})"
         raise LighthouseError(why)
 
+    def starting(self, job: str) -> bool:
+        """Whether the job's lighthouse is being taken up or started now."""
+        return job in self._starting
+
     def held(self, job: str) -> Lighthouse | None:
         """The job's lighthouse, if this controller looks after it and it runs."""
         held = self.running.get(job)

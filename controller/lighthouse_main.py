@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(args: argparse.Namespace, token: str) -> int:
     loop = asyncio.get_running_loop()
+    # quorum ids from the wall clock in ms: one started again in the place of one gone (a restart, another host)
+    # issues none its managers have seen (the one before would have had to issue more than one a millisecond)
     lighthouse = Lighthouse(QuorumState(args.min_replicas, args.join_timeout_ms / 1000,
-                                        args.heartbeat_timeout_ms / 1000))
+                                        args.heartbeat_timeout_ms / 1000, first_id=time.time_ns() // 1_000_000))
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ft_grpc.add_LighthouseServiceServicer_to_server(lighthouse, server)
     try:

@@ -47,14 +47,18 @@ class _Joined:
 
 
 class QuorumState:
-    def __init__(self, min_replicas: int = 1, join_timeout_s: float = 1.0, heartbeat_timeout_s: float = 1.0) -> None:
+    def __init__(self, min_replicas: int = 1, join_timeout_s: float = 1.0, heartbeat_timeout_s: float = 1.0,
+                 first_id: int = 0) -> None:
+        """`first_id`: the quorum ids issued follow it (torchft's start at 0). A lighthouse started again in the
+        place of one gone must never issue an id the managers have seen: a manager forms its process group under
+        the quorum id's prefix in its store, where the keys of the earlier quorum of that id still are."""
         self.min_replicas = min_replicas
         self.join_timeout_s = join_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.participants: dict[str, _Joined] = {}  # asked since the last quorum
         self.heartbeats: dict[str, float] = {}  # replica id -> when last heard
         self.prev: ft.Quorum | None = None
-        self.quorum_id = 0
+        self.quorum_id = first_id
         self.dropped: dict[str, str] = {}  # replica id -> why the controller took it out
 
     def heartbeat(self, replica_id: str, now: float) -> None:

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -176,17 +177,21 @@ def ask(stub: ft_grpc.LighthouseServiceStub, names: list[str], timeout_s: float 
         return dict(zip(names, pool.map(one, names), strict=True))
 
 
-def story(address: str) -> list[dict]:
-    """One run of requests whose answers do not depend on the order they arrive in (see each step)."""
+def story(address: str) -> tuple[int, list[dict]]:
+    """One run of requests whose answers do not depend on the order they arrive in (see each step): the first
+    quorum's id, and each step's answers with the ids counted from it (torchft's first is 1, ours the clock's)."""
     with grpc.insecure_channel(address) as channel:
         stub = ft_grpc.LighthouseServiceStub(channel)
         for name in ("j-group0:a", "j-group1:b"):
             stub.Heartbeat(ft.LighthouseHeartbeatRequest(replica_id=name), timeout=10)
-        return [ask(stub, ["j-group0:a", "j-group1:b"]),  # both alive: issued once both asked
-                ask(stub, ["j-group1:b", "j-group0:a"]),  # the same members: a fast quorum, the same id
-                ask(stub, ["j-group2:c", "j-group0:a", "j-group1:b"]),  # a newcomer: in once the old members ask
-                ask(stub, ["j-group0:a", "j-group1:b", "j-group2:c"], commit_failures=1),  # a failed commit: new id
-                ask(stub, ["j-group2:c", "j-group1:b", "j-group0:a"], shrink_only=True)]  # the same: the same id
+        steps = [ask(stub, ["j-group0:a", "j-group1:b"]),  # both alive: issued once both asked
+                 ask(stub, ["j-group1:b", "j-group0:a"]),  # the same members: a fast quorum, the same id
+                 ask(stub, ["j-group2:c", "j-group0:a", "j-group1:b"]),  # a newcomer: in once the old members ask
+                 ask(stub, ["j-group0:a", "j-group1:b", "j-group2:c"], commit_failures=1),  # a failed commit: new id
+                 ask(stub, ["j-group2:c", "j-group1:b", "j-group0:a"], shrink_only=True)]  # the same: the same id
+    first = steps[0]["j-group0:a"][0]
+    return first, [{name: (quorum_id - first + 1, members) for name, (quorum_id, members) in step.items()}
+                   for step in steps]
 
 
 @needs_torchft
@@ -195,7 +200,7 @@ def test_the_lighthouse_answers_as_torchfts_own_does():
 
     native = LighthouseServer(bind="127.0.0.1:0", **SLOW)
     try:
-        theirs = story(f"127.0.0.1:{native.address().rsplit(':', 1)[1]}")
+        first, theirs = story(f"127.0.0.1:{native.address().rsplit(':', 1)[1]}")
     finally:
         native.shutdown()
 
@@ -209,8 +214,11 @@ def test_the_lighthouse_answers_as_torchfts_own_does():
         finally:
             await lighthouses.stop("job-1")
 
-    mine = asyncio.run(ours())
+    assert first == 1
+    started_ms = time.time_ns() // 1_000_000
+    first, mine = asyncio.run(ours())
     assert mine == theirs
+    assert first > started_ms  # a lighthouse started again never issues an id issued before
     ab, abc = ("j-group0:a", "j-group1:b"), ("j-group0:a", "j-group1:b", "j-group2:c")
     assert [sorted(set(step.values())) for step in mine] == [[(1, ab)], [(1, ab)], [(2, abc)], [(3, abc)], [(3, abc)]]
 
@@ -227,20 +235,22 @@ def test_a_group_dropped_by_the_controller_leaves_the_quorum_at_once_and_torchft
             client = LighthouseClient(f"http://127.0.0.1:{held.port}", connect_timeout=timedelta(seconds=30))
             await asyncio.to_thread(client.heartbeat, "j-group1:b")
 
-            def torchfts(name: str) -> list[str]:
+            def torchfts(name: str) -> tuple[int, list[str]]:
                 quorum = client.quorum(replica_id=name, timeout=timedelta(seconds=30), address="http://a",
                                        store_address="s:1", step=3, world_size=2, shrink_only=False)
-                return [p.replica_id for p in quorum.participants]
+                return quorum.quorum_id, [p.replica_id for p in quorum.participants]
 
             both = await asyncio.gather(asyncio.to_thread(torchfts, "j-group0:a"),
                                         asyncio.to_thread(torchfts, "j-group1:b"))
-            assert both == [["j-group0:a", "j-group1:b"]] * 2
+            first = both[0][0]
+            assert both == [(first, ["j-group0:a", "j-group1:b"])] * 2
             assert held.drop(1, "node-b lost:  xid 79")
             with grpc.insecure_channel(f"127.0.0.1:{held.port}") as channel:
                 stub = ft_grpc.LighthouseServiceStub(channel)
                 # group 1's heartbeats would hold the quorum for 60 s: dropped, it is not waited for
                 answers = await asyncio.to_thread(ask, stub, ["j-group0:a", "j-group1:b"])
-            assert answers == {"j-group0:a": (2, ("j-group0:a",)), "j-group1:b": grpc.StatusCode.FAILED_PRECONDITION}
+            assert answers == {"j-group0:a": (first + 1, ("j-group0:a",)),
+                               "j-group1:b": grpc.StatusCode.FAILED_PRECONDITION}
             with pytest.raises(Exception, match="replica group 1 was taken out of the quorum by Phalanx: node-b "
                                "lost: xid 79"):
                 await asyncio.to_thread(torchfts, "j-group1:b")

@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.cluster import alive
@@ -189,9 +190,10 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     print(f"{fault}: group 1's longest pause {max(gaps):.2f}s, {len(alone)} steps alone")
 
 
-def assert_carried_on(c, job_id: str, out: Path, at_kill: dict[int, list[dict]]) -> None:
+def assert_carried_on(c, job_id: str, out: Path, at_kill: dict[int, list[dict]], said: frozenset = frozenset()) -> None:
     """The job ended with no rank restarted, every rank took every step once, in order, every group held the same
-    model at every step, nothing was judged, and the run converged."""
+    model at every step, nothing was judged (no event but `said` of a lighthouse started again), and the run
+    converged."""
     before = {r: ranks[-1]["pid"] for r, ranks in at_kill.items()}
     waited = c.cli("wait", job_id)
     assert waited.returncode == 0, waited.stderr + c.log("controller", 60) + c.rank_logs(job_id)
@@ -205,7 +207,8 @@ def assert_carried_on(c, job_id: str, out: Path, at_kill: dict[int, list[dict]])
         assert [x["step"] for x in ranks if x["step"] >= since] == list(range(since, last + 1)), f"rank {r}"
     assert len(same_model_at_every_step(seen)) >= last - 60  # (every step, but a group's first few at its start)
     kinds = [e["kind"] for e in c.events(job=job_id)]
-    assert not {"job.group_left", "job.incident", "job.lighthouse"} & set(kinds), told
+    assert not {"job.group_left", "job.incident", "job.lighthouse"} - said & set(kinds), told
+    assert said <= set(kinds), told
     assert_converged(out, last + 1)
 
 
@@ -217,6 +220,18 @@ def test_a_controller_killed_and_restarted_leaves_every_group_training(cluster, 
     cluster.start_controller(CARRY_ON)
     cluster.wait_for(lambda: "lighthouse taken up" in cluster.log("controller", 200), "the lighthouse taken up")
     assert_carried_on(cluster, job_id, out, at_kill)
+
+
+def test_a_lighthouse_that_dies_is_started_again_and_every_group_trains_on(cluster, tmp_path):
+    """The job's lighthouse killed -9 while both groups train: the controller starts it again on the port the ranks
+    were told, their managers ask it again (TORCHFT_QUORUM_RETRIES), and no rank restarts or loses a step."""
+    job_id, out, at_kill = started(cluster, tmp_path, CARRY_ON)
+    [lighthouse] = [p for p in psutil.Process(cluster.procs["controller"].pid).children()
+                    if "controller.lighthouse_main" in p.cmdline()]
+    lighthouse.kill()
+    cluster.wait_for(lambda: "lighthouse started" in cluster.log("controller", 200).split("lighthouse gone")[-1],
+                     "the lighthouse started again")
+    assert_carried_on(cluster, job_id, out, at_kill, said=frozenset({"job.lighthouse"}))
 
 
 def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server):

@@ -486,10 +486,11 @@ class JobManager:
         await clocks.to_the_end(self._save(entry, commit))
 
     async def lighthouse(self, entry: JobEntry) -> None:
-        """A replica-group job loaded by a controller that restarted or took over: its lighthouse taken up (it
-        outlives its controller), else started again on the port its ranks were told, and then the record says so
-        at once (a controller that fails next must find that one). Without one the job runs on, its event log
-        saying why once. (A launch starts one too: Executor._launch.)"""
+        """A replica-group job loaded by a controller that restarted or took over, or one whose lighthouse is gone
+        (Executor._look_after_lighthouse): its lighthouse taken up (it outlives its controller), else started again
+        on the port its ranks were told, and then the record says so at once (a controller that fails next must
+        find that one). Without one the job runs on, its event log saying why once. (A launch starts one too:
+        Executor._launch.)"""
         job = entry.job
         if self.lighthouses is None or job.spec.replicas <= 1 or job.state == table.PENDING or \
                 self.lighthouses.closed:
@@ -508,9 +509,9 @@ class JobManager:
             if entry.job.state in ACTIVE:
                 await self.save(entry, lifecycle.Commit(
                     lifecycle.copied(entry.job), "job.lighthouse",
-                    f"{job.id}: its torchft lighthouse started again on port {held.port} (the one its record named "
-                    f"could not be taken up: {job.lighthouse_control or 'none named'}); its groups' managers wait "
-                    "out their quorum timeout, and a group that fails meanwhile restarts"))
+                    f"{job.id}: its lighthouse started again on port {held.port} (the one its record named could "
+                    f"not be taken up: {job.lighthouse_control or 'none named'}); its groups' managers ask it again "
+                    "and carry on (TORCHFT_QUORUM_RETRIES)"))
 
     async def no_lighthouse(self, job_id: str, why: str) -> None:
         """Say once in the job's event log that it runs without a lighthouse of the controller's, and why."""

@@ -89,6 +89,8 @@ class Jobs(Protocol):
 
     async def no_lighthouse(self, job_id: str, why: str) -> None: ...
 
+    async def lighthouse(self, entry: JobEntry) -> None: ...
+
 
 logger = log.get("recovery")
 
@@ -98,6 +100,12 @@ MAX_REST_S = 1.0
 # A job that ends waits this long at most for the Slurm drains of its evicted nodes (slurm.adrain: 3 tries of
 # 15 s at most): `phalanx run` exits when the job ends, and a requeued Slurm job could land on a node not drained.
 SLURM_DRAIN_WAIT_S = 10.0
+LIGHTHOUSE_LOOK_S = 2.0  # a running replica-group job's lighthouse found gone is started again at most this often
+# A replica group's torchft manager asks for its quorum this many times before its step fails (unless the job's own
+# environment sets TORCHFT_QUORUM_RETRIES): a lighthouse gone (it died, its host was lost) is started again by the
+# controller within seconds, and the groups carry on with it. torchft waits its quorum timeout / (this + 1) between
+# tries after an error (0.1 s at least), so a manager rides out a lighthouse's absence of about its quorum timeout.
+QUORUM_RETRIES = 20
 PREPARE_HOLD_S = 120.0  # a spare holds standbys this long unless asked again (lifecycle.PREPARE_RENEW_S)
 
 
@@ -134,6 +142,7 @@ class Executor:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
         self._slurm_drains: dict[str, list[asyncio.Task]] = {}  # job -> the Slurm drains of its evicted nodes
+        self._lighthouse_looked: dict[str, float] = {}  # job -> when its lighthouse, found gone, was last looked for
         self.pass_cpu = 0.0  # CPU the current pass's views and decisions took (its awaits excluded)
         self._fleet: _Fleet | None = None  # until the pass ends, a commit moves nodes or a node changes (fleet)
         self.rest_after = rest_after  # (a world in virtual time sets none: a rest measured in real CPU would make
@@ -178,6 +187,7 @@ class Executor:
         for entry in [*pending, *(e for e in entries if e.job.state in ACTIVE)]:
             try:
                 self.retell_checkpoint(entry)
+                self._look_after_lighthouse(entry)
                 await self.advance(entry)
             except asyncio.CancelledError:
                 raise
@@ -463,6 +473,22 @@ class Executor:
                                             (f", fetched from {', '.join(fetched)}" if fetched else "")), job.id)
         return restore
 
+    def _look_after_lighthouse(self, entry: JobEntry) -> None:
+        """A running replica-group job whose lighthouse is gone (its process died; taken up by no one) has one
+        started again, on the port its ranks were told: their managers ask it again (QUORUM_RETRIES) and carry on.
+        Looked for at most every LIGHTHOUSE_LOOK_S (a start that fails is said in the job's event log, once)."""
+        job, lighthouses = entry.job, self.jobs.lighthouses
+        if lighthouses is None or lighthouses.closed or not job.lighthouse_port or job.state != RUNNING or \
+                job.spec.replicas <= 1 or not lighthouses.available() or lighthouses.held(job.id) is not None or \
+                lighthouses.starting(job.id):
+            return
+        now = self.jobs.clock.monotonic()
+        if now - self._lighthouse_looked.get(job.id, -LIGHTHOUSE_LOOK_S) < LIGHTHOUSE_LOOK_S:
+            return
+        self._lighthouse_looked[job.id] = now
+        logger.warning("lighthouse gone: started again", job=job.id, port=job.lighthouse_port)
+        self._spawn(self.jobs.lighthouse(entry), f"lighthouse-{job.id}")
+
     def _leave_quorum(self, entry: JobEntry, group: int, reason: str) -> None:
         """Tell the job's lighthouse that `group` leaves the quorum now. Not held here (none, or one being taken up
         again): it drops the group when its heartbeats stop."""
@@ -513,6 +539,7 @@ class Executor:
                           TORCHELASTIC_RUN_ID=f"{job.id}-group{group}", PHALANX_REPLICA_GROUP=str(group))
             if lighthouse:
                 common["TORCHFT_LIGHTHOUSE"] = lighthouse
+                common.setdefault("TORCHFT_QUORUM_RETRIES", str(QUORUM_RETRIES))
         if spec.checkpoint_dir:
             common["PHALANX_CHECKPOINT_DIR"] = spec.checkpoint_dir
         if len(job.nodes) > 1:  # this node's ranks' snapshots are replicated to the next node of the job
