@@ -29,6 +29,7 @@ from agent.collectors.nvml import NvmlBackend
 from agent.collectors.sim import SimBackend
 from agent.collectors.topology import parse_cpulist, read_topology
 from agent.guarded import Guarded
+from agent.lighthouse_relay import Relays
 from agent.link import Link
 from agent.local_server import LocalState
 from agent.supervisor import AccountPolicy, Supervisor, resolve_account
@@ -104,6 +105,8 @@ class Agent:
                                      accounts=AccountPolicy(tuple(comma_list(sec.rank_accounts)), sec.root_ranks,
                                                             sec.agent_user_ranks), park_hold_s=cfg.park_hold_s)
         self.local = LocalState()
+        # replica-group jobs' lighthouses, at a port here that does not move (kept across the agent's restarts)
+        self.relays = Relays(Path(cfg.state_dir) / "lighthouse-relays.json")
         self.snapshots: snaps.Snapshots | None = None
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)
         self._snapshot_keys: dict[str, set] = {}
@@ -202,6 +205,7 @@ class Agent:
             self._report_dcgm(dcgm[0])
         self._tend_ranks()
         ranks = self.supervisor.statuses()
+        self.relays.keep({r.job for r in ranks})
         held = []
         if self.snapshots is not None:
             self._forget_snapshots(ranks)
@@ -284,6 +288,9 @@ class Agent:
             if body == "inject":
                 return node_pb2.CommandResult(ok=True, message=self._inject(command.inject))
             if body == "launch":
+                told = command.launch.env.get("TORCHFT_LIGHTHOUSE")
+                if told:  # the job's ranks reach its lighthouse through this node's relay, wherever it moves
+                    command.launch.env["TORCHFT_LIGHTHOUSE"] = self.relays.relay(command.launch.job, told)
                 env = self._rank_env(command.launch.job)
                 if command.launch.run_as:
                     env["PHALANX_AGENT_SOCKET"] = self._job_socket(command.launch.job, command.launch.run_as)
@@ -304,6 +311,9 @@ class Agent:
                     message += f"; {ended} warm standbys of {stop.job} ended"
                 self.link.beat_now()  # the controller waits for a heartbeat after the stop to go on
                 return node_pb2.CommandResult(ok=True, message=message)
+            if body == "lighthouse":
+                return node_pb2.CommandResult(ok=True, message=self.relays.point(command.lighthouse.job,
+                                                                                 command.lighthouse.url))
             if body == "reserve_port":
                 return node_pb2.CommandResult(ok=True, port=free_port(""))  # reachable from other nodes
             if body == "read_log":
@@ -484,6 +494,7 @@ class Agent:
         self.watch_gpu_events(asyncio.get_running_loop())
         self._gpu.refresh()  # the first scrape finds readings
         adopted = self.supervisor.adopt()
+        self.relays.restore()  # (those of jobs with no rank here close at the first heartbeat)
         if adopted:
             self.link.emit("adopted", f"agent on {self.name} re-adopted {len(adopted)} running ranks",
                            ranks=",".join(r.key for r in adopted))
@@ -544,6 +555,7 @@ class Agent:
             if self.snapshots is not None:
                 await self.snapshots.replicator.close()
             self.supervisor.warm.close()
+            self.relays.close()
             await metrics.close()
             if self.dcgm is not None:
                 self.dcgm.close()

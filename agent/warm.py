@@ -50,7 +50,8 @@ DEFAULT_IMPORTS = "torch,torch.distributed,torch._dynamo,trainlib"
 # take part in a recipe. A standby gets them, with everything else, when it is assigned.
 PER_LAUNCH = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                         "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_WORLD_SIZE", "ROLE_RANK", "RANK", "LOCAL_RANK",
-                        "CUDA_VISIBLE_DEVICES", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"})
+                        "CUDA_VISIBLE_DEVICES", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE",
+                        "TORCHFT_QUORUM_RETRIES"})
 PER_LAUNCH_PREFIXES = ("PHALANX_", "TORCHELASTIC_")
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?$")
 _FLAGS = re.compile(r"-[bBdEIOPqRsSuv]+$")  # interpreter flags without an argument; -X/-W take one

@@ -231,7 +231,16 @@ def job_dict(job: common_pb2.Job) -> dict[str, Any]:
                                             (g.index + 1) * len(job.nodes) // spec.replicas]),
                     "reason": g.reason or None, "incident_kind": g.incident_kind or None}
                    for g in job.groups] if spec.replicas > 1 else None,
+        "lighthouse": lighthouse_url(job),
     }
+
+
+def lighthouse_url(job: common_pb2.Job) -> str | None:
+    """Where a replica-group job's lighthouse runs (the ranks reach it through their node's relay)."""
+    if not job.lighthouse_port:
+        return None
+    host = job.lighthouse_host or "?"
+    return f"http://[{host}]:{job.lighthouse_port}" if ":" in host else f"http://{host}:{job.lighthouse_port}"
 
 
 def group_state(state: int) -> str:
@@ -289,6 +298,7 @@ def job_text(job: common_pb2.Job) -> str:
              f"  rendezvous:  {job.master_addr}:{job.master_port}" if job.master_port else "  rendezvous:  -",
              *(f"  group {g['group']}:     {g['state']} on {hostlist.compress(g['nodes'])}, generation "
                f"{g['generation']}" + (f" ({g['reason']})" if g["reason"] else "") for g in d["groups"] or ()),
+             *([f"  lighthouse:  {d['lighthouse']}"] if d["lighthouse"] else []),
              *(["  warm:        " + ", ".join(f"{node} {n}" for node, n in sorted(job.standbys.items()))
                 + " (standbys ready: a restart there skips starting Python and importing torch)"]
                if job.standbys else []),

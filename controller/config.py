@@ -210,7 +210,8 @@ class ReplicasConfig:
                                    "takes a token: docs/concepts/threat-model.md)")
     heartbeat_timeout_ms: int = setting(1000, "torchft's: a group whose heartbeats stop this long leaves the quorum. "
                                         "A group the controller has judged leaves at once (the lighthouse is told), "
-                                        "so this counts only where that word is lost (torchft's default 5000)")
+                                        "so this counts only where that word is lost, or where the group's "
+                                        "replica_id does not end in its REPLICA_GROUP_ID (torchft's default 5000)")
     join_timeout_ms: int = setting(1000, "torchft's: how long a quorum waits for more groups to join")
     quorum_tick_ms: int = setting(100, "torchft's: how often the lighthouse looks at its quorum")
 

@@ -2,12 +2,11 @@
 process per job, started by the controller that places the job and stopped when the job ends.
 
 The lighthouse outlives its controller: a controller that restarts, or another that takes over, takes it up again by
-its control port, whose host, port and token are in the job's record, and the job's quorum never notices. torchft's
-managers ask the lighthouse for a quorum at every step, and one that finds it gone waits out its quorum timeout and
-fails: a lighthouse started again, even at the same port, restarts the job. Only when none is left to take up (its
-host lost) is one started again, at the port the ranks were told (`TORCHFT_LIGHTHOUSE=http://HOST:PORT`, HOST the
-record's: a name that follows the leader reaches the new one). One whose controller is gone for good ends after
-`[replicas] orphan_grace_s`.
+its control port, whose host, port and token are in the job's record, and the job's quorum never notices. One that
+is gone (its process died, its host was lost) is started again: on the port the ranks were told if it is free, else
+on another; the job's nodes are told where it runs (Executor._tell_lighthouse), and each agent relays its ranks'
+TORCHFT_LIGHTHOUSE there (agent/lighthouse_relay.py), so torchft's managers, which ask again, reach it
+(TORCHFT_QUORUM_RETRIES). One whose controller is gone for good ends after `[replicas] orphan_grace_s`.
 
 Health verdicts reach the quorum at once: the controller stops a group it has judged and tells the lighthouse to
 take it out (`drop`), so that the healthy groups' next quorum is issued without it; without that word (a lighthouse
@@ -31,13 +30,16 @@ from dataclasses import dataclass
 
 from controller import lighthouse_main
 from controller.config import ReplicasConfig
+from controller.recovery.table import ACTIVE
 from phalanx import log
+from phalanx.v1 import common_pb2 as pb
 
 logger = log.get("lighthouse")
 
 KEEP_TIMEOUT_S = 3.0  # connecting to a lighthouse's control port and hearing it say "kept"
 START_TIMEOUT_S = 30.0  # the child binds: well under a second, but a Python start on a loaded host can take seconds
-WHY_MAX = 200  # characters of a drop's reason sent (the control port reads lines of 256 at most)
+AVOID_TRIES = 8  # starts on a port of the kernel's choosing before giving up on one no other job's ranks were told
+WHY_MAX = 200  # bytes of a drop's reason sent (the control port reads lines of 256 at most)
 
 
 class LighthouseError(Exception):
@@ -93,12 +95,21 @@ class Lighthouse:
 
     def drop(self, group: int, why: str) -> bool:
         """Tell it that replica group `group` leaves the quorum now (False: the word could not be sent; the
-        lighthouse drops the group when its heartbeats stop)."""
-        line = f"drop {group} {' '.join(why.split())[:WHY_MAX]}\n".encode()
+        lighthouse drops the group when its heartbeats stop). A line sent in part would run into the next: the
+        connection is closed then, and the lighthouse taken up again (Executor._look_after_lighthouse)."""
+        reason = " ".join(why.split()).encode()[:WHY_MAX].decode(errors="ignore")
+        line = f"drop {group} {reason}\n".encode()
         try:
-            return self.keeper.send(line, socket.MSG_DONTWAIT) == len(line)
-        except OSError:
+            sent = self.keeper.send(line, socket.MSG_DONTWAIT)
+        except BlockingIOError:
             return False
+        except OSError:
+            sent = 0
+        if sent != len(line):
+            with contextlib.suppress(OSError):
+                self.keeper.shutdown(socket.SHUT_RDWR)
+            return False
+        return True
 
 
 def describe(job, held: Lighthouse | None) -> None:
@@ -107,6 +118,23 @@ def describe(job, held: Lighthouse | None) -> None:
     if held is not None:
         job.lighthouse_port, job.lighthouse_host = held.port, held.host
         job.lighthouse_control, job.lighthouse_token = held.control, held.token
+
+
+def looks(job, jobs) -> dict:
+    """What Lighthouses.ensure is given for `job` (a pb.Job; `jobs`, every job's record): where its lighthouse
+    was, the ports other jobs' ranks were told, and, for one started in the place of one gone (the job had one),
+    the groups it is to expect (those training) and those leaving (stopping)."""
+    had = bool(job.lighthouse_port)
+    return {"port": job.lighthouse_port, "host": job.lighthouse_host, "control": job.lighthouse_control,
+            "token": job.lighthouse_token, "avoid": told_ports(jobs, job.id),
+            "expect": sum(g.state == pb.REPLICA_GROUP_TRAINING for g in job.groups) if had else 0,
+            "leaving": tuple(g.index for g in job.groups if g.state == pb.REPLICA_GROUP_STOPPING) if had else ()}
+
+
+def told_ports(jobs, job: str) -> frozenset[int]:
+    """The lighthouse ports the ranks of the active jobs in `jobs` (pb.Job records) other than `job` were told: a
+    lighthouse started on a port of the kernel's choosing avoids them (Lighthouses.ensure)."""
+    return frozenset(j.lighthouse_port for j in jobs if j.id != job and j.state in ACTIVE and j.lighthouse_port)
 
 
 def url(host: str, port: int) -> str:
@@ -129,11 +157,16 @@ class Lighthouses:
         return self.cfg.lighthouse
 
     async def ensure(self, job: str, port: int = 0, host: str = "", control: str = "",
-                     token: str = "") -> Lighthouse:
+                     token: str = "", avoid: frozenset[int] = frozenset(), expect: int = 0,
+                     leaving: tuple[int, ...] = ()) -> Lighthouse:
         """The job's lighthouse, looked after here: the one this controller holds; else the one the job's record
-        names (`host`, `control`, `token`), taken up; else one started here (on `port`, when the job had one: its
-        ranks were told it). Raises LighthouseError when none can run. One look per job at a time; a caller
-        cancelled meanwhile leaves it to finish (a lighthouse started is never left unkept)."""
+        names (`host`, `control`, `token`), taken up; else one started here (on `port`, when the job had one and it
+        is free: its ranks were told it; else on another, which the nodes' agents relay them to). Raises
+        LighthouseError when none can run. One look per job at a time; a caller cancelled meanwhile leaves it to
+        finish (a lighthouse started is never left unkept). `avoid`: the ports other jobs' ranks were told, which
+        one started on a port of the kernel's choosing must not take (their managers, asking again while theirs is
+        gone, would join this job's quorum). One started in the place of one gone is told how many groups `expect`
+        to train (its first quorum waits for them) and which are `leaving` the quorum (dropped at once)."""
         self._reap()
         held = self.running.get(job)
         if held is not None and held.alive():
@@ -144,7 +177,8 @@ class Lighthouses:
             raise LighthouseError("the controller is stopping")
         pending = self._starting.get(job)
         if pending is None:
-            pending = self._starting[job] = asyncio.ensure_future(self._find(job, port, host, control, token))
+            pending = self._starting[job] = asyncio.ensure_future(self._find(job, port, host, control, token, avoid,
+                                                                             expect, leaving))
             pending.add_done_callback(lambda f, j=job: self._started(j, f))
         return await asyncio.shield(pending)
 
@@ -153,7 +187,8 @@ class Lighthouses:
         if not done.cancelled() and done.exception() is not None:  # (retrieved: its callers may have gone)
             logger.debug("no lighthouse", job=job, error=str(done.exception()))
 
-    async def _find(self, job: str, port: int, host: str, control: str, token: str) -> Lighthouse:
+    async def _find(self, job: str, port: int, host: str, control: str, token: str, avoid: frozenset[int],
+                    expect: int, leaving: tuple[int, ...]) -> Lighthouse:
         if control and token:
             keeper = await asyncio.to_thread(_keep, control, token)
             if keeper is not None:
@@ -162,14 +197,31 @@ class Lighthouses:
                 return held
         if not self.available():
             raise LighthouseError("[replicas] lighthouse = false")
-        return await self._start(job, port)
+        held = None
+        if port:
+            try:
+                held = await self._start(job, port, expect)
+            except LighthouseError as e:
+                logger.warning("lighthouse port taken: started on another", job=job, port=port, error=str(e))
+        for _ in range(0 if held is not None else AVOID_TRIES):  # the nodes' agents relay their ranks to it
+            held = await self._start(job, 0, expect)  # (Executor._tell_lighthouse)
+            if held.port not in avoid:
+                break
+            await self._end_held(job)
+            held = None
+        if held is None:
+            raise LighthouseError(f"every port given was one another job's ranks were told ({AVOID_TRIES} tries)")
+        for group in leaving:
+            held.drop(group, "it left the quorum before this lighthouse started")
+        return held
 
-    async def _start(self, job: str, port: int) -> Lighthouse:
+    async def _start(self, job: str, port: int, expect: int = 0) -> Lighthouse:
         bind = self.cfg.lighthouse_bind
         argv = [sys.executable, "-m", lighthouse_main.__name__, "--bind", _join(bind, port),
                 "--control-bind", _join(bind, 0), "--orphan-grace-s", f"{self.cfg.orphan_grace_s:g}",
                 "--heartbeat-timeout-ms", str(self.cfg.heartbeat_timeout_ms),
-                "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms)]
+                "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms),
+                "--expect-groups", str(expect)]
         token = secrets.token_hex(16)
         child, out, log = _spawn(argv, {**os.environ, lighthouse_main.TOKEN_ENV: token})
         threading.Thread(target=_drain, args=(log,), name=f"lighthouse-log-{job}", daemon=True).start()
@@ -208,6 +260,12 @@ class Lighthouses:
         if pending is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(pending)
+        port = held.port if (held := self.running.get(job)) is not None else None
+        await self._end_held(job)
+        if port is not None:
+            logger.info("lighthouse stopped", job=job, port=port)
+
+    async def _end_held(self, job: str) -> None:
         held = self.running.pop(job, None)
         if held is None:
             return
@@ -216,7 +274,6 @@ class Lighthouses:
         held.keeper.close()
         if held.child is not None:
             await _end(held.child)
-        logger.info("lighthouse stopped", job=job, port=held.port)
 
     def _forget(self, job: str) -> None:
         held = self.running.pop(job, None)

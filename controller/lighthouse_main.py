@@ -16,7 +16,8 @@ It outlives the controller that started it: a controller that restarts, or anoth
 again on its control port, and the job's quorum never notices (torchft's managers, which ask it for a quorum at every
 step, would otherwise wait out their quorum timeout and fail). The control port takes a connection that says the
 token first, then `keep` (a controller holds the connection open while it looks after the lighthouse; it answers
-`kept`), `drop GROUP WHY` on that connection (replica group GROUP leaves the quorum now; no answer), or `stop`. It
+`kept`), `drop GROUP WHY` on that connection (replica group GROUP leaves the quorum now: controller/quorum.py; no
+answer), or `stop`. It
 ends on `stop`, on SIGTERM, or once no controller has held it for the orphan grace (its controller gone for good).
 """
 
@@ -62,11 +63,12 @@ class Lighthouse(ft_grpc.LighthouseServiceServicer):
         waiter: tuple[ft.QuorumMember, asyncio.Future[ft.Quorum]] = (member, loop.create_future())
         try:
             self.state.join(member, loop.time())
-            self.waiting.append(waiter)
+        except Dropped:  # taken out: answered at once with a quorum without it (its ranks' step fails)
+            return ft.LighthouseQuorumResponse(quorum=self.state.without(member.replica_id))
+        self.waiting.append(waiter)
+        try:
             self.tick()
             return ft.LighthouseQuorumResponse(quorum=await waiter[1])
-        except Dropped as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         finally:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(waiter)
@@ -88,15 +90,15 @@ class Lighthouse(ft_grpc.LighthouseServiceServicer):
             if member.replica_id in named:
                 future.set_result(quorum)
             else:  # not in it: asks for the next one
-                self.state.join(member, now)
+                self.state.rejoin(member, now)
 
     def drop(self, group: int, why: str) -> None:
-        """Replica group `group` leaves the quorum now: its waiting requests are refused, and the others' quorum
-        is looked at at once."""
+        """Replica group `group` leaves the quorum now: its waiting requests are answered with a quorum without it,
+        and the others' quorum is looked at at once."""
         taken = self.state.drop(group, f"replica group {group} was taken out of the quorum by Phalanx: {why}")
         for member, future in self.waiting:
             if member.replica_id in taken and not future.done():
-                future.set_exception(Dropped(self.state.dropped[member.replica_id]))
+                future.set_result(self.state.without(member.replica_id))
         self.tick()
 
 
@@ -110,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     p.add_argument("--join-timeout-ms", type=int, default=1000)
     p.add_argument("--quorum-tick-ms", type=int, default=100)
+    p.add_argument("--expect-groups", type=int, default=0, help="started again in the place of one gone: the first "
+                   "quorum waits for this many groups (for --expect-s at most)")
+    p.add_argument("--expect-s", type=float, default=30.0)
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")
     if not token:
@@ -123,7 +128,8 @@ async def _serve(args: argparse.Namespace, token: str) -> int:
     # quorum ids from the wall clock in ms: one started again in the place of one gone (a restart, another host)
     # issues none its managers have seen (the one before would have had to issue more than one a millisecond)
     lighthouse = Lighthouse(QuorumState(args.min_replicas, args.join_timeout_ms / 1000,
-                                        args.heartbeat_timeout_ms / 1000, first_id=time.time_ns() // 1_000_000))
+                                        args.heartbeat_timeout_ms / 1000, first_id=time.time_ns() // 1_000_000,
+                                        expect=args.expect_groups, expect_until=loop.time() + args.expect_s))
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ft_grpc.add_LighthouseServiceServicer_to_server(lighthouse, server)
     try:
@@ -132,8 +138,8 @@ async def _serve(args: argparse.Namespace, token: str) -> int:
             raise OSError(f"could not bind {args.bind}")
         await server.start()
         host = args.bind.rsplit(":", 1)[0].strip("[]")
-        control = Control(args.control_bind or f"{host}:0", token,
-                          lambda group, why: loop.call_soon_threadsafe(lighthouse.drop, group, why))
+        control = Control(args.control_bind or f"{host}:0", token, lambda group, why: _soon(loop, lighthouse.drop,
+                                                                                         group, why))
     except Exception as e:  # a port taken, a bad address: said to the controller, which decides
         print(f"error: {e}", flush=True)
         return 1
@@ -151,6 +157,12 @@ async def _serve(args: argparse.Namespace, token: str) -> int:
 
 
 TOKEN_ENV = "PHALANX_LIGHTHOUSE_TOKEN"
+
+
+def _soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
+    """`fn(*args)` in the loop, from the control thread (nothing once the loop has closed: the lighthouse ends)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _detach() -> None:

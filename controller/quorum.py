@@ -9,13 +9,15 @@ stop for `heartbeat_timeout_s` is no longer alive. The quorum's id changes when 
 a failed commit): that is what makes the managers form their process group again.
 
 This is torchft 0.2.0's `quorum_compute` and `_quorum_tick` (src/lighthouse.rs), in the same order and with the same
-answers (tests/test_quorum.py runs both side by side). What torchft has no call for: a group whose node turned FAILED
-would hold the healthy groups for `heartbeat_timeout_s` (it stays alive while its managers' heartbeats go on, or
-until they stop), and a group stopped at a step boundary (a failing GPU, a straggler) likewise. `drop(group)` takes
-the group's members out now: their heartbeats no longer count, their requests are refused, and a quorum of the
-others is issued at once. A group is known by torchft's own rule, the digits its replica id ends with before the
-`:uuid` its manager adds (`REPLICA_GROUP_ID` in the examples' `replica_id=f"{job}-group{group}"`). The group
-launched again in its place has a manager of its own, so a replica id of its own: it is not dropped.
+answers (tests/test_lighthouse.py runs both side by side). What torchft has no call for: a group whose node turned
+FAILED would hold the healthy groups for `heartbeat_timeout_s` (it stays alive while its managers' heartbeats go on,
+or until they stop), and a group stopped at a step boundary (a failing GPU, a straggler) likewise. `drop(group)` takes
+the group's members out now: their heartbeats no longer count, their requests are answered with a quorum that does
+not name them (so that their ranks' step fails at once: torchft's "not participating"), and a quorum of the others
+is issued at once. A group is known by torchft's own rule, the digits its replica id ends with before the `:uuid` its
+manager adds (`REPLICA_GROUP_ID` in the examples' `replica_id=f"{job}-group{group}"`); a replica id without both
+(torchft's bare uuid when none is given, a name without digits) is never dropped, nor is the last group known. The
+group launched again in its place has a manager of its own, so a replica id of its own: it is not dropped.
 
 Pure: time is passed in (seconds of a monotonic clock), so tests drive it.
 """
@@ -32,12 +34,13 @@ class Dropped(Exception):
     """A request of a member the controller took out of the quorum."""
 
 
-def group_of(replica_id: str) -> int:
+def group_of(replica_id: str) -> int | None:
     """The replica group a member belongs to, by torchft's rule (`extract_trailing_digits` of the replica id before
-    its `:uuid`): 0 when it ends in no digits."""
-    name = replica_id.split(":", 1)[0]
+    the `:uuid` its manager adds); None for an id that has no such name (torchft's bare uuid) or whose name ends in
+    no digits (torchft reads group 0 there, which would name every group so named)."""
+    name, colon, _ = replica_id.partition(":")
     digits = len(name) - len(name.rstrip("0123456789"))
-    return int(name[len(name) - digits:]) if digits else 0
+    return int(name[len(name) - digits:]) if colon and digits else None
 
 
 @dataclass
@@ -48,10 +51,15 @@ class _Joined:
 
 class QuorumState:
     def __init__(self, min_replicas: int = 1, join_timeout_s: float = 1.0, heartbeat_timeout_s: float = 1.0,
-                 first_id: int = 0) -> None:
+                 first_id: int = 0, expect: int = 0, expect_until: float = 0.0) -> None:
         """`first_id`: the quorum ids issued follow it (torchft's start at 0). A lighthouse started again in the
         place of one gone must never issue an id the managers have seen: a manager forms its process group under
-        the quorum id's prefix in its store, where the keys of the earlier quorum of that id still are."""
+        the quorum id's prefix in its store, where the keys of the earlier quorum of that id still are.
+
+        `expect`: the groups training when a lighthouse is started again in the place of one gone. Its first quorum
+        waits for that many until `expect_until`: their managers come back one by one as each asks again, and a
+        first quorum of the first to come would leave the others behind (they would take its state, and skip the
+        step it took alone)."""
         self.min_replicas = min_replicas
         self.join_timeout_s = join_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -60,6 +68,7 @@ class QuorumState:
         self.prev: ft.Quorum | None = None
         self.quorum_id = first_id
         self.dropped: dict[str, str] = {}  # replica id -> why the controller took it out
+        self.expect, self.expect_until = expect, expect_until
 
     def heartbeat(self, replica_id: str, now: float) -> None:
         if replica_id not in self.dropped:
@@ -73,12 +82,34 @@ class QuorumState:
         self.heartbeats[member.replica_id] = now
         self.participants[member.replica_id] = _Joined(now, member)
 
+    def rejoin(self, member: ft.QuorumMember, now: float) -> None:
+        """`member`, still waiting, was not in the quorum just issued: it asks for the next (torchft's re-insert, no
+        heartbeat: one whose heartbeats stopped stays out)."""
+        if member.replica_id not in self.dropped:
+            self.participants[member.replica_id] = _Joined(now, member)
+
+    def without(self, replica_id: str) -> ft.Quorum:
+        """What a member taken out is answered: the quorum as it stands, without it (torchft's manager then fails
+        its ranks' step at once: "not participating")."""
+        quorum = ft.Quorum(quorum_id=self.quorum_id)
+        if self.prev is not None:
+            quorum.CopyFrom(self.prev)
+            quorum.quorum_id = self.quorum_id
+            kept = [p for p in self.prev.participants if p.replica_id != replica_id and p.replica_id not in
+                    self.dropped]
+            del quorum.participants[:]
+            quorum.participants.extend(kept)
+        return quorum
+
     def drop(self, group: int, why: str) -> list[str]:
-        """Take replica group `group`'s members, as known now, out of the quorum (sorted): `why` is what their
-        requests are refused with."""
+        """Take replica group `group`'s members, as known now, out of the quorum (sorted; none when that would take
+        every member known: the group is not told apart from the others)."""
         known = {*self.heartbeats, *self.participants, *(p.replica_id for p in self.prev.participants)} \
             if self.prev is not None else {*self.heartbeats, *self.participants}
-        out = sorted(r for r in known if r not in self.dropped and group_of(r) == group)
+        known -= self.dropped.keys()
+        out = sorted(r for r in known if group_of(r) == group)
+        if len(out) == len(known):
+            return []
         for replica_id in out:
             self.dropped[replica_id] = why
             self.heartbeats.pop(replica_id, None)
@@ -99,6 +130,9 @@ class QuorumState:
                 candidates = [m for m in candidates if m.replica_id in before]
             if all(p.replica_id in joined for p in self.prev.participants):
                 return candidates, f"Fast quorum found! {metadata}"
+        if self.prev is None and len(joined) < self.expect and now < self.expect_until:
+            return None, (f"New quorum not ready, only have {len(joined)} participants, expecting the {self.expect} "
+                          f"groups that trained before this lighthouse started {metadata}")
         if len(joined) < self.min_replicas:
             return None, (f"New quorum not ready, only have {len(joined)} participants, need min_replicas "
                           f"{self.min_replicas} {metadata}")

@@ -74,13 +74,14 @@ def test_a_group_whose_heartbeats_stop_leaves_after_the_heartbeat_timeout_and_sh
         formed(QuorumState(min_replicas=2), ["g0:a"], 0.0)  # fewer than min_replicas
 
 
-def test_a_dropped_group_leaves_at_once_its_requests_are_refused_and_its_replacement_is_admitted():
+def test_a_dropped_group_leaves_at_once_its_requests_are_answered_without_it_and_its_replacement_is_admitted():
     state = QuorumState(min_replicas=1, join_timeout_s=60, heartbeat_timeout_s=60)
     formed(state, ["j-group0:a", "j-group1:b", "j-group12:c"], 0.0)
     assert state.drop(1, "node-b lost") == ["j-group1:b"]  # group 1, not group 12
     state.heartbeat("j-group1:b", 0.1)  # its managers' heartbeats go on: they no longer count
     with pytest.raises(Dropped, match="node-b lost"):
         state.join(member("j-group1:b"), 0.1)
+    assert ids(state.without("j-group1:b")) == ["j-group0:a", "j-group12:c"]  # what it is answered
     state.join(member("j-group0:a"), 0.2)
     state.join(member("j-group12:c"), 0.2)
     quorum = state.tick(0.2)[0]  # without waiting out its heartbeats (60 s)
@@ -92,6 +93,44 @@ def test_a_dropped_group_leaves_at_once_its_requests_are_refused_and_its_replace
     assert ids(state.tick(5.0)[0]) == ["j-group0:a", "j-group12:c", "j-group1:d"]
 
 
+def test_a_drop_takes_no_group_it_cannot_tell_apart():
+    state = QuorumState(min_replicas=1, join_timeout_s=60, heartbeat_timeout_s=60)
+    formed(state, ["trainer:a", "trainer:b", "7f3e-uuid-0"], 0.0)  # no digits before the uuid; a bare uuid
+    assert state.drop(0, "x") == [] and state.drop(0, "x") == []
+    state = QuorumState(min_replicas=1, join_timeout_s=60, heartbeat_timeout_s=60)
+    formed(state, ["g0:a", "g0:b"], 0.0)  # every group named alike: dropping it would take them all
+    assert state.drop(0, "x") == [] and not state.dropped
+
+
+def test_a_waiting_member_whose_heartbeats_stopped_is_not_brought_back_by_a_quorum_it_is_not_in():
+    state = QuorumState(min_replicas=1, join_timeout_s=60, heartbeat_timeout_s=1)
+    formed(state, ["g0:a", "g1:b", "g2:c"], 0.0)
+    state.join(member("g2:c"), 0.1)  # c asks, then falls silent (a process stopped); its request waits
+    for t in (0.5, 1.0):
+        state.heartbeat("g0:a", t)
+        state.heartbeat("g1:b", t)
+    state.join(member("g0:a"), 1.2)
+    state.join(member("g1:b"), 1.2)
+    quorum = state.tick(1.2)[0]  # c's heartbeat is 1.1 s old: out
+    assert ids(quorum) == ["g0:a", "g1:b"] and quorum.quorum_id == 2
+    state.rejoin(member("g2:c"), 1.2)  # (the lighthouse puts the waiting c back among the participants)
+    state.join(member("g0:a"), 1.3)
+    state.join(member("g1:b"), 1.3)
+    again = state.tick(1.3)[0]  # a fast quorum of a and b: c, still silent, stays out
+    assert ids(again) == ["g0:a", "g1:b"] and again.quorum_id == 2
+
+
 def test_a_group_is_known_by_torchfts_rule():
-    assert [group_of(r) for r in ("job-1-group0:u", "job-1-group17:u", "replica3", "no-digits:x", "7:1", "")] == \
-        [0, 17, 3, 0, 7, 0]
+    assert [group_of(r) for r in ("job-1-group0:u", "job-1-group17:u", "replica3:u", "no-digits:x", "7:1", "",
+                                  "job-1-group3", "0b1c2d3e-uuid")] == [0, 17, 3, None, 7, None, None, None]
+
+
+def test_a_lighthouse_started_again_waits_for_the_groups_that_trained_before_its_first_quorum():
+    state = QuorumState(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=60, expect=2, expect_until=30.0)
+    state.join(member("g1:b"), 0.0)  # the first manager to ask again: alone, it would form the quorum by itself
+    assert state.tick(0.0)[0] is None and "expecting the 2 groups" in state.tick(5.0)[1]
+    state.join(member("g0:a"), 6.0)
+    assert ids(state.tick(6.0)[0]) == ["g0:a", "g1:b"]
+    late = QuorumState(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=60, expect=2, expect_until=30.0)
+    late.join(member("g1:b"), 0.0)  # the other never comes back: not waited for past expect_until
+    assert ids(late.tick(30.0)[0]) == ["g1:b"]

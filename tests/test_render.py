@@ -84,3 +84,16 @@ def test_a_job_whose_rank_table_is_packed_is_shown_with_every_rank_as_one_in_row
     assert ranktable.is_packed(packed) and not packed.ranks
     assert job_dict(packed)["ranks"] == job_dict(rows)["ranks"] and job_dict(packed)["world_size"] == 2
     assert job_text(packed) == job_text(rows)
+
+
+def test_a_replica_group_jobs_lighthouse_is_shown_and_in_the_json():
+    job = common_pb2.Job(id="job-1", spec=common_pb2.JobSpec(nodes=2, ranks_per_node=1, replicas=2),
+                         nodes=["a", "b"], lighthouse_port=29510, lighthouse_host="10.0.0.1",
+                         lighthouse_token="secret")
+    job.groups.add(index=0)
+    job.groups.add(index=1)
+    assert job_dict(job)["lighthouse"] == "http://10.0.0.1:29510"
+    assert "  lighthouse:  http://10.0.0.1:29510" in job_text(job) and "secret" not in job_text(job)
+    job.lighthouse_host = "fd00::1"
+    assert job_dict(job)["lighthouse"] == "http://[fd00::1]:29510"
+    assert job_dict(common_pb2.Job(id="job-2"))["lighthouse"] is None

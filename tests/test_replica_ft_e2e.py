@@ -3,10 +3,12 @@ examples/train_ft.py on 2 groups x 2 ranks (gloo, CPU) with a spare. A kill -9 o
 group never restarts and never loses a step, the failed group's replacement recovers the state from it over the
 network and joins, every group holds bit-identical parameters at every step, and the run converges."""
 
+import contextlib
 import importlib.util
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -96,10 +98,11 @@ def inject(cluster, fault: str, pid: int, node: str) -> None:
         assert cluster.cli("inject", node, "--gpu", "0", fault).returncode == 0
 
 
-def started(cluster, tmp_path: Path, controller: str = CONTROLLER) -> tuple[str, Path, dict[int, list[dict]]]:
-    """The controller(s) and the five agents, and the job training: (its id, its output, each rank's commits so
-    far)."""
-    cluster.start_controller(controller)
+def started(cluster, tmp_path: Path, controller: str | None = CONTROLLER) -> tuple[str, Path, dict[int, list[dict]]]:
+    """The controller(s) (None: started already) and the five agents, and the job training: (its id, its output,
+    each rank's commits so far)."""
+    if controller is not None:
+        cluster.start_controller(controller)
     for name in NODES:
         cluster.start_agent(name, gpus=2)
     cluster.wait_states(dict.fromkeys(NODES, "UP"))
@@ -222,16 +225,33 @@ def test_a_controller_killed_and_restarted_leaves_every_group_training(cluster, 
     assert_carried_on(cluster, job_id, out, at_kill)
 
 
-def test_a_lighthouse_that_dies_is_started_again_and_every_group_trains_on(cluster, tmp_path):
-    """The job's lighthouse killed -9 while both groups train: the controller starts it again on the port the ranks
-    were told, their managers ask it again (TORCHFT_QUORUM_RETRIES), and no rank restarts or loses a step."""
+def test_a_lighthouse_that_dies_is_started_again_elsewhere_and_every_group_trains_on(cluster, tmp_path):
+    """The job's lighthouse killed -9 while both groups train, and its port taken by another process before the
+    controller looks: the controller starts it again on another port and tells the job's nodes, whose agents relay
+    the ranks' unchanged TORCHFT_LIGHTHOUSE there; the managers ask it again (TORCHFT_QUORUM_RETRIES), and no rank
+    restarts or loses a step."""
     job_id, out, at_kill = started(cluster, tmp_path, CARRY_ON)
-    [lighthouse] = [p for p in psutil.Process(cluster.procs["controller"].pid).children()
-                    if "controller.lighthouse_main" in p.cmdline()]
-    lighthouse.kill()
-    cluster.wait_for(lambda: "lighthouse started" in cluster.log("controller", 200).split("lighthouse gone")[-1],
-                     "the lighthouse started again")
-    assert_carried_on(cluster, job_id, out, at_kill, said=frozenset({"job.lighthouse"}))
+    controller = cluster.procs["controller"]
+    [lighthouse] = [p for p in psutil.Process(controller.pid).children() if "controller.lighthouse_main" in p.cmdline()]
+    port = int(json.loads(cluster.cli("job", job_id, "--json").stdout)["lighthouse"].rsplit(":", 1)[1])
+    taken: list[socket.socket] = []
+
+    def take() -> bool:
+        with contextlib.suppress(OSError):
+            taken.append(socket.create_server(("127.0.0.1", port)))
+        return bool(taken)
+
+    os.kill(controller.pid, signal.SIGSTOP)  # (so that it cannot look before the port is taken)
+    try:
+        lighthouse.kill()
+        cluster.wait_for(take, "the lighthouse's port free, and taken by another process")
+    finally:
+        os.kill(controller.pid, signal.SIGCONT)
+    with taken[0]:
+        cluster.wait_for(lambda: "job.lighthouse" in [e["kind"] for e in cluster.events(job=job_id)],
+                         "the lighthouse started again")
+        assert not json.loads(cluster.cli("job", job_id, "--json").stdout)["lighthouse"].endswith(f":{port}")
+        assert_carried_on(cluster, job_id, out, at_kill, said=frozenset({"job.lighthouse"}))
 
 
 def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server):
@@ -246,5 +266,31 @@ def test_a_controller_takeover_leaves_every_group_training(tmp_path, etcd_server
         assert_carried_on(ha, job_id, out, at_kill)
         new, _ = ha.leader()
         assert "lighthouse taken up" in ha.log(new, 400)
+    finally:
+        ha.close()
+
+
+def test_a_controllers_host_lost_with_the_lighthouse_the_next_leader_starts_it_on_its_own_and_training_goes_on(
+        tmp_path, etcd_server):
+    """Two controllers on etcd, each host's lighthouses on an address of its own (127.0.0.1, 127.0.0.2): the leader
+    and the job's lighthouse killed -9 together (its host lost) while both groups train. The new leader cannot take
+    the lighthouse up, starts it on its own address, and tells the job's nodes, whose agents relay the ranks'
+    unchanged TORCHFT_LIGHTHOUSE there: no rank restarts or loses a step."""
+    ha = HaCluster(tmp_path, etcd_server.endpoint, controllers=2)
+    try:
+        first, second = ha.names
+        ha.start_controller(CARRY_ON, name=first)  # (the first leads: started alone)
+        ha.start_controller(CARRY_ON.replace("127.0.0.1", "127.0.0.2"), name=second)
+        assert ha.leader()[0] == first
+        job_id, out, at_kill = started(ha, tmp_path, None)
+        assert json.loads(ha.cli("job", job_id, "--json").stdout)["lighthouse"].startswith("http://127.0.0.1:")
+        [lighthouse] = [p for p in psutil.Process(ha.procs[first].pid).children()
+                        if "controller.lighthouse_main" in p.cmdline()]
+        lighthouse.kill()
+        ha.kill(first, signal.SIGKILL)
+        ha.wait_for(lambda: (ha.leader() or (first,))[0] == second, "the second controller leads")
+        ha.wait_for(lambda: (json.loads(ha.cli("job", job_id, "--json").stdout)["lighthouse"] or "").startswith(
+            "http://127.0.0.2:"), "the lighthouse started on the new leader's address")
+        assert_carried_on(ha, job_id, out, at_kill, said=frozenset({"job.lighthouse"}))
     finally:
         ha.close()

@@ -20,7 +20,7 @@ from controller.config import JobsConfig, RecoveryConfig
 from controller.errors import FailedPrecondition, InvalidArgument, NotFound
 from controller.jobs import record as job_record
 from controller.jobs.topology import ClusterTopology
-from controller.lighthouse import LighthouseError, Lighthouses, describe
+from controller.lighthouse import LighthouseError, Lighthouses, describe, looks
 from controller.nodes.registry import NodeEntry, Registry
 from controller.obs.events import EventHub
 from controller.obs.stats import RECOVERY_BUCKETS_S, Buckets
@@ -493,13 +493,12 @@ class JobManager:
         Executor._launch.)"""
         job = entry.job
         if self.lighthouses is None or job.spec.replicas <= 1 or job.state == table.PENDING or \
-                self.lighthouses.closed:
+                job.state not in ACTIVE or self.lighthouses.closed:
             return
         try:
-            held = await self.lighthouses.ensure(job.id, job.lighthouse_port, job.lighthouse_host,
-                                                 job.lighthouse_control, job.lighthouse_token)
-        except LighthouseError as e:  # a port its ranks were told is kept: tried again at the next launch
-            told = (f"tried again at its next launch (its ranks were told port {job.lighthouse_port})"
+            held = await self.lighthouses.ensure(job.id, **looks(job, (e.job for e in self.entries.values())))
+        except LighthouseError as e:  # tried again while the job runs, less and less often, and at each launch
+            told = (f"tried again while it runs (its ranks were told port {job.lighthouse_port})"
                     if job.lighthouse_port else "its ranks are not told TORCHFT_LIGHTHOUSE")
             await self.no_lighthouse(job.id, f"{e}; {told}")
             return

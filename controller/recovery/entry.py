@@ -69,6 +69,8 @@ class JobEntry:
     prepared: dict[str, float] = field(default_factory=dict)  # spare -> when (the job manager's now) it was last asked
     # to hold standbys (lifecycle.upkeep)
     standbys: dict[str, int] = field(default_factory=dict)  # node -> warm standbys of the job ready there
+    lighthouse_told: str = ""  # replica groups: the lighthouse's URL the job's nodes were last told (their relays)
+    lighthouse_untold: set[str] = field(default_factory=set)  # nodes of the job yet to hear it
     # what is derived from the record, by name, with the record it was derived from (recomputed when it changes)
     derived: dict[str, tuple[object, object]] = field(default_factory=dict)
 

@@ -11,6 +11,7 @@ as the clock is moved.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from controller.errors import FailedPrecondition
 from controller.jobs.placement import Candidate
-from controller.lighthouse import LighthouseError, Lighthouses
+from controller.lighthouse import LighthouseError, Lighthouses, looks
 from controller.nodes.states import DOWN
 from controller.recovery import lifecycle
 from controller.recovery import snapshots as snapshot_plan
@@ -100,7 +101,8 @@ MAX_REST_S = 1.0
 # A job that ends waits this long at most for the Slurm drains of its evicted nodes (slurm.adrain: 3 tries of
 # 15 s at most): `phalanx run` exits when the job ends, and a requeued Slurm job could land on a node not drained.
 SLURM_DRAIN_WAIT_S = 10.0
-LIGHTHOUSE_LOOK_S = 2.0  # a running replica-group job's lighthouse found gone is started again at most this often
+LIGHTHOUSE_LOOK_S = 2.0  # a running replica-group job's lighthouse found gone is started again at once, then again
+LIGHTHOUSE_LOOK_MAX_S = 60.0  # after this long, doubling up to this (while starts fail)
 # A replica group's torchft manager asks for its quorum this many times before its step fails (unless the job's own
 # environment sets TORCHFT_QUORUM_RETRIES): a lighthouse gone (it died, its host was lost) is started again by the
 # controller within seconds, and the groups carry on with it. torchft waits its quorum timeout / (this + 1) between
@@ -142,7 +144,8 @@ class Executor:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task] = set()  # stops and checkpoint requests on their way
         self._slurm_drains: dict[str, list[asyncio.Task]] = {}  # job -> the Slurm drains of its evicted nodes
-        self._lighthouse_looked: dict[str, float] = {}  # job -> when its lighthouse, found gone, was last looked for
+        # job -> (when its lighthouse, found gone, was last looked for; how long until the next look)
+        self._lighthouse_looked: dict[str, tuple[float, float]] = {}
         self.pass_cpu = 0.0  # CPU the current pass's views and decisions took (its awaits excluded)
         self._fleet: _Fleet | None = None  # until the pass ends, a commit moves nodes or a node changes (fleet)
         self.rest_after = rest_after  # (a world in virtual time sets none: a rest measured in real CPU would make
@@ -194,6 +197,9 @@ class Executor:
             except Exception:
                 logger.exception("job step failed; will retry", job=entry.job.id,
                                  generation=entry.job.generation)
+        for gone in [j for j in self._lighthouse_looked if (e := self.jobs.entries.get(j)) is None or
+                     e.job.state not in ACTIVE]:
+            del self._lighthouse_looked[gone]
         await self.jobs.forget_ended()  # last: the records of ended jobs past the retention
         self._fleet = None
 
@@ -421,6 +427,8 @@ class Executor:
                                    for i in indexes))
             address, port = masters[min(masters)]
             outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
+            if lighthouse and not only:  # every node launched was told it (its agent relays it)
+                entry.lighthouse_told, entry.lighthouse_untold = lighthouse, set()
         except asyncio.CancelledError:
             return  # cancelled meanwhile: the cancel stops whatever started
         except Exception as e:  # any node refusing or unreachable fails the whole gang
@@ -475,19 +483,45 @@ class Executor:
 
     def _look_after_lighthouse(self, entry: JobEntry) -> None:
         """A running replica-group job whose lighthouse is gone (its process died; taken up by no one) has one
-        started again, on the port its ranks were told: their managers ask it again (QUORUM_RETRIES) and carry on.
-        Looked for at most every LIGHTHOUSE_LOOK_S (a start that fails is said in the job's event log, once)."""
+        started again, on the port its ranks were told if it is free: their managers ask it again (QUORUM_RETRIES)
+        and carry on. Looked for at most every LIGHTHOUSE_LOOK_S (a start that fails is said in the job's event log,
+        once). The job's nodes are told where it runs whenever that changes (their agents relay it to the ranks)."""
         job, lighthouses = entry.job, self.jobs.lighthouses
         if lighthouses is None or lighthouses.closed or not job.lighthouse_port or job.state != RUNNING or \
-                job.spec.replicas <= 1 or not lighthouses.available() or lighthouses.held(job.id) is not None or \
-                lighthouses.starting(job.id):
+                job.spec.replicas <= 1 or not lighthouses.available() or lighthouses.starting(job.id):
+            return
+        held = lighthouses.held(job.id)
+        if held is not None:
+            self._lighthouse_looked.pop(job.id, None)
+            self._tell_lighthouse(entry, held.url())
             return
         now = self.jobs.clock.monotonic()
-        if now - self._lighthouse_looked.get(job.id, -LIGHTHOUSE_LOOK_S) < LIGHTHOUSE_LOOK_S:
+        at, wait = self._lighthouse_looked.get(job.id, (-math.inf, LIGHTHOUSE_LOOK_S / 2))
+        if now - at < wait:
             return
-        self._lighthouse_looked[job.id] = now
-        logger.warning("lighthouse gone: started again", job=job.id, port=job.lighthouse_port)
+        self._lighthouse_looked[job.id] = (now, min(wait * 2, LIGHTHOUSE_LOOK_MAX_S))  # (a start that fails: less
+        logger.warning("lighthouse gone: starting it again", job=job.id, port=job.lighthouse_port)  # often)
         self._spawn(self.jobs.lighthouse(entry), f"lighthouse-{job.id}")
+
+    def _tell_lighthouse(self, entry: JobEntry, url: str) -> None:
+        """Tell the job's nodes that have not heard it that its lighthouse runs at `url` (once each, and again to one
+        whose agent was away). Their agents relay the ranks' TORCHFT_LIGHTHOUSE there (agent/lighthouse_relay.py)."""
+        if entry.lighthouse_told != url:
+            entry.lighthouse_told, entry.lighthouse_untold = url, set(entry.job.nodes)
+        if not entry.lighthouse_untold:
+            return
+        members = entry.of_record("node_set", lambda job: frozenset(job.nodes))
+        for node in list(entry.lighthouse_untold):
+            if node not in members:
+                entry.lighthouse_untold.discard(node)
+            elif self.jobs.registry.in_session(node):
+                entry.lighthouse_untold.discard(node)
+                self._spawn(self._send_lighthouse(entry, node, url), f"lighthouse-{entry.job.id}-{node}")
+
+    async def _send_lighthouse(self, entry: JobEntry, node: str, url: str) -> None:
+        told = node_pb2.Command(lighthouse=node_pb2.LighthouseAddress(job=entry.job.id, url=url))
+        if not await self._send(node, told) and entry.lighthouse_told == url:
+            entry.lighthouse_untold.add(node)
 
     def _leave_quorum(self, entry: JobEntry, group: int, reason: str) -> None:
         """Tell the job's lighthouse that `group` leaves the quorum now. Not held here (none, or one being taken up
@@ -495,7 +529,7 @@ class Executor:
         held = self.jobs.lighthouses.held(entry.job.id) if self.jobs.lighthouses is not None else None
         told = held is not None and held.drop(group, reason)
         logger.info("group out of the quorum", job=entry.job.id, group=group,
-                    how="dropped at once" if told else "when its heartbeats stop (the lighthouse was not told)")
+                    how="the lighthouse told" if told else "when its heartbeats stop (the lighthouse was not told)")
 
     async def _lighthouse(self, job) -> str:
         """The URL of the replica-group job's torchft lighthouse: the one looked after here, else the one its record
@@ -510,8 +544,7 @@ class Executor:
                                           "TORCHFT_LIGHTHOUSE")
             return ""
         try:
-            return (await lighthouses.ensure(job.id, job.lighthouse_port, job.lighthouse_host,
-                                             job.lighthouse_control, job.lighthouse_token)).url()
+            return (await lighthouses.ensure(job.id, **looks(job, (e.job for e in self.jobs.entries.values())))).url()
         except LighthouseError as e:
             raise FailedPrecondition(f"no torchft lighthouse for its replica groups: {e}") from None
 

@@ -231,7 +231,7 @@ class StandingBy(_message.Message):
     def __init__(self, controller: _Optional[str] = ..., leader: _Optional[str] = ..., takeover_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare", "grant_snapshots", "revocations")
+    __slots__ = ("id", "epoch", "inject", "launch", "stop", "reserve_port", "read_log", "checkpoint", "pin_snapshot", "prepare", "grant_snapshots", "revocations", "lighthouse")
     ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     INJECT_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class Command(_message.Message):
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     GRANT_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    LIGHTHOUSE_FIELD_NUMBER: _ClassVar[int]
     id: int
     epoch: int
     inject: InjectFault
@@ -256,7 +257,16 @@ class Command(_message.Message):
     prepare: PrepareRanks
     grant_snapshots: GrantSnapshots
     revocations: Revocations
-    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ..., grant_snapshots: _Optional[_Union[GrantSnapshots, _Mapping]] = ..., revocations: _Optional[_Union[Revocations, _Mapping]] = ...) -> None: ...
+    lighthouse: LighthouseAddress
+    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., inject: _Optional[_Union[InjectFault, _Mapping]] = ..., launch: _Optional[_Union[LaunchRanks, _Mapping]] = ..., stop: _Optional[_Union[StopRanks, _Mapping]] = ..., reserve_port: _Optional[_Union[ReservePort, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., checkpoint: _Optional[_Union[RequestCheckpoint, _Mapping]] = ..., pin_snapshot: _Optional[_Union[PinSnapshot, _Mapping]] = ..., prepare: _Optional[_Union[PrepareRanks, _Mapping]] = ..., grant_snapshots: _Optional[_Union[GrantSnapshots, _Mapping]] = ..., revocations: _Optional[_Union[Revocations, _Mapping]] = ..., lighthouse: _Optional[_Union[LighthouseAddress, _Mapping]] = ...) -> None: ...
+
+class LighthouseAddress(_message.Message):
+    __slots__ = ("job", "url")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    url: str
+    def __init__(self, job: _Optional[str] = ..., url: _Optional[str] = ...) -> None: ...
 
 class Revocations(_message.Message):
     __slots__ = ("serials", "names")
