@@ -105,8 +105,8 @@ class Agent:
                                      accounts=AccountPolicy(tuple(comma_list(sec.rank_accounts)), sec.root_ranks,
                                                             sec.agent_user_ranks), park_hold_s=cfg.park_hold_s)
         self.local = LocalState()
-        # replica-group jobs' lighthouses, at a port here that does not move (kept across the agent's restarts)
-        self.relays = Relays(Path(cfg.state_dir) / "lighthouse-relays.json")
+        # replica-group jobs' lighthouses, at a port here that does not move (relays that outlive the agent)
+        self.relays = Relays(Path(cfg.state_dir) / "lighthouse-relays")
         self.snapshots: snaps.Snapshots | None = None
         self._snapshot_seen: dict[str, float] = {}  # job -> when its snapshots here last changed (or it ran here)
         self._snapshot_keys: dict[str, set] = {}
@@ -555,7 +555,6 @@ class Agent:
             if self.snapshots is not None:
                 await self.snapshots.replicator.close()
             self.supervisor.warm.close()
-            self.relays.close()
             await metrics.close()
             if self.dcgm is not None:
                 self.dcgm.close()

@@ -195,14 +195,12 @@ class ReplicasConfig:
                                "Phalanx) for each job submitted with --replicas, as a process of its own on this "
                                "host; its ranks are told TORCHFT_LIGHTHOUSE (torchft is needed on the nodes, not "
                                "here)")
-    lighthouse_host: str = setting("", "the address ranks reach the lighthouses at: this controller's, as the nodes "
-                                   "know it (default: store.advertise's host, else listen's, else this host's "
-                                   "name). A lighthouse outlives its controller, and the next leader takes it up "
-                                   "by its control port, at the address of the host it runs on (store.advertise's "
-                                   "host, else listen's, else the host's name: what other controllers reach it "
-                                   "at); only one whose host is lost is started again, by the leader, and the "
-                                   "quorum reaches it there only if this is a name or address that follows the "
-                                   "leader")
+    lighthouse_host: str = setting("", "the address the nodes reach this controller's lighthouses at (default: "
+                                   "store.advertise's host, else listen's, else this host's name). A lighthouse "
+                                   "outlives its controller, and the next leader takes it up by its control port, "
+                                   "at the address of the host it runs on; one that is gone (its host lost) is "
+                                   "started again by the leader, at the leader's own lighthouse_host, and each "
+                                   "node's agent relays the ranks there")
     orphan_grace_s: float = setting(600.0, "how long a lighthouse whose controller is gone serves on without one, "
                                     "for the controller that restarts, or takes over, to take it up; then it ends")
     lighthouse_bind: str = setting("0.0.0.0", "the interface the lighthouses listen on, each on a port of its own "

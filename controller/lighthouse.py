@@ -127,7 +127,7 @@ def looks(job, jobs) -> dict:
     had = bool(job.lighthouse_port)
     return {"port": job.lighthouse_port, "host": job.lighthouse_host, "control": job.lighthouse_control,
             "token": job.lighthouse_token, "avoid": told_ports(jobs, job.id),
-            "expect": sum(g.state == pb.REPLICA_GROUP_TRAINING for g in job.groups) if had else 0,
+            "expect": tuple(g.index for g in job.groups if g.state == pb.REPLICA_GROUP_TRAINING) if had else (),
             "leaving": tuple(g.index for g in job.groups if g.state == pb.REPLICA_GROUP_STOPPING) if had else ()}
 
 
@@ -157,7 +157,7 @@ class Lighthouses:
         return self.cfg.lighthouse
 
     async def ensure(self, job: str, port: int = 0, host: str = "", control: str = "",
-                     token: str = "", avoid: frozenset[int] = frozenset(), expect: int = 0,
+                     token: str = "", avoid: frozenset[int] = frozenset(), expect: tuple[int, ...] = (),
                      leaving: tuple[int, ...] = ()) -> Lighthouse:
         """The job's lighthouse, looked after here: the one this controller holds; else the one the job's record
         names (`host`, `control`, `token`), taken up; else one started here (on `port`, when the job had one and it
@@ -165,8 +165,9 @@ class Lighthouses:
         LighthouseError when none can run. One look per job at a time; a caller cancelled meanwhile leaves it to
         finish (a lighthouse started is never left unkept). `avoid`: the ports other jobs' ranks were told, which
         one started on a port of the kernel's choosing must not take (their managers, asking again while theirs is
-        gone, would join this job's quorum). One started in the place of one gone is told how many groups `expect`
-        to train (its first quorum waits for them) and which are `leaving` the quorum (dropped at once)."""
+        gone, would join this job's quorum). One started in the place of one gone is told which groups to `expect`
+        (those training: its first quorum waits for them) and which are `leaving` the quorum (dropped; and told
+        again while they stop, Executor._look_after_lighthouse, since it knows none of their managers yet)."""
         self._reap()
         held = self.running.get(job)
         if held is not None and held.alive():
@@ -188,7 +189,7 @@ class Lighthouses:
             logger.debug("no lighthouse", job=job, error=str(done.exception()))
 
     async def _find(self, job: str, port: int, host: str, control: str, token: str, avoid: frozenset[int],
-                    expect: int, leaving: tuple[int, ...]) -> Lighthouse:
+                    expect: tuple[int, ...], leaving: tuple[int, ...]) -> Lighthouse:
         if control and token:
             keeper = await asyncio.to_thread(_keep, control, token)
             if keeper is not None:
@@ -215,13 +216,13 @@ class Lighthouses:
             held.drop(group, "it left the quorum before this lighthouse started")
         return held
 
-    async def _start(self, job: str, port: int, expect: int = 0) -> Lighthouse:
+    async def _start(self, job: str, port: int, expect: tuple[int, ...] = ()) -> Lighthouse:
         bind = self.cfg.lighthouse_bind
         argv = [sys.executable, "-m", lighthouse_main.__name__, "--bind", _join(bind, port),
                 "--control-bind", _join(bind, 0), "--orphan-grace-s", f"{self.cfg.orphan_grace_s:g}",
                 "--heartbeat-timeout-ms", str(self.cfg.heartbeat_timeout_ms),
                 "--join-timeout-ms", str(self.cfg.join_timeout_ms), "--quorum-tick-ms", str(self.cfg.quorum_tick_ms),
-                "--expect-groups", str(expect)]
+                "--expect-groups", ",".join(str(g) for g in expect)]
         token = secrets.token_hex(16)
         child, out, log = _spawn(argv, {**os.environ, lighthouse_main.TOKEN_ENV: token})
         threading.Thread(target=_drain, args=(log,), name=f"lighthouse-log-{job}", daemon=True).start()

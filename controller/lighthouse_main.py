@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     p.add_argument("--join-timeout-ms", type=int, default=1000)
     p.add_argument("--quorum-tick-ms", type=int, default=100)
-    p.add_argument("--expect-groups", type=int, default=0, help="started again in the place of one gone: the first "
-                   "quorum waits for this many groups (for --expect-s at most)")
+    p.add_argument("--expect-groups", default="", help="started again in the place of one gone: the first quorum "
+                   "waits for these groups (comma-separated; for --expect-s at most)")
     p.add_argument("--expect-s", type=float, default=30.0)
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")
@@ -129,7 +129,8 @@ async def _serve(args: argparse.Namespace, token: str) -> int:
     # issues none its managers have seen (the one before would have had to issue more than one a millisecond)
     lighthouse = Lighthouse(QuorumState(args.min_replicas, args.join_timeout_ms / 1000,
                                         args.heartbeat_timeout_ms / 1000, first_id=time.time_ns() // 1_000_000,
-                                        expect=args.expect_groups, expect_until=loop.time() + args.expect_s))
+                                        expect=frozenset(int(g) for g in args.expect_groups.split(",") if g),
+                                        expect_until=loop.time() + args.expect_s))
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ft_grpc.add_LighthouseServiceServicer_to_server(lighthouse, server)
     try:

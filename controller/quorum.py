@@ -51,15 +51,16 @@ class _Joined:
 
 class QuorumState:
     def __init__(self, min_replicas: int = 1, join_timeout_s: float = 1.0, heartbeat_timeout_s: float = 1.0,
-                 first_id: int = 0, expect: int = 0, expect_until: float = 0.0) -> None:
+                 first_id: int = 0, expect: frozenset[int] = frozenset(), expect_until: float = 0.0) -> None:
         """`first_id`: the quorum ids issued follow it (torchft's start at 0). A lighthouse started again in the
         place of one gone must never issue an id the managers have seen: a manager forms its process group under
         the quorum id's prefix in its store, where the keys of the earlier quorum of that id still are.
 
         `expect`: the groups training when a lighthouse is started again in the place of one gone. Its first quorum
-        waits for that many until `expect_until`: their managers come back one by one as each asks again, and a
-        first quorum of the first to come would leave the others behind (they would take its state, and skip the
-        step it took alone)."""
+        waits for them until `expect_until` (as many members, where the replica ids do not say their group): their
+        managers come back one by one as each asks again, and a first quorum of the first to come would leave the
+        others behind (they would take its state, and skip the step it took alone). A group dropped meanwhile is
+        not waited for."""
         self.min_replicas = min_replicas
         self.join_timeout_s = join_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -68,7 +69,7 @@ class QuorumState:
         self.prev: ft.Quorum | None = None
         self.quorum_id = first_id
         self.dropped: dict[str, str] = {}  # replica id -> why the controller took it out
-        self.expect, self.expect_until = expect, expect_until
+        self.expect, self.expect_until = set(expect), expect_until
 
     def heartbeat(self, replica_id: str, now: float) -> None:
         if replica_id not in self.dropped:
@@ -107,6 +108,7 @@ class QuorumState:
         known = {*self.heartbeats, *self.participants, *(p.replica_id for p in self.prev.participants)} \
             if self.prev is not None else {*self.heartbeats, *self.participants}
         known -= self.dropped.keys()
+        self.expect.discard(group)  # (started again, and it leaves before the first quorum: not waited for)
         out = sorted(r for r in known if group_of(r) == group)
         if len(out) == len(known):
             return []
@@ -130,9 +132,12 @@ class QuorumState:
                 candidates = [m for m in candidates if m.replica_id in before]
             if all(p.replica_id in joined for p in self.prev.participants):
                 return candidates, f"Fast quorum found! {metadata}"
-        if self.prev is None and len(joined) < self.expect and now < self.expect_until:
-            return None, (f"New quorum not ready, only have {len(joined)} participants, expecting the {self.expect} "
-                          f"groups that trained before this lighthouse started {metadata}")
+        if self.prev is None and self.expect and now < self.expect_until:
+            placed = {group_of(r) for r in joined} - {None}
+            waiting = not self.expect <= placed if placed else len(joined) < len(self.expect)
+            if waiting:
+                return None, (f"New quorum not ready, only have {len(joined)} participants, expecting groups "
+                              f"{sorted(self.expect)}, which trained before this lighthouse started {metadata}")
         if len(joined) < self.min_replicas:
             return None, (f"New quorum not ready, only have {len(joined)} participants, need min_replicas "
                           f"{self.min_replicas} {metadata}")

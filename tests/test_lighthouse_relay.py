@@ -1,15 +1,21 @@
-"""The agent's relay of a replica-group job's lighthouse (agent/lighthouse_relay.py): the ranks' address stays, the
-lighthouse behind it moves, and an open connection is closed at the move so that its manager reconnects."""
+"""The agent's relay of a replica-group job's lighthouse (agent/lighthouse_relay.py): the ranks' address stays while
+the lighthouse behind it moves, an open connection is closed at the move so that its manager reconnects, and the
+relay is a process of its own that outlives the agent (an agent that restarts takes it up again). Real processes:
+what is tested is that the relay outlives its agent and ends when its job leaves the node."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
+import psutil
 import pytest
 
 from agent.lighthouse_relay import Relays, parse
+from tests.eventually import eventually_async
 
-pytestmark = pytest.mark.inproc  # the tier (tests/conftest.py): sockets on loopback, in this process
+pytestmark = pytest.mark.procs  # the tier (tests/conftest.py)
 
 
 async def upstream(name: bytes) -> tuple[asyncio.base_events.Server, str]:
@@ -24,33 +30,74 @@ async def upstream(name: bytes) -> tuple[asyncio.base_events.Server, str]:
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
-async def ask(url: str, line: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    host, port = parse(url)
-    reader, writer = await asyncio.open_connection(host, port)
+async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(*parse(url))
+
+
+async def ask(url: str, line: bytes) -> bytes:
+    """One connection, one line: the answer (b"" if the connection closes first)."""
+    reader, writer = await connect(url)
     writer.write(line)
-    return reader, writer, await asyncio.wait_for(reader.readline(), 30)
+    try:
+        return await asyncio.wait_for(reader.readline(), 30)
+    finally:
+        writer.close()
 
 
-def test_the_ranks_address_stays_while_the_lighthouse_behind_it_moves():
+async def answered(url: str, line: bytes, want: bytes, timeout_s: float = 60.0) -> None:
+    """Until the relay at `url` answers `line` with `want` (it has just started, or its file just changed): polled,
+    as tests/eventually.py polls, with an answer that takes a connection."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            if await ask(url, line) == want:
+                return
+        except OSError:
+            pass
+        assert loop.time() < deadline, f"{url} did not answer {want!r} within {timeout_s:g}s"
+        await asyncio.sleep(0.02)
+
+
+def test_the_ranks_address_stays_while_the_lighthouse_behind_it_moves_and_the_relay_outlives_its_agent(tmp_path):
     async def run() -> None:
         first, first_url = await upstream(b"first")
         second, second_url = await upstream(b"second")
-        relays = Relays()
+        relays = Relays(tmp_path / "relays")
         url = relays.relay("job-1", first_url)
         assert url.startswith("http://127.0.0.1:") and url != first_url
-        assert relays.relay("job-1", first_url) == url  # a later launch of the job: the same relay
-        reader, writer, said = await ask(url, b"hello\n")
-        assert said == b"first hello\n"
+        assert relays.relay("job-1", second_url) == url  # a later launch: the same relay, pointed where it was
+        await answered(url, b"hello\n", b"first hello\n")
+        reader, writer = await connect(url)
+        writer.write(b"open\n")
+        assert await asyncio.wait_for(reader.readline(), 30) == b"first open\n"
         assert relays.point("job-2", second_url) == "no ranks of job-2 here relay its lighthouse"
         assert "relayed to" in relays.point("job-1", second_url)
         assert await asyncio.wait_for(reader.read(), 30) == b""  # the connection to the old one: closed
         writer.close()
-        *_, said = await ask(url, b"again\n")
-        assert said == b"second again\n"
-        relays.keep({"job-9"})  # no rank of job-1 here any more
-        assert relays.relays == {}
+        await answered(url, b"again\n", b"second again\n")
+        # the agent restarts: the relay runs on, undisturbed, and the next agent takes it up
+        (_, pid), = relays.relays.values()
+        again = Relays(tmp_path / "relays")
+        again.restore()
+        assert again.relays == {"job-1": (int(url.rsplit(":", 1)[1]), pid)}
+        assert await ask(url, b"still\n") == b"second still\n"
+        # its process gone while no agent ran: the next agent starts it again, at the same port
+        os.kill(pid, signal.SIGKILL)
+        await eventually_async(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
+                               "the relay gone")
+        third = Relays(tmp_path / "relays")
+        third.restore()
+        assert third.relays["job-1"][0] == int(url.rsplit(":", 1)[1]) and third.relays["job-1"][1] != pid
+        await answered(url, b"back\n", b"second back\n")
+        third.keep({"job-9"})  # no rank of job-1 here any more: its relay ends
+        (ended,) = [p for p in third._children.values()]
+        await eventually_async(lambda: ended.poll() is not None, "the relay ended")
         with pytest.raises(OSError):
             await ask(url, b"gone\n")
+        Relays(tmp_path / "relays").restore()  # nothing left to take up
+        (tmp_path / "relays" / "relays.json").write_text("{not json")  # damaged: said, nothing raised
+        Relays(tmp_path / "relays").restore()
         for server in (first, second):
             server.close()
 
@@ -64,24 +111,6 @@ def test_an_address_that_is_no_lighthouses_is_refused(bad):
         parse(bad)
 
 
-def test_an_agent_that_restarts_opens_its_relays_again_at_the_same_port(tmp_path):
-    async def run() -> None:
-        lighthouse, lighthouse_url = await upstream(b"lh")
-        kept = tmp_path / "lighthouse-relays.json"
-        before = Relays(kept)
-        url = before.relay("job-1", lighthouse_url)
-        before.close()  # the agent stops; its ranks (and their TORCHFT_LIGHTHOUSE) run on
-        after = Relays(kept)
-        after.restore()
-        assert after.relays["job-1"].url() == url
-        *_, said = await ask(url, b"still\n")
-        assert said == b"lh still\n"
-        after.keep(set())  # the job's ranks ended here: closed, and no longer kept
-        again = Relays(kept)
-        again.restore()
-        assert again.relays == {}
-        kept.write_text("{not json")  # a damaged file: said, nothing restored, nothing raised
-        Relays(kept).restore()
-        lighthouse.close()
-
-    asyncio.run(run())
+def test_a_job_id_that_is_no_file_name_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a job id"):
+        Relays(tmp_path).relay("../etc", "http://127.0.0.1:1")

@@ -126,11 +126,20 @@ def test_a_group_is_known_by_torchfts_rule():
 
 
 def test_a_lighthouse_started_again_waits_for_the_groups_that_trained_before_its_first_quorum():
-    state = QuorumState(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=60, expect=2, expect_until=30.0)
+    state = QuorumState(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=60, expect=frozenset({0, 1}),
+                        expect_until=30.0)
     state.join(member("g1:b"), 0.0)  # the first manager to ask again: alone, it would form the quorum by itself
-    assert state.tick(0.0)[0] is None and "expecting the 2 groups" in state.tick(5.0)[1]
+    state.join(member("g2:c"), 0.0)  # a group that was stopping (not expected) is no stand-in for group 0
+    assert state.tick(0.0)[0] is None and "expecting groups [0, 1]" in state.tick(5.0)[1]
+    state.drop(2, "stopping")  # (told again while it stops)
     state.join(member("g0:a"), 6.0)
     assert ids(state.tick(6.0)[0]) == ["g0:a", "g1:b"]
-    late = QuorumState(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=60, expect=2, expect_until=30.0)
+    late = QuorumState(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=60, expect=frozenset({0, 1}),
+                       expect_until=30.0)
     late.join(member("g1:b"), 0.0)  # the other never comes back: not waited for past expect_until
-    assert ids(late.tick(30.0)[0]) == ["g1:b"]
+    assert late.tick(29.0)[0] is None and ids(late.tick(30.0)[0]) == ["g1:b"]
+    dropped = QuorumState(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=60, expect=frozenset({0, 1}),
+                          expect_until=30.0)
+    dropped.join(member("g1:b"), 0.0)
+    dropped.drop(0, "its node was lost with the lighthouse")  # judged meanwhile: not waited for
+    assert ids(dropped.tick(0.1)[0]) == ["g1:b"]

@@ -488,9 +488,9 @@ class JobManager:
     async def lighthouse(self, entry: JobEntry) -> None:
         """A replica-group job loaded by a controller that restarted or took over, or one whose lighthouse is gone
         (Executor._look_after_lighthouse): its lighthouse taken up (it outlives its controller), else started again
-        on the port its ranks were told, and then the record says so at once (a controller that fails next must
-        find that one). Without one the job runs on, its event log saying why once. (A launch starts one too:
-        Executor._launch.)"""
+        (on the port its ranks were told if it is free: Lighthouses.ensure), and then the record says so at once (a
+        controller that fails next must find that one; the nodes are told where it runs). Without one the job runs
+        on, its event log saying why once. (A launch starts one too: Executor._launch.)"""
         job = entry.job
         if self.lighthouses is None or job.spec.replicas <= 1 or job.state == table.PENDING or \
                 job.state not in ACTIVE or self.lighthouses.closed:

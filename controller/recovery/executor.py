@@ -429,6 +429,8 @@ class Executor:
             outcome = lifecycle.LaunchView(generation, done=True, ok=True, address=address, port=port)
             if lighthouse and not only:  # every node launched was told it (its agent relays it)
                 entry.lighthouse_told, entry.lighthouse_untold = lighthouse, set()
+            elif lighthouse and lighthouse != entry.lighthouse_told:  # told an address since replaced: again
+                entry.lighthouse_untold |= set(only)
         except asyncio.CancelledError:
             return  # cancelled meanwhile: the cancel stops whatever started
         except Exception as e:  # any node refusing or unreachable fails the whole gang
@@ -491,11 +493,15 @@ class Executor:
                 job.spec.replicas <= 1 or not lighthouses.available() or lighthouses.starting(job.id):
             return
         held = lighthouses.held(job.id)
-        if held is not None:
-            self._lighthouse_looked.pop(job.id, None)
-            self._tell_lighthouse(entry, held.url())
-            return
         now = self.jobs.clock.monotonic()
+        if held is not None:
+            if now - self._lighthouse_looked.get(job.id, (-math.inf, 0.0))[0] >= LIGHTHOUSE_LOOK_MAX_S:
+                self._lighthouse_looked.pop(job.id, None)  # (up for a while: one that died again is looked for at once)
+            self._tell_lighthouse(entry, held.url())
+            for group in job.groups:  # told again while they stop: a lighthouse started since knows nothing of it, and
+                if group.state == lifecycle.GROUP_STOPPING:  # a manager of theirs it had not heard yet is caught now
+                    held.drop(group.index, group.reason or "it is stopping")
+            return
         at, wait = self._lighthouse_looked.get(job.id, (-math.inf, LIGHTHOUSE_LOOK_S / 2))
         if now - at < wait:
             return
@@ -519,8 +525,11 @@ class Executor:
                 self._spawn(self._send_lighthouse(entry, node, url), f"lighthouse-{entry.job.id}-{node}")
 
     async def _send_lighthouse(self, entry: JobEntry, node: str, url: str) -> None:
+        """Told again once its agent is back if none heard it (an agent's refusal, an earlier release's that knows
+        no such command, is not told again: its ranks were not relayed)."""
         told = node_pb2.Command(lighthouse=node_pb2.LighthouseAddress(job=entry.job.id, url=url))
-        if not await self._send(node, told) and entry.lighthouse_told == url:
+        if not await self._send(node, told) and entry.lighthouse_told == url and \
+                not self.jobs.registry.in_session(node):
             entry.lighthouse_untold.add(node)
 
     def _leave_quorum(self, entry: JobEntry, group: int, reason: str) -> None:
@@ -532,10 +541,10 @@ class Executor:
                     how="the lighthouse told" if told else "when its heartbeats stop (the lighthouse was not told)")
 
     async def _lighthouse(self, job) -> str:
-        """The URL of the replica-group job's torchft lighthouse: the one looked after here, else the one its record
-        names taken up, else one started here (on the port its ranks were told, if any); "" without one (no
-        lighthouse of the controller's). Raises FailedPrecondition when one should run and cannot start: the launch
-        fails with the reason, and the lifecycle decides."""
+        """The URL of the replica-group job's lighthouse: the one looked after here, else the one its record names
+        taken up, else one started here (on the port its ranks were told if any and free: Lighthouses.ensure); ""
+        without one (no lighthouse of the controller's). Raises FailedPrecondition when one should run and cannot
+        start: the launch fails with the reason, and the lifecycle decides."""
         lighthouses = self.jobs.lighthouses
         if lighthouses is None:
             return ""
