@@ -174,7 +174,7 @@ class Relays:
         if child is not None:
             return child.poll() is None
         try:
-            return "agent.lighthouse_relay" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            return __name__ in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             return False
 
