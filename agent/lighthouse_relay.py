@@ -64,7 +64,7 @@ class Relay:
     def __init__(self, sock: socket.socket, path: Path) -> None:
         self.sock, self.path = sock, path
         self.upstream: tuple[str, int] | None = None
-        self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file as last read
+        self._seen: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) of the file as last read
         self._pipes: set[asyncio.Task] = set()
         self.accepted = 0  # connections since the serving loop last looked
 
@@ -74,8 +74,8 @@ class Relay:
             st = self.path.stat()
         except FileNotFoundError:
             return False
-        if (st.st_mtime_ns, st.st_size) != self._seen:
-            self._seen = (st.st_mtime_ns, st.st_size)
+        if (st.st_ino, st.st_mtime_ns, st.st_size) != self._seen:  # (replaced: a new inode, whatever its time)
+            self._seen = (st.st_ino, st.st_mtime_ns, st.st_size)
             try:
                 upstream = parse(self.path.read_text().strip())
             except (OSError, ValueError):

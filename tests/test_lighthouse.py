@@ -176,8 +176,8 @@ def ask(stub: ft_grpc.LighthouseServiceStub, names: list[str], timeout_s: float 
                                     world_size=2, **fields)
         try:
             quorum = stub.Quorum(ft.LighthouseQuorumRequest(requester=requester), timeout=timeout_s).quorum
-        except grpc.RpcError as e:
-            return e.code()
+        except grpc.RpcError as e:  # (a deadline passed: the client's, or the server's of the same request, first)
+            return grpc.StatusCode.DEADLINE_EXCEEDED if e.code() == grpc.StatusCode.CANCELLED else e.code()
         return quorum.quorum_id, tuple(p.replica_id for p in quorum.participants)
 
     with ThreadPoolExecutor(len(names)) as pool:
