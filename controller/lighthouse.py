@@ -123,12 +123,12 @@ def describe(job, held: Lighthouse | None) -> None:
 def looks(job, jobs) -> dict:
     """What Lighthouses.ensure is given for `job` (a pb.Job; `jobs`, every job's record): where its lighthouse
     was, the ports other jobs' ranks were told, and, for one started in the place of one gone (the job had one),
-    the groups it is to expect (those training) and those leaving (stopping)."""
+    the groups it is to expect (those training). (Groups stopping are told to it at every pass while they stop:
+    Executor._look_after_lighthouse.)"""
     had = bool(job.lighthouse_port)
     return {"port": job.lighthouse_port, "host": job.lighthouse_host, "control": job.lighthouse_control,
             "token": job.lighthouse_token, "avoid": told_ports(jobs, job.id),
-            "expect": tuple(g.index for g in job.groups if g.state == pb.REPLICA_GROUP_TRAINING) if had else (),
-            "leaving": tuple(g.index for g in job.groups if g.state == pb.REPLICA_GROUP_STOPPING) if had else ()}
+            "expect": tuple(g.index for g in job.groups if g.state == pb.REPLICA_GROUP_TRAINING) if had else ()}
 
 
 def told_ports(jobs, job: str) -> frozenset[int]:
@@ -157,8 +157,7 @@ class Lighthouses:
         return self.cfg.lighthouse
 
     async def ensure(self, job: str, port: int = 0, host: str = "", control: str = "",
-                     token: str = "", avoid: frozenset[int] = frozenset(), expect: tuple[int, ...] = (),
-                     leaving: tuple[int, ...] = ()) -> Lighthouse:
+                     token: str = "", avoid: frozenset[int] = frozenset(), expect: tuple[int, ...] = ()) -> Lighthouse:
         """The job's lighthouse, looked after here: the one this controller holds; else the one the job's record
         names (`host`, `control`, `token`), taken up; else one started here (on `port`, when the job had one and it
         is free: its ranks were told it; else on another, which the nodes' agents relay them to). Raises
@@ -166,8 +165,7 @@ class Lighthouses:
         finish (a lighthouse started is never left unkept). `avoid`: the ports other jobs' ranks were told, which
         one started on a port of the kernel's choosing must not take (their managers, asking again while theirs is
         gone, would join this job's quorum). One started in the place of one gone is told which groups to `expect`
-        (those training: its first quorum waits for them) and which are `leaving` the quorum (dropped; and told
-        again while they stop, Executor._look_after_lighthouse, since it knows none of their managers yet)."""
+        (those training: its first quorum waits for them)."""
         self._reap()
         held = self.running.get(job)
         if held is not None and held.alive():
@@ -179,7 +177,7 @@ class Lighthouses:
         pending = self._starting.get(job)
         if pending is None:
             pending = self._starting[job] = asyncio.ensure_future(self._find(job, port, host, control, token, avoid,
-                                                                             expect, leaving))
+                                                                             expect))
             pending.add_done_callback(lambda f, j=job: self._started(j, f))
         return await asyncio.shield(pending)
 
@@ -189,7 +187,7 @@ class Lighthouses:
             logger.debug("no lighthouse", job=job, error=str(done.exception()))
 
     async def _find(self, job: str, port: int, host: str, control: str, token: str, avoid: frozenset[int],
-                    expect: tuple[int, ...], leaving: tuple[int, ...]) -> Lighthouse:
+                    expect: tuple[int, ...]) -> Lighthouse:
         if control and token:
             keeper = await asyncio.to_thread(_keep, control, token)
             if keeper is not None:
@@ -212,8 +210,6 @@ class Lighthouses:
             held = None
         if held is None:
             raise LighthouseError(f"every port given was one another job's ranks were told ({AVOID_TRIES} tries)")
-        for group in leaving:
-            held.drop(group, "it left the quorum before this lighthouse started")
         return held
 
     async def _start(self, job: str, port: int, expect: tuple[int, ...] = ()) -> Lighthouse:
