@@ -81,6 +81,36 @@ def test_a_fault_in_one_group_restarts_that_group_alone_while_the_other_trains_o
         assert job.restarts_in_row == 1
 
 
+@pytest.mark.parametrize("kind", list(INCIDENTS))
+def test_a_predictable_faults_group_leaves_the_quorum_at_once_and_is_stopped_once_its_step_is_taken(kind):
+    """A predictable fault's group (a FAILING GPU, a straggler) leaves the quorum at once but its ranks run on for
+    the step they were in (lifecycle.finish_s), so the healthy group's step with them is not lost; then all of its
+    nodes are stopped, the bad one too. A sudden fault's group is stopped with its leaving."""
+    sim = grouped_sim()
+    told: list[tuple[float, str]] = []
+    apply = sim.apply
+
+    def recording(actions) -> bool:
+        told.extend((sim.now, n) for a in actions if isinstance(a, lifecycle.Stop) for n in a.nodes)
+        return apply(actions)
+
+    sim.apply = recording
+    inject(sim, kind)
+    sim.run_until(lambda: sim.left_quorum)
+    left_at, group = sim.now, sim.job.groups[0]
+    predictable = kind in ("gpu-failing", "straggler")
+    assert group.state == lifecycle.GROUP_STOPPING and bool(group.finish_until_unix_ns) == predictable
+    sim.run_until(lambda: group_state(sim, 0) != lifecycle.GROUP_STOPPING)
+    stopped_at = {n: min(t for t, m in told if m == n) for n in GROUP0 if any(m == n for _, m in told)}
+    if predictable:
+        assert set(stopped_at) == set(GROUP0), told  # the bad node's ranks too
+        assert min(stopped_at.values()) == pytest.approx(group.finish_until_unix_ns / 1e9)
+        assert min(stopped_at.values()) - left_at >= lifecycle.FINISH_MIN_S - 1e-6
+    else:
+        assert min(stopped_at.values()) == left_at, told
+    assert not any(n in GROUP1 for _, n in told)
+
+
 def test_a_fault_that_leaves_no_group_training_restarts_the_whole_job():
     sim = grouped_sim(spares=2, nodes=("a", "b", "c", "d", "e", "f"))
     before = sim.job.generation

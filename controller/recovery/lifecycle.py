@@ -212,6 +212,7 @@ Action = Commit | Launch | Stop | Drain | RequestCheckpoint | WakeAt | Event | P
 REQUEST_LATENCY_S = RecoveryConfig().checkpoint_lead_s  # the default lead of the agreed checkpoint step
 RENDEZVOUS_RETRY_S = 1.0  # how often a job waiting for nodes looks again
 RESTOP_S = 2.0  # a node still running the generation this long after taking a stop is told again
+FINISH_MIN_S = 0.5  # at least this long between a predictable fault's group leaving the quorum and its stop
 PREPARE_RENEW_S = 30.0  # a running job's spares are asked again this often to hold standbys (agent warm pools)
 
 
@@ -1180,10 +1181,12 @@ def groups_hit(job: pb.Job, incident: Incident) -> set[int]:
 
 def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, now: float,
                  policy: Policy) -> list[Action]:
-    """The groups `hit` leave the quorum; the others train on. No checkpoint: every healthy group holds the state. A
-    predictable fault's group finishes its step first (its ranks are stopped gracefully, at a step boundary); a
-    sudden one's step is lost to the quorum. A restart in place (a crash) counts toward max_restarts and backs off,
-    as the whole job's would."""
+    """The groups `hit` leave the quorum at once; the others train on. No checkpoint: every healthy group holds the
+    state. A sudden fault's group is stopped at once (its step is lost to the quorum, which takes it again without
+    it). A predictable fault's group finishes its step first: it leaves the quorum now (its next quorum is refused),
+    and its ranks are stopped only once the step they were in has been taken with the others (`finish_s`), so the
+    healthy groups lose no step to it. A restart in place (a crash) counts toward max_restarts and backs off, as the
+    whole job's would."""
     calm_s = now - max(job.state_since_unix_ns, *(job.groups[g].since_unix_ns for g in hit)) / 1e9  # since joining
     if job.restarts_in_row and calm_s >= policy.recovery.restart_window_s:
         job = copied(job, restarts_in_row=0)
@@ -1200,14 +1203,19 @@ def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, 
     out: list[Action] = [Drain(n, f"evicted from {job.id}: {incident.reason}") for n in incident.nodes
                          if n in view.nodes and not view.nodes[n].drained]
     bad = set(incident.nodes)
+    finish = finish_s(view, policy) if incident.predictable else 0.0
     for g in sorted(hit):
         group = new.groups[g]
         members = group_members(new, g)
         group.state, group.reason, group.since_unix_ns, group.incident_kind = (
             GROUP_STOPPING, incident.reason, now_ns, incident.kind)
+        group.finish_until_unix_ns = now_ns + int(finish * 1e9) if finish else 0
         _replace(group.bad, [n for n in members if n in bad])
-        out += stops(job, [n for n in members if (v := view.nodes.get(n)) is not None and not v.down and v.connected],
-                     group.generation)
+        if not finish:
+            out += stops(job, [n for n in members if (v := view.nodes.get(n)) is not None and not v.down and
+                               v.connected], group.generation)
+    if finish:
+        out.append(WakeAt(now + finish))  # (group_moves stops them then)
     left = sum(g.state == GROUP_TRAINING for g in new.groups)
     how = "finishes its step and leaves the quorum" if incident.predictable else "left the quorum (its step is lost)"
     names = ", ".join(str(g) for g in sorted(hit))
@@ -1217,6 +1225,13 @@ def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, 
             *(LeaveQuorum(g, f"{incident.kind}: {incident.reason}") for g in sorted(hit))]
 
 
+def finish_s(view: JobView, policy: Policy) -> float:
+    """How long a predictable fault's group goes on after leaving the quorum before its ranks are stopped: two of the
+    job's step times (the step it was in, taken with the others, ends within them; its next quorum is refused), at
+    least FINISH_MIN_S (the job's ranks report no steps, or report them late), at most jobs.stop_grace_s."""
+    return min(max(2 * progress.job_step_s(view.tracks), FINISH_MIN_S), policy.jobs.stop_grace_s)
+
+
 def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
     """What the job's groups out of the quorum do next: stop, wait for nodes, launch, join. A commit comes alone
     (the next step sees it); otherwise the stops to send again and when to look next."""
@@ -1224,21 +1239,28 @@ def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     rebuilding = any(g.state == GROUP_REBUILDING for g in job.groups)
     for group in job.groups:
         if group.state == GROUP_STOPPING:
+            stop_at = max(group.since_unix_ns, group.finish_until_unix_ns) / 1e9
+            if now < stop_at:  # (a predictable fault's group finishes the step it was in, out of the quorum)
+                out.append(WakeAt(stop_at))
+                continue
             members = group_members(job, group.index)
+            untold = stops(job, [n for n in members if n not in view.told and n not in view.stopped and
+                                 (v := view.nodes.get(n)) is not None and not v.down and v.connected],
+                           group.generation)  # (its bad nodes too: a predictable fault's are told only now)
             kept = [n for n in members if n not in group.bad]
             waiting = [n for n in kept if n not in view.stopped and (v := view.nodes.get(n)) is not None
                        and not v.down]
-            deadline = group.since_unix_ns / 1e9 + policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
+            deadline = stop_at + policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
             if waiting and now < deadline:
-                out += stops(job, [n for n in waiting if n not in view.told and view.nodes[n].connected],
-                             group.generation)
+                out += untold
                 out.append(WakeAt(min(now + RESTOP_S, deadline)))
                 continue
             new = copied(job)
             _group_to(new, group.index, GROUP_WAITING, "stopped; choosing its nodes", now)
             unconfirmed = f" (not known to be stopped on {', '.join(waiting)}: fenced if they report it)" \
                 if waiting else ""
-            return [Commit(new, "job.group_stopped", f"{job.id}: replica group {group.index} stopped{unconfirmed}")]
+            return [Commit(new, "job.group_stopped", f"{job.id}: replica group {group.index} stopped{unconfirmed}"),
+                    *untold]
         if group.state == GROUP_WAITING and not rebuilding:
             delay = 0.0 if group.bad else backoff(max(job.restarts_in_row - 1, 0), policy.recovery)
             ready_at = group.since_unix_ns / 1e9 + delay

@@ -639,7 +639,7 @@ class PackedRanks(_message.Message):
     def __init__(self, states: _Optional[bytes] = ..., exit_codes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., pids: _Optional[_Iterable[int]] = ..., wrapper_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaGroup(_message.Message):
-    __slots__ = ("index", "state", "generation", "reason", "since_unix_ns", "bad", "incident_kind")
+    __slots__ = ("index", "state", "generation", "reason", "since_unix_ns", "bad", "incident_kind", "finish_until_unix_ns")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -647,6 +647,7 @@ class ReplicaGroup(_message.Message):
     SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     BAD_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_KIND_FIELD_NUMBER: _ClassVar[int]
+    FINISH_UNTIL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     index: int
     state: ReplicaGroupState
     generation: int
@@ -654,4 +655,5 @@ class ReplicaGroup(_message.Message):
     since_unix_ns: int
     bad: _containers.RepeatedScalarFieldContainer[str]
     incident_kind: str
-    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[ReplicaGroupState, str]] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., since_unix_ns: _Optional[int] = ..., bad: _Optional[_Iterable[str]] = ..., incident_kind: _Optional[str] = ...) -> None: ...
+    finish_until_unix_ns: int
+    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[ReplicaGroupState, str]] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., since_unix_ns: _Optional[int] = ..., bad: _Optional[_Iterable[str]] = ..., incident_kind: _Optional[str] = ..., finish_until_unix_ns: _Optional[int] = ...) -> None: ...
