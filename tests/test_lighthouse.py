@@ -240,8 +240,11 @@ def test_a_group_dropped_by_the_controller_leaves_the_quorum_at_once_and_torchft
     from torchft._torchft import LighthouseClient
 
     async def run() -> None:
+        # (the join timeout SLOW's too: at the default 1 s, a loaded machine once let group 0's quorum form alone
+        # before group 1's request came)
         lighthouses = Lighthouses(ReplicasConfig(lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1",
-                                                 heartbeat_timeout_ms=SLOW["heartbeat_timeout_ms"]), "127.0.0.1")
+                                                 heartbeat_timeout_ms=SLOW["heartbeat_timeout_ms"],
+                                                 join_timeout_ms=SLOW["join_timeout_ms"]), "127.0.0.1")
         held = await lighthouses.ensure("job-1")
         try:
             client = LighthouseClient(f"http://127.0.0.1:{held.port}", connect_timeout=timedelta(seconds=30))

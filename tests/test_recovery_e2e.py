@@ -121,11 +121,19 @@ def account(cluster, job_id):
 
 
 def finish(cluster, job_id, out, reference):
-    try:
-        waited = phalanx(cluster, "wait", job_id)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"`phalanx wait {job_id}` still waiting after {e.timeout}s:\n"
-                             f"{account(cluster, job_id)}") from None
+    """`phalanx wait` for the job's end, for as long as its ranks go on logging steps: on a loaded machine a job
+    whose steps stretched to seconds (a straggler's, beside three other workers' clusters: 10 s a step once in CI)
+    can take longer than one wait; a job that logs nothing new for a whole wait is stuck, and that fails."""
+    logged = None
+    while True:
+        try:
+            waited = phalanx(cluster, "wait", job_id)
+            break
+        except subprocess.TimeoutExpired as e:
+            if (now := cluster.logs(job_id)) == logged:
+                raise AssertionError(f"`phalanx wait {job_id}` still waiting after {e.timeout}s, nothing logged "
+                                     f"since the last wait:\n{account(cluster, job_id)}") from None
+            logged = now
     assert waited.returncode == 0, waited.stderr + account(cluster, job_id)
     j = json.loads(phalanx(cluster, "job", job_id, "--json").stdout)  # as a user reads it
     assert (j["state"], j["generation"], j["restarts"]) == ("SUCCEEDED", 2, 1), account(cluster, job_id)

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "train_user.py")
 NODES = ["node-a", "node-b", "node-c", "node-d"]
-STEPS = 1000
+STEPS = 600  # 500 after the fault: a durable checkpoint (every 500), the end, and any late verdict have their time
 FAULT_AT = 100  # rank 0 prints every 50 steps: the fault comes once it printed this one
 # keep_spares = false: every "node" here shares the same two cores (see tests/test_recovery_e2e.py). The straggler
 # rule is tuned for that as there (ratio 1.2, cost 0.2, a full window): healthy ranks' computes drift apart by up to
