@@ -106,9 +106,37 @@ def test_a_predictable_faults_group_leaves_the_quorum_at_once_and_is_stopped_onc
         assert set(stopped_at) == set(GROUP0), told  # the bad node's ranks too
         assert min(stopped_at.values()) == pytest.approx(group.finish_until_unix_ns / 1e9)
         assert min(stopped_at.values()) - left_at >= lifecycle.FINISH_MIN_S - 1e-6
+        assert [k for k, _ in sim.events].count("job.group_finished") == 1
     else:
         assert min(stopped_at.values()) == left_at, told
+        assert "job.group_finished" not in [k for k, _ in sim.events]
     assert not any(n in GROUP1 for _, n in told)
+
+
+def test_a_controller_that_takes_over_after_a_finishing_groups_time_stops_it_before_it_is_rebuilt():
+    """The stop of a predictable fault's group is on the record when it starts: a controller that takes over long
+    after the group was due to stop stops it first, and rebuilds it only once it is stopped (not at once, as the
+    stop's deadline counted from its leaving would have it)."""
+    sim = grouped_sim()
+    inject(sim, "gpu-failing")
+    sim.run_until(lambda: sim.left_quorum)
+    assert sim.job.groups[0].finish_until_unix_ns
+    sim.controller_restart()
+    sim.now += 120.0  # (past stop_grace_s and evict_margin_s since it left)
+    acted: list[tuple[float, str]] = []
+    apply = sim.apply
+
+    def recording(actions) -> bool:
+        acted.extend((sim.now, a) for a in actions if isinstance(a, lifecycle.Stop | lifecycle.Launch))
+        return apply(actions)
+
+    sim.apply = recording
+    sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_REBUILDING)
+    first_stop = next(t for t, a in acted if isinstance(a, lifecycle.Stop))
+    launch = next(t for t, a in acted if isinstance(a, lifecycle.Launch))
+    assert launch > first_stop, acted  # its kept node's ranks were told, and confirmed stopped, first
+    assert "running" not in [v for k, v in sim.nodes["a"].ranks.items() if k[0] < sim.job.groups[0].generation]
+    assert {"a", "b"} <= {n for _, a in acted if isinstance(a, lifecycle.Stop) for n in a.nodes}  # (b's told too)
 
 
 def test_a_fault_that_leaves_no_group_training_restarts_the_whole_job():

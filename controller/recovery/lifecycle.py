@@ -109,6 +109,7 @@ class JobView:
     topology: ClusterTopology | None = None
     fleet: bool = False  # `candidates` are every node of the fleet, not only the job's own
     reported: bool = False  # trainlib has reported progress for some generation of the job (it will for this one)
+    step_s: float = 0.0  # the job's step time where the driver knows it without progress reports (the simulator's)
     # rank -> heartbeats in a row from its node without news of it (this generation; the job manager counts them)
     missing: Mapping[int, int] = field(default_factory=dict)
     # rank -> (state, exit code) its node reported that the record does not say yet (this generation)
@@ -1229,7 +1230,8 @@ def finish_s(view: JobView, policy: Policy) -> float:
     """How long a predictable fault's group goes on after leaving the quorum before its ranks are stopped: two of the
     job's step times (the step it was in, taken with the others, ends within them; its next quorum is refused), at
     least FINISH_MIN_S (the job's ranks report no steps, or report them late), at most jobs.stop_grace_s."""
-    return min(max(2 * progress.job_step_s(view.tracks), FINISH_MIN_S), policy.jobs.stop_grace_s)
+    step_s = progress.job_step_s(view.tracks) or view.step_s
+    return min(max(2 * step_s, FINISH_MIN_S), policy.jobs.stop_grace_s)
 
 
 def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
@@ -1239,28 +1241,32 @@ def group_moves(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     rebuilding = any(g.state == GROUP_REBUILDING for g in job.groups)
     for group in job.groups:
         if group.state == GROUP_STOPPING:
-            stop_at = max(group.since_unix_ns, group.finish_until_unix_ns) / 1e9
-            if now < stop_at:  # (a predictable fault's group finishes the step it was in, out of the quorum)
-                out.append(WakeAt(stop_at))
-                continue
             members = group_members(job, group.index)
-            untold = stops(job, [n for n in members if n not in view.told and n not in view.stopped and
-                                 (v := view.nodes.get(n)) is not None and not v.down and v.connected],
-                           group.generation)  # (its bad nodes too: a predictable fault's are told only now)
+            if group.finish_until_unix_ns:  # a predictable fault's group finishes the step it was in, out of the quorum
+                if now < group.finish_until_unix_ns / 1e9:
+                    out.append(WakeAt(group.finish_until_unix_ns / 1e9))
+                    continue
+                new = copied(job)  # its stop starts now, on the record: the stop's deadline counts from here, also
+                finished = new.groups[group.index]  # for a controller that takes over long after
+                finished.finish_until_unix_ns, finished.since_unix_ns = 0, int(now * 1e9)
+                return [Commit(new, "job.group_finished", f"{job.id}: replica group {group.index} finished its step "
+                               "out of the quorum; stopping its ranks"),
+                        *stops(job, [n for n in members if (v := view.nodes.get(n)) is not None and not v.down and
+                                     v.connected], group.generation)]  # (its bad nodes' too)
             kept = [n for n in members if n not in group.bad]
             waiting = [n for n in kept if n not in view.stopped and (v := view.nodes.get(n)) is not None
                        and not v.down]
-            deadline = stop_at + policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
+            deadline = group.since_unix_ns / 1e9 + policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
             if waiting and now < deadline:
-                out += untold
+                out += stops(job, [n for n in waiting if n not in view.told and view.nodes[n].connected],
+                             group.generation)
                 out.append(WakeAt(min(now + RESTOP_S, deadline)))
                 continue
             new = copied(job)
             _group_to(new, group.index, GROUP_WAITING, "stopped; choosing its nodes", now)
             unconfirmed = f" (not known to be stopped on {', '.join(waiting)}: fenced if they report it)" \
                 if waiting else ""
-            return [Commit(new, "job.group_stopped", f"{job.id}: replica group {group.index} stopped{unconfirmed}"),
-                    *untold]
+            return [Commit(new, "job.group_stopped", f"{job.id}: replica group {group.index} stopped{unconfirmed}")]
         if group.state == GROUP_WAITING and not rebuilding:
             delay = 0.0 if group.bad else backoff(max(job.restarts_in_row - 1, 0), policy.recovery)
             ready_at = group.since_unix_ns / 1e9 + delay

@@ -372,7 +372,8 @@ class SimJob:
                                  candidates=self.candidates if candidates is None else candidates,
                                  unfit=self.unfit if candidates is None else None,
                                  idle=None if candidates is None else self.sim.idle, members=self.members,
-                                 topology=self.sim.topology, fleet=candidates is not None, ended=self.ended)
+                                 topology=self.sim.topology, fleet=candidates is not None, ended=self.ended,
+                                 step_s=self.shape.step_s)
 
     def decide(self) -> None:
         for _ in range(64):
