@@ -81,26 +81,33 @@ def test_a_fault_in_one_group_restarts_that_group_alone_while_the_other_trains_o
         assert job.restarts_in_row == 1
 
 
+def recorded(sim: Sim) -> list[tuple[float, lifecycle.Action]]:
+    """Every action the sim applies from now on, with its time (a list that grows as they come)."""
+    seen: list[tuple[float, lifecycle.Action]] = []
+    apply = sim.apply
+
+    def recording(actions) -> bool:
+        seen.extend((sim.now, a) for a in actions)
+        return apply(actions)
+
+    sim.apply = recording
+    return seen
+
+
 @pytest.mark.parametrize("kind", list(INCIDENTS))
 def test_a_predictable_faults_group_leaves_the_quorum_at_once_and_is_stopped_once_its_step_is_taken(kind):
     """A predictable fault's group (a FAILING GPU, a straggler) leaves the quorum at once but its ranks run on for
     the step they were in (lifecycle.finish_s), so the healthy group's step with them is not lost; then all of its
     nodes are stopped, the bad one too. A sudden fault's group is stopped with its leaving."""
     sim = grouped_sim()
-    told: list[tuple[float, str]] = []
-    apply = sim.apply
-
-    def recording(actions) -> bool:
-        told.extend((sim.now, n) for a in actions if isinstance(a, lifecycle.Stop) for n in a.nodes)
-        return apply(actions)
-
-    sim.apply = recording
+    acted = recorded(sim)
     inject(sim, kind)
     sim.run_until(lambda: sim.left_quorum)
     left_at, group = sim.now, sim.job.groups[0]
     predictable = kind in ("gpu-failing", "straggler")
     assert group.state == lifecycle.GROUP_STOPPING and bool(group.finish_until_unix_ns) == predictable
     sim.run_until(lambda: group_state(sim, 0) != lifecycle.GROUP_STOPPING)
+    told = [(t, n) for t, a in acted if isinstance(a, lifecycle.Stop) for n in a.nodes]
     stopped_at = {n: min(t for t, m in told if m == n) for n in GROUP0 if any(m == n for _, m in told)}
     if predictable:
         assert set(stopped_at) == set(GROUP0), told  # the bad node's ranks too
@@ -123,14 +130,7 @@ def test_a_controller_that_takes_over_after_a_finishing_groups_time_stops_it_bef
     assert sim.job.groups[0].finish_until_unix_ns
     sim.controller_restart()
     sim.now += 120.0  # (past stop_grace_s and evict_margin_s since it left)
-    acted: list[tuple[float, str]] = []
-    apply = sim.apply
-
-    def recording(actions) -> bool:
-        acted.extend((sim.now, a) for a in actions if isinstance(a, lifecycle.Stop | lifecycle.Launch))
-        return apply(actions)
-
-    sim.apply = recording
+    acted = recorded(sim)
     sim.run_until(lambda: group_state(sim, 0) == lifecycle.GROUP_REBUILDING)
     first_stop = next(t for t, a in acted if isinstance(a, lifecycle.Stop))
     launch = next(t for t, a in acted if isinstance(a, lifecycle.Launch))

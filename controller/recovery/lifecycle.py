@@ -1215,8 +1215,6 @@ def group_leaves(job: pb.Job, incident: Incident, hit: set[int], view: JobView, 
         if not finish:
             out += stops(job, [n for n in members if (v := view.nodes.get(n)) is not None and not v.down and
                                v.connected], group.generation)
-    if finish:
-        out.append(WakeAt(now + finish))  # (group_moves stops them then)
     left = sum(g.state == GROUP_TRAINING for g in new.groups)
     how = "finishes its step and leaves the quorum" if incident.predictable else "left the quorum (its step is lost)"
     names = ", ".join(str(g) for g in sorted(hit))
