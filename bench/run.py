@@ -460,6 +460,11 @@ def _later_rows(results: dict) -> list[tuple[str, str, str, str]]:
             rows.append(("replicas", f"{fault}: samples skipped (groups) / steps computed twice (gang)", "",
                          f"{g['samples_skipped']:,} ({g['steps_alone']} steps with one group) / "
                          f"{w['steps_computed_twice']}"))
+            if "healthy_steps_taken_again" in g:
+                rows.append(("replicas", f"{fault}: steps the healthy group took again", "0 where predictable",
+                             f"{g['healthy_steps_taken_again']}" + (
+                                 _verdict(g["healthy_steps_taken_again"] == 0)
+                                 if fault in replicas.PREDICTABLE else "")))
     elif rep:
         rows.append(("replicas", "skipped", "", _first_line(str(rep.get("skipped") or rep.get("error") or rep))))
     r = results.get("recovery")

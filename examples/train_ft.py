@@ -12,8 +12,9 @@ optimizer from a healthy group over the network and joins at a step boundary.
 A toy model (a linear regression on seeded batches: each step's batch depends on the step, the group and the rank,
 so a run is reproducible); `--every N` saves a durable checkpoint with trainlib every N steps (the model, the
 optimizer and torchft's manager: a whole-job restart resumes from it). `--out DIR` writes, for each step a rank
-commits, the digest of its parameters and the groups in the quorum (DIR/rank-PHALANX_RANK.jsonl), and the final
-loss on a fixed test set (DIR/loss-RANK.txt).
+commits, the digest of its parameters and the groups in the quorum (DIR/rank-PHALANX_RANK.jsonl), each step it
+took but could not commit and must take again (DIR/retaken-RANK.jsonl: a group in its quorum failed during it), and
+the final loss on a fixed test set (DIR/loss-RANK.txt).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main() -> int:
         load_state_dict(loaded.state)
         manager.load_state_dict(loaded.state["manager"])
     log = open(args.out / f"rank-{job_rank}.jsonl", "a") if args.out else None  # noqa: SIM115
+    retaken = open(args.out / f"retaken-{job_rank}.jsonl", "a") if args.out else None  # noqa: SIM115
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     full = 0  # steps in a row committed with every group
     while manager.current_step() < args.steps or (args.until_full and full < args.until_full):
@@ -114,6 +116,10 @@ def main() -> int:
                 log.write(json.dumps({"step": step, "digest": digest(model), "groups": manager.num_participants(),
                                       "time": time.time(), "pid": os.getpid(), "group": group}) + "\n")
                 log.flush()
+        elif retaken is not None:  # the step's work is lost: the loop takes it again
+            retaken.write(json.dumps({"step": step, "groups": manager.num_participants(), "time": time.time(),
+                                      "pid": os.getpid(), "group": group}) + "\n")
+            retaken.flush()
         if args.step_time:
             time.sleep(args.step_time)
     if args.out:

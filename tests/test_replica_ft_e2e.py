@@ -1,6 +1,7 @@
 """Replica groups with torchft, end to end: real agents on loopback, the controller's lighthouse, and
-examples/train_ft.py on 2 groups x 2 ranks (gloo, CPU) with a spare. A kill -9 of a rank in one group: the other
-group never restarts and never loses a step, the failed group's replacement recovers the state from it over the
+examples/train_ft.py on 2 groups x 2 ranks (gloo, CPU) with a spare. Each fault in one group: the other group never
+restarts and commits every step once, in order (a sudden fault fails the step it is in, which it takes again; a fault
+Phalanx sees coming costs it no step at all), the failed group's replacement recovers the state from it over the
 network and joins, every group holds bit-identical parameters at every step, and the run converges."""
 
 import contextlib
@@ -48,12 +49,27 @@ def commits(out: Path) -> dict[int, list[dict]]:
     return seen
 
 
+def retaken(out: Path, at: dict[int, list[dict]], ranks: tuple[int, ...]) -> list[dict]:
+    """The steps `ranks` took but could not commit (a group in the quorum failed during them: the step is taken
+    again, its work lost) from the step each was in at `at` on."""
+    lost = []
+    for r in ranks:
+        path = out / f"retaken-{r}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        lost += [x for x in map(json.loads, (line for line in lines if line.endswith("}")))
+                 if x["step"] > at[r][-1]["step"]]
+    return lost
+
+
 # Each fault on rank 1 (group 0, node-b). kill-9: of the rank; xid-79: its GPU fails (the node is drained and replaced
 # by the spare); node-lost: its agent and its ranks killed (power lost); remap-pending: its GPU turns FAILING (the
 # group leaves predictably, replaced by the spare); hang: the rank stopped (SIGSTOP; found by trainlib's silence);
 # straggler: its GPU throttled (slow=0.9: its compute takes 1.9x; the quorum drops its group rather than wait for it).
 FAULTS = ["kill-9", "xid-79", "node-lost", "remap-pending", "hang", "straggler"]
 REPLACED = {"xid-79", "node-lost", "remap-pending", "hang", "straggler"}  # whose node the spare replaces
+# The faults Phalanx sees coming: their group leaves the quorum at once but finishes the step it is in before it is
+# stopped, so no other group's step fails (a sudden fault fails the healthy group's step in flight, taken again).
+PREDICTABLE = {"remap-pending", "straggler"}
 
 
 def uninterrupted_loss(steps: int, groups: int = 2, ranks: int = 2) -> float:
@@ -168,6 +184,8 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     assert len(same_model_at_every_step(seen)) >= 2 * TOGETHER  # (before the fault and after the rejoin)
     alone = [c["step"] for c in healthy[0] if c["groups"] == 1]
     assert alone, "group 1 never trained alone: the fault was not seen"
+    lost = retaken(out, at_kill, (2, 3))
+    assert not lost or fault not in PREDICTABLE, f"group 1 took steps again at a predictable fault: {lost}"
     assert_converged(out, last + 1)  # as an uninterrupted run of as many steps
     kinds = [e["kind"] for e in cluster.events(job=job_id)]
     assert "job.group_left" in kinds and "job.group_joined" in kinds and "job.incident" not in kinds, kinds
@@ -190,7 +208,8 @@ def test_a_fault_costs_its_group_alone_and_every_group_holds_the_same_model_at_e
     assert not alive(before[2])  # (it ended with the job)
     # the pause of the healthy group's step loop at the fault, for the record (bench/replicas.py measures it)
     gaps = [b["time"] - a["time"] for a, b in zip(healthy[0], healthy[0][1:], strict=False)]
-    print(f"{fault}: group 1's longest pause {max(gaps):.2f}s, {len(alone)} steps alone")
+    print(f"{fault}: group 1's longest pause {max(gaps):.2f}s, {len(alone)} steps alone, "
+          f"{len({x['step'] for x in lost})} steps taken again")
 
 
 def assert_carried_on(c, job_id: str, out: Path, at_kill: dict[int, list[dict]], said: frozenset = frozenset()) -> None:
@@ -208,6 +227,7 @@ def assert_carried_on(c, job_id: str, out: Path, at_kill: dict[int, list[dict]],
         assert {x["pid"] for x in ranks} == {before[r]}, f"rank {r} was restarted:\n{told}{c.rank_logs(job_id, 30)}"
         since = at_kill[r][-1]["step"]
         assert [x["step"] for x in ranks if x["step"] >= since] == list(range(since, last + 1)), f"rank {r}"
+    assert not retaken(out, at_kill, tuple(seen)), f"a step was taken again:\n{told}"
     assert len(same_model_at_every_step(seen)) >= last - 60  # (every step, but a group's first few at its start)
     kinds = [e["kind"] for e in c.events(job=job_id)]
     assert not {"job.group_left", "job.incident", "job.lighthouse"} - said & set(kinds), told
