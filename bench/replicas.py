@@ -90,13 +90,13 @@ def _commits(out: Path) -> dict[int, list[dict]]:
     return {int(path.stem.removeprefix("rank-")): _lines(path) for path in out.glob("rank-*.jsonl")}
 
 
-def groups_trial(fault: str, root: Path) -> dict:
+def groups_trial(fault: str, root: Path, step_time: str = STEP_TIME) -> dict:
     address, procs = _cluster(root, fault)
     try:
         out = root / "out"
         out.mkdir()
         job = cli(address, "submit", "--nodes", "4", "--replicas", "2", "--spares", "1", "--", sys.executable,
-                  str(TRAIN_FT), "--steps", "100000", "--out", str(out), "--step-time", STEP_TIME).strip()
+                  str(TRAIN_FT), "--steps", "100000", "--out", str(out), "--step-time", step_time).strip()
         deadline = time.time() + 120
         while time.time() < deadline and not (len(c := _commits(out)) == 4 and min(len(v) for v in c.values()) >= 40
                                                and all(v[-1]["groups"] == 2 for v in c.values())):
@@ -169,3 +169,35 @@ def run(quick: bool = False) -> dict:
             out["faults"][fault][system] = result
             log(f"replicas: {fault}: {system}: {result}")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Replica-group trials alone, e.g. with steps that are nearly all collective, where a group's stop that fails
+    the healthy group's step shows (`python -m bench.replicas --step-time 0 --trials 2 crash remap-pending`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.replicas", description=main.__doc__)
+    p.add_argument("faults", nargs="*", metavar="FAULT", help=f"of {', '.join(FAULTS)} (default: all)")
+    p.add_argument("--step-time", type=float, default=float(STEP_TIME),
+                   help="seconds each step of examples/train_ft.py sleeps")
+    p.add_argument("--trials", type=int, default=1)
+    args = p.parse_args(argv)
+    if unknown := [f for f in args.faults if f not in FAULTS]:
+        p.error(f"no such fault: {', '.join(unknown)}; the faults: {', '.join(FAULTS)}")
+    if args.step_time < 0 or args.trials < 1:
+        p.error("--step-time must be 0 or more and --trials at least 1")
+    for fault in args.faults or FAULTS:
+        for trial in range(args.trials):
+            with temp_root("phalanx-bench-replicas-groups-") as root:
+                try:
+                    result = groups_trial(fault, Path(root), f"{args.step_time:g}")
+                except Exception as e:  # one trial's failure is its result, the others go on
+                    result = {"error": f"{type(e).__name__}: {e}"}
+            print(json.dumps({"fault": fault, "trial": trial, **{k: result[k] for k in (
+                "pause_s", "step_s", "healthy_steps_taken_again", "healthy_restarted", "error") if k in result}}),
+                flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

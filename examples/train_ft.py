@@ -13,8 +13,8 @@ A toy model (a linear regression on seeded batches: each step's batch depends on
 so a run is reproducible); `--every N` saves a durable checkpoint with trainlib every N steps (the model, the
 optimizer and torchft's manager: a whole-job restart resumes from it). `--out DIR` writes, for each step a rank
 commits, the digest of its parameters and the groups in the quorum (DIR/rank-PHALANX_RANK.jsonl), each step it
-took but could not commit and must take again (DIR/retaken-RANK.jsonl: a group in its quorum failed during it), and
-the final loss on a fixed test set (DIR/loss-RANK.txt).
+took but could not commit and must take again (DIR/retaken-RANK.jsonl: usually, a group in its quorum failed
+during it), and the final loss on a fixed test set (DIR/loss-RANK.txt).
 """
 
 from __future__ import annotations
