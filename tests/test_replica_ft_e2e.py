@@ -40,25 +40,21 @@ STEPS = 300
 TOGETHER = 40  # the run ends with this many steps of both groups together after the fault, however slow its recovery
 
 
+def records(path: Path) -> list[dict]:
+    """A JSON-lines file the example writes (its last line may be half written); [] while there is none."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
 def commits(out: Path) -> dict[int, list[dict]]:
     """Each rank's committed steps, in order (rank -> [{step, digest, groups, time, pid, group}])."""
-    seen = {}
-    for path in out.glob("rank-*.jsonl"):
-        lines = path.read_text().splitlines()
-        seen[int(path.stem.removeprefix("rank-"))] = [json.loads(line) for line in lines if line.endswith("}")]
-    return seen
+    return {int(path.stem.removeprefix("rank-")): records(path) for path in out.glob("rank-*.jsonl")}
 
 
 def retaken(out: Path, at: dict[int, list[dict]], ranks: tuple[int, ...]) -> list[dict]:
     """The steps `ranks` took but could not commit (a group in the quorum failed during them: the step is taken
     again, its work lost) from the step each was in at `at` on."""
-    lost = []
-    for r in ranks:
-        path = out / f"retaken-{r}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        lost += [x for x in map(json.loads, (line for line in lines if line.endswith("}")))
-                 if x["step"] > at[r][-1]["step"]]
-    return lost
+    return [x for r in ranks for x in records(out / f"retaken-{r}.jsonl") if x["step"] > at[r][-1]["step"]]
 
 
 # Each fault on rank 1 (group 0, node-b). kill-9: of the rank; xid-79: its GPU fails (the node is drained and replaced
