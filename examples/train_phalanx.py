@@ -76,7 +76,9 @@ def main() -> int:
 def train(args: argparse.Namespace) -> int:
     ctx = trainlib.init()  # before init_process_group: it sets the NCCL watchdog defaults
     if ctx.world_size > 1:
-        dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=60))
+        # 5 minutes: a rank started cold (importing torch: over a minute on a loaded 2-CPU host) may join ranks
+        # started warm, which wait for it here; a hung rank is for Phalanx to find, not for this timeout
+        dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(minutes=5))
     torch.set_num_threads(1)  # ranks share the machine's cores; one thread each keeps them from fighting
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
