@@ -14,6 +14,7 @@ from controller.rendezvous.book import (
     CLOSED_RUN_TTL_S,
     IDLE_RUN_TTL_S,
     LEASE_S,
+    READMIT_AFTER_S,
     RELEARN_GRACE_S,
     SWEEP_EVERY_S,
     Drop,
@@ -711,6 +712,78 @@ def test_a_straggling_worker_is_found_as_in_any_job_and_its_node_leaves_the_run_
     held = f.join("B")  # B's node is out of the run: it waits, and is told why
     assert held.outcome is Outcome.WAITING and "node node-b is left out of rounds while it was evicted from " \
         "rendezvous 'job' as a straggler" in held.message
+
+
+def evicted_b_then_c_fails(f) -> int:
+    """B evicted as a straggler, the round of A and the spare C formed; then C's node turns FAILING and B's agent
+    joins the next round first (healthy, but out of the run). Returns that round's number."""
+    number = formed_with_spare(f)
+    straggling(f, number)
+    f.book.num_waiting(RUN, "A", number, f.clock.monotonic())
+    ask = report(f, number, 0, 40, compute=[0.06])
+    for rank in (0, 1):
+        report(f, number, rank, ask.at_step, done=(ask.id, ask.at_step))
+    assert f.book.num_waiting(RUN, "A", number, f.clock.monotonic()) >= 1
+    second = f.join("A")
+    assert second.outcome is Outcome.FORMED and f.poll("C", second.round).outcome is Outcome.FORMED
+    f.unfit["node-c"] = "it is FAILING: GPU 0: row remap pending"
+    third = f.join("B")
+    assert third.outcome is Outcome.WAITING and "evicted from rendezvous 'job' as a straggler" in third.message
+    return third.round
+
+
+def keep_alive(f, number, seconds, *pids) -> None:
+    """`seconds` pass while `pids` wait in round `number`, asking every second as torchrun's agents do."""
+    for _ in range(int(seconds)):
+        f.clock.advance(1)
+        for pid in pids:
+            assert f.poll(pid, number).outcome is Outcome.WAITING, pid
+
+
+def test_a_node_evicted_as_a_straggler_is_taken_back_when_the_round_cannot_form_without_it():
+    """A slow node is better than no job: the round that cannot reach its minimum without B forms with it once
+    READMIT_AFTER_S has passed, says so, and B is no longer out of the run (a99503e's CI: the round timed out)."""
+    f = Fleet()
+    number = evicted_b_then_c_fails(f)
+    assert f.join("A").round == number and f.join("C").round == number
+    keep_alive(f, number, READMIT_AFTER_S - 1, "A", "B", "C")  # the fit members of the last round may still come
+    f.clock.advance(1)
+    formed = f.poll("A", number)
+    assert formed.outcome is Outcome.FORMED and formed.world_size == 2, formed
+    assert f.poll("B", number).outcome is Outcome.FORMED
+    assert f.poll("C", number).outcome is Outcome.TIMED_OUT  # FAILING: left out
+    kinds = [k for k, _ in f.events]
+    said = dict(f.events)["rendezvous.readmitted"]
+    assert "node node-b takes part in round" in said and "though it was evicted from rendezvous 'job' as a " \
+        "straggler" in said and f"for {READMIT_AFTER_S:g}s" in said, said
+    assert kinds[-3:] == ["rendezvous.readmitted", "rendezvous.left_out", "rendezvous.formed"], kinds
+    assert "node-b" not in f.book.get(RUN).evicted
+
+
+def test_an_evicted_straggler_waiting_first_does_not_start_the_clock_and_a_fit_node_makes_the_round():
+    """B waits alone past READMIT_AFTER_S: nothing forms (one node). A joins: the clock starts only now, and C,
+    fit again within it, makes the round with A; B stays out of the run."""
+    f = Fleet()
+    number = evicted_b_then_c_fails(f)
+    keep_alive(f, number, READMIT_AFTER_S + 5, "B")
+    assert f.join("A").outcome is Outcome.WAITING
+    keep_alive(f, number, READMIT_AFTER_S - 1, "A", "B")
+    f.unfit.pop("node-c")
+    formed = f.join("C")
+    assert formed.outcome is Outcome.FORMED and f.poll("A", number).outcome is Outcome.FORMED
+    assert "rendezvous.readmitted" not in [k for k, _ in f.events]
+    assert "node-b" in f.book.get(RUN).evicted
+
+
+def test_a_round_short_of_nodes_says_which_joined_ones_were_left_out_and_why():
+    f = Fleet()
+    f.unfit["node-a"] = "it is FAILING: GPU 0: row remap pending"
+    f.join("A")
+    f.join("B")
+    f.clock.advance(600)
+    told = f.poll("B", 1)
+    assert told.outcome is Outcome.TIMED_OUT and "2 node(s) joined, 1 of them fit to take part (left out: node " \
+        "node-a: it is FAILING: GPU 0: row remap pending), it needs 2 (at most 2)" in told.message, told.message
 
 
 def test_a_straggler_verdict_is_held_while_no_torchrun_agent_waits_to_take_its_place():

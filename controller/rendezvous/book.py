@@ -88,6 +88,10 @@ MAX_COMPUTE_SAMPLES = 256  # per report: a worker reports twice a second
 DEFAULT_POLICY = RecoveryConfig()
 JUDGED_EVERY_S = 0.25  # every member asks each second: the round is judged at most this often
 RELEARN_GRACE_S = 3.0   # after a controller start or a re-learned round: the members' asks (every second) come in
+# A node evicted from a run as a straggler takes part again once the open round, for this long, could have formed
+# with it and not without it (another node failed since): a slow node is better than no job. Long enough for the
+# fit members of the last round, restarting, to join again first (their torchrun agents stop workers and re-join).
+READMIT_AFTER_S = 30.0
 
 
 class StaleParticipant(FailedPrecondition):
@@ -157,6 +161,7 @@ class Round:
     settings: Settings
     waiting: dict[str, Participant] = field(default_factory=dict)
     quorum_at: float | None = None  # when min_nodes was reached: the last call runs from here
+    short_since: float | None = None  # since when min_nodes is reached only with nodes evicted as stragglers
     ranks: list[Participant] = field(default_factory=list)  # by rank, once formed
     workers: dict[int, Worker] = field(default_factory=dict)  # by global rank, once formed: trainlib's reports
     adopted: dict[str, int] = field(default_factory=dict)  # re-learned from its members' asks: participant -> rank
@@ -244,34 +249,44 @@ class Drop:
 class Form:
     round: int
     left_out: tuple[tuple[str, str], ...] = ()  # (participant, why): waiting on unfit nodes, dropped as it forms
+    readmitted: tuple[str, ...] = ()  # participants on nodes evicted as stragglers, taken back (READMIT_AFTER_S)
 
 
 Action = Drop | Form
 
 
-def decide(run: Run, now: float, fit: Callable[[str], str] = lambda node: "") -> list[Action]:
+def decide(run: Run, now: float, fit: Callable[[str], str] = lambda node: "",
+           health: Callable[[str], str] | None = None) -> list[Action]:
     """What time alone changes in `run` at `now`: participants past their join timeout or lease leave
     the open round, then the round forms if it is full, or has its quorum and the last call is over.
-    Participants on nodes `fit` finds wanting do not count, and are left out when it forms."""
+    Participants on nodes `fit` finds wanting do not count, and are left out when it forms; but those `health`
+    (the controller's verdict alone) finds fit, whose nodes were evicted from the run as stragglers, are taken
+    back when the round has been short of its minimum without them for READMIT_AFTER_S."""
     rnd = run.open
     if rnd is None or run.closed:
         return []
     actions: list[Action] = []
-    staying, left_out = 0, []
+    staying, left_out, evicted = 0, [], []
     for p in rnd.waiting.values():
         if now >= p.deadline:
-            actions.append(Drop(p.id, rnd.number, _timeout_message(run.id, rnd), timed_out=True))
+            actions.append(Drop(p.id, rnd.number, _timeout_message(run.id, rnd, fit), timed_out=True))
         elif now >= p.last_seen + LEASE_S:
             actions.append(Drop(p.id, rnd.number, f"{p.id} was dropped from round {rnd.number} of rendezvous "
                                 f"{run.id!r}: not heard from for {LEASE_S:g}s; join again", timed_out=False))
         elif why := _unfit(p, fit):
             left_out.append((p.id, why))
+            if health is not None and p.node in run.evicted and not health(p.node):
+                evicted.append(p)
         else:
             staying += 1
     s = rnd.settings
     last_call_over = rnd.quorum_at is not None and now >= rnd.quorum_at + s.last_call_s
     if staying >= s.max_nodes or (staying >= s.min_nodes and last_call_over):
         actions.append(Form(rnd.number, tuple(left_out)))
+    elif (staying < s.min_nodes <= staying + len(evicted) and rnd.short_since is not None
+          and now >= rnd.short_since + READMIT_AFTER_S):
+        back = {p.id for p in sorted(evicted, key=lambda p: p.seq)[:s.max_nodes - staying]}
+        actions.append(Form(rnd.number, tuple(o for o in left_out if o[0] not in back), tuple(sorted(back))))
     return actions
 
 
@@ -293,11 +308,17 @@ def unfit(view: NodeView | None) -> str:
     return ""
 
 
-def _timeout_message(run_id: str, rnd: Round) -> str:
+def _timeout_message(run_id: str, rnd: Round, fit: Callable[[str], str] = lambda node: "") -> str:
+    """Why the round did not form: too few joined, or too few of those who did may take part (and why not)."""
     s = rnd.settings
-    return (f"round {rnd.number} of rendezvous {run_id!r} did not form within the join timeout: "
-            f"{len(rnd.waiting)} node(s) joined, it needs {s.min_nodes} (at most {s.max_nodes}); "
-            "start the missing nodes with the same --rdzv-id, or lower --nnodes")
+    unfit_ones = {p.node: why for p in rnd.waiting.values() if (why := _unfit(p, fit))}
+    joined = f"{len(rnd.waiting)} node(s) joined"
+    if unfit_ones:
+        joined += (f", {len(rnd.waiting) - len(unfit_ones)} of them fit to take part (left out: "
+                   + "; ".join(f"node {node}: {why}" for node, why in sorted(unfit_ones.items())) + ")")
+    return (f"round {rnd.number} of rendezvous {run_id!r} did not form within the join timeout: {joined}, it needs "
+            f"{s.min_nodes} (at most {s.max_nodes}); start the missing nodes with the same --rdzv-id, or lower "
+            "--nnodes")
 
 
 def rank_order(members: list[Participant], previous: Round | None) -> list[Participant]:
@@ -347,6 +368,10 @@ class RendezvousBook:
         (`unfit`), or the run's own (a node evicted from it as a straggler)."""
         return lambda node: run.evicted.get(node) or unfit(self._view(node))
 
+    def _health(self, node: str) -> str:
+        """'' if the controller finds `node` fit, else why not (its verdict alone: a run's evictions aside)."""
+        return unfit(self._view(node))
+
     def runs(self) -> list[Run]:
         return list(self._runs.values())
 
@@ -365,7 +390,7 @@ class RendezvousBook:
 
     def advance(self, run: Run, now: float) -> list[Action]:
         """Apply what `decide` says; one log line per decision."""
-        actions = decide(run, now, self._fit_in(run))
+        actions = decide(run, now, self._fit_in(run), self._health)
         if now < self._hold_until:  # just started: a running round's members may not have asked yet
             actions = [a for a in actions if not isinstance(a, Form)]
         rnd = run.open
@@ -381,6 +406,12 @@ class RendezvousBook:
             else:
                 out = dict(action.left_out)
                 rnd.ranks = rank_order([p for p in rnd.waiting.values() if p.id not in out], run.formed)
+                for pid in action.readmitted:
+                    node = rnd.waiting[pid].node
+                    why = run.evicted.pop(node, "")
+                    self._event("rendezvous.readmitted", f"node {node} takes part in round {rnd.number} of rendezvous "
+                                f"{run.id!r} again, though {why}: without it the round could not "
+                                f"reach its {rnd.settings.min_nodes} nodes for {READMIT_AFTER_S:g}s", run.id)
                 for pid, why in out.items():
                     node = rnd.waiting[pid].node
                     message = (f"{pid} on node {node} was left out of round {rnd.number} of rendezvous {run.id!r}: "
@@ -396,7 +427,7 @@ class RendezvousBook:
                 logger.info("rendezvous round formed", run=run.id, round=rnd.number, world_size=len(rnd.ranks),
                             rank0=rnd.ranks[0].id, store=f"{rnd.ranks[0].store.host}:{rnd.ranks[0].store.port}")
         if rnd is not None and run.open is rnd:
-            _update_quorum(rnd, now, self._fit_in(run))
+            _update_quorum(rnd, now, self._fit_in(run), self._health)
         if actions:
             self._on_change(run.id)
         return actions
@@ -432,7 +463,7 @@ class RendezvousBook:
             run.next_seq += 1
             logger.info("rendezvous participant joined", run=run_id, round=rnd.number, participant=pid,
                         joined=len(rnd.waiting), node=node or None)
-        _update_quorum(rnd, now, self._fit_in(run))
+        _update_quorum(rnd, now, self._fit_in(run), self._health)
         self._on_change(run_id)
         return self.poll(run_id, pid, rnd.number, now)
 
@@ -726,7 +757,7 @@ class RendezvousBook:
         if close:
             self._close(run, now, by=pid)
         if run.open is not None and run.open.number == number and run.open.waiting.pop(pid, None):
-            _update_quorum(run.open, now, self._fit_in(run))
+            _update_quorum(run.open, now, self._fit_in(run), self._health)
         if run.formed is not None and run.formed.number == number and pid in run.formed.member_ids():
             run.left.add(pid)
         logger.info("rendezvous participant left", run=run_id, round=number, participant=pid, closed=run.closed)
@@ -776,11 +807,21 @@ def _aliased(run: Run, pid: str, number: int) -> int:
     return run.aliases[number]
 
 
-def _update_quorum(rnd: Round, now: float, fit: Callable[[str], str] = lambda node: "") -> None:
-    if sum(1 for p in rnd.waiting.values() if not _unfit(p, fit)) < rnd.settings.min_nodes:
+def _update_quorum(rnd: Round, now: float, fit: Callable[[str], str] = lambda node: "",
+                   health: Callable[[str], str] | None = None) -> None:
+    """Start (or stop) the clocks a round forms by: its last call, from when it has its quorum of fit nodes, and,
+    while it has that quorum only with nodes evicted from the run as stragglers (`health` finds them fit, `fit` not),
+    the wait before they are taken back (READMIT_AFTER_S)."""
+    fit_now = sum(1 for p in rnd.waiting.values() if not _unfit(p, fit))
+    if fit_now < rnd.settings.min_nodes:
         rnd.quorum_at = None
     elif rnd.quorum_at is None:
         rnd.quorum_at = now
+    healthy = fit_now if health is None else sum(1 for p in rnd.waiting.values() if not _unfit(p, health))
+    if not fit_now < rnd.settings.min_nodes <= healthy:
+        rnd.short_since = None
+    elif rnd.short_since is None:
+        rnd.short_since = now
 
 
 def _closed(run: Run) -> Reply:
