@@ -450,7 +450,8 @@ def test_the_simulators_count_of_whether_a_job_needs_the_fleet_is_next_nodes_own
     assert min(sum(chose for _, chose in answers), sum(not chose for _, chose in answers)) >= 5
 
 
-def test_the_simulators_kept_sets_of_nodes_are_those_a_look_through_every_node_would_find(monkeypatch):
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_the_simulators_kept_sets_of_nodes_are_those_a_look_through_every_node_would_find(monkeypatch, replicas):
     """The simulator keeps the names of its job's unwell nodes as their views change (JobView.unwell), and the
     detectors read those few instead of every node's view; likewise the unreachable ones, which the stops leave out
     (JobView.unreachable), the candidates a next generation cannot run on (JobView.unfit), which next_nodes reads,
@@ -471,7 +472,12 @@ def test_the_simulators_kept_sets_of_nodes_are_those_a_look_through_every_node_w
         assert view.unwell == found, (sorted(view.unwell), sorted(found))
         assert all(n in view.nodes for n in self.job.nodes)
         assert view.unreachable == {n for n, v in view.nodes.items() if v.down or not v.connected}
-        assert view.members == set(self.job.nodes)
+        assert view.members == set(self.job.nodes) and view.node_list == tuple(self.job.nodes)
+        # a view and a candidate for each of the job's nodes and spares, none for any other (SimJob._rebuild)
+        assert view.nodes.keys() == {*self.job.nodes, *self.job.spares}, view.nodes.keys() ^ {*self.job.nodes,
+                                                                                              *self.job.spares}
+        if not view.fleet:
+            assert view.candidates.keys() == {*self.job.nodes, *self.job.spares}
         if view.idle is not None:
             idle.append(len(view.idle))
             assert view.idle == {n.name for n in self.sim.nodes.values() if not n.holder}
@@ -485,7 +491,7 @@ def test_the_simulators_kept_sets_of_nodes_are_those_a_look_through_every_node_w
     monkeypatch.setattr(engine.SimJob, "view", checked)
     report.simulate(scenario(**{"fleet.nodes": 48, "fleet.nodes_per_leaf": 8, "job.nodes": 32, "job.spares": 2,
                                 "failures.per_1000_node_days": 40.0, "failures.leaf_per_1000_leaf_days": 20.0,
-                                "failures.repair_h": 12.0, "run.days": 30.0}))
+                                "failures.repair_h": 12.0, "run.days": 30.0, "job.replicas": replicas}))
     assert sum(n > 0 for n in seen) >= 20 and sum(n == 0 for n in seen) >= 20, (len(seen), sum(n > 0 for n in seen))
     assert sum(n > 0 for n in unfit) >= 20 and sum(n == 0 for n in unfit) >= 20, (len(unfit), sum(n > 0 for n in unfit))
     assert sum(n > 0 for n in idle) >= 20, (len(idle), sum(n > 0 for n in idle))

@@ -187,8 +187,9 @@ OWN_WORK_MARGIN_S = 2.0
 def _nodes_of(ranks: Sequence[pb.RankInfo], wanted: set[int]) -> dict[int, str]:
     """rank -> node of the `wanted` ranks: where `ranks` are in rank order (rank r at r: lifecycle.rank_table) read
     there, else found in one pass."""
-    if all(0 <= r < len(ranks) and ranks[r].rank == r for r in wanted):
-        return {r: ranks[r].node for r in wanted}
+    table = getattr(ranks, "whole", ranks)  # stretches of a rank table (lifecycle.quorum's): the table they are of
+    if all(0 <= r < len(table) and table[r].rank == r for r in wanted):
+        return {r: table[r].node for r in wanted}
     return {r.rank: r.node for r in ranks if r.rank in wanted}
 
 

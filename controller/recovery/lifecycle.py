@@ -93,6 +93,10 @@ class JobView:
     # The job's nodes as a set, where the driver keeps one (the simulator): a step asks of it in C what it would
     # otherwise ask of the record's list of 16,384 names, one by one. None: a step makes the set where it needs one.
     members: AbstractSet[str] | None = None
+    # The job's nodes in rank order (the record's list), where the driver keeps them for the generation (the
+    # simulator): each read of the record's list makes its 16,384 strings anew, and hashes them anew in each set
+    # asked of them. None: a step reads the record.
+    node_list: Sequence[str] | None = None
     # The generation's stops, as sets of node names (a node's view says its health; these say how far this process's
     # stop of the job has got there, and a recovery moves every node of the job through them at once):
     told: AbstractSet[str] = frozenset()  # told to stop the generation by this process, on the node's current
@@ -374,16 +378,29 @@ def _stop_out(job: pb.Job) -> list[Action]:
     return stops(job, sorted(out_of_quorum(job)))
 
 
+def nodes_of(job: pb.Job, view: JobView) -> Sequence[str]:
+    """The job's nodes in rank order: the driver's list for the generation where it keeps one, else the record's."""
+    return view.node_list if view.node_list is not None else job.nodes
+
+
+def named(nodes: Sequence[str], most: int = 32) -> str:
+    """Nodes for a reason or an event: each name, or for a job of more than `most` nodes, how many and the first and
+    last few (a 16,384-node job's full list is ~200 KB in every record and event of a recovery)."""
+    if len(nodes) <= most:
+        return ", ".join(nodes)
+    return f"{len(nodes):,} nodes ({', '.join(nodes[:3])}, ..., {nodes[-1]})"
+
+
 def stop_untold(job: pb.Job, view: JobView) -> list[Action]:
     """Stop the job's generation on each of its nodes whose agent has not been told on its current session (each
     node's own: a replica group rebuilt since the others started runs a newer one than theirs)."""
-    get, told = view.nodes.get, view.told
+    get, told, nodes = view.nodes.get, view.told, nodes_of(job, view)
     if told and (told >= view.members if view.members is not None else
-                 all(map(told.__contains__, job.nodes))):  # (in C: once the stop is out, at each step after)
+                 all(map(told.__contains__, nodes))):  # (in C: once the stop is out, at each step after)
         return []
     if view.unreachable is not None:  # (in C: the first stop of a recovery tells every node of a job of 16,384)
-        return stops(job, list(itertools.filterfalse(told.union(view.unreachable).__contains__, job.nodes)))
-    return stops(job, [node for node in job.nodes
+        return stops(job, list(itertools.filterfalse(told.union(view.unreachable).__contains__, nodes)))
+    return stops(job, [node for node in nodes
                        if node not in told and (v := get(node)) is not None and not v.down and v.connected])
 
 
@@ -578,7 +595,7 @@ def _launching(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[A
     if not launch.done:
         return []
     if launch.ok:
-        new = moved(job, RUNNING, f"running on {', '.join(job.nodes)}", now, master_addr=launch.address,
+        new = moved(job, RUNNING, f"running on {named(nodes_of(job, view))}", now, master_addr=launch.address,
                     master_port=launch.port)
         n = ranktable.count(new)
         ranktable.set_span(new, 0, n, RANK_RUNNING)
@@ -596,7 +613,7 @@ def _stop_all(job: pb.Job) -> list[Action]:
 
 
 def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Action]:
-    ranks, names = quorum(job)  # the job's, or (replica groups) those of the groups in the quorum
+    ranks, names = quorum(job, nodes_of(job, view))  # the job's, or (replica groups) those of the groups in the quorum
     if all_exited_zero(job, ranks):
         return [finished(job, SUCCEEDED, "every rank exited 0", 0, now), *_stop_out(job)]
     odd = unsettled(ranks)  # the few ranks not RUNNING: what follows reads their states, not every rank's
@@ -636,7 +653,7 @@ def _running(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
             return [Commit(copied(job, straggler_held=held.split(" (")[0]), "job.straggler_held",
                            f"{job.id}: straggler verdict held back: {incident.reason}: {held}")]
     if grouped(job) and not incident.fatal:
-        hit = groups_hit(job, incident)
+        hit = groups_hit(job, incident, nodes_of(job, view))
         if hit and holders(job, view) - hit:  # some group that holds the job's state trains on
             return group_leaves(job, incident, hit, view, now, policy)
     return _incident(job, incident, now, policy, view)
@@ -731,7 +748,9 @@ def free_nodes(job: pb.Job, view: JobView, taken: set[str]) -> list[str]:
 def _free(job: pb.Job, view: JobView, taken: set[str]) -> set[str]:
     """free_nodes, as a set."""
     per, candidates = job.spec.ranks_per_node, view.candidates
-    rest = candidates.keys() - taken  # (in C: at 16,384 nodes, nearly every candidate is the job's own)
+    # (in C: at 16,384 nodes, nearly every candidate is the job's own; where the driver keeps the nodes no job holds,
+    # the few of those: a candidate free to this job is one of them or the job's own, which `taken` holds)
+    rest = view.idle - taken if view.idle is not None and view.fleet else candidates.keys() - taken
     return {n for n in rest if _fits(candidates[n], per)}
 
 
@@ -848,7 +867,7 @@ def _evicting(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Ac
                          if n in view.nodes and not view.nodes[n].drained]
     out += stop_untold(job, view)
     get, stopped = view.nodes.get, view.stopped
-    unconfirmed = (n for n in job.nodes if n not in stopped and (v := get(n)) is not None and not v.down)
+    unconfirmed = (n for n in nodes_of(job, view) if n not in stopped and (v := get(n)) is not None and not v.down)
     window = policy.jobs.stop_grace_s + policy.recovery.evict_margin_s
     deadline = job.state_since_unix_ns / 1e9 + window
     everywhere = view.members is not None and stopped >= view.members  # (in C)
@@ -891,7 +910,7 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
     # Sets, not the record's lists (a 2,048-node job made this quadratic), and passes in C over the job's nodes for the
     # few that will not do, not the many that will (a 16,384-node job is decided here at each of its recoveries).
     unusable = bad | (unfit(candidates, job.spec.ranks_per_node) if view.unfit is None else view.unfit)
-    nodes = list(job.nodes)
+    nodes = list(nodes_of(job, view))
     current = set(nodes) if view.members is None else view.members
     gone = current.difference(candidates)  # the job's nodes that will not do: the few not kept
     gone |= current & unusable
@@ -900,7 +919,7 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
     if missing <= len(spares):
         # each place of a node that will not do, in rank order, by the next spare (as many places as `missing`, or
         # fewer where the record names a node twice)
-        places = [at for at, n in enumerate(nodes) if n in gone] if missing else []
+        places = _places(nodes, gone) if missing else []
         taken = spares[:len(places)]
         for i, spare in zip(places, taken, strict=True):
             nodes[i] = spare
@@ -912,6 +931,25 @@ def _next_nodes(job: pb.Job, view: JobView, candidates: Mapping[str, Candidate],
     if isinstance(decision, Unplaceable):
         return f"waiting for nodes: {decision.reason}"
     return list(decision.nodes), [], "a new placement (no spare left in the domain)"
+
+
+def _places(nodes: Sequence[str], gone: AbstractSet[str]) -> list[int]:
+    """The positions in `nodes` of the names in `gone`, in order (a name the list holds twice: each place). A few
+    gone of many nodes: a scan in C for each (list.index), not a pass in Python over all of them."""
+    if len(gone) > 8:
+        return [at for at, n in enumerate(nodes) if n in gone]
+    if not isinstance(nodes, list | tuple):
+        nodes = list(nodes)  # (a record's list has no index)
+    out = []
+    for name in gone:
+        at = -1
+        while True:
+            try:
+                at = nodes.index(name, at + 1)
+            except ValueError:
+                break
+            out.append(at)
+    return sorted(out)
 
 
 def unfit(candidates: Mapping[str, Candidate], ranks_per_node: int) -> set[str]:
@@ -926,7 +964,8 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     # often seen first as a crash (its peers' collectives fail before it is declared DOWN): the nodes chosen
     # tell.
     chosen = next_nodes(job, view)
-    replacing = bool(job.incident_nodes) or (not isinstance(chosen, str) and chosen[0] != list(job.nodes))
+    before = nodes_of(job, view)  # (the driver's: strings the choice shares, so the comparison is by identity)
+    replacing = bool(job.incident_nodes) or (not isinstance(chosen, str) and chosen[0] != list(before))
     delay = 0.0 if replacing else backoff(job.restarts_in_row, policy.recovery)
     ready_at = job.state_since_unix_ns / 1e9 + delay
     if now < ready_at:
@@ -957,20 +996,20 @@ def _rendezvous(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[
     # recovery working (the drains it makes bound how often it can happen), and does not count toward it: nor
     # one after a crash that leaves a node found down since (a node loss seen first as its peer's crash).
     in_row = job.restarts_in_row if replacing else job.restarts_in_row + 1
-    new = moved(job, RESTARTING, f"restarting on {', '.join(nodes)}", now, generation=generation,
+    new = moved(job, RESTARTING, f"restarting on {named(nodes)}", now, generation=generation,
                 restarts=job.restarts + 1, restarts_in_row=in_row, launched_generation=generation,
                 ending_since_unix_ns=0)
     new.evicted.extend(n for n in job.incident_nodes if n not in new.evicted)
     with_nodes(new, nodes, spares)
     chosen_set = set(nodes)  # (a job of thousands of nodes: a list's `in` made this quadratic)
-    replaced = list(itertools.filterfalse(chosen_set.__contains__, job.nodes))  # the incident's, or down since
+    replaced = list(itertools.filterfalse(chosen_set.__contains__, before))  # the incident's, or down since
     kept = [n for n in job.incident_nodes if n in chosen_set]
     counted = (f"restart {new.restarts}; {new.restarts_in_row} of at most {policy.recovery.max_restarts} in a row"
                if not replacing else f"restart {new.restarts}" + (
                    f", replacing {', '.join(replaced)}" if replaced else "") + (
                    f", keeping {', '.join(kept)} of the incident (schedulable again, and nothing else would do)"
                    if kept else "") + ": not counted toward max_restarts")
-    return [Commit(new, "job.restarting", f"{job.id} generation {generation} on {', '.join(nodes)} ({how}; "
+    return [Commit(new, "job.restarting", f"{job.id} generation {generation} on {named(nodes)} ({how}; "
                    f"{counted}, after {delay:g}s)"),
             Launch(job.id, generation)]
 
@@ -1086,15 +1125,17 @@ def group_rebuilt(job: pb.Job) -> set[int]:
     return {r.rank for r in ranktable.rows(job) if r.generation == job.generation}
 
 
-def quorum(job: pb.Job) -> tuple[Sequence[pb.RankInfo], Sequence[str]]:
+def quorum(job: pb.Job, nodes: Sequence[str] | None = None) -> tuple[Sequence[pb.RankInfo], Sequence[str]]:
     """The ranks and nodes that train now: the job's, or (replica groups) those of its groups in the quorum. A group
-    that left is no longer judged by the detectors: its own steps say what it waits for."""
+    that left is no longer judged by the detectors: its own steps say what it waits for. `nodes`: the job's, where
+    the caller holds them (nodes_of), else the record's."""
+    nodes = job.nodes if nodes is None else nodes
     if not grouped(job) or all(g.state == GROUP_TRAINING for g in job.groups):
-        return ranktable.rows(job), job.nodes
-    per, k = job.spec.ranks_per_node, len(job.nodes) // job.spec.replicas
+        return ranktable.rows(job), nodes
+    per, k = job.spec.ranks_per_node, len(nodes) // job.spec.replicas
     training = [g.index for g in job.groups if g.state == GROUP_TRAINING]
     return _Spans(ranktable.rows(job), [(g * k * per, (g + 1) * k * per) for g in training]), \
-        _Spans(job.nodes, [(g * k, (g + 1) * k) for g in training])
+        _Spans(nodes, [(g * k, (g + 1) * k) for g in training])
 
 
 class _Spans(Sequence):
@@ -1106,6 +1147,12 @@ class _Spans(Sequence):
         self._spans = [(a, min(b, n)) for a, b in spans if a < n]  # as slicing reads them
         self._len = sum(b - a for a, b in self._spans)
         self._set: frozenset | bool | None = None  # (False: its items cannot be hashed)
+        self._looks = 0
+
+    @property
+    def whole(self) -> Sequence:
+        """The list the stretches are cut from (a rank table in rank order: rank r at r)."""
+        return self._items
 
     def __len__(self) -> int:
         return self._len
@@ -1121,7 +1168,11 @@ class _Spans(Sequence):
         return itertools.chain.from_iterable(items[a:b] for a, b in self._spans)
 
     def __contains__(self, value: object) -> bool:
-        if self._set is None:  # (one pass in C, at the first look: a node's, for each of the job's few unwell)
+        self._looks += 1
+        if self._set is None and self._looks <= 8 and isinstance(self._items, list | tuple):
+            items = self._items  # (the few first looks, each a scan in C: a set of 16,384 names costs more)
+            return any(value in items[a:b] for a, b in self._spans)
+        if self._set is None:  # (one pass in C: a node's, for each of the job's unwell, once there are many)
             try:
                 self._set = frozenset(self)
             except TypeError:  # rows (messages) are not hashable: each stretch looked through
@@ -1170,13 +1221,15 @@ def holders(job: pb.Job, view: JobView) -> set[int]:
     return held
 
 
-def groups_hit(job: pb.Job, incident: Incident) -> set[int]:
-    """The training groups an incident is about (by its nodes and ranks); empty when it names neither."""
-    k = len(job.nodes) // job.spec.replicas
+def groups_hit(job: pb.Job, incident: Incident, nodes: Sequence[str] | None = None) -> set[int]:
+    """The training groups an incident is about (by its nodes and ranks); empty when it names neither. `nodes`: the
+    job's, where the caller holds them (nodes_of), else the record's."""
+    nodes = job.nodes if nodes is None else nodes
+    k = len(nodes) // job.spec.replicas
     per = max(job.spec.ranks_per_node, 1)
     wanted = set(incident.nodes)
-    hit = {i // k for i, n in enumerate(job.nodes) if n in wanted} if wanted else set()
-    hit |= {r // per // k for r in incident.ranks if r // per < len(job.nodes)}
+    hit = {i // k for i in _places(nodes, wanted)} if wanted else set()
+    hit |= {r // per // k for r in incident.ranks if r // per < len(nodes)}
     return {g for g in hit if job.groups[g].state == GROUP_TRAINING}
 
 
@@ -1305,7 +1358,8 @@ def _group_next_nodes(job: pb.Job, view: JobView, group: pb.ReplicaGroup) -> tup
 
     members = group_members(job, group.index)
     spares = [s for s in job.spares if usable(s)]
-    free = free_nodes(job, view, {*job.nodes, *job.spares, *job.evicted}) if view.fleet else []
+    free = free_nodes(job, view, (view.members if view.members is not None else set(job.nodes)).union(
+        job.spares, job.evicted)) if view.fleet else []
     leaf_of = view.topology.node_leaf if view.topology is not None else {}
     home = {leaf_of.get(n) for n in members if n not in group.bad}
 

@@ -20,6 +20,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -141,12 +142,14 @@ class SimJob:
         self.ended: dict[int, tuple[int, int]] = {}  # rank -> (state, exit code) its node reported (JobView.ended)
         self.generation = 0
         self.members: set[str] = set()
+        self.node_list: tuple[str, ...] = ()  # the job's nodes in rank order, read from the record once a generation
         self.views: dict[str, NodeView] = {}
         self.unwell: set[str] = set()  # of `views`, those unwell (JobView.unwell), kept as they change
         self.candidates: dict[str, Candidate] = {}
         self.unfit: set[str] = set()  # of `candidates`, those a next generation cannot run on (lifecycle.unfit)
         self._node_views: dict[tuple, NodeView] = {}
         self._stale = False  # the views and candidates wait for a rebuild (done once, when next looked at)
+        self._moved: set[str] = set()  # ... of these names: the nodes and spares that came or went since
         self.fleet: dict[str, Candidate] | None = None  # every node, as placement sees it from this job
         self.synced = 0  # how much of the simulation's change log `fleet` has taken in
         self.tally = Tally()
@@ -314,34 +317,42 @@ class SimJob:
         else:
             self.unwell.discard(name)
 
-    def rebuild(self) -> None:
-        """The job's nodes changed: its views and candidates again, when next looked at."""
+    def rebuild(self, moved: AbstractSet[str]) -> None:
+        """The job's nodes changed, `moved` among them (those that came or went, and the spares before and after):
+        their views and candidates again, when next looked at."""
+        self._moved |= moved
         self._stale = True
 
     def _rebuild(self) -> None:
-        """The views and candidates of the job's nodes and spares, in place. One held is current for its node's state
-        (refresh keeps it so): only the nodes that came or went are looked at. A view does not show the job's stops
-        (JobView.told, .stopped): a recovery, which stops every node of the job, moves no view."""
+        """The views and candidates of the job's nodes and spares, in place: a view and a candidate for each, none for
+        any other name. One held is current for its node's state (refresh keeps it so): only the nodes that came or
+        went since (`rebuild`) are looked at, sorted (a set's order is the process's string hashing). A view does not
+        show the job's stops (JobView.told, .stopped): a recovery, which stops every node of the job, moves no view."""
         self._stale = False
-        names = self.members.union(self.job.spares)  # (in C: a recovery moves a few of 16,384; sorted, as a
-        views, held = self.views, self.candidates  # set's order is the process's string hashing)
-        moved = names.symmetric_difference(views)  # the names that came (in names) or went (not)
-        for name in sorted(n for n in moved if n not in names):
-            del views[name]
-            self.unwell.discard(name)
-        for name in sorted(n for n in moved if n in names):
-            self._view(name)
-        moved = names.symmetric_difference(held)
-        for name in sorted(n for n in moved if n not in names):
-            del held[name]
-            self.unfit.discard(name)
-        for name in sorted(n for n in moved if n in names):
-            self._candidate(name)
+        moved, self._moved = self._moved, set()
+        spares = set(self.job.spares)
+        came = sorted(n for n in moved if n in self.members or n in spares)
+        went = sorted(n for n in moved if n not in self.members and n not in spares)
+        views, held = self.views, self.candidates
+        for name in went:
+            if views.pop(name, None) is not None:
+                self.unwell.discard(name)
+        for name in came:
+            if name not in views:
+                self._view(name)
+        for name in went:
+            if held.pop(name, None) is not None:
+                self.unfit.discard(name)
+        for name in came:
+            if name not in held:
+                self._candidate(name)
 
     def respare(self, before: pb.Job) -> None:
         """Only the spares changed (held again, or released): their views alone."""
         if self.job.state == table.RUNNING:
             self.warm.update(self.job.spares)  # a spare held while training gets its standby
+        if self._stale:  # the rebuild due adds the views of the spares that came (and its candidates, here)
+            self._moved.update(before.spares, self.job.spares)
         for name in set(before.spares) - set(self.job.spares) - self.members:
             self.views.pop(name, None)
             self.unwell.discard(name)
@@ -372,6 +383,7 @@ class SimJob:
                                  candidates=self.candidates if candidates is None else candidates,
                                  unfit=self.unfit if candidates is None else None,
                                  idle=None if candidates is None else self.sim.idle, members=self.members,
+                                 node_list=self.node_list,
                                  topology=self.sim.topology, fleet=candidates is not None, ended=self.ended,
                                  step_s=self.shape.step_s)
 
@@ -425,22 +437,26 @@ class SimJob:
                     if job.generation != self.generation:
                         self.generation, self.checkpoint, self.ended = job.generation, None, {}
                         self.told, self.taken = set(), set()
-                    # (a job's nodes change only with its generation: lifecycle.with_nodes, a group's launch)
-                    moved_nodes = job.generation != before.generation and job.nodes != before.nodes
+                    # (a job's nodes change only with its generation: lifecycle.with_nodes, a group's launch; the
+                    # record's list is read once a generation, and compared as a tuple: the records' own lists
+                    # compare at ~8x the cost of reading one)
+                    nodes = tuple(job.nodes) if job.generation != before.generation else self.node_list
+                    moved_nodes = nodes != self.node_list
                     assert moved_nodes or len(job.nodes) == len(before.nodes), "nodes changed within a generation"
                     moved_spares = job.spares != before.spares
-                    members = set(job.nodes) if moved_nodes else self.members
+                    members = set(nodes) if moved_nodes else self.members
                     if kind in ("job.restarting", "job.group_rebuilding"):
                         self.tally.spares_used += len(members.intersection(before.spares))
                         if "a new placement" in message:
                             self.tally.fresh_placements += 1
+                    held: AbstractSet[str] = frozenset()  # (most commits hold what they held: no pass over the job)
                     if moved_nodes or moved_spares or (before.state in table.TERMINAL) != (job.state in table.TERMINAL):
-                        sim.hold(self, before, job, members)  # (most commits hold what they held: no pass over the job)
+                        held = sim.hold(self, before, job, members)
                     if moved_nodes:
-                        self.members = members
+                        self.members, self.node_list = members, nodes
                         if self.replicas:
-                            self.position = {n: i for i, n in enumerate(job.nodes)}
-                        self.rebuild()
+                            self.position = dict(zip(nodes, range(len(nodes)), strict=True))  # (in C)
+                        self.rebuild(held)
                     elif moved_spares:
                         self.respare(before)
                     if job.state != before.state:
@@ -449,7 +465,7 @@ class SimJob:
                         self._groups_moved(before, job)
                 case lifecycle.Launch(generation=generation, nodes=nodes):
                     self.launch = lifecycle.LaunchView(generation)
-                    self.launch_nodes = nodes or tuple(self.job.nodes)
+                    self.launch_nodes = nodes or self.node_list
                     warm = sim.scenario.policy.warm_starts and self.warm.issuperset(self.launch_nodes)
                     self.tally.launches += 1
                     self.tally.warm_launches += warm
@@ -506,7 +522,7 @@ class SimJob:
         self.warm = self.members.union(self.job.spares)  # standbys wait on these for the next restart
         self.become(TRAINING)
         if self.sim.scenario.policy.evict_stragglers and not self.sim.slow.isdisjoint(self.members):
-            for name in self.job.nodes:  # a slow node the job (re)started on is found like any
+            for name in self.node_list:  # a slow node the job (re)started on is found like any
                 if self.sim.nodes[name].slow:
                     self.sim.check_straggler(self.sim.nodes[name], self)
 
@@ -568,7 +584,7 @@ class SimJob:
     def _acked(self, request_id: int, generation: int) -> None:
         if self.checkpoint is None or self.checkpoint.request_id != request_id or generation != self.generation:
             return
-        if not self.sim.down.isdisjoint(self.job.nodes):
+        if not self.sim.down.isdisjoint(self.members):
             self.decide()  # a node died first: the deadline will pass and the recovery resumes from before
             return
         step = int(self.work / self.shape.step_s)
@@ -701,10 +717,11 @@ class Simulation:
         job.synced = len(self.changes)
         return job.fleet
 
-    def hold(self, job: SimJob, before: pb.Job, after: pb.Job, members: set[str]) -> None:
+    def hold(self, job: SimJob, before: pb.Job, after: pb.Job, members: set[str]) -> set[str]:
         """Which nodes a job holds follows its record (nodes and spares); a job that ended holds none. A job holds
         every node of its record (this keeps it so): only those that came or went are looked at. `job.members` are
-        the nodes of `before`, `members` those of `after`."""
+        the nodes of `before`, `members` those of `after`. Returns the names looked at: those that came or went, and
+        the spares before and after."""
         empty: set[str] = set()  # (a job that ended holds nothing)
         nodes_before, spares_before = (empty, empty) if before.state in table.TERMINAL else \
             (job.members, set(before.spares))
@@ -727,6 +744,7 @@ class Simulation:
         for name in changed:
             self.nodes[name].holder = after.id
         job.refresh(*changed)
+        return moved
 
     def touched(self, node: SimNode) -> None:
         """A node's state changed: the job holding it sees it anew."""
@@ -779,7 +797,7 @@ class Simulation:
         r = self.rng.random()
         if r < f.software_share:
             job = self._job_of(node)
-            if job is not None and node.name in job.job.nodes:
+            if job is not None and node.name in job.members:
                 if self.rng.random() < f.hang_share:
                     self._hang(job)
                 else:
@@ -854,14 +872,14 @@ class Simulation:
     def _apply(self, fault: replay.Fault) -> None:
         if fault.job:
             job = self.jobs[self.trace.jobs.index(fault.job) % len(self.jobs)]
-            if job.job.state != table.RUNNING or not job.job.nodes:
+            if job.job.state != table.RUNNING or not job.node_list:
                 self.replayed["no_job"] += 1  # the job is not training now: nothing for the fault to hit
                 return
             self.replayed["faults"] += 1
             if fault.kind == replay.CRASH:
                 self._crash(job)
             else:  # a straggler: one of its nodes turns slow
-                node = self.nodes[self.rng.choice(job.job.nodes)]
+                node = self.nodes[self.rng.choice(job.node_list)]
                 self._straggle(node, node.faults)
             return
         node = self.trace_nodes[fault.node]
@@ -899,7 +917,7 @@ class Simulation:
         node.health, node.reason = verdict.health, verdict.reasons[0] if verdict.reasons else ""
         self.touched(node)
         job = self._job_of(node)
-        if job is not None and node.name in job.job.nodes:
+        if job is not None and node.name in job.members:
             self.at(self.now + self.scenario.timings.gpu_fault_detect_s, job.decide)
         elif job is None or node.name in job.job.spares:
             self.take_out(node)  # an idle node or a spare that turns FAILING is drained at once
@@ -908,7 +926,7 @@ class Simulation:
 
     def _hardware_fault(self, node: SimNode, lost: bool, verdict: health.Verdict | None = None) -> None:
         job = self._job_of(node)
-        if node.drained and not (job and node.name in job.job.nodes):
+        if node.drained and not (job and node.name in job.members):
             return  # evicted ahead of its fault: it fails on the bench
         if lost:
             node.down = True
@@ -923,9 +941,9 @@ class Simulation:
                 node.health = health.FAILED  # no checkpoint before the eviction: the fault ends training now
             detect = self.scenario.timings.gpu_fault_detect_s
         self.touched(node)
-        if not node.drained and (job is None or node.name not in job.job.nodes):
+        if not node.drained and (job is None or node.name not in job.members):
             self.take_out(node)  # an idle node or a spare: drained by the health policy or liveness
-        if job is not None and node.name in job.job.nodes:
+        if job is not None and node.name in job.members:
             job.broken(sudden=True, node=node.name)
             self.at(self.now + detect, job.decide)
         elif job is not None:
@@ -937,7 +955,7 @@ class Simulation:
         node.slow = True
         self.slow.add(node.name)
         job = self._job_of(node)
-        if job is None or node.name not in job.job.nodes:
+        if job is None or node.name not in job.members:
             return
         job.speed_changed()
         if self.scenario.policy.evict_stragglers:
@@ -958,14 +976,14 @@ class Simulation:
             return
         step = job.shape.step_s
         slow = step * (1 + self.scenario.failures.straggler_slowdown)
-        names = list(job.job.nodes)  # (one rank a node, in rank order: lifecycle.rank_table)
+        names = job.node_list  # (one rank a node, in rank order: lifecycle.rank_table)
         rank_of = {name: names.index(name) for name in (node.name, *names[:4])}
-        other = next(n for n in job.job.nodes if n != node.name) if len(job.job.nodes) > 1 else None
+        other = next(n for n in names if n != node.name) if len(names) > 1 else None
         if other is None:
             return
         tracks = {}
         base = int(self.now / step)  # the steps go on from one generation to the next
-        for name, compute in ((node.name, slow), (other, step), *((n, step) for n in job.job.nodes[2:4]
+        for name, compute in ((node.name, slow), (other, step), *((n, step) for n in names[2:4]
                                                                   if n != node.name)):
             track = RankTrack(last_advance=self.now, last_report=self.now)
             # This generation's reports: two at the job's own pace (the first carries the start-up), then three
