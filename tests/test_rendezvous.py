@@ -760,6 +760,36 @@ def test_a_node_evicted_as_a_straggler_is_taken_back_when_the_round_cannot_form_
     assert "node-b" not in f.book.get(RUN).evicted
 
 
+def test_as_few_evicted_stragglers_are_taken_back_as_make_the_minimum_and_the_wait_wakes_the_round():
+    """nnodes 2:3, A fit, B and C evicted: after READMIT_AFTER_S (the run's next wake-up, so a waiting AwaitRound
+    is not late) the round forms of A and B alone (the first evicted to join); C stays out of the run."""
+    f = Fleet()
+    wide = Settings(min_nodes=2, max_nodes=3, last_call_s=2.0)
+    f.join("A", wide)
+    run = f.book.get(RUN)
+    for node in ("node-b", "node-c"):
+        run.evicted[node] = "it was evicted from rendezvous 'job' as a straggler: rank 1 computes 1.50x slower"
+    f.join("B", wide)
+    number = f.join("C", wide).round
+    keep_alive(f, number, READMIT_AFTER_S - 1, "A", "B", "C")
+    assert f.book.next_wakeup(RUN) == f.clock.monotonic() + 1  # (before any lease or join timeout runs out)
+    f.clock.advance(1)
+    formed = f.poll("A", number)
+    assert formed.outcome is Outcome.FORMED and formed.world_size == 2, formed
+    assert f.poll("B", number).outcome is Outcome.FORMED and f.poll("C", number).outcome is Outcome.TIMED_OUT
+    assert [k for k, _ in f.events].count("rendezvous.readmitted") == 1
+    assert "node-b" not in run.evicted and "node-c" in run.evicted
+
+
+def test_places_finds_every_position_of_the_names_gone_in_order():
+    from controller.recovery.lifecycle import _places
+    nodes = ["a", "b", "c", "b", "d"]
+    assert _places(nodes, {"b"}) == [1, 3]
+    assert _places(tuple(nodes), {"d", "a", "x"}) == [0, 4]
+    many = {f"n{i}" for i in range(10)} | {"c"}
+    assert _places(nodes, many) == [2]  # (more than a few gone: one pass)
+
+
 def test_an_evicted_straggler_waiting_first_does_not_start_the_clock_and_a_fit_node_makes_the_round():
     """B waits alone past READMIT_AFTER_S: nothing forms (one node). A joins: the clock starts only now, and C,
     fit again within it, makes the round with A; B stays out of the run."""

@@ -572,11 +572,11 @@ def _pending(job: pb.Job, view: JobView, now: float, policy: Policy) -> list[Act
             return []
         return [Commit(copied(job, reason=decision.reason), "job.pending", f"{job.id} waits: {decision.reason}")]
     generation = job.generation + 1
-    new = moved(job, STARTING, f"placed on {', '.join(decision.nodes)}", now, generation=generation,
+    new = moved(job, STARTING, f"placed on {named(decision.nodes)}", now, generation=generation,
                 started_unix_ns=int(now * 1e9), launched_generation=generation)
     with_nodes(new, decision.nodes, decision.spares)
-    spares = f"; spares {', '.join(decision.spares)}" if decision.spares else ""
-    return [Commit(new, "job.placed", f"{new.id} generation {generation} placed on {', '.join(decision.nodes)}"
+    spares = f"; spares {named(decision.spares)}" if decision.spares else ""
+    return [Commit(new, "job.placed", f"{new.id} generation {generation} placed on {named(decision.nodes)}"
                    f"{spares} ({len(decision.leaves)} leaf switches, lower bound {decision.lower_bound})"),
             Launch(job.id, generation)]
 
@@ -1358,8 +1358,8 @@ def _group_next_nodes(job: pb.Job, view: JobView, group: pb.ReplicaGroup) -> tup
 
     members = group_members(job, group.index)
     spares = [s for s in job.spares if usable(s)]
-    free = free_nodes(job, view, (view.members if view.members is not None else set(job.nodes)).union(
-        job.spares, job.evicted)) if view.fleet else []
+    free = free_nodes(job, view, (view.members if view.members is not None else set(job.nodes))
+                      | {*job.spares, *job.evicted}) if view.fleet else []
     leaf_of = view.topology.node_leaf if view.topology is not None else {}
     home = {leaf_of.get(n) for n in members if n not in group.bad}
 

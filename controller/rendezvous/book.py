@@ -285,7 +285,7 @@ def decide(run: Run, now: float, fit: Callable[[str], str] = lambda node: "",
         actions.append(Form(rnd.number, tuple(left_out)))
     elif (staying < s.min_nodes <= staying + len(evicted) and rnd.short_since is not None
           and now >= rnd.short_since + READMIT_AFTER_S):
-        back = {p.id for p in sorted(evicted, key=lambda p: p.seq)[:s.max_nodes - staying]}
+        back = {p.id for p in sorted(evicted, key=lambda p: p.seq)[:s.min_nodes - staying]}  # the fewest that do
         actions.append(Form(rnd.number, tuple(o for o in left_out if o[0] not in back), tuple(sorted(back))))
     return actions
 
@@ -311,11 +311,11 @@ def unfit(view: NodeView | None) -> str:
 def _timeout_message(run_id: str, rnd: Round, fit: Callable[[str], str] = lambda node: "") -> str:
     """Why the round did not form: too few joined, or too few of those who did may take part (and why not)."""
     s = rnd.settings
-    unfit_ones = {p.node: why for p in rnd.waiting.values() if (why := _unfit(p, fit))}
+    unfit_ones = [(p.node, why) for p in rnd.waiting.values() if (why := _unfit(p, fit))]
     joined = f"{len(rnd.waiting)} node(s) joined"
     if unfit_ones:
         joined += (f", {len(rnd.waiting) - len(unfit_ones)} of them fit to take part (left out: "
-                   + "; ".join(f"node {node}: {why}" for node, why in sorted(unfit_ones.items())) + ")")
+                   + "; ".join(f"node {node}: {why}" for node, why in sorted(dict(unfit_ones).items())) + ")")
     return (f"round {rnd.number} of rendezvous {run_id!r} did not form within the join timeout: {joined}, it needs "
             f"{s.min_nodes} (at most {s.max_nodes}); start the missing nodes with the same --rdzv-id, or lower "
             "--nnodes")
@@ -773,6 +773,8 @@ class RendezvousBook:
         times = [t for p in rnd.waiting.values() for t in (p.deadline, p.last_seen + LEASE_S)]
         if rnd.quorum_at is not None:
             times.append(max(rnd.quorum_at + rnd.settings.last_call_s, self._hold_until))
+        if rnd.short_since is not None:
+            times.append(max(rnd.short_since + READMIT_AFTER_S, self._hold_until))
         return min(times, default=None)
 
     def sweep(self, now: float) -> None:
