@@ -333,19 +333,14 @@ class SimJob:
         spares = set(self.job.spares)
         came = sorted(n for n in moved if n in self.members or n in spares)
         went = sorted(n for n in moved if n not in self.members and n not in spares)
-        views, held = self.views, self.candidates
-        for name in went:
-            if views.pop(name, None) is not None:
-                self.unwell.discard(name)
-        for name in came:
-            if name not in views:
-                self._view(name)
-        for name in went:
-            if held.pop(name, None) is not None:
-                self.unfit.discard(name)
-        for name in came:
-            if name not in held:
-                self._candidate(name)
+        for held, flagged, look in ((self.views, self.unwell, self._view),
+                                    (self.candidates, self.unfit, self._candidate)):
+            for name in went:
+                if held.pop(name, None) is not None:
+                    flagged.discard(name)
+            for name in came:
+                if name not in held:
+                    look(name)
 
     def respare(self, before: pb.Job) -> None:
         """Only the spares changed (held again, or released): their views alone."""
